@@ -1,1 +1,27 @@
-"""jfleet: PaddlePaddle Fleet's distributed-training API as SPMD on JAX and Flax NNX."""
+"""jfleet: PaddlePaddle Fleet's distributed-training API as SPMD on JAX and Flax NNX.
+
+Example:
+  >>> from jfleet import fleet
+  >>> strategy = fleet.DistributedStrategy()
+  >>> strategy.hybrid_configs = {"dp_degree": 2, "mp_degree": 4}
+  >>> _ = fleet.init(is_collective=True, strategy=strategy)
+  >>> dict(fleet.get_hybrid_communicate_group().mesh.shape)["mp"]
+  4
+"""
+
+from jfleet import fleet as fleet
+from jfleet.distributed_model import DistributedModel as DistributedModel
+from jfleet.distributed_model import group_sharded_parallel as group_sharded_parallel
+from jfleet.distributed_optimizer import DistributedOptimizer as DistributedOptimizer
+from jfleet.engine import make_eval_step as make_eval_step
+from jfleet.engine import make_train_step as make_train_step
+from jfleet.placement import ParallelPlan as ParallelPlan
+from jfleet.role_maker import PaddleCloudRoleMaker as PaddleCloudRoleMaker
+from jfleet.role_maker import Role as Role
+from jfleet.role_maker import UserDefinedRoleMaker as UserDefinedRoleMaker
+from jfleet.strategy import DistributedStrategy as DistributedStrategy
+from jfleet.topology import CommunicateTopology as CommunicateTopology
+from jfleet.topology import HybridCommunicateGroup as HybridCommunicateGroup
+from jfleet.topology import ParallelMode as ParallelMode
+
+__version__ = "0.1.0"

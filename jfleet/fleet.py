@@ -1,8 +1,408 @@
-"""Placeholder while the package is being laid out; replaced in this change."""
+"""The Fleet facade: ``fleet.init`` and the module-level functions Paddle users call.
 
-_STATE = None
+As in Paddle, ``jfleet.fleet`` is a module whose functions are bound to one
+process-wide :class:`Fleet` object, so a ported script reads the same::
+
+    from jfleet import fleet
+
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = {"dp_degree": 2, "pp_degree": 2, "mp_degree": 2}
+    fleet.init(is_collective=True, strategy=strategy)
+    hcg = fleet.get_hybrid_communicate_group()
+    mesh = hcg.mesh  # one jax.sharding.Mesh with axes (dp, pp, sharding, sep, mp)
+
+Rank answers are host answers: ``worker_index()`` is this process's index (what
+Paddle calls the trainer id); the coordinate of a device on a mesh axis comes from
+the :class:`~jfleet.topology.HybridCommunicateGroup` getters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+
+from jfleet import collective
+from jfleet._logging import logger, set_log_level
+from jfleet.distributed_model import DistributedModel, prepare_model
+from jfleet.distributed_optimizer import DistributedOptimizer
+from jfleet.fleet_util import UtilBase
+from jfleet.optim.compiler import compile_strategy
+from jfleet.placement import ParallelPlan
+from jfleet.role_maker import (
+    PaddleCloudRoleMaker,
+    Role,
+    RoleMakerBase,
+    UserDefinedRoleMaker,
+    initialize_distributed,
+)
+from jfleet.strategy import SPMD_NOOP_SETTINGS, DistributedStrategy
+from jfleet.topology import (
+    CommunicateTopology,
+    HybridCommunicateGroup,
+    ParallelMode,
+    build_hybrid_communicate_group,
+)
+
+__all__ = [
+    "CommunicateTopology",
+    "DistributedStrategy",
+    "Fleet",
+    "HybridCommunicateGroup",
+    "ParallelMode",
+    "PaddleCloudRoleMaker",
+    "Role",
+    "UserDefinedRoleMaker",
+    "all_reduce",
+    "barrier_worker",
+    "distributed_model",
+    "distributed_optimizer",
+    "get_loss_scaling",
+    "get_hybrid_communicate_group",
+    "get_hybrid_parallel_topology",
+    "init",
+    "is_first_worker",
+    "is_server",
+    "is_worker",
+    "local_device_ids",
+    "local_rank",
+    "node_num",
+    "rank",
+    "server_num",
+    "util",
+    "world_device_ids",
+    "world_size",
+    "worker_endpoints",
+    "worker_index",
+    "worker_num",
+]
 
 
-def _reset() -> None:
-    global _STATE
-    _STATE = None
+class Fleet:
+    """Process-wide state of a jfleet run: role maker, strategy and hybrid mesh.
+
+    Use the module-level functions of :mod:`jfleet.fleet`; they are this object's
+    bound methods.
+
+    Example:
+      >>> from jfleet import fleet
+      >>> _ = fleet.init(is_collective=True)
+      >>> fleet.worker_num()
+      1
+    """
+
+    def __init__(self) -> None:
+        self._reset()
+        self.util = UtilBase(self)
+
+    def _reset(self) -> None:
+        self._role_maker: RoleMakerBase | None = None
+        self._user_strategy: DistributedStrategy | None = None
+        self._hcg: HybridCommunicateGroup | None = None
+        self._optimizer: DistributedOptimizer | None = None
+
+    def _require_init(self, what: str) -> None:
+        if self._role_maker is None:
+            raise RuntimeError(
+                f"fleet.{what}() needs fleet.init() first; call "
+                "`fleet.init(is_collective=True, strategy=...)` at the start of the script."
+            )
+
+    # ----------------------------------------------------------------- init
+    def init(
+        self,
+        role_maker: RoleMakerBase | None = None,
+        is_collective: bool = True,
+        strategy: DistributedStrategy | None = None,
+        log_level: str | int = "INFO",
+    ) -> Fleet:
+        """Starts the processes (if several), and builds the one hybrid-parallel mesh.
+
+        Call it once at the top of a script, before any JAX computation when the run
+        has several processes (``jax.distributed.initialize`` must come first).
+        Calling it again in the same process (a notebook) rebuilds the mesh from
+        the new strategy; the process group stays as it was.
+
+        Args:
+          role_maker: where the process layout comes from; default
+            ``PaddleCloudRoleMaker(is_collective=True)``, which reads Paddle's
+            ``PADDLE_*`` and JAX's ``JAX_*`` variables (none set: one process).
+          is_collective: must be True; parameter-server mode is not available.
+          strategy: a :class:`DistributedStrategy`; default ``DistributedStrategy()``
+            (pure data parallel over every device).
+          log_level: level of the ``jfleet`` logger.
+
+        Returns:
+          The fleet object (the module functions act on it too).
+
+        Raises:
+          NotImplementedError: ``is_collective=False``.
+          TypeError: a role maker or strategy of the wrong type.
+          ValueError: degrees whose product is not the device count, and the role
+            makers' errors for contradictory process settings.
+        """
+        set_log_level(log_level)
+        if not isinstance(is_collective, bool):
+            raise TypeError(
+                f"is_collective={is_collective!r} ({type(is_collective).__name__}) must be a bool."
+            )
+        if not is_collective:
+            raise NotImplementedError(
+                "fleet.init(is_collective=False) asks for parameter-server mode, which jfleet "
+                "does not provide yet; use is_collective=True (collective SPMD training)."
+            )
+        if role_maker is None:
+            role_maker = PaddleCloudRoleMaker(is_collective=True)
+        elif not isinstance(role_maker, RoleMakerBase):
+            raise TypeError(
+                f"role_maker={role_maker!r} ({type(role_maker).__name__}) is not a role maker; "
+                "pass PaddleCloudRoleMaker(...) or UserDefinedRoleMaker(...)."
+            )
+        if strategy is None:
+            strategy = DistributedStrategy()
+        elif not isinstance(strategy, DistributedStrategy):
+            raise TypeError(
+                f"strategy={strategy!r} ({type(strategy).__name__}) is not a "
+                "DistributedStrategy; build one with fleet.DistributedStrategy()."
+            )
+        if initialize_distributed(role_maker):
+            logger.info(
+                "jax.distributed initialised: process %d of %d",
+                jax.process_index(),
+                jax.process_count(),
+            )
+        hcg = build_hybrid_communicate_group(strategy.hybrid_configs)
+        self._role_maker = role_maker
+        self._user_strategy = strategy
+        self._hcg = hcg
+        ignored = strategy.spmd_noop_settings()
+        if ignored:
+            logger.info(
+                "these settings mean nothing under SPMD and are ignored: %s",
+                "; ".join(f"{name} ({_noop_reason(name)})" for name in ignored),
+            )
+        logger.info(
+            "fleet initialised: %d process(es), %d devices, mesh %s",
+            self.worker_num(),
+            jax.device_count(),
+            dict(hcg.mesh.shape),
+        )
+        return self
+
+    # ------------------------------------------------------------ processes
+    def worker_index(self) -> int:
+        """This process's index among the workers (Paddle's trainer id)."""
+        self._require_init("worker_index")
+        return self._role_maker.worker_index()
+
+    rank = worker_index
+
+    def worker_num(self) -> int:
+        """The number of worker processes."""
+        self._require_init("worker_num")
+        return self._role_maker.worker_num()
+
+    world_size = worker_num
+
+    def is_first_worker(self) -> bool:
+        """Whether this process is worker 0."""
+        self._require_init("is_first_worker")
+        return self._role_maker.is_first_worker()
+
+    def is_worker(self) -> bool:
+        """Always True in collective mode."""
+        self._require_init("is_worker")
+        return self._role_maker.is_worker()
+
+    def is_server(self) -> bool:
+        """Always False in collective mode (no parameter servers)."""
+        self._require_init("is_server")
+        return self._role_maker.is_server()
+
+    def server_num(self) -> int:
+        """0 in collective mode."""
+        self._require_init("server_num")
+        return self._role_maker.server_num()
+
+    def node_num(self) -> int:
+        """The number of distinct hosts among the worker endpoints."""
+        self._require_init("node_num")
+        return self._role_maker.node_num()
+
+    def local_rank(self) -> int:
+        """This process's index among the processes on its host."""
+        self._require_init("local_rank")
+        return self._role_maker.local_rank()
+
+    def local_device_ids(self) -> list[int]:
+        """Ids of the devices this process drives."""
+        self._require_init("local_device_ids")
+        return [d.id for d in jax.local_devices()]
+
+    def world_device_ids(self) -> list[int]:
+        """Ids of every device of the run, in Paddle rank order."""
+        self._require_init("world_device_ids")
+        return [d.id for d in jax.devices()]
+
+    def worker_endpoints(self, to_string: bool = False) -> list[str] | str:
+        """The workers' ``host:port`` endpoints (a comma-joined string if ``to_string``)."""
+        self._require_init("worker_endpoints")
+        endpoints = list(self._role_maker.worker_endpoints())
+        return ",".join(endpoints) if to_string else endpoints
+
+    def barrier_worker(self) -> None:
+        """Blocks until every worker process reaches this call."""
+        self._require_init("barrier_worker")
+        collective.barrier()
+
+    def all_reduce(self, value: Any, mode: str = "sum") -> Any:
+        """Reduces a host value across worker processes (``sum|mean|max|min``)."""
+        self._require_init("all_reduce")
+        return collective.all_reduce(value, mode)
+
+    # ------------------------------------------------------------- topology
+    def get_hybrid_communicate_group(self) -> HybridCommunicateGroup:
+        """The hybrid group: the mesh and Paddle's group and rank getters."""
+        self._require_init("get_hybrid_communicate_group")
+        return self._hcg
+
+    def get_hybrid_parallel_topology(self) -> CommunicateTopology:
+        """The :class:`CommunicateTopology` behind the hybrid group."""
+        self._require_init("get_hybrid_parallel_topology")
+        return self._hcg.topology()
+
+    # ------------------------------------------------------------- training
+    def distributed_optimizer(
+        self, optimizer: Any, strategy: DistributedStrategy | None = None
+    ) -> DistributedOptimizer:
+        """Wraps an optimizer in the meta-optimizers the strategy asks for.
+
+        Args:
+          optimizer: an ``optax.GradientTransformation`` or an ``nnx.Optimizer``
+            (its transform and ``wrt`` are taken; its state is made anew).
+          strategy: overrides the strategy given to :meth:`init` for the
+            optimizer (logged, as in Paddle); its hybrid degrees cannot change the
+            mesh built at ``init``.
+
+        Returns:
+          A :class:`~jfleet.distributed_optimizer.DistributedOptimizer`, bound to
+          a model on first use. ``applied_meta_list`` says what was applied.
+
+        Raises:
+          TypeError: not an optimizer. ValueError / NotImplementedError: see
+          :func:`jfleet.optim.compiler.compile_strategy`.
+        """
+        self._require_init("distributed_optimizer")
+        if strategy is not None:
+            if not isinstance(strategy, DistributedStrategy):
+                raise TypeError(
+                    f"strategy={strategy!r} ({type(strategy).__name__}) is not a "
+                    "DistributedStrategy."
+                )
+            logger.info(
+                "fleet.distributed_optimizer got a strategy: it replaces the one given to "
+                "fleet.init (prefer passing it to fleet.init)"
+            )
+            if strategy.hybrid_configs != self._user_strategy.hybrid_configs:
+                logger.warning(
+                    "the hybrid_configs of the strategy given to distributed_optimizer differ "
+                    "from fleet.init's; the mesh stays as fleet.init built it"
+                )
+            self._user_strategy = strategy
+        wrt = nnx.Param
+        if isinstance(optimizer, nnx.Optimizer):
+            wrt = optimizer.wrt
+            optimizer = optimizer.tx
+        if not isinstance(optimizer, optax.GradientTransformation):
+            raise TypeError(
+                f"optimizer={optimizer!r} ({type(optimizer).__name__}) is neither an optax "
+                "GradientTransformation nor an nnx.Optimizer; pass e.g. optax.adam(1e-3)."
+            )
+        compiled = compile_strategy(optimizer, self._user_strategy)
+        dist = DistributedOptimizer(
+            compiled.tx,
+            inner_tx=optimizer,
+            applied_meta_list=compiled.applied_meta_list,
+            has_loss_scaling=bool(compiled.amp and compiled.amp.loss_scaling),
+            wrt=wrt,
+        )
+        self._optimizer = dist
+        logger.info("meta-optimizers applied: %s", list(compiled.applied_meta_list) or "none")
+        return dist
+
+    def distributed_model(self, model: nnx.Module) -> DistributedModel:
+        """Places an NNX model for the strategy and wraps it for ``train_batch``.
+
+        Applies AMP (O1 compute dtypes / O2 half parameters) and recompute from
+        the strategy, then places parameters: replicated for data parallel,
+        ZeRO-3 sharded over the ``sharding`` axis, tensor-parallel layouts from
+        the parameters' ``out_sharding`` metadata.
+
+        Raises:
+          TypeError: not an ``nnx.Module``. NotImplementedError: pp_degree > 1
+          (pipelines need ``PipelineLayer``, not available yet).
+        """
+        self._require_init("distributed_model")
+        if self._hcg.get_pipe_parallel_world_size() > 1:
+            raise NotImplementedError(
+                f"pp_degree={self._hcg.get_pipe_parallel_world_size()}: pipeline parallel "
+                "needs PipelineLayer, which jfleet does not provide yet; set pp_degree=1."
+            )
+        return prepare_model(model, self._user_strategy, ParallelPlan.from_fleet())
+
+    def get_loss_scaling(self) -> float:
+        """The current fp16 loss scale of the last distributed optimizer."""
+        self._require_init("get_loss_scaling")
+        if self._optimizer is None or not self._optimizer.has_loss_scaling:
+            raise RuntimeError(
+                "no fp16 loss scaling is active: set strategy.amp=True with float16 "
+                "(amp_configs dtype 'float16' or use_pure_fp16) and build the optimizer with "
+                "fleet.distributed_optimizer."
+            )
+        return float(self._optimizer.loss_scale)
+
+    def _get_applied_meta_list(self) -> list[str]:
+        """Names of the meta-optimizers applied to the last distributed optimizer."""
+        if self._optimizer is None:
+            return []
+        return list(self._optimizer.applied_meta_list)
+
+    @property
+    def strategy(self) -> DistributedStrategy:
+        """The strategy given to :meth:`init` (a default one if none was)."""
+        self._require_init("strategy")
+        return self._user_strategy
+
+
+def _noop_reason(name: str) -> str:
+    return SPMD_NOOP_SETTINGS.get(name, "no effect under SPMD")
+
+
+_fleet = Fleet()
+
+init = _fleet.init
+worker_index = _fleet.worker_index
+rank = _fleet.rank
+worker_num = _fleet.worker_num
+world_size = _fleet.world_size
+is_first_worker = _fleet.is_first_worker
+is_worker = _fleet.is_worker
+is_server = _fleet.is_server
+server_num = _fleet.server_num
+node_num = _fleet.node_num
+local_rank = _fleet.local_rank
+local_device_ids = _fleet.local_device_ids
+world_device_ids = _fleet.world_device_ids
+worker_endpoints = _fleet.worker_endpoints
+barrier_worker = _fleet.barrier_worker
+all_reduce = _fleet.all_reduce
+get_hybrid_communicate_group = _fleet.get_hybrid_communicate_group
+get_hybrid_parallel_topology = _fleet.get_hybrid_parallel_topology
+distributed_optimizer = _fleet.distributed_optimizer
+distributed_model = _fleet.distributed_model
+get_loss_scaling = _fleet.get_loss_scaling
+_get_applied_meta_list = _fleet._get_applied_meta_list
+util = _fleet.util
+_reset = _fleet._reset

@@ -1,0 +1,1 @@
+"""Paddle Fleet meta-optimizers as Optax gradient transformations."""

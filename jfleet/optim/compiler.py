@@ -1,0 +1,191 @@
+"""The strategy compiler: one ``DistributedStrategy`` -> one Optax chain, in a fixed order.
+
+Paddle builds a graph of meta-optimizers from white and black lists and chains the
+longest path. jfleet keeps the result of that graph for the meta-optimizers it
+provides and writes the order down once (outermost first)::
+
+    ShardingOptimizer        placement only (ZeRO stage 1/2/3 over the sharding axis)
+    MasterWeights (O2)       fp32 master copy of half-precision parameters
+    GradientMergeOptimizer   optax.MultiSteps semantics: move every k-th call
+    AMPOptimizer             dynamic loss scaling: unscale, skip non-finite steps
+    RecomputeOptimizer       model side only (jax.checkpoint on named sub-modules)
+    LambOptimizer | LarsOptimizer   replace the user's Adam / Momentum
+    the user's optimizer
+
+GradientMerge wraps AMP as in Paddle, so the loss scale stays fixed while
+micro-batches accumulate and a merged step with a non-finite gradient is skipped
+whole; the master weights sit outside both, so merged gradients accumulate in fp32.
+
+Combinations Paddle forbids are errors naming both switches (``lamb`` with
+``lars``, ``dgc`` with ``amp`` or ``fp16_allreduce``, ``localsgd`` with
+``adaptive_localsgd``); meta-optimizers jfleet does not provide yet (``dgc``,
+``localsgd``, ``adaptive_localsgd``, ``fp16_allreduce``) are errors too, never
+silently dropped.
+
+Example:
+  >>> import optax
+  >>> from jfleet import DistributedStrategy
+  >>> from jfleet.optim.compiler import compile_strategy
+  >>> s = DistributedStrategy()
+  >>> s.gradient_merge = True
+  >>> s.gradient_merge_configs = {"k_steps": 4}
+  >>> compile_strategy(optax.sgd(0.1), s).applied_meta_list
+  ('GradientMergeOptimizer',)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import optax
+
+from jfleet._logging import logger
+
+# Pairs Paddle's meta-optimizer black lists forbid.
+_CONFLICTS = (
+    ("lamb", "lars", "LAMB and LARS both replace the inner optimizer; pick one"),
+    ("dgc", "amp", "Paddle's AMP meta-optimizer black-lists DGC"),
+    ("dgc", "fp16_allreduce", "Paddle's FP16AllReduce meta-optimizer black-lists DGC"),
+    ("localsgd", "adaptive_localsgd", "LocalSGD and AdaptiveLocalSGD black-list each other"),
+)
+_NOT_YET = ("dgc", "localsgd", "adaptive_localsgd", "fp16_allreduce")
+
+#: The documented order of meta-optimizers, outermost first.
+META_ORDER = (
+    "ShardingOptimizer",
+    "GradientMergeOptimizer",
+    "AMPOptimizer",
+    "RecomputeOptimizer",
+    "LambOptimizer",
+    "LarsOptimizer",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class AmpSettings:
+    """What ``strategy.amp`` asks for: compute dtype, O-level, loss scaling on/off."""
+
+    dtype: str
+    level: str
+    loss_scaling: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledChain:
+    """The compiled optimizer: the chain, the applied meta-optimizers, the AMP settings."""
+
+    tx: optax.GradientTransformation
+    applied_meta_list: tuple[str, ...]
+    amp: AmpSettings | None
+
+
+def amp_settings(strategy: Any) -> AmpSettings | None:
+    """The AMP settings of a strategy (None when ``strategy.amp`` is off).
+
+    O2 comes from ``use_pure_fp16`` / ``use_pure_bf16`` (Paddle); O1's dtype from
+    ``amp_configs['dtype']`` (a jfleet key, default ``"float16"``). Loss scaling is
+    used for float16 only; bfloat16 has fp32's range and needs none (Paddle
+    disables it for bf16 too).
+    """
+    if not strategy.amp:
+        return None
+    cfg = strategy.amp_configs
+    if cfg["use_pure_fp16"] and cfg["use_pure_bf16"]:
+        raise ValueError(
+            "amp_configs has use_pure_fp16=True and use_pure_bf16=True; O2 takes one dtype, "
+            "set only one of them."
+        )
+    if cfg["use_pure_fp16"]:
+        dtype, level = "float16", "O2"
+    elif cfg["use_pure_bf16"]:
+        dtype, level = "bfloat16", "O2"
+    else:
+        dtype, level = cfg["dtype"], "O1"
+    return AmpSettings(dtype=dtype, level=level, loss_scaling=dtype == "float16")
+
+
+def check_combinations(strategy: Any) -> None:
+    """Raises for switch pairs Paddle forbids and meta-optimizers jfleet lacks."""
+    for a, b, why in _CONFLICTS:
+        if getattr(strategy, a) and getattr(strategy, b):
+            raise ValueError(
+                f"strategy.{a}=True and strategy.{b}=True cannot be combined ({why}); "
+                f"turn one of them off."
+            )
+    for name in _NOT_YET:
+        if getattr(strategy, name):
+            raise NotImplementedError(
+                f"strategy.{name}=True: this meta-optimizer is not available in jfleet yet; "
+                f"set strategy.{name}=False."
+            )
+
+
+def compile_strategy(tx: optax.GradientTransformation, strategy: Any) -> CompiledChain:
+    """Builds the one Optax chain a strategy asks for around the user's optimizer.
+
+    Args:
+      tx: the user's optimizer.
+      strategy: a ``DistributedStrategy``.
+
+    Returns:
+      A :class:`CompiledChain` (``tx``, ``applied_meta_list`` in META_ORDER, ``amp``).
+
+    Raises:
+      ValueError: forbidden combinations (naming both switches), LAMB without an
+        Adam-family optimizer, LARS without a momentum one, bad config values.
+      NotImplementedError: meta-optimizers jfleet does not provide yet.
+    """
+    from jfleet.optim.gradient_merge import gradient_merge
+    from jfleet.optim.lamb_lars import lamb_from, lars_from
+    from jfleet.optim.loss_scale import dynamic_loss_scaling
+    from jfleet.optim.master_weights import master_weights
+
+    check_combinations(strategy)
+    applied: list[str] = []
+    if strategy.lamb:
+        cfg = strategy.lamb_configs
+        tx = lamb_from(
+            tx,
+            lamb_weight_decay=cfg["lamb_weight_decay"],
+            exclude_from_weight_decay=tuple(cfg["exclude_from_weight_decay"]),
+        )
+        applied.append("LambOptimizer")
+    if strategy.lars:
+        cfg = strategy.lars_configs
+        tx = lars_from(
+            tx,
+            lars_coeff=cfg["lars_coeff"],
+            lars_weight_decay=cfg["lars_weight_decay"],
+            epsilon=cfg["epsilon"],
+            exclude_from_weight_decay=tuple(cfg["exclude_from_weight_decay"]),
+        )
+        applied.append("LarsOptimizer")
+    if strategy.recompute:
+        applied.append("RecomputeOptimizer")
+    amp = amp_settings(strategy)
+    if amp is not None:
+        if amp.loss_scaling:
+            cfg = strategy.amp_configs
+            tx = dynamic_loss_scaling(
+                tx,
+                init_loss_scaling=cfg["init_loss_scaling"],
+                incr_every_n_steps=cfg["incr_every_n_steps"],
+                decr_every_n_nan_or_inf=cfg["decr_every_n_nan_or_inf"],
+                incr_ratio=cfg["incr_ratio"],
+                decr_ratio=cfg["decr_ratio"],
+                use_dynamic_loss_scaling=cfg["use_dynamic_loss_scaling"],
+            )
+        else:
+            logger.info("AMP with %s: no loss scaling (it has fp32's range)", amp.dtype)
+        applied.append("AMPOptimizer")
+    if strategy.gradient_merge:
+        cfg = strategy.gradient_merge_configs
+        tx = gradient_merge(tx, k_steps=cfg["k_steps"], avg=cfg["avg"])
+        applied.append("GradientMergeOptimizer")
+    if amp is not None and amp.level == "O2":
+        tx = master_weights(tx)
+    if strategy.sharding or strategy.hybrid_configs["sharding_degree"] > 1:
+        applied.append("ShardingOptimizer")
+    applied.sort(key=META_ORDER.index)
+    return CompiledChain(tx=tx, applied_meta_list=tuple(applied), amp=amp)

@@ -1,0 +1,201 @@
+"""Where a run's arrays live: the parallel plan, parameter specs, ZeRO specs, batches.
+
+The :class:`ParallelPlan` is the engine's view of a strategy: the mesh, the axes a
+batch is split over, and which ZeRO stage shards what over which axis. Everything
+that places an array (``distributed_model``, the engine, ``group_sharded_parallel``)
+asks this module, so there is one rule for each placement.
+
+Example:
+  >>> import jax
+  >>> from jfleet import fleet
+  >>> from jfleet.placement import ParallelPlan
+  >>> _ = fleet.init(is_collective=True)
+  >>> plan = ParallelPlan.from_fleet()
+  >>> plan.data_parallel_size == jax.device_count()
+  True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jfleet._logging import logger
+
+#: Mesh axes a batch is split over, outermost first.
+DATA_AXES = ("dp", "sharding")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelPlan:
+    """The parallel layout the engine compiles a step for.
+
+    Attributes:
+      mesh: the one hybrid mesh (``fleet.get_hybrid_communicate_group().mesh``).
+      zero_stage: 0 (none), 1 (optimizer state sharded), 2 (also gradients) or 3
+        (also parameters).
+      zero_axis: the mesh axis ZeRO shards over: ``"sharding"`` (Paddle's
+        sharding group) or ``"dp"`` (``group_sharded_parallel`` without a sharding
+        axis).
+    """
+
+    mesh: Mesh
+    zero_stage: int = 0
+    zero_axis: str = "sharding"
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage={self.zero_stage!r} must be 0, 1, 2 or 3.")
+        if self.zero_axis not in self.mesh.axis_names:
+            raise ValueError(
+                f"zero_axis={self.zero_axis!r} is not a mesh axis; axes: {self.mesh.axis_names}."
+            )
+
+    @classmethod
+    def from_fleet(cls) -> ParallelPlan:
+        """The plan for the strategy given to ``fleet.init``."""
+        from jfleet import fleet
+
+        hcg = fleet.get_hybrid_communicate_group()
+        strategy = fleet._fleet.strategy
+        degree = hcg.get_sharding_parallel_world_size()
+        stage = int(strategy.sharding_configs["stage"]) if degree > 1 else 0
+        if strategy.sharding and degree == 1:
+            raise ValueError(
+                "strategy.sharding=True but hybrid_configs['sharding_degree']=1: there is no "
+                "sharding axis to shard over; set hybrid_configs={'sharding_degree': N}."
+            )
+        return cls(mesh=hcg.mesh, zero_stage=stage)
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The mesh axes the batch dimension is split over."""
+        return tuple(a for a in DATA_AXES if a in self.mesh.axis_names)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many ways a batch is split (dp x sharding)."""
+        return math.prod(self.mesh.shape[a] for a in self.data_axes)
+
+    @property
+    def zero_degree(self) -> int:
+        """The size of the ZeRO axis (1 when ZeRO is off)."""
+        return self.mesh.shape[self.zero_axis] if self.zero_stage else 1
+
+    def named(self, spec: P) -> NamedSharding:
+        """A ``NamedSharding`` on this plan's mesh."""
+        return NamedSharding(self.mesh, spec)
+
+    # -------------------------------------------------------------- params
+    def param_specs(self, params: nnx.State) -> Any:
+        """Each parameter's layout before ZeRO: its ``out_sharding`` metadata, else replicated."""
+        return nnx.get_partition_spec(params)
+
+    def zero_spec(self, spec: P, shape: tuple[int, ...]) -> P:
+        """``spec`` with the ZeRO axis added on one dimension, where one divides.
+
+        Picks the largest dimension not yet sharded whose size the ZeRO degree
+        divides; failing that, the largest sharded one whose size the product
+        divides (``('sharding', 'mp')``). A parameter with no such dimension stays
+        as it is (logged at DEBUG).
+        """
+        degree = self.mesh.shape[self.zero_axis]
+        if degree == 1 or not shape:
+            return spec
+        entries = list(spec) + [None] * (len(shape) - len(spec))
+        if any(self.zero_axis in _axes(e) for e in entries):
+            return spec
+        free = [d for d, e in enumerate(entries) if e is None and shape[d] % degree == 0]
+        if free:
+            d = max(free, key=lambda i: (shape[i], -i))
+            entries[d] = self.zero_axis
+            return P(*entries)
+        taken = [
+            d
+            for d, e in enumerate(entries)
+            if e is not None
+            and shape[d] % (degree * math.prod(self.mesh.shape[a] for a in _axes(e))) == 0
+        ]
+        if taken:
+            d = max(taken, key=lambda i: (shape[i], -i))
+            entries[d] = (self.zero_axis, *_axes(entries[d]))
+            return P(*entries)
+        logger.debug("ZeRO: shape %s has no dimension divisible by %d; replicated", shape, degree)
+        return spec
+
+    def param_shardings(self, params: nnx.State, *, zero: bool | None = None) -> Any:
+        """``NamedSharding`` per parameter; ZeRO-sharded when ``zero`` (default: stage 3)."""
+        if zero is None:
+            zero = self.zero_stage >= 3
+        specs = self.param_specs(params)
+
+        def one(spec: P, x: Any) -> NamedSharding:
+            return self.named(self.zero_spec(spec, np.shape(x)) if zero else spec)
+
+        return jax.tree.map(one, specs, params, is_leaf=lambda s: isinstance(s, P))
+
+    def place_params(self, model: nnx.Module) -> nnx.Module:
+        """Moves the model's parameters (and other variables) onto the mesh for this plan."""
+        params, rest = nnx.state(model, nnx.Param, ...)
+        params = jax.device_put(params, self.param_shardings(params))
+        rest_specs = nnx.get_partition_spec(rest)
+        rest = jax.device_put(
+            rest,
+            jax.tree.map(self.named, rest_specs, is_leaf=lambda s: isinstance(s, P)),
+        )
+        nnx.update(model, params, rest)
+        return model
+
+    # -------------------------------------------------------------- batches
+    def batch_sharding(self, ndim: int) -> NamedSharding:
+        """Split the leading (batch) dimension over the data axes, the rest replicated."""
+        if ndim == 0:
+            return self.named(P())
+        return self.named(P(self.data_axes))
+
+    def shard_batch(self, batch: Any) -> Any:
+        """Places a batch (a pytree of arrays) split over the data axes.
+
+        In a single process the arrays are the global batch; with several processes
+        each process passes its local part (``jax.make_array_from_process_local_data``).
+
+        Raises:
+          ValueError: a leading dimension the data-parallel size does not divide.
+        """
+        size = self.data_parallel_size
+        multi = jax.process_count() > 1
+
+        def one(path: Any, x: Any) -> jax.Array:
+            if isinstance(x, jax.Array) and not multi:
+                shape = x.shape
+            else:
+                x = np.asarray(x)
+                shape = x.shape
+            sharding = self.batch_sharding(len(shape))
+            if shape:
+                global_n = shape[0] * (jax.process_count() if multi else 1)
+                if global_n % size:
+                    name = jax.tree_util.keystr(path) or "batch"
+                    raise ValueError(
+                        f"{name} has batch size {global_n}, which the data-parallel size "
+                        f"{size} ({' x '.join(f'{a} {self.mesh.shape[a]}' for a in self.data_axes)}"
+                        f") does not divide; use a batch size that is a multiple of {size}."
+                    )
+            if multi:
+                return jax.make_array_from_process_local_data(sharding, x)
+            return jax.device_put(x, sharding)
+
+        return jax.tree_util.tree_map_with_path(one, batch)
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple | list) else (entry,)

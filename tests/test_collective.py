@@ -1,0 +1,123 @@
+"""Tests for jfleet/collective.py: single-process semantics and one real 2-process job."""
+
+from __future__ import annotations
+
+import socket
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jfleet.collective import all_gather, all_reduce, barrier, broadcast_one_to_all
+from tests.subprocess_util import run_many
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected", "kind"),
+    [("sum", 3, int), ("max", 3, int), ("min", 3, int), ("mean", 3.0, float)],
+)
+def test_all_reduce_python_int(mode, expected, kind):
+    out = all_reduce(3, mode)
+    assert out == expected and type(out) is kind
+
+
+def test_all_reduce_python_float_and_arrays():
+    assert all_reduce(0.1) == 0.1 and type(all_reduce(0.1)) is float
+    out = all_reduce(np.arange(4, dtype=np.float64), "mean")
+    assert isinstance(out, np.ndarray) and out.dtype == np.float64
+    np.testing.assert_array_equal(out, np.arange(4))
+    out = all_reduce(jnp.ones((2, 3), jnp.int32), "max")
+    assert isinstance(out, np.ndarray) and out.dtype == np.int32 and out.shape == (2, 3)
+    out = all_reduce(np.float32(2.5))
+    assert isinstance(out, np.float32) and out == 2.5
+
+
+def test_all_reduce_bad_mode():
+    with pytest.raises(ValueError, match="mode='prod'"):
+        all_reduce(1, "prod")
+
+
+def test_all_reduce_bad_value():
+    with pytest.raises(TypeError, match="str 'x'"):
+        all_reduce("x")
+
+
+def test_global_array_is_rejected_only_when_not_addressable():
+    # Single process: every array is fully addressable, so a sharded one is fine.
+    mesh = jax.make_mesh((8,), ("dp",))
+    x = jax.device_put(jnp.arange(8.0), jax.NamedSharding(mesh, jax.P("dp")))
+    np.testing.assert_array_equal(all_reduce(x), np.arange(8.0))
+
+
+def test_all_gather_and_broadcast_and_barrier():
+    assert all_gather(7) == [7]
+    (arr,) = all_gather(np.array([1, 2]))
+    np.testing.assert_array_equal(arr, [1, 2])
+    assert broadcast_one_to_all(42) == 42
+    with pytest.raises(ValueError, match="src=1"):
+        broadcast_one_to_all(1, src=1)
+    assert barrier() is None
+
+
+CHILD = """
+import jax
+jax.config.update("jax_num_cpu_devices", 4)
+import numpy as np
+from jfleet.collective import all_gather, all_reduce, barrier, broadcast_one_to_all
+from jfleet.role_maker import PaddleCloudRoleMaker, initialize_distributed
+
+rm = PaddleCloudRoleMaker()
+rank = rm.worker_index()
+assert initialize_distributed(rm) is True
+assert initialize_distributed(rm) is False  # already initialised, consistent
+assert len(jax.devices()) == 8 and len(jax.local_devices()) == 4
+assert jax.process_index() == rank and jax.process_count() == 2
+
+assert all_reduce(1) == 2 and type(all_reduce(1)) is int
+assert all_reduce(0.1 * (rank + 1)) == 0.1 + 0.2  # float64 travels exactly
+out = all_reduce(np.array([rank]), "max")
+assert isinstance(out, np.ndarray) and out.tolist() == [1], out
+assert all_reduce(np.array([rank, 5 - rank]), "min").tolist() == [0, 4]
+assert all_reduce(rank, "mean") == 0.5
+assert all_gather(rank) == [0, 1]
+shapes = [a.shape for a in all_gather(np.zeros(rank + 1))]
+assert shapes == [(1,), (2,)], shapes
+assert broadcast_one_to_all(100 + rank) == 100
+try:
+    all_reduce(np.zeros(rank + 1))
+except ValueError as e:
+    assert "same shape" in str(e)
+else:
+    raise AssertionError("mismatched shapes were accepted")
+barrier()
+barrier("second")
+print("CHILD_OK", rank)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_four_devices_each():
+    endpoints = [f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"]
+    envs = [
+        {
+            "PADDLE_TRAINER_ID": str(rank),
+            "PADDLE_TRAINERS_NUM": "2",
+            "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints),
+            "PADDLE_CURRENT_ENDPOINT": endpoints[rank],
+            "JFLEET_INIT_TIMEOUT": "30",
+            "JFLEET_HEARTBEAT_TIMEOUT": "10",
+        }
+        for rank in range(2)
+    ]
+    results = run_many([CHILD, CHILD], envs=envs, timeout=120)
+    for rank, result in enumerate(results):
+        assert result.returncode == 0, (
+            f"child {rank} rc={result.returncode}\n{result.stdout}\n{result.stderr[-4000:]}"
+        )
+        assert f"CHILD_OK {rank}" in result.stdout

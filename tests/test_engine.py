@@ -1,0 +1,264 @@
+"""The engine trains every mode exactly like the same computation on one device."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jfleet import DistributedStrategy, fleet, make_train_step
+from jfleet.amp import apply_amp
+from jfleet.models import TinyLM, lm_batches, lm_loss
+from jfleet.optim import hyperparams
+from jfleet.optim.compiler import amp_settings, compile_strategy
+from jfleet.optim.loss_scale import loss_scale_of
+from jfleet.recompute import apply_recompute
+
+STEPS = 4
+
+
+def make_strategy(hybrid: dict, **settings) -> DistributedStrategy:
+    strategy = DistributedStrategy()
+    strategy.hybrid_configs = hybrid
+    for name, value in settings.items():
+        setattr(strategy, name, value)
+    return strategy
+
+
+def reference_run(strategy, tx, batches, loss_fn=lm_loss):
+    """The same training on one device: plain nnx.jit, the same chain, no mesh."""
+    model = TinyLM()
+    amp = amp_settings(strategy)
+    if amp is not None:
+        apply_amp(
+            model,
+            dtype=amp.dtype,
+            level=amp.level,
+            custom_white_list=tuple(strategy.amp_configs["custom_white_list"]),
+            custom_black_list=tuple(strategy.amp_configs["custom_black_list"]),
+        )
+    if strategy.recompute:
+        apply_recompute(model, strategy.recompute_configs["checkpoints"])
+    compiled = compile_strategy(tx, strategy)
+    opt = nnx.Optimizer(model, compiled.tx, wrt=nnx.Param)
+    scaled = bool(amp and amp.loss_scaling)
+
+    @nnx.jit
+    def step(model, opt, batch):
+        scale = loss_scale_of(nnx.as_pure(opt.opt_state)) if scaled else 1.0
+
+        def objective(m):
+            loss = loss_fn(m, batch).astype(jnp.float32)
+            return loss * scale, loss
+
+        grads, loss = nnx.grad(objective, has_aux=True)(model)
+        opt.update(model, grads)
+        return loss
+
+    losses = [float(step(model, opt, jax.tree.map(jnp.asarray, b))) for b in batches]
+    return np.array(losses), nnx.state(model, nnx.Param)
+
+
+def fleet_run(strategy, tx, batches, loss_fn=lm_loss):
+    fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
+    model = fleet.distributed_model(TinyLM())
+    opt = fleet.distributed_optimizer(tx)
+    losses = [float(model.train_batch(b, opt, loss_fn=loss_fn)) for b in batches]
+    return np.array(losses), nnx.state(model.module, nnx.Param), model, opt
+
+
+def assert_params_close(got, want, rtol, atol):
+    got_leaves = jax.tree_util.tree_leaves_with_path(got)
+    want_leaves = jax.tree.leaves(want)
+    assert len(got_leaves) == len(want_leaves)
+    for (path, g), w in zip(got_leaves, want_leaves, strict=True):
+        assert g.dtype == w.dtype, jax.tree_util.keystr(path)
+        np.testing.assert_allclose(
+            np.asarray(g, np.float32),
+            np.asarray(w, np.float32),
+            rtol=rtol,
+            atol=atol,
+            err_msg=jax.tree_util.keystr(path),
+        )
+
+
+ADAM = lambda: optax.adam(1e-2)  # noqa: E731
+FP32 = dict(rtol=1e-5, atol=1e-6)
+# Half precision: both runs round activations to 8 (bf16) or 11 (fp16) mantissa bits,
+# but the sharded run reduces in another order, so results differ by a few units of the
+# half type's epsilon (bf16: 7.8e-3) after a few steps; parameters move by lr=1e-2 per
+# step, so 2e-2 relative on the loss and 5e-3 absolute on parameters still catches a
+# wrong scale, a skipped update or a missing cast, all of which move them by more.
+BF16 = dict(rtol=2e-2, atol=5e-3)
+FP16 = dict(rtol=5e-3, atol=1e-3)
+
+MODES = {
+    "dp8": ({"dp_degree": 8}, {}, ADAM, FP32),
+    "zero1": ({"dp_degree": 2, "sharding_degree": 4}, {"sharding_configs": {"stage": 1}}, ADAM, FP32),
+    "zero2": ({"dp_degree": 2, "sharding_degree": 4}, {"sharding_configs": {"stage": 2}}, ADAM, FP32),
+    "zero3": ({"dp_degree": 2, "sharding_degree": 4}, {"sharding_configs": {"stage": 3}}, ADAM, FP32),
+    "amp_bf16_o1": ({"dp_degree": 8}, {"amp": True, "amp_configs": {"dtype": "bfloat16"}}, ADAM, BF16),
+    "amp_bf16_o2": ({"dp_degree": 8}, {"amp": True, "amp_configs": {"use_pure_bf16": True}}, ADAM, BF16),
+    "amp_fp16_dynamic": ({"dp_degree": 8}, {"amp": True, "amp_configs": {"dtype": "float16"}}, ADAM, FP16),
+    "gradient_merge_k4": (
+        {"dp_degree": 8},
+        {"gradient_merge": True, "gradient_merge_configs": {"k_steps": 4, "avg": True}},
+        ADAM,
+        FP32,
+    ),
+    "lamb": ({"dp_degree": 8}, {"lamb": True}, lambda: hyperparams.adam(1e-2), FP32),
+    "lars": ({"dp_degree": 8}, {"lars": True}, lambda: hyperparams.momentum(1e-1), FP32),
+    "recompute": (
+        {"dp_degree": 4, "sharding_degree": 2},
+        {"recompute": True, "recompute_configs": {"checkpoints": ["Block"]}},
+        ADAM,
+        FP32,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_mode_matches_single_device(mode):
+    hybrid, settings, make_tx, tol = MODES[mode]
+    batches = lm_batches(STEPS if "merge" not in mode else 8)
+    want_losses, want_params = reference_run(make_strategy(hybrid, **settings), make_tx(), batches)
+    got_losses, got_params, model, _ = fleet_run(make_strategy(hybrid, **settings), make_tx(), batches)
+    np.testing.assert_allclose(got_losses, want_losses, rtol=tol["rtol"])
+    assert_params_close(got_params, want_params, **tol)
+    # the run really trained (a no-op engine would keep the initial parameters)
+    initial = nnx.state(TinyLM(), nnx.Param)
+    moved = max(
+        float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
+        for a, b in zip(jax.tree.leaves(got_params), jax.tree.leaves(initial), strict=True)
+    )
+    assert moved > 1e-3
+
+
+def test_gradient_merge_moves_params_every_kth_call_only():
+    strategy = make_strategy(
+        {"dp_degree": 8}, gradient_merge=True, gradient_merge_configs={"k_steps": 4}
+    )
+    fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
+    model = fleet.distributed_model(TinyLM())
+    opt = fleet.distributed_optimizer(optax.sgd(0.1))
+    before = jax.tree.map(np.asarray, nnx.state(model.module, nnx.Param))
+    changed = []
+    for batch in lm_batches(8):
+        model.train_batch(batch, opt, loss_fn=lm_loss)
+        now = jax.tree.map(np.asarray, nnx.state(model.module, nnx.Param))
+        changed.append(
+            any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(now), jax.tree.leaves(before)))
+        )
+        before = now
+    assert changed == [False, False, False, True] * 2
+
+
+def test_gradient_merge_equals_one_step_on_concatenated_batch():
+    parts = lm_batches(4, batch=8)
+    whole = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    merged = make_strategy(
+        {"dp_degree": 8}, gradient_merge=True, gradient_merge_configs={"k_steps": 4, "avg": True}
+    )
+    _, merged_params, _, _ = fleet_run(merged, optax.sgd(0.5), parts)
+    fleet._reset()
+    _, one_params, _, _ = fleet_run(make_strategy({"dp_degree": 8}), optax.sgd(0.5), [whole])
+    assert_params_close(merged_params, one_params, rtol=1e-5, atol=1e-6)
+
+
+def test_fp16_injected_inf_skips_step_and_follows_paddles_rule():
+    strategy = make_strategy(
+        {"dp_degree": 8},
+        amp=True,
+        amp_configs={"dtype": "float16", "incr_every_n_steps": 3, "decr_every_n_nan_or_inf": 2},
+    )
+    fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
+    model = fleet.distributed_model(TinyLM())
+    opt = fleet.distributed_optimizer(optax.adam(1e-2))
+
+    def loss_fn(m, batch):
+        return lm_loss(m, batch) * batch["poison"][0]
+
+    def batch(poison: float):
+        b = lm_batches(1)[0]
+        b["poison"] = np.full((16,), poison, np.float32)
+        return b
+
+    def snapshot():
+        return jax.tree.map(np.asarray, (nnx.state(model.module, nnx.Param), nnx.state(opt)))
+
+    model.train_batch(batch(1.0), opt, loss_fn=loss_fn)  # one finite step: good=1
+    assert fleet.get_loss_scaling() == 32768.0
+    before = snapshot()
+    model.train_batch(batch(np.inf), opt, loss_fn=loss_fn)
+    after = snapshot()
+    params_b, opt_b = before
+    params_a, opt_a = after
+    for a, b in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b), strict=True):
+        assert np.array_equal(a, b)  # bit-identical parameters
+    moments_b = [x for x in jax.tree.leaves(opt_b) if x.ndim > 0]
+    moments_a = [x for x in jax.tree.leaves(opt_a) if x.ndim > 0]
+    assert all(np.array_equal(a, b) for a, b in zip(moments_a, moments_b, strict=True))
+    assert fleet.get_loss_scaling() == 32768.0  # one bad step of two
+    model.train_batch(batch(np.nan), opt, loss_fn=loss_fn)
+    assert fleet.get_loss_scaling() == pytest.approx(32768.0 * 0.8)
+    for _ in range(3):
+        model.train_batch(batch(1.0), opt, loss_fn=loss_fn)
+    assert fleet.get_loss_scaling() == pytest.approx(32768.0 * 0.8 * 2.0)
+
+
+def test_make_train_step_is_the_same_step_as_train_batch():
+    batches = lm_batches(3)
+    strategy = make_strategy({"dp_degree": 8})
+    want, _, _, _ = fleet_run(strategy, optax.adam(1e-2), batches)
+    fleet._reset()
+    fleet.init(is_collective=True, strategy=make_strategy({"dp_degree": 8}), log_level="WARNING")
+    model = fleet.distributed_model(TinyLM())
+    opt = fleet.distributed_optimizer(optax.adam(1e-2))
+    step = make_train_step(lm_loss)
+    got = np.array([float(step(model, opt, b)) for b in batches])
+    np.testing.assert_array_equal(got, want)
+
+
+def test_users_own_nnx_jit_step_keeps_working():
+    fleet.init(
+        is_collective=True,
+        strategy=make_strategy({"dp_degree": 2, "sharding_degree": 4}, sharding_configs={"stage": 1}),
+        log_level="WARNING",
+    )
+    model = fleet.distributed_model(TinyLM())
+    opt = fleet.distributed_optimizer(optax.adam(1e-2)).init(model)
+    batches = lm_batches(3)
+
+    @nnx.jit
+    def step(model, opt, batch):
+        loss, grads = nnx.value_and_grad(lm_loss)(model, batch)
+        opt.update(model, grads)
+        return loss
+
+    got = [float(step(model, opt, jax.tree.map(jnp.asarray, b))) for b in batches]
+    want, _ = reference_run(make_strategy({"dp_degree": 8}), optax.adam(1e-2), batches)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_eval_batch_does_not_update():
+    fleet.init(is_collective=True, log_level="WARNING")
+    model = fleet.distributed_model(TinyLM())
+    batch = lm_batches(1)[0]
+    before = jax.tree.map(np.asarray, nnx.state(model.module))
+    loss = model.eval_batch(batch, loss_fn=lm_loss)
+    np.testing.assert_allclose(float(loss), float(lm_loss(TinyLM(), batch)), rtol=1e-5)
+    after = jax.tree.map(np.asarray, nnx.state(model.module))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before)))
+
+
+def test_aux_is_returned_and_loss_is_fp32():
+    fleet.init(is_collective=True, log_level="WARNING")
+    model = fleet.distributed_model(TinyLM())
+    opt = fleet.distributed_optimizer(optax.sgd(0.1))
+    step = make_train_step(lambda m, b: (lm_loss(m, b), {"n": b["tokens"].shape[0]}))
+    loss = step(model, opt, lm_batches(1)[0])
+    assert loss.dtype == jnp.float32
+    assert int(step.last_aux["n"]) == 16

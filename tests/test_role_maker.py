@@ -1,0 +1,294 @@
+"""Tests for jfleet/role_maker.py: environment parsing, layouts, validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from jfleet.role_maker import (
+    PaddleCloudRoleMaker,
+    Role,
+    UserDefinedRoleMaker,
+    initialize_distributed,
+)
+
+_VARS = (
+    "PADDLE_TRAINER_ID",
+    "PADDLE_TRAINERS_NUM",
+    "PADDLE_TRAINER_ENDPOINTS",
+    "PADDLE_CURRENT_ENDPOINT",
+    "PADDLE_MASTER",
+    "PADDLE_RANK_IN_NODE",
+    "PADDLE_TRAINING_ROLE",
+    "JAX_COORDINATOR_ADDRESS",
+    "JAX_NUM_PROCESSES",
+    "JAX_PROCESS_ID",
+    "JFLEET_INIT_TIMEOUT",
+    "JFLEET_HEARTBEAT_TIMEOUT",
+)
+
+FOUR = "10.0.0.1:6170,10.0.0.1:6171,10.0.0.2:6170,10.0.0.2:6171"
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """A clean process environment; returns a setter of variables."""
+    for name in _VARS:
+        monkeypatch.delenv(name, raising=False)
+
+    def set_env(**values):
+        for name, value in values.items():
+            monkeypatch.setenv(name, str(value))
+
+    return set_env
+
+
+def test_role_values():
+    assert [int(r) for r in Role] == [1, 2, 3, 4, 5]
+    assert Role.WORKER == 1 and Role.COORDINATOR == 5
+
+
+def test_no_variables_is_one_process(env, caplog):
+    caplog.set_level("DEBUG", logger="jfleet")
+    rm = PaddleCloudRoleMaker()
+    assert (rm.worker_index(), rm.worker_num(), rm.node_num(), rm.local_rank()) == (0, 1, 1, 0)
+    assert rm.is_worker() and not rm.is_server() and rm.is_first_worker()
+    assert rm.server_num() == 0
+    assert rm.worker_endpoints() == [] and rm.current_endpoint() == ""
+    assert rm.coordinator_address() is None
+    assert rm.is_collective and rm.role == Role.WORKER
+    assert "one process" in caplog.text
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2, 3])
+def test_four_endpoints_on_two_hosts(env, rank):
+    env(PADDLE_TRAINER_ID=rank, PADDLE_TRAINER_ENDPOINTS=FOUR)
+    rm = PaddleCloudRoleMaker()
+    endpoints = FOUR.split(",")
+    assert rm.worker_num() == 4 and rm.worker_index() == rank
+    assert rm.node_num() == 2
+    assert rm.local_rank() == rank % 2
+    assert rm.worker_endpoints() == endpoints
+    assert rm.current_endpoint() == endpoints[rank]
+    assert rm.coordinator_address() == endpoints[0]
+    assert rm.is_first_worker() == (rank == 0)
+
+
+def test_underscore_aliases(env):
+    env(
+        PADDLE_TRAINER_ID=2,
+        PADDLE_TRAINERS_NUM=4,
+        PADDLE_TRAINER_ENDPOINTS=FOUR,
+        PADDLE_CURRENT_ENDPOINT="10.0.0.2:6170",
+    )
+    rm = PaddleCloudRoleMaker()
+    assert rm._worker_index() == 2 and rm._worker_num() == 4
+    assert rm._is_worker() and not rm._is_server() and not rm._is_first_worker()
+    assert rm._server_num() == 0 and rm._node_num() == 2
+    assert rm._get_trainer_endpoints() == FOUR.split(",")
+    assert rm._get_current_endpoint() == "10.0.0.2:6170"
+
+
+def test_rank_in_node_and_master_override(env):
+    env(
+        PADDLE_TRAINER_ID=1,
+        PADDLE_TRAINER_ENDPOINTS="127.0.0.1:7000,127.0.0.1:7001",
+        PADDLE_RANK_IN_NODE=0,
+        PADDLE_MASTER="127.0.0.1:9999",
+    )
+    rm = PaddleCloudRoleMaker()
+    assert rm.local_rank() == 0
+    assert rm.coordinator_address() == "127.0.0.1:9999"
+
+
+def test_jax_variables_alone(env):
+    env(JAX_COORDINATOR_ADDRESS="10.0.0.1:1234", JAX_NUM_PROCESSES=3, JAX_PROCESS_ID=2)
+    rm = PaddleCloudRoleMaker()
+    assert (rm.worker_index(), rm.worker_num()) == (2, 3)
+    assert rm.coordinator_address() == "10.0.0.1:1234"
+    assert rm.worker_endpoints() == [] and rm.node_num() == 3 and rm.local_rank() == 0
+
+
+def test_agreeing_paddle_and_jax_variables(env):
+    env(
+        PADDLE_TRAINER_ID=1,
+        JAX_PROCESS_ID=1,
+        PADDLE_TRAINERS_NUM=2,
+        JAX_NUM_PROCESSES=2,
+        PADDLE_TRAINER_ENDPOINTS="h1:1,h2:2",
+        PADDLE_TRAINING_ROLE="TRAINER",
+    )
+    rm = PaddleCloudRoleMaker()
+    assert (rm.worker_index(), rm.worker_num(), rm.node_num(), rm.local_rank()) == (1, 2, 2, 0)
+
+
+def test_rank_from_current_endpoint(env):
+    env(PADDLE_TRAINER_ENDPOINTS=FOUR, PADDLE_CURRENT_ENDPOINT="10.0.0.2:6171")
+    assert PaddleCloudRoleMaker().worker_index() == 3
+
+
+def test_single_process_with_count_one(env):
+    env(PADDLE_TRAINERS_NUM=1)
+    rm = PaddleCloudRoleMaker()
+    assert (rm.worker_index(), rm.worker_num()) == (0, 1)
+
+
+def test_parameter_server_mode_is_not_available(env):
+    with pytest.raises(NotImplementedError, match="parameter-server mode"):
+        PaddleCloudRoleMaker(is_collective=False)
+    with pytest.raises(NotImplementedError, match="not available yet"):
+        UserDefinedRoleMaker(is_collective=False)
+
+
+def test_user_defined_role_maker():
+    rm = UserDefinedRoleMaker(current_id=3, role=Role.WORKER, worker_endpoints=FOUR.split(","))
+    assert (rm.worker_index(), rm.worker_num(), rm.node_num(), rm.local_rank()) == (3, 4, 2, 1)
+    assert rm.current_endpoint() == "10.0.0.2:6171"
+    assert rm.coordinator_address() == "10.0.0.1:6170"
+    rm = UserDefinedRoleMaker(worker_num=2, worker_endpoints="a:1,b:2", current_id=1)
+    assert rm.worker_num() == 2 and rm.node_num() == 2
+    rm = UserDefinedRoleMaker()
+    assert (rm.worker_index(), rm.worker_num()) == (0, 1)
+    rm = UserDefinedRoleMaker(current_id=1, worker_num=2, coordinator_address="10.1.1.1:80")
+    assert rm.coordinator_address() == "10.1.1.1:80"
+    assert "worker_num=2" in repr(rm)
+
+
+BAD_ENV = [
+    ({"PADDLE_TRAINER_ID": "2", "PADDLE_TRAINER_ENDPOINTS": "a:1,b:2"}, "PADDLE_TRAINER_ID=2"),
+    ({"PADDLE_TRAINER_ID": "-1", "PADDLE_TRAINERS_NUM": "1"}, "PADDLE_TRAINER_ID=-1"),
+    (
+        {
+            "PADDLE_TRAINER_ID": "0",
+            "PADDLE_TRAINERS_NUM": "3",
+            "PADDLE_TRAINER_ENDPOINTS": "a:1,b:2",
+        },
+        "PADDLE_TRAINERS_NUM=3 disagrees with the 2 endpoints",
+    ),
+    (
+        {"PADDLE_TRAINER_ID": "0", "PADDLE_TRAINERS_NUM": "2", "JAX_NUM_PROCESSES": "4"},
+        "PADDLE_TRAINERS_NUM='2' and JAX_NUM_PROCESSES='4' disagree",
+    ),
+    (
+        {"PADDLE_TRAINER_ID": "1", "JAX_PROCESS_ID": "0", "PADDLE_TRAINERS_NUM": "2"},
+        "PADDLE_TRAINER_ID='1' and JAX_PROCESS_ID='0' disagree",
+    ),
+    ({"PADDLE_TRAINER_ID": "1"}, "PADDLE_TRAINER_ID=1 is set but the number of processes"),
+    (
+        {"PADDLE_TRAINER_ID": "0", "PADDLE_TRAINERS_NUM": "2"},
+        "PADDLE_TRAINERS_NUM=2 but no coordinator",
+    ),
+    ({"PADDLE_TRAINERS_NUM": "2", "PADDLE_MASTER": "h:1"}, "PADDLE_TRAINER_ID is not set"),
+    ({"PADDLE_MASTER": "h:1"}, "PADDLE_MASTER='h:1' is set but the number of processes"),
+    (
+        {
+            "PADDLE_TRAINER_ID": "0",
+            "PADDLE_TRAINER_ENDPOINTS": "a:1,b:2",
+            "PADDLE_CURRENT_ENDPOINT": "c:3",
+        },
+        "PADDLE_CURRENT_ENDPOINT='c:3' is not among",
+    ),
+    (
+        {
+            "PADDLE_TRAINER_ID": "0",
+            "PADDLE_TRAINER_ENDPOINTS": "a:1,b:2",
+            "PADDLE_CURRENT_ENDPOINT": "b:2",
+        },
+        "PADDLE_CURRENT_ENDPOINT='b:2' is at position 1",
+    ),
+    (
+        {"PADDLE_TRAINER_ID": "0", "PADDLE_TRAINER_ENDPOINTS": "127.0.0.1,127.0.0.2:6170"},
+        "endpoint '127.0.0.1' has no port",
+    ),
+    (
+        {"PADDLE_TRAINER_ID": "0", "PADDLE_TRAINER_ENDPOINTS": "a:1,b:http"},
+        "endpoint 'b:http' has port 'http'",
+    ),
+    ({"PADDLE_TRAINER_ID": "0", "PADDLE_TRAINER_ENDPOINTS": "a:1,a:1"}, r"\['a:1'\] more than"),
+    ({"PADDLE_TRAINER_ID": "zero", "PADDLE_TRAINERS_NUM": "1"}, "PADDLE_TRAINER_ID='zero'"),
+    ({"PADDLE_TRAINERS_NUM": "two"}, "PADDLE_TRAINERS_NUM='two' is not an integer"),
+    ({"PADDLE_TRAINERS_NUM": "0"}, "PADDLE_TRAINERS_NUM=0"),
+    ({"PADDLE_TRAINING_ROLE": "PSERVER"}, "PADDLE_TRAINING_ROLE='PSERVER'"),
+    (
+        {"PADDLE_MASTER": "a:1", "JAX_COORDINATOR_ADDRESS": "b:2", "PADDLE_TRAINERS_NUM": "1"},
+        "PADDLE_MASTER='a:1' and JAX_COORDINATOR_ADDRESS='b:2' disagree",
+    ),
+    (
+        {"JAX_COORDINATOR_ADDRESS": "nohost", "JAX_NUM_PROCESSES": "2"},
+        "JAX_COORDINATOR_ADDRESS='nohost'",
+    ),
+    (
+        {
+            "PADDLE_TRAINER_ENDPOINTS": "a:1,b:2",
+            "PADDLE_TRAINER_ID": "1",
+            "PADDLE_RANK_IN_NODE": "5",
+        },
+        "PADDLE_RANK_IN_NODE=5",
+    ),
+]
+
+
+@pytest.mark.parametrize(("values", "message"), BAD_ENV, ids=[m[:40] for _, m in BAD_ENV])
+def test_bad_environment(env, values, message):
+    env(**values)
+    with pytest.raises(ValueError, match=message):
+        PaddleCloudRoleMaker()
+
+
+BAD_USER = [
+    ({"current_id": 2, "worker_num": 2, "worker_endpoints": ["a:1", "b:2"]}, "current_id=2"),
+    ({"current_id": 0, "worker_num": 3, "worker_endpoints": ["a:1", "b:2"]}, "worker_num=3"),
+    ({"current_id": 1, "worker_num": 2}, "worker_num=2 but no coordinator"),
+    ({"role": Role.SERVER}, "role=<Role.SERVER: 2>"),
+    ({"role": 9}, "role=9 is not a Role"),
+    ({"worker_num": -1}, "worker_num=-1"),
+    ({"current_id": -1}, "current_id=-1"),
+    ({"worker_endpoints": ["a:1", "b"]}, "endpoint 'b' has no port"),
+    ({"worker_endpoints": "a:1,b:99999"}, "port 99999"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), BAD_USER, ids=[m for _, m in BAD_USER])
+def test_bad_user_defined(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        UserDefinedRoleMaker(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"current_id": "1"}, "current_id='1'"),
+        ({"worker_num": 2.0}, "worker_num=2.0"),
+        ({"worker_endpoints": ["a:1", 5]}, "endpoint 5"),
+    ],
+)
+def test_bad_user_defined_types(kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        UserDefinedRoleMaker(**kwargs)
+
+
+def test_initialize_one_process_does_nothing(env):
+    assert initialize_distributed(PaddleCloudRoleMaker()) is False
+
+
+def test_initialize_after_backend_started_is_clear(env):
+    # conftest already started the 8-device backend in this process.
+    import jax
+
+    jax.devices()
+    rm = UserDefinedRoleMaker(current_id=0, worker_endpoints=["127.0.0.1:1", "127.0.0.1:2"])
+    with pytest.raises(RuntimeError, match=r"call fleet\.init before any JAX computation"):
+        initialize_distributed(rm, initialization_timeout=1, heartbeat_timeout_seconds=1)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"JFLEET_INIT_TIMEOUT": "soon"}, "JFLEET_INIT_TIMEOUT='soon'"),
+        ({"JFLEET_HEARTBEAT_TIMEOUT": "0"}, "JFLEET_HEARTBEAT_TIMEOUT=0"),
+    ],
+)
+def test_bad_timeouts(env, values, message):
+    env(**values)
+    rm = UserDefinedRoleMaker(current_id=0, worker_endpoints=["127.0.0.1:1", "127.0.0.1:2"])
+    with pytest.raises(ValueError, match=message):
+        initialize_distributed(rm)
