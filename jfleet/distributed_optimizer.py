@@ -105,8 +105,12 @@ class DistributedOptimizer(nnx.Optimizer):
                 return x
             return jax.device_put(x, replicated)
 
+        # The step donates model and optimizer buffers, so no buffer may appear twice
+        # (optax and inject_hyperparams can hand out one constant for several leaves).
+        taken = {_buffer(x) for x in jax.tree.leaves(nnx.state(model))}
+        state = jax.tree.map(lambda x: _own_buffer(on_mesh(x), taken), state)
         self.step = OptState(jax.device_put(jnp.array(0, dtype=jnp.uint32), replicated))
-        self.opt_state = nnx.data(jax.tree.map(on_mesh, state))
+        self.opt_state = nnx.data(state)
         self._param_paths = paths
         return self
 
@@ -125,6 +129,24 @@ class DistributedOptimizer(nnx.Optimizer):
         if not self.has_loss_scaling or not self.is_bound:
             return jnp.asarray(1.0, jnp.float32)
         return loss_scale_of(nnx.as_pure(self.opt_state))
+
+
+def _buffer(x: Any) -> int | None:
+    if not isinstance(x, jax.Array) or not x.addressable_shards:
+        return None
+    return x.addressable_shards[0].data.unsafe_buffer_pointer()
+
+
+def _own_buffer(x: Any, taken: set) -> Any:
+    """``x``, or a copy of it when its buffer is already in ``taken``; records the buffer."""
+    key = _buffer(x)
+    if key is None:
+        return x
+    if key in taken:
+        x = jnp.copy(x)
+        key = _buffer(x)
+    taken.add(key)
+    return x
 
 
 def _param_paths(params: nnx.State) -> tuple[str, ...]:

@@ -286,6 +286,9 @@ def lamb_from(
         lamb_weight_decay: LAMB's decay rate ``wd`` (``lamb_configs``), >= 0.
         exclude_from_weight_decay: name patterns; a parameter whose name ends with one
             gets ``wd = 0`` (and so, as in Paddle, no trust ratio unless ``always_adapt``).
+            ``"bias"`` matches ``"layers.0.linear.bias"``; ``"norm"`` does not match
+            ``"layers.0.norm.scale"`` (write ``"norm.scale"``). A pattern that matches no
+            parameter draws a warning at ``init``.
         param_names: optional pytree of ``str`` with one name per parameter leaf (same
             leaf order as the parameters), replacing :func:`parameter_names`.
         always_adapt: apply the trust ratio also where ``wd == 0`` (Paddle's
@@ -406,7 +409,8 @@ def lars_from(
         epsilon: added to the local learning rate's denominator, >= 0.
         exclude_from_weight_decay: name patterns; a parameter whose name contains one
             gets ``wd = 0``, which (as in Paddle) also turns off the LARS scaling: it takes
-            a plain momentum step.
+            a plain momentum step. A pattern that matches no parameter draws a warning at
+            ``init``.
         param_names: optional pytree of ``str`` with one name per parameter leaf,
             replacing :func:`parameter_names`.
 
