@@ -14,9 +14,9 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import jax  # noqa: E402
+import jax
 
-from jfleet import fleet  # noqa: E402
+from jfleet import fleet
 
 
 def main() -> None:

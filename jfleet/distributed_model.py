@@ -21,7 +21,8 @@ Example:
   >>> model = fleet.distributed_model(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
   >>> opt = fleet.distributed_optimizer(optax.sgd(0.1))
   >>> loss_fn = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
-  >>> loss = model.train_batch({"x": jnp.ones((8, 4)), "y": jnp.zeros((8, 2))}, opt, loss_fn=loss_fn)
+  >>> batch = {"x": jnp.ones((8, 4)), "y": jnp.zeros((8, 2))}
+  >>> loss = model.train_batch(batch, opt, loss_fn=loss_fn)
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ class UtilBase:
     def __init__(self, fleet: Fleet) -> None:
         self._fleet = fleet
 
-    def all_reduce(self, input: Any, mode: str = "sum", comm_world: str = "worker") -> Any:  # noqa: A002
+    def all_reduce(self, input: Any, mode: str = "sum", comm_world: str = "worker") -> Any:
         """Reduces ``input`` across worker processes; ``mode`` is sum, mean, max or min.
 
         ``comm_world`` is Paddle's group selector; only ``"worker"`` (and its
@@ -33,7 +33,7 @@ class UtilBase:
         self._check_world(comm_world, "all_reduce")
         return collective.all_reduce(input, mode)
 
-    def all_gather(self, input: Any, comm_world: str = "worker") -> list[Any]:  # noqa: A002
+    def all_gather(self, input: Any, comm_world: str = "worker") -> list[Any]:
         """Every worker's ``input``, in worker order."""
         self._check_world(comm_world, "all_gather")
         return collective.all_gather(input)

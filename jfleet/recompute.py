@@ -77,11 +77,7 @@ def apply_recompute(
     modules = [(p, m) for p, m in module_paths(model) if p]
     chosen: dict[int, nnx.Module] = {}
     for name in checkpoints:
-        hits = [
-            m
-            for p, m in modules
-            if fnmatch.fnmatchcase(p, name) or _class_name(m) == name
-        ]
+        hits = [m for p, m in modules if fnmatch.fnmatchcase(p, name) or _class_name(m) == name]
         if not hits:
             classes = sorted({_class_name(m) for _, m in modules})
             raise ValueError(

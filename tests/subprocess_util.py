@@ -75,7 +75,8 @@ def run_many(
         results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
     if timed_out:
         details = "\n".join(
-            f"--- child {i} rc={r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
+            f"--- child {i} rc={r.returncode}\n"
+            f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
             for i, r in enumerate(results)
         )
         raise AssertionError(f"subprocess(es) ran past the {timeout}s timeout\n{details}")

@@ -13,6 +13,7 @@ from jfleet import DistributedStrategy, fleet, make_train_step
 from jfleet.amp import apply_amp
 from jfleet.models import TinyLM, lm_batches, lm_loss
 from jfleet.optim import hyperparams
+from jfleet.optim.clip import clip_by_global_norm, global_norm
 from jfleet.optim.compiler import amp_settings, compile_strategy
 from jfleet.optim.loss_scale import loss_scale_of
 from jfleet.recompute import apply_recompute
@@ -101,14 +102,17 @@ FP32 = dict(rtol=1e-5, atol=1e-6)
 BF16 = dict(rtol=2e-2, atol=4e-3)
 FP16 = dict(rtol=2e-3, atol=5e-4)
 
+DP8 = {"dp_degree": 8}
+ZERO = {"dp_degree": 2, "sharding_degree": 4}
+
 MODES = {
-    "dp8": ({"dp_degree": 8}, {}, ADAM, FP32),
-    "zero1": ({"dp_degree": 2, "sharding_degree": 4}, {"sharding_configs": {"stage": 1}}, ADAM, FP32),
-    "zero2": ({"dp_degree": 2, "sharding_degree": 4}, {"sharding_configs": {"stage": 2}}, ADAM, FP32),
-    "zero3": ({"dp_degree": 2, "sharding_degree": 4}, {"sharding_configs": {"stage": 3}}, ADAM, FP32),
-    "amp_bf16_o1": ({"dp_degree": 8}, {"amp": True, "amp_configs": {"dtype": "bfloat16"}}, SGD, BF16),
-    "amp_bf16_o2": ({"dp_degree": 8}, {"amp": True, "amp_configs": {"use_pure_bf16": True}}, SGD, BF16),
-    "amp_fp16_dynamic": ({"dp_degree": 8}, {"amp": True, "amp_configs": {"dtype": "float16"}}, SGD, FP16),
+    "dp8": (DP8, {}, ADAM, FP32),
+    "zero1": (ZERO, {"sharding_configs": {"stage": 1}}, ADAM, FP32),
+    "zero2": (ZERO, {"sharding_configs": {"stage": 2}}, ADAM, FP32),
+    "zero3": (ZERO, {"sharding_configs": {"stage": 3}}, ADAM, FP32),
+    "amp_bf16_o1": (DP8, {"amp": True, "amp_configs": {"dtype": "bfloat16"}}, SGD, BF16),
+    "amp_bf16_o2": (DP8, {"amp": True, "amp_configs": {"use_pure_bf16": True}}, SGD, BF16),
+    "amp_fp16_dynamic": (DP8, {"amp": True, "amp_configs": {"dtype": "float16"}}, SGD, FP16),
     "gradient_merge_k4": (
         {"dp_degree": 8},
         {"gradient_merge": True, "gradient_merge_configs": {"k_steps": 4, "avg": True}},
@@ -117,6 +121,14 @@ MODES = {
     ),
     "lamb": ({"dp_degree": 8}, {"lamb": True}, lambda: hyperparams.adam(1e-2), FP32),
     "lars": ({"dp_degree": 8}, {"lars": True}, lambda: hyperparams.momentum(1e-1), FP32),
+    # the clip norm is far below the gradients' global norm (~1), so every step clips;
+    # a norm taken per shard instead of over the whole mesh would scale differently
+    "clip_global_norm_zero2": (
+        {"dp_degree": 2, "sharding_degree": 4},
+        {"sharding_configs": {"stage": 2}},
+        lambda: optax.chain(clip_by_global_norm(0.05), optax.sgd(0.5)),
+        FP32,
+    ),
     "recompute": (
         {"dp_degree": 4, "sharding_degree": 2},
         {"recompute": True, "recompute_configs": {"checkpoints": ["Block"]}},
@@ -131,7 +143,7 @@ def test_mode_matches_single_device(mode):
     hybrid, settings, make_tx, tol = MODES[mode]
     batches = lm_batches(STEPS if "merge" not in mode else 8)
     want_losses, want_params = reference_run(make_strategy(hybrid, **settings), make_tx(), batches)
-    got_losses, got_params, model, _ = fleet_run(make_strategy(hybrid, **settings), make_tx(), batches)
+    got_losses, got_params, _, _ = fleet_run(make_strategy(hybrid, **settings), make_tx(), batches)
     np.testing.assert_allclose(got_losses, want_losses, rtol=tol["rtol"])
     assert_params_close(got_params, want_params, **tol)
     # the run really trained (a no-op engine would keep the initial parameters)
@@ -156,7 +168,10 @@ def test_gradient_merge_moves_params_every_kth_call_only():
         model.train_batch(batch, opt, loss_fn=lm_loss)
         now = jax.tree.map(np.asarray, nnx.state(model.module, nnx.Param))
         changed.append(
-            any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(now), jax.tree.leaves(before)))
+            any(
+                not np.array_equal(a, b)
+                for a, b in zip(jax.tree.leaves(now), jax.tree.leaves(before), strict=True)
+            )
         )
         before = now
     assert changed == [False, False, False, True] * 2
@@ -231,7 +246,9 @@ def test_make_train_step_is_the_same_step_as_train_batch():
 def test_users_own_nnx_jit_step_keeps_working():
     fleet.init(
         is_collective=True,
-        strategy=make_strategy({"dp_degree": 2, "sharding_degree": 4}, sharding_configs={"stage": 1}),
+        strategy=make_strategy(
+            {"dp_degree": 2, "sharding_degree": 4}, sharding_configs={"stage": 1}
+        ),
         log_level="WARNING",
     )
     model = fleet.distributed_model(TinyLM())
@@ -257,7 +274,10 @@ def test_eval_batch_does_not_update():
     loss = model.eval_batch(batch, loss_fn=lm_loss)
     np.testing.assert_allclose(float(loss), float(lm_loss(TinyLM(), batch)), rtol=1e-5)
     after = jax.tree.map(np.asarray, nnx.state(model.module))
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before)))
+    assert all(
+        np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before), strict=True)
+    )
 
 
 def test_aux_is_returned_and_loss_is_fp32():
@@ -268,3 +288,9 @@ def test_aux_is_returned_and_loss_is_fp32():
     loss = step(model, opt, lm_batches(1)[0])
     assert loss.dtype == jnp.float32
     assert int(step.last_aux["n"]) == 16
+
+
+def test_clip_norm_in_the_clip_mode_is_really_exceeded():
+    model = TinyLM()
+    grads = nnx.grad(lm_loss)(model, jax.tree.map(jnp.asarray, lm_batches(1)[0]))
+    assert float(global_norm(nnx.state(grads, nnx.Param))) > 4 * 0.05

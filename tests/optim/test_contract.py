@@ -23,7 +23,10 @@ from jfleet.optim.loss_scale import dynamic_loss_scaling
 from jfleet.optim.master_weights import master_weights
 
 TRANSFORMS = {
-    "loss_scale": (lambda: dynamic_loss_scaling(optax.adam(1e-2), init_loss_scaling=8.0), "float32"),
+    "loss_scale": (
+        lambda: dynamic_loss_scaling(optax.adam(1e-2), init_loss_scaling=8.0),
+        "float32",
+    ),
     "master_weights": (lambda: master_weights(optax.adam(1e-2)), "bfloat16"),
     "gradient_merge": (lambda: gradient_merge(optax.adam(1e-2), k_steps=2), "float32"),
     "lamb": (lambda: lamb_from(hyperparams.adam(1e-2)), "float32"),
@@ -45,7 +48,9 @@ def make_params(dtype: str):
         "bias": rng.normal(size=(4,)).astype(np.float32),
     }
     specs = {"w": P("x", None), "v": P(None, "y"), "bias": P()}
-    return {k: jax.device_put(jnp.asarray(v, dtype), NamedSharding(m, specs[k])) for k, v in raw.items()}
+    return {
+        k: jax.device_put(jnp.asarray(v, dtype), NamedSharding(m, specs[k])) for k, v in raw.items()
+    }
 
 
 def make_grads(params, seed):
@@ -56,9 +61,7 @@ def make_grads(params, seed):
 
 
 def shardings(state):
-    return [
-        (x.shape, x.sharding) for x in jax.tree.leaves(state) if isinstance(x, jax.Array)
-    ]
+    return [(x.shape, x.sharding) for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
 
 
 def assert_same_layout(a, b):
@@ -119,4 +122,6 @@ def test_composes_with_gradient_merge(name):
     want, _ = jax.jit(single.update)(mean, single.init(params), params)
     tol = 1e-5 if dtype == "float32" else 1e-2
     for a, b in zip(jax.tree.leaves(u2), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol * 1e-2)
+        np.testing.assert_allclose(
+            np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol * 1e-2
+        )
