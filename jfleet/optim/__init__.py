@@ -1,1 +1,19 @@
-"""Paddle Fleet meta-optimizers as Optax gradient transformations."""
+"""Paddle Fleet meta-optimizers as Optax gradient transformations.
+
+Example:
+  >>> import optax
+  >>> from jfleet import optim
+  >>> tx = optim.gradient_merge(optim.dynamic_loss_scaling(optax.adam(1e-3)), k_steps=4)
+"""
+
+from jfleet.optim.clip import ClipGradByGlobalNorm as ClipGradByGlobalNorm
+from jfleet.optim.clip import ClipGradByNorm as ClipGradByNorm
+from jfleet.optim.clip import ClipGradByValue as ClipGradByValue
+from jfleet.optim.clip import clip_by_global_norm as clip_by_global_norm
+from jfleet.optim.clip import global_norm as global_norm
+from jfleet.optim.gradient_merge import gradient_merge as gradient_merge
+from jfleet.optim.lamb_lars import lamb_from as lamb_from
+from jfleet.optim.lamb_lars import lars_from as lars_from
+from jfleet.optim.loss_scale import dynamic_loss_scaling as dynamic_loss_scaling
+from jfleet.optim.loss_scale import loss_scale_of as loss_scale_of
+from jfleet.optim.master_weights import master_weights as master_weights
