@@ -94,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"mesh axes: {dict(hcg.mesh.shape)} on {jax.device_count()} {jax.default_backend()} devices"
     )
+    zero = (
+        f"ZeRO stage {args.stage} over sharding {args.sharding}" if args.sharding > 1 else "no ZeRO"
+    )
+    print(f"strategy: dp {args.dp}, {zero}, amp {args.amp}")
 
     # 2. the model and the optimizer, wrapped by fleet
     model = fleet.distributed_model(TinyLM(vocab=VOCAB))

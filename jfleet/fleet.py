@@ -143,7 +143,6 @@ class Fleet:
           ValueError: degrees whose product is not the device count, and the role
             makers' errors for contradictory process settings.
         """
-        set_log_level(log_level)
         if not isinstance(is_collective, bool):
             raise TypeError(
                 f"is_collective={is_collective!r} ({type(is_collective).__name__}) must be a bool."
@@ -167,6 +166,7 @@ class Fleet:
                 f"strategy={strategy!r} ({type(strategy).__name__}) is not a "
                 "DistributedStrategy; build one with fleet.DistributedStrategy()."
             )
+        set_log_level(log_level)
         if initialize_distributed(role_maker):
             logger.info(
                 "jax.distributed initialised: process %d of %d",
@@ -177,6 +177,7 @@ class Fleet:
         self._role_maker = role_maker
         self._user_strategy = strategy
         self._hcg = hcg
+        self._optimizer = None
         ignored = strategy.spmd_noop_settings()
         if ignored:
             logger.info(
@@ -372,7 +373,11 @@ class Fleet:
     @property
     def strategy(self) -> DistributedStrategy:
         """The strategy given to :meth:`init` (a default one if none was)."""
-        self._require_init("strategy")
+        if self._role_maker is None:
+            raise RuntimeError(
+                "fleet.strategy needs fleet.init() first; call "
+                "`fleet.init(is_collective=True, strategy=...)` at the start of the script."
+            )
         return self._user_strategy
 
 

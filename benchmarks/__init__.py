@@ -1,0 +1,1 @@
+"""Benchmarks of jfleet (run as scripts: ``python benchmarks/zero_memory.py``)."""

@@ -1,0 +1,454 @@
+"""Count the collectives of a compiled XLA program, and their bytes, from its HLO text.
+
+``collectives(text)`` reads the optimised HLO that ``jax.jit(f).lower(...).compile().as_text()``
+prints and returns one :class:`Collective` per collective instruction, with
+
+  * ``weight``: how many times one run of the program executes it — 1 in the entry
+    computation, multiplied by ``known_trip_count`` for each enclosing ``while`` body;
+  * ``bytes``: the size of the full buffer it moves per execution (the larger of its
+    operands and its result: the array for an all-reduce, the input of a reduce-scatter,
+    the output of an all-gather);
+  * ``group_size``: the number of devices in each replica group, from any of XLA's
+    three spellings (explicit ``{{0,1},{2,3}}``, iota ``[2,4]<=[8]``, and
+    ``mesh[...] {'axis'}``).
+
+Asynchronous forms are counted once: ``all-reduce-start`` / ``-done`` (and the other
+``-start`` / ``-done`` pairs) at the start, with the result size taken from the matching
+done; a generic ``async-start`` by the collective inside the computation it wraps
+(``async-update`` and ``async-done`` are skipped).
+
+XLA:CPU has no pass that turns an all-reduce followed by a ``dynamic-slice`` of its result
+into a reduce-scatter (GPU and TPU run ``ReduceScatterCreator``), so a sharded gradient
+reduction appears on CPU as an all-reduce whose result is only sliced. ``sliced_bytes``
+reports the part of an all-reduce's result that is used only through ``dynamic-slice``:
+the bytes a GPU/TPU build would reduce-scatter instead.
+
+Example:
+  >>> text = '''
+  ... HloModule m, num_partitions=4
+  ... ENTRY %main (p: f32[8]) -> f32[8] {
+  ...   %p = f32[8]{0} parameter(0)
+  ...   ROOT %ar = f32[8]{0} all-reduce(%p), replica_groups=[1,4]<=[4], to_apply=%add
+  ... }
+  ... '''
+  >>> [(c.kind, c.bytes, c.group_size) for c in collectives(text)]
+  [('all-reduce', 32, 4)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Iterable
+
+#: The collective kinds reported, in table order.
+KINDS = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all")
+_EXTRA_KINDS = ("ragged-all-to-all", "collective-broadcast")
+_ALL_KINDS = KINDS + _EXTRA_KINDS
+
+_DTYPE_BITS = {
+    "pred": 8,
+    "s2": 2,
+    "u2": 2,
+    "s4": 4,
+    "u4": 4,
+    "s8": 8,
+    "u8": 8,
+    "s16": 16,
+    "u16": 16,
+    "f16": 16,
+    "bf16": 16,
+    "s32": 32,
+    "u32": 32,
+    "f32": 32,
+    "s64": 64,
+    "u64": 64,
+    "f64": 64,
+    "c64": 64,
+    "c128": 128,
+}
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_HEADER = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_OPCODE = re.compile(r"\s*([\w\-]+)\(")
+_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+_CALLEES = re.compile(
+    r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
+)
+_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_PASS_THROUGH = ("bitcast", "copy", "reshape", "transpose")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction of a compiled program.
+
+    Attributes:
+      kind: one of :data:`KINDS` (or ``ragged-all-to-all`` / ``collective-broadcast``).
+      name: the instruction's name in the HLO text.
+      weight: executions per run of the program (product of enclosing trip counts).
+      bytes: bytes of the full buffer per execution (see the module docstring).
+      group_size: devices per replica group; None when the text does not say
+        (a collective-permute, or an empty group list in a module without
+        ``num_partitions``).
+      sliced_bytes: for an all-reduce, the bytes of its result used only through
+        ``dynamic-slice`` (a decomposed reduce-scatter); 0 otherwise.
+      trip_count_known: False when an enclosing while loop has no ``known_trip_count``
+        (the loop is then counted once).
+    """
+
+    kind: str
+    name: str
+    weight: int
+    bytes: int
+    group_size: int | None
+    sliced_bytes: int = 0
+    trip_count_known: bool = True
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes one device sends per execution with ring algorithms.
+
+        All-reduce ``2 (n-1)/n B``; reduce-scatter, all-gather and all-to-all
+        ``(n-1)/n B``; collective-permute and broadcast ``B``.
+        """
+        n = self.group_size
+        if self.kind in ("collective-permute", "collective-broadcast") or not n:
+            return float(self.bytes)
+        factor = 2.0 if self.kind == "all-reduce" else 1.0
+        return factor * (n - 1) / n * self.bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class KindSummary:
+    """Totals over one collective kind, weighted by executions per step."""
+
+    count: int
+    bytes: int
+    wire_bytes: float
+    sliced_bytes: int = 0
+
+
+@dataclasses.dataclass
+class _Instruction:
+    name: str
+    shape: str
+    opcode: str
+    operands: list[str]
+    args: str
+    attrs: str
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape string (arrays and tuples of arrays; tokens count 0).
+
+    >>> shape_bytes("(f32[32,64]{1,0}, bf16[8]{0}, s32[])")
+    8212
+    """
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        bits = _DTYPE_BITS.get(dtype)
+        if bits is None and dtype.startswith("f8"):
+            bits = 8
+        if bits is None:
+            continue
+        sizes = [int(d.replace("<=", "")) for d in dims.split(",") if d.strip()]
+        total += (math.prod(sizes) * bits + 7) // 8
+    return total
+
+
+def _split_shape(rest: str) -> tuple[str, str]:
+    """Splits ``'<shape> <opcode>(...)...'`` into the shape and the remainder."""
+    rest = rest.lstrip()
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            if ch == "(":
+                depth += 1
+            elif ch == ")":
+                depth -= 1
+                if depth == 0:
+                    return rest[: i + 1], rest[i + 1 :]
+        return rest, ""
+    head, _, tail = rest.partition(" ")
+    return head, " " + tail
+
+
+def _split_call(rest: str) -> tuple[str, list[str], str, str] | None:
+    """``' opcode(%a, %b), attrs'`` -> (opcode, operand names, argument text, attrs)."""
+    match = _OPCODE.match(rest)
+    if not match:
+        return None
+    start = match.end()
+    depth = 1
+    i = start
+    while i < len(rest) and depth:
+        if rest[i] == "(":
+            depth += 1
+        elif rest[i] == ")":
+            depth -= 1
+        i += 1
+    inside = rest[start : i - 1]
+    operands = re.findall(r"%([\w.\-]+)", inside)
+    return match.group(1), operands, inside, rest[i:]
+
+
+def _parse(text: str) -> tuple[dict[str, list[_Instruction]], str | None, int | None]:
+    """Computations (name -> instructions), the entry's name, and ``num_partitions``."""
+    computations: dict[str, list[_Instruction]] = {}
+    entry = None
+    partitions = None
+    current: list[_Instruction] | None = None
+    for line in text.splitlines():
+        if line.startswith("HloModule"):
+            found = re.search(r"num_partitions=(\d+)", line)
+            partitions = int(found.group(1)) if found else None
+            continue
+        stripped = line.strip()
+        if current is None:
+            header = _HEADER.match(line)
+            if header:
+                current = computations.setdefault(header.group(2), [])
+                if header.group(1):
+                    entry = header.group(2)
+            continue
+        if stripped == "}":
+            current = None
+            continue
+        found = _INSTRUCTION.match(line)
+        if not found:
+            continue
+        shape, rest = _split_shape(found.group(2))
+        call = _split_call(rest)
+        if call is None:
+            continue
+        opcode, operands, args, attrs = call
+        current.append(_Instruction(found.group(1), shape, opcode, operands, args, attrs))
+    return computations, entry, partitions
+
+
+def _group_size(attrs: str, partitions: int | None) -> int | None:
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]", attrs)
+    if mesh:
+        sizes = dict(
+            (name, int(size)) for name, size in re.findall(r"'([^']+)'\s*=\s*(\d+)", mesh.group(1))
+        )
+        axes = re.search(r"\{\s*('[^}]*)\}", attrs[mesh.end() :])
+        if axes is None:
+            return math.prod(sizes.values()) if sizes else partitions
+        return math.prod(sizes[a] for a in re.findall(r"'([^']+)'", axes.group(1)))
+    iota = re.search(r"replica_groups=\[([\d,]+)\]<=", attrs)
+    if iota:
+        return int(iota.group(1).split(",")[-1])
+    explicit = re.search(r"replica_groups=\{\{([^}]*)\}", attrs)
+    if explicit:
+        return len(explicit.group(1).split(","))
+    if "replica_groups={}" in attrs:
+        return partitions
+    return None
+
+
+def _callees(inst: _Instruction) -> list[tuple[str, str]]:
+    """(attribute, computation) pairs this instruction calls."""
+    out = [(attr, name) for attr, name in _CALLEES.findall(inst.attrs)]
+    for group in _BRANCHES.findall(inst.attrs):
+        out += [("branch", name) for name in re.findall(r"%?([\w.\-]+)", group)]
+    return out
+
+
+def _trip_count(inst: _Instruction) -> int | None:
+    found = _TRIP.search(inst.attrs)
+    if found:
+        return int(found.group(1))
+    config = re.search(r"backend_config=(\{.*\})", inst.attrs)
+    if config:
+        try:
+            n = json.loads(config.group(1)).get("known_trip_count", {}).get("n")
+        except (ValueError, AttributeError):
+            n = None
+        if n is not None:
+            return int(n)
+    return None
+
+
+def _kind(opcode: str) -> tuple[str | None, str]:
+    """(collective kind or None, '' | 'start' | 'done')."""
+    for suffix in ("-start", "-done"):
+        if opcode.endswith(suffix) and opcode[: -len(suffix)] in _ALL_KINDS:
+            return opcode[: -len(suffix)], suffix[1:]
+    return (opcode, "") if opcode in _ALL_KINDS else (None, "")
+
+
+class _Module:
+    def __init__(self, text: str) -> None:
+        self.computations, self.entry, self.partitions = _parse(text)
+        self.by_name: dict[str, dict[str, _Instruction]] = {
+            comp: {i.name: i for i in insts} for comp, insts in self.computations.items()
+        }
+        self.users: dict[str, dict[str, list[_Instruction]]] = {}
+        for comp, insts in self.computations.items():
+            table: dict[str, list[_Instruction]] = {}
+            for inst in insts:
+                for op in inst.operands:
+                    table.setdefault(op, []).append(inst)
+            self.users[comp] = table
+
+    def operand_bytes(self, comp: str, inst: _Instruction) -> int:
+        table = self.by_name[comp]
+        return sum(shape_bytes(table[op].shape) for op in inst.operands if op in table)
+
+    def only_sliced(self, comp: str, name: str, depth: int = 0) -> bool:
+        """Whether every use of value ``name`` reads it through a dynamic-slice.
+
+        Follows bitcasts, copies, reshapes and transposes, and parameters of fusions.
+        """
+        users = self.users[comp].get(name, [])
+        if not users or depth > 8:
+            return False
+        for user in users:
+            if user.opcode == "dynamic-slice":
+                if user.operands[0] != name:
+                    return False
+            elif user.opcode in _PASS_THROUGH:
+                if not self.only_sliced(comp, user.name, depth + 1):
+                    return False
+            elif user.opcode == "fusion":
+                callee = dict(_callees(user)).get("calls")
+                if callee not in self.computations:
+                    return False
+                for position, op in enumerate(user.operands):
+                    if op != name:
+                        continue
+                    param = self.parameters(callee).get(position)
+                    if param is None or not self.only_sliced(callee, param, depth + 1):
+                        return False
+            else:
+                return False
+        return True
+
+    def parameters(self, comp: str) -> dict[int, str]:
+        """Parameter number -> instruction name in a computation."""
+        return {
+            int(i.args.strip()): i.name
+            for i in self.computations[comp]
+            if i.opcode == "parameter" and i.args.strip().isdigit()
+        }
+
+    def sliced_bytes(self, comp: str, inst: _Instruction) -> int:
+        """Bytes of an all-reduce's result used only through dynamic-slice."""
+        elements = _tuple_elements(inst.shape)
+        if len(elements) == 1 and not inst.shape.lstrip().startswith("("):
+            return shape_bytes(inst.shape) if self.only_sliced(comp, inst.name) else 0
+        picks: dict[int, list[_Instruction]] = {}
+        for user in self.users[comp].get(inst.name, []):
+            found = re.search(r"\bindex=(\d+)", user.attrs)
+            if user.opcode != "get-tuple-element" or found is None:
+                return 0  # the tuple itself is used
+            picks.setdefault(int(found.group(1)), []).append(user)
+        total = 0
+        for index, element in enumerate(elements):
+            gtes = picks.get(index, [])
+            if gtes and all(self.only_sliced(comp, g.name) for g in gtes):
+                total += shape_bytes(element)
+        return total
+
+    def walk(self) -> list[Collective]:
+        out: list[Collective] = []
+        if self.entry is None:
+            return out
+        self._walk(self.entry, 1, True, out, set())
+        return out
+
+    def _walk(self, comp: str, weight: int, known: bool, out: list, stack: set) -> None:
+        if comp not in self.computations or comp in stack:
+            return
+        stack = stack | {comp}
+        for inst in self.computations[comp]:
+            kind, phase = _kind(inst.opcode)
+            if kind is not None and phase != "done":
+                out.append(self._collective(comp, inst, kind, phase, weight, known))
+            if phase == "done" or inst.opcode in ("async-update", "async-done"):
+                continue
+            trip = _trip_count(inst) if inst.opcode == "while" else None
+            for attr, callee in _callees(inst):
+                if inst.opcode == "while" and attr in ("body", "condition"):
+                    inner = (trip if trip is not None else 1) + (attr == "condition")
+                    self._walk(callee, weight * inner, known and trip is not None, out, stack)
+                else:
+                    self._walk(callee, weight, known, out, stack)
+
+    def _collective(self, comp, inst, kind, phase, weight, known) -> Collective:
+        operand_bytes = self.operand_bytes(comp, inst)
+        result = inst
+        if phase == "start":
+            done = [
+                u for u in self.users[comp].get(inst.name, []) if u.opcode == f"{kind}-done"
+            ]
+            result = done[0] if done else None
+        if result is not None:
+            result_bytes = shape_bytes(result.shape)
+        else:  # a start without its done: the largest element of the start's tuple
+            result_bytes = max((shape_bytes(e) for e in _tuple_elements(inst.shape)), default=0)
+        sliced = 0
+        if kind == "all-reduce" and result is not None:
+            sliced = self.sliced_bytes(comp, result)
+        return Collective(
+            kind=kind,
+            name=inst.name,
+            weight=weight,
+            bytes=max(operand_bytes, result_bytes),
+            group_size=_group_size(inst.attrs, self.partitions),
+            sliced_bytes=sliced,
+            trip_count_known=known,
+        )
+
+
+def _tuple_elements(shape: str) -> list[str]:
+    """Top-level elements of a tuple shape string (the shape itself if not a tuple)."""
+    shape = re.sub(r"/\*.*?\*/", "", shape.strip())
+    if not shape.startswith("("):
+        return [shape]
+    parts, depth, current = [], 0, ""
+    for ch in shape[1:-1]:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(current.strip())
+            current = ""
+        else:
+            current += ch
+    if current.strip():
+        parts.append(current.strip())
+    return parts
+
+
+def collectives(text: str) -> list[Collective]:
+    """Every collective reachable from the entry computation of an HLO module text."""
+    return _Module(text).walk()
+
+
+def summarize(items: Iterable[Collective] | str) -> dict[str, KindSummary]:
+    """Per-kind totals (count and bytes weighted by executions); every kind in :data:`KINDS`.
+
+    Accepts the HLO text itself or the list :func:`collectives` returned.
+    """
+    if isinstance(items, str):
+        items = collectives(items)
+    totals: dict[str, list] = {k: [0, 0, 0.0, 0] for k in KINDS}
+    for c in items:
+        t = totals.setdefault(c.kind, [0, 0, 0.0, 0])
+        t[0] += c.weight
+        t[1] += c.weight * c.bytes
+        t[2] += c.weight * c.wire_bytes
+        t[3] += c.weight * c.sliced_bytes
+    return {k: KindSummary(count=v[0], bytes=v[1], wire_bytes=v[2], sliced_bytes=v[3])
+            for k, v in totals.items()}
+
+
+def signature(text: str) -> dict[str, tuple[int, int]]:
+    """``{kind: (count, bytes)}`` for the kinds present: compare two programs' collectives."""
+    return {k: (s.count, s.bytes) for k, s in summarize(text).items() if s.count}

@@ -1,0 +1,106 @@
+"""The scripts in examples/ run as a user runs them and print what the README promises."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.subprocess_util import REPO_ROOT, child_env
+
+TIMEOUT = 240
+
+
+def run_example(script: str, *args: str) -> subprocess.CompletedProcess:
+    """Runs ``examples/<script>`` in a child interpreter (8 emulated CPU devices)."""
+    cmd = [sys.executable, str(REPO_ROOT / "examples" / script), *args]
+    try:
+        return subprocess.run(
+            cmd,
+            env=child_env(),
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
+    except subprocess.TimeoutExpired as err:
+        raise AssertionError(
+            f"{' '.join(cmd)} ran past {TIMEOUT}s\nstdout:\n{err.stdout}\nstderr:\n{err.stderr}"
+        ) from err
+
+
+def check_ok(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def test_hybrid_topology_prints_the_default_layout():
+    out = check_ok(run_example("hybrid_topology.py"))
+    assert "mesh axes: {'dp': 2, 'pp': 2, 'sharding': 1, 'sep': 1, 'mp': 2}" in out
+    assert "parallel mode:" in out
+    ranks = re.findall(r"^\s+(\d+)\s+\((\d+(?:, \d+)*)\)\s+\S", out, re.M)
+    assert [int(r) for r, _ in ranks] == list(range(8)), out
+    # coordinates in (dp, pp, sharding, sep, mp) order, mp innermost
+    assert ranks[1][1] == "0, 0, 0, 0, 1" and ranks[7][1] == "1, 1, 0, 0, 1", out
+    assert re.search(r"model groups: \[\[0, 1\], \[2, 3\], \[4, 5\], \[6, 7\]\]", out), out
+
+
+def test_hybrid_topology_takes_other_degrees():
+    out = check_ok(
+        run_example("hybrid_topology.py", "--dp", "1", "--pp", "1", "--mp", "4", "--sharding", "2")
+    )
+    assert "mesh axes: {'dp': 1, 'pp': 1, 'sharding': 2, 'sep': 1, 'mp': 4}" in out
+
+
+def parse_training(out: str) -> tuple[list[int], list[float], float, float, str]:
+    steps = re.findall(r"^step\s+(\d+)/\d+\s+loss (\d+\.\d+)$", out, re.M)
+    final = re.search(r"^first loss (\d+\.\d+)\s+final loss (\d+\.\d+)$", out, re.M)
+    meta = re.search(r"^applied meta-optimizers: (.*)$", out, re.M)
+    assert steps and final and meta, out
+    return (
+        [int(s) for s, _ in steps],
+        [float(v) for _, v in steps],
+        float(final.group(1)),
+        float(final.group(2)),
+        meta.group(1),
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "mesh", "meta"),
+    [
+        (
+            ["--steps", "10"],
+            "{'dp': 2, 'pp': 1, 'sharding': 4, 'sep': 1, 'mp': 1}",
+            "['ShardingOptimizer']",
+        ),
+        (
+            ["--steps", "6", "--log-every", "2", "--stage", "3", "--amp", "fp16"],
+            "{'dp': 2, 'pp': 1, 'sharding': 4, 'sep': 1, 'mp': 1}",
+            "['ShardingOptimizer', 'AMPOptimizer']",
+        ),
+        (
+            ["--steps", "6", "--dp", "8", "--sharding", "1", "--amp", "bf16"],
+            "{'dp': 8, 'pp': 1, 'sharding': 1, 'sep': 1, 'mp': 1}",
+            "['AMPOptimizer']",
+        ),
+    ],
+    ids=["zero2", "zero3-fp16", "dp8-bf16"],
+)
+def test_train_fleet_loss_decreases(args, mesh, meta):
+    out = check_ok(run_example("train_fleet.py", *args))
+    assert f"mesh axes: {mesh}" in out
+    steps, logged, first, final, applied = parse_training(out)
+    n = int(args[args.index("--steps") + 1])
+    assert steps[0] == 1 and steps[-1] == n, out
+    assert logged[0] == first and logged[-1] == final, out
+    assert final < 0.8 * first, out  # ln(64) ~ 4.16 falls fast on the stride task
+    assert applied == meta, out
+
+
+def test_train_fleet_rejects_degrees_that_do_not_fill_the_devices():
+    proc = run_example("train_fleet.py", "--dp", "3", "--sharding", "1", "--steps", "2")
+    assert proc.returncode != 0
+    assert "ValueError" in proc.stderr, proc.stderr
