@@ -1,0 +1,76 @@
+"""The mesh parallel layers live on, and the one way they constrain activations.
+
+Parallel layers are built after ``fleet.init`` (as in Paddle, where they need the
+model-parallel group): they take the fleet's hybrid mesh when constructed, create
+their parameters already sharded on it, and pin activations with
+``with_sharding_constraint`` to ``NamedSharding``\\ s on that mesh, so they work in
+the engine, in a user's own ``nnx.jit`` step and eagerly, with no mesh context.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from jfleet import fleet
+  >>> _ = fleet.init(is_collective=True)
+  >>> mesh = layer_mesh()
+  >>> x = constrain(jnp.ones((8, 4)), mesh, DATA, None)
+  >>> x.sharding.spec
+  P(('dp', 'sharding'), None)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+#: The batch axes (``dp`` x ``sharding``); use as a spec entry.
+DATA = ("dp", "sharding")
+#: The tensor-parallel axis.
+MP = "mp"
+
+
+def layer_mesh(mesh: Mesh | None = None) -> Mesh:
+    """``mesh`` if given, else the fleet's hybrid mesh.
+
+    Raises:
+      RuntimeError: no mesh given and ``fleet.init`` not called.
+    """
+    if mesh is not None:
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"mesh={mesh!r} is not a jax.sharding.Mesh.")
+        return mesh
+    from jfleet import fleet
+
+    if fleet._fleet._hcg is None:
+        raise RuntimeError(
+            "parallel layers are built on the fleet's mesh: call fleet.init(is_collective=True, "
+            "strategy=...) before constructing them (or pass mesh=...)."
+        )
+    return fleet._fleet._hcg.mesh
+
+
+def mp_degree(mesh: Mesh) -> int:
+    """The size of the ``mp`` axis (1 if the mesh has none)."""
+    return mesh.shape.get(MP, 1)
+
+
+def named(mesh: Mesh, *entries: Any) -> NamedSharding:
+    """``NamedSharding(mesh, P(*entries))`` with axes the mesh lacks dropped."""
+    return NamedSharding(mesh, P(*(_keep(mesh, e) for e in entries)))
+
+
+def constrain(x: jax.Array, mesh: Mesh, *entries: Any) -> jax.Array:
+    """Pins ``x`` to ``P(*entries)`` on ``mesh``; trailing dimensions stay unconstrained."""
+    entries = entries + (None,) * (x.ndim - len(entries))
+    return jax.lax.with_sharding_constraint(x, named(mesh, *entries))
+
+
+def _keep(mesh: Mesh, entry: Any) -> Any:
+    if entry is None or entry is P.UNCONSTRAINED:
+        return entry
+    axes = entry if isinstance(entry, tuple) else (entry,)
+    axes = tuple(a for a in axes if a in mesh.axis_names)
+    if not axes:
+        return None
+    return axes if len(axes) > 1 else axes[0]
