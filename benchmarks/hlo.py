@@ -383,9 +383,7 @@ class _Module:
         operand_bytes = self.operand_bytes(comp, inst)
         result = inst
         if phase == "start":
-            done = [
-                u for u in self.users[comp].get(inst.name, []) if u.opcode == f"{kind}-done"
-            ]
+            done = [u for u in self.users[comp].get(inst.name, []) if u.opcode == f"{kind}-done"]
             result = done[0] if done else None
         if result is not None:
             result_bytes = shape_bytes(result.shape)
@@ -445,8 +443,10 @@ def summarize(items: Iterable[Collective] | str) -> dict[str, KindSummary]:
         t[1] += c.weight * c.bytes
         t[2] += c.weight * c.wire_bytes
         t[3] += c.weight * c.sliced_bytes
-    return {k: KindSummary(count=v[0], bytes=v[1], wire_bytes=v[2], sliced_bytes=v[3])
-            for k, v in totals.items()}
+    return {
+        k: KindSummary(count=v[0], bytes=v[1], wire_bytes=v[2], sliced_bytes=v[3])
+        for k, v in totals.items()
+    }
 
 
 def signature(text: str) -> dict[str, tuple[int, int]]:

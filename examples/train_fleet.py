@@ -24,31 +24,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import jax
-import numpy as np
 import optax
 
 from jfleet import fleet
-from jfleet.models import TinyLM, lm_loss
+from jfleet.models import TinyLM, lm_loss, stride_batches
 
 VOCAB = 64
 AMP_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
-
-
-def stride_batches(
-    n: int, batch: int = 16, seq: int = 8, vocab: int = VOCAB, stride: int = 7, seed: int = 0
-) -> list[dict]:
-    """``n`` batches of sequences ``s, s+stride, s+2*stride, ... (mod vocab)`` from random ``s``.
-
-    The next token depends on the current one only, so the attention-free TinyLM can
-    learn it: the loss really drops, unlike on uniform random tokens.
-    """
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        start = rng.integers(0, vocab, size=(batch, 1))
-        tokens = ((start + stride * np.arange(seq + 1)) % vocab).astype(np.int32)
-        out.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]})
-    return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -59,3 +59,20 @@ def lm_batches(n: int, batch: int = 16, seq: int = 8, vocab: int = 64, seed: int
         tokens = rng.integers(0, vocab, size=(batch, seq + 1), dtype=np.int32)
         out.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]})
     return out
+
+
+def stride_batches(
+    n: int, batch: int = 16, seq: int = 8, vocab: int = 64, stride: int = 7, seed: int = 0
+) -> list[dict]:
+    """``n`` batches of sequences ``s, s+stride, s+2*stride, ... (mod vocab)`` from random ``s``.
+
+    The next token depends on the current one only, so even the attention-free
+    :class:`TinyLM` learns it and the loss really falls (unlike on :func:`lm_batches`).
+    """
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        start = rng.integers(0, vocab, size=(batch, 1))
+        tokens = ((start + stride * np.arange(seq + 1)) % vocab).astype(np.int32)
+        out.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]})
+    return out

@@ -1,0 +1,248 @@
+"""ParallelCrossEntropy equals the dense loss and never holds a token's full-vocabulary logits."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+from jfleet import fleet
+from jfleet.parallel.cross_entropy import ParallelCrossEntropy, parallel_cross_entropy
+from jfleet.parallel.mesh_context import DATA, MP, named
+
+IGNORE = -100
+CONFIGS = {
+    "mp4_dp2": {"dp_degree": 2, "mp_degree": 4},
+    "mp2_sharding2_dp2": {"dp_degree": 2, "mp_degree": 2, "sharding_degree": 2},
+    "mp1_dp8": {"dp_degree": 8},
+}
+
+
+def init_fleet(hybrid: dict) -> Mesh:
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = hybrid
+    fleet.init(is_collective=True, strategy=strategy)
+    return fleet.get_hybrid_communicate_group().mesh
+
+
+def make_batch(mesh: Mesh, shape=(8, 6, 64), dtype=jnp.float32, seed=0):
+    """Vocab-split logits, labels with a few ignored tokens, a random per-token weight."""
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    logits = (3.0 * jax.random.normal(k1, shape)).astype(dtype)
+    labels = jax.random.randint(k2, shape[:-1], 0, shape[-1])
+    labels = labels.at[0, :3].set(IGNORE).at[5, -1].set(IGNORE)
+    weight = jax.random.uniform(k3, shape[:-1], minval=0.5, maxval=1.5)
+    logits = jax.device_put(logits, named(mesh, DATA, None, MP))
+    labels = jax.device_put(labels, named(mesh, DATA, None))
+    return logits, labels, weight
+
+
+def dense_loss(logits, labels, ignore_index=IGNORE):
+    """The single-device reference: optax on fp32 logits, ignored tokens set to 0."""
+    keep = labels != ignore_index
+    loss = optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), jnp.where(keep, labels, 0)
+    )
+    return jnp.where(keep, loss, 0.0)
+
+
+@pytest.mark.parametrize("hybrid", CONFIGS.values(), ids=CONFIGS.keys())
+def test_loss_and_grad_equal_dense(hybrid):
+    mesh = init_fleet(hybrid)
+    logits, labels, weight = make_batch(mesh)
+    ce = ParallelCrossEntropy()
+
+    @jax.jit
+    def parallel(x, y):
+        return jax.value_and_grad(lambda x: (ce(x, y)[..., 0] * weight).sum())(x)
+
+    def reference(x, y):
+        return jax.value_and_grad(lambda x: (dense_loss(x, y) * weight).sum())(x)
+
+    loss = jax.jit(ce)(logits, labels)
+    assert loss.shape == (8, 6, 1) and loss.dtype == jnp.float32
+    np.testing.assert_allclose(loss[..., 0], dense_loss(logits, labels), rtol=1e-5, atol=1e-6)
+
+    total, grad = parallel(logits, labels)
+    ref_total, ref_grad = reference(np.asarray(logits), np.asarray(labels))
+    np.testing.assert_allclose(total, ref_total, rtol=1e-5)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-7)
+    assert grad.dtype == logits.dtype
+    assert grad.sharding.is_equivalent_to(logits.sharding, grad.ndim)
+
+    ignored = np.asarray(labels) == IGNORE
+    assert ignored.sum() == 4
+    assert np.all(np.asarray(loss)[ignored] == 0.0)
+    assert np.all(np.asarray(grad)[ignored] == 0.0)
+    assert np.all(np.abs(np.asarray(grad)[~ignored]).sum(-1) > 0)
+
+
+def test_eager_functional_and_labels_with_trailing_one():
+    init_fleet(CONFIGS["mp4_dp2"])
+    logits, labels, _ = make_batch(fleet.get_hybrid_communicate_group().mesh)
+    loss = parallel_cross_entropy(logits, labels)
+    np.testing.assert_allclose(loss[..., 0], dense_loss(logits, labels), rtol=1e-5, atol=1e-6)
+    # Paddle's other label layout, [..., 1], gives the same [..., 1] loss
+    np.testing.assert_array_equal(parallel_cross_entropy(logits, labels[..., None]), loss)
+    # unsharded host inputs are split over mp on entry
+    host = parallel_cross_entropy(np.asarray(logits), np.asarray(labels))
+    np.testing.assert_allclose(host, loss, rtol=1e-6)
+
+
+def test_custom_ignore_index_ignores_a_real_class():
+    mesh = init_fleet(CONFIGS["mp4_dp2"])
+    logits, labels, _ = make_batch(mesh)
+    labels = jnp.where(labels == IGNORE, 3, labels)
+    labels = labels.at[1].set(7)  # a whole row of class 7, owned by the first mp shard
+    ce = ParallelCrossEntropy(ignore_index=7)
+    grad = jax.grad(lambda x: ce(x, labels).sum())(logits)
+    loss = ce(logits, labels)
+    np.testing.assert_allclose(loss[..., 0], dense_loss(logits, labels, 7), rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(loss)[1] == 0.0)
+    assert np.all(np.asarray(grad)[1] == 0.0)
+    # -100 is now an ordinary out-of-range label
+    assert np.isnan(np.asarray(ce(logits, labels.at[0, 0].set(IGNORE)))[0, 0, 0])
+
+
+@pytest.mark.parametrize("hybrid", [CONFIGS["mp4_dp2"], CONFIGS["mp1_dp8"]], ids=["mp4", "mp1"])
+def test_bf16_logits_use_fp32_math(hybrid):
+    mesh = init_fleet(hybrid)
+    logits, labels, weight = make_batch(mesh, dtype=jnp.bfloat16)
+    ce = ParallelCrossEntropy()
+    loss = jax.jit(ce)(logits, labels)
+    assert loss.dtype == jnp.float32
+    # exact fp32 math on the bf16 values, not bf16 math
+    np.testing.assert_allclose(loss[..., 0], dense_loss(logits, labels), rtol=1e-5, atol=1e-6)
+    grad = jax.jit(jax.grad(lambda x: (ce(x, labels)[..., 0] * weight).sum()))(logits)
+    ref = jax.grad(lambda x: (dense_loss(x, labels) * weight).sum())(logits.astype(jnp.float32))
+    assert grad.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(grad, ref.astype(jnp.bfloat16))
+
+
+def test_out_of_range_labels_give_nan_for_that_token_only():
+    mesh = init_fleet(CONFIGS["mp4_dp2"])
+    logits, labels, _ = make_batch(mesh)
+    vocab = logits.shape[-1]
+    bad = labels.at[2, 1].set(vocab).at[3, 4].set(-1)
+    loss, grad = jax.value_and_grad(lambda x: parallel_cross_entropy(x, bad).sum())(logits)
+    per_token = np.asarray(parallel_cross_entropy(logits, bad))[..., 0]
+    is_bad = np.zeros(per_token.shape, bool)
+    is_bad[2, 1] = is_bad[3, 4] = True
+    assert np.isnan(loss)
+    assert np.all(np.isnan(per_token[is_bad]))
+    assert np.all(np.isnan(np.asarray(grad)[is_bad]))
+    good = ~is_bad
+    np.testing.assert_allclose(per_token[good], dense_loss(logits, labels)[good], rtol=1e-5)
+    assert np.all(np.isfinite(np.asarray(grad)[good]))
+
+
+def test_mesh_argument_and_mesh_without_mp():
+    with pytest.raises(RuntimeError, match=r"fleet\.init"):
+        ParallelCrossEntropy()
+    mesh = Mesh(np.array(jax.devices()[:2]), ("dp",))  # no mp axis at all
+    logits = jnp.log(jnp.array([[1.0, 1.0, 2.0, 4.0], [1.0, 1.0, 1.0, 1.0]]))
+    ce = ParallelCrossEntropy(mesh=mesh)
+    np.testing.assert_allclose(ce(logits, jnp.array([3, 0]))[:, 0], [np.log(2.0), np.log(4.0)])
+    grad = jax.grad(lambda x: ce(x, jnp.array([3, 0])).sum())(logits)
+    np.testing.assert_allclose(grad, [[0.125, 0.125, 0.25, -0.5], [0.25, -0.75, 0.25, 0.25]])
+
+
+def test_works_inside_nnx_jit():
+    init_fleet(CONFIGS["mp4_dp2"])
+    ce = ParallelCrossEntropy()
+    logits, labels, _ = make_batch(fleet.get_hybrid_communicate_group().mesh)
+    total = nnx.jit(lambda m, x, y: m(x, y).sum())(ce, logits, labels)
+    np.testing.assert_allclose(total, dense_loss(logits, labels).sum(), rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------ structure
+SHAPE_RE = re.compile(r"\b(?:f32|bf16)\[([0-9,]*)\]")
+COLLECTIVE_RE = re.compile(
+    r"=\s*(\([^=]*\)|\S+)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+    r"(?:-start)?\("
+)
+
+
+def _numel(shape: str) -> int:
+    return int(np.prod([int(d) for d in shape.split(",") if d]))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_compiled_program_never_holds_full_vocab(dtype):
+    mesh = init_fleet(CONFIGS["mp4_dp2"])
+    b, s, vocab = 8, 16, 512
+    logits, labels, _ = make_batch(mesh, shape=(b, s, vocab), dtype=dtype)
+    ce = ParallelCrossEntropy()
+
+    def f(x, y):
+        return ce(x, y).mean()
+
+    compiled = jax.jit(jax.value_and_grad(f)).lower(logits, labels).compile()
+    hlo = compiled.as_text()
+
+    shapes = [tuple(int(d) for d in m.split(",") if d) for m in SHAPE_RE.findall(hlo)]
+    local_vocab, local_tokens = vocab // 4, (b // 2) * s
+    assert (b // 2, s, local_vocab) in shapes  # the per-device logits / gradient
+    full = sorted({sh for sh in shapes if sh and sh[-1] == vocab})
+    assert not full, f"arrays over the full vocabulary {vocab} per device: {full}"
+
+    collectives = COLLECTIVE_RE.findall(hlo)
+    kinds = {kind for _, kind in collectives}
+    assert kinds == {"all-reduce"}, kinds  # no all-gather of logits
+    sizes = [_numel(sh) for result, _ in collectives for sh in SHAPE_RE.findall(result)]
+    # per-token all-reduces on mp (max, then the two sums, maybe combined) + the mean's scalar
+    assert max(sizes) == local_tokens, sizes
+    assert sum(sizes) <= 3 * local_tokens + 1, sizes
+
+    stats = compiled.memory_analysis()
+    full_vocab_bytes = (b // 2) * s * vocab * 4  # one fp32 full-vocab logits array per device
+    assert stats.temp_size_in_bytes <= full_vocab_bytes // 8, stats
+
+
+# --------------------------------------------------------------------------- bad inputs
+@pytest.mark.parametrize(
+    ("logits", "labels", "error", "message"),
+    [
+        (np.float32(1.0), np.int32(0), ValueError, r"shape \(\) \(rank 0\)"),
+        (
+            np.zeros((2, 3, 8), np.float32),
+            np.zeros((2, 4), np.int32),
+            ValueError,
+            r"labels have shape \(2, 4\) but logits have shape \(2, 3, 8\)",
+        ),
+        (
+            np.zeros((2, 3, 8), np.float32),
+            np.zeros((2, 3, 2), np.int32),
+            ValueError,
+            r"\(2, 3, 2\).*\(2, 3\).*\(2, 3, 1\)",
+        ),
+        (np.zeros((2, 8), np.float32), np.zeros((2,), np.float32), TypeError, "float32"),
+        (np.zeros((2, 8), np.int32), np.zeros((2,), np.int32), TypeError, "int32"),
+        (
+            np.zeros((2, 10), np.float32),
+            np.zeros((2,), np.int32),
+            ValueError,
+            r"vocabulary size 10 .* mp degree 4",
+        ),
+    ],
+    ids=["scalar-logits", "labels-shape", "labels-trailing", "float-labels", "int-logits", "vocab"],
+)
+def test_bad_inputs_name_the_value(logits, labels, error, message):
+    init_fleet(CONFIGS["mp4_dp2"])
+    with pytest.raises(error, match=message):
+        ParallelCrossEntropy()(logits, labels)
+
+
+@pytest.mark.parametrize("ignore_index", [-100.0, True, "-100"])
+def test_bad_ignore_index(ignore_index):
+    init_fleet(CONFIGS["mp4_dp2"])
+    with pytest.raises(TypeError, match=re.escape(repr(ignore_index))):
+        ParallelCrossEntropy(ignore_index)
+    with pytest.raises(TypeError, match=re.escape(repr(ignore_index))):
+        parallel_cross_entropy(np.zeros((2, 8)), np.zeros(2, int), ignore_index=ignore_index)
