@@ -11,8 +11,9 @@ What the engine adds over a hand-written ``nnx.jit`` step:
   * fp16 loss scaling: the loss is multiplied by the optimizer's current scale
     before differentiation (the scale lives in the optimizer state, see
     :mod:`jfleet.optim.loss_scale`);
-  * ZeRO-2/3: gradients are constrained to the ZeRO layout, so XLA reduce-scatters
-    them instead of all-reducing;
+  * ZeRO-2/3: gradients are constrained to the ZeRO layout, so each device keeps
+    only its shard (GPU/TPU compilers emit a reduce-scatter; XLA's CPU compiler an
+    all-reduce followed by a slice — ``benchmarks/RESULTS.md``);
   * the loss is computed and returned in fp32.
 
 Example:

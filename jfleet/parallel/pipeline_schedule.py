@@ -1,0 +1,556 @@
+"""SPMD pipeline schedules (FThenB / GPipe and 1F1B) as one differentiable loss function.
+
+:func:`pipeline_loss` runs a stack of ``P`` pipeline stages over ``M`` micro-batches on a
+mesh with a ``pp`` axis of size ``P`` and returns the mean loss; ``jax.grad`` /
+``nnx.grad`` of it give the gradients of the stage parameters, the head parameters and
+the inputs (so an embedding run before the pipeline gets its gradient too).
+
+How it runs:
+  * one ``jax.shard_map`` that is manual over ``pp`` and the data axes (``dp``,
+    ``sharding``) and automatic over the others (``mp``, ``sep``), so tensor-parallel
+    layers inside a stage keep working and the data-parallel gradient reduction happens
+    once, after the loop;
+  * stage ``s`` owns ``tree.map(lambda x: x[s], stage_params)`` (leading axis sharded on
+    ``pp``); activations go to the next stage and cotangents to the previous one by
+    ``lax.ppermute`` once per tick of a ``lax.scan``; ``lax.cond`` on per-device validity
+    skips the bubble's work;
+  * a ``jax.custom_vjp``: its forward runs the whole training schedule (the forward and
+    backward passes of every micro-batch, as 1F1B interleaves them) and keeps the
+    gradients as residuals; its backward multiplies them by the incoming cotangent (a loss
+    scale, say). Without differentiation (``jax.jit(loss)``) a forward-only GPipe loop runs.
+
+Schedules (see :func:`schedule_stats` for tick and collective counts):
+  * ``"FThenB"`` (GPipe): the forward of every micro-batch (``M + P - 1`` ticks), then the
+    backward (``M + P - 1`` ticks, the loop's transpose). A stage keeps the activations of
+    all ``M`` micro-batches, or only each stage's inputs with ``remat=True``.
+  * ``"1F1B"``: one scan of ``T = M + 2(P - 1)`` ticks; at tick ``t`` stage ``s`` runs the
+    forward of micro-batch ``t - s``, stashing only the stage input in a ring of
+    ``2(P - 1)`` slots, and the backward of micro-batch ``t - 2(P - 1) + s``, recomputing
+    the stage from its stashed input with ``jax.vjp``. The last stage computes the head's
+    loss and cotangent of the micro-batch it just finished and runs its backward in the
+    same tick. Activation memory is bounded by the number of stages, not micro-batches.
+
+The loss is the mean over micro-batches of ``head_fn``'s loss, and over the data-parallel
+replicas: with a ``head_fn`` that averages over its micro-batch's samples it equals the
+single-device mean over the global batch, whatever the data-parallel degree.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> mesh = jax.make_mesh((2, 4), ("dp", "pp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  >>> stage_fn = lambda w, x: jnp.tanh(x @ w)
+  >>> head_fn = lambda h, y, t: jnp.mean((y @ h - t) ** 2)
+  >>> w = jnp.stack([jnp.eye(4)] * 4)  # 4 stages
+  >>> x, t = jnp.ones((16, 4)), jnp.zeros((16, 1))
+  >>> loss = lambda w: pipeline_loss(stage_fn, head_fn, w, jnp.ones((4, 1)), x, t,
+  ...                                mesh=mesh, schedule="1F1B", num_microbatches=4)
+  >>> value, grad = jax.jit(jax.value_and_grad(loss))(w)
+  >>> grad.shape, bool(value > 0)
+  ((4, 4, 4), True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+#: The schedule names :func:`pipeline_loss` accepts (Paddle's ``schedule_mode`` values).
+SCHEDULES = ("FThenB", "1F1B")
+
+StageFn = Callable[[Any, Any], Any]
+HeadFn = Callable[[Any, Any, Any], jax.Array]
+
+
+def schedule_stats(schedule: str, num_stages: int, num_microbatches: int) -> dict[str, Any]:
+    """Ticks, collective-permutes and bubble of one training step of a schedule.
+
+    Args:
+      schedule: ``"FThenB"`` or ``"1F1B"``.
+      num_stages: pipeline stages ``P`` (the ``pp`` degree).
+      num_microbatches: micro-batches ``M`` per step.
+
+    Returns:
+      A dict with ``schedule``, ``num_stages``, ``num_microbatches`` and
+
+      * ``ticks``: loop iterations per step: FThenB ``2(M + P - 1)`` (forward loop, then
+        its transpose), 1F1B ``M + 2(P - 1)`` (each tick one forward and one backward);
+      * ``collective_permutes``: ``lax.ppermute`` executions per step (one per tick and
+        direction): FThenB ``2(M + P - 1)``, 1F1B ``2(M + 2P - 2)``; 0 when ``P == 1``;
+      * ``bubble_fraction``: the idle share of a stage's time, ``(P - 1) / (M + P - 1)``
+        for both (bubble ticks skip their work with ``lax.cond``, so the lockstep 1F1B
+        costs ``(P - 1)`` forward-only, ``M`` forward+backward and ``(P - 1)``
+        backward-only ticks, like GPipe);
+      * ``stash_slots``: micro-batches whose activations a stage holds at once: FThenB
+        ``M`` (every micro-batch's, or only its stage inputs with remat), 1F1B
+        ``max(2(P - 1), 1)`` stage inputs.
+
+    Raises:
+      ValueError: an unknown schedule, or counts below 1.
+
+    Example:
+      >>> schedule_stats("1F1B", 4, 8)["collective_permutes"]
+      28
+      >>> schedule_stats("FThenB", 4, 8)["collective_permutes"]
+      22
+    """
+    _check_schedule(schedule)
+    for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an integer >= 1.")
+    p, m = num_stages, num_microbatches
+    if schedule == "FThenB":
+        ticks, per_step, stash = 2 * (m + p - 1), 2 * (m + p - 1), m
+    else:
+        ticks, per_step, stash = m + 2 * (p - 1), 2 * (m + 2 * p - 2), max(2 * (p - 1), 1)
+    return {
+        "schedule": schedule,
+        "num_stages": p,
+        "num_microbatches": m,
+        "ticks": ticks,
+        "collective_permutes": per_step if p > 1 else 0,
+        "bubble_fraction": (p - 1) / (m + p - 1),
+        "stash_slots": stash,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pipeline:
+    """The static description of one pipelined loss (validated by :func:`pipeline_loss`)."""
+
+    stage_fn: StageFn
+    head_fn: HeadFn
+    mesh: Mesh
+    schedule: str
+    num_microbatches: int
+    pp_axis: str
+    data_axes: tuple[str, ...]
+    remat: bool
+
+    @property
+    def num_stages(self) -> int:
+        return self.mesh.shape[self.pp_axis]
+
+    @property
+    def manual_axes(self) -> tuple[str, ...]:
+        return (self.pp_axis, *self.data_axes)
+
+    @property
+    def data_size(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.data_axes)
+
+
+def pipeline_loss(
+    stage_fn: StageFn,
+    head_fn: HeadFn,
+    stage_params: Any,
+    head_params: Any,
+    inputs: Any,
+    targets: Any,
+    *,
+    mesh: Mesh,
+    schedule: str = "1F1B",
+    num_microbatches: int,
+    pp_axis: str = "pp",
+    data_axes: tuple[str, ...] = ("dp", "sharding"),
+    remat: bool = False,
+) -> jax.Array:
+    """The mean loss of a pipelined stack of stages, differentiable in all its arrays.
+
+    Args:
+      stage_fn: ``stage_fn(params_of_one_stage, x) -> y``, ``y`` of ``x``'s shapes and
+        dtypes (the activation passed between stages). A stage may hold several layers
+        (leaves ``[P, L/P, ...]`` run by a ``lax.scan`` inside ``stage_fn``).
+      head_fn: ``head_fn(head_params, y, target) -> scalar``: the loss of one micro-batch
+        from the last stage's output (final norm, LM head, loss). Make it a mean over the
+        micro-batch's samples for the result to be the global-batch mean.
+      stage_params: a pytree whose leaves have a leading axis of size ``P`` (the ``pp``
+        degree); stage ``s`` owns ``tree.map(lambda a: a[s], stage_params)``. The axis is
+        sharded on ``pp``; other dimensions may be sharded on the automatic axes (``mp``).
+      head_params: a pytree, replicated over ``pp`` (may be sharded on ``mp``).
+      inputs: array (or pytree of arrays) ``[B, ...]`` entering stage 0 (the embedding's
+        output); ``B = num_microbatches x micro-batch size x data-parallel size``.
+      targets: array (or pytree) ``[B, ...]`` given to ``head_fn``; never differentiated.
+      mesh: the mesh; must have ``pp_axis``.
+      schedule: ``"1F1B"`` or ``"FThenB"``.
+      num_microbatches: ``M``, micro-batches per step.
+      pp_axis: the pipeline mesh axis.
+      data_axes: mesh axes the batch is split over (those the mesh lacks are ignored).
+        Each replica splits its rows into ``M`` consecutive micro-batches.
+      remat: FThenB only: keep only each stage's input per micro-batch and recompute the
+        stage in the backward pass (``jax.checkpoint``). 1F1B always recomputes each
+        stage from its stashed input, so the flag changes nothing there.
+
+    Returns:
+      The fp32 mean of ``head_fn`` over micro-batches and data-parallel replicas.
+
+    Raises:
+      ValueError: an unknown schedule, ``num_microbatches < 1``, a mesh without
+        ``pp_axis``, stage leaves whose leading axis is not the ``pp`` degree, or a batch
+        that does not split into the micro-batches.
+      TypeError: ``stage_fn`` / ``head_fn`` not callable, ``mesh`` not a ``Mesh``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> mesh = jax.make_mesh((8,), ("pp",), axis_types=(jax.sharding.AxisType.Auto,))
+      >>> w = jnp.zeros((8, 3, 3))
+      >>> x, t = jnp.ones((4, 3)), jnp.zeros((4, 3))
+      >>> pipeline_loss(lambda w, x: x + x @ w, lambda h, y, t: jnp.mean((y - t) ** 2),
+      ...               w, (), x, t, mesh=mesh, schedule="FThenB", num_microbatches=2)
+      Array(1., dtype=float32)
+    """
+    spec = _validate(
+        stage_fn,
+        head_fn,
+        stage_params,
+        inputs,
+        targets,
+        mesh=mesh,
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        pp_axis=pp_axis,
+        data_axes=data_axes,
+        remat=remat,
+    )
+    return _differentiable(spec)(stage_params, head_params, inputs, targets)
+
+
+# ------------------------------------------------------------------ validation
+def _check_schedule(schedule: Any) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(
+            f"schedule={schedule!r} is not a pipeline schedule; use one of {list(SCHEDULES)}."
+        )
+
+
+def _validate(
+    stage_fn, head_fn, stage_params, inputs, targets, *, mesh, schedule, num_microbatches,
+    pp_axis, data_axes, remat,
+) -> _Pipeline:  # fmt: skip
+    _check_schedule(schedule)
+    m = num_microbatches
+    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+        raise ValueError(f"num_microbatches={m!r} must be an integer >= 1.")
+    for name, fn in (("stage_fn", stage_fn), ("head_fn", head_fn)):
+        if not callable(fn):
+            raise TypeError(f"{name}={fn!r} is not callable.")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh={mesh!r} is not a jax.sharding.Mesh.")
+    if pp_axis not in mesh.axis_names:
+        raise ValueError(
+            f"the mesh has axes {mesh.axis_names} and no pipeline axis pp_axis={pp_axis!r}; "
+            "build it with one (fleet.init with hybrid_configs={'pp_degree': N})."
+        )
+    if isinstance(data_axes, str):
+        data_axes = (data_axes,)
+    if pp_axis in data_axes:
+        raise ValueError(f"pp_axis={pp_axis!r} cannot also be a data axis (data_axes={data_axes}).")
+    data_axes = tuple(a for a in data_axes if a in mesh.axis_names)
+    stages = mesh.shape[pp_axis]
+
+    bad = [
+        f"{jax.tree_util.keystr(path) or '<root>'}: {getattr(leaf, 'shape', ())}"
+        for path, leaf in jax.tree_util.tree_leaves_with_path(stage_params)
+        if not getattr(leaf, "shape", ()) or leaf.shape[0] != stages
+    ]
+    if bad:
+        raise ValueError(
+            f"stage_params leaves need a leading stage axis of size {stages} (the mesh's "
+            f"{pp_axis!r} size); these do not: {'; '.join(bad)}."
+        )
+
+    dp = math.prod(mesh.shape[a] for a in data_axes)
+    rows = _batch_rows(inputs, "inputs") | _batch_rows(targets, "targets")
+    if len(rows) != 1:
+        raise ValueError(
+            f"inputs and targets must share one batch size on their leading axis; got {sorted(rows)}."
+        )
+    (batch,) = rows
+    if batch % (m * dp):
+        local = batch // dp if batch % dp == 0 else None
+        fits = [k for k in range(1, local + 1) if local % k == 0] if local else []
+        hint = f"; num_microbatches dividing {local}: {fits}" if fits else ""
+        raise ValueError(
+            f"a batch of {batch} rows does not split into num_microbatches={m} micro-batches "
+            f"over a data-parallel size of {dp} ({' x '.join(data_axes) or 'none'}): the batch "
+            f"must be num_microbatches x micro-batch size x {dp}, a multiple of {m * dp}{hint}."
+        )
+    return _Pipeline(stage_fn, head_fn, mesh, schedule, m, pp_axis, data_axes, bool(remat))
+
+
+def _batch_rows(tree: Any, name: str) -> set[int]:
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    if not leaves:
+        raise ValueError(f"{name} has no arrays; pass a [B, ...] array.")
+    rows = set()
+    for path, leaf in leaves:
+        shape = getattr(leaf, "shape", ())
+        if not shape:
+            raise ValueError(
+                f"{name}{jax.tree_util.keystr(path)} is a scalar; it needs a leading batch axis."
+            )
+        rows.add(shape[0])
+    return rows
+
+
+# ------------------------------------------------------------------ custom_vjp
+def _differentiable(spec: _Pipeline) -> Callable[..., jax.Array]:
+    """``f(stage_params, head_params, inputs, targets) -> loss`` with the schedule's VJP."""
+
+    @jax.custom_vjp
+    def run(stage_params, head_params, inputs, targets):
+        return _sharded(spec, forward_only=True, with_dx=False)(
+            stage_params, head_params, inputs, targets
+        )
+
+    def fwd(stage_params, head_params, inputs, targets):
+        with_dx = any(leaf.perturbed for leaf in jax.tree.leaves(inputs, is_leaf=_is_primal))
+        values = [
+            jax.tree.map(lambda leaf: leaf.value, tree, is_leaf=_is_primal)
+            for tree in (stage_params, head_params, inputs, targets)
+        ]
+        loss, grads = _sharded(spec, forward_only=False, with_dx=with_dx)(*values)
+        return loss, grads
+
+    def bwd(grads, g):
+        d_stage, d_head, d_inputs = grads
+        if isinstance(g, SymbolicZero):
+            return None, None, None, None
+
+        def scale(tree):
+            return jax.tree.map(lambda d: (d * g).astype(d.dtype), tree)
+
+        return scale(d_stage), scale(d_head), (None if d_inputs is None else scale(d_inputs)), None
+
+    run.defvjp(fwd, bwd, symbolic_zeros=True)
+    return run
+
+
+def _is_primal(x: Any) -> bool:
+    return hasattr(x, "perturbed") and hasattr(x, "value")
+
+
+def _sharded(spec: _Pipeline, *, forward_only: bool, with_dx: bool) -> Callable:
+    """The jitted ``shard_map`` computing the loss (and, unless forward_only, the grads)."""
+    pp, data = spec.pp_axis, spec.data_axes
+    batch_spec = P(data) if data else P()
+    loss_out = P()
+    if forward_only:
+        out_specs: Any = loss_out
+    else:
+        out_specs = (loss_out, (P(pp), P(), batch_spec if with_dx else None))
+
+    def body(stage_params, head_params, inputs, targets):
+        return _local_step(spec, stage_params, head_params, inputs, targets, forward_only, with_dx)
+
+    mapped = jax.shard_map(
+        body,
+        mesh=spec.mesh,
+        in_specs=(P(pp), P(), batch_spec, batch_spec),
+        out_specs=out_specs,
+        axis_names=frozenset(spec.manual_axes),
+        check_vma=True,
+    )
+    return jax.jit(mapped)
+
+
+# ------------------------------------------------------------------ per-device code
+def _varying(x: jax.Array) -> frozenset:
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = aval.manual_axis_type.varying
+    return frozenset(vma)
+
+
+def _vary(tree: Any, axes: tuple[str, ...]) -> Any:
+    """Casts every leaf to varying over ``axes`` (those it already varies over are kept)."""
+
+    def one(x):
+        missing = tuple(a for a in axes if a not in _varying(x))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(one, tree)
+
+
+def _zeros(tree: Any, dtype: Any = None) -> Any:
+    return jax.tree.map(lambda x: jnp.zeros_like(x, dtype=dtype), tree)
+
+
+def _acc_dtype(x: jax.Array) -> Any:
+    return jnp.promote_types(x.dtype, jnp.float32)
+
+
+def _local_step(spec, stage_params, head_params, inputs, targets, forward_only, with_dx):
+    """One device's share: split micro-batches, run the schedule, reduce once after it."""
+    m, axes = spec.num_microbatches, spec.manual_axes
+    scale = 1.0 / (m * spec.data_size)
+    # Vary everything over every manual axis first: a vjp with respect to a value that is
+    # invariant over an axis would return a cotangent already summed over that axis.
+    params = _vary(jax.tree.map(lambda a: a[0], stage_params), axes)
+    head = _vary(head_params, axes)
+    x_mb = _vary(jax.tree.map(lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:]), inputs), axes)
+    t_mb = jax.tree.map(lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:]), targets)
+    stage = lax.axis_index(spec.pp_axis)
+
+    if forward_only:
+        total = _gpipe_forward(spec, params, head, x_mb, t_mb, stage)
+        return lax.psum(total, axes) * scale
+    if spec.schedule == "FThenB":
+        total, grads = _fthenb(spec, params, head, x_mb, t_mb, stage, with_dx)
+    else:
+        total, grads = _one_f_one_b(spec, params, head, x_mb, t_mb, stage, with_dx)
+    d_stage, d_head, d_x = grads
+
+    def finish(tree, over, like):
+        tree = lax.psum(tree, over) if over else tree
+        return jax.tree.map(lambda d, p: (d * scale).astype(p.dtype), tree, like)
+
+    d_stage = jax.tree.map(lambda d: d[None], finish(d_stage, spec.data_axes, params))
+    d_head = finish(d_head, axes, head_params)
+    if with_dx:
+        d_x = finish(d_x, (spec.pp_axis,), x_mb)
+        d_x = jax.tree.map(lambda d: d.reshape(d.shape[0] * d.shape[1], *d.shape[2:]), d_x)
+    return lax.psum(total, axes) * scale, (d_stage, d_head, d_x if with_dx else None)
+
+
+def _shift(tree: Any, spec: _Pipeline, direction: int) -> Any:
+    """Sends to the next stage (direction 1) or the previous one (-1); edges get zeros."""
+    p = spec.num_stages
+    if p == 1:
+        return _zeros(tree)
+    perm = [(i, i + direction) for i in range(p) if 0 <= i + direction < p]
+    return jax.tree.map(lambda a: lax.ppermute(a, spec.pp_axis, perm), tree)
+
+
+def _take(tree: Any, i: jax.Array) -> Any:
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
+
+
+def _put(tree: Any, value: Any, i: jax.Array) -> Any:
+    return jax.tree.map(lambda a, v: lax.dynamic_update_index_in_dim(a, v, i, 0), tree, value)
+
+
+def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def _gpipe_forward(spec, params, head, x_mb, t_mb, stage):
+    """The forward GPipe loop (``M + P - 1`` ticks): this device's summed head losses."""
+    m, p, axes = spec.num_microbatches, spec.num_stages, spec.manual_axes
+    stage_fn = jax.checkpoint(spec.stage_fn) if spec.remat else spec.stage_fn
+    act = _take(x_mb, 0)
+    last = stage == p - 1
+
+    def tick(carry, t):
+        received, total = carry
+        f = t - stage
+        valid = (f >= 0) & (f < m)
+        fi = jnp.clip(f, 0, m - 1)
+        x = _select(stage == 0, _take(x_mb, fi), received)
+        y = lax.cond(valid, lambda: _vary(stage_fn(params, x), axes), lambda: _zeros(act))
+        loss = lax.cond(
+            valid & last,
+            lambda: _vary(jnp.asarray(spec.head_fn(head, y, _take(t_mb, fi)), jnp.float32), axes),
+            lambda: _vary(jnp.zeros((), jnp.float32), axes),
+        )
+        return (_shift(y, spec, 1), total + loss), None
+
+    init = (_zeros(act), _vary(jnp.zeros((), jnp.float32), axes))
+    (_, total), _ = lax.scan(tick, init, jnp.arange(m + p - 1))
+    return total
+
+
+def _fthenb(spec, params, head, x_mb, t_mb, stage, with_dx):
+    """GPipe: differentiate the forward loop; its transpose is the backward loop."""
+
+    def local(params, head, x_mb):
+        return _gpipe_forward(spec, params, head, x_mb, t_mb, stage)
+
+    if with_dx:
+        total, grads = jax.value_and_grad(local, argnums=(0, 1, 2))(params, head, x_mb)
+        return total, grads
+    total, (d_stage, d_head) = jax.value_and_grad(local, argnums=(0, 1))(params, head, x_mb)
+    return total, (d_stage, d_head, None)
+
+
+def _one_f_one_b(spec, params, head, x_mb, t_mb, stage, with_dx):
+    """1F1B: one scan of ``M + 2(P - 1)`` ticks, each one forward and one backward."""
+    m, p, axes = spec.num_microbatches, spec.num_stages, spec.manual_axes
+    stage_fn, head_fn = spec.stage_fn, spec.head_fn
+    slots = max(2 * (p - 1), 1)
+    act = _take(x_mb, 0)
+    last = stage == p - 1
+    zero_loss = _vary(jnp.zeros((), jnp.float32), axes)
+
+    def forward(x):
+        return _vary(stage_fn(params, x), axes)
+
+    def backward(x, g):
+        _, vjp = jax.vjp(stage_fn, params, x)
+        d_params, d_x = vjp(g)
+        return _vary((zero_loss, d_params, _zeros(head), d_x), axes)
+
+    def last_stage(x, target):
+        def full(params, head, x):
+            return jnp.asarray(head_fn(head, stage_fn(params, x), target), jnp.float32)
+
+        loss, grads = jax.value_and_grad(full, argnums=(0, 1, 2))(params, head, x)
+        return _vary((loss, *grads), axes)
+
+    def skip(*_):
+        return (zero_loss, _zeros(params), _zeros(head), _zeros(act))
+
+    def tick(carry, t):
+        received_x, received_g, stash, d_stage, d_head, d_x_all, total = carry
+        f, b = t - stage, t - 2 * (p - 1) + stage
+        f_valid, b_valid = (f >= 0) & (f < m), (b >= 0) & (b < m)
+        fi, bi = jnp.clip(f, 0, m - 1), jnp.clip(b, 0, m - 1)
+        x = _select(stage == 0, _take(x_mb, fi), received_x)
+        x_back = _take(stash, bi % slots)  # read before this tick's write to the ring
+        y = lax.cond(f_valid & ~last, forward, lambda _: _zeros(act), x)
+        branch = jnp.where(last, jnp.where(f_valid, 2, 0), jnp.where(b_valid, 1, 0))
+        loss, dp, dh, dx = lax.switch(
+            branch,
+            (skip, lambda x, g, t: backward(x, g), lambda x, g, t: last_stage(x, t)),
+            _select(last, x, x_back),
+            received_g,
+            _take(t_mb, fi),
+        )
+        stash = _put(stash, x, fi % slots)
+        d_stage = jax.tree.map(lambda a, d: a + d.astype(a.dtype), d_stage, dp)
+        d_head = jax.tree.map(lambda a, d: a + d.astype(a.dtype), d_head, dh)
+        if with_dx:
+            keep = b_valid & (stage == 0)
+            d_x_all = _put(d_x_all, _select(keep, dx, _take(d_x_all, bi)), bi)
+        carry = (
+            _shift(y, spec, 1),
+            _shift(dx, spec, -1),
+            stash,
+            d_stage,
+            d_head,
+            d_x_all,
+            total + loss,
+        )
+        return carry, None
+
+    init = (
+        _zeros(act),
+        _zeros(act),
+        jax.tree.map(lambda a: jnp.zeros((slots, *a.shape), a.dtype), act),
+        jax.tree.map(lambda a: jnp.zeros_like(a, dtype=_acc_dtype(a)), params),
+        jax.tree.map(lambda a: jnp.zeros_like(a, dtype=_acc_dtype(a)), head),
+        _zeros(x_mb) if with_dx else None,
+        zero_loss,
+    )
+    init = _vary(init, axes)
+    carry, _ = lax.scan(tick, init, jnp.arange(m + 2 * (p - 1)))
+    _, _, _, d_stage, d_head, d_x_all, total = carry
+    return total, (d_stage, d_head, d_x_all)

@@ -1,0 +1,478 @@
+"""Tensor-parallel layers equal nnx.Linear / nnx.Embed on one device, with Megatron's collectives."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jfleet import DistributedStrategy, fleet, make_train_step
+from jfleet.parallel import random as tp_random
+from jfleet.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    default_embed_init,
+    default_kernel_init,
+)
+from jfleet.parallel.mesh_context import DATA, MP, named
+
+HYBRIDS = {
+    "mp4_dp2": {"dp_degree": 2, "mp_degree": 4},
+    "mp2_sharding2_dp2": {"dp_degree": 2, "sharding_degree": 2, "mp_degree": 2},
+}
+FP32 = dict(rtol=1e-5, atol=1e-6)
+B, S, IN, OUT, VOCAB = 4, 3, 8, 16, 16
+
+
+@pytest.fixture(autouse=True)
+def _fresh_random():
+    tp_random.get_rng_state_tracker().reset()
+    tp_random.set_init_mode("replicable")
+    yield
+    tp_random.get_rng_state_tracker().reset()
+    tp_random.set_init_mode("replicable")
+
+
+def init_fleet(hybrid: dict) -> jax.sharding.Mesh:
+    strategy = DistributedStrategy()
+    strategy.hybrid_configs = hybrid
+    fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
+    return fleet.get_hybrid_communicate_group().mesh
+
+
+# --------------------------------------------------------------- the layer cases
+# name -> (build TP layer, build reference, input maker, output spec's last entry, param specs)
+def _x(rng):
+    return rng.standard_normal((B, S, IN)).astype(np.float32)
+
+
+def _x_out(rng):
+    return rng.standard_normal((B, S, OUT)).astype(np.float32)
+
+
+def _ids(rng):
+    return rng.integers(-VOCAB, VOCAB, (B, S)).astype(np.int32)
+
+
+def _query(rng):
+    return rng.standard_normal((B, S, IN)).astype(np.float32)
+
+
+class _Attend(nnx.Module):
+    """Calls an embedding's attend, so a case can differentiate it like a layer."""
+
+    def __init__(self, emb):
+        self.emb = emb
+
+    def __call__(self, q):
+        return self.emb.attend(q)
+
+
+CASES = {
+    "column_gather": (
+        lambda r: ColumnParallelLinear(IN, OUT, has_bias=True, rngs=r),
+        lambda r: nnx.Linear(IN, OUT, rngs=r),
+        _x,
+        None,
+        {"kernel": P(None, "mp"), "bias": P("mp")},
+    ),
+    "column_split": (
+        lambda r: ColumnParallelLinear(IN, OUT, has_bias=True, gather_output=False, rngs=r),
+        lambda r: nnx.Linear(IN, OUT, rngs=r),
+        _x,
+        "mp",
+        {"kernel": P(None, "mp"), "bias": P("mp")},
+    ),
+    "column_no_bias": (
+        lambda r: ColumnParallelLinear(IN, OUT, rngs=r),  # Paddle: has_bias=None -> no bias
+        lambda r: nnx.Linear(IN, OUT, use_bias=False, rngs=r),
+        _x,
+        None,
+        {"kernel": P(None, "mp")},
+    ),
+    "row_parallel_input": (
+        lambda r: RowParallelLinear(OUT, IN, input_is_parallel=True, rngs=r),
+        lambda r: nnx.Linear(OUT, IN, rngs=r),
+        _x_out,
+        None,
+        {"kernel": P("mp", None), "bias": P()},
+    ),
+    "row_full_input": (
+        lambda r: RowParallelLinear(OUT, IN, rngs=r),
+        lambda r: nnx.Linear(OUT, IN, rngs=r),
+        _x_out,
+        None,
+        {"kernel": P("mp", None), "bias": P()},
+    ),
+    "embedding": (
+        lambda r: VocabParallelEmbedding(VOCAB, IN, rngs=r),
+        lambda r: nnx.Embed(VOCAB, IN, rngs=r),
+        _ids,
+        None,
+        {"embedding": P("mp", None)},
+    ),
+    "embedding_attend": (
+        lambda r: _Attend(VocabParallelEmbedding(VOCAB, IN, rngs=r)),
+        lambda r: _Attend(nnx.Embed(VOCAB, IN, rngs=r)),
+        _query,
+        "mp",
+        {"emb": {"embedding": P("mp", None)}},
+    ),
+}
+
+
+def _forward_and_grads(model, x, w, jit):
+    differentiable = jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
+
+    def loss(m, x):
+        return jnp.sum(m(x) * w)
+
+    def run(m, x):
+        y = m(x)
+        if differentiable:
+            gm, gx = nnx.grad(loss, argnums=(0, 1))(m, x)
+        else:
+            gm, gx = nnx.grad(loss)(m, x), None
+        return y, gm, gx
+
+    return (nnx.jit(run) if jit else run)(model, x)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("hybrid", list(HYBRIDS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_layer_matches_flax_layer_on_one_device(case, hybrid, jit):
+    build, build_ref, make_x, last, specs = CASES[case]
+    rng = np.random.default_rng(0)
+    x = make_x(rng)
+    # the reference: plain Flax on one device, before any mesh exists
+    ref = build_ref(nnx.Rngs(3))
+    want_y = ref(x)
+    w = rng.standard_normal(want_y.shape).astype(np.float32)
+    want_y, want_gm, want_gx = _forward_and_grads(ref, x, w, jit=False)
+
+    mesh = init_fleet(HYBRIDS[hybrid])
+    model = build(nnx.Rngs(3))
+    # the same initial parameters as the Flax layer (the replicable init contract)
+    for (path, got), want in zip(
+        jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)),
+        jax.tree.leaves(nnx.state(ref, nnx.Param)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(got, want, **FP32, err_msg=jax.tree_util.keystr(path))
+    params = nnx.state(model, nnx.Param)
+    got_specs = jax.tree.map(lambda v: v.sharding.spec, params.to_pure_dict())
+    assert got_specs == specs
+    if case == "row_parallel_input":  # hand it an input already split over mp
+        x = jax.device_put(x, named(mesh, DATA, None, MP))
+
+    got_y, got_gm, got_gx = _forward_and_grads(model, x, w, jit=jit)
+    np.testing.assert_allclose(got_y, want_y, **FP32)
+    want_sharding = named(mesh, DATA, *([None] * (got_y.ndim - 2)), last)
+    assert got_y.sharding.is_equivalent_to(want_sharding, got_y.ndim), got_y.sharding
+    got_g = jax.tree_util.tree_leaves_with_path(nnx.state(got_gm, nnx.Param))
+    want_g = jax.tree.leaves(nnx.state(want_gm, nnx.Param))
+    for (path, g), wg in zip(got_g, want_g, strict=True):
+        np.testing.assert_allclose(g, wg, **FP32, err_msg=jax.tree_util.keystr(path))
+    if got_gx is not None:
+        np.testing.assert_allclose(got_gx, want_gx, **FP32)
+
+
+def test_any_input_rank_and_uneven_batch():
+    init_fleet(HYBRIDS["mp4_dp2"])
+    col = ColumnParallelLinear(IN, OUT, has_bias=True, gather_output=False, rngs=nnx.Rngs(0))
+    ref = nnx.Linear(IN, OUT, rngs=nnx.Rngs(0))
+    for shape in [(IN,), (3, IN), (2, 2, 3, IN)]:  # batch 3 is not divisible by dp 2
+        x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+        y = col(x)
+        np.testing.assert_allclose(y, ref(x), **FP32)
+        assert y.sharding.spec[-1] == "mp"
+
+
+def test_weight_aliases_and_paddle_attributes():
+    init_fleet(HYBRIDS["mp4_dp2"])
+    col = ColumnParallelLinear(IN, OUT, has_bias=True, rngs=nnx.Rngs(0), name="ignored")
+    row = RowParallelLinear(OUT, IN, fuse_matmul_bias=True, rngs=nnx.Rngs(0))
+    emb = VocabParallelEmbedding(
+        VOCAB, IN, mp_group=fleet.get_hybrid_communicate_group().get_model_parallel_group(),
+        rngs=nnx.Rngs(0),
+    )  # fmt: skip
+    assert col.weight is col.kernel and row.weight is row.kernel and emb.weight is emb.embedding
+    assert col.has_bias and row.has_bias and col.world_size == 4 and col.is_mp
+    assert col.output_size_per_partition == OUT // 4
+    assert row.input_size_per_partition == OUT // 4 and emb.per_part_size == VOCAB // 4
+    with pytest.raises(AttributeError):
+        col.weight = col.kernel
+
+
+def test_out_of_range_ids_give_zero_rows():
+    init_fleet(HYBRIDS["mp4_dp2"])
+    emb = VocabParallelEmbedding(VOCAB, IN, rngs=nnx.Rngs(0))
+    out = emb(np.array([[VOCAB, -VOCAB - 1], [-1, 0]], np.int32))
+    np.testing.assert_array_equal(out[0], 0.0)
+    np.testing.assert_allclose(out[1, 0], emb.embedding[...][VOCAB - 1])
+
+
+def test_low_precision_compute_dtype():
+    init_fleet(HYBRIDS["mp4_dp2"])
+    col = ColumnParallelLinear(IN, OUT, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    emb = VocabParallelEmbedding(VOCAB, IN, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    assert col.kernel[...].dtype == jnp.float32
+    assert col(np.ones((2, IN), np.float32)).dtype == jnp.bfloat16
+    assert emb(np.ones((2, 3), np.int32)).dtype == jnp.bfloat16
+
+
+# --------------------------------------------------------------- compiled HLO
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_OP = re.compile(r"=\s*\S+(?:\[[^\]]*\])?(?:\{[^}]*\})?\s+(" + "|".join(_COLLECTIVES) + r")(?:-start)?\(")
+
+
+def replica_groups(line: str) -> list[list[int]]:
+    """The replica groups of one HLO instruction, explicit or in iota form."""
+    m = re.search(r"replica_groups=(\{\{[\d,{}\s]*\}\})", line)
+    if m:
+        return [[int(v) for v in g.split(",") if v] for g in re.findall(r"\{([\d,\s]*)\}", m[1])]
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    assert m, line
+    n, k = int(m[1]), int(m[2])
+    dims = [int(d) for d in m[3].split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if m[4]:
+        ids = ids.transpose([int(p) for p in m[4].split(",")])
+    return ids.reshape(n, k).tolist()
+
+
+def collectives(hlo: str) -> list[tuple[str, list[list[int]]]]:
+    """(kind, replica groups) of every collective in optimised HLO text."""
+    found = []
+    for line in hlo.splitlines():
+        m = _OP.search(line)
+        if m:
+            found.append((m[1], replica_groups(line)))
+    return found
+
+
+def test_replica_group_parser_reads_both_forms():
+    assert replica_groups("replica_groups={{0,1,2,3},{4,5,6,7}}, x") == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+    ]
+    assert replica_groups("replica_groups=[2,4]<=[8], x") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert replica_groups("replica_groups=[4,2]<=[2,4]T(1,0), x") == [
+        [0, 4],
+        [1, 5],
+        [2, 6],
+        [3, 7],
+    ]
+
+
+MP_GROUPS = [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+class _MLP(nnx.Module):
+    def __init__(self, rngs):
+        self.up = ColumnParallelLinear(IN, OUT, has_bias=True, gather_output=False, rngs=rngs)
+        self.down = RowParallelLinear(OUT, IN, input_is_parallel=True, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(nnx.gelu(self.up(x)))
+
+
+def _hlo(model, fn, *args):
+    graphdef, state = nnx.split(model)
+    return jax.jit(lambda s, *a: fn(nnx.merge(graphdef, s), *a)).lower(state, *args).compile()
+
+
+def test_megatron_mlp_forward_has_one_all_reduce_over_mp():
+    init_fleet(HYBRIDS["mp4_dp2"])
+    mlp = _MLP(nnx.Rngs(0))
+    x = np.ones((B, S, IN), np.float32)
+    found = collectives(_hlo(mlp, lambda m, x: m(x), x).as_text())
+    assert found == [("all-reduce", MP_GROUPS)], found
+
+
+def test_megatron_mlp_backward_never_gathers_a_kernel():
+    init_fleet(HYBRIDS["mp4_dp2"])
+    mlp = _MLP(nnx.Rngs(0))
+    x = np.ones((B, S, IN), np.float32)
+
+    def grads(m, x):
+        return nnx.grad(lambda m: jnp.sum(m(x)))(m)
+
+    found = collectives(_hlo(mlp, grads, x).as_text())
+    kinds = {kind for kind, _ in found}
+    assert kinds <= {"all-reduce"}, found  # the mp and dp gradient reductions only
+
+
+def test_column_gather_output_all_gathers_over_mp():
+    init_fleet(HYBRIDS["mp4_dp2"])
+    col = ColumnParallelLinear(IN, OUT, rngs=nnx.Rngs(0))
+    found = collectives(_hlo(col, lambda m, x: m(x), np.ones((B, IN), np.float32)).as_text())
+    assert found == [("all-gather", MP_GROUPS)], found
+
+
+def test_vocab_parallel_embedding_never_gathers_the_table():
+    init_fleet(HYBRIDS["mp4_dp2"])
+    emb = VocabParallelEmbedding(VOCAB, IN, rngs=nnx.Rngs(0))
+    ids = np.zeros((B, S), np.int32)
+    hlo = _hlo(emb, lambda m, i: m(i), ids).as_text()
+    found = collectives(hlo)
+    assert found == [("all-reduce", MP_GROUPS)], found
+    # the reduced value is the [batch/dp, seq, hidden] output, not the table
+    line = next(line for line in hlo.splitlines() if _OP.search(line))
+    assert f"f32[{B // 2},{S},{IN}]" in line, line
+    # attend (a tied head) needs no communication at all
+    q = np.ones((B, S, IN), np.float32)
+    assert collectives(_hlo(emb, lambda m, q: m.attend(q), q).as_text()) == []
+
+
+# --------------------------------------------------------------- Paddle init mode
+def _shard(array, axis, r, n):
+    size = array.shape[axis] // n
+    return np.take(np.asarray(array), np.arange(r * size, (r + 1) * size), axis=axis)
+
+
+def test_paddle_init_draws_each_shard_from_its_local_seed():
+    init_fleet(HYBRIDS["mp4_dp2"])
+    assert tp_random.model_parallel_random_seed(123) == 123
+    tp_random.set_init_mode("paddle")
+    col = ColumnParallelLinear(IN, OUT, has_bias=True, rngs=nnx.Rngs(0))
+    row = RowParallelLinear(OUT, IN, rngs=nnx.Rngs(0))
+    emb = VocabParallelEmbedding(VOCAB, IN, rngs=nnx.Rngs(0))
+    layers = [(col.kernel, 1, default_kernel_init), (row.kernel, 0, default_kernel_init)]
+    layers.append((emb.embedding, 0, default_embed_init))
+    for draw, (param, axis, init) in enumerate(layers):
+        assert param.sharding.spec[axis] == "mp"
+        shards = [_shard(param[...], axis, r, 4) for r in range(4)]
+        for r, shard in enumerate(shards):
+            key = jax.random.fold_in(jax.random.key(tp_random.local_seed(123, r)), draw)
+            np.testing.assert_allclose(shard, init(key, shard.shape, jnp.float32), **FP32)
+        assert not np.allclose(shards[0], shards[1])
+    # the replicable draw differs; biases are drawn as in replicable mode
+    tp_random.set_init_mode("replicable")
+    col_r = ColumnParallelLinear(IN, OUT, has_bias=True, rngs=nnx.Rngs(0))
+    assert not np.allclose(col.kernel[...], col_r.kernel[...])
+    np.testing.assert_array_equal(col.bias[...], col_r.bias[...])
+    assert tp_random.get_rng_state_tracker().get_states_tracker()["model_parallel_rng"].draws == 3
+
+
+def test_init_mode_keyword_overrides_module_mode():
+    init_fleet(HYBRIDS["mp4_dp2"])
+    tp_random.model_parallel_random_seed(7)
+    paddle = ColumnParallelLinear(IN, OUT, init_mode="paddle", rngs=nnx.Rngs(0))
+    ref = nnx.Linear(IN, OUT, use_bias=False, rngs=nnx.Rngs(0))
+    replicable = ColumnParallelLinear(IN, OUT, rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(replicable.kernel[...], ref.kernel[...], **FP32)
+    assert not np.allclose(paddle.kernel[...], ref.kernel[...])
+
+
+def test_paddle_init_at_mp1_is_the_replicable_init():
+    init_fleet({"dp_degree": 8})
+    tp_random.set_init_mode("paddle")  # no seed needed: mp 1 bypasses the tracker, as in Paddle
+    col = ColumnParallelLinear(IN, OUT, has_bias=True, rngs=nnx.Rngs(2))
+    np.testing.assert_allclose(col.kernel[...], nnx.Linear(IN, OUT, rngs=nnx.Rngs(2)).kernel[...])
+
+
+def test_paddle_init_without_seed_is_a_clear_error():
+    init_fleet(HYBRIDS["mp4_dp2"])
+    with pytest.raises(RuntimeError, match="model_parallel_random_seed"):
+        ColumnParallelLinear(IN, OUT, init_mode="paddle", rngs=nnx.Rngs(0))
+
+
+# --------------------------------------------------------------- the engine
+def test_engine_trains_tp_model_like_flax_on_one_device():
+    """distributed_model places TP params by their metadata; ZeRO-3 adds 'sharding'."""
+    x = np.random.default_rng(0).standard_normal((8, IN)).astype(np.float32)
+    y = np.random.default_rng(1).standard_normal((8, IN)).astype(np.float32)
+
+    class RefMLP(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(IN, OUT, rngs=rngs)
+            self.down = nnx.Linear(OUT, IN, rngs=rngs)
+
+        def __call__(self, x):
+            return self.down(nnx.gelu(self.up(x)))
+
+    def loss_fn(m, b):
+        return jnp.mean((m(b["x"]) - b["y"]) ** 2)
+
+    ref = RefMLP(nnx.Rngs(0))
+    opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
+    for _ in range(3):
+        opt.update(ref, nnx.grad(loss_fn)(ref, {"x": x, "y": y}))
+
+    strategy = DistributedStrategy()
+    strategy.hybrid_configs = HYBRIDS["mp2_sharding2_dp2"]
+    strategy.sharding_configs = {"stage": 3}
+    fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
+    model = fleet.distributed_model(_MLP(nnx.Rngs(0)))
+    dopt = fleet.distributed_optimizer(optax.adam(1e-2))
+    step = make_train_step(loss_fn)
+    for _ in range(3):
+        step(model, dopt, {"x": x, "y": y})
+    tp = model.module
+    assert "mp" in tp.up.kernel.sharding.spec[1] and "sharding" in str(tp.up.kernel.sharding.spec)
+    for name in ("up", "down"):
+        for attr in ("kernel", "bias"):
+            got = getattr(getattr(tp, name), attr)[...]
+            want = getattr(getattr(ref, name), attr)[...]
+            np.testing.assert_allclose(got, want, **FP32, err_msg=f"{name}.{attr}")
+
+
+# --------------------------------------------------------------- bad input
+def test_bad_sizes_name_the_numbers():
+    init_fleet(HYBRIDS["mp4_dp2"])
+    with pytest.raises(ValueError, match=r"out_features=10 is not divisible by the mp degree 4"):
+        ColumnParallelLinear(8, 10, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"in_features=6 is not divisible by the mp degree 4"):
+        RowParallelLinear(6, 8, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"num_embeddings=10 is not divisible by the mp degree 4"):
+        VocabParallelEmbedding(10, 8, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"in_features=0 must be a positive int"):
+        ColumnParallelLinear(0, 8, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"has_bias=True .* use_bias=False"):
+        ColumnParallelLinear(8, 8, has_bias=True, use_bias=False, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"mp_group=.*not the fleet's model-parallel group"):
+        RowParallelLinear(
+            8, 8, mp_group=fleet.get_hybrid_communicate_group().get_data_parallel_group(),
+            rngs=nnx.Rngs(0),
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"init_mode='megatron' must be one of"):
+        ColumnParallelLinear(8, 8, init_mode="megatron", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"init_mode='x' must be one of"):
+        tp_random.set_init_mode("x")
+
+
+def test_bad_inputs_name_the_numbers():
+    init_fleet(HYBRIDS["mp4_dp2"])
+    row = RowParallelLinear(16, 8, input_is_parallel=True, rngs=nnx.Rngs(0))
+    # a per-rank slice (16 / 4) instead of the global array
+    with pytest.raises(ValueError, match=r"last dim 4, but in_features=16") as info:
+        row(np.ones((2, 4), np.float32))
+    assert "full width in_features=16" in str(info.value) and "holds 4" in str(info.value)
+    with pytest.raises(ValueError, match=r"last dim 5, but in_features=16\.$"):
+        RowParallelLinear(16, 8, rngs=nnx.Rngs(0))(np.ones((2, 5), np.float32))
+    with pytest.raises(ValueError, match=r"shape \(2, 3\) has last dim 3, but in_features=8"):
+        ColumnParallelLinear(8, 8, rngs=nnx.Rngs(0))(np.ones((2, 3), np.float32))
+    with pytest.raises(ValueError, match=r"last dim none \(a scalar\)"):
+        ColumnParallelLinear(8, 8, rngs=nnx.Rngs(0))(np.float32(1.0))
+    emb = VocabParallelEmbedding(16, 8, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"ids have dtype float32"):
+        emb(np.ones((2, 3), np.float32))
+    with pytest.raises(ValueError, match=r"shape \(2, 4\) must have last dim embedding_dim=8"):
+        emb.attend(np.ones((2, 4), np.float32))
+    # the check holds under jit too (shapes are static)
+    with pytest.raises(ValueError, match=r"last dim 4, but in_features=16"):
+        nnx.jit(lambda m, x: m(x))(row, np.ones((2, 4), np.float32))
+
+
+def test_layers_need_a_mesh():
+    with pytest.raises(RuntimeError, match=r"fleet.init\(is_collective=True"):
+        ColumnParallelLinear(8, 8, rngs=nnx.Rngs(0))
