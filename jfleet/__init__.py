@@ -10,6 +10,7 @@ Example:
 """
 
 from jfleet import fleet as fleet
+from jfleet import meta_parallel as meta_parallel
 from jfleet.distributed_model import DistributedModel as DistributedModel
 from jfleet.distributed_model import group_sharded_parallel as group_sharded_parallel
 from jfleet.distributed_optimizer import DistributedOptimizer as DistributedOptimizer

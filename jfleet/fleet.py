@@ -18,6 +18,7 @@ the :class:`~jfleet.topology.HybridCommunicateGroup` getters.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import jax
@@ -30,6 +31,7 @@ from jfleet.distributed_model import DistributedModel, prepare_model
 from jfleet.distributed_optimizer import DistributedOptimizer
 from jfleet.fleet_util import UtilBase
 from jfleet.optim.compiler import compile_strategy
+from jfleet.parallel.random import apply_tensor_init_seed, get_rng_state_tracker, set_init_mode
 from jfleet.placement import ParallelPlan
 from jfleet.role_maker import (
     PaddleCloudRoleMaker,
@@ -98,6 +100,8 @@ class Fleet:
         self.util = UtilBase(self)
 
     def _reset(self) -> None:
+        get_rng_state_tracker().reset()
+        set_init_mode("replicable")
         self._role_maker: RoleMakerBase | None = None
         self._user_strategy: DistributedStrategy | None = None
         self._hcg: HybridCommunicateGroup | None = None
@@ -178,6 +182,7 @@ class Fleet:
         self._user_strategy = strategy
         self._hcg = hcg
         self._optimizer = None
+        apply_tensor_init_seed(strategy)
         ignored = strategy.spmd_noop_settings()
         if ignored:
             logger.info(
@@ -411,3 +416,8 @@ get_loss_scaling = _fleet.get_loss_scaling
 _get_applied_meta_list = _fleet._get_applied_meta_list
 util = _fleet.util
 _reset = _fleet._reset
+
+# ``fleet.meta_parallel.ColumnParallelLinear`` and ``from jfleet.fleet.meta_parallel import ...``
+from jfleet import meta_parallel  # noqa: E402
+
+sys.modules[__name__ + ".meta_parallel"] = meta_parallel

@@ -9,22 +9,24 @@ all-reduces the sum, and the shard that owns a token's label contributes the tar
 to a third all-reduce (sum). The three all-reduces carry one number per token. The
 backward pass, ``(softmax - onehot) * dloss`` on each shard, needs no collective at all:
 it recomputes the local softmax from the logits and the per-token log-sum-exp saved by
-the forward pass. All arithmetic is float32 whatever the logits dtype; the gradient comes
-back in the logits dtype.
+the forward pass (a ``jax.custom_vjp``, so reverse mode only: ``jax.grad`` works,
+``jax.jvp`` does not). All arithmetic is float32 whatever the logits dtype; the gradient
+comes back in the logits dtype. With ``mp`` 1 (or a mesh without ``mp``) the same
+arithmetic runs without ``shard_map``.
 
-Semantics (Paddle's ``c_softmax_with_cross_entropy``, with two deliberate differences):
+Semantics (Paddle's ``c_softmax_with_cross_entropy``; two deliberate differences):
 
 - ``labels`` has the shape ``logits.shape[:-1]`` or ``logits.shape[:-1] + (1,)``; the loss
   has shape ``logits.shape[:-1] + (1,)`` either way, as in Paddle. Mind broadcasting when
-  weighting it with a ``[..., ]``-shaped mask: use ``loss[..., 0]`` or ``mask[..., None]``.
+  weighting it with a ``[...]``-shaped mask: use ``loss[..., 0]`` or ``mask[..., None]``.
 - Tokens whose label equals ``ignore_index`` get loss 0 and gradient 0.
-- The loss is float32 (Paddle returns the logits dtype; a half-precision per-token loss
+- Difference: the loss is float32 (Paddle returns the logits dtype; a half-precision per-token loss
   loses precision before the mean).
 - A label outside ``[0, V)`` that is not ``ignore_index`` makes that token's loss and
-  its row of the gradient NaN. Paddle's kernel aborts on it; a traced program cannot
-  raise, so jfleet follows JAX's out-of-bounds "fill" convention (and what the dense
-  ``optax.softmax_cross_entropy_with_integer_labels`` gives for a label ``>= V``), which
-  poisons the step loudly instead of training on a wrong target.
+  its row of the gradient NaN (difference: Paddle's kernel aborts on it; a traced program cannot
+  raise, so jfleet follows JAX's out-of-bounds "fill" convention, which is also what the
+  dense ``optax.softmax_cross_entropy_with_integer_labels`` gives for a label ``>= V``;
+  it poisons the step loudly instead of training on a wrong target).
 
 Example:
   >>> import jax.numpy as jnp

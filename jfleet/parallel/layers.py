@@ -404,7 +404,7 @@ class RowParallelLinear(_ParallelLinear):
     Args:
       in_features: input width (global); the mp degree must divide it.
       out_features: output width.
-      has_bias: whether to add a bias (Paddle's default True).
+      has_bias: whether to add a bias (default, None: True, as in Paddle).
       input_is_parallel: the input is already split over ``mp`` on its last dim (the
         output of ``ColumnParallelLinear(gather_output=False)``). Either way the
         input is the global array of full width ``in_features``; when False a
@@ -445,7 +445,7 @@ class RowParallelLinear(_ParallelLinear):
         in_features: int,
         out_features: int,
         *,
-        has_bias: bool | None = True,
+        has_bias: bool | None = None,
         input_is_parallel: bool = False,
         fuse_matmul_bias: bool = False,
         use_bias: bool | None = None,
@@ -551,9 +551,17 @@ def masked_vocab_lookup(table: jax.Array, ids: jax.Array, mesh: Mesh) -> jax.Arr
     if MP not in mesh.axis_names:
         return local(table, ids, 0)
 
+    # XLA:CPU aborts compiling a 16-bit psum inside a partial-manual shard_map (its
+    # all-reduce promotion cannot clone the reducer Shardy emits). Each output element
+    # is one row plus zeros, so summing in float32 and casting back is exact.
+    wide = mesh.devices.flat[0].platform == "cpu" and jnp.dtype(table.dtype).itemsize < 4
+
     def body(t: jax.Array, i: jax.Array) -> jax.Array:
         start = lax.axis_index(MP) * t.shape[0]
-        return lax.psum(local(t, i, start), MP)
+        part = local(t, i, start)
+        if wide:
+            return lax.psum(part.astype(jnp.float32), MP).astype(part.dtype)
+        return lax.psum(part, MP)
 
     return jax.shard_map(
         body, mesh=mesh, in_specs=(P(MP, None), P()), out_specs=P(), axis_names={MP}

@@ -1,4 +1,4 @@
-"""Tensor-parallel layers equal nnx.Linear / nnx.Embed on one device, with Megatron's collectives."""
+"""Tensor-parallel layers equal nnx.Linear / nnx.Embed on one device, with Megatron's comms."""
 
 from __future__ import annotations
 
@@ -18,10 +18,9 @@ from jfleet.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    default_embed_init,
-    default_kernel_init,
 )
 from jfleet.parallel.mesh_context import DATA, MP, named
+from jfleet.parallel.random import get_rng_state_tracker
 
 HYBRIDS = {
     "mp4_dp2": {"dp_degree": 2, "mp_degree": 4},
@@ -132,31 +131,42 @@ def _forward_and_grads(model, x, w, jit):
     differentiable = jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
 
     def loss(m, x):
-        return jnp.sum(m(x) * w)
+        y = m(x)
+        return jnp.sum(y * w), y
 
     def run(m, x):
-        y = m(x)
         if differentiable:
-            gm, gx = nnx.grad(loss, argnums=(0, 1))(m, x)
+            (_, y), (gm, gx) = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(m, x)
         else:
-            gm, gx = nnx.grad(loss)(m, x), None
+            (_, y), gm = nnx.value_and_grad(loss, has_aux=True)(m, x)
+            gx = None
         return y, gm, gx
 
     return (nnx.jit(run) if jit else run)(model, x)
+
+
+_REFERENCES: dict = {}
+
+
+def _reference(case):
+    """The plain Flax layer on one device (no mesh involved), its input, output and grads."""
+    if case not in _REFERENCES:
+        _, build_ref, make_x, _, _ = CASES[case]
+        rng = np.random.default_rng(0)
+        x = make_x(rng)
+        ref = build_ref(nnx.Rngs(3))
+        shape = jax.eval_shape(lambda x: ref(x), x).shape
+        w = rng.standard_normal(shape).astype(np.float32)
+        _REFERENCES[case] = ref, x, w, _forward_and_grads(ref, x, w, jit=True)
+    return _REFERENCES[case]
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("hybrid", list(HYBRIDS))
 @pytest.mark.parametrize("case", list(CASES))
 def test_layer_matches_flax_layer_on_one_device(case, hybrid, jit):
-    build, build_ref, make_x, last, specs = CASES[case]
-    rng = np.random.default_rng(0)
-    x = make_x(rng)
-    # the reference: plain Flax on one device, before any mesh exists
-    ref = build_ref(nnx.Rngs(3))
-    want_y = ref(x)
-    w = rng.standard_normal(want_y.shape).astype(np.float32)
-    want_y, want_gm, want_gx = _forward_and_grads(ref, x, w, jit=False)
+    build, _, _, last, specs = CASES[case]
+    ref, x, w, (want_y, want_gm, want_gx) = _reference(case)
 
     mesh = init_fleet(HYBRIDS[hybrid])
     model = build(nnx.Rngs(3))
@@ -168,7 +178,7 @@ def test_layer_matches_flax_layer_on_one_device(case, hybrid, jit):
     ):
         np.testing.assert_allclose(got, want, **FP32, err_msg=jax.tree_util.keystr(path))
     params = nnx.state(model, nnx.Param)
-    got_specs = jax.tree.map(lambda v: v.sharding.spec, params.to_pure_dict())
+    got_specs = jax.tree.map(lambda v: v.sharding.spec, nnx.to_pure_dict(params))
     assert got_specs == specs
     if case == "row_parallel_input":  # hand it an input already split over mp
         x = jax.device_put(x, named(mesh, DATA, None, MP))
@@ -215,7 +225,7 @@ def test_weight_aliases_and_paddle_attributes():
 def test_out_of_range_ids_give_zero_rows():
     init_fleet(HYBRIDS["mp4_dp2"])
     emb = VocabParallelEmbedding(VOCAB, IN, rngs=nnx.Rngs(0))
-    out = emb(np.array([[VOCAB, -VOCAB - 1], [-1, 0]], np.int32))
+    out = nnx.jit(lambda m, i: m(i))(emb, np.array([[VOCAB, -VOCAB - 1], [-1, 0]], np.int32))
     np.testing.assert_array_equal(out[0], 0.0)
     np.testing.assert_allclose(out[1, 0], emb.embedding[...][VOCAB - 1])
 
@@ -224,29 +234,50 @@ def test_low_precision_compute_dtype():
     init_fleet(HYBRIDS["mp4_dp2"])
     col = ColumnParallelLinear(IN, OUT, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     emb = VocabParallelEmbedding(VOCAB, IN, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    call = nnx.jit(lambda m, x: m(x))
     assert col.kernel[...].dtype == jnp.float32
-    assert col(np.ones((2, IN), np.float32)).dtype == jnp.bfloat16
-    assert emb(np.ones((2, 3), np.int32)).dtype == jnp.bfloat16
+    assert call(col, np.ones((2, IN), np.float32)).dtype == jnp.bfloat16
+    # a bfloat16 table lookup (its psum runs in float32 on CPU, see masked_vocab_lookup)
+    assert call(emb, np.ones((2, 3), np.int32)).dtype == jnp.bfloat16
 
 
 # --------------------------------------------------------------- compiled HLO
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_OP = re.compile(r"=\s*\S+(?:\[[^\]]*\])?(?:\{[^}]*\})?\s+(" + "|".join(_COLLECTIVES) + r")(?:-start)?\(")
+# an instruction "%name = <type> <opcode>(...)"; the type may be a tuple with spaces
+_OP = re.compile(r" = .*?\s(" + "|".join(_COLLECTIVES) + r")(?:-start)?\(")
+
+
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+    """``<=[dims]T(perm)``: iota over ``dims``, transposed by ``perm``."""
+    shape = [int(d) for d in dims.split(",")]
+    ids = np.arange(int(np.prod(shape))).reshape(shape)
+    return ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
 
 
 def replica_groups(line: str) -> list[list[int]]:
-    """The replica groups of one HLO instruction, explicit or in iota form."""
+    """The replica groups of one HLO instruction: explicit, iota, or mesh form."""
     m = re.search(r"replica_groups=(\{\{[\d,{}\s]*\}\})", line)
     if m:
         return [[int(v) for v in g.split(",") if v] for g in re.findall(r"\{([\d,\s]*)\}", m[1])]
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if m:
+        return _iota(m[3], m[4]).reshape(int(m[1]), int(m[2])).tolist()
+    # replica_groups=mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}: a group per
+    # coordinate of the other axes, running over the listed axes
+    m = re.search(
+        r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
+        r" \{([^}]*)\}",
+        line,
+    )
     assert m, line
-    n, k = int(m[1]), int(m[2])
-    dims = [int(d) for d in m[3].split(",")]
-    ids = np.arange(int(np.prod(dims))).reshape(dims)
-    if m[4]:
-        ids = ids.transpose([int(p) for p in m[4].split(",")])
-    return ids.reshape(n, k).tolist()
+    axes = [(a, int(n)) for a, n in re.findall(r"'([^']+)'=(\d+)", m[1])]
+    sizes = [n for _, n in axes]
+    ids = _iota(m[2], m[3]) if m[2] else np.arange(int(np.prod(sizes)))
+    ids = ids.reshape(sizes)
+    group = [i for i, (a, _) in enumerate(axes) if f"'{a}'" in m[4]]
+    rest = [i for i in range(len(axes)) if i not in group]
+    k = int(np.prod([sizes[i] for i in group]))
+    return ids.transpose(rest + group).reshape(-1, k).tolist()
 
 
 def collectives(hlo: str) -> list[tuple[str, list[list[int]]]]:
@@ -265,12 +296,14 @@ def test_replica_group_parser_reads_both_forms():
         [4, 5, 6, 7],
     ]
     assert replica_groups("replica_groups=[2,4]<=[8], x") == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert replica_groups("replica_groups=[4,2]<=[2,4]T(1,0), x") == [
-        [0, 4],
-        [1, 5],
-        [2, 6],
-        [3, 7],
-    ]
+    dp_groups = [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert replica_groups("replica_groups=[4,2]<=[2,4]T(1,0), x") == dp_groups
+    mesh_form = (
+        "replica_groups=mesh['axis_0'=4,'axis_1'=2,'axis_2'=1], device_ids=([2,4]T(1,0)) "
+        "{'axis_0'}, use_global_device_ids=true"
+    )
+    assert replica_groups(mesh_form) == MP_GROUPS
+    assert replica_groups(mesh_form.replace("{'axis_0'}", "{'axis_1'}")) == dp_groups
 
 
 MP_GROUPS = [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -311,6 +344,13 @@ def test_megatron_mlp_backward_never_gathers_a_kernel():
     assert kinds <= {"all-reduce"}, found  # the mp and dp gradient reductions only
 
 
+def test_row_slices_a_replicated_input_locally():
+    init_fleet(HYBRIDS["mp4_dp2"])
+    row = RowParallelLinear(OUT, IN, rngs=nnx.Rngs(0))  # input_is_parallel=False
+    found = collectives(_hlo(row, lambda m, x: m(x), np.ones((B, S, OUT), np.float32)).as_text())
+    assert found == [("all-reduce", MP_GROUPS)], found
+
+
 def test_column_gather_output_all_gathers_over_mp():
     init_fleet(HYBRIDS["mp4_dp2"])
     col = ColumnParallelLinear(IN, OUT, rngs=nnx.Rngs(0))
@@ -343,21 +383,24 @@ def test_paddle_init_draws_each_shard_from_its_local_seed():
     init_fleet(HYBRIDS["mp4_dp2"])
     assert tp_random.model_parallel_random_seed(123) == 123
     tp_random.set_init_mode("paddle")
-    col = ColumnParallelLinear(IN, OUT, has_bias=True, rngs=nnx.Rngs(0))
-    row = RowParallelLinear(OUT, IN, rngs=nnx.Rngs(0))
-    emb = VocabParallelEmbedding(VOCAB, IN, rngs=nnx.Rngs(0))
-    layers = [(col.kernel, 1, default_kernel_init), (row.kernel, 0, default_kernel_init)]
-    layers.append((emb.embedding, 0, default_embed_init))
-    for draw, (param, axis, init) in enumerate(layers):
+    # fan-in scaled (each shard sees its own fan-in, as in Paddle), untruncated: quick to
+    # compile
+    init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal")
+    col = ColumnParallelLinear(IN, OUT, has_bias=True, kernel_init=init, rngs=nnx.Rngs(0))
+    row = RowParallelLinear(OUT, IN, kernel_init=init, rngs=nnx.Rngs(0))
+    emb = VocabParallelEmbedding(VOCAB, IN, embedding_init=init, rngs=nnx.Rngs(0))
+    layers = [(col.kernel, 1), (row.kernel, 0), (emb.embedding, 0)]
+    draw_shard = jax.jit(init, static_argnums=(1, 2))
+    for draw, (param, axis) in enumerate(layers):
         assert param.sharding.spec[axis] == "mp"
         shards = [_shard(param[...], axis, r, 4) for r in range(4)]
         for r, shard in enumerate(shards):
             key = jax.random.fold_in(jax.random.key(tp_random.local_seed(123, r)), draw)
-            np.testing.assert_allclose(shard, init(key, shard.shape, jnp.float32), **FP32)
+            np.testing.assert_allclose(shard, draw_shard(key, shard.shape, jnp.float32), **FP32)
         assert not np.allclose(shards[0], shards[1])
     # the replicable draw differs; biases are drawn as in replicable mode
     tp_random.set_init_mode("replicable")
-    col_r = ColumnParallelLinear(IN, OUT, has_bias=True, rngs=nnx.Rngs(0))
+    col_r = ColumnParallelLinear(IN, OUT, has_bias=True, kernel_init=init, rngs=nnx.Rngs(0))
     assert not np.allclose(col.kernel[...], col_r.kernel[...])
     np.testing.assert_array_equal(col.bias[...], col_r.bias[...])
     assert tp_random.get_rng_state_tracker().get_states_tracker()["model_parallel_rng"].draws == 3
@@ -380,50 +423,75 @@ def test_paddle_init_at_mp1_is_the_replicable_init():
     np.testing.assert_allclose(col.kernel[...], nnx.Linear(IN, OUT, rngs=nnx.Rngs(2)).kernel[...])
 
 
+def test_fleet_init_seeds_the_tracker_as_paddle_does():
+    init_fleet(HYBRIDS["mp4_dp2"])  # tensor_init_seed -1: a drawn seed, as in Paddle
+    layer = ColumnParallelLinear(IN, OUT, init_mode="paddle", rngs=nnx.Rngs(0))
+    assert layer.kernel.shape == (IN, OUT)
+
+
 def test_paddle_init_without_seed_is_a_clear_error():
     init_fleet(HYBRIDS["mp4_dp2"])
+    get_rng_state_tracker().reset()  # as if no seed had been set
     with pytest.raises(RuntimeError, match="model_parallel_random_seed"):
         ColumnParallelLinear(IN, OUT, init_mode="paddle", rngs=nnx.Rngs(0))
 
 
 # --------------------------------------------------------------- the engine
+class _TinyTiedLM(nnx.Module):
+    """Embedding -> Megatron MLP -> tied head, from TP layers or from plain Flax layers."""
+
+    def __init__(self, tp: bool, rngs: nnx.Rngs):
+        if tp:
+            self.emb = VocabParallelEmbedding(VOCAB, IN, rngs=rngs)
+            self.mlp = _MLP(rngs)
+        else:
+            self.emb = nnx.Embed(VOCAB, IN, rngs=rngs)
+            self.mlp = _RefMLP(rngs)
+
+    def __call__(self, ids):
+        h = self.emb(ids)
+        return self.emb.attend(h + self.mlp(h))
+
+
+class _RefMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.up = nnx.Linear(IN, OUT, rngs=rngs)
+        self.down = nnx.Linear(OUT, IN, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(nnx.gelu(self.up(x)))
+
+
 def test_engine_trains_tp_model_like_flax_on_one_device():
     """distributed_model places TP params by their metadata; ZeRO-3 adds 'sharding'."""
-    x = np.random.default_rng(0).standard_normal((8, IN)).astype(np.float32)
-    y = np.random.default_rng(1).standard_normal((8, IN)).astype(np.float32)
-
-    class RefMLP(nnx.Module):
-        def __init__(self, rngs):
-            self.up = nnx.Linear(IN, OUT, rngs=rngs)
-            self.down = nnx.Linear(OUT, IN, rngs=rngs)
-
-        def __call__(self, x):
-            return self.down(nnx.gelu(self.up(x)))
+    ids = np.random.default_rng(0).integers(0, VOCAB, (8, S + 1)).astype(np.int32)
+    batch = {"x": ids[:, :-1], "y": ids[:, 1:]}
 
     def loss_fn(m, b):
-        return jnp.mean((m(b["x"]) - b["y"]) ** 2)
+        logits = m(b["x"]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
-    ref = RefMLP(nnx.Rngs(0))
+    ref = _TinyTiedLM(False, nnx.Rngs(0))
     opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
+    step_ref = nnx.jit(lambda m, o, b: o.update(m, nnx.grad(loss_fn)(m, b)))
     for _ in range(3):
-        opt.update(ref, nnx.grad(loss_fn)(ref, {"x": x, "y": y}))
+        step_ref(ref, opt, batch)
 
     strategy = DistributedStrategy()
     strategy.hybrid_configs = HYBRIDS["mp2_sharding2_dp2"]
     strategy.sharding_configs = {"stage": 3}
     fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
-    model = fleet.distributed_model(_MLP(nnx.Rngs(0)))
+    model = fleet.distributed_model(_TinyTiedLM(True, nnx.Rngs(0)))
     dopt = fleet.distributed_optimizer(optax.adam(1e-2))
     step = make_train_step(loss_fn)
     for _ in range(3):
-        step(model, dopt, {"x": x, "y": y})
-    tp = model.module
-    assert "mp" in tp.up.kernel.sharding.spec[1] and "sharding" in str(tp.up.kernel.sharding.spec)
-    for name in ("up", "down"):
-        for attr in ("kernel", "bias"):
-            got = getattr(getattr(tp, name), attr)[...]
-            want = getattr(getattr(ref, name), attr)[...]
-            np.testing.assert_allclose(got, want, **FP32, err_msg=f"{name}.{attr}")
+        step(model, dopt, batch)
+    kernel_spec = model.module.mlp.up.kernel.sharding.spec
+    assert "mp" in jax.tree.leaves(tuple(kernel_spec)) and "sharding" in str(kernel_spec)
+    got = jax.tree_util.tree_leaves_with_path(nnx.state(model.module, nnx.Param))
+    want = jax.tree.leaves(nnx.state(ref, nnx.Param))
+    for (path, g), w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, **FP32, err_msg=jax.tree_util.keystr(path))
 
 
 # --------------------------------------------------------------- bad input
@@ -437,6 +505,8 @@ def test_bad_sizes_name_the_numbers():
         VocabParallelEmbedding(10, 8, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"in_features=0 must be a positive int"):
         ColumnParallelLinear(0, 8, rngs=nnx.Rngs(0))
+    assert not RowParallelLinear(8, 8, use_bias=False, rngs=nnx.Rngs(0)).use_bias
+    assert RowParallelLinear(8, 8, rngs=nnx.Rngs(0)).use_bias  # Paddle's default
     with pytest.raises(ValueError, match=r"has_bias=True .* use_bias=False"):
         ColumnParallelLinear(8, 8, has_bias=True, use_bias=False, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"mp_group=.*not the fleet's model-parallel group"):

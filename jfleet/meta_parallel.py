@@ -1,0 +1,48 @@
+"""Paddle's ``fleet.meta_parallel`` names: tensor- and sequence-parallel layers, RNG state.
+
+Importable as ``jfleet.meta_parallel`` and as ``jfleet.fleet.meta_parallel``.
+
+Example:
+  >>> from jfleet import fleet
+  >>> s = fleet.DistributedStrategy()
+  >>> s.hybrid_configs = {"dp_degree": 2, "mp_degree": 4}
+  >>> _ = fleet.init(is_collective=True, strategy=s, log_level="WARNING")
+  >>> from flax import nnx
+  >>> layer = fleet.meta_parallel.ColumnParallelLinear(8, 16, rngs=nnx.Rngs(0))
+  >>> layer.kernel.sharding.spec
+  P(None, 'mp')
+"""
+
+from jfleet.parallel.cross_entropy import ParallelCrossEntropy as ParallelCrossEntropy
+from jfleet.parallel.cross_entropy import parallel_cross_entropy as parallel_cross_entropy
+from jfleet.parallel.layers import ColumnParallelLinear as ColumnParallelLinear
+from jfleet.parallel.layers import RowParallelLinear as RowParallelLinear
+from jfleet.parallel.layers import VocabParallelEmbedding as VocabParallelEmbedding
+from jfleet.parallel.random import RNGStatesTracker as RNGStatesTracker
+from jfleet.parallel.random import get_init_mode as get_init_mode
+from jfleet.parallel.random import get_rng_state_tracker as get_rng_state_tracker
+from jfleet.parallel.random import model_parallel_random_seed as model_parallel_random_seed
+from jfleet.parallel.random import set_init_mode as set_init_mode
+from jfleet.parallel.sequence import AllGatherOp as AllGatherOp
+from jfleet.parallel.sequence import ColumnSequenceParallelLinear as ColumnSequenceParallelLinear
+from jfleet.parallel.sequence import GatherOp as GatherOp
+from jfleet.parallel.sequence import ReduceScatterOp as ReduceScatterOp
+from jfleet.parallel.sequence import RowSequenceParallelLinear as RowSequenceParallelLinear
+from jfleet.parallel.sequence import ScatterOp as ScatterOp
+from jfleet.parallel.sequence import all_gather_sequence as all_gather_sequence
+from jfleet.parallel.sequence import (
+    gather_from_sequence_parallel as gather_from_sequence_parallel,
+)
+from jfleet.parallel.sequence import (
+    is_sequence_parallel_parameter as is_sequence_parallel_parameter,
+)
+from jfleet.parallel.sequence import (
+    mark_as_sequence_parallel_parameter as mark_as_sequence_parallel_parameter,
+)
+from jfleet.parallel.sequence import reduce_scatter_sequence as reduce_scatter_sequence
+from jfleet.parallel.sequence import (
+    register_sequence_parallel_allreduce_hooks as register_sequence_parallel_allreduce_hooks,
+)
+from jfleet.parallel.sequence import (
+    scatter_to_sequence_parallel as scatter_to_sequence_parallel,
+)

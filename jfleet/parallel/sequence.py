@@ -1,0 +1,271 @@
+"""Sequence parallelism (Megatron-SP, Paddle's ``sequence_parallel_utils``) on the ``mp`` axis.
+
+Between the tensor-parallel regions of a transformer block (norms, dropout, residual
+adds) activations are split over the sequence on ``mp`` instead of replicated, so each
+mp rank holds ``1/mp`` of them. A :class:`ColumnSequenceParallelLinear` all-gathers the
+sequence before its column-split matmul; a :class:`RowSequenceParallelLinear`
+reduce-scatters its partial sums back to sequence-split. The two all-reduces of a
+tensor-parallel block become all-gathers and reduce-scatters of the same total bytes.
+
+Paddle's activations are ``[s, b, h]`` and its ops split dim 0; jfleet's default is
+the same (``seq_axis=0``), and ``seq_axis=1`` serves ``[b, s, h]`` models.
+
+In SPMD every array is global, so the four Paddle ops are layout changes of one value:
+``ScatterOp`` / ``ReduceScatterOp`` split the sequence over ``mp``, ``GatherOp`` /
+``AllGatherOp`` replicate it; which collective runs (and in the backward pass its
+transpose) is the compiler's. For the same reason gradients of parameters used on
+sequence-split activations (norm scales and biases) are summed over ``mp`` without
+hooks: :func:`mark_as_sequence_parallel_parameter` records the mark for Paddle
+compatibility and changes nothing else.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from jfleet import fleet
+  >>> s = fleet.DistributedStrategy()
+  >>> s.hybrid_configs = {"dp_degree": 2, "mp_degree": 4}
+  >>> _ = fleet.init(is_collective=True, strategy=s, log_level="WARNING")
+  >>> x = scatter_to_sequence_parallel(jnp.ones((8, 2, 4)))  # [s, b, h]
+  >>> x.sharding.spec
+  P('mp', ('dp', 'sharding'), None)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jfleet._logging import logger
+from jfleet.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from jfleet.parallel.mesh_context import DATA, MP, constrain, layer_mesh, mp_degree
+
+
+def _seq_entries(x: jax.Array, seq_axis: int, seq: Any, mesh: Mesh) -> tuple[Any, ...]:
+    """``seq`` on the sequence dim, the data axes on the batch dim (the other of dims 0, 1)."""
+    if not -x.ndim <= seq_axis < x.ndim:
+        raise ValueError(f"seq_axis={seq_axis} is out of range for an input of shape {x.shape}.")
+    seq_axis %= x.ndim
+    entries: list[Any] = [None] * x.ndim
+    entries[seq_axis] = seq
+    batch_axis = 1 if seq_axis == 0 else 0
+    if x.ndim >= 2 and batch_axis != seq_axis:
+        data = math.prod(mesh.shape.get(a, 1) for a in DATA)
+        entries[batch_axis] = DATA if x.shape[batch_axis] % data == 0 else P.UNCONSTRAINED
+    return tuple(entries)
+
+
+def _check_seq(x: jax.Array, seq_axis: int, mesh: Mesh, what: str) -> None:
+    n = mp_degree(mesh)
+    length = x.shape[seq_axis]
+    if length % n:
+        raise ValueError(
+            f"{what}: sequence length {length} (dim {seq_axis} of shape {x.shape}) is not "
+            f"divisible by the mp degree {n}; sequence parallel splits the sequence over mp, "
+            f"so pad it to a multiple of {n}."
+        )
+
+
+def scatter_to_sequence_parallel(
+    x: jax.Array, *, seq_axis: int = 0, mesh: Mesh | None = None
+) -> jax.Array:
+    """Paddle's ``ScatterOp``: a replicated activation becomes split over the sequence on mp."""
+    mesh = layer_mesh(mesh)
+    _check_seq(x, seq_axis, mesh, "scatter_to_sequence_parallel")
+    return constrain(x, mesh, *_seq_entries(x, seq_axis, MP, mesh))
+
+
+def gather_from_sequence_parallel(
+    x: jax.Array, *, seq_axis: int = 0, mesh: Mesh | None = None
+) -> jax.Array:
+    """Paddle's ``GatherOp``: a sequence-split activation becomes replicated over mp."""
+    mesh = layer_mesh(mesh)
+    return constrain(x, mesh, *_seq_entries(x, seq_axis, None, mesh))
+
+
+all_gather_sequence = gather_from_sequence_parallel
+reduce_scatter_sequence = scatter_to_sequence_parallel
+
+
+class _Op:
+    """Paddle's ``XOp.apply(x)`` spelling of the layout changes above."""
+
+    fn: Any = None
+
+    @classmethod
+    def apply(cls, x: jax.Array, *, seq_axis: int = 0, mesh: Mesh | None = None) -> jax.Array:
+        return cls.fn(x, seq_axis=seq_axis, mesh=mesh)
+
+
+class ScatterOp(_Op):
+    """Split the sequence over mp (backward: gather)."""
+
+    fn = staticmethod(scatter_to_sequence_parallel)
+
+
+class GatherOp(_Op):
+    """Replicate a sequence-split activation (backward: split)."""
+
+    fn = staticmethod(gather_from_sequence_parallel)
+
+
+class AllGatherOp(_Op):
+    """All-gather the sequence (backward: reduce-scatter, chosen by the compiler)."""
+
+    fn = staticmethod(all_gather_sequence)
+
+
+class ReduceScatterOp(_Op):
+    """Reduce-scatter to sequence-split (backward: all-gather, chosen by the compiler)."""
+
+    fn = staticmethod(reduce_scatter_sequence)
+
+
+def mark_as_sequence_parallel_parameter(parameter: nnx.Variable) -> nnx.Variable:
+    """Marks a parameter used on sequence-split activations (Paddle's API).
+
+    Paddle all-reduces such parameters' gradients over mp with hooks; in SPMD the
+    compiler already sums them, so the mark is only recorded
+    (:func:`is_sequence_parallel_parameter`).
+    """
+    if not isinstance(parameter, nnx.Variable):
+        raise TypeError(
+            f"parameter={type(parameter).__name__} is not an nnx.Variable; pass e.g. "
+            "layer_norm.scale."
+        )
+    parameter.set_metadata(sequence_parallel=True)
+    return parameter
+
+
+def is_sequence_parallel_parameter(parameter: nnx.Variable) -> bool:
+    """Whether :func:`mark_as_sequence_parallel_parameter` marked this parameter."""
+    return bool(parameter.get_metadata().get("sequence_parallel", False))
+
+
+def register_sequence_parallel_allreduce_hooks(model: nnx.Module, *args: Any, **kwargs: Any):
+    """Paddle's hook registration: nothing to register under SPMD (logged once)."""
+    logger.info(
+        "register_sequence_parallel_allreduce_hooks: SPMD sums sequence-parallel gradients "
+        "over mp already; nothing to register"
+    )
+    return model
+
+
+def _wide(mesh: Mesh, dtype: Any) -> bool:
+    # XLA:CPU aborts compiling 16-bit reductions inside a partial-manual shard_map
+    # (see layers.masked_vocab_lookup); reduce in float32 there.
+    return mesh.devices.flat[0].platform == "cpu" and jnp.dtype(dtype).itemsize < 4
+
+
+class ColumnSequenceParallelLinear(ColumnParallelLinear):
+    """Column-parallel linear whose input is split over the sequence on mp.
+
+    The input ``[..., s, ..., in]`` (sequence on ``seq_axis``, split over mp) is
+    all-gathered over the sequence, multiplied by the column-split kernel; the output
+    is split over mp on its last dim (``gather_output`` must be False, as in Paddle).
+    Same parameters and initialisation as :class:`ColumnParallelLinear`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, seq_axis: int = 0, **kwargs):
+        if kwargs.get("gather_output", False):
+            raise ValueError(
+                "ColumnSequenceParallelLinear(gather_output=True): the output of a sequence-"
+                "parallel column layer stays split over mp; use gather_output=False."
+            )
+        kwargs["gather_output"] = False
+        super().__init__(in_features, out_features, **kwargs)
+        self.seq_axis = seq_axis
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cls = type(self).__name__
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"{cls}: the input's last dim is {x.shape[-1]}, expected in_features="
+                f"{self.in_features}."
+            )
+        mesh = self.mesh
+        if mp_degree(mesh) == 1:
+            return super().__call__(x)
+        seq_axis = self.seq_axis % x.ndim
+        _check_seq(x, seq_axis, mesh, cls)
+        x = constrain(x, mesh, *_seq_entries(x, seq_axis, MP, mesh))
+        kernel = self.kernel[...]
+        bias = self.bias[...] if self.bias is not None else None
+        x, kernel, bias = dtypes.promote_dtype((x, kernel, bias), dtype=self.dtype)
+        x_spec = P(*(MP if d == seq_axis else None for d in range(x.ndim)))
+        y_spec = P(*((None,) * (x.ndim - 1) + (MP,)))
+
+        def body(x, kernel, *bias):
+            full = lax.all_gather(x, MP, axis=seq_axis, tiled=True)
+            y = lax.dot_general(full, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+            return y + bias[0] if bias else y
+
+        args = (x, kernel) + ((bias,) if bias is not None else ())
+        specs = (x_spec, P(None, MP)) + ((P(MP),) if bias is not None else ())
+        y = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=y_spec, axis_names={MP})(*args)
+        return constrain(y, mesh, *_data_first(y, seq_axis, mesh), MP)
+
+
+class RowSequenceParallelLinear(RowParallelLinear):
+    """Row-parallel linear whose output is reduce-scattered over the sequence on mp.
+
+    The input is split over mp on its last dim (``input_is_parallel`` must be True,
+    as in Paddle); each rank multiplies its slice and the partial sums are
+    reduce-scattered, leaving the output split over the sequence on ``seq_axis``. The
+    replicated bias is added after the reduction.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, seq_axis: int = 0, **kwargs):
+        if not kwargs.get("input_is_parallel", True):
+            raise ValueError(
+                "RowSequenceParallelLinear(input_is_parallel=False): its input is the split "
+                "output of a column layer; use input_is_parallel=True."
+            )
+        kwargs["input_is_parallel"] = True
+        super().__init__(in_features, out_features, **kwargs)
+        self.seq_axis = seq_axis
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cls = type(self).__name__
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"{cls}: the input's last dim is {x.shape[-1]}, expected in_features="
+                f"{self.in_features} (the global width, split over mp)."
+            )
+        mesh = self.mesh
+        if mp_degree(mesh) == 1:
+            return super().__call__(x)
+        seq_axis = self.seq_axis % x.ndim
+        _check_seq(x, seq_axis, mesh, cls)
+        kernel = self.kernel[...]
+        bias = self.bias[...] if self.bias is not None else None
+        x, kernel, bias = dtypes.promote_dtype((x, kernel, bias), dtype=self.dtype)
+        out_dtype = x.dtype
+        wide = _wide(mesh, out_dtype)
+        x_spec = P(*((None,) * (x.ndim - 1) + (MP,)))
+        y_spec = P(*(MP if d == seq_axis else None for d in range(x.ndim)))
+
+        def body(x, kernel):
+            y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+            if wide:
+                y = y.astype(jnp.float32)
+            y = lax.psum_scatter(y, MP, scatter_dimension=seq_axis, tiled=True)
+            return y.astype(out_dtype)
+
+        y = jax.shard_map(
+            body, mesh=mesh, in_specs=(x_spec, P(MP, None)), out_specs=y_spec, axis_names={MP}
+        )(x, kernel)
+        if bias is not None:
+            y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+        return constrain(y, mesh, *_seq_entries(y, seq_axis, MP, mesh))
+
+
+def _data_first(y: jax.Array, seq_axis: int, mesh: Mesh) -> tuple[Any, ...]:
+    """Entries for all but the last dim: the batch dim on the data axes when they divide it."""
+    return _seq_entries(y, seq_axis, None, mesh)[:-1]
