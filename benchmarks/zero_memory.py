@@ -67,8 +67,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from benchmarks import hlo
-from jfleet import DistributedStrategy, fleet, make_train_step
+from jfleet import DistributedStrategy, fleet, hlo, make_train_step
 from jfleet.models import TinyLM, lm_batches, lm_loss
 from jfleet.placement import ParallelPlan
 

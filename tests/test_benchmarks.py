@@ -17,7 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import hlo, zero_memory
+from benchmarks import zero_memory
+from jfleet import hlo
 
 MESH_AXIS = "x"
 

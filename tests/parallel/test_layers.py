@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jfleet import DistributedStrategy, fleet, make_train_step
+from jfleet import DistributedStrategy, fleet, hlo, make_train_step
 from jfleet.parallel import random as tp_random
 from jfleet.parallel.layers import (
     ColumnParallelLinear,
@@ -242,52 +240,13 @@ def test_low_precision_compute_dtype():
 
 
 # --------------------------------------------------------------- compiled HLO
-_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-# an instruction "%name = <type> <opcode>(...)"; the type may be a tuple with spaces
-_OP = re.compile(r" = .*?\s(" + "|".join(_COLLECTIVES) + r")(?:-start)?\(")
-
-
-def _iota(dims: str, perm: str | None) -> np.ndarray:
-    """``<=[dims]T(perm)``: iota over ``dims``, transposed by ``perm``."""
-    shape = [int(d) for d in dims.split(",")]
-    ids = np.arange(int(np.prod(shape))).reshape(shape)
-    return ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
+def collectives(text: str) -> list[tuple[str, list[list[int]]]]:
+    """(kind, replica groups) of every collective in optimised HLO text."""
+    return [(c.kind, [list(g) for g in c.groups or ()]) for c in hlo.collectives(text)]
 
 
 def replica_groups(line: str) -> list[list[int]]:
-    """The replica groups of one HLO instruction: explicit, iota, or mesh form."""
-    m = re.search(r"replica_groups=(\{\{[\d,{}\s]*\}\})", line)
-    if m:
-        return [[int(v) for v in g.split(",") if v] for g in re.findall(r"\{([\d,\s]*)\}", m[1])]
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
-    if m:
-        return _iota(m[3], m[4]).reshape(int(m[1]), int(m[2])).tolist()
-    # replica_groups=mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}: a group per
-    # coordinate of the other axes, running over the listed axes
-    m = re.search(
-        r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
-        r" \{([^}]*)\}",
-        line,
-    )
-    assert m, line
-    axes = [(a, int(n)) for a, n in re.findall(r"'([^']+)'=(\d+)", m[1])]
-    sizes = [n for _, n in axes]
-    ids = _iota(m[2], m[3]) if m[2] else np.arange(int(np.prod(sizes)))
-    ids = ids.reshape(sizes)
-    group = [i for i, (a, _) in enumerate(axes) if f"'{a}'" in m[4]]
-    rest = [i for i in range(len(axes)) if i not in group]
-    k = int(np.prod([sizes[i] for i in group]))
-    return ids.transpose(rest + group).reshape(-1, k).tolist()
-
-
-def collectives(hlo: str) -> list[tuple[str, list[list[int]]]]:
-    """(kind, replica groups) of every collective in optimised HLO text."""
-    found = []
-    for line in hlo.splitlines():
-        m = _OP.search(line)
-        if m:
-            found.append((m[1], replica_groups(line)))
-    return found
+    return [list(g) for g in hlo.replica_groups(line)]
 
 
 def test_replica_group_parser_reads_both_forms():
@@ -362,12 +321,12 @@ def test_vocab_parallel_embedding_never_gathers_the_table():
     init_fleet(HYBRIDS["mp4_dp2"])
     emb = VocabParallelEmbedding(VOCAB, IN, rngs=nnx.Rngs(0))
     ids = np.zeros((B, S), np.int32)
-    hlo = _hlo(emb, lambda m, i: m(i), ids).as_text()
-    found = collectives(hlo)
+    text = _hlo(emb, lambda m, i: m(i), ids).as_text()
+    found = collectives(text)
     assert found == [("all-reduce", MP_GROUPS)], found
     # the reduced value is the [batch/dp, seq, hidden] output, not the table
-    line = next(line for line in hlo.splitlines() if _OP.search(line))
-    assert f"f32[{B // 2},{S},{IN}]" in line, line
+    (reduce,) = hlo.collectives(text)
+    assert reduce.bytes == (B // 2) * S * IN * 4, reduce
     # attend (a tied head) needs no communication at all
     q = np.ones((B, S, IN), np.float32)
     assert collectives(_hlo(emb, lambda m, q: m.attend(q), q).as_text()) == []

@@ -43,6 +43,8 @@ import math
 import re
 from collections.abc import Iterable
 
+import numpy as np
+
 #: The collective kinds reported, in table order.
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all")
 _EXTRA_KINDS = ("ragged-all-to-all", "collective-broadcast")
@@ -97,6 +99,8 @@ class Collective:
         ``dynamic-slice`` (a decomposed reduce-scatter); 0 otherwise.
       trip_count_known: False when an enclosing while loop has no ``known_trip_count``
         (the loop is then counted once).
+      groups: the replica groups (device ids per group), or None when the text
+        does not say.
     """
 
     kind: str
@@ -106,6 +110,7 @@ class Collective:
     group_size: int | None
     sliced_bytes: int = 0
     trip_count_known: bool = True
+    groups: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def wire_bytes(self) -> float:
@@ -247,6 +252,51 @@ def _group_size(attrs: str, partitions: int | None) -> int | None:
         return len(explicit.group(1).split(","))
     if "replica_groups={}" in attrs:
         return partitions
+    return None
+
+
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+    """``<=[dims]T(perm)``: iota over ``dims``, transposed by ``perm``."""
+    ids = np.arange(math.prod(int(d) for d in dims.split(","))).reshape(
+        [int(d) for d in dims.split(",")]
+    )
+    return ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
+
+
+def replica_groups(attrs: str, partitions: int | None = None) -> tuple[tuple[int, ...], ...] | None:
+    """The replica groups of one instruction's attributes: explicit, iota or mesh form.
+
+    Example:
+      >>> replica_groups("replica_groups=[4,2]<=[2,4]T(1,0)")
+      ((0, 4), (1, 5), (2, 6), (3, 7))
+    """
+    m = re.search(r"replica_groups=(\{\{[\d,{}\s]*\}\})", attrs)
+    if m:
+        return tuple(
+            tuple(int(v) for v in g.split(",") if v.strip())
+            for g in re.findall(r"\{([\d,\s]*)\}", m[1])
+        )
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
+    if m:
+        ids = _iota(m[3], m[4]).reshape(int(m[1]), int(m[2]))
+        return tuple(tuple(int(v) for v in row) for row in ids)
+    m = re.search(
+        r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
+        r" \{([^}]*)\}",
+        attrs,
+    )
+    if m:
+        axes = [(a, int(n)) for a, n in re.findall(r"'([^']+)'\s*=\s*(\d+)", m[1])]
+        sizes = [n for _, n in axes]
+        ids = _iota(m[2], m[3]) if m[2] else np.arange(math.prod(sizes))
+        ids = ids.reshape(sizes)
+        group = [i for i, (a, _) in enumerate(axes) if f"'{a}'" in m[4]]
+        rest = [i for i in range(len(axes)) if i not in group]
+        k = math.prod(sizes[i] for i in group)
+        rows = ids.transpose(rest + group).reshape(-1, k)
+        return tuple(tuple(int(v) for v in row) for row in rows)
+    if "replica_groups={}" in attrs and partitions:
+        return (tuple(range(partitions)),)
     return None
 
 
@@ -398,6 +448,7 @@ class _Module:
             weight=weight,
             bytes=max(operand_bytes, result_bytes),
             group_size=_group_size(inst.attrs, self.partitions),
+            groups=replica_groups(inst.attrs, self.partitions),
             sliced_bytes=sliced,
             trip_count_known=known,
         )
