@@ -270,7 +270,8 @@ def _validate(
     rows = _batch_rows(inputs, "inputs") | _batch_rows(targets, "targets")
     if len(rows) != 1:
         raise ValueError(
-            f"inputs and targets must share one batch size on their leading axis; got {sorted(rows)}."
+            "inputs and targets must share one batch size on their leading axis; got "
+            f"{sorted(rows)}."
         )
     (batch,) = rows
     if batch % (m * dp):
@@ -380,8 +381,28 @@ def _vary(tree: Any, axes: tuple[str, ...]) -> Any:
     return jax.tree.map(one, tree)
 
 
-def _zeros(tree: Any, dtype: Any = None) -> Any:
-    return jax.tree.map(lambda x: jnp.zeros_like(x, dtype=dtype), tree)
+def _zeros(tree: Any) -> Any:
+    return jax.tree.map(jnp.zeros_like, tree)
+
+
+def _shapes(tree: Any) -> Any:
+    return jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", tree)
+
+
+def _check_fns(spec: _Pipeline, params: Any, head: Any, x: Any, target: Any) -> None:
+    """Traces ``stage_fn`` and ``head_fn`` on one micro-batch: clear errors for bad returns."""
+    y = jax.eval_shape(spec.stage_fn, params, x)
+    if jax.tree.structure(y) != jax.tree.structure(x) or _shapes(y) != _shapes(x):
+        raise ValueError(
+            "stage_fn must return an activation of its input's structure, shapes and dtypes "
+            f"(it is passed to the next stage); for x = {_shapes(x)} it returned {_shapes(y)}."
+        )
+    loss = jax.eval_shape(spec.head_fn, head, x, target)
+    if getattr(loss, "shape", None) != ():
+        raise ValueError(
+            "head_fn must return a scalar loss for one micro-batch; it returned "
+            f"{jax.tree.map(lambda a: a.shape, loss)}."
+        )
 
 
 def _acc_dtype(x: jax.Array) -> Any:
@@ -399,9 +420,10 @@ def _local_step(spec, stage_params, head_params, inputs, targets, forward_only, 
     x_mb = _vary(jax.tree.map(lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:]), inputs), axes)
     t_mb = jax.tree.map(lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:]), targets)
     stage = lax.axis_index(spec.pp_axis)
+    _check_fns(spec, params, head, _take(x_mb, 0), _take(t_mb, 0))
 
     if forward_only:
-        total = _gpipe_forward(spec, params, head, x_mb, t_mb, stage)
+        total = _gpipe_forward(spec, params, head, x_mb, t_mb, stage, skip_bubbles=True)
         return lax.psum(total, axes) * scale
     if spec.schedule == "FThenB":
         total, grads = _fthenb(spec, params, head, x_mb, t_mb, stage, with_dx)
@@ -442,37 +464,52 @@ def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
-def _gpipe_forward(spec, params, head, x_mb, t_mb, stage):
-    """The forward GPipe loop (``M + P - 1`` ticks): this device's summed head losses."""
+def _gpipe_forward(spec, params, head, x_mb, t_mb, stage, *, skip_bubbles):
+    """The forward GPipe loop (``M + P - 1`` ticks), then the head on the last stage.
+
+    Returns this device's sum of head losses (zero off the last stage). With
+    ``skip_bubbles`` a ``lax.cond`` skips a stage's bubble ticks; without it (the loop
+    that gets differentiated) the stage runs masked, because a ``cond`` under autodiff
+    hands its residuals out per tick, the stage's weights included, and the scan would
+    stack a copy of them for every tick.
+    """
     m, p, axes = spec.num_microbatches, spec.num_stages, spec.manual_axes
     stage_fn = jax.checkpoint(spec.stage_fn) if spec.remat else spec.stage_fn
     act = _take(x_mb, 0)
-    last = stage == p - 1
+
+    def run_stage(x):
+        return _vary(stage_fn(params, x), axes)
 
     def tick(carry, t):
-        received, total = carry
+        received, outs = carry
         f = t - stage
         valid = (f >= 0) & (f < m)
         fi = jnp.clip(f, 0, m - 1)
         x = _select(stage == 0, _take(x_mb, fi), received)
-        y = lax.cond(valid, lambda: _vary(stage_fn(params, x), axes), lambda: _zeros(act))
-        loss = lax.cond(
-            valid & last,
-            lambda: _vary(jnp.asarray(spec.head_fn(head, y, _take(t_mb, fi)), jnp.float32), axes),
-            lambda: _vary(jnp.zeros((), jnp.float32), axes),
-        )
-        return (_shift(y, spec, 1), total + loss), None
+        if skip_bubbles:
+            y = lax.cond(valid, run_stage, lambda _: _zeros(act), x)
+        else:
+            y = _select(valid, run_stage(x), _zeros(act))
+        outs = _put(outs, _select(valid, y, _take(outs, fi)), fi)
+        return (_shift(y, spec, 1), outs), None
 
-    init = (_zeros(act), _vary(jnp.zeros((), jnp.float32), axes))
-    (_, total), _ = lax.scan(tick, init, jnp.arange(m + p - 1))
-    return total
+    init = _vary((_zeros(act), _zeros(x_mb)), axes)
+    (_, outs), _ = lax.scan(tick, init, jnp.arange(m + p - 1))
+
+    def heads():
+        def one(yt):
+            return jnp.asarray(spec.head_fn(head, *yt), jnp.float32)
+
+        return _vary(jnp.sum(lax.map(one, (outs, t_mb))), axes)
+
+    return lax.cond(stage == p - 1, heads, lambda: _vary(jnp.zeros((), jnp.float32), axes))
 
 
 def _fthenb(spec, params, head, x_mb, t_mb, stage, with_dx):
     """GPipe: differentiate the forward loop; its transpose is the backward loop."""
 
     def local(params, head, x_mb):
-        return _gpipe_forward(spec, params, head, x_mb, t_mb, stage)
+        return _gpipe_forward(spec, params, head, x_mb, t_mb, stage, skip_bubbles=False)
 
     if with_dx:
         total, grads = jax.value_and_grad(local, argnums=(0, 1, 2))(params, head, x_mb)
@@ -524,7 +561,8 @@ def _one_f_one_b(spec, params, head, x_mb, t_mb, stage, with_dx):
             received_g,
             _take(t_mb, fi),
         )
-        stash = _put(stash, x, fi % slots)
+        slot = f % slots  # f, not the clipped fi: a bubble tick must not hit a live slot
+        stash = _put(stash, _select(f_valid, x, _take(stash, slot)), slot)
         d_stage = jax.tree.map(lambda a, d: a + d.astype(a.dtype), d_stage, dp)
         d_head = jax.tree.map(lambda a, d: a + d.astype(a.dtype), d_head, dh)
         if with_dx:
