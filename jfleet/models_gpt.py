@@ -49,8 +49,12 @@ def _layers(tensor_parallel: bool, sequence_parallel: bool):
         )
 
         return (
-            functools.partial(ColumnSequenceParallelLinear, has_bias=True, gather_output=False),
-            functools.partial(RowSequenceParallelLinear, has_bias=True, input_is_parallel=True),
+            functools.partial(
+                ColumnSequenceParallelLinear, has_bias=True, gather_output=False, seq_axis=1
+            ),
+            functools.partial(
+                RowSequenceParallelLinear, has_bias=True, input_is_parallel=True, seq_axis=1
+            ),
             VocabParallelEmbedding,
         )
     return (
@@ -61,21 +65,24 @@ def _layers(tensor_parallel: bool, sequence_parallel: bool):
 
 
 class Attention(nnx.Module):
-    """Causal multi-head self-attention with separate q, k, v, o projections."""
+    """Causal multi-head self-attention: a fused qkv projection and an output projection.
+
+    The fused projection's output is laid out per head (``[heads, 3, head_dim]``, as in
+    Megatron), so splitting it over ``mp`` gives each rank whole heads.
+    """
 
     def __init__(self, width: int, heads: int, *, column, row, rngs: nnx.Rngs) -> None:
         if width % heads:
             raise ValueError(f"width={width} must be a multiple of heads={heads}.")
         self.heads = heads
-        self.q = column(width, width, rngs=rngs)
-        self.k = column(width, width, rngs=rngs)
-        self.v = column(width, width, rngs=rngs)
+        self.qkv = column(width, 3 * width, rngs=rngs)
         self.o = row(width, width, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         b, _, w = x.shape
         hd = w // self.heads
-        q, k, v = (f(x).reshape(b, -1, self.heads, hd) for f in (self.q, self.k, self.v))
+        qkv = self.qkv(x).reshape(b, -1, self.heads, 3, hd)
+        q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
         s_full = q.shape[1]
         logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(hd)
         causal = jnp.tril(jnp.ones((s_full, s_full), bool))

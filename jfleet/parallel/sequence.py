@@ -198,8 +198,9 @@ class ColumnSequenceParallelLinear(ColumnParallelLinear):
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         x, kernel, bias = dtypes.promote_dtype((x, kernel, bias), dtype=self.dtype)
-        x_spec = P(*(MP if d == seq_axis else None for d in range(x.ndim)))
-        y_spec = P(*((None,) * (x.ndim - 1) + (MP,)))
+        batch, manual = _manual_batch(x, seq_axis, mesh)
+        x_spec = P(*_dims(x.ndim, {seq_axis: MP, **batch}))
+        y_spec = P(*_dims(x.ndim, {x.ndim - 1: MP, **batch}))
 
         def body(x, kernel, *bias):
             full = lax.all_gather(x, MP, axis=seq_axis, tiled=True)
@@ -208,7 +209,9 @@ class ColumnSequenceParallelLinear(ColumnParallelLinear):
 
         args = (x, kernel) + ((bias,) if bias is not None else ())
         specs = (x_spec, P(None, MP)) + ((P(MP),) if bias is not None else ())
-        y = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=y_spec, axis_names={MP})(*args)
+        y = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=y_spec, axis_names=manual)(
+            *args
+        )
         return constrain(y, mesh, *_data_first(y, seq_axis, mesh), MP)
 
 
@@ -248,8 +251,9 @@ class RowSequenceParallelLinear(RowParallelLinear):
         x, kernel, bias = dtypes.promote_dtype((x, kernel, bias), dtype=self.dtype)
         out_dtype = x.dtype
         wide = _wide(mesh, out_dtype)
-        x_spec = P(*((None,) * (x.ndim - 1) + (MP,)))
-        y_spec = P(*(MP if d == seq_axis else None for d in range(x.ndim)))
+        batch, manual = _manual_batch(x, seq_axis, mesh)
+        x_spec = P(*_dims(x.ndim, {x.ndim - 1: MP, **batch}))
+        y_spec = P(*_dims(x.ndim, {seq_axis: MP, **batch}))
 
         def body(x, kernel):
             y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
@@ -259,11 +263,29 @@ class RowSequenceParallelLinear(RowParallelLinear):
             return y.astype(out_dtype)
 
         y = jax.shard_map(
-            body, mesh=mesh, in_specs=(x_spec, P(MP, None)), out_specs=y_spec, axis_names={MP}
+            body, mesh=mesh, in_specs=(x_spec, P(MP, None)), out_specs=y_spec, axis_names=manual
         )(x, kernel)
         if bias is not None:
             y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
         return constrain(y, mesh, *_seq_entries(y, seq_axis, MP, mesh))
+
+
+def _dims(ndim: int, entries: dict[int, Any]) -> tuple[Any, ...]:
+    return tuple(entries.get(d) for d in range(ndim))
+
+
+def _manual_batch(x: jax.Array, seq_axis: int, mesh: Mesh) -> tuple[dict[int, Any], set[str]]:
+    """The batch dim's spec entry and the manual axes of the layer's ``shard_map``.
+
+    The data axes are made manual too when they divide the batch, so the batch stays
+    split inside the layer (left automatic, the compiler gathers it).
+    """
+    data = tuple(a for a in DATA if a in mesh.axis_names)
+    batch_axis = 1 if seq_axis == 0 else 0
+    size = math.prod(mesh.shape[a] for a in data)
+    if x.ndim >= 2 and data and x.shape[batch_axis] % size == 0:
+        return {batch_axis: data}, {MP, *data}
+    return {}, {MP}
 
 
 def _data_first(y: jax.Array, seq_axis: int, mesh: Mesh) -> tuple[Any, ...]:
