@@ -205,3 +205,24 @@ def test_dropout_on_replicated_activations_is_the_same_on_every_mp_rank():
         for buf in bufs[1:]:
             np.testing.assert_array_equal(buf, bufs[0])
     np.testing.assert_allclose(out, _dropout(np.asarray(y), key), rtol=1e-6)
+
+
+def _paddle_kernel(seed: int):
+    from jfleet import DistributedStrategy, fleet
+    from jfleet.parallel.layers import ColumnParallelLinear
+    from jfleet.parallel.random import set_init_mode
+
+    s = DistributedStrategy()
+    s.hybrid_configs = {"dp_degree": 2, "mp_degree": 4}
+    s.tensor_parallel_configs = {"tensor_init_seed": seed}
+    fleet.init(is_collective=True, strategy=s, log_level="WARNING")
+    set_init_mode("paddle")
+    from flax import nnx
+
+    return np.asarray(ColumnParallelLinear(8, 16, rngs=nnx.Rngs(0)).kernel[...])
+
+
+def test_strategy_tensor_init_seed_drives_paddle_init():
+    a, b, c = _paddle_kernel(7), _paddle_kernel(7), _paddle_kernel(8)
+    np.testing.assert_array_equal(a, b)
+    assert not np.allclose(a, c)
