@@ -90,16 +90,12 @@ def _cached(table, loss_fn, plan, cls):
     return per_fn[plan]
 
 
-def prepare_model(model: nnx.Module, strategy: Any, plan: ParallelPlan) -> DistributedModel:
-    """Applies the strategy's AMP and recompute settings, places the model, wraps it."""
-    if isinstance(model, DistributedModel):
-        raise ValueError("the model is already a DistributedModel; pass it on as it is.")
-    if not isinstance(model, nnx.Module):
-        raise TypeError(
-            f"model={type(model).__name__} is not a flax.nnx.Module; jfleet distributes NNX "
-            "modules."
-        )
-    if strategy is not None and strategy.amp:
+def apply_model_settings(model: nnx.Module, strategy: Any) -> nnx.Module:
+    """The strategy's model-side settings, in place: AMP dtypes (``amp``), recompute.
+
+    The same call a single-device reference run uses to build the identical model.
+    """
+    if strategy.amp:
         from jfleet.amp import apply_amp
         from jfleet.optim.compiler import amp_settings
 
@@ -111,13 +107,27 @@ def prepare_model(model: nnx.Module, strategy: Any, plan: ParallelPlan) -> Distr
             custom_white_list=tuple(strategy.amp_configs["custom_white_list"]),
             custom_black_list=tuple(strategy.amp_configs["custom_black_list"]),
         )
-    if strategy is not None and strategy.recompute:
+    if strategy.recompute:
         from jfleet.recompute import apply_recompute
 
         configs = strategy.recompute_configs
         apply_recompute(
             model, configs["checkpoints"], enable_offload=bool(configs["enable_offload"])
         )
+    return model
+
+
+def prepare_model(model: nnx.Module, strategy: Any, plan: ParallelPlan) -> DistributedModel:
+    """Applies the strategy's AMP and recompute settings, places the model, wraps it."""
+    if isinstance(model, DistributedModel):
+        raise ValueError("the model is already a DistributedModel; pass it on as it is.")
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            f"model={type(model).__name__} is not a flax.nnx.Module; jfleet distributes NNX "
+            "modules."
+        )
+    if strategy is not None:
+        apply_model_settings(model, strategy)
     plan.place_params(model)
     return DistributedModel(model, plan)
 

@@ -73,13 +73,8 @@ def _shardings(tree: Any) -> Any:
     return jax.tree.map(lambda x: x.sharding, tree)
 
 
-class TrainStep:
-    """One jitted train step ``step(model, optimizer, batch) -> loss``.
-
-    Built by :func:`make_train_step`. The first call for a model/optimizer/batch
-    structure compiles; later calls reuse the executable. The aux value of a
-    ``(loss, aux)`` loss function of the last call is in ``last_aux``.
-    """
+class _Step:
+    """What the train and eval steps share: the loss function, the plan, the compile cache."""
 
     def __init__(self, loss_fn: LossFn, plan: ParallelPlan | None = None) -> None:
         if not callable(loss_fn):
@@ -88,6 +83,15 @@ class TrainStep:
         self._plan = plan
         self._cache: dict[Any, Callable] = {}
         self.last_aux: Any = None
+
+
+class TrainStep(_Step):
+    """One jitted train step ``step(model, optimizer, batch) -> loss``.
+
+    Built by :func:`make_train_step`. The first call for a model/optimizer/batch
+    structure compiles; later calls reuse the executable. The aux value of a
+    ``(loss, aux)`` loss function of the last call is in ``last_aux``.
+    """
 
     def lower(self, model: nnx.Module, optimizer: DistributedOptimizer, batch: Any):
         """The lowered step for these arguments (for HLO and memory inspection)."""
@@ -163,16 +167,8 @@ class TrainStep:
         )
 
 
-class EvalStep:
+class EvalStep(_Step):
     """One jitted evaluation step ``step(model, batch) -> loss`` (no update)."""
-
-    def __init__(self, loss_fn: LossFn, plan: ParallelPlan | None = None) -> None:
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn={loss_fn!r} is not callable; pass loss_fn(model, batch).")
-        self.loss_fn = loss_fn
-        self._plan = plan
-        self._cache: dict[Any, Callable] = {}
-        self.last_aux: Any = None
 
     def __call__(self, model: nnx.Module, batch: Any) -> jax.Array:
         batch = resolve_plan(self._plan, model).shard_batch(batch)

@@ -10,13 +10,12 @@ import pytest
 from flax import nnx
 
 from jfleet import DistributedStrategy, fleet, make_train_step
-from jfleet.amp import apply_amp
+from jfleet.distributed_model import apply_model_settings
 from jfleet.models import TinyLM, lm_batches, lm_loss
 from jfleet.optim import hyperparams
 from jfleet.optim.clip import clip_by_global_norm, global_norm
 from jfleet.optim.compiler import amp_settings, compile_strategy
 from jfleet.optim.loss_scale import loss_scale_of
-from jfleet.recompute import apply_recompute
 
 STEPS = 4
 
@@ -31,18 +30,8 @@ def make_strategy(hybrid: dict, **settings) -> DistributedStrategy:
 
 def reference_run(strategy, tx, batches, loss_fn=lm_loss):
     """The same training on one device: plain nnx.jit, the same chain, no mesh."""
-    model = TinyLM()
+    model = apply_model_settings(TinyLM(), strategy)
     amp = amp_settings(strategy)
-    if amp is not None:
-        apply_amp(
-            model,
-            dtype=amp.dtype,
-            level=amp.level,
-            custom_white_list=tuple(strategy.amp_configs["custom_white_list"]),
-            custom_black_list=tuple(strategy.amp_configs["custom_black_list"]),
-        )
-    if strategy.recompute:
-        apply_recompute(model, strategy.recompute_configs["checkpoints"])
     compiled = compile_strategy(tx, strategy)
     opt = nnx.Optimizer(model, compiled.tx, wrt=nnx.Param)
     scaled = bool(amp and amp.loss_scaling)

@@ -183,21 +183,11 @@ class ColumnSequenceParallelLinear(ColumnParallelLinear):
         self.seq_axis = seq_axis
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        cls = type(self).__name__
-        if x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"{cls}: the input's last dim is {x.shape[-1]}, expected in_features="
-                f"{self.in_features}."
-            )
+        if mp_degree(self.mesh) == 1:
+            return super().__call__(_check_width(self, x, ""))
+        x, kernel, bias, seq_axis = _operands(self, x, "")
         mesh = self.mesh
-        if mp_degree(mesh) == 1:
-            return super().__call__(x)
-        seq_axis = self.seq_axis % x.ndim
-        _check_seq(x, seq_axis, mesh, cls)
         x = constrain(x, mesh, *_seq_entries(x, seq_axis, MP, mesh))
-        kernel = self.kernel[...]
-        bias = self.bias[...] if self.bias is not None else None
-        x, kernel, bias = dtypes.promote_dtype((x, kernel, bias), dtype=self.dtype)
         batch, manual = _manual_batch(x, seq_axis, mesh)
         x_spec = P(*_dims(x.ndim, {seq_axis: MP, **batch}))
         y_spec = P(*_dims(x.ndim, {x.ndim - 1: MP, **batch}))
@@ -235,20 +225,11 @@ class RowSequenceParallelLinear(RowParallelLinear):
         self.seq_axis = seq_axis
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        cls = type(self).__name__
-        if x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"{cls}: the input's last dim is {x.shape[-1]}, expected in_features="
-                f"{self.in_features} (the global width, split over mp)."
-            )
+        extra = " (the global width, split over mp)"
+        if mp_degree(self.mesh) == 1:
+            return super().__call__(_check_width(self, x, extra))
+        x, kernel, bias, seq_axis = _operands(self, x, extra)
         mesh = self.mesh
-        if mp_degree(mesh) == 1:
-            return super().__call__(x)
-        seq_axis = self.seq_axis % x.ndim
-        _check_seq(x, seq_axis, mesh, cls)
-        kernel = self.kernel[...]
-        bias = self.bias[...] if self.bias is not None else None
-        x, kernel, bias = dtypes.promote_dtype((x, kernel, bias), dtype=self.dtype)
         out_dtype = x.dtype
         wide = _wide(mesh, out_dtype)
         batch, manual = _manual_batch(x, seq_axis, mesh)
@@ -268,6 +249,26 @@ class RowSequenceParallelLinear(RowParallelLinear):
         if bias is not None:
             y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
         return constrain(y, mesh, *_seq_entries(y, seq_axis, MP, mesh))
+
+
+def _check_width(layer: Any, x: jax.Array, extra: str) -> jax.Array:
+    if x.shape[-1] != layer.in_features:
+        raise ValueError(
+            f"{type(layer).__name__}: the input's last dim is {x.shape[-1]}, expected "
+            f"in_features={layer.in_features}{extra}."
+        )
+    return x
+
+
+def _operands(layer: Any, x: jax.Array, extra: str):
+    """The checked input, kernel and bias in the compute dtype, and the sequence axis."""
+    _check_width(layer, x, extra)
+    seq_axis = layer.seq_axis % x.ndim
+    _check_seq(x, seq_axis, layer.mesh, type(layer).__name__)
+    kernel = layer.kernel[...]
+    bias = layer.bias[...] if layer.bias is not None else None
+    x, kernel, bias = dtypes.promote_dtype((x, kernel, bias), dtype=layer.dtype)
+    return x, kernel, bias, seq_axis
 
 
 def _dims(ndim: int, entries: dict[int, Any]) -> tuple[Any, ...]:
