@@ -1,7 +1,8 @@
-"""The benchmark's HLO collective counter, and ZeRO's memory and communication on 8 devices.
+"""The benchmark's HLO collective counter, ZeRO's memory and communication on 8 devices, and
+tensor parallel's per-block collective bytes.
 
 Uses ``benchmarks/hlo.py`` and ``benchmarks/zero_memory.py`` at TinyLM's default size,
-without timing.
+without timing, and ``benchmarks/tensor_parallel.py`` at its own configuration.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import zero_memory
+from benchmarks import tensor_parallel, zero_memory
 from jfleet import hlo
 
 MESH_AXIS = "x"
@@ -223,3 +224,91 @@ def test_report_renders_every_configuration(results):
     for config in CONFIGS.values():
         assert f"| {config.name} |" in report
     assert "Rajbhandari" in report
+
+
+# ------------------------------------------------------------------ tensor parallel, one block
+TP_PROGRAMS = (tensor_parallel.FORWARD, tensor_parallel.VJP)
+
+
+@pytest.fixture(scope="module")
+def tp_rows() -> dict[tuple[str, str], tensor_parallel.Measurement]:
+    """The benchmark's block at its own configuration: forward and forward + backward."""
+    rows = tensor_parallel.run(tensor_parallel.Config(), TP_PROGRAMS)
+    return {(m.layout, m.program): m for m in rows}
+
+
+def _tp_expected(cfg: tensor_parallel.Config) -> dict[str, int]:
+    """Megatron's bytes for the configuration, derived from its sizes (fp32)."""
+    assert cfg.dtype == "float32"
+    b, s, h, n = cfg.batch, cfg.seq, cfg.width, cfg.mp  # b: the batch per dp replica
+    activation = b * s * h * 4  # one [b, s, h] activation of one mp group
+    # per device: column qkv (h x 3h) and up (h x ffn h) kernels and biases split over mp,
+    # row o (h x h) and down (ffn h x h) kernels split, their biases and the 2 norms whole
+    f = cfg.ffn
+    params = ((3 + 1 + 2 * f) * h * h + (3 + f) * h) // n + (2 + 4) * h
+    return {
+        "forward": 2 * activation,  # attention output, MLP output
+        "forward + backward": 4 * activation,  # + the qkv and MLP-up input gradients
+        "sp params": 6 * h * 4,  # norm1, norm2 scale + bias; o and down biases
+        "param bytes": params * 4,
+    }
+
+
+def test_tensor_parallel_block_moves_megatrons_bytes(tp_rows):
+    cfg = tensor_parallel.Config()
+    want = _tp_expected(cfg)
+    for program in TP_PROGRAMS:
+        m = tp_rows[("TP", program)]
+        assert m.bytes("all-reduce") == want[program], (program, m.mp)
+        assert m.bytes("all-gather") == m.bytes("reduce-scatter") == 0, (program, m.mp)
+        assert m.all_reduce_units == want[program] == cfg.megatron_bytes(program)
+        assert not m.mp_small, m.mp_small
+    fwd = tp_rows[("TP", tensor_parallel.FORWARD)]
+    assert [c.kind for c in fwd.mp] == ["all-reduce", "all-reduce"], fwd.mp
+    assert not fwd.other, fwd.other
+
+
+def test_sequence_parallel_block_moves_the_same_volume_as_gathers_and_scatters(tp_rows):
+    cfg = tensor_parallel.Config()
+    want = _tp_expected(cfg)
+    for program in TP_PROGRAMS:
+        tp, sp = tp_rows[("TP", program)], tp_rows[("TP + SP", program)]
+        # each all-reduce of B becomes an all-gather of B and a reduce-scatter of B
+        assert sp.bytes("all-gather") == sp.bytes("reduce-scatter") == want[program], sp.mp
+        assert sp.bytes("all-reduce") == 0 and sp.sliced_bytes == 0, sp.mp
+        assert sp.all_reduce_units == tp.all_reduce_units == cfg.megatron_bytes(program)
+        assert sp.wire_bytes == pytest.approx(tp.wire_bytes)
+        assert sp.wire_bytes == pytest.approx(2 * (cfg.mp - 1) / cfg.mp * want[program])
+    vjp = tp_rows[("TP + SP", tensor_parallel.VJP)]
+    assert [c.kind for c in vjp.mp_small] == ["all-reduce"], vjp.mp_small
+    assert vjp.small_bytes == want["sp params"]
+
+
+def test_tensor_parallel_gradients_are_all_reduced_over_dp_only(tp_rows):
+    want = _tp_expected(tensor_parallel.Config())
+    dp_groups = [(0, 4), (1, 5), (2, 6), (3, 7)]
+    for layout in tensor_parallel.LAYOUTS:
+        m = tp_rows[(layout, tensor_parallel.VJP)]
+        assert [(c.kind, list(c.groups)) for c in m.other] == [("all-reduce", dp_groups)]
+        assert m.other_bytes == want["param bytes"]
+
+
+def test_tensor_parallel_report_replaces_only_its_section(tp_rows, tmp_path):
+    cfg = tensor_parallel.Config()
+    section = tensor_parallel.report(cfg, list(tp_rows.values()), "pytest")
+    assert section.startswith(tensor_parallel.BEGIN) and section.endswith(
+        tensor_parallel.END + "\n"
+    )
+    row = "| TP + SP | forward + backward | 4 x all-gather: 4.000; 4 x reduce-scatter: 4.000 |"
+    assert row in section
+    assert "Korthikanti" in section and "b = 8 per data-parallel replica" in section
+    results = tmp_path / "RESULTS.md"
+    results.write_text(
+        "# ZeRO\n\nzero table\n\n<!-- pipeline_memory: begin -->\np\n"
+        "<!-- pipeline_memory: end -->\n"
+    )
+    tensor_parallel.write(section, results)
+    tensor_parallel.write(section.replace("Korthikanti", "K."), results)  # re-run: replaced
+    text = results.read_text()
+    assert text.startswith("# ZeRO\n\nzero table\n") and "<!-- pipeline_memory: end -->" in text
+    assert text.count(tensor_parallel.BEGIN) == 1 and "Korthikanti" not in text

@@ -104,3 +104,40 @@ def test_train_fleet_rejects_degrees_that_do_not_fill_the_devices():
     proc = run_example("train_fleet.py", "--dp", "3", "--sharding", "1", "--steps", "2")
     assert proc.returncode != 0
     assert "ValueError" in proc.stderr, proc.stderr
+
+
+def parse_layouts(out: str) -> dict[str, str]:
+    """``{parameter: spec}`` from the example's lines ``  name (kind)  (shape)  P(...)``."""
+    return dict(re.findall(r"^  (\S+)\s.*?\([\d, ]+\)\s+(P\(.*\))$", out, re.M))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_tensor_parallel_gpt_trains_at_dp2_mp4(sequence_parallel):
+    args = ["--steps", "12", "--log-every", "4"]
+    if sequence_parallel:
+        args.append("--sequence-parallel")
+    out = check_ok(run_example("tensor_parallel_gpt.py", *args))
+    assert "mesh axes: {'dp': 2, 'pp': 1, 'sharding': 1, 'sep': 1, 'mp': 4}" in out, out
+    assert "model parallel groups: [[0, 1, 2, 3], [4, 5, 6, 7]]" in out, out
+    assert f"sequence parallel {'on' if sequence_parallel else 'off'}" in out, out
+    layouts = parse_layouts(out)
+    assert layouts["attn.qkv.kernel"] == "P(None, 'mp')", out  # column: output dim split
+    assert layouts["attn.o.kernel"] == "P('mp', None)", out  # row: input dim split
+    assert layouts["mlp.up.kernel"] == "P(None, 'mp')", out
+    assert layouts["mlp.down.kernel"] == "P('mp', None)", out
+    assert layouts["embed.embedding"] == "P('mp', None)", out  # vocabulary split
+    assert layouts["norm1.scale"] == "P()", out
+    # 2 blocks x (norm1, norm2) x (scale, bias) + the final norm's scale and bias
+    assert ("LayerNorm scales and biases): 10" in out) == sequence_parallel, out
+    steps, logged, first, final, _ = parse_training(out)
+    assert steps == [1, 4, 8, 12], out
+    assert logged[0] == first and logged[-1] == final, out
+    assert final < 0.5 * first, out  # ln(64) ~ 4.16 falls fast on the stride task
+
+
+def test_tensor_parallel_gpt_rejects_a_sequence_not_divisible_by_mp():
+    proc = run_example(
+        "tensor_parallel_gpt.py", "--sequence-parallel", "--seq", "6", "--steps", "2"
+    )
+    assert proc.returncode != 0
+    assert "sequence length 6" in proc.stderr and "mp degree 4" in proc.stderr, proc.stderr
