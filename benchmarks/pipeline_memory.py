@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import AxisType
 
+from benchmarks.results_file import write_section
 from jfleet import hlo
 from jfleet.parallel.pipeline_schedule import pipeline_loss, schedule_stats
 
@@ -209,21 +210,8 @@ def report(cfg: Config, micro_batches: tuple[int, ...], tables: list[str]) -> st
 
 
 def write(section: str, results: Path | None = None) -> Path:
-    """Replaces (or appends) the section in RESULTS.md if it exists, else PIPELINE_RESULTS.md."""
-    target = results or HERE / "RESULTS.md"
-    if not target.exists():
-        target = HERE / "PIPELINE_RESULTS.md"
-        target.write_text(section)
-        return target
-    text = target.read_text()
-    if BEGIN in text and END in text:
-        before, rest = text.split(BEGIN, 1)
-        after = rest.split(END, 1)[1].lstrip("\n")
-        text = before + section + ("\n" + after if after else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    target.write_text(text)
-    return target
+    """Replaces (or appends) this benchmark's section of RESULTS.md."""
+    return write_section("pipeline_memory", section, results)
 
 
 def main() -> None:

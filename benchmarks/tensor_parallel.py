@@ -73,6 +73,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from benchmarks.results_file import write_section
 from jfleet import DistributedStrategy, fleet, hlo
 from jfleet.models_gpt import GPTBlock, TinyGPT
 
@@ -417,21 +418,8 @@ def fleet_groups(cfg: Config) -> list[list[int]]:
 
 
 def write(section: str, results: Path | None = None) -> Path:
-    """Replaces (or appends) the section in RESULTS.md if it exists, else a file of its own."""
-    target = results or HERE / "RESULTS.md"
-    if not target.exists():
-        target = HERE / "TENSOR_PARALLEL_RESULTS.md"
-        target.write_text(section)
-        return target
-    text = target.read_text()
-    if BEGIN in text and END in text:
-        before, rest = text.split(BEGIN, 1)
-        after = rest.split(END, 1)[1].lstrip("\n")
-        text = before + section + ("\n" + after if after else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    target.write_text(text)
-    return target
+    """Replaces (or appends) this benchmark's section of RESULTS.md."""
+    return write_section("tensor_parallel", section, results)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,6 +67,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from benchmarks.results_file import write_section
 from jfleet import DistributedStrategy, fleet, hlo, make_train_step
 from jfleet.models import TinyLM, lm_batches, lm_loss
 from jfleet.placement import ParallelPlan
@@ -570,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python benchmarks/zero_memory.py" + (" " + " ".join(argv or sys.argv[1:])).rstrip()
     report = render(results, workload, environment(command))
     print(report)
-    args.out.write_text(report)
+    write_section("zero_memory", report, args.out)
     print(f"wrote {args.out} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return 0
 

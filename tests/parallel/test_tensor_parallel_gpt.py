@@ -63,7 +63,7 @@ def test_forward_and_gradients_equal_the_plain_model(hybrid, sequence_parallel):
     batch = jax.tree.map(jnp.asarray, lm_batches(1)[0])
     plain = TinyGPT()
     want_logits = plain(batch["tokens"])
-    want_grads = nnx.grad(gpt_loss)(plain, batch)
+    want_grads = nnx.jit(nnx.grad(gpt_loss))(plain, batch)
     init(HYBRIDS[hybrid])
     model = TinyGPT(tensor_parallel=True, sequence_parallel=sequence_parallel)
     close(nnx.state(model, nnx.Param), nnx.state(plain, nnx.Param))  # same initial values
@@ -73,7 +73,7 @@ def test_forward_and_gradients_equal_the_plain_model(hybrid, sequence_parallel):
     # logits are O(1) sums of 32- and 128-term products computed in another order per
     # shard: a few float32 ulps of the largest terms (~2e-6) apart
     np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), rtol=1e-5, atol=1e-5)
-    grads = nnx.grad(gpt_loss)(model, batch)
+    grads = nnx.jit(nnx.grad(gpt_loss))(model, batch)  # eagerly, every op would compile
     close(nnx.state(grads, nnx.Param), nnx.state(want_grads, nnx.Param))
 
 
