@@ -11,6 +11,8 @@ What the engine adds over a hand-written ``nnx.jit`` step:
   * fp16 loss scaling: the loss is multiplied by the optimizer's current scale
     before differentiation (the scale lives in the optimizer state, see
     :mod:`jfleet.optim.loss_scale`);
+  * ZeRO-3: parameters, stored sharded, are gathered to their tensor-parallel layout
+    for the step;
   * ZeRO-2/3: gradients are constrained to the ZeRO layout, so each device keeps
     only its shard (GPU/TPU compilers emit a reduce-scatter; XLA's CPU compiler an
     all-reduce followed by a slice — ``benchmarks/RESULTS.md``);
@@ -133,10 +135,15 @@ class TrainStep(_Step):
         loss_fn = self.loss_fn
         wrt = optimizer.wrt
         scaled = optimizer.has_loss_scaling
-        grad_shardings = None
+        grad_shardings = gathered = None
         if plan.zero_stage >= 2:
             params = nnx.state(nnx.merge(model_def, model_state), wrt)
             grad_shardings = plan.param_shardings(params, zero=True)
+        if plan.zero_stage >= 3:
+            # ZeRO-3 keeps parameters sharded between steps and gathers them (to their
+            # tensor-parallel layout) for the step; left to itself GSPMD may keep them
+            # sharded and all-reduce activations instead, which costs far more.
+            gathered = plan.param_shardings(params, zero=False)
         model_sh = _shardings(model_state)
         opt_sh = _shardings(opt_state)
         batch_sh = _shardings(batch)
@@ -148,6 +155,9 @@ class TrainStep(_Step):
             scale = opt.loss_scale if scaled else None
 
             def objective(model):
+                if gathered is not None:
+                    params = nnx.state(model, wrt)
+                    nnx.update(model, jax.lax.with_sharding_constraint(params, gathered))
                 loss, aux = _split_loss(loss_fn(model, batch))
                 return (loss * scale if scaled else loss), (loss, aux)
 
