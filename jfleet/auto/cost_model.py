@@ -1,0 +1,876 @@
+"""The cost model: per-device memory and step time of every way to lay a model out.
+
+:func:`enumerate_layouts` lists every factorisation of ``device_num x node_num`` into
+``dp x pp x sharding x sep x mp`` (``sep > 1`` only under sequence parallelism) that the
+model's shapes allow, with each ZeRO stage, pipeline schedule, micro-batch count and
+recompute setting worth comparing. :func:`estimate` predicts one layout's per-device
+memory, collective bytes and step time; :func:`rank` drops what does not fit the memory
+budget, sorts the rest by time and says why each one lost.
+
+**Shape rules.** ``mp`` divides every dimension a tensor-parallel role splits (heads,
+kv heads, q/kv widths, MLP hidden, vocabulary) and is at most the devices of one node
+(tensor parallelism stays on the fast links; the mesh order ``dp, pp, sharding, sep,
+mp`` puts ``mp`` neighbours next to each other). Grouped-query attention: ``mp`` must
+divide the kv heads, so each rank holds whole kv groups (Megatron's
+``num_query_groups % tp == 0``); replicating kv heads when ``mp > kv_heads`` is not
+offered. ``pp`` divides the decoder blocks (uniform stages). ``dp x sharding`` divides
+the batch; ``sep`` divides the sequence. A model with no recognised parts gets
+``mp = pp = 1``; one with no repeated blocks gets ``pp = 1``.
+
+**Memory per device** (bytes; ``Phi_tp`` is a parameter's elements after the ``mp`` split,
+``Phi_z`` after the ZeRO split too, only the blocks of one pipeline stage counted; the
+embedding and head run outside the pipeline and are held by every stage):
+
+* resident (the step's arguments): parameters ``Phi_tp`` (``Phi_z`` at ZeRO-3), optimizer
+  state ``k x Phi_tp`` (``k x Phi_z`` at ZeRO >= 1; Adam k = 2 moments, momentum 1, SGD 0;
+  as in Rajbhandari et al., ZeRO, SC20, for fp32 training without a master copy), and the
+  batch;
+* temporary (the compiled step's ``temp``): ``max(activations + gathered, 2 x grads)``,
+  the larger of two peaks. Between the forward and the backward pass every activation
+  is live (and, at ZeRO-3, the parameters gathered in the forward pass, which stay live
+  into the backward: ``gathered = Phi_tp``; with recompute one block is re-gathered at
+  a time). At the end of the backward pass the whole local gradient (``Phi_tp``) is
+  live with the reduction's output buffer: XLA materialises each device's local
+  gradient before reducing it, even at ZeRO-2 (which therefore compiles to the same
+  step as ZeRO-1, see ``benchmarks/RESULTS.md``).
+
+**Activations** follow Korthikanti et al., *Reducing Activation Recomputation in Large
+Transformer Models* (2022): per layer and token ``34 h + 5 a s`` bytes in fp16 with
+dropout. Counted instead from what JAX's autodiff saves (``print_saved_residuals``) and
+XLA keeps for a pre-norm block in the compute dtype without dropout, in elements per
+token per layer: ``4 h`` per norm (input, centred input, normalised, scaled) — not
+split by ``mp`` unless under sequence parallelism — plus, split by ``mp``: attention
+``4 q_dim + 2 a s`` (q, k, v after the grouped-query repeat, the attention output; the
+masked scores and the probabilities), SwiGLU ``5 F`` (gate, up, silu's two parts, the
+product), GELU ``3 F``. Outside the blocks: ``h`` (embedding output), ``4 h`` (final
+norm) and ``4 V / mp`` (logits, log-softmax, softmax, one-hot labels). Measured on
+XLA:CPU with 8 devices these match the compiled temp's slope per token and layer to
+within 2% for :class:`~jfleet.models_llama.TinyLlama` and
+:class:`~jfleet.models_gpt2.TinyGPT2` at width 128 (16% over at width 256).
+Schedules: no pipeline or FThenB keep every micro-batch's activations of the stage's
+layers; 1F1B (jfleet's, recomputing each stage from its stashed input) keeps ``2(P-1)``
+stage inputs and one micro-batch's stage activations; recompute keeps each layer's
+input and one layer's activations.
+
+**Step time** (seconds; no overlap of communication with compute, so an upper bound):
+
+* compute ``6 Phi_mm T / (peak x devices)`` for the matmul parameters (blocks and head;
+  the embedding gather is free) plus attention ``12 L s q_dim T``; recompute (and 1F1B)
+  adds one forward of the blocks; embedding and head are replicated over ``pp``;
+* tensor parallel: per block and micro-batch the forward all-reduces after o and down,
+  and in the backward one all-reduce per column projection reading the block's input
+  (XLA reduces q, k and v's input gradients separately: 3 for separate q/k/v, 1 for a
+  fused qkv; 2 for SwiGLU gate/up, 1 for GELU), each of ``b s h`` elements, plus the
+  vocabulary-parallel embedding (forward) and head (backward) and two softmax
+  statistics; ring all-reduce ``2(n-1)/n B`` at the bandwidth of the links the ``mp``
+  group spans;
+* gradient reduction over ``dp x sharding x sep``: ring all-reduce ``2(n-1)/n G``; with
+  ZeRO a reduce-scatter over ``sharding`` (on XLA:CPU an all-reduce plus a slice), an
+  all-reduce of the shard over ``dp x sep``, and an all-gather of the parameters
+  (``(n-1)/n P``): once per step at every stage (XLA gathers a ZeRO-3 parameter once and
+  reuses it in the backward; with recompute it gathers again);
+* pipeline: bubble ``(P-1)/(M+P-1)`` of the blocks' compute, and ``2(M+P-1)`` (FThenB)
+  or ``2(M+2P-2)`` (1F1B) point-to-point transfers of ``b s h`` on the critical path;
+* sequence parallel (``sep``): an all-gather of k and v per block forward and a
+  reduce-scatter of their gradients backward.
+
+Every collective also pays the profile's latency. A group's bandwidth is intra-node
+when its devices lie within one node (row-major mesh order), else inter-node.
+
+**Collective bytes** are counted as :mod:`jfleet.hlo` counts them (the buffer of an
+all-reduce, the input of a reduce-scatter, the output of an all-gather), so a
+prediction compares directly with a compiled step (``benchmarks/cost_model_check.py``).
+
+Example:
+  >>> from jfleet.auto.patterns import match_patterns
+  >>> from jfleet.models_llama import TinyLlama
+  >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, layers=2))
+  >>> work = Workload(batch_size=16, seq_len=8)
+  >>> c = estimate(found, work, Layout(dp=2, mp=4), get_profile("cpu"), devices_per_node=8)
+  >>> c.layout.name, c.memory.optimizer == 2 * c.memory.params + 4
+  ('dp2 x mp4', True)
+  >>> c.collectives.all_reduce > 0, c.time.tensor_parallel > 0
+  (True, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
+
+from jfleet.auto.patterns import ModelPatterns, ParamInfo
+from jfleet.auto.profiles import HardwareProfile, get_profile
+from jfleet.placement import ParallelPlan
+
+__all__ = [
+    "AXES",
+    "OPTIMIZER_MOMENTS",
+    "SCHEDULES",
+    "Candidate",
+    "Collectives",
+    "Layout",
+    "Memory",
+    "StepTime",
+    "Workload",
+    "enumerate_layouts",
+    "estimate",
+    "rank",
+]
+
+#: Mesh axes, outermost first (Paddle's default ``hybrid_parallel_order``).
+AXES = ("dp", "pp", "sharding", "sep", "mp")
+#: Pipeline schedules the cost model knows.
+SCHEDULES = ("FThenB", "1F1B")
+#: Optimizer state per parameter, in parameter-sized arrays.
+OPTIMIZER_MOMENTS = {"adam": 2, "adamw": 2, "lamb": 2, "momentum": 1, "lars": 1, "sgd": 0}
+
+_NORM_ELEMS = 4  # per norm, x h
+_ATTN_Q_ELEMS = 4  # x q_dim
+_ATTN_SCORE_ELEMS = 2  # x heads x seq
+_MLP_ELEMS = {"swiglu": 5, "gelu": 3}  # x hidden
+_OUTSIDE_H_ELEMS = 5  # embedding output + final norm, x h
+_LOGIT_ELEMS = 4  # x vocab / mp
+_SAME = 1e-9  # relative time difference treated as a tie (equal programs)
+GiB = 2**30
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.3g} GiB" if n >= 2**27 else f"{n / 2**20:.3g} MiB"
+
+
+# ------------------------------------------------------------------ inputs
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What one training step processes.
+
+    Attributes:
+      batch_size: global batch (sequences per step).
+      seq_len: tokens per sequence.
+      dtype: compute / activation dtype name (``float32``, ``bfloat16``).
+      optimizer: ``adam`` (2 moments), ``momentum`` (1), ``sgd`` (0), ... (see
+        :data:`OPTIMIZER_MOMENTS`).
+      sequence_parallel: activations between tensor-parallel regions split over ``mp``
+        (Megatron SP), and ``sep`` candidates enumerated.
+
+    Raises:
+      ValueError: a non-positive size, an unknown optimizer or dtype.
+    """
+
+    batch_size: int
+    seq_len: int
+    dtype: str = "float32"
+    optimizer: str = "adam"
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1.")
+        if self.optimizer not in OPTIMIZER_MOMENTS:
+            raise ValueError(
+                f"optimizer={self.optimizer!r} is not known to the cost model; use one of "
+                f"{sorted(OPTIMIZER_MOMENTS)}."
+            )
+        try:
+            jnp.dtype(self.dtype)
+        except TypeError as err:
+            raise ValueError(f"dtype={self.dtype!r} is not a dtype name.") from err
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes per activation element."""
+        return jnp.dtype(self.dtype).itemsize
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per step (batch x sequence)."""
+        return self.batch_size * self.seq_len
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Layout:
+    """One way to run the step: mesh degrees, ZeRO stage, pipeline schedule, recompute.
+
+    Attributes:
+      dp: data-parallel degree.
+      pp: pipeline stages.
+      sharding: ZeRO (sharding) degree; the batch is split over ``dp x sharding``.
+      sep: sequence (segment) parallel degree.
+      mp: tensor-parallel degree.
+      zero_stage: 0 without a sharding axis, else 1, 2 or 3.
+      schedule: ``"FThenB"`` or ``"1F1B"`` when ``pp > 1``, else None.
+      num_microbatches: micro-batches per step (1 without a pipeline).
+      recompute: recompute each block's activations in the backward pass.
+
+    Raises:
+      ValueError: a degree < 1, or an inconsistent stage / schedule / micro-batch count.
+    """
+
+    dp: int = 1
+    pp: int = 1
+    sharding: int = 1
+    sep: int = 1
+    mp: int = 1
+    zero_stage: int = 0
+    schedule: str | None = None
+    num_microbatches: int = 1
+    recompute: bool = False
+
+    def __post_init__(self) -> None:
+        for name in (*AXES, "num_microbatches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1.")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage={self.zero_stage!r} must be 0, 1, 2 or 3.")
+        if self.zero_stage and self.sharding == 1:
+            raise ValueError(
+                f"zero_stage={self.zero_stage} needs a sharding axis; sharding=1 here. "
+                "Use sharding > 1 or zero_stage=0."
+            )
+        if self.sharding > 1 and not self.zero_stage:
+            raise ValueError(
+                f"sharding={self.sharding} without a ZeRO stage; give zero_stage 1, 2 or 3."
+            )
+        if self.pp > 1 and self.schedule not in SCHEDULES:
+            raise ValueError(f"pp={self.pp} needs schedule in {SCHEDULES}; got {self.schedule!r}.")
+        if self.pp == 1 and (self.schedule is not None or self.num_microbatches != 1):
+            raise ValueError(
+                f"schedule={self.schedule!r} / num_microbatches={self.num_microbatches} "
+                "only apply with pp > 1."
+            )
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        """``{axis: degree}`` in mesh order."""
+        return {a: getattr(self, a) for a in AXES}
+
+    @property
+    def size(self) -> int:
+        """Devices used (the product of the degrees)."""
+        return math.prod(self.degrees.values())
+
+    @property
+    def data_degree(self) -> int:
+        """How many ways the batch is split (dp x sharding)."""
+        return self.dp * self.sharding
+
+    @property
+    def mesh_name(self) -> str:
+        """``dp2 x mp4``; ``single device`` when every degree is 1."""
+        parts = [f"{a}{d}" for a, d in self.degrees.items() if d > 1]
+        return " x ".join(parts) or "single device"
+
+    @property
+    def name(self) -> str:
+        """The mesh, then ZeRO, schedule and recompute when they apply."""
+        extra = []
+        if self.zero_stage:
+            extra.append(f"ZeRO-{self.zero_stage}")
+        if self.pp > 1:
+            extra.append(f"{self.schedule} M={self.num_microbatches}")
+        if self.recompute:
+            extra.append("recompute")
+        return self.mesh_name + (f" ({', '.join(extra)})" if extra else "")
+
+    def complexity(self) -> tuple:
+        """Tie-break order: fewer parallel kinds, lower ZeRO stage, no recompute first."""
+        kinds = sum(d > 1 for a, d in self.degrees.items() if a != "dp")
+        return (kinds, self.zero_stage, self.recompute, self.pp, self.mp, self.sep)
+
+
+# ------------------------------------------------------------------ outputs
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Memory:
+    """Predicted bytes per device (see the module docstring for the formulas).
+
+    Attributes:
+      params: resident parameters (ZeRO-3: the shard).
+      optimizer: optimizer state.
+      inputs: the batch.
+      grads: the local gradient the step materialises (before reduction).
+      gathered: ZeRO-3 parameters gathered for the step (0 otherwise).
+      activations: activations live between the forward and the backward pass.
+    """
+
+    params: int
+    optimizer: int
+    inputs: int
+    grads: int
+    gathered: int
+    activations: int
+
+    @property
+    def resident(self) -> int:
+        """Bytes kept between steps (the step's arguments)."""
+        return self.params + self.optimizer + self.inputs
+
+    @property
+    def temp(self) -> int:
+        """Bytes of the step's temporaries at its peak."""
+        return max(self.activations + self.gathered, 2 * self.grads)
+
+    @property
+    def total(self) -> int:
+        """Peak bytes per device: resident + temp."""
+        return self.resident + self.temp
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepTime:
+    """Predicted seconds per step, by cause.
+
+    Attributes:
+      compute: matmul time at peak (recompute included), without the bubble.
+      bubble: pipeline bubble (idle stage time).
+      tensor_parallel: ``mp`` all-reduces of activations.
+      data_parallel: gradient reduction and ZeRO all-gathers.
+      pipeline: point-to-point transfers between stages.
+      sequence: ``sep`` all-gathers / reduce-scatters of k and v.
+    """
+
+    compute: float
+    bubble: float = 0.0
+    tensor_parallel: float = 0.0
+    data_parallel: float = 0.0
+    pipeline: float = 0.0
+    sequence: float = 0.0
+
+    @property
+    def total(self) -> float:
+        """Sum of the parts (no overlap)."""
+        return (
+            self.compute
+            + self.bubble
+            + self.tensor_parallel
+            + self.data_parallel
+            + self.pipeline
+            + self.sequence
+        )
+
+    @property
+    def communication(self) -> float:
+        """All communication time."""
+        return self.tensor_parallel + self.data_parallel + self.pipeline + self.sequence
+
+
+_TIME_WORDS = {
+    "compute": "compute",
+    "bubble": "pipeline bubble",
+    "tensor_parallel": "tensor-parallel all-reduce",
+    "data_parallel": "gradient reduction / ZeRO gather",
+    "pipeline": "pipeline transfer",
+    "sequence": "sequence-parallel gather",
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Collectives:
+    """Predicted collective bytes per device per step, as :func:`jfleet.hlo.summarize` counts."""
+
+    all_reduce: int = 0
+    reduce_scatter: int = 0
+    all_gather: int = 0
+    collective_permute: int = 0
+    all_to_all: int = 0
+
+    @property
+    def total(self) -> int:
+        """All kinds together."""
+        return (
+            self.all_reduce
+            + self.reduce_scatter
+            + self.all_gather
+            + self.collective_permute
+            + self.all_to_all
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """One layout with its predictions; after :func:`rank`, whether it fits and why it lost.
+
+    Attributes:
+      layout: the layout.
+      memory: predicted bytes per device.
+      time: predicted seconds per step.
+      collectives: predicted collective bytes per device per step.
+      fits: predicted total <= the memory budget.
+      reason: ``"best"`` for the winner, else why it lost.
+    """
+
+    layout: Layout
+    memory: Memory
+    time: StepTime
+    collectives: Collectives
+    fits: bool = True
+    reason: str = ""
+
+
+# ------------------------------------------------------------------ enumeration
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _factorisations(n: int, k: int) -> Iterable[tuple[int, ...]]:
+    if k == 1:
+        yield (n,)
+        return
+    for d in _divisors(n):
+        for rest in _factorisations(n // d, k - 1):
+            yield (d, *rest)
+
+
+def shape_problem(
+    patterns: ModelPatterns, workload: Workload, degrees: Mapping[str, int], devices_per_node: int
+) -> str | None:
+    """Why ``degrees`` cannot run this model and workload, or None when they can.
+
+    >>> from jfleet.auto.patterns import match_patterns
+    >>> from jfleet.models_llama import TinyLlama
+    >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, kv_heads=2, layers=2))
+    >>> shape_problem(found, Workload(batch_size=8, seq_len=8), {"mp": 4}, 8)
+    'mp=4 does not divide kv_heads=2'
+    """
+    d = patterns.dims
+    mp, pp, sep = degrees.get("mp", 1), degrees.get("pp", 1), degrees.get("sep", 1)
+    data = degrees.get("dp", 1) * degrees.get("sharding", 1)
+    if mp > 1:
+        if not patterns.recognised:
+            return "no tensor-parallel parts were recognised"
+        if mp > devices_per_node:
+            return f"mp={mp} exceeds the {devices_per_node} devices of a node"
+        if d.heads and d.heads % mp:
+            return f"mp={mp} does not divide heads={d.heads}"
+        if d.kv_heads and d.kv_heads % mp:
+            return f"mp={mp} does not divide kv_heads={d.kv_heads}"
+        bad = [s for s in patterns.split_dims() if s % mp]
+        if bad:
+            return f"mp={mp} does not divide the split dimension(s) {bad}"
+    if pp > 1:
+        if len(patterns.blocks) < 2:
+            return "no run of >= 2 identical blocks to pipeline"
+        if len(patterns.blocks) % pp:
+            return f"pp={pp} does not divide the {len(patterns.blocks)} blocks"
+    if sep > 1:
+        if not workload.sequence_parallel:
+            return "sep > 1 needs sequence_parallel=True"
+        if workload.seq_len % sep:
+            return f"sep={sep} does not divide seq_len={workload.seq_len}"
+    if workload.batch_size % data:
+        return f"dp x sharding = {data} does not divide batch_size={workload.batch_size}"
+    return None
+
+
+def _microbatch_options(local: int, pp: int, forced: int | None) -> list[int]:
+    if forced is not None:
+        return [forced] if local % forced == 0 else []
+    divisors = _divisors(local)
+    out = []
+    for target in (pp, 2 * pp, 4 * pp):
+        fit = [m for m in divisors if m >= target]
+        if fit:
+            out.append(fit[0])
+    if not out:
+        out.append(divisors[-1])
+    return sorted(set(out))
+
+
+def enumerate_layouts(
+    patterns: ModelPatterns,
+    workload: Workload,
+    *,
+    device_num: int,
+    node_num: int = 1,
+    force_mesh: Mapping[str, int] | None = None,
+    schedule: str | None = None,
+    num_microbatches: int | None = None,
+    zero_stage: int | None = None,
+    recompute: bool | None = None,
+) -> tuple[list[Layout], list[tuple[str, str]]]:
+    """Every layout worth predicting, and the meshes excluded (with the reason).
+
+    Args:
+      patterns: what :func:`~jfleet.auto.patterns.match_patterns` found.
+      workload: batch, sequence, dtype, optimizer.
+      device_num: devices per node.
+      node_num: nodes.
+      force_mesh: only this mesh (degrees; missing axes are 1).
+      schedule: only this pipeline schedule.
+      num_microbatches: only this micro-batch count (pipelined layouts).
+      zero_stage: only this ZeRO stage (0: no sharding axis).
+      recompute: only with (True) or without (False) recompute.
+
+    Returns:
+      ``(layouts, excluded)``; ``excluded`` holds ``(mesh name, reason)`` pairs.
+    """
+    total = device_num * node_num
+    layouts: list[Layout] = []
+    excluded: list[tuple[str, str]] = []
+    axes = AXES if workload.sequence_parallel else ("dp", "pp", "sharding", "mp")
+    if force_mesh is not None:
+        meshes = [tuple(force_mesh.get(a, 1) for a in AXES)]
+    else:
+        meshes = []
+        for combo in _factorisations(total, len(axes)):
+            deg = dict(zip(axes, combo, strict=True))
+            meshes.append(tuple(deg.get(a, 1) for a in AXES))
+    recompute_options = [False, True] if recompute is None else [bool(recompute)]
+    for sizes in meshes:
+        deg = dict(zip(AXES, sizes, strict=True))
+        name = " x ".join(f"{a}{d}" for a, d in deg.items() if d > 1) or "single device"
+        problem = shape_problem(patterns, workload, deg, device_num)
+        if problem is None and zero_stage is not None:
+            if zero_stage == 0 and deg["sharding"] > 1:
+                problem = f"zero_stage=0 but sharding={deg['sharding']}"
+            elif zero_stage > 0 and deg["sharding"] == 1:
+                problem = f"zero_stage={zero_stage} needs sharding > 1"
+        if problem is not None:
+            excluded.append((name, problem))
+            continue
+        stages = ([zero_stage] if zero_stage else [1, 2, 3]) if deg["sharding"] > 1 else [0]
+        if deg["pp"] > 1:
+            local = workload.batch_size // (deg["dp"] * deg["sharding"])
+            ms = _microbatch_options(local, deg["pp"], num_microbatches)
+            if not ms:
+                excluded.append(
+                    (
+                        name,
+                        f"num_microbatches={num_microbatches} does not divide the "
+                        f"{local} sequences per data-parallel replica",
+                    )
+                )
+                continue
+            scheds = [schedule] if schedule else list(SCHEDULES)
+        else:
+            ms, scheds = [1], [None]
+        for stage, sched, m, rc in itertools.product(stages, scheds, ms, recompute_options):
+            if sched == "1F1B" and rc and recompute is None:
+                continue  # 1F1B recomputes each stage anyway: the same layout twice
+            layouts.append(
+                Layout(
+                    **deg,
+                    zero_stage=stage,
+                    schedule=sched,
+                    num_microbatches=m,
+                    recompute=rc,
+                )
+            )
+    return layouts, excluded
+
+
+# ------------------------------------------------------------------ estimation
+def _local_elems(spec: P, shape: Sequence[int], sizes: Mapping[str, int]) -> int:
+    n = 1
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    for dim, entry in zip(shape, entries, strict=True):
+        axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+        n *= dim // math.prod(sizes[a] for a in axes)
+    return n
+
+
+def _group_bandwidth(
+    group: Sequence[str], degrees: Mapping[str, int], profile: HardwareProfile, per_node: int
+) -> float:
+    """Intra-node bandwidth when the group's devices lie within one node, else inter-node."""
+    span = 1
+    for i, axis in enumerate(AXES):
+        if axis in group and degrees[axis] > 1:
+            stride = math.prod(degrees[a] for a in AXES[i + 1 :])
+            span = max(span, stride * degrees[axis])
+    return profile.intra_node_bandwidth if span <= per_node else profile.inter_node_bandwidth
+
+
+def _ring(kind: str, nbytes: float, n: int) -> float:
+    if n <= 1:
+        return 0.0
+    if kind == "all-reduce":
+        return 2 * (n - 1) / n * nbytes
+    if kind == "collective-permute":
+        return nbytes
+    return (n - 1) / n * nbytes
+
+
+def _layers_and_norms(patterns: ModelPatterns) -> tuple[int, int]:
+    """(layers, norms per layer): the repeated blocks, or one layer of whatever matched."""
+    if patterns.blocks:
+        first = {p.path.rsplit(".", 1)[0] for p in patterns.params if p.block == 0}
+        norms = {p.path.rsplit(".", 1)[0] for p in patterns.params if p.role == "norm"}
+        return len(patterns.blocks), len(first & norms)
+    if patterns.attention or patterns.mlp:
+        norms = {p.path.rsplit(".", 1)[0] for p in patterns.params if p.role == "norm"}
+        return 1, max(len(norms) - 1, 0)
+    return 0, 0
+
+
+def estimate(
+    patterns: ModelPatterns,
+    workload: Workload,
+    layout: Layout,
+    profile: HardwareProfile | str | None = None,
+    *,
+    devices_per_node: int,
+) -> Candidate:
+    """Predicts one layout's memory, collective bytes and step time.
+
+    Args:
+      patterns: the matched model.
+      workload: the step's batch and dtype.
+      layout: the layout to predict.
+      profile: the hardware (default ``cpu``).
+      devices_per_node: devices per node (decides intra- vs inter-node links).
+
+    Returns:
+      An unranked :class:`Candidate`.
+    """
+    profile = get_profile(profile)
+    d = patterns.dims
+    deg = layout.degrees
+    mp, pp, sep, shard = layout.mp, layout.pp, layout.sep, layout.sharding
+    stage = layout.zero_stage
+    m = layout.num_microbatches
+    abstract = AbstractMesh(tuple(deg.values()), AXES)
+    zero = ParallelPlan(mesh=abstract, zero_stage=stage) if stage else None
+    layers, norms = _layers_and_norms(patterns)
+    stage_blocks = layers // pp
+
+    def in_stage(p: ParamInfo) -> bool:
+        return p.block is None or p.block < stage_blocks
+
+    def tp(p: ParamInfo) -> int:
+        return _local_elems(p.spec, p.shape, deg) * jnp.dtype(p.dtype).itemsize
+
+    def zp(p: ParamInfo) -> int:
+        if zero is None:
+            return tp(p)
+        spec = zero.zero_spec(p.spec, p.shape)
+        return _local_elems(spec, p.shape, deg) * jnp.dtype(p.dtype).itemsize
+
+    mine = [p for p in patterns.params if in_stage(p)]
+    tp_bytes = sum(tp(p) for p in mine)
+    z_bytes = sum(zp(p) for p in mine)
+    block_tp = sum(tp(p) for p in mine if p.block is not None)
+    outside_tp = tp_bytes - block_tp
+    one_block_tp = block_tp // stage_blocks if stage_blocks else 0
+    params_mem = z_bytes if stage >= 3 else tp_bytes
+    moments = OPTIMIZER_MOMENTS[workload.optimizer]
+    opt_mem = moments * (z_bytes if stage >= 1 else tp_bytes)
+    if moments:
+        opt_mem += 4  # the step count
+    data = layout.data_degree
+    local_seqs = workload.batch_size // data
+    local_seq = workload.seq_len // sep
+    inputs = 2 * local_seqs * local_seq * 4  # token ids and labels, int32
+
+    # activations (elements per token)
+    h, s = d.width, workload.seq_len
+    sp = mp if workload.sequence_parallel else 1
+    per_layer_rep = _NORM_ELEMS * norms * h / sp
+    per_layer_split = 0.0
+    if patterns.attention:
+        per_layer_split += _ATTN_Q_ELEMS * d.q_dim + _ATTN_SCORE_ELEMS * d.heads * s
+    if patterns.mlp:
+        per_layer_split += _MLP_ELEMS[patterns.mlp] * d.hidden
+    per_layer = per_layer_rep + per_layer_split / mp
+    vocab = d.vocab if patterns.tied_head is not None else 0
+    outside = _OUTSIDE_H_ELEMS * h + _LOGIT_ELEMS * vocab / mp
+    ab = workload.act_bytes
+    tokens_local = local_seqs * local_seq  # per device, whole step
+    tokens_mb = tokens_local // m
+    if pp > 1 and layout.schedule == "1F1B":
+        layer_acts = 2 * (pp - 1) * tokens_mb * h + tokens_mb * per_layer * stage_blocks
+    elif layout.recompute:
+        layer_acts = tokens_local * h * stage_blocks + tokens_mb * per_layer
+    else:
+        layer_acts = tokens_local * per_layer * stage_blocks
+    activations = int((layer_acts + tokens_local * outside) * ab)
+    gathered = 0
+    if stage >= 3:
+        gathered = outside_tp + (one_block_tp if layout.recompute else block_tp)
+    memory = Memory(
+        params=params_mem,
+        optimizer=opt_mem,
+        inputs=inputs,
+        grads=tp_bytes,
+        gathered=gathered,
+        activations=activations,
+    )
+
+    # compute
+    flops_per_token_blocks = 0.0
+    flops_per_token_head = 0.0
+    for p in patterns.params:
+        if len(p.shape) != 2 or p.kind == "table":
+            continue
+        if p.block is not None:
+            flops_per_token_blocks += 6 * p.size
+        else:
+            flops_per_token_head += 6 * p.size
+    if patterns.tied_head:
+        flops_per_token_head += 6 * d.width * d.vocab
+    if patterns.attention:
+        flops_per_token_blocks += 12 * layers * s * d.q_dim
+    recompute_factor = 4 / 3 if (layout.recompute or layout.schedule == "1F1B") else 1.0
+    peak = profile.flops(workload.dtype)
+    n_dev = layout.size
+    t_blocks = flops_per_token_blocks * workload.tokens * recompute_factor / (n_dev * peak)
+    t_head = flops_per_token_head * workload.tokens / ((n_dev // pp) * peak)
+    bubble = t_blocks * (pp - 1) / m if pp > 1 else 0.0
+    compute = t_blocks + t_head
+
+    lat = profile.collective_latency
+    bw = {
+        "mp": _group_bandwidth(("mp",), deg, profile, devices_per_node),
+        "data": _group_bandwidth(("dp", "sharding", "sep"), deg, profile, devices_per_node),
+        "sharding": _group_bandwidth(("sharding",), deg, profile, devices_per_node),
+        "dpsep": _group_bandwidth(("dp", "sep"), deg, profile, devices_per_node),
+        "pp": _group_bandwidth(("pp",), deg, profile, devices_per_node),
+        "sep": _group_bandwidth(("sep",), deg, profile, devices_per_node),
+    }
+    coll = dict.fromkeys(
+        ("all_reduce", "reduce_scatter", "all_gather", "collective_permute", "all_to_all"), 0.0
+    )
+    t_tp = t_dp = t_pp = t_sep = 0.0
+
+    # tensor parallel
+    if mp > 1:
+        act = tokens_mb * h * ab
+        fwd = int(bool(patterns.attention)) + int(bool(patterns.mlp))
+        bwd = {"separate": 3, "fused": 1}.get(patterns.attention or "", 0)
+        bwd += {"swiglu": 2, "gelu": 1}.get(patterns.mlp or "", 0)
+        per_mb = stage_blocks * (fwd + bwd)
+        n_mb = per_mb * m
+        roles = {p.role for p in patterns.params}
+        n_out = int("embedding" in roles) + int("head" in roles or bool(patterns.tied_head))
+        out_bytes = n_out * tokens_local * h * ab
+        stats = 2 * tokens_local * 4 if vocab else 0
+        if workload.sequence_parallel:
+            # each all-reduce becomes a reduce-scatter + an all-gather: the same wire bytes;
+            # hlo counts the reduce-scatter's input and the all-gather's output
+            coll["reduce_scatter"] += n_mb * act
+            coll["all_gather"] += n_mb * act
+        else:
+            coll["all_reduce"] += n_mb * act
+        coll["all_reduce"] += out_bytes + stats
+        count = n_mb + n_out + (2 if stats else 0)
+        t_tp = count * lat + (_ring("all-reduce", n_mb * act + out_bytes + stats, mp)) / bw["mp"]
+
+    # gradient reduction over the data axes (and sep)
+    red = data * sep
+    grads = tp_bytes
+    if red > 1:
+        if stage == 0:
+            coll["all_reduce"] += grads
+            t_dp += lat + _ring("all-reduce", grads, red) / bw["data"]
+        else:
+            if profile.reduce_scatter_native:
+                coll["reduce_scatter"] += grads
+                t_dp += lat + _ring("reduce-scatter", grads, shard) / bw["sharding"]
+            else:
+                coll["all_reduce"] += grads
+                t_dp += lat + _ring("all-reduce", grads, shard) / bw["sharding"]
+            if layout.dp * sep > 1:
+                coll["all_reduce"] += grads / shard
+                t_dp += lat + _ring("all-reduce", grads / shard, layout.dp * sep) / bw["dpsep"]
+            gathers = 2 if (stage >= 3 and layout.recompute) else 1
+            coll["all_gather"] += gathers * tp_bytes
+            t_dp += gathers * (lat + _ring("all-gather", tp_bytes, shard) / bw["sharding"])
+    if pp > 1:
+        # embedding / head gradients are summed over the stages that hold them
+        coll["all_reduce"] += outside_tp
+        t_dp += lat + _ring("all-reduce", outside_tp, pp) / bw["pp"]
+        ticks = m + pp - 1 if layout.schedule == "FThenB" else m + 2 * pp - 2
+        act = tokens_mb * h * ab
+        coll["collective_permute"] += 2 * ticks * act
+        t_pp = 2 * ticks * (lat + act / bw["pp"])
+    if sep > 1 and patterns.attention:
+        kv = tokens_mb * sep * 2 * d.kv_dim / mp * ab
+        n = stage_blocks * m
+        coll["all_gather"] += n * kv
+        coll["reduce_scatter"] += n * kv
+        t_sep = 2 * n * (lat + _ring("all-gather", kv, sep) / bw["sep"])
+
+    return Candidate(
+        layout=layout,
+        memory=memory,
+        time=StepTime(
+            compute=compute,
+            bubble=bubble,
+            tensor_parallel=t_tp,
+            data_parallel=t_dp,
+            pipeline=t_pp,
+            sequence=t_sep,
+        ),
+        collectives=Collectives(**{k: round(v) for k, v in coll.items()}),
+    )
+
+
+# ------------------------------------------------------------------ ranking
+def _why_slower(c: Candidate, best: Candidate) -> str:
+    pct = 100 * (c.time.total / best.time.total - 1) if best.time.total else 0.0
+    parts = {k: getattr(c.time, k) - getattr(best.time, k) for k in _TIME_WORDS}
+    worst = max(parts, key=lambda k: parts[k])
+    shown = f"{pct:.0f}%" if pct >= 10 else f"{pct:.2g}%" if pct >= 0.01 else "<0.01%"
+    return f"{shown} slower than the best: more {_TIME_WORDS[worst]} time"
+
+
+def rank(candidates: Sequence[Candidate], memory_budget: float) -> list[Candidate]:
+    """Sorts candidates (fitting ones by time) and fills ``fits`` and ``reason``.
+
+    The fastest fitting candidate is first, with reason ``"best"``. Equal times (e.g.
+    ZeRO-1 and ZeRO-2, which compile to the same step) go to the simpler layout (fewer
+    parallel kinds, lower ZeRO stage, no recompute), then to less memory. Candidates
+    over the budget follow, by memory.
+
+    Args:
+      candidates: from :func:`estimate`.
+      memory_budget: bytes per device.
+
+    Returns:
+      The ranked candidates (new objects).
+    """
+
+    def key(c: Candidate) -> tuple:
+        return (c.time.total, c.memory.total, c.layout.complexity())
+
+    fitting = sorted((c for c in candidates if c.memory.total <= memory_budget), key=key)
+    if fitting:
+        ordered: list[Candidate] = []
+        rest = list(fitting)
+        while rest:
+            head = rest[0]
+            tie = [c for c in rest if c.time.total <= head.time.total * (1 + _SAME)]
+            tie.sort(key=lambda c: (c.layout.complexity(), c.memory.total, c.time.total))
+            ordered.extend(tie)
+            rest = [c for c in rest if c not in tie]
+        fitting = ordered
+    over = sorted(
+        (c for c in candidates if c.memory.total > memory_budget),
+        key=lambda c: (c.memory.total, c.time.total),
+    )
+    out = []
+    best = fitting[0] if fitting else None
+    for i, c in enumerate(fitting):
+        if i == 0:
+            reason = "best"
+        elif c.time.total > best.time.total * (1 + _SAME):
+            reason = _why_slower(c, best)
+        elif c.memory.total > best.memory.total:
+            reason = (
+                f"as fast as the best but needs more memory ({_gib(c.memory.total)} vs "
+                f"{_gib(best.memory.total)})"
+            )
+        else:
+            reason = "as fast as the best; the simpler layout is preferred"
+        out.append(dataclasses.replace(c, fits=True, reason=reason))
+    for c in over:
+        reason = f"does not fit: {_gib(c.memory.total)} > {_gib(memory_budget)} budget"
+        out.append(dataclasses.replace(c, fits=False, reason=reason))
+    return out

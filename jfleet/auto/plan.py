@@ -1,0 +1,826 @@
+"""The plan: the chosen layout as data, and :func:`plan_for`, which makes one.
+
+:func:`plan_for` matches the model's parts (:mod:`jfleet.auto.patterns`), lists and
+predicts every layout the shapes allow (:mod:`jfleet.auto.cost_model`), drops what does
+not fit the memory budget and keeps the fastest. The :class:`Plan` holds the mesh, each
+parameter's ``PartitionSpec`` (before ZeRO, and with the ZeRO axis), the pipeline stages
+and micro-batches, the ZeRO stage, the predicted time and memory with their breakdown,
+and every candidate with the reason it lost. ``print(plan)`` is a table;
+``plan.to_json()`` / ``Plan.from_json()`` round-trip it, so a plan can be stored and
+passed back to reproduce a run.
+
+Example:
+  >>> from jfleet.models_llama import TinyLlama
+  >>> plan = plan_for(TinyLlama(), device_num=8, batch_size=64, seq_len=8)
+  >>> plan.mesh_shape
+  {'dp': 8, 'pp': 1, 'sharding': 1, 'sep': 1, 'mp': 1}
+  >>> Plan.from_json(plan.to_json()) == plan
+  True
+  >>> forced = plan_for(TinyLlama(), device_num=8, batch_size=64, seq_len=8,
+  ...                   force_mesh={"dp": 2, "mp": 4})
+  >>> forced.spec("layers.0.self_attn.o_proj.kernel")
+  P('mp', None)
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import AbstractMesh, AxisType, Mesh
+from jax.sharding import PartitionSpec as P
+
+from jfleet._logging import logger
+from jfleet.auto.cost_model import (
+    AXES,
+    OPTIMIZER_MOMENTS,
+    SCHEDULES,
+    Candidate,
+    Collectives,
+    Layout,
+    Memory,
+    StepTime,
+    Workload,
+    enumerate_layouts,
+    estimate,
+    rank,
+    shape_problem,
+)
+from jfleet.auto.patterns import ModelPatterns, match_patterns, path_str
+from jfleet.auto.profiles import HardwareProfile, get_profile
+from jfleet.placement import ParallelPlan
+
+__all__ = ["ParamPlan", "Plan", "plan_for", "spec_from_json", "spec_to_json", "split_devices"]
+
+_FORMAT = 1
+_SHOWN = 12
+
+
+def spec_to_json(spec: P) -> list:
+    """A ``PartitionSpec`` as JSON: one entry per dim, ``None``, an axis, or a list of axes.
+
+    >>> spec_to_json(P(("sharding", "mp"), None))
+    [['sharding', 'mp'], None]
+    """
+    return [list(e) if isinstance(e, tuple | list) else e for e in spec]
+
+
+def spec_from_json(entries: Sequence[Any]) -> P:
+    """The inverse of :func:`spec_to_json`.
+
+    >>> spec_from_json([["sharding", "mp"], None])
+    P(('sharding', 'mp'), None)
+    """
+    return P(*(tuple(e) if isinstance(e, list) else e for e in entries))
+
+
+def split_devices(total: int, node_num: int) -> int:
+    """Devices per node when ``total`` devices are spread over ``node_num`` nodes.
+
+    Raises:
+      ValueError: ``node_num`` < 1 or not dividing ``total``.
+
+    >>> split_devices(16, 2)
+    8
+    """
+    if isinstance(node_num, bool) or not isinstance(node_num, int) or node_num < 1:
+        raise ValueError(f"node_num={node_num!r} must be an int >= 1.")
+    if total % node_num:
+        options = [d for d in range(1, total + 1) if total % d == 0]
+        raise ValueError(
+            f"node_num={node_num} does not divide the {total} devices; every node must hold "
+            f"the same number of devices (use node_num in {options})."
+        )
+    return total // node_num
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParamPlan:
+    """One parameter's place in the plan.
+
+    Attributes:
+      path: dotted path (``layers.0.self_attn.q_proj.kernel``).
+      shape: global shape.
+      dtype: dtype name.
+      role: the matched role, or None (replicated).
+      spec: the layout before ZeRO (tensor parallel over ``mp``); what the engine reads
+        from a Param's ``out_sharding`` metadata.
+      zero_spec: ``spec`` with the ZeRO axis added (:meth:`ParallelPlan.zero_spec`); the
+        layout of the optimizer state at ZeRO >= 1, of the gradients at >= 2 and of the
+        parameter itself at 3. Equal to ``spec`` at stage 0.
+      stage: the pipeline stage holding it (None outside the decoder blocks, which every
+        stage holds).
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    role: str | None
+    spec: P
+    zero_spec: P
+    stage: int | None = None
+
+
+def _candidate_to_dict(c: Candidate) -> dict[str, Any]:
+    return {
+        "layout": dataclasses.asdict(c.layout),
+        "memory": dataclasses.asdict(c.memory),
+        "time": dataclasses.asdict(c.time),
+        "collectives": dataclasses.asdict(c.collectives),
+        "fits": c.fits,
+        "reason": c.reason,
+    }
+
+
+def _candidate_from_dict(d: Mapping[str, Any]) -> Candidate:
+    return Candidate(
+        layout=Layout(**d["layout"]),
+        memory=Memory(**d["memory"]),
+        time=StepTime(**d["time"]),
+        collectives=Collectives(**d["collectives"]),
+        fits=d["fits"],
+        reason=d["reason"],
+    )
+
+
+def _mib(n: float) -> str:
+    if n >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _secs(t: float) -> str:
+    if t >= 1:
+        return f"{t:.3g} s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.3g} ms"
+    return f"{t * 1e6:.3g} us"
+
+
+def _spec_text(spec: P) -> str:
+    return "P(" + ", ".join(repr(e) for e in spec) + ")"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A parallel plan: the mesh, the layouts, the pipeline, and why it was chosen.
+
+    Attributes:
+      mesh: ``(axis, size)`` pairs in mesh order ``dp, pp, sharding, sep, mp``.
+      zero_stage: 0 (none), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters),
+        over the ``sharding`` axis.
+      schedule: ``"FThenB"`` or ``"1F1B"`` when ``pp > 1``, else None.
+      num_microbatches: micro-batches per step (1 without a pipeline).
+      recompute: recompute block activations in the backward pass.
+      sequence_parallel: split activations between tensor-parallel regions over ``mp``.
+      params: every parameter's :class:`ParamPlan`, in ``nnx.state`` order.
+      blocks: module paths of the decoder blocks (the pipeline candidate).
+      stages: block indices per pipeline stage (one tuple with all blocks when
+        ``pp == 1``; empty without blocks).
+      chosen: the winning candidate (layout, predicted memory, time, collectives).
+      candidates: every candidate, ranked, each with the reason it lost.
+      excluded: ``(mesh, reason)`` for factorisations the shapes rule out.
+      architecture: one line describing what was matched.
+      unmatched: parameter paths that matched no pattern (kept replicated).
+      notes: why parts were left unmatched.
+      batch_size: global batch.
+      seq_len: sequence length.
+      dtype: compute dtype.
+      optimizer: optimizer name the memory was predicted for.
+      device_num: devices per node.
+      node_num: nodes.
+      profile: the hardware profile.
+      memory_budget: bytes per device.
+    """
+
+    mesh: tuple[tuple[str, int], ...]
+    zero_stage: int
+    schedule: str | None
+    num_microbatches: int
+    recompute: bool
+    sequence_parallel: bool
+    params: tuple[ParamPlan, ...]
+    blocks: tuple[str, ...]
+    stages: tuple[tuple[int, ...], ...]
+    chosen: Candidate
+    candidates: tuple[Candidate, ...]
+    excluded: tuple[tuple[str, str], ...]
+    architecture: str
+    unmatched: tuple[str, ...]
+    notes: tuple[str, ...]
+    batch_size: int
+    seq_len: int
+    dtype: str
+    optimizer: str
+    device_num: int
+    node_num: int
+    profile: HardwareProfile
+    memory_budget: int
+
+    # ------------------------------------------------------------ views
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        """``{axis: size}`` in mesh order."""
+        return dict(self.mesh)
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        """The mesh's axis names (all five, degree-1 axes kept)."""
+        return tuple(a for a, _ in self.mesh)
+
+    @property
+    def axis_sizes(self) -> tuple[int, ...]:
+        """The mesh's axis sizes."""
+        return tuple(n for _, n in self.mesh)
+
+    @property
+    def layout(self) -> Layout:
+        """The chosen :class:`~jfleet.auto.cost_model.Layout`."""
+        return self.chosen.layout
+
+    @property
+    def specs(self) -> dict[str, P]:
+        """``{path: spec}``: every parameter's layout before ZeRO."""
+        return {p.path: p.spec for p in self.params}
+
+    @property
+    def zero_specs(self) -> dict[str, P]:
+        """``{path: zero_spec}``: every parameter's layout with the ZeRO axis."""
+        return {p.path: p.zero_spec for p in self.params}
+
+    def spec(self, path: str) -> P:
+        """The layout (before ZeRO) of the parameter at ``path``.
+
+        Raises:
+          KeyError: no such parameter (the message lists a few that exist).
+        """
+        return self._param(path).spec
+
+    def stage_of(self, path: str) -> int | None:
+        """The pipeline stage holding the parameter at ``path`` (None: every stage)."""
+        return self._param(path).stage
+
+    def _param(self, path: str) -> ParamPlan:
+        for p in self.params:
+            if p.path == path:
+                return p
+        some = ", ".join(p.path for p in self.params[:5])
+        raise KeyError(f"{path!r} is not a parameter of this plan; e.g. {some}")
+
+    # ------------------------------------------------------------ applying helpers
+    def make_mesh(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
+        """A ``Mesh`` with this plan's axes (``AxisType.Auto``) over the first devices.
+
+        Raises:
+          ValueError: fewer devices than the plan needs.
+        """
+        n = math.prod(self.axis_sizes)
+        devices = list(jax.devices() if devices is None else devices)
+        if len(devices) < n:
+            raise ValueError(
+                f"the plan needs {n} devices ({self.layout.mesh_name}) but {len(devices)} "
+                "are available."
+            )
+        return jax.make_mesh(
+            self.axis_sizes,
+            self.axis_names,
+            axis_types=(AxisType.Auto,) * len(self.mesh),
+            devices=devices[:n],
+        )
+
+    def partition_specs(self, state: nnx.State, *, zero: bool = False) -> nnx.State:
+        """A tree like ``state`` (``nnx.Param`` state) with each leaf's ``PartitionSpec``.
+
+        Args:
+          state: ``nnx.state(model, nnx.Param)`` of the model the plan was made for.
+          zero: the ZeRO layouts (``zero_spec``) instead of the tensor-parallel ones.
+
+        Raises:
+          ValueError: a parameter the plan does not know, or one whose shape changed.
+        """
+        self.validate(state)
+        table = self.zero_specs if zero else self.specs
+
+        def one(path: tuple, var: Any) -> Any:
+            return var.replace(table[path_str(path)])
+
+        return nnx.map_state(one, state)
+
+    def validate(self, model_or_state: nnx.Module | nnx.State) -> None:
+        """Checks that a model (or its Param state) has exactly this plan's parameters.
+
+        Raises:
+          ValueError: listing every missing, extra or reshaped parameter.
+        """
+        state = model_or_state
+        if isinstance(state, nnx.Module):
+            state = nnx.state(state, nnx.Param)
+        have = {path_str(p): tuple(v.get_value().shape) for p, v in nnx.to_flat_state(state)}
+        want = {p.path: p.shape for p in self.params}
+        missing = sorted(set(want) - set(have))
+        extra = sorted(set(have) - set(want))
+        reshaped = sorted(k for k in set(want) & set(have) if want[k] != have[k])
+        if missing or extra or reshaped:
+            raise ValueError(
+                "the model does not match the plan: "
+                + "; ".join(
+                    f"{label}: {items[:8]}{' ...' if len(items) > 8 else ''}"
+                    for label, items in (
+                        ("missing", missing),
+                        ("not in the plan", extra),
+                        ("shape changed", [f"{k} {want[k]} -> {have[k]}" for k in reshaped]),
+                    )
+                    if items
+                )
+                + ". Make a new plan for this model."
+            )
+
+    # ------------------------------------------------------------ text
+    def __str__(self) -> str:
+        lay = self.layout
+        mem, t = self.chosen.memory, self.chosen.time
+        total = self.device_num * self.node_num
+        lines = [
+            f"jfleet plan: {lay.name} on {total} devices ({self.node_num} node(s) x "
+            f"{self.device_num}), profile {self.profile.name}, budget "
+            f"{_mib(self.memory_budget)}/device",
+            f"model: {self.architecture}",
+            f"workload: batch {self.batch_size} x seq {self.seq_len}, {self.dtype}, "
+            f"{self.optimizer}",
+            "mesh: "
+            + " ".join(f"{a}={n}" for a, n in self.mesh)
+            + f" | ZeRO-{self.zero_stage}"
+            + (
+                f" | pipeline {self.schedule}, {self.num_microbatches} micro-batches"
+                if lay.pp > 1
+                else " | no pipeline"
+            )
+            + (" | recompute" if self.recompute else "")
+            + (" | sequence parallel" if self.sequence_parallel else ""),
+            f"predicted per device: {_mib(mem.total)} (params {_mib(mem.params)}, optimizer "
+            f"{_mib(mem.optimizer)}, grads {_mib(mem.grads)}, activations "
+            f"{_mib(mem.activations)}"
+            + (f", gathered {_mib(mem.gathered)}" if mem.gathered else "")
+            + f"); step {_secs(t.total)} (compute {_secs(t.compute)}"
+            + "".join(
+                f", {label} {_secs(v)}"
+                for label, v in (
+                    ("bubble", t.bubble),
+                    ("tensor-parallel", t.tensor_parallel),
+                    ("data-parallel", t.data_parallel),
+                    ("pipeline", t.pipeline),
+                    ("sequence", t.sequence),
+                )
+                if v
+            )
+            + ")",
+        ]
+        if lay.pp > 1:
+            lines.append(
+                "stages: "
+                + "; ".join(
+                    f"{i}: blocks {s[0]}-{s[-1]}" if len(s) > 1 else f"{i}: block {s[0]}"
+                    for i, s in enumerate(self.stages)
+                )
+            )
+        lines.append(
+            "unmatched (replicated): " + (", ".join(self.unmatched) if self.unmatched else "none")
+        )
+        lines += [f"note: {n}" for n in self.notes]
+        lines += [
+            "",
+            "| rank | layout | memory/device | step | compute+bubble | tensor-par. "
+            "| data-par. | pipeline | fits | why not chosen |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for i, c in enumerate(self.candidates[:_SHOWN], 1):
+            lines.append(
+                f"| {i} | {c.layout.name} | {_mib(c.memory.total)} | {_secs(c.time.total)} "
+                f"| {_secs(c.time.compute + c.time.bubble)} "
+                f"| {_secs(c.time.tensor_parallel)} | {_secs(c.time.data_parallel)} "
+                f"| {_secs(c.time.pipeline)} | {'yes' if c.fits else 'no'} "
+                f"| {c.reason.replace('best', 'chosen', 1) if i == 1 else c.reason} |"
+            )
+        hidden = len(self.candidates) - _SHOWN
+        if hidden > 0:
+            lines.append(f"({hidden} more candidates in plan.candidates)")
+        if self.excluded:
+            lines.append(
+                f"excluded meshes ({len(self.excluded)}): "
+                + "; ".join(f"{m}: {r}" for m, r in self.excluded[:6])
+                + (" ..." if len(self.excluded) > 6 else "")
+            )
+        lines += [
+            "",
+            "| parameter | shape | role | spec | ZeRO spec | stage |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in self._grouped_params():
+            lines.append("| " + " | ".join(row) + " |")
+        return "\n".join(lines)
+
+    def _grouped_params(self) -> list[list[str]]:
+        """Parameter rows, one per parameter outside the blocks and one per block slot."""
+        rows: list[list[str]] = []
+        seen: dict[str, list] = collections.OrderedDict()
+        for p in self.params:
+            key = p.path
+            in_block = False
+            for b in self.blocks:
+                if p.path.startswith(b + "."):
+                    parent = b.rsplit(".", 1)[0] if "." in b else ""
+                    key = f"{parent}[*]{p.path[len(b) :]}"
+                    in_block = True
+                    break
+            entry = seen.setdefault(key, [p, set()])
+            if in_block:
+                entry[1].add(p.stage)
+        for key, (p, stage_set) in seen.items():
+            stage = (
+                "all"
+                if p.stage is None
+                else ",".join(str(s) for s in sorted(stage_set))
+                if stage_set
+                else str(p.stage)
+            )
+            rows.append(
+                [
+                    key,
+                    "x".join(map(str, p.shape)),
+                    p.role or "-",
+                    _spec_text(p.spec),
+                    _spec_text(p.zero_spec),
+                    stage,
+                ]
+            )
+        return rows
+
+    # ------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (:meth:`from_dict` rebuilds the plan exactly)."""
+        return {
+            "format": _FORMAT,
+            "mesh": dict(self.mesh),
+            "zero_stage": self.zero_stage,
+            "schedule": self.schedule,
+            "num_microbatches": self.num_microbatches,
+            "recompute": self.recompute,
+            "sequence_parallel": self.sequence_parallel,
+            "params": [
+                {
+                    "path": p.path,
+                    "shape": list(p.shape),
+                    "dtype": p.dtype,
+                    "role": p.role,
+                    "spec": spec_to_json(p.spec),
+                    "zero_spec": spec_to_json(p.zero_spec),
+                    "stage": p.stage,
+                }
+                for p in self.params
+            ],
+            "blocks": list(self.blocks),
+            "stages": [list(s) for s in self.stages],
+            "chosen": _candidate_to_dict(self.chosen),
+            "candidates": [_candidate_to_dict(c) for c in self.candidates],
+            "excluded": [list(e) for e in self.excluded],
+            "architecture": self.architecture,
+            "unmatched": list(self.unmatched),
+            "notes": list(self.notes),
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "dtype": self.dtype,
+            "optimizer": self.optimizer,
+            "device_num": self.device_num,
+            "node_num": self.node_num,
+            "profile": self.profile.to_dict(),
+            "memory_budget": self.memory_budget,
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """The plan as JSON text."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Plan:
+        """Rebuilds a plan from :meth:`to_dict`'s output.
+
+        Raises:
+          ValueError: an unknown format version or a missing field.
+        """
+        if d.get("format") != _FORMAT:
+            raise ValueError(
+                f"plan format {d.get('format')!r} is not {_FORMAT}; make the plan again with "
+                "this version of jfleet."
+            )
+        try:
+            return cls(
+                mesh=tuple((a, int(n)) for a, n in d["mesh"].items()),
+                zero_stage=d["zero_stage"],
+                schedule=d["schedule"],
+                num_microbatches=d["num_microbatches"],
+                recompute=d["recompute"],
+                sequence_parallel=d["sequence_parallel"],
+                params=tuple(
+                    ParamPlan(
+                        path=p["path"],
+                        shape=tuple(p["shape"]),
+                        dtype=p["dtype"],
+                        role=p["role"],
+                        spec=spec_from_json(p["spec"]),
+                        zero_spec=spec_from_json(p["zero_spec"]),
+                        stage=p["stage"],
+                    )
+                    for p in d["params"]
+                ),
+                blocks=tuple(d["blocks"]),
+                stages=tuple(tuple(s) for s in d["stages"]),
+                chosen=_candidate_from_dict(d["chosen"]),
+                candidates=tuple(_candidate_from_dict(c) for c in d["candidates"]),
+                excluded=tuple(tuple(e) for e in d["excluded"]),
+                architecture=d["architecture"],
+                unmatched=tuple(d["unmatched"]),
+                notes=tuple(d["notes"]),
+                batch_size=d["batch_size"],
+                seq_len=d["seq_len"],
+                dtype=d["dtype"],
+                optimizer=d["optimizer"],
+                device_num=d["device_num"],
+                node_num=d["node_num"],
+                profile=HardwareProfile(**d["profile"]),
+                memory_budget=d["memory_budget"],
+            )
+        except KeyError as err:
+            raise ValueError(f"plan JSON lacks the field {err.args[0]!r}.") from err
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Rebuilds a plan from :meth:`to_json`'s text."""
+        return cls.from_dict(json.loads(text))
+
+
+# ------------------------------------------------------------------ planning
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an int >= 1.")
+    return value
+
+
+def _check_force_mesh(force_mesh: Mapping[str, int], device_num: int, node_num: int) -> dict:
+    if not isinstance(force_mesh, Mapping):
+        raise TypeError(
+            f"force_mesh={force_mesh!r} must be a dict of degrees, e.g. {{'dp': 2, 'mp': 4}}."
+        )
+    unknown = sorted(set(force_mesh) - set(AXES))
+    if unknown:
+        raise ValueError(
+            f"force_mesh={dict(force_mesh)} names unknown axes {unknown}; axes are {AXES}."
+        )
+    for a, n in force_mesh.items():
+        _positive_int(f"force_mesh[{a!r}]", n)
+    product = math.prod(force_mesh.values())
+    total = device_num * node_num
+    if product != total:
+        shown = " x ".join(f"{a}{n}" for a, n in force_mesh.items()) or "{}"
+        raise ValueError(
+            f"force_mesh={dict(force_mesh)} multiplies out to {shown} = {product}, but "
+            f"device_num x node_num = {device_num} x {node_num} = {total}; give degrees "
+            f"whose product is {total}."
+        )
+    return {a: int(force_mesh.get(a, 1)) for a in AXES}
+
+
+def _model_dtype(patterns: ModelPatterns) -> str:
+    counts = collections.Counter()
+    for p in patterns.params:
+        counts[p.dtype] += p.size
+    return counts.most_common(1)[0][0]
+
+
+def plan_for(
+    model: nnx.Module,
+    *,
+    device_num: int,
+    node_num: int = 1,
+    batch_size: int,
+    seq_len: int,
+    profile: str | HardwareProfile | None = None,
+    memory_budget: float | None = None,
+    force_mesh: Mapping[str, int] | None = None,
+    schedule: str | None = None,
+    num_microbatches: int | None = None,
+    zero_stage: int | None = None,
+    sequence_parallel: bool = False,
+    optimizer: str = "adam",
+    recompute: bool | None = None,
+    dtype: str | None = None,
+) -> Plan:
+    """Chooses the fastest layout of ``model`` that fits, by the cost model.
+
+    Args:
+      model: an unannotated ``nnx.Module``.
+      device_num: devices per node.
+      node_num: nodes (tensor parallelism stays inside one).
+      batch_size: global batch (sequences per step).
+      seq_len: tokens per sequence.
+      profile: hardware profile name (``cpu``, ``a100``, ``h100``, ``h200``) or a
+        :class:`~jfleet.auto.profiles.HardwareProfile`; default ``cpu``.
+      memory_budget: bytes per device; default the profile's memory.
+      force_mesh: degrees that must be used (missing axes are 1), e.g.
+        ``{"dp": 2, "mp": 4}``; their product must be ``device_num x node_num``.
+      schedule: pipeline schedule (``"FThenB"`` or ``"1F1B"``); default: compared.
+      num_microbatches: pipeline micro-batches; default: compared.
+      zero_stage: ZeRO stage (0 forbids a sharding axis); default: compared.
+      sequence_parallel: Megatron sequence parallelism over ``mp``, and ``sep``
+        candidates.
+      optimizer: what the optimizer state is sized for (``adam``, ``momentum``, ``sgd``, ...).
+      recompute: force recompute on or off; default: compared.
+      dtype: compute dtype; default the model's parameter dtype.
+
+    Returns:
+      The :class:`Plan`.
+
+    Raises:
+      TypeError: ``model`` is not an ``nnx.Module``; ``force_mesh`` not a dict.
+      ValueError: a model without parameters, a non-positive count, a forced mesh that
+        does not multiply out or does not suit the shapes, an unknown schedule or ZeRO
+        stage, or no layout that fits the memory budget.
+    """
+    device_num = _positive_int("device_num", device_num)
+    node_num = _positive_int("node_num", node_num)
+    if schedule is not None and schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}.")
+    if num_microbatches is not None:
+        _positive_int("num_microbatches", num_microbatches)
+    if zero_stage is not None and zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3 (or None).")
+    if optimizer not in OPTIMIZER_MOMENTS:
+        raise ValueError(
+            f"optimizer={optimizer!r} is not known to the cost model; use one of "
+            f"{sorted(OPTIMIZER_MOMENTS)}."
+        )
+    forced = None
+    if force_mesh is not None:
+        forced = _check_force_mesh(force_mesh, device_num, node_num)
+        if forced["sep"] > 1 and not sequence_parallel:
+            raise ValueError(
+                f"force_mesh={dict(force_mesh)} has sep={forced['sep']} but "
+                "sequence_parallel=False; pass sequence_parallel=True."
+            )
+    prof = get_profile(profile)
+    budget = prof.memory_bytes if memory_budget is None else memory_budget
+    if not budget > 0:
+        raise ValueError(f"memory_budget={memory_budget!r} must be a positive number of bytes.")
+    patterns = match_patterns(model)
+    workload = Workload(
+        batch_size=_positive_int("batch_size", batch_size),
+        seq_len=_positive_int("seq_len", seq_len),
+        dtype=dtype or _model_dtype(patterns),
+        optimizer=optimizer,
+        sequence_parallel=sequence_parallel,
+    )
+    if not patterns.recognised:
+        logger.warning(
+            "%s: no transformer parts recognised (%s); planning data parallel only. "
+            "Unmatched parameters (kept replicated): %s%s",
+            type(model).__name__,
+            patterns.summary(),
+            ", ".join(patterns.unmatched) or "none",
+            "".join(f"; {n}" for n in patterns.notes),
+        )
+        if forced is not None and (forced["mp"] > 1 or forced["pp"] > 1):
+            raise ValueError(
+                f"force_mesh={dict(force_mesh)} asks for tensor or pipeline parallelism, but "
+                f"no transformer parts of {type(model).__name__} were recognised; use dp / "
+                "sharding only."
+            )
+    elif patterns.unmatched:
+        logger.info("unmatched parameters, kept replicated: %s", ", ".join(patterns.unmatched))
+    if forced is not None:
+        problem = shape_problem(patterns, workload, forced, device_num)
+        if problem is not None:
+            raise ValueError(f"force_mesh={dict(force_mesh)} cannot be used: {problem}.")
+    layouts, excluded = enumerate_layouts(
+        patterns,
+        workload,
+        device_num=device_num,
+        node_num=node_num,
+        force_mesh=forced,
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        zero_stage=zero_stage,
+        recompute=recompute,
+    )
+    if not patterns.recognised:
+        layouts = [lay for lay in layouts if lay.pp == 1 and lay.mp == 1]
+    if not layouts:
+        raise ValueError(
+            f"no layout of {device_num * node_num} devices suits {type(model).__name__} "
+            f"with batch_size={batch_size}, seq_len={seq_len}: "
+            + "; ".join(f"{m}: {r}" for m, r in excluded)
+        )
+    candidates = [
+        estimate(patterns, workload, lay, prof, devices_per_node=device_num) for lay in layouts
+    ]
+    ranked = rank(candidates, budget)
+    best = ranked[0]
+    if not best.fits:
+        message = (
+            f"no layout fits the memory budget of {_mib(budget)} per device; the smallest, "
+            f"{best.layout.name}, needs {_mib(best.memory.total)}. Raise memory_budget, "
+            "use a profile with more memory, or lower batch_size / seq_len."
+        )
+        if forced is None:
+            raise ValueError(message)
+        logger.warning("force_mesh=%s: %s Using it anyway.", dict(force_mesh), message)
+        best = min(ranked, key=lambda c: c.time.total)
+        ranked = [dataclasses.replace(best, reason="best (forced, over budget)")] + [
+            c for c in ranked if c is not best
+        ]
+        best = ranked[0]
+    return _build_plan(
+        patterns,
+        workload,
+        best,
+        ranked,
+        excluded,
+        prof,
+        budget,
+        device_num,
+        node_num,
+        type(model).__name__,
+    )
+
+
+def _build_plan(
+    patterns: ModelPatterns,
+    workload: Workload,
+    best: Candidate,
+    ranked: list[Candidate],
+    excluded: list[tuple[str, str]],
+    profile: HardwareProfile,
+    budget: float,
+    device_num: int,
+    node_num: int,
+    model_name: str,
+) -> Plan:
+    lay = best.layout
+    abstract = AbstractMesh(tuple(lay.degrees.values()), AXES)
+    zero = ParallelPlan(mesh=abstract, zero_stage=lay.zero_stage)
+    per_stage = len(patterns.blocks) // lay.pp if patterns.blocks else 0
+    if patterns.blocks:
+        stages = tuple(tuple(range(k * per_stage, (k + 1) * per_stage)) for k in range(lay.pp))
+    else:
+        stages = ()
+    params = []
+    for p in patterns.params:
+        spec = p.spec
+        zspec = zero.zero_spec(spec, p.shape) if lay.zero_stage else spec
+        stage = p.block // per_stage if (p.block is not None and per_stage) else None
+        params.append(
+            ParamPlan(
+                path=p.path,
+                shape=p.shape,
+                dtype=p.dtype,
+                role=p.role,
+                spec=spec,
+                zero_spec=zspec,
+                stage=stage,
+            )
+        )
+    logger.info(
+        "plan: %s (predicted %s per device, %s per step)",
+        lay.name,
+        _mib(best.memory.total),
+        _secs(best.time.total),
+    )
+    return Plan(
+        mesh=tuple(lay.degrees.items()),
+        zero_stage=lay.zero_stage,
+        schedule=lay.schedule,
+        num_microbatches=lay.num_microbatches,
+        recompute=lay.recompute,
+        sequence_parallel=workload.sequence_parallel,
+        params=tuple(params),
+        blocks=patterns.blocks,
+        stages=stages,
+        chosen=best,
+        candidates=tuple(ranked),
+        excluded=tuple(excluded),
+        architecture=f"{model_name}: {patterns.summary()}",
+        unmatched=patterns.unmatched,
+        notes=patterns.notes,
+        batch_size=workload.batch_size,
+        seq_len=workload.seq_len,
+        dtype=workload.dtype,
+        optimizer=workload.optimizer,
+        device_num=device_num,
+        node_num=node_num,
+        profile=profile,
+        memory_budget=int(budget),
+    )

@@ -1,0 +1,194 @@
+"""Hardware profiles for the cost model: peak flops, device memory, link bandwidths.
+
+A :class:`HardwareProfile` is what :mod:`jfleet.auto.cost_model` needs to know about a
+machine. Nothing is measured at import; the numbers are vendors' public specifications
+(dense, i.e. without structured sparsity) or, for the emulated CPU devices, small honest
+guesses. Bandwidths are bytes per second *per device, in one direction*: the rate at
+which a ring collective moves one device's share (NVLink's "900 GB/s" is the sum of both
+directions, so 450e9 here).
+
+Built-in profiles (:data:`PROFILES`):
+
+* ``cpu`` (default): the host's CPU emulating devices (``jax_num_cpu_devices``). Eight
+  devices share a few cores, so each gets ~10 GFLOP/s (a quarter of one AVX2 core's ~40
+  GFLOP/s fp32 peak); 2 GiB of (host) memory each; in-process collectives copy memory at
+  ~2 GB/s; between processes (gloo over TCP) ~0.5 GB/s; 50 us per collective. XLA:CPU
+  has no reduce-scatter pass (a sharded gradient reduction is an all-reduce followed by a
+  slice: ``reduce_scatter_native=False``, see :mod:`jfleet.hlo`).
+* ``a100``: NVIDIA A100 SXM4 80GB (A100 datasheet): 19.5 TFLOP/s fp32, 156 TF32, 312
+  bf16/fp16; 80 GB HBM2e; NVLink 3 600 GB/s total (300e9 per direction); HDR
+  InfiniBand 200 Gb/s per GPU between nodes (DGX A100: 25e9 B/s).
+* ``h100``: NVIDIA H100 SXM5 80GB (H100 datasheet): 67 TFLOP/s fp32, 494.7 TF32, 989.4
+  bf16/fp16 dense; 80 GB HBM3; NVLink 4 900 GB/s total (450e9 per direction); NDR 400
+  Gb/s per GPU between nodes (DGX H100: 50e9 B/s).
+* ``h200``: NVIDIA H200 SXM 141GB (H200 datasheet): the H100's compute, 141 GB HBM3e,
+  NVLink 900 GB/s, 400 Gb/s per GPU between nodes.
+
+``float32`` on the GPU profiles is the TF32 tensor-core rate: with JAX's default matmul
+precision XLA runs float32 matmuls in TF32 on these GPUs. ``float32_highest`` is the
+full-precision rate (``jax_default_matmul_precision="highest"``).
+
+Example:
+  >>> get_profile("h100").flops("bfloat16") / 1e12
+  989.4
+  >>> custom = HardwareProfile(
+  ...     name="my-gpu", peak_flops={"float32": 50e12}, memory_bytes=24 * 2**30,
+  ...     intra_node_bandwidth=64e9, inter_node_bandwidth=12.5e9, devices_per_node=4)
+  >>> custom.flops("float32") == 50e12
+  True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["PROFILES", "HardwareProfile", "get_profile"]
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HardwareProfile:
+    """What the cost model needs to know about one kind of machine.
+
+    Attributes:
+      name: a label for the plan's table.
+      peak_flops: peak matmul flop/s of one device per dtype name (``float32``,
+        ``bfloat16``, ``float16``, ...). A mapping is accepted and stored as sorted
+        ``(dtype, flops)`` pairs so the profile stays hashable.
+      memory_bytes: memory per device (the default memory budget).
+      intra_node_bandwidth: bytes/s per device, one direction, inside a node.
+      inter_node_bandwidth: bytes/s per device, one direction, between nodes.
+      devices_per_node: devices in one node (used when ``device_num`` is not given).
+      collective_latency: seconds each collective costs on top of its bytes.
+      reduce_scatter_native: whether the compiler emits a reduce-scatter for a sharded
+        gradient reduction (GPU, TPU) or an all-reduce plus a slice (XLA:CPU).
+
+    Raises:
+      ValueError: a non-positive number, or no flops given.
+    """
+
+    name: str
+    peak_flops: Any
+    memory_bytes: int
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    devices_per_node: int = 8
+    collective_latency: float = 1e-5
+    reduce_scatter_native: bool = True
+
+    def __post_init__(self) -> None:
+        flops = self.peak_flops
+        if isinstance(flops, Mapping):
+            flops = tuple(sorted((str(k), float(v)) for k, v in flops.items()))
+        else:
+            flops = tuple((str(k), float(v)) for k, v in flops)
+        if not flops:
+            raise ValueError(
+                f"profile {self.name!r}: peak_flops is empty; give e.g. {{'float32': 1e12}}."
+            )
+        object.__setattr__(self, "peak_flops", flops)
+        bad = {k: v for k, v in flops if not v > 0}
+        for field in ("memory_bytes", "intra_node_bandwidth", "inter_node_bandwidth"):
+            if not getattr(self, field) > 0:
+                bad[field] = getattr(self, field)
+        if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
+            bad["devices_per_node"] = self.devices_per_node
+        if self.collective_latency < 0:
+            bad["collective_latency"] = self.collective_latency
+        if bad:
+            raise ValueError(
+                f"profile {self.name!r}: {bad} must be positive (latency >= 0, "
+                "devices_per_node an int >= 1)."
+            )
+
+    def flops(self, dtype: str) -> float:
+        """Peak flop/s for matmuls in ``dtype``; falls back to ``float32``, then the slowest.
+
+        Args:
+          dtype: a dtype name such as ``"float32"`` or ``"bfloat16"``.
+        """
+        table = dict(self.peak_flops)
+        if str(dtype) in table:
+            return table[str(dtype)]
+        if "float32" in table:
+            return table["float32"]
+        return min(table.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (``HardwareProfile(**d)`` rebuilds it)."""
+        out = dataclasses.asdict(self)
+        out["peak_flops"] = dict(self.peak_flops)
+        return out
+
+
+_CPU = HardwareProfile(
+    name="cpu",
+    peak_flops={"float32": 10e9, "bfloat16": 5e9, "float16": 5e9},
+    memory_bytes=2 * GiB,
+    intra_node_bandwidth=2e9,
+    inter_node_bandwidth=0.5e9,
+    devices_per_node=8,
+    collective_latency=50e-6,
+    reduce_scatter_native=False,
+)
+_A100 = HardwareProfile(
+    name="a100",
+    peak_flops={
+        "float32": 156e12,
+        "float32_highest": 19.5e12,
+        "bfloat16": 312e12,
+        "float16": 312e12,
+    },
+    memory_bytes=80 * 10**9,
+    intra_node_bandwidth=300e9,
+    inter_node_bandwidth=25e9,
+    devices_per_node=8,
+)
+_H100 = HardwareProfile(
+    name="h100",
+    peak_flops={
+        "float32": 494.7e12,
+        "float32_highest": 67e12,
+        "bfloat16": 989.4e12,
+        "float16": 989.4e12,
+    },
+    memory_bytes=80 * 10**9,
+    intra_node_bandwidth=450e9,
+    inter_node_bandwidth=50e9,
+    devices_per_node=8,
+)
+_H200 = dataclasses.replace(_H100, name="h200", memory_bytes=141 * 10**9)
+
+#: The built-in profiles by name.
+PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (_CPU, _A100, _H100, _H200)}
+
+
+def get_profile(profile: str | HardwareProfile | None = None) -> HardwareProfile:
+    """A profile by name (``cpu``, ``a100``, ``h100``, ``h200``), or ``profile`` itself.
+
+    Args:
+      profile: a name, a :class:`HardwareProfile`, or None for ``cpu``.
+
+    Raises:
+      ValueError: an unknown name.
+      TypeError: neither a name nor a profile.
+    """
+    if profile is None:
+        return _CPU
+    if isinstance(profile, HardwareProfile):
+        return profile
+    if isinstance(profile, str):
+        key = profile.lower()
+        if key not in PROFILES:
+            raise ValueError(
+                f"profile={profile!r} is not a known profile; use one of {sorted(PROFILES)} "
+                "or pass a HardwareProfile(...)."
+            )
+        return PROFILES[key]
+    raise TypeError(
+        f"profile={profile!r} ({type(profile).__name__}) is neither a profile name nor a "
+        "HardwareProfile."
+    )

@@ -1,0 +1,1 @@
+"""Tests of jfleet.auto: patterns, cost model, plan."""

@@ -1,0 +1,173 @@
+"""The cost model: against the compiler, against the ZeRO paper, and its rules."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks import cost_model_check
+from jfleet.auto import HardwareProfile, Layout, Workload, estimate, get_profile, match_patterns
+from jfleet.auto.cost_model import enumerate_layouts, rank
+from jfleet.models_llama import TinyLlama
+
+#: The check's model at 2 layers and batch 8 (compiles in ~2 s per layout on 2 cores).
+SMALL = cost_model_check.Workload(layers=2, batch=8)
+
+
+CHECKED = cost_model_check.LAYOUTS[:6]
+
+
+@pytest.mark.parametrize(
+    ("degrees", "stage"),
+    CHECKED,
+    ids=["_".join(f"{a}{n}" for a, n in d.items()) + f"_zero{s}" for d, s in CHECKED],
+)
+def test_predictions_match_the_compiled_step(degrees, stage):
+    """Memory within 25% of memory_analysis(), collective bytes within 15% of the HLO's."""
+    row = cost_model_check.check(
+        SMALL, degrees, stage, compiler_options=cost_model_check.FAST_COMPILE
+    )
+    assert 0.75 <= row.memory_ratio <= 1.25, row
+    assert 0.85 <= row.bytes_ratio <= 1.15, row
+
+
+def _llama(**kw):
+    args = {"vocab": 512, "width": 128, "heads": 8, "kv_heads": 4, "layers": 4, "hidden": 256}
+    return match_patterns(nnx.eval_shape(lambda: TinyLlama(**(args | kw))))
+
+
+def _est(found, layout, work=None, profile="cpu", per_node=8):
+    work = work or Workload(batch_size=16, seq_len=64)
+    return estimate(found, work, layout, get_profile(profile), devices_per_node=per_node)
+
+
+def test_zero_stages_divide_state_as_the_paper_says():
+    found = _llama()
+    phi = sum(p.nbytes for p in found.params)  # fp32 bytes
+    dp = _est(found, Layout(dp=8)).memory
+    z = {s: _est(found, Layout(sharding=8, zero_stage=s)).memory for s in (1, 2, 3)}
+    assert dp.params == phi and dp.optimizer == 2 * phi + 4 and dp.grads == phi
+    assert z[1].params == phi and z[1].optimizer == 2 * phi // 8 + 4
+    assert z[3].params == phi // 8 and z[3].gathered == phi
+    # XLA compiles ZeRO-2 to the same step as ZeRO-1 (full local gradient, then reduce)
+    assert z[2] == z[1]
+    assert _est(found, Layout(sharding=8, zero_stage=1)).collectives.total == 2 * phi
+
+
+def test_tensor_parallel_collectives_count_each_column_projection():
+    found = _llama()
+    c = _est(found, Layout(dp=2, mp=4)).collectives
+    act = 16 // 2 * 64 * 128 * 4  # b s h bytes per device
+    per_layer = (2 + 3 + 2) * act  # fwd: o, down; bwd: q, k, v and gate, up
+    outside = 2 * act + 2 * (16 // 2 * 64 * 4)  # embedding fwd, head bwd, 2 softmax stats
+    grads = sum(p.nbytes for p in found.params) // 4  # every parameter here is split 4 ways
+    norm_bytes = sum(p.nbytes for p in found.params if p.role == "norm")
+    assert c.all_reduce == 4 * per_layer + outside + grads + norm_bytes * 3 // 4
+
+
+def test_pipeline_schedules_bubble_and_transfers():
+    found = _llama()
+    work = Workload(batch_size=32, seq_len=64)
+    g = {
+        m: _est(found, Layout(pp=4, dp=2, schedule="FThenB", num_microbatches=m), work)
+        for m in (4, 16)
+    }
+    f = {
+        m: _est(found, Layout(pp=4, dp=2, schedule="1F1B", num_microbatches=m), work)
+        for m in (4, 16)
+    }
+    # bubble = the blocks' compute x (P-1)/M, the blocks' compute the same at every M
+    assert g[16].time.bubble == pytest.approx(g[4].time.bubble * 4 / 16)
+    assert g[4].time.bubble < g[4].time.compute
+    act = 32 // 2 // 4 * 64 * 128 * 4  # one micro-batch's b s h bytes at M=4
+    assert g[4].collectives.collective_permute == 2 * (4 + 4 - 1) * act
+    assert f[4].collectives.collective_permute == 2 * (4 + 2 * 4 - 2) * act
+    # FThenB keeps every micro-batch (flat in M at a fixed batch); 1F1B keeps one + the stash
+    assert f[16].memory.activations < f[4].memory.activations < g[4].memory.activations
+    assert g[16].memory.activations == g[4].memory.activations
+
+
+def test_links_across_nodes_are_slower():
+    found = _llama()
+    h100 = dataclasses.replace(get_profile("h100"), collective_latency=0.0)
+    inside = _est(found, Layout(dp=8), profile=h100, per_node=8).time.data_parallel
+    across = _est(found, Layout(dp=8), profile=h100, per_node=4).time.data_parallel
+    assert across / inside == pytest.approx(h100.intra_node_bandwidth / h100.inter_node_bandwidth)
+    # dp outermost, mp innermost: with 4 devices a node, mp4's group stays inside one
+    mp = _est(found, Layout(dp=2, mp=4), profile=h100, per_node=4).time
+    mp_inside = _est(found, Layout(dp=2, mp=4), profile=h100, per_node=8).time
+    assert mp.tensor_parallel == pytest.approx(mp_inside.tensor_parallel)
+    assert mp.data_parallel > mp_inside.data_parallel
+
+
+def test_enumeration_respects_the_shapes():
+    found = _llama()
+    work = Workload(batch_size=16, seq_len=64)
+    layouts, excluded = enumerate_layouts(found, work, device_num=8)
+    meshes = {lay.mesh_name for lay in layouts}
+    assert "mp8" not in meshes and "pp8" not in meshes
+    assert dict(excluded) == {
+        "mp8": "mp=8 does not divide kv_heads=4",
+        "pp8": "pp=8 does not divide the 4 blocks",
+    }
+    assert all(lay.size == 8 and lay.sep == 1 for lay in layouts)
+    assert {lay.zero_stage for lay in layouts if lay.sharding > 1} == {1, 2, 3}
+    assert {lay.schedule for lay in layouts if lay.pp > 1} == {"FThenB", "1F1B"}
+    two_nodes, _ = enumerate_layouts(found, work, device_num=2, node_num=4)
+    assert max(lay.mp for lay in two_nodes) == 2
+
+
+def test_rank_gives_every_loser_a_reason():
+    found = _llama()
+    layouts, _ = enumerate_layouts(found, Workload(batch_size=16, seq_len=64), device_num=8)
+    cands = [_est(found, lay) for lay in layouts]
+    budget = sorted(c.memory.total for c in cands)[len(cands) // 2]
+    ranked = rank(cands, budget)
+    assert ranked[0].reason == "best" and ranked[0].fits
+    fitting = [c for c in ranked if c.fits]
+    assert [c.time.total for c in fitting] == sorted(c.time.total for c in fitting)
+    for c in ranked[1:]:
+        assert c.reason.startswith(("does not fit: ", "as fast as the best")) or (
+            "slower than the best: more " in c.reason
+        ), c.reason
+    assert all(not c.fits for c in ranked[len(fitting) :])
+
+
+def test_profiles():
+    assert get_profile() is get_profile("cpu")
+    assert get_profile("H200").memory_bytes == 141 * 10**9
+    assert get_profile("a100").flops("bfloat16") == 312e12
+    assert get_profile("h100").flops("int8") == get_profile("h100").flops("float32")
+    with pytest.raises(ValueError, match=r"profile='tpu' is not a known profile"):
+        get_profile("tpu")
+    with pytest.raises(ValueError, match=r"'intra_node_bandwidth': 0"):
+        HardwareProfile(
+            name="x",
+            peak_flops={"float32": 1.0},
+            memory_bytes=1,
+            intra_node_bandwidth=0,
+            inter_node_bandwidth=1,
+        )
+    with pytest.raises(ValueError, match="peak_flops is empty"):
+        HardwareProfile(
+            name="x", peak_flops={}, memory_bytes=1, intra_node_bandwidth=1, inter_node_bandwidth=1
+        )
+
+
+def test_layout_and_workload_validation():
+    with pytest.raises(ValueError, match="zero_stage=1 needs a sharding axis"):
+        Layout(dp=8, zero_stage=1)
+    with pytest.raises(ValueError, match=r"pp=2 needs schedule in \('FThenB', '1F1B'\)"):
+        Layout(pp=2, dp=4)
+    with pytest.raises(ValueError, match="mp=0 must be an int >= 1"):
+        Layout(mp=0)
+    with pytest.raises(ValueError, match="optimizer='adagrad' is not known"):
+        Workload(batch_size=1, seq_len=1, optimizer="adagrad")
+    with pytest.raises(ValueError, match="seq_len=0 must be an int >= 1"):
+        Workload(batch_size=1, seq_len=0)
