@@ -199,6 +199,8 @@ class BaselineStep:
         opt_state = jax.tree.map(lambda x: _on_mesh(x, mesh), tx.init(state_params))
         batch = plan.shard_batch(batch)
         grad_shardings = plan.param_shardings(params, zero=True) if plan.zero_stage >= 2 else None
+        # a hand-written ZeRO-3 (FSDP) step gathers the sharded parameters for the step
+        gathered = plan.param_shardings(params, zero=False) if plan.zero_stage >= 3 else None
 
         def shardings(tree: Any) -> Any:
             return jax.tree.map(lambda x: x.sharding, tree)
@@ -207,6 +209,8 @@ class BaselineStep:
 
         def train_step(params, rest, opt_state, batch):
             def objective(params):
+                if gathered is not None:
+                    params = jax.lax.with_sharding_constraint(params, gathered)
                 model = nnx.merge(graphdef, params, rest)
                 return jnp.asarray(loss_fn(model, batch), jnp.float32)
 

@@ -344,18 +344,25 @@ class Fleet:
         Applies AMP (O1 compute dtypes / O2 half parameters) and recompute from
         the strategy, then places parameters: replicated for data parallel,
         ZeRO-3 sharded over the ``sharding`` axis, tensor-parallel layouts from
-        the parameters' ``out_sharding`` metadata.
+        the parameters' ``out_sharding`` metadata, pipeline stages over ``pp``.
+
+        A :class:`~jfleet.parallel.pipeline_layer.PipelineLayer` (required when
+        ``pp_degree > 1``) becomes a
+        :class:`~jfleet.parallel.pipeline_parallel.PipelineParallel`, whose
+        ``train_batch(data, optimizer)`` runs the ``pipeline_configs`` schedule.
 
         Raises:
-          TypeError: not an ``nnx.Module``. NotImplementedError: pp_degree > 1
-          (pipelines need ``PipelineLayer``, not available yet).
+          TypeError: not an ``nnx.Module``, or not a ``PipelineLayer`` with
+            pp_degree > 1. ValueError: a ``PipelineLayer`` whose ``num_stages`` is
+            not the pp degree. NotImplementedError: a Paddle schedule jfleet lacks.
         """
         self._require_init("distributed_model")
-        if self._hcg.get_pipe_parallel_world_size() > 1:
-            raise NotImplementedError(
-                f"pp_degree={self._hcg.get_pipe_parallel_world_size()}: pipeline parallel "
-                "needs PipelineLayer, which jfleet does not provide yet; set pp_degree=1."
-            )
+        from jfleet.parallel.pipeline_layer import PipelineLayer
+
+        if self._hcg.get_pipe_parallel_world_size() > 1 or isinstance(model, PipelineLayer):
+            from jfleet.parallel.pipeline_parallel import pipeline_model
+
+            return pipeline_model(model, self._user_strategy, ParallelPlan.from_fleet())
         return prepare_model(model, self._user_strategy, ParallelPlan.from_fleet())
 
     def get_loss_scaling(self) -> float:

@@ -1,4 +1,4 @@
-"""Paddle's ``fleet.meta_parallel`` names: tensor- and sequence-parallel layers, RNG state.
+"""Paddle's ``fleet.meta_parallel`` names: tensor-, sequence- and pipeline-parallel layers, RNGs.
 
 Importable as ``jfleet.meta_parallel`` and as ``jfleet.fleet.meta_parallel``.
 
@@ -18,6 +18,10 @@ from jfleet.parallel.cross_entropy import parallel_cross_entropy as parallel_cro
 from jfleet.parallel.layers import ColumnParallelLinear as ColumnParallelLinear
 from jfleet.parallel.layers import RowParallelLinear as RowParallelLinear
 from jfleet.parallel.layers import VocabParallelEmbedding as VocabParallelEmbedding
+from jfleet.parallel.pipeline_layer import LayerDesc as LayerDesc
+from jfleet.parallel.pipeline_layer import PipelineLayer as PipelineLayer
+from jfleet.parallel.pipeline_layer import SharedLayerDesc as SharedLayerDesc
+from jfleet.parallel.pipeline_parallel import PipelineParallel as PipelineParallel
 from jfleet.parallel.random import RNGStatesTracker as RNGStatesTracker
 from jfleet.parallel.random import get_init_mode as get_init_mode
 from jfleet.parallel.random import get_rng_state_tracker as get_rng_state_tracker

@@ -142,7 +142,18 @@ class ParallelPlan:
         return jax.tree.map(one, specs, params, is_leaf=lambda s: isinstance(s, P))
 
     def place_params(self, model: nnx.Module) -> nnx.Module:
-        """Moves the model's parameters (and other variables) onto the mesh for this plan."""
+        """Moves the model's parameters (and other variables) onto the mesh for this plan.
+
+        With ZeRO, annotated parameters also get ``optimizer_sharding`` metadata: Flax
+        builds an annotated parameter's optimizer state from its metadata and would
+        otherwise re-lay the state out unsharded (``out_sharding``).
+        """
+        if self.zero_stage >= 1:
+            for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+                spec = var.get_metadata("out_sharding", None)
+                if spec:
+                    zero = self.zero_spec(P(*spec), tuple(var.shape))
+                    var.set_metadata(optimizer_sharding=tuple(zero))
         params, rest = nnx.state(model, nnx.Param, ...)
         params = jax.device_put(params, self.param_shardings(params))
         rest_specs = nnx.get_partition_spec(rest)

@@ -368,7 +368,7 @@ def test_distributed_optimizer_bad_arguments():
 
 def test_distributed_model_bad_arguments():
     fleet.init(is_collective=True, strategy=make_strategy(pp_degree=2))
-    with pytest.raises(NotImplementedError, match="pp_degree=2"):
+    with pytest.raises(TypeError, match="pp_degree=2 needs the model as a PipelineLayer"):
         fleet.distributed_model(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
 
 

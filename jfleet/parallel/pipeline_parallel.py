@@ -1,0 +1,323 @@
+"""Paddle's ``PipelineParallel``: a :class:`PipelineLayer` placed for the fleet, trained per batch.
+
+``fleet.distributed_model(pipeline_layer)`` returns a :class:`PipelineParallel`. Its
+:meth:`~PipelineParallel.train_batch` runs one step of the one training engine
+(:class:`jfleet.engine.TrainStep`) whose loss is
+:meth:`PipelineLayer.pipeline_loss <jfleet.parallel.pipeline_layer.PipelineLayer.pipeline_loss>`,
+so AMP loss scaling, ZeRO, gradient clipping and buffer donation apply as for any model.
+The strategy's ``pipeline_configs`` choose the schedule (``schedule_mode``: ``"1F1B"``,
+``"FThenB"`` / ``"F-then-B"``) and the micro-batching: ``accumulate_steps`` micro-batches
+of ``micro_batch_size`` rows per data-parallel replica, so a batch has
+``micro_batch_size x accumulate_steps x (dp x sharding)`` rows.
+
+Learning-rate schedules: an optax schedule belongs in the optimizer
+(``optax.adam(optax.cosine_decay_schedule(...))``); ``train_batch(lr_scheduler=...)``
+takes an object with Paddle's ``step()`` method and calls it after each step.
+
+Example:
+  >>> import jax.numpy as jnp, optax
+  >>> from flax import nnx
+  >>> from jfleet import fleet
+  >>> from jfleet.parallel.pipeline_layer import LayerDesc, PipelineLayer
+  >>> s = fleet.DistributedStrategy()
+  >>> s.hybrid_configs = {"dp_degree": 4, "pp_degree": 2}
+  >>> s.pipeline_configs = {"micro_batch_size": 2, "accumulate_steps": 2}
+  >>> _ = fleet.init(is_collective=True, strategy=s, log_level="WARNING")
+  >>> mse = lambda out, y: jnp.mean((out - y) ** 2)
+  >>> net = PipelineLayer([LayerDesc(nnx.Linear, 4, 4)] * 4, loss_fn=mse)
+  >>> model = fleet.distributed_model(net)
+  >>> opt = fleet.distributed_optimizer(optax.sgd(0.1))
+  >>> x, y = jnp.ones((16, 4)), jnp.zeros((16, 4))
+  >>> first = model.train_batch((x, y), opt)
+  >>> bool(model.train_batch((x, y), opt) < first)
+  True
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jfleet.distributed_model import DistributedModel, prepare_model
+from jfleet.distributed_optimizer import DistributedOptimizer
+from jfleet.engine import EvalStep, TrainStep
+from jfleet.parallel.pipeline_layer import PipelineLayer
+from jfleet.parallel.pipeline_schedule import SCHEDULES
+from jfleet.placement import ParallelPlan
+
+__all__ = ["PipelineParallel", "pipeline_model"]
+
+#: Paddle's ``schedule_mode`` names jfleet does not run yet.
+UNAVAILABLE_SCHEDULES = ("VPP", "Eager1F1B", "ZBH1", "ZBVPP")
+_ALIASES = {"F-then-B": "FThenB"}
+
+
+def resolve_schedule(name: Any) -> str:
+    """The schedule :func:`~jfleet.parallel.pipeline_schedule.pipeline_loss` runs for a name.
+
+    Raises:
+      NotImplementedError: a Paddle schedule jfleet does not have yet (``"VPP"``...).
+      ValueError: any other unknown name.
+
+    Example:
+      >>> resolve_schedule("F-then-B")
+      'FThenB'
+    """
+    name = _ALIASES.get(name, name)
+    if name in SCHEDULES:
+        return name
+    available = [*SCHEDULES, *_ALIASES]
+    if name in UNAVAILABLE_SCHEDULES:
+        raise NotImplementedError(
+            f"pipeline_configs['schedule_mode']={name!r} is not available in jfleet yet; "
+            f"the available schedules are {available}."
+        )
+    raise ValueError(
+        f"pipeline_configs['schedule_mode']={name!r} is not a pipeline schedule; use one of "
+        f"{available}."
+    )
+
+
+class PipelineParallel(DistributedModel):
+    """A :class:`PipelineLayer` placed on the mesh, with Paddle's ``train_batch`` / ``eval_batch``.
+
+    Build it with ``fleet.distributed_model(pipeline_layer)``. Calling it runs the model
+    sequentially (``PipelineLayer.__call__``); ``train_batch`` pipelines it.
+
+    Attributes:
+      module: the :class:`PipelineLayer`.
+      plan: the parallel plan (mesh, ZeRO stage).
+      micro_batch_size: rows per micro-batch per data-parallel replica.
+      accumulate_steps: micro-batches per step (``M``).
+      schedule: ``"1F1B"`` or ``"FThenB"``.
+    """
+
+    def __init__(
+        self,
+        layers: PipelineLayer,
+        plan: ParallelPlan,
+        *,
+        micro_batch_size: int = 1,
+        accumulate_steps: int = 1,
+        schedule: str = "1F1B",
+    ) -> None:
+        if not isinstance(layers, PipelineLayer):
+            raise TypeError(f"PipelineParallel needs a PipelineLayer; got {type(layers).__name__}.")
+        for name, value in (
+            ("micro_batch_size", micro_batch_size),
+            ("accumulate_steps", accumulate_steps),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"pipeline_configs['{name}']={value!r} must be an int >= 1.")
+        super().__init__(layers, plan)
+        self.micro_batch_size = micro_batch_size
+        self.accumulate_steps = accumulate_steps
+        self.schedule = resolve_schedule(schedule)
+
+    @property
+    def num_stages(self) -> int:
+        """The pipeline stages (the ``pp`` degree)."""
+        return self.module.num_stages
+
+    def train_batch(
+        self,
+        data: Any,
+        optimizer: DistributedOptimizer,
+        lr_scheduler: Any = None,
+        scaler: Any = None,
+        loss_fn_idx: int = 0,
+        return_micro_batch_loss: bool = False,
+    ) -> jax.Array:
+        """One pipelined training step on ``data``; returns the mean loss over micro-batches.
+
+        Args:
+          data: ``(inputs, labels)`` (Paddle's form), or a dict with ``"labels"`` and one
+            other key (the inputs, e.g. ``"tokens"``). Batch first; ``micro_batch_size x
+            accumulate_steps x (dp x sharding)`` rows.
+          optimizer: from ``fleet.distributed_optimizer``.
+          lr_scheduler: None, or an object with ``step()`` (Paddle's LRScheduler), called
+            after the step. Optax schedules go into the optimizer instead.
+          scaler: must be None: fp16 loss scaling comes from ``strategy.amp``.
+          loss_fn_idx: which of the PipelineLayer's loss functions.
+          return_micro_batch_loss: must be False (per-micro-batch losses are not
+            returned yet).
+
+        Returns:
+          The float32 mean loss (replicated).
+
+        Raises:
+          ValueError: a batch that is not ``micro_batch_size x accumulate_steps`` per
+            replica (the message has the numbers), a ``scaler``, malformed ``data``.
+          TypeError: an ``lr_scheduler`` without ``step()``.
+          NotImplementedError: ``return_micro_batch_loss=True``.
+        """
+        if scaler is not None:
+            raise ValueError(
+                f"train_batch(scaler={scaler!r}): jfleet takes loss scaling from the strategy "
+                "(strategy.amp=True with amp_configs; the scale lives in the distributed "
+                "optimizer); pass scaler=None."
+            )
+        if return_micro_batch_loss:
+            raise NotImplementedError(
+                "train_batch(return_micro_batch_loss=True) is not available in jfleet yet; the "
+                "pipeline returns the mean loss over micro-batches."
+            )
+        if lr_scheduler is not None and not callable(getattr(lr_scheduler, "step", None)):
+            raise TypeError(
+                f"lr_scheduler={lr_scheduler!r} has no step() method. Paddle-style schedulers "
+                "(with step()) are stepped after each batch; an optax schedule belongs in the "
+                "optimizer: fleet.distributed_optimizer(optax.adam(schedule))."
+            )
+        self.module._loss_fn(loss_fn_idx)
+        batch = self._checked(data)
+        loss = _train_step(loss_fn_idx)(self, optimizer, batch)
+        if lr_scheduler is not None:
+            lr_scheduler.step()
+        return loss
+
+    def eval_batch(self, data: Any, compute_loss: bool = True, loss_fn_idx: int = 0) -> Any:
+        """The mean loss on ``data`` (pipelined, forward only), or the model's output.
+
+        Args:
+          data: as for :meth:`train_batch`.
+          compute_loss: True: the mean loss over micro-batches (the schedule's forward
+            loop over ``pp``); False: the last layer's output for every row (the model run
+            sequentially, the compiler moving the stage weights).
+          loss_fn_idx: which of the loss functions.
+
+        Returns:
+          A float32 scalar, or the outputs.
+        """
+        batch = self._checked(data, check_rows=compute_loss)
+        if compute_loss:
+            self.module._loss_fn(loss_fn_idx)
+            return _eval_step(loss_fn_idx)(self, batch)
+        step = _output_step()
+        step(self, batch)
+        return step.last_aux
+
+    def _checked(self, data: Any, *, check_rows: bool = True) -> tuple[Any, Any]:
+        inputs, labels = split_data(data)
+        if check_rows:
+            self._check_rows(inputs)
+        return inputs, labels
+
+    def _check_rows(self, inputs: Any) -> None:
+        leaves = jax.tree.leaves(inputs)
+        if not leaves or not jnp.shape(leaves[0]):
+            raise ValueError("the inputs need a leading batch dimension.")
+        rows = jnp.shape(leaves[0])[0]
+        if jax.process_count() > 1 and not isinstance(leaves[0], jax.Array):
+            rows *= jax.process_count()  # each process passes its part
+        mbs, acc = self.micro_batch_size, self.accumulate_steps
+        dp = self.plan.data_parallel_size
+        if rows == mbs * acc * dp:
+            return
+        if dp == 1:
+            where = f"the batch size {rows}"
+        else:
+            axes = " x ".join(f"{a} {self.plan.mesh.shape[a]}" for a in self.plan.data_axes)
+            per = f"{rows // dp}" if rows % dp == 0 else f"{rows / dp:g}"
+            where = (
+                f"the batch size per data-parallel replica, {per} (a batch of {rows} rows over "
+                f"{axes} = {dp} replicas)"
+            )
+        raise ValueError(
+            f"pipeline_configs micro_batch_size={mbs} x accumulate_steps={acc} = {mbs * acc} "
+            f"must equal {where}; pass batches of {mbs * acc * dp} rows or change "
+            "strategy.pipeline_configs."
+        )
+
+
+def split_data(data: Any) -> tuple[Any, Any]:
+    """``(inputs, labels)`` from Paddle's tuple or a dict with ``"labels"`` and one other key.
+
+    Example:
+      >>> split_data({"tokens": 1, "labels": 2})
+      (1, 2)
+    """
+    if isinstance(data, dict):
+        others = [k for k in data if k != "labels"]
+        if "labels" in data and len(others) == 1:
+            return data[others[0]], data["labels"]
+        raise ValueError(
+            f"data is a dict with keys {sorted(map(str, data))}; pass (inputs, labels) or a dict "
+            "with 'labels' and one other key holding the inputs (e.g. 'tokens')."
+        )
+    if isinstance(data, tuple | list) and len(data) == 2:
+        return data[0], data[1]
+    raise ValueError(
+        f"data must be (inputs, labels) or a dict with 'labels' and the inputs; got "
+        f"{type(data).__name__}{f' of length {len(data)}' if hasattr(data, '__len__') else ''}."
+    )
+
+
+# ------------------------------------------------------------------ engine steps
+def _pipeline_objective(model: PipelineParallel, batch: Any, *, loss_fn_idx: int) -> jax.Array:
+    inputs, labels = batch
+    return model.module.pipeline_loss(
+        inputs,
+        labels,
+        schedule=model.schedule,
+        num_microbatches=model.accumulate_steps,
+        mesh=model.plan.mesh,
+        loss_fn_idx=loss_fn_idx,
+    )
+
+
+def _outputs(model: PipelineParallel, batch: Any) -> tuple[jax.Array, Any]:
+    return jnp.zeros((), jnp.float32), model.module(batch[0])
+
+
+@functools.cache
+def _train_step(loss_fn_idx: int) -> TrainStep:
+    return TrainStep(functools.partial(_pipeline_objective, loss_fn_idx=loss_fn_idx))
+
+
+@functools.cache
+def _eval_step(loss_fn_idx: int) -> EvalStep:
+    return EvalStep(functools.partial(_pipeline_objective, loss_fn_idx=loss_fn_idx))
+
+
+@functools.cache
+def _output_step() -> EvalStep:
+    return EvalStep(_outputs)
+
+
+# ------------------------------------------------------------------ fleet entry
+def pipeline_model(model: Any, strategy: Any, plan: ParallelPlan) -> PipelineParallel:
+    """``fleet.distributed_model`` for a pipeline: checks, AMP / recompute / placement, wrap.
+
+    Raises:
+      TypeError: ``model`` is not a :class:`PipelineLayer` (with ``pp_degree > 1``).
+      ValueError: ``num_stages`` is not the ``pp`` degree; bad ``pipeline_configs``.
+      NotImplementedError: a Paddle schedule jfleet does not have yet.
+    """
+    pp = plan.mesh.shape.get("pp", 1)
+    if not isinstance(model, PipelineLayer):
+        raise TypeError(
+            f"pp_degree={pp} needs the model as a PipelineLayer, got "
+            f"{type(model).__name__}: describe it as PipelineLayer([LayerDesc(Embedding, ...), "
+            "LayerDesc(Block, ...), ..., LayerDesc(Head, ...)], loss_fn=...) (from "
+            "jfleet.meta_parallel), or set pp_degree=1."
+        )
+    if model.num_stages != pp:
+        raise ValueError(
+            f"the PipelineLayer was built with num_stages={model.num_stages}, but the fleet's "
+            f"pp_degree is {pp}; build it with num_stages={pp} (or num_stages=None after "
+            "fleet.init)."
+        )
+    configs = strategy.pipeline_configs if strategy is not None else {}
+    schedule = resolve_schedule(configs.get("schedule_mode", "1F1B"))
+    model.annotate(plan.mesh)  # a PipelineLayer built before fleet.init has no layout yet
+    wrapped = prepare_model(model, strategy, plan)
+    return PipelineParallel(
+        wrapped.module,
+        wrapped.plan,
+        micro_batch_size=int(configs.get("micro_batch_size", 1)),
+        accumulate_steps=int(configs.get("accumulate_steps", 1)),
+        schedule=schedule,
+    )
