@@ -141,3 +141,15 @@ def test_tensor_parallel_gpt_rejects_a_sequence_not_divisible_by_mp():
     )
     assert proc.returncode != 0
     assert "sequence length 6" in proc.stderr and "mp degree 4" in proc.stderr, proc.stderr
+
+
+def test_pipeline_gpt_trains_with_both_schedules_to_the_same_losses():
+    out = check_ok(run_example("pipeline_gpt.py", "--steps", "6", "--log-every", "3"))
+    assert "== schedule FThenB" in out and "== schedule 1F1B" in out, out
+    assert "P('pp', None, None, 'mp')" in out, out  # stacked body: stages on pp, Megatron on mp
+    assert "10 collective-permutes" in out and "12 collective-permutes" in out, out
+    gap = float(out.split("largest loss difference between the schedules:")[1].split()[0])
+    assert gap < 1e-4, out
+    finals = [float(line.split()[-1]) for line in out.splitlines() if "final loss" in line]
+    firsts = [float(line.split()[2]) for line in out.splitlines() if "final loss" in line]
+    assert len(finals) == 2 and all(f < 0.8 * s for f, s in zip(finals, firsts, strict=True))
