@@ -247,6 +247,31 @@ def _bias_flag(has_bias: bool | None, use_bias: bool | None, default: bool) -> b
 class _ParallelLinear(nnx.Module):
     """What Column and Row share: the dense product and the Paddle attribute aliases."""
 
+    def _init_linear(
+        self, in_features, out_features, *, split_axis, kernel_init, bias_init, bias_entries,
+        param_dtype, dtype, precision, fuse_matmul_bias, init_mode, mesh, rngs,
+    ) -> None:  # fmt: skip
+        """Draws the kernel (split on ``split_axis`` over mp) then the bias, Flax's key order."""
+        kernel_entries = (None, MP) if split_axis == 1 else (MP, None)
+        self.kernel = draw_param(
+            kernel_init, rngs.params(), (in_features, out_features), param_dtype, mesh,
+            *kernel_entries, split_axis=split_axis, init_mode=init_mode,
+        )  # fmt: skip
+        self.bias: nnx.Param | None
+        if self.use_bias:
+            self.bias = draw_param(
+                bias_init, rngs.params(), (out_features,), param_dtype, mesh, *bias_entries
+            )
+        else:
+            self.bias = nnx.data(None)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.fuse_matmul_bias = bool(fuse_matmul_bias)
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.precision = precision
+        self.mesh = mesh
+
     def _matmul(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
@@ -352,31 +377,14 @@ class ColumnParallelLinear(_ParallelLinear):
             cls, "out_features", out_features, mesh, "Use an out_features that is a multiple of it."
         )
         self.use_bias = _bias_flag(has_bias, use_bias, default=False)
-        self.kernel = draw_param(
-            kernel_init,
-            rngs.params(),
-            (in_features, out_features),
-            param_dtype,
-            mesh,
-            None,
-            MP,
-            split_axis=1,
-            init_mode=init_mode,
-        )
-        self.bias: nnx.Param | None
-        if self.use_bias:
-            self.bias = draw_param(bias_init, rngs.params(), (out_features,), param_dtype, mesh, MP)
-        else:
-            self.bias = nnx.data(None)
-        self.in_features = in_features
-        self.out_features = out_features
+        self._init_linear(
+            in_features, out_features, split_axis=1, kernel_init=kernel_init,
+            bias_init=bias_init, bias_entries=(MP,), param_dtype=param_dtype, dtype=dtype,
+            precision=precision, fuse_matmul_bias=fuse_matmul_bias, init_mode=init_mode,
+            mesh=mesh, rngs=rngs,
+        )  # fmt: skip
         self.output_size_per_partition = out_features // mp_degree(mesh)
         self.gather_output = bool(gather_output)
-        self.fuse_matmul_bias = bool(fuse_matmul_bias)
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.precision = precision
-        self.mesh = mesh
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``x @ kernel + bias`` over the last dim; split over ``mp`` unless ``gather_output``.
@@ -468,31 +476,14 @@ class RowParallelLinear(_ParallelLinear):
             cls, "in_features", in_features, mesh, "Use an in_features that is a multiple of it."
         )
         self.use_bias = _bias_flag(has_bias, use_bias, default=True)
-        self.kernel = draw_param(
-            kernel_init,
-            rngs.params(),
-            (in_features, out_features),
-            param_dtype,
-            mesh,
-            MP,
-            None,
-            split_axis=0,
-            init_mode=init_mode,
-        )
-        self.bias: nnx.Param | None
-        if self.use_bias:
-            self.bias = draw_param(bias_init, rngs.params(), (out_features,), param_dtype, mesh)
-        else:
-            self.bias = nnx.data(None)
-        self.in_features = in_features
-        self.out_features = out_features
+        self._init_linear(
+            in_features, out_features, split_axis=0, kernel_init=kernel_init,
+            bias_init=bias_init, bias_entries=(), param_dtype=param_dtype, dtype=dtype,
+            precision=precision, fuse_matmul_bias=fuse_matmul_bias, init_mode=init_mode,
+            mesh=mesh, rngs=rngs,
+        )  # fmt: skip
         self.input_size_per_partition = in_features // mp_degree(mesh)
         self.input_is_parallel = bool(input_is_parallel)
-        self.fuse_matmul_bias = bool(fuse_matmul_bias)
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.precision = precision
-        self.mesh = mesh
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """The input split over ``mp`` on its last dim, times the kernel, all-reduced, + bias.
