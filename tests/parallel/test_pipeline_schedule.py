@@ -113,7 +113,8 @@ def test_both_schedules_match_sequential(pp, m):
     check_against_sequential(make_mesh(pp=pp), m)
 
 
-@pytest.mark.parametrize(("pp", "m"), [(2, 4), (4, 8)])
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+@pytest.mark.parametrize("pp", [2, 4])
 def test_with_data_parallel_matches_sequential(pp, m):
     mesh = make_mesh(dp=2, pp=pp)
     out = check_against_sequential(mesh, m)
@@ -137,9 +138,11 @@ def mp_stage_fn(w, x):
     return stage_fn(w, x)
 
 
-def test_with_tensor_parallel_matches_sequential():
-    mesh = make_mesh(pp=2, mp=2)
-    out = check_against_sequential(mesh, 4, stage=mp_stage_fn)
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+@pytest.mark.parametrize("pp", [2, 4])
+def test_with_tensor_parallel_matches_sequential(pp, m):
+    mesh = make_mesh(pp=pp, mp=2)
+    out = check_against_sequential(mesh, m, stage=mp_stage_fn)
     for _, (d_stage, _, _) in out:  # the constraint shows in the gradient's layout
         assert d_stage["w"].sharding.is_equivalent_to(
             NamedSharding(mesh, P("pp", None, None, "mp")), 4
