@@ -54,7 +54,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jfleet.parallel.mesh_context import MP, layer_mesh, mp_degree
+from jfleet.parallel.mesh_context import MP, layer_mesh, mp_degree, shard_map_mesh
 
 __all__ = ["ParallelCrossEntropy", "parallel_cross_entropy"]
 
@@ -226,7 +226,7 @@ def _cross_entropy_fwd(mesh, axis, logits, target, weight):
     if axis is not None:
         body = jax.shard_map(
             body,
-            mesh=mesh,
+            mesh=shard_map_mesh(mesh),
             in_specs=(_vocab_spec(logits.ndim), P(), P()),
             out_specs=(P(), P()),
             axis_names={axis},
@@ -242,7 +242,7 @@ def _cross_entropy_bwd(mesh, axis, residuals, dloss):
         spec = _vocab_spec(logits.ndim)
         body = jax.shard_map(
             body,
-            mesh=mesh,
+            mesh=shard_map_mesh(mesh),
             in_specs=(spec, P(), P(), P(), P()),
             out_specs=spec,
             axis_names={axis},

@@ -67,7 +67,15 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jfleet.parallel import random as tp_random
-from jfleet.parallel.mesh_context import DATA, MP, constrain, layer_mesh, mp_degree, named
+from jfleet.parallel.mesh_context import (
+    DATA,
+    MP,
+    constrain,
+    layer_mesh,
+    mp_degree,
+    named,
+    shard_map_mesh,
+)
 
 __all__ = [
     "ColumnParallelLinear",
@@ -555,7 +563,11 @@ def masked_vocab_lookup(table: jax.Array, ids: jax.Array, mesh: Mesh) -> jax.Arr
         return lax.psum(part, MP)
 
     return jax.shard_map(
-        body, mesh=mesh, in_specs=(P(MP, None), P()), out_specs=P(), axis_names={MP}
+        body,
+        mesh=shard_map_mesh(mesh),
+        in_specs=(P(MP, None), P()),
+        out_specs=P(),
+        axis_names={MP},
     )(table, ids)
 
 

@@ -265,3 +265,51 @@ def test_meta_parallel_exports_the_pipeline_names():
     assert mp.SharedLayerDesc is pipeline_layer.SharedLayerDesc
     assert mp.PipelineParallel is pipeline_parallel.PipelineParallel
     assert fleet.meta_parallel.PipelineLayer is pipeline_layer.PipelineLayer
+
+
+def test_parallel_cross_entropy_works_as_the_pipeline_loss():
+    """The vocabulary-parallel loss on the last stage trains like the dense one."""
+
+    from jfleet.meta_parallel import (
+        ColumnParallelLinear,
+        LayerDesc,
+        PipelineLayer,
+        RowParallelLinear,
+        SharedLayerDesc,
+        VocabParallelEmbedding,
+        parallel_cross_entropy,
+    )
+    from jfleet.models import stride_batches
+    from jfleet.models_gpt import GPTBlock
+
+    def layers():
+        column = functools.partial(ColumnParallelLinear, has_bias=True, gather_output=False)
+        row = functools.partial(RowParallelLinear, has_bias=True, input_is_parallel=True)
+        embed = functools.partial(SharedLayerDesc, "embed", VocabParallelEmbedding)
+        block = LayerDesc(GPTBlock, 16, 2, 32, column=column, row=row)
+        return [
+            embed(None, "weight", 32, 16),
+            *[block] * 2,
+            LayerDesc(nnx.LayerNorm, 16),
+            embed(lambda e, x: e.attend(x), "weight", 32, 16),
+        ]
+
+    def dense(logits, labels):
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), labels
+        ).mean()
+
+    def vocab_parallel(logits, labels):
+        return parallel_cross_entropy(logits, labels).mean()
+
+    losses = {}
+    for name, loss_fn in (("dense", dense), ("parallel", vocab_parallel)):
+        strategy = fleet.DistributedStrategy()
+        strategy.hybrid_configs = {"dp_degree": 2, "pp_degree": 2, "mp_degree": 2}
+        strategy.pipeline_configs = {"micro_batch_size": 2, "accumulate_steps": 2}
+        fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
+        model = fleet.distributed_model(PipelineLayer(layers(), loss_fn=loss_fn, seed=0))
+        opt = fleet.distributed_optimizer(optax.adam(1e-2))
+        batches = stride_batches(2, batch=8, seq=8, vocab=32)
+        losses[name] = [float(model.train_batch((b["tokens"], b["labels"]), opt)) for b in batches]
+    np.testing.assert_allclose(losses["parallel"], losses["dense"], rtol=1e-5)
