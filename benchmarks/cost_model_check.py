@@ -7,7 +7,7 @@ Run from the repository root (8 emulated CPU devices; about a minute on 2 cores)
 
 For each candidate layout of the Llama-style :class:`jfleet.models_llama.TinyLlama`
 (vocab 512, width 128, 8 heads, 4 kv heads, SwiGLU hidden 256, 4 layers; batch 16 x 64
-tokens; fp32 Adam) it asks :func:`jfleet.auto.plan_for` for the plan with that mesh
+tokens; fp32 Adam) it asks :func:`jfleet.auto_parallel.plan_for` for the plan with that mesh
 (``force_mesh``, ZeRO stage, no recompute), places the model as the plan says
 (:func:`compile_step`: parameters by the plan's specs on a mesh of ``AxisType.Auto`` axes,
 optimizer state in the ZeRO layout, gradients constrained to it at stage >= 2, the
@@ -59,7 +59,7 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks.results_file import write_section
 from jfleet import hlo
-from jfleet.auto import Plan, plan_for
+from jfleet.auto_parallel import Plan, plan_for
 from jfleet.models import lm_batches, lm_loss
 from jfleet.models_llama import TinyLlama
 
@@ -289,7 +289,7 @@ def render(rows: list[Row], workload: Workload) -> str:
         f"- machine: {platform.machine()}, nproc {os.cpu_count()}, {jax.device_count()} "
         f"emulated {jax.devices()[0].platform.upper()} devices",
         f"- model: {workload.describe()}",
-        "- predicted: `jfleet.auto.plan_for(..., force_mesh=..., zero_stage=...)`, "
+        "- predicted: `jfleet.auto_parallel.plan_for(..., force_mesh=..., zero_stage=...)`, "
         "`plan.chosen.memory.total` and `plan.chosen.collectives.total`; measured: the "
         "compiled step's `memory_analysis()` (argument + output - alias + temp) and the "
         "collective bytes `jfleet.hlo` counts in its HLO. MiB per device.",
@@ -307,9 +307,9 @@ def render(rows: list[Row], workload: Workload) -> str:
         )
     lines += [
         "",
-        "Tolerances the test suite holds the model to (`tests/auto/test_cost_model.py`): "
+        "Tolerances the test suite holds the model to (`tests/auto_parallel/test_cost_model.py`): "
         "memory within 25%, collective bytes within 15%. The formulas are in "
-        "`jfleet/auto/cost_model.py`. Memory is resident state (parameters, Adam moments, "
+        "`jfleet/auto_parallel/cost_model.py`. Memory is resident state (parameters, Adam moments, "
         "batch) plus the larger of two temporary peaks: all activations (and ZeRO-3's "
         "gathered parameters) between forward and backward, or the whole local gradient "
         "with the reduction's output at the end. Collective bytes are the tensor-parallel "

@@ -8,7 +8,7 @@ head *tied* to the token embedding (``wte.attend``). Parameter names follow GPT-
 
 The fused projection's output is laid out per head, ``[heads, 3, head_dim]`` (Megatron's
 layout), so a contiguous split of its output dimension gives whole heads: the layout
-:mod:`jfleet.auto` assumes for a fused qkv. (The original GPT-2 checkpoint uses
+:mod:`jfleet.auto_parallel` assumes for a fused qkv. (The original GPT-2 checkpoint uses
 ``[3, heads, head_dim]``; its columns must be permuted before tensor-parallel use.)
 
 Example:

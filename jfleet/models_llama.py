@@ -5,7 +5,7 @@ The model of Paddle's ``to_distributed`` example, scaled down: a token embedding
 projections and optional grouped-query heads -> residual; RMSNorm -> SwiGLU MLP
 gate/up/down -> residual), a final RMSNorm, and a bare ``[width, vocab]`` weight
 matrix as the LM head. No projection has a bias. Every layer is an ordinary
-``nnx.Linear`` / ``nnx.Embed`` / ``nnx.RMSNorm``: :mod:`jfleet.auto` finds the
+``nnx.Linear`` / ``nnx.Embed`` / ``nnx.RMSNorm``: :mod:`jfleet.auto_parallel` finds the
 tensor-parallel roles from the structure.
 
 Example:

@@ -1,10 +1,10 @@
 """The plan: golden sharding specs, choices that move the right way, errors, JSON, text.
 
-Golden files: ``tests/auto/golden/<model>__<mesh>.json`` pin every parameter's role,
+Golden files: ``tests/auto_parallel/golden/<model>__<mesh>.json`` pin every parameter's role,
 PartitionSpec, ZeRO spec and pipeline stage. To rewrite them after an intended change
 (check the diff by hand against Megatron's roles first)::
 
-    JFLEET_REGENERATE_GOLDEN=1 python -m pytest tests/auto/test_plan.py -k golden
+    JFLEET_REGENERATE_GOLDEN=1 python -m pytest tests/auto_parallel/test_plan.py -k golden
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jfleet.auto import HardwareProfile, Plan, plan_for, split_devices
-from jfleet.auto.plan import spec_to_json
+from jfleet.auto_parallel import HardwareProfile, Plan, plan_for, split_devices
+from jfleet.auto_parallel.plan import spec_to_json
 from jfleet.models_gpt2 import TinyGPT2
 from jfleet.models_llama import TinyLlama
 

@@ -69,7 +69,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jfleet._logging import logger
-from jfleet.auto._dataflow import Flow, probe
+from jfleet.auto_parallel._dataflow import Flow, probe
 
 __all__ = [
     "COLUMN_ROLES",

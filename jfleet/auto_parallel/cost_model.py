@@ -82,7 +82,7 @@ all-reduce, the input of a reduce-scatter, the output of an all-gather), so a
 prediction compares directly with a compiled step (``benchmarks/cost_model_check.py``).
 
 Example:
-  >>> from jfleet.auto.patterns import match_patterns
+  >>> from jfleet.auto_parallel.patterns import match_patterns
   >>> from jfleet.models_llama import TinyLlama
   >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, layers=2))
   >>> work = Workload(batch_size=16, seq_len=8)
@@ -104,8 +104,8 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
-from jfleet.auto.patterns import ModelPatterns, ParamInfo
-from jfleet.auto.profiles import HardwareProfile, get_profile
+from jfleet.auto_parallel.patterns import ModelPatterns, ParamInfo
+from jfleet.auto_parallel.profiles import HardwareProfile, get_profile
 from jfleet.placement import ParallelPlan
 
 __all__ = [
@@ -433,7 +433,7 @@ def shape_problem(
 ) -> str | None:
     """Why ``degrees`` cannot run this model and workload, or None when they can.
 
-    >>> from jfleet.auto.patterns import match_patterns
+    >>> from jfleet.auto_parallel.patterns import match_patterns
     >>> from jfleet.models_llama import TinyLlama
     >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, kv_heads=2, layers=2))
     >>> shape_problem(found, Workload(batch_size=8, seq_len=8), {"mp": 4}, 8)
@@ -498,7 +498,7 @@ def enumerate_layouts(
     """Every layout worth predicting, and the meshes excluded (with the reason).
 
     Args:
-      patterns: what :func:`~jfleet.auto.patterns.match_patterns` found.
+      patterns: what :func:`~jfleet.auto_parallel.patterns.match_patterns` found.
       workload: batch, sequence, dtype, optimizer.
       device_num: devices per node.
       node_num: nodes.

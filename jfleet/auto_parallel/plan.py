@@ -1,7 +1,7 @@
 """The plan: the chosen layout as data, and :func:`plan_for`, which makes one.
 
-:func:`plan_for` matches the model's parts (:mod:`jfleet.auto.patterns`), lists and
-predicts every layout the shapes allow (:mod:`jfleet.auto.cost_model`), drops what does
+:func:`plan_for` matches the model's parts (:mod:`jfleet.auto_parallel.patterns`), lists and
+predicts every layout the shapes allow (:mod:`jfleet.auto_parallel.cost_model`), drops what does
 not fit the memory budget and keeps the fastest. The :class:`Plan` holds the mesh, each
 parameter's ``PartitionSpec`` (before ZeRO, and with the ZeRO axis), the pipeline stages
 and micro-batches, the ZeRO stage, the predicted time and memory with their breakdown,
@@ -37,7 +37,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 from jfleet._logging import logger
-from jfleet.auto.cost_model import (
+from jfleet.auto_parallel.cost_model import (
     AXES,
     OPTIMIZER_MOMENTS,
     SCHEDULES,
@@ -52,8 +52,8 @@ from jfleet.auto.cost_model import (
     rank,
     shape_problem,
 )
-from jfleet.auto.patterns import ModelPatterns, match_patterns, path_str
-from jfleet.auto.profiles import HardwareProfile, get_profile
+from jfleet.auto_parallel.patterns import ModelPatterns, match_patterns, path_str
+from jfleet.auto_parallel.profiles import HardwareProfile, get_profile
 from jfleet.placement import ParallelPlan
 
 __all__ = ["ParamPlan", "Plan", "plan_for", "spec_from_json", "spec_to_json", "split_devices"]
@@ -241,7 +241,7 @@ class Plan:
 
     @property
     def layout(self) -> Layout:
-        """The chosen :class:`~jfleet.auto.cost_model.Layout`."""
+        """The chosen :class:`~jfleet.auto_parallel.cost_model.Layout`."""
         return self.chosen.layout
 
     @property
@@ -629,7 +629,7 @@ def plan_for(
       batch_size: global batch (sequences per step).
       seq_len: tokens per sequence.
       profile: hardware profile name (``cpu``, ``a100``, ``h100``, ``h200``) or a
-        :class:`~jfleet.auto.profiles.HardwareProfile`; default ``cpu``.
+        :class:`~jfleet.auto_parallel.profiles.HardwareProfile`; default ``cpu``.
       memory_budget: bytes per device; default the profile's memory.
       force_mesh: degrees that must be used (missing axes are 1), e.g.
         ``{"dp": 2, "mp": 4}``; their product must be ``device_num x node_num``.

@@ -12,8 +12,15 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import cost_model_check
-from jfleet.auto import HardwareProfile, Layout, Workload, estimate, get_profile, match_patterns
-from jfleet.auto.cost_model import enumerate_layouts, rank
+from jfleet.auto_parallel import (
+    HardwareProfile,
+    Layout,
+    Workload,
+    estimate,
+    get_profile,
+    match_patterns,
+)
+from jfleet.auto_parallel.cost_model import enumerate_layouts, rank
 from jfleet.models_llama import TinyLlama
 
 #: The check's model at 2 layers and batch 8 (compiles in ~2 s per layout on 2 cores).

@@ -1,0 +1,37 @@
+"""Auto-parallel analysis: find a model's parts, predict every layout, choose a plan.
+
+* :mod:`jfleet.auto_parallel.patterns` — :func:`match_patterns` finds embeddings, attention
+  (q/k/v/o or fused qkv, grouped-query heads), MLPs (SwiGLU, GELU), norms, the LM head
+  and the repeated decoder blocks of an unannotated Flax NNX model, and gives each
+  parameter its Megatron tensor-parallel role.
+* :mod:`jfleet.auto_parallel.cost_model` — per-device memory, collective bytes and step time of
+  every ``dp x pp x sharding x sep x mp`` layout the shapes allow.
+* :mod:`jfleet.auto_parallel.profiles` — hardware profiles (emulated CPU, A100, H100, H200, or
+  your own numbers).
+* :mod:`jfleet.auto_parallel.plan` — :func:`plan_for` and the :class:`Plan` it returns.
+
+Example:
+  >>> from jfleet.auto_parallel import plan_for
+  >>> from jfleet.models_llama import TinyLlama
+  >>> plan = plan_for(TinyLlama(), device_num=8, batch_size=64, seq_len=8)
+  >>> plan.layout.name
+  'dp8'
+"""
+
+from jfleet.auto_parallel.cost_model import Candidate as Candidate
+from jfleet.auto_parallel.cost_model import Layout as Layout
+from jfleet.auto_parallel.cost_model import Workload as Workload
+from jfleet.auto_parallel.cost_model import enumerate_layouts as enumerate_layouts
+from jfleet.auto_parallel.cost_model import estimate as estimate
+from jfleet.auto_parallel.cost_model import rank as rank
+from jfleet.auto_parallel.patterns import ModelDims as ModelDims
+from jfleet.auto_parallel.patterns import ModelPatterns as ModelPatterns
+from jfleet.auto_parallel.patterns import ParamInfo as ParamInfo
+from jfleet.auto_parallel.patterns import match_patterns as match_patterns
+from jfleet.auto_parallel.plan import ParamPlan as ParamPlan
+from jfleet.auto_parallel.plan import Plan as Plan
+from jfleet.auto_parallel.plan import plan_for as plan_for
+from jfleet.auto_parallel.plan import split_devices as split_devices
+from jfleet.auto_parallel.profiles import PROFILES as PROFILES
+from jfleet.auto_parallel.profiles import HardwareProfile as HardwareProfile
+from jfleet.auto_parallel.profiles import get_profile as get_profile

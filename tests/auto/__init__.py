@@ -1,1 +1,0 @@
-"""Tests of jfleet.auto: patterns, cost model, plan."""

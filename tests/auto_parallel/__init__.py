@@ -1,0 +1,1 @@
+"""Tests of jfleet.auto_parallel: patterns, cost model, plan."""
