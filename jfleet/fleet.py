@@ -19,6 +19,7 @@ the :class:`~jfleet.topology.HybridCommunicateGroup` getters.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -121,6 +122,8 @@ class Fleet:
         is_collective: bool = True,
         strategy: DistributedStrategy | None = None,
         log_level: str | int = "INFO",
+        *,
+        devices: Sequence[jax.Device] | None = None,
     ) -> Fleet:
         """Starts the processes (if several), and builds the one hybrid-parallel mesh.
 
@@ -137,6 +140,8 @@ class Fleet:
           strategy: a :class:`DistributedStrategy`; default ``DistributedStrategy()``
             (pure data parallel over every device).
           log_level: level of the ``jfleet`` logger.
+          devices: the devices the mesh spans, in rank order (a jfleet addition; default
+            every device of the run). ``to_distributed(device_num=...)`` uses it.
 
         Returns:
           The fleet object (the module functions act on it too).
@@ -177,7 +182,7 @@ class Fleet:
                 jax.process_index(),
                 jax.process_count(),
             )
-        hcg = build_hybrid_communicate_group(strategy.hybrid_configs)
+        hcg = build_hybrid_communicate_group(strategy.hybrid_configs, devices)
         self._role_maker = role_maker
         self._user_strategy = strategy
         self._hcg = hcg
@@ -192,7 +197,7 @@ class Fleet:
         logger.info(
             "fleet initialised: %d process(es), %d devices, mesh %s",
             self.worker_num(),
-            jax.device_count(),
+            hcg.mesh.devices.size,
             dict(hcg.mesh.shape),
         )
         return self

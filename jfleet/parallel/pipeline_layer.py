@@ -334,12 +334,7 @@ class PipelineLayer(nnx.Module):
 
     def annotate(self, mesh: jax.sharding.Mesh) -> None:
         """Sets the body parameters' ``out_sharding`` and ``mesh`` metadata for ``mesh``."""
-        stage_axis = PP if mesh.shape.get(PP, 1) == self.num_stages else None
-        for _, var in nnx.to_flat_state(nnx.state(self.body)):
-            current = var.get_metadata("out_sharding", None)
-            inner = tuple(current)[2:] if current else ()
-            inner = inner + (None,) * (var.ndim - 2 - len(inner))
-            var.set_metadata(out_sharding=(stage_axis, None, *inner), mesh=mesh)
+        annotate_stack(self.body, mesh, self.num_stages)
 
     def run_pre(self, inputs: Any) -> Any:
         """The layers before the body."""
@@ -489,15 +484,42 @@ def _loss_value(loss_fn: Callable[..., Any], output: Any, labels: Any) -> jax.Ar
     return loss.astype(jnp.float32)
 
 
-def _run_layers(graphdef: Any, interval: int, params: Any, x: jax.Array) -> jax.Array:
+def annotate_stack(body: nnx.Module, mesh: jax.sharding.Mesh, num_stages: int) -> None:
+    """Sets a stacked body's ``out_sharding`` to ``('pp', None, *inner)`` and its ``mesh``.
+
+    ``inner`` is each layer's own (tensor-parallel) layout, read from the metadata
+    :func:`_stack` left behind the two stacked axes; ``pp`` is used only when the mesh's
+    ``pp`` size is ``num_stages``.
+    """
+    stage_axis = PP if mesh.shape.get(PP, 1) == num_stages else None
+    for _, var in nnx.to_flat_state(nnx.state(body)):
+        current = var.get_metadata("out_sharding", None)
+        inner = tuple(current)[2:] if current else ()
+        inner = inner + (None,) * (var.ndim - 2 - len(inner))
+        var.set_metadata(out_sharding=(stage_axis, None, *inner), mesh=mesh)
+
+
+def _run_layers(
+    graphdef: Any,
+    interval: int,
+    params: Any,
+    x: jax.Array,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    after: Callable[[jax.Array], jax.Array] | None = None,
+) -> jax.Array:
     """``x`` through the layers whose parameters are ``params`` (leaves ``[n, ...]``).
 
-    The activation keeps the dtype it enters with (a ``lax.scan`` carry). With
-    ``interval > 0`` each group of ``interval`` layers runs under ``jax.checkpoint``.
+    Each layer is called as ``layer(x, *args, **kwargs)``, and ``after`` (a sharding
+    constraint, say) applied to its output. The activation keeps the dtype it enters
+    with (a ``lax.scan`` carry). With ``interval > 0`` each group of ``interval`` layers
+    runs under ``jax.checkpoint``.
     """
+    kwargs = kwargs or {}
 
     def one(h: jax.Array, w: Any) -> tuple[jax.Array, None]:
-        y = nnx.merge(graphdef, w)(h)
+        y = nnx.merge(graphdef, w)(h, *args, **kwargs)
+        y = y if after is None else after(y)
         return jax.tree.map(lambda a, b: a.astype(b.dtype), y, h), None
 
     def scan(h: jax.Array, w: Any) -> jax.Array:

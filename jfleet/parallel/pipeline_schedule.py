@@ -222,6 +222,123 @@ def pipeline_loss(
     return _differentiable(spec)(stage_params, head_params, inputs, targets)
 
 
+def pipeline_forward(
+    stage_fn: Callable[[Any, Any, Any, Any], Any],
+    stage_params: Any,
+    inputs: Any,
+    side: Any = (),
+    shared: Any = (),
+    *,
+    mesh: Mesh,
+    num_microbatches: int,
+    pp_axis: str = "pp",
+    data_axes: tuple[str, ...] = ("dp", "sharding"),
+    remat: bool = False,
+) -> Any:
+    """The output of a pipelined stack of stages, differentiable by plain autodiff (GPipe).
+
+    Where :func:`pipeline_loss` needs the loss inside the pipeline (1F1B interleaves each
+    micro-batch's backward with later forwards), this runs only the stack: what comes
+    after it (final norm, head, loss) stays ordinary code, so a pipelined stack can stand
+    in for a model's list of decoder blocks. ``jax.grad`` of anything computed from the
+    output differentiates the forward loop; its transpose is the backward loop, so the
+    schedule is FThenB and a stage keeps the activations of every micro-batch (only its
+    inputs with ``remat=True``).
+
+    Args:
+      stage_fn: ``stage_fn(params_of_one_stage, x, side, shared) -> y``, ``y`` of ``x``'s
+        shapes and dtypes.
+      stage_params: a pytree whose leaves have a leading axis of size ``P`` (the ``pp``
+        degree), sharded on ``pp``.
+      inputs: the activation ``[B, ...]`` entering stage 0 (a pytree of arrays allowed).
+      side: per-sample arrays ``[B, ...]`` every stage needs with its micro-batch (an
+        attention mask, positions); split into micro-batches like ``inputs``.
+      shared: arrays every stage gets whole (a rotary table).
+      mesh: the mesh; must have ``pp_axis``.
+      num_microbatches: ``M``; each data-parallel replica's rows split into ``M``
+        consecutive micro-batches.
+      pp_axis: the pipeline mesh axis.
+      data_axes: mesh axes the batch is split over (those the mesh lacks are ignored).
+      remat: recompute each stage in the backward pass (``jax.checkpoint``).
+
+    Returns:
+      The last stage's output for the whole batch, ``[B, ...]``, on every stage.
+
+    Raises:
+      ValueError: as :func:`pipeline_loss` (mesh without ``pp_axis``, stage leaves without
+        the stage axis, a batch that does not split into the micro-batches).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> mesh = jax.make_mesh((2, 4), ("dp", "pp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+      >>> w = jnp.stack([jnp.eye(3) * 2.0] * 4)  # 4 stages, each doubles x
+      >>> y = pipeline_forward(lambda w, x, s, c: x @ w, w, jnp.ones((8, 3)),
+      ...                      mesh=mesh, num_microbatches=2)
+      >>> y[0]
+      Array([16., 16., 16.], dtype=float32)
+    """
+    rows = inputs if not jax.tree.leaves(side) else (inputs, side)
+    spec = _validate(
+        stage_fn,
+        _no_head,
+        stage_params,
+        inputs,
+        rows,
+        mesh=mesh,
+        schedule="FThenB",
+        num_microbatches=num_microbatches,
+        pp_axis=pp_axis,
+        data_axes=data_axes,
+        remat=remat,
+    )
+    pp, data = spec.pp_axis, spec.data_axes
+    batch_spec = P(data) if data else P()
+    mapped = jax.shard_map(
+        lambda w, x, s, c: _local_forward(spec, w, x, s, c),
+        mesh=spec.mesh,
+        in_specs=(P(pp), batch_spec, batch_spec, P()),
+        out_specs=batch_spec,
+        axis_names=frozenset(spec.manual_axes),
+        check_vma=True,
+    )
+    return mapped(stage_params, inputs, side, shared)
+
+
+def _no_head(*_: Any) -> jax.Array:
+    return jnp.zeros((), jnp.float32)
+
+
+def _local_forward(spec, stage_params, inputs, side, shared):
+    """One device's share of :func:`pipeline_forward`: the GPipe loop, the last stage's output."""
+    m, p, axes = spec.num_microbatches, spec.num_stages, spec.manual_axes
+    params = _vary(jax.tree.map(lambda a: a[0], stage_params), axes)
+
+    def split(tree):
+        return jax.tree.map(lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:]), tree)
+
+    x_mb, side_mb, shared = (
+        _vary(split(inputs), axes),
+        _vary(split(side), axes),
+        _vary(shared, axes),
+    )
+    stage = lax.axis_index(spec.pp_axis)
+    stage_fn = jax.checkpoint(spec.stage_fn) if spec.remat else spec.stage_fn
+    y = jax.eval_shape(stage_fn, params, _take(x_mb, 0), _take(side_mb, 0), shared)
+    if jax.tree.structure(y) != jax.tree.structure(inputs) or _shapes(y) != _shapes(_take(x_mb, 0)):
+        raise ValueError(
+            "stage_fn must return an activation of its input's structure, shapes and dtypes; "
+            f"for x = {_shapes(_take(x_mb, 0))} it returned {_shapes(y)}."
+        )
+
+    def run(x, i):
+        return _vary(stage_fn(params, x, _take(side_mb, i), shared), axes)
+
+    outs = _forward_ticks(spec, run, x_mb, stage, skip_bubbles=False)
+    last = jax.tree.map(lambda a: jnp.where(stage == p - 1, a, jnp.zeros_like(a)), outs)
+    out = lax.psum(last, spec.pp_axis)
+    return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), out)
+
+
 # ------------------------------------------------------------------ validation
 def _check_schedule(schedule: Any) -> None:
     if schedule not in SCHEDULES:
@@ -464,21 +581,18 @@ def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
-def _gpipe_forward(spec, params, head, x_mb, t_mb, stage, *, skip_bubbles):
-    """The forward GPipe loop (``M + P - 1`` ticks), then the head on the last stage.
+def _forward_ticks(spec, run, x_mb, stage, *, skip_bubbles):
+    """The forward GPipe loop (``M + P - 1`` ticks): every micro-batch through every stage.
 
-    Returns this device's sum of head losses (zero off the last stage). With
-    ``skip_bubbles`` a ``lax.cond`` skips a stage's bubble ticks; without it (the loop
-    that gets differentiated) the stage runs masked, because a ``cond`` under autodiff
-    hands its residuals out per tick, the stage's weights included, and the scan would
-    stack a copy of them for every tick.
+    ``run(x, i)`` runs this device's stage on activation ``x`` of micro-batch ``i``.
+    Returns the stage's outputs ``[M, ...]`` (the last stage's are the stack's). With
+    ``skip_bubbles`` a ``lax.cond`` skips a stage's bubble ticks; without it (a loop that
+    gets differentiated) the stage runs masked, because a ``cond`` under autodiff hands
+    its residuals out per tick, the stage's weights included, and the scan would stack a
+    copy of them for every tick.
     """
     m, p, axes = spec.num_microbatches, spec.num_stages, spec.manual_axes
-    stage_fn = jax.checkpoint(spec.stage_fn) if spec.remat else spec.stage_fn
     act = _take(x_mb, 0)
-
-    def run_stage(x):
-        return _vary(stage_fn(params, x), axes)
 
     def tick(carry, t):
         received, outs = carry
@@ -487,14 +601,27 @@ def _gpipe_forward(spec, params, head, x_mb, t_mb, stage, *, skip_bubbles):
         fi = jnp.clip(f, 0, m - 1)
         x = _select(stage == 0, _take(x_mb, fi), received)
         if skip_bubbles:
-            y = lax.cond(valid, run_stage, lambda _: _zeros(act), x)
+            y = lax.cond(valid, lambda x: run(x, fi), lambda _: _zeros(act), x)
         else:
-            y = _select(valid, run_stage(x), _zeros(act))
+            y = _select(valid, run(x, fi), _zeros(act))
         outs = _put(outs, _select(valid, y, _take(outs, fi)), fi)
         return (_shift(y, spec, 1), outs), None
 
     init = _vary((_zeros(act), _zeros(x_mb)), axes)
     (_, outs), _ = lax.scan(tick, init, jnp.arange(m + p - 1))
+    return outs
+
+
+def _gpipe_forward(spec, params, head, x_mb, t_mb, stage, *, skip_bubbles):
+    """The forward GPipe loop, then the head on the last stage.
+
+    Returns this device's sum of head losses (zero off the last stage).
+    """
+    p, axes = spec.num_stages, spec.manual_axes
+    stage_fn = jax.checkpoint(spec.stage_fn) if spec.remat else spec.stage_fn
+    outs = _forward_ticks(
+        spec, lambda x, _: _vary(stage_fn(params, x), axes), x_mb, stage, skip_bubbles=skip_bubbles
+    )
 
     def heads():
         def one(yt):
