@@ -9,8 +9,11 @@ Example:
   4
 """
 
+from jfleet import auto_parallel as auto_parallel
 from jfleet import fleet as fleet
 from jfleet import meta_parallel as meta_parallel
+from jfleet.auto_parallel import ToDistributedConfig as ToDistributedConfig
+from jfleet.auto_parallel import to_distributed as to_distributed
 from jfleet.distributed_model import DistributedModel as DistributedModel
 from jfleet.distributed_model import group_sharded_parallel as group_sharded_parallel
 from jfleet.distributed_optimizer import DistributedOptimizer as DistributedOptimizer

@@ -9,6 +9,10 @@
 * :mod:`jfleet.auto_parallel.profiles` — hardware profiles (emulated CPU, A100, H100, H200, or
   your own numbers).
 * :mod:`jfleet.auto_parallel.plan` — :func:`plan_for` and the :class:`Plan` it returns.
+* :mod:`jfleet.auto_parallel.to_distributed` — :func:`to_distributed` applies a plan to a
+  model, optimizer and loader; :func:`get_plan` gives it back.
+* :mod:`jfleet.auto_parallel.blocks` — the pipelined stand-in for a list of blocks.
+* :mod:`jfleet.auto_parallel.loader` — the loader yielding global sharded batches.
 
 Example:
   >>> from jfleet.auto_parallel import plan_for
@@ -35,3 +39,6 @@ from jfleet.auto_parallel.plan import split_devices as split_devices
 from jfleet.auto_parallel.profiles import PROFILES as PROFILES
 from jfleet.auto_parallel.profiles import HardwareProfile as HardwareProfile
 from jfleet.auto_parallel.profiles import get_profile as get_profile
+from jfleet.auto_parallel.to_distributed import ToDistributedConfig as ToDistributedConfig
+from jfleet.auto_parallel.to_distributed import get_plan as get_plan
+from jfleet.auto_parallel.to_distributed import to_distributed as to_distributed

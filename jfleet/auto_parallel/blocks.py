@@ -36,7 +36,7 @@ from jfleet.parallel.mesh_context import DATA, constrain
 from jfleet.parallel.pipeline_layer import _narrow, _run_layers, _stack, _widen, annotate_stack
 from jfleet.parallel.pipeline_schedule import pipeline_forward
 
-__all__ = ["PipelinedBlocks", "container_of", "pipeline_blocks", "wrap_blocks"]
+__all__ = ["PipelinedBlocks", "container_of", "module_at", "pipeline_blocks", "wrap_blocks"]
 
 
 class PipelinedBlocks(nnx.Module):
@@ -145,7 +145,8 @@ def _kind(leaf: Any, batch: int) -> str:
     return "side" if leaf.ndim >= 1 and leaf.shape[0] == batch else "shared"
 
 
-def _resolve(root: nnx.Module, path: str) -> Any:
+def module_at(root: nnx.Module, path: str) -> Any:
+    """The node at dotted ``path`` (``layers.0``) under ``root``."""
     node = root
     for part in path.split(".") if path else ():
         node = node[int(part)] if part.isdigit() else getattr(node, part)
@@ -162,7 +163,7 @@ def container_of(model: nnx.Module, blocks: Sequence[str]) -> str:
     indices = [b.rsplit(".", 1)[-1] for b in blocks]
     if len(parents) == 1 and indices == [str(i) for i in range(len(blocks))]:
         (parent,) = parents
-        container = _resolve(model, parent)
+        container = module_at(model, parent)
         if parent and len(container) == len(blocks):
             return parent
     raise ValueError(
@@ -187,7 +188,7 @@ def pipeline_blocks(
       ValueError: blocks holding state other than ``nnx.Param`` (dropout RNG streams,
         batch statistics), or a block count the ``pp`` size does not divide.
     """
-    blocks = list(_resolve(model, container))
+    blocks = list(module_at(model, container))
     stand_in = PipelinedBlocks(
         blocks,
         mesh=mesh,
@@ -196,7 +197,7 @@ def pipeline_blocks(
         seq_axes=seq_axes,
     )
     parent, _, name = container.rpartition(".")
-    setattr(_resolve(model, parent), name, stand_in)
+    setattr(module_at(model, parent), name, stand_in)
     return stand_in
 
 
@@ -238,4 +239,3 @@ def _subclass(cls: type, recompute: bool, mesh: Mesh | None, seq_axes: Any) -> t
         return y
 
     return type(cls.__name__, (cls,), {"__call__": wrapped_call, "__module__": cls.__module__})
-

@@ -1,0 +1,327 @@
+"""``to_distributed``: one call turns a plain NNX model, optimizer and loader into a parallel run.
+
+The call matches the model's parts, lets the cost model choose the layout
+(:func:`~jfleet.auto_parallel.plan.plan_for`), builds the fleet mesh for it
+(``fleet.init`` with the plan's degrees), and applies it: parameters placed by the plan's
+``PartitionSpec``\\ s (ZeRO-sharded as its stage says), the decoder blocks replaced by a
+pipelined stack when ``pp > 1`` (:mod:`jfleet.auto_parallel.blocks`), the optimizer's state
+made and placed for the plan, and the loader wrapped to yield global sharded arrays. Train
+the returned objects with :func:`jfleet.make_train_step` (any plan) or with your own
+``nnx.jit`` step (plans without loss scaling).
+
+Example:
+  >>> import optax
+  >>> from jfleet import make_train_step
+  >>> from jfleet.auto_parallel import ToDistributedConfig, get_plan, to_distributed
+  >>> from jfleet.models import lm_batches, lm_loss
+  >>> from jfleet.models_llama import TinyLlama
+  >>> config = ToDistributedConfig(force_mesh={"dp": 2, "mp": 4})
+  >>> model, opt, loader = to_distributed(TinyLlama(), optax.adam(1e-2), lm_batches(2),
+  ...                                     config=config)
+  >>> get_plan(model).mesh_shape["mp"]
+  4
+  >>> step = make_train_step(lm_loss)
+  >>> losses = [float(step(model, opt, batch)) for batch in loader]
+  >>> losses[1] < losses[0]
+  True
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from jfleet._logging import logger
+from jfleet.auto_parallel.blocks import container_of, module_at, pipeline_blocks, wrap_blocks
+from jfleet.auto_parallel.cost_model import OPTIMIZER_MOMENTS
+from jfleet.auto_parallel.loader import ShardedLoader, batch_shape, peek
+from jfleet.auto_parallel.patterns import path_str
+from jfleet.auto_parallel.plan import Plan, plan_for
+from jfleet.auto_parallel.profiles import HardwareProfile
+from jfleet.distributed_optimizer import DistributedOptimizer
+from jfleet.placement import ParallelPlan
+from jfleet.strategy import DistributedStrategy
+
+__all__ = ["ToDistributedConfig", "get_plan", "to_distributed"]
+
+_PLANS: weakref.WeakKeyDictionary[nnx.Module, Plan] = weakref.WeakKeyDictionary()
+
+
+@dataclasses.dataclass
+class ToDistributedConfig:
+    """What steers :func:`to_distributed` (every field optional).
+
+    Attributes:
+      input_spec: one global batch's structure: arrays or anything with ``.shape`` and
+        ``.dtype`` (``jax.ShapeDtypeStruct``), in the loader's batch structure. Default:
+        the loader's first batch. Gives the cost model its batch size and sequence length.
+      sequence_parallel: split activations' sequence dimension over ``mp`` between the
+        blocks (Megatron sequence parallelism) and consider ``sep`` layouts.
+      profile: hardware profile name (``cpu``, ``a100``, ``h100``, ``h200``) or a
+        :class:`~jfleet.auto_parallel.profiles.HardwareProfile`; default: ``cpu`` on CPU
+        devices, else the profile named like the device kind, else ``h100``.
+      memory_budget: bytes per device the plan must fit (default: the profile's memory).
+      force_mesh: degrees to use, e.g. ``{"dp": 2, "pp": 2, "mp": 2}`` (missing axes 1).
+      schedule: pipeline schedule; the stand-in pipeline is ``"FThenB"`` (GPipe), the only
+        value accepted (1F1B needs the loss inside the pipeline: build the model as a
+        ``PipelineLayer`` for it).
+      num_microbatches: pipeline micro-batches (default: compared by the cost model).
+      zero_stage: ZeRO stage 0-3 (default: compared).
+      recompute: recompute block activations in the backward pass (default: compared).
+      plan: a :class:`Plan` (or its JSON) to apply instead of planning: reproduces a run.
+      strategy: a :class:`~jfleet.strategy.DistributedStrategy` whose meta-optimizer
+        settings (amp, gradient_merge, lamb, lars, gradient clipping through the
+        optimizer) apply on top; its hybrid and sharding settings are replaced by the
+        plan's.
+    """
+
+    input_spec: Any = None
+    sequence_parallel: bool = False
+    profile: str | HardwareProfile | None = None
+    memory_budget: float | None = None
+    force_mesh: Mapping[str, int] | None = None
+    schedule: str | None = None
+    num_microbatches: int | None = None
+    zero_stage: int | None = None
+    recompute: bool | None = None
+    plan: Plan | str | None = None
+    strategy: DistributedStrategy | None = None
+
+
+def get_plan(model: nnx.Module) -> Plan:
+    """The :class:`Plan` :func:`to_distributed` applied to ``model``.
+
+    Raises:
+      ValueError: ``model`` was not returned by ``to_distributed``.
+    """
+    plan = _PLANS.get(model) if isinstance(model, nnx.Module) else None
+    if plan is None:
+        raise ValueError(
+            f"{type(model).__name__} object was not returned by to_distributed; pass the model "
+            "to_distributed returned (or plan one with jfleet.auto_parallel.plan_for)."
+        )
+    return plan
+
+
+def to_distributed(
+    model: nnx.Module,
+    optimizer: nnx.Optimizer | optax.GradientTransformation,
+    dataloader: Iterable[Any],
+    device_num: int | None = None,
+    node_num: int = 1,
+    config: ToDistributedConfig | None = None,
+) -> tuple[nnx.Module, DistributedOptimizer, ShardedLoader]:
+    """Plans and applies a hybrid-parallel layout for a model with no distributed code.
+
+    Args:
+      model: an ``nnx.Module``; changed in place (parameters placed; with a pipeline its
+        list of decoder blocks becomes a :class:`~jfleet.auto_parallel.blocks.PipelinedBlocks`)
+        and returned. Its class and call signature stay.
+      optimizer: an ``optax.GradientTransformation`` or an ``nnx.Optimizer`` (its
+        transform and ``wrt`` are used; its state is made anew for the placed model).
+      dataloader: an iterable of batches (numpy or jax arrays, or dicts / tuples of them).
+      device_num: devices per node to use (default: all devices / ``node_num``).
+      node_num: nodes; tensor parallelism stays inside one.
+      config: a :class:`ToDistributedConfig`.
+
+    Returns:
+      ``(model, optimizer, loader)``: the placed model, a
+      :class:`~jfleet.distributed_optimizer.DistributedOptimizer` with its state placed,
+      and a :class:`~jfleet.auto_parallel.loader.ShardedLoader`.
+
+    Raises:
+      TypeError: not an ``nnx.Module``, an optimizer of another kind, a config of
+        another type, a loader that is not iterable.
+      ValueError: ``device_num x node_num`` above the devices present, a model without
+        parameters, a forced mesh that does not multiply out or does not suit the
+        shapes, a batch the data-parallel size does not divide, a 1F1B schedule, a plan
+        made for another model.
+    """
+    config = ToDistributedConfig() if config is None else config
+    if not isinstance(config, ToDistributedConfig):
+        raise TypeError(
+            f"config={config!r} ({type(config).__name__}) is not a ToDistributedConfig."
+        )
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            f"model is a {type(model).__name__}, not an nnx.Module; pass a Flax NNX module."
+        )
+    tx, wrt = _transform(optimizer)
+    device_num, node_num = _device_counts(device_num, node_num)
+    first = peek(dataloader)
+    batch_size, seq_len = batch_shape(first if config.input_spec is None else config.input_spec)
+    plan = _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len)
+    _check_batch(plan, batch_size)
+    placement = _init_fleet(plan, config.strategy, device_num * node_num)
+    _apply(model, plan, placement)
+    from jfleet import fleet
+
+    dist = fleet.distributed_optimizer(tx)
+    dist.wrt = wrt
+    dist.init(model, placement)
+    _PLANS[model] = plan
+    logger.info("to_distributed: %s", plan.layout.name)
+    return model, dist, ShardedLoader(dataloader, placement, first)
+
+
+# ------------------------------------------------------------------ steps
+def _transform(optimizer: Any) -> tuple[optax.GradientTransformation, Any]:
+    if isinstance(optimizer, DistributedOptimizer):
+        return optimizer.inner_tx, optimizer.wrt
+    if isinstance(optimizer, nnx.Optimizer):
+        return optimizer.tx, optimizer.wrt
+    if isinstance(optimizer, optax.GradientTransformation):
+        return optimizer, nnx.Param
+    raise TypeError(
+        f"optimizer={optimizer!r} ({type(optimizer).__name__}) is neither an optax "
+        "GradientTransformation nor an nnx.Optimizer; pass e.g. optax.adam(1e-3)."
+    )
+
+
+def _device_counts(device_num: int | None, node_num: int) -> tuple[int, int]:
+    present = jax.device_count()
+    if isinstance(node_num, bool) or not isinstance(node_num, int) or node_num < 1:
+        raise ValueError(f"node_num={node_num!r} must be an int >= 1.")
+    if device_num is None:
+        if present % node_num:
+            raise ValueError(
+                f"node_num={node_num} does not divide the {present} devices present; pass "
+                "device_num (devices per node) explicitly."
+            )
+        return present // node_num, node_num
+    if isinstance(device_num, bool) or not isinstance(device_num, int) or device_num < 1:
+        raise ValueError(f"device_num={device_num!r} must be an int >= 1 (devices per node).")
+    if device_num * node_num > present:
+        raise ValueError(
+            f"device_num={device_num} x node_num={node_num} = {device_num * node_num} devices "
+            f"asked for, but only {present} are present; use device_num <= "
+            f"{present // node_num}."
+        )
+    return device_num, node_num
+
+
+def _optimizer_kind(tx: optax.GradientTransformation, model: nnx.Module, wrt: Any) -> str:
+    """The cost model's optimizer name with as many parameter-sized moments as ``tx`` keeps."""
+    params = nnx.state(model, wrt)
+    state = jax.eval_shape(tx.init, params)
+    size = sum(math.prod(np.shape(x)) for x in jax.tree.leaves(params))
+    kept = sum(math.prod(x.shape) for x in jax.tree.leaves(state) if hasattr(x, "shape"))
+    moments = round(kept / size) if size else 0
+    by_count = {n: name for name, n in reversed(OPTIMIZER_MOMENTS.items())}
+    return by_count[min(moments, max(by_count))]
+
+
+def _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len) -> Plan:
+    if config.schedule not in (None, "FThenB"):
+        raise ValueError(
+            f"schedule={config.schedule!r}: to_distributed pipelines a model's own blocks with "
+            "FThenB (GPipe) only; 1F1B needs the loss inside the pipeline, so build the model "
+            "as a jfleet.meta_parallel.PipelineLayer and train it with fleet for 1F1B."
+        )
+    if config.plan is not None:
+        plan = Plan.from_json(config.plan) if isinstance(config.plan, str) else config.plan
+        if not isinstance(plan, Plan):
+            raise TypeError(f"config.plan={plan!r} is neither a Plan nor its JSON.")
+        plan.validate(model)
+        if math.prod(plan.axis_sizes) != device_num * node_num:
+            raise ValueError(
+                f"config.plan is for {math.prod(plan.axis_sizes)} devices "
+                f"({plan.layout.mesh_name}) but device_num x node_num = "
+                f"{device_num * node_num}."
+            )
+        return plan
+    return plan_for(
+        model,
+        device_num=device_num,
+        node_num=node_num,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        profile=config.profile if config.profile is not None else _default_profile(),
+        memory_budget=config.memory_budget,
+        force_mesh=config.force_mesh,
+        schedule="FThenB",
+        num_microbatches=config.num_microbatches,
+        zero_stage=config.zero_stage,
+        sequence_parallel=config.sequence_parallel,
+        optimizer=_optimizer_kind(tx, model, wrt),
+        recompute=config.recompute,
+    )
+
+
+def _check_batch(plan: Plan, batch_size: int) -> None:
+    degrees = plan.mesh_shape
+    data = degrees["dp"] * degrees["sharding"]
+    micro = plan.num_microbatches if degrees["pp"] > 1 else 1
+    if batch_size % (data * micro):
+        what = f"data-parallel size {data} (dp {degrees['dp']} x sharding {degrees['sharding']})"
+        if micro > 1:
+            what += f" x {micro} pipeline micro-batches"
+        raise ValueError(
+            f"the loader's batch size {batch_size} is not divisible by the {what} of plan "
+            f"{plan.layout.name}; use a batch size that is a multiple of {data * micro}."
+        )
+
+
+def _default_profile() -> str:
+    kind = jax.devices()[0].device_kind.lower()
+    if jax.devices()[0].platform == "cpu":
+        return "cpu"
+    for name in ("h200", "h100", "a100"):
+        if name in kind:
+            return name
+    return "h100"
+
+
+def _init_fleet(plan: Plan, user: DistributedStrategy | None, n: int) -> ParallelPlan:
+    """``fleet.init`` with the plan's degrees (and the user's meta-optimizer settings)."""
+    from jfleet import fleet
+
+    if user is not None and not isinstance(user, DistributedStrategy):
+        raise TypeError(f"config.strategy={user!r} is not a DistributedStrategy.")
+    strategy = copy.deepcopy(user) if user is not None else DistributedStrategy()
+    degrees = plan.mesh_shape
+    strategy.hybrid_configs = {f"{a}_degree": n for a, n in degrees.items()}
+    strategy.sharding = plan.zero_stage > 0
+    if plan.zero_stage:
+        strategy.sharding_configs = {"stage": plan.zero_stage}
+    fleet.init(is_collective=True, strategy=strategy, devices=jax.devices()[:n])
+    mesh = fleet.get_hybrid_communicate_group().mesh
+    return ParallelPlan(mesh=mesh, zero_stage=plan.zero_stage)
+
+
+def _apply(model: nnx.Module, plan: Plan, placement: ParallelPlan) -> None:
+    """Annotates, restructures (pipeline, recompute, SP) and places ``model`` for ``plan``."""
+    specs = plan.specs
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        spec = specs[path_str(path)]
+        var.set_metadata(
+            out_sharding=tuple(spec) + (None,) * (var.ndim - len(spec)), mesh=placement.mesh
+        )
+    degrees = plan.mesh_shape
+    seq_axes = tuple(
+        a for a in ("sep", "mp") if degrees[a] > 1 and (a == "sep" or plan.sequence_parallel)
+    )
+    seq_axes = seq_axes or None
+    if plan.blocks and degrees["pp"] > 1:
+        container = container_of(model, plan.blocks)
+        pipeline_blocks(
+            model,
+            container,
+            mesh=placement.mesh,
+            num_microbatches=plan.num_microbatches,
+            recompute=plan.recompute,
+            seq_axes=seq_axes,
+        )
+    elif plan.blocks and (plan.recompute or seq_axes):
+        blocks = [module_at(model, b) for b in plan.blocks]
+        wrap_blocks(blocks, recompute=plan.recompute, mesh=placement.mesh, seq_axes=seq_axes)
+    placement.place_params(model)
