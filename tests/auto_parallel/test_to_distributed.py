@@ -1,0 +1,276 @@
+"""to_distributed: every applied plan trains like one device; bad inputs are clear errors."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jfleet import fleet, make_train_step
+from jfleet.auto_parallel import ToDistributedConfig, get_plan, to_distributed
+from jfleet.auto_parallel.blocks import PipelinedBlocks
+from jfleet.models import lm_batches, lm_loss
+from jfleet.models_gpt2 import TinyGPT2
+from jfleet.models_llama import TinyLlama
+
+STEPS = 10
+#: fp32 Adam over 10 steps: the reductions run in another order on 8 devices.
+TOL = 1e-4
+
+
+def llama() -> TinyLlama:
+    return TinyLlama(vocab=64, width=32, heads=8, kv_heads=4, layers=2)
+
+
+def gpt2() -> TinyGPT2:
+    return TinyGPT2(vocab=64, width=32, heads=4, layers=2)
+
+
+MODELS = {"llama": llama, "gpt2": gpt2}
+
+
+def single_device_losses(name: str, steps: int = STEPS, batch: int = 16) -> tuple[float, ...]:
+    """The first ``steps`` losses of the same training on one device (computed once)."""
+    return _single_device_losses(name, max(steps, STEPS), batch)[:steps]
+
+
+@functools.cache
+def _single_device_losses(name: str, steps: int, batch: int) -> tuple[float, ...]:
+    """The same model, optimizer and batches trained by a plain nnx.jit step on one device."""
+    with jax.default_device(jax.devices()[0]):
+        model = MODELS[name]()
+        opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, opt, batch):
+            loss, grads = nnx.value_and_grad(lm_loss)(model, batch)
+            opt.update(model, grads)
+            return loss
+
+        return tuple(float(step(model, opt, b)) for b in lm_batches(steps, batch=batch))
+
+
+def train(model, opt, loader) -> list[float]:
+    step = make_train_step(lm_loss)
+    return [float(step(model, opt, batch)) for batch in loader]
+
+
+def spec_of(x: jax.Array) -> P:
+    return x.sharding.spec
+
+
+@pytest.mark.parametrize(
+    ("mesh", "zero"),
+    [
+        (None, None),  # the cost model's pick
+        ({"dp": 8}, 0),
+        ({"dp": 2, "mp": 4}, 0),
+        ({"dp": 2, "pp": 2, "mp": 2}, 0),
+        ({"dp": 2, "sharding": 2, "mp": 2}, 3),
+    ],
+    ids=["picked", "dp8", "dp2-mp4", "dp2-pp2-mp2", "zero3-dp2-sharding2-mp2"],
+)
+def test_llama_trains_like_one_device(mesh, zero):
+    config = ToDistributedConfig(force_mesh=mesh, zero_stage=zero)
+    model, opt, loader = to_distributed(
+        llama(), optax.adam(1e-2), lm_batches(STEPS), device_num=8, config=config
+    )
+    plan = get_plan(model)
+    if mesh is not None:
+        assert {a: n for a, n in plan.mesh_shape.items() if n > 1} == mesh
+    degrees = plan.mesh_shape
+    # The plan is applied, not only computed: parameters sit where the plan says.
+    if degrees["pp"] > 1:
+        assert isinstance(model.layers, PipelinedBlocks)
+        q = model.layers.body.self_attn.q_proj.kernel[...]
+        assert q.shape == (2, 1, 32, 32)
+        assert spec_of(q) == P("pp", None, None, "mp")
+    else:
+        q = model.layers[0].self_attn.q_proj.kernel[...]
+        want = plan.zero_specs if zero == 3 else plan.specs
+        assert spec_of(q) == want["layers.0.self_attn.q_proj.kernel"]
+        if degrees["mp"] > 1:
+            assert "mp" in jax.tree.leaves(tuple(spec_of(q)))
+    if zero:
+        moments = [
+            x for x in jax.tree.leaves(nnx.state(opt)) if getattr(x, "shape", ()) == (32, 32)
+        ]
+        assert moments and all("sharding" in str(spec_of(x)) for x in moments)
+    batch = next(iter(loader))
+    assert spec_of(batch["tokens"]) == P(("dp", "sharding"))
+    losses = train(model, opt, loader)
+    np.testing.assert_allclose(losses, single_device_losses("llama"), rtol=0, atol=TOL)
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize(
+    "mesh", [{"dp": 2, "mp": 4}, {"dp": 2, "pp": 2, "mp": 2}], ids=["dp2-mp4", "dp2-pp2-mp2"]
+)
+def test_gpt2_with_fused_qkv_and_tied_head_trains_like_one_device(mesh):
+    model, opt, loader = to_distributed(
+        gpt2(), optax.adam(1e-2), lm_batches(STEPS), config=ToDistributedConfig(force_mesh=mesh)
+    )
+    plan = get_plan(model)
+    assert plan.spec("h.0.attn.c_attn.bias") == P("mp")
+    assert "tied head" in plan.architecture
+    losses = train(model, opt, loader)
+    np.testing.assert_allclose(losses, single_device_losses("gpt2"), rtol=0, atol=TOL)
+
+
+def test_own_nnx_jit_step_works_on_the_returned_objects():
+    model, opt, loader = to_distributed(
+        llama(),
+        nnx.Optimizer(llama(), optax.adam(1e-2), wrt=nnx.Param),
+        lm_batches(4),
+        config=ToDistributedConfig(force_mesh={"dp": 2, "mp": 4}),
+    )
+    assert type(model) is TinyLlama
+
+    @nnx.jit
+    def step(model, opt, batch):
+        loss, grads = nnx.value_and_grad(lm_loss)(model, batch)
+        opt.update(model, grads)
+        return loss
+
+    losses = [float(step(model, opt, b)) for b in loader]
+    np.testing.assert_allclose(losses, single_device_losses("llama", 4), rtol=0, atol=TOL)
+
+
+def test_recompute_sequence_parallel_and_a_device_subset():
+    # 6 of the 8 devices (Paddle refuses anything but its table), recompute and SP on.
+    config = ToDistributedConfig(
+        force_mesh={"dp": 3, "mp": 2}, recompute=True, sequence_parallel=True
+    )
+    model, opt, loader = to_distributed(
+        llama(), optax.adam(1e-2), lm_batches(3, batch=12), device_num=6, config=config
+    )
+    plan = get_plan(model)
+    assert plan.recompute and plan.sequence_parallel and plan.device_num == 6
+    assert fleet.get_hybrid_communicate_group().mesh.devices.size == 6
+    losses = train(model, opt, loader)
+    np.testing.assert_allclose(losses, single_device_losses("llama", 3, 12), rtol=0, atol=TOL)
+
+
+def test_pipelined_recompute_and_a_reproduced_plan():
+    config = ToDistributedConfig(force_mesh={"dp": 4, "pp": 2}, recompute=True)
+    model, opt, loader = to_distributed(llama(), optax.adam(1e-2), lm_batches(3), config=config)
+    first = get_plan(model)
+    assert first.recompute and isinstance(model.layers, PipelinedBlocks)
+    losses = train(model, opt, loader)
+    np.testing.assert_allclose(losses, single_device_losses("llama", 3), rtol=0, atol=TOL)
+
+    fleet._fleet._reset()
+    again = ToDistributedConfig(plan=first.to_json())
+    model, opt, loader = to_distributed(llama(), optax.adam(1e-2), lm_batches(3), config=again)
+    assert get_plan(model) == first
+    np.testing.assert_allclose(train(model, opt, loader), losses, rtol=0, atol=1e-6)
+
+
+def test_a_generator_loader_is_read_once_and_sharded():
+    def batches():
+        yield from lm_batches(3)
+
+    model, _, loader = to_distributed(llama(), optax.sgd(0.1), batches())
+    assert len(list(loader)) == 3  # the batch peeked for planning is not lost
+    assert get_plan(model).optimizer == "sgd"
+
+
+class ConvNet(nnx.Module):
+    def __init__(self) -> None:
+        self.conv = nnx.Conv(1, 4, (3, 3), rngs=nnx.Rngs(0))
+        self.out = nnx.Linear(4, 1, rngs=nnx.Rngs(1))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.out(jnp.mean(self.conv(x), axis=(1, 2)))
+
+
+def conv_loss(model: nnx.Module, batch: dict) -> jax.Array:
+    return jnp.mean((model(batch["x"])[:, 0] - batch["y"]) ** 2)
+
+
+def test_an_unrecognised_model_runs_data_parallel_with_a_warning(caplog):
+    rng = np.random.default_rng(0)
+    data = [
+        {"x": rng.normal(size=(8, 6, 6, 1)).astype(np.float32), "y": rng.normal(size=8)}
+        for _ in range(3)
+    ]
+    with caplog.at_level(logging.WARNING, logger="jfleet"):
+        model, opt, loader = to_distributed(ConvNet(), optax.sgd(0.1), data)
+    assert "conv.kernel" in caplog.text and "data parallel" in caplog.text
+    assert get_plan(model).mesh_shape["dp"] == 8
+    step = make_train_step(conv_loss)
+    losses = [float(step(model, opt, b)) for b in loader]
+
+    ref = ConvNet()
+    ref_opt = nnx.Optimizer(ref, optax.sgd(0.1), wrt=nnx.Param)
+    expected = []
+    for b in data:
+        loss, grads = nnx.value_and_grad(conv_loss)(ref, b)
+        ref_opt.update(ref, grads)
+        expected.append(float(loss))
+    np.testing.assert_allclose(losses, expected, rtol=1e-5, atol=1e-6)
+
+
+class NoParams(nnx.Module):
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda: to_distributed(llama(), optax.sgd(0.1), lm_batches(1), device_num=16),
+         ValueError, r"device_num=16 x node_num=1 = 16 devices .* only 8"),
+        (lambda: to_distributed(NoParams(), optax.sgd(0.1), lm_batches(1)),
+         ValueError, "NoParams has no nnx.Param"),
+        (lambda: to_distributed(llama(), optax.sgd(0.1), lm_batches(1, batch=12),
+                                config=ToDistributedConfig(force_mesh={"dp": 8})),
+         ValueError, "12"),
+        (lambda: to_distributed(llama(), optax.sgd(0.1), lm_batches(1),
+                                config=ToDistributedConfig(force_mesh={"dp": 3, "mp": 2})),
+         ValueError, r"multiplies out to dp3 x mp2 = 6"),
+        (lambda: to_distributed(llama(), "adam", lm_batches(1)),
+         TypeError, "'adam'.*optax"),
+        (lambda: to_distributed(llama(), optax.sgd(0.1), lm_batches(1),
+                                config=ToDistributedConfig(schedule="1F1B")),
+         ValueError, "1F1B.*PipelineLayer"),
+        (lambda: to_distributed(llama(), optax.sgd(0.1), []),
+         ValueError, "no batch"),
+        (lambda: to_distributed(llama(), optax.sgd(0.1), lm_batches(1), config={"dp": 8}),
+         TypeError, "ToDistributedConfig"),
+        (lambda: get_plan(llama()),
+         ValueError, "not returned by to_distributed"),
+    ],
+    ids=["too-many-devices", "no-params", "batch-not-divisible", "mesh-product",
+         "not-an-optimizer", "1f1b", "empty-loader", "config-type", "get-plan"],
+)  # fmt: skip
+def test_bad_inputs_are_clear_errors(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_a_later_batch_not_divisible_by_the_data_parallel_size_is_an_error():
+    data = lm_batches(1, batch=16) + lm_batches(1, batch=12)
+    _, _, loader = to_distributed(
+        llama(), optax.sgd(0.1), data, config=ToDistributedConfig(force_mesh={"dp": 8})
+    )
+    it = iter(loader)
+    next(it)
+    with pytest.raises(ValueError, match=r"batch size 12.*data-parallel size 8"):
+        next(it)
+
+
+def test_a_plan_for_another_model_is_refused():
+    model, _, _ = to_distributed(gpt2(), optax.sgd(0.1), lm_batches(1))
+    plan = get_plan(model)
+    fleet._fleet._reset()
+    config = ToDistributedConfig(plan=plan)
+    with pytest.raises(ValueError, match="does not match the plan"):
+        to_distributed(llama(), optax.sgd(0.1), lm_batches(1), config=config)
