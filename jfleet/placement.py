@@ -183,7 +183,21 @@ class ParallelPlan:
         size = self.data_parallel_size
         multi = jax.process_count() > 1
 
+        def _check_rows(path: Any, global_n: int | None) -> None:
+            if global_n is not None and global_n % size:
+                name = jax.tree_util.keystr(path) or "batch"
+                axes = " x ".join(f"{a} {self.mesh.shape[a]}" for a in self.data_axes)
+                raise ValueError(
+                    f"{name} has batch size {global_n}, which the data-parallel size {size} "
+                    f"({axes}) does not divide; use a batch size that is a multiple of {size}."
+                )
+
         def one(path: Any, x: Any) -> jax.Array:
+            if isinstance(x, jax.Array) and not x.is_fully_addressable:
+                # Already a global array (to_distributed's loader yields them): re-lay it
+                # out if needed; its shape is the global one.
+                _check_rows(path, x.shape[0] if x.ndim else None)
+                return jax.device_put(x, self.batch_sharding(x.ndim))
             if isinstance(x, jax.Array) and not multi:
                 shape = x.shape
             else:
@@ -191,14 +205,7 @@ class ParallelPlan:
                 shape = x.shape
             sharding = self.batch_sharding(len(shape))
             if shape:
-                global_n = shape[0] * (jax.process_count() if multi else 1)
-                if global_n % size:
-                    name = jax.tree_util.keystr(path) or "batch"
-                    raise ValueError(
-                        f"{name} has batch size {global_n}, which the data-parallel size "
-                        f"{size} ({' x '.join(f'{a} {self.mesh.shape[a]}' for a in self.data_axes)}"
-                        f") does not divide; use a batch size that is a multiple of {size}."
-                    )
+                _check_rows(path, shape[0] * (jax.process_count() if multi else 1))
             if multi:
                 return jax.make_array_from_process_local_data(sharding, x)
             return jax.device_put(x, sharding)
