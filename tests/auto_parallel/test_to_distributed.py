@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jfleet import fleet, make_train_step
@@ -153,7 +154,17 @@ def test_recompute_sequence_parallel_and_a_device_subset():
     )
     plan = get_plan(model)
     assert plan.recompute and plan.sequence_parallel and plan.device_num == 6
-    assert fleet.get_hybrid_communicate_group().mesh.devices.size == 6
+    mesh = fleet.get_hybrid_communicate_group().mesh
+    assert mesh.devices.size == 6
+
+    @nnx.jit
+    def block_output(model, x):
+        return model.layers[0](x)
+
+    # Sequence parallel: a block's output leaves it split over mp on the sequence axis.
+    y = block_output(model, jnp.zeros((12, 8, 32)))
+    want = NamedSharding(mesh, P(("dp", "sharding"), "mp", None))
+    assert y.sharding.is_equivalent_to(want, 3), y.sharding
     losses = train(model, opt, loader)
     np.testing.assert_allclose(losses, single_device_losses("llama", 3, 12), rtol=0, atol=TOL)
 
