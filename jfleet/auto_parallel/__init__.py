@@ -8,7 +8,8 @@
   every ``dp x pp x sharding x sep x mp`` layout the shapes allow.
 * :mod:`jfleet.auto_parallel.profiles` — hardware profiles (emulated CPU, A100, H100, H200, or
   your own numbers).
-* :mod:`jfleet.auto_parallel.plan` — :func:`plan_for` and the :class:`Plan` it returns.
+* :mod:`jfleet.auto_parallel.plan` — the :class:`Plan` (data, table, JSON).
+* :mod:`jfleet.auto_parallel.planner` — :func:`plan_for` chooses it.
 * :mod:`jfleet.auto_parallel.to_distributed` — :func:`to_distributed` applies a plan to a
   model, optimizer and loader; :func:`get_plan` gives it back.
 * :mod:`jfleet.auto_parallel.blocks` — the pipelined stand-in for a list of blocks.
@@ -34,8 +35,8 @@ from jfleet.auto_parallel.patterns import ParamInfo as ParamInfo
 from jfleet.auto_parallel.patterns import match_patterns as match_patterns
 from jfleet.auto_parallel.plan import ParamPlan as ParamPlan
 from jfleet.auto_parallel.plan import Plan as Plan
-from jfleet.auto_parallel.plan import plan_for as plan_for
 from jfleet.auto_parallel.plan import split_devices as split_devices
+from jfleet.auto_parallel.planner import plan_for as plan_for
 from jfleet.auto_parallel.profiles import PROFILES as PROFILES
 from jfleet.auto_parallel.profiles import HardwareProfile as HardwareProfile
 from jfleet.auto_parallel.profiles import get_profile as get_profile

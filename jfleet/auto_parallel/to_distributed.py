@@ -1,7 +1,7 @@
 """``to_distributed``: one call turns a plain NNX model, optimizer and loader into a parallel run.
 
 The call matches the model's parts, lets the cost model choose the layout
-(:func:`~jfleet.auto_parallel.plan.plan_for`), builds the fleet mesh for it
+(:func:`~jfleet.auto_parallel.planner.plan_for`), builds the fleet mesh for it
 (``fleet.init`` with the plan's degrees), and applies it: parameters placed by the plan's
 ``PartitionSpec``\\ s (ZeRO-sharded as its stage says), the decoder blocks replaced by a
 pipelined stack when ``pp > 1`` (:mod:`jfleet.auto_parallel.blocks`), the optimizer's state
@@ -45,7 +45,8 @@ from jfleet.auto_parallel.blocks import container_of, module_at, pipeline_blocks
 from jfleet.auto_parallel.cost_model import OPTIMIZER_MOMENTS
 from jfleet.auto_parallel.loader import ShardedLoader, batch_shape, peek
 from jfleet.auto_parallel.patterns import path_str
-from jfleet.auto_parallel.plan import Plan, plan_for
+from jfleet.auto_parallel.plan import Plan
+from jfleet.auto_parallel.planner import plan_for
 from jfleet.auto_parallel.profiles import HardwareProfile
 from jfleet.distributed_optimizer import DistributedOptimizer
 from jfleet.placement import ParallelPlan

@@ -1,0 +1,307 @@
+"""Planning: :func:`plan_for` matches a model, predicts every layout, and keeps the best.
+
+It matches the model's parts (:mod:`jfleet.auto_parallel.patterns`), lists and predicts
+every layout the shapes allow (:mod:`jfleet.auto_parallel.cost_model`), drops what does not
+fit the memory budget and returns the fastest as a :class:`~jfleet.auto_parallel.plan.Plan`.
+
+Example:
+  >>> from jfleet.models_llama import TinyLlama
+  >>> plan = plan_for(TinyLlama(), device_num=8, batch_size=64, seq_len=8)
+  >>> plan.mesh_shape
+  {'dp': 8, 'pp': 1, 'sharding': 1, 'sep': 1, 'mp': 1}
+  >>> forced = plan_for(TinyLlama(), device_num=8, batch_size=64, seq_len=8,
+  ...                   force_mesh={"dp": 2, "mp": 4})
+  >>> forced.spec("layers.0.self_attn.o_proj.kernel")
+  P('mp', None)
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from flax import nnx
+from jax.sharding import AbstractMesh
+
+from jfleet._logging import logger
+from jfleet.auto_parallel.cost_model import (
+    AXES,
+    OPTIMIZER_MOMENTS,
+    SCHEDULES,
+    Candidate,
+    Workload,
+    enumerate_layouts,
+    estimate,
+    rank,
+    shape_problem,
+)
+from jfleet.auto_parallel.patterns import ModelPatterns, match_patterns
+from jfleet.auto_parallel.plan import ParamPlan, Plan, _mib, _secs
+from jfleet.auto_parallel.profiles import HardwareProfile, get_profile
+from jfleet.placement import ParallelPlan
+
+__all__ = ["plan_for"]
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an int >= 1.")
+    return value
+
+
+def _check_force_mesh(force_mesh: Mapping[str, int], device_num: int, node_num: int) -> dict:
+    if not isinstance(force_mesh, Mapping):
+        raise TypeError(
+            f"force_mesh={force_mesh!r} must be a dict of degrees, e.g. {{'dp': 2, 'mp': 4}}."
+        )
+    unknown = sorted(set(force_mesh) - set(AXES))
+    if unknown:
+        raise ValueError(
+            f"force_mesh={dict(force_mesh)} names unknown axes {unknown}; axes are {AXES}."
+        )
+    for a, n in force_mesh.items():
+        _positive_int(f"force_mesh[{a!r}]", n)
+    product = math.prod(force_mesh.values())
+    total = device_num * node_num
+    if product != total:
+        shown = " x ".join(f"{a}{n}" for a, n in force_mesh.items()) or "{}"
+        raise ValueError(
+            f"force_mesh={dict(force_mesh)} multiplies out to {shown} = {product}, but "
+            f"device_num x node_num = {device_num} x {node_num} = {total}; give degrees "
+            f"whose product is {total}."
+        )
+    return {a: int(force_mesh.get(a, 1)) for a in AXES}
+
+
+def _model_dtype(patterns: ModelPatterns) -> str:
+    counts = collections.Counter()
+    for p in patterns.params:
+        counts[p.dtype] += p.size
+    return counts.most_common(1)[0][0]
+
+
+def plan_for(
+    model: nnx.Module,
+    *,
+    device_num: int,
+    node_num: int = 1,
+    batch_size: int,
+    seq_len: int,
+    profile: str | HardwareProfile | None = None,
+    memory_budget: float | None = None,
+    force_mesh: Mapping[str, int] | None = None,
+    schedule: str | None = None,
+    num_microbatches: int | None = None,
+    zero_stage: int | None = None,
+    sequence_parallel: bool = False,
+    optimizer: str = "adam",
+    recompute: bool | None = None,
+    dtype: str | None = None,
+) -> Plan:
+    """Chooses the fastest layout of ``model`` that fits, by the cost model.
+
+    Args:
+      model: an unannotated ``nnx.Module``.
+      device_num: devices per node.
+      node_num: nodes (tensor parallelism stays inside one).
+      batch_size: global batch (sequences per step).
+      seq_len: tokens per sequence.
+      profile: hardware profile name (``cpu``, ``a100``, ``h100``, ``h200``) or a
+        :class:`~jfleet.auto_parallel.profiles.HardwareProfile`; default ``cpu``.
+      memory_budget: bytes per device; default the profile's memory.
+      force_mesh: degrees that must be used (missing axes are 1), e.g.
+        ``{"dp": 2, "mp": 4}``; their product must be ``device_num x node_num``.
+      schedule: pipeline schedule (``"FThenB"`` or ``"1F1B"``); default: compared.
+      num_microbatches: pipeline micro-batches; default: compared.
+      zero_stage: ZeRO stage (0 forbids a sharding axis); default: compared.
+      sequence_parallel: Megatron sequence parallelism over ``mp``, and ``sep``
+        candidates.
+      optimizer: what the optimizer state is sized for (``adam``, ``momentum``, ``sgd``, ...).
+      recompute: force recompute on or off; default: compared.
+      dtype: compute dtype; default the model's parameter dtype.
+
+    Returns:
+      The :class:`Plan`.
+
+    Raises:
+      TypeError: ``model`` is not an ``nnx.Module``; ``force_mesh`` not a dict.
+      ValueError: a model without parameters, a non-positive count, a forced mesh that
+        does not multiply out or does not suit the shapes, an unknown schedule or ZeRO
+        stage, or no layout that fits the memory budget.
+    """
+    device_num = _positive_int("device_num", device_num)
+    node_num = _positive_int("node_num", node_num)
+    if schedule is not None and schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}.")
+    if num_microbatches is not None:
+        _positive_int("num_microbatches", num_microbatches)
+    if zero_stage is not None and zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3 (or None).")
+    if optimizer not in OPTIMIZER_MOMENTS:
+        raise ValueError(
+            f"optimizer={optimizer!r} is not known to the cost model; use one of "
+            f"{sorted(OPTIMIZER_MOMENTS)}."
+        )
+    forced = None
+    if force_mesh is not None:
+        forced = _check_force_mesh(force_mesh, device_num, node_num)
+        if forced["sep"] > 1 and not sequence_parallel:
+            raise ValueError(
+                f"force_mesh={dict(force_mesh)} has sep={forced['sep']} but "
+                "sequence_parallel=False; pass sequence_parallel=True."
+            )
+    prof = get_profile(profile)
+    budget = prof.memory_bytes if memory_budget is None else memory_budget
+    if not budget > 0:
+        raise ValueError(f"memory_budget={memory_budget!r} must be a positive number of bytes.")
+    patterns = match_patterns(model)
+    workload = Workload(
+        batch_size=_positive_int("batch_size", batch_size),
+        seq_len=_positive_int("seq_len", seq_len),
+        dtype=dtype or _model_dtype(patterns),
+        optimizer=optimizer,
+        sequence_parallel=sequence_parallel,
+    )
+    if not patterns.recognised:
+        logger.warning(
+            "%s: no transformer parts recognised (%s); planning data parallel only. "
+            "Unmatched parameters (kept replicated): %s%s",
+            type(model).__name__,
+            patterns.summary(),
+            ", ".join(patterns.unmatched) or "none",
+            "".join(f"; {n}" for n in patterns.notes),
+        )
+        if forced is not None and (forced["mp"] > 1 or forced["pp"] > 1):
+            raise ValueError(
+                f"force_mesh={dict(force_mesh)} asks for tensor or pipeline parallelism, but "
+                f"no transformer parts of {type(model).__name__} were recognised; use dp / "
+                "sharding only."
+            )
+    elif patterns.unmatched:
+        logger.info("unmatched parameters, kept replicated: %s", ", ".join(patterns.unmatched))
+    if forced is not None:
+        problem = shape_problem(patterns, workload, forced, device_num)
+        if problem is not None:
+            raise ValueError(f"force_mesh={dict(force_mesh)} cannot be used: {problem}.")
+    layouts, excluded = enumerate_layouts(
+        patterns,
+        workload,
+        device_num=device_num,
+        node_num=node_num,
+        force_mesh=forced,
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        zero_stage=zero_stage,
+        recompute=recompute,
+    )
+    if not patterns.recognised:
+        layouts = [lay for lay in layouts if lay.pp == 1 and lay.mp == 1]
+    if not layouts:
+        raise ValueError(
+            f"no layout of {device_num * node_num} devices suits {type(model).__name__} "
+            f"with batch_size={batch_size}, seq_len={seq_len}: "
+            + "; ".join(f"{m}: {r}" for m, r in excluded)
+        )
+    candidates = [
+        estimate(patterns, workload, lay, prof, devices_per_node=device_num) for lay in layouts
+    ]
+    ranked = rank(candidates, budget)
+    best = ranked[0]
+    if not best.fits:
+        message = (
+            f"no layout fits the memory budget of {_mib(budget)} per device; the smallest, "
+            f"{best.layout.name}, needs {_mib(best.memory.total)}. Raise memory_budget, "
+            "use a profile with more memory, or lower batch_size / seq_len."
+        )
+        if forced is None:
+            raise ValueError(message)
+        logger.warning("force_mesh=%s: %s Using it anyway.", dict(force_mesh), message)
+        best = min(ranked, key=lambda c: c.time.total)
+        ranked = [dataclasses.replace(best, reason="best (forced, over budget)")] + [
+            c for c in ranked if c is not best
+        ]
+        best = ranked[0]
+    return _build_plan(
+        patterns,
+        workload,
+        best,
+        ranked,
+        excluded,
+        prof,
+        budget,
+        device_num,
+        node_num,
+        type(model).__name__,
+    )
+
+
+def _build_plan(
+    patterns: ModelPatterns,
+    workload: Workload,
+    best: Candidate,
+    ranked: list[Candidate],
+    excluded: list[tuple[str, str]],
+    profile: HardwareProfile,
+    budget: float,
+    device_num: int,
+    node_num: int,
+    model_name: str,
+) -> Plan:
+    lay = best.layout
+    abstract = AbstractMesh(tuple(lay.degrees.values()), AXES)
+    zero = ParallelPlan(mesh=abstract, zero_stage=lay.zero_stage)
+    per_stage = len(patterns.blocks) // lay.pp if patterns.blocks else 0
+    if patterns.blocks:
+        stages = tuple(tuple(range(k * per_stage, (k + 1) * per_stage)) for k in range(lay.pp))
+    else:
+        stages = ()
+    params = []
+    for p in patterns.params:
+        spec = p.spec
+        zspec = zero.zero_spec(spec, p.shape) if lay.zero_stage else spec
+        stage = p.block // per_stage if (p.block is not None and per_stage) else None
+        params.append(
+            ParamPlan(
+                path=p.path,
+                shape=p.shape,
+                dtype=p.dtype,
+                role=p.role,
+                spec=spec,
+                zero_spec=zspec,
+                stage=stage,
+            )
+        )
+    logger.info(
+        "plan: %s (predicted %s per device, %s per step)",
+        lay.name,
+        _mib(best.memory.total),
+        _secs(best.time.total),
+    )
+    return Plan(
+        mesh=tuple(lay.degrees.items()),
+        zero_stage=lay.zero_stage,
+        schedule=lay.schedule,
+        num_microbatches=lay.num_microbatches,
+        recompute=lay.recompute,
+        sequence_parallel=workload.sequence_parallel,
+        params=tuple(params),
+        blocks=patterns.blocks,
+        stages=stages,
+        chosen=best,
+        candidates=tuple(ranked),
+        excluded=tuple(excluded),
+        architecture=f"{model_name}: {patterns.summary()}",
+        unmatched=patterns.unmatched,
+        notes=patterns.notes,
+        batch_size=workload.batch_size,
+        seq_len=workload.seq_len,
+        dtype=workload.dtype,
+        optimizer=workload.optimizer,
+        device_num=device_num,
+        node_num=node_num,
+        profile=profile,
+        memory_budget=int(budget),
+    )
