@@ -41,7 +41,13 @@ import optax
 from flax import nnx
 
 from jfleet._logging import logger
-from jfleet.auto_parallel.blocks import container_of, module_at, pipeline_blocks, wrap_blocks
+from jfleet.auto_parallel.blocks import (
+    PipelinedBlocks,
+    container_of,
+    module_at,
+    pipeline_blocks,
+    wrap_blocks,
+)
 from jfleet.auto_parallel.cost_model import OPTIMIZER_MOMENTS
 from jfleet.auto_parallel.loader import ShardedLoader, batch_shape, peek
 from jfleet.auto_parallel.patterns import path_str
@@ -101,6 +107,12 @@ class ToDistributedConfig:
 def get_plan(model: nnx.Module) -> Plan:
     """The :class:`Plan` :func:`to_distributed` applied to ``model``.
 
+    The plan names parameters by their paths in the model as it was given
+    (``layers.0.self_attn.q_proj.kernel``); with a pipeline the returned model holds the
+    blocks stacked instead (``layers.body.self_attn.q_proj.kernel``, ``[pp, L/pp, ...]``),
+    so ``plan.validate`` and ``plan.spec`` apply to a fresh model, as for
+    ``ToDistributedConfig(plan=...)``.
+
     Raises:
       ValueError: ``model`` was not returned by ``to_distributed``.
     """
@@ -155,6 +167,12 @@ def to_distributed(
     if not isinstance(model, nnx.Module):
         raise TypeError(
             f"model is a {type(model).__name__}, not an nnx.Module; pass a Flax NNX module."
+        )
+    if model in _PLANS or any(isinstance(m, PipelinedBlocks) for _, m in nnx.iter_modules(model)):
+        raise ValueError(
+            f"this {type(model).__name__} was already returned by to_distributed (plan "
+            f"{_PLANS[model].layout.name if model in _PLANS else 'with a pipeline'}); pass a "
+            "freshly built model to plan again, or keep training the one you have."
         )
     tx, wrt = _transform(optimizer)
     device_num, node_num = _device_counts(device_num, node_num)
@@ -294,7 +312,12 @@ def _init_fleet(plan: Plan, user: DistributedStrategy | None, n: int) -> Paralle
     strategy.sharding = plan.zero_stage > 0
     if plan.zero_stage:
         strategy.sharding_configs = {"stage": plan.zero_stage}
-    fleet.init(is_collective=True, strategy=strategy, devices=jax.devices()[:n])
+    fleet.init(
+        is_collective=True,
+        strategy=strategy,
+        log_level=logger.getEffectiveLevel(),
+        devices=jax.devices()[:n],
+    )
     mesh = fleet.get_hybrid_communicate_group().mesh
     return ParallelPlan(mesh=mesh, zero_stage=plan.zero_stage)
 

@@ -278,6 +278,13 @@ def test_a_later_batch_not_divisible_by_the_data_parallel_size_is_an_error():
         next(it)
 
 
+def test_a_returned_model_is_not_distributed_twice():
+    config = ToDistributedConfig(force_mesh={"dp": 4, "pp": 2})
+    model, _, _ = to_distributed(llama(), optax.sgd(0.1), lm_batches(1), config=config)
+    with pytest.raises(ValueError, match=r"already returned by to_distributed \(plan dp4 x pp2"):
+        to_distributed(model, optax.sgd(0.1), lm_batches(1))
+
+
 def test_a_plan_for_another_model_is_refused():
     model, _, _ = to_distributed(gpt2(), optax.sgd(0.1), lm_batches(1))
     plan = get_plan(model)
