@@ -11,7 +11,7 @@ the model's parts, lets the cost model choose a layout, builds the fleet mesh an
 the model placed on it, the optimizer with its state placed, and a loader yielding sharded
 batches; ``print(get_plan(model))`` shows the plan, every layout it compared and each
 parameter's ``PartitionSpec``. Training is ``jfleet.make_train_step(loss_fn)`` in a loop,
-with a tqdm progress bar showing the loss when tqdm is installed and stderr is a terminal.
+with a tqdm progress bar showing the loss.
 
 The task is learnable (each next token is the current one plus a fixed stride), so the loss
 falls from about ln(64) ~ 4.2 towards 0. ``--check`` trains the same model from the same
@@ -38,16 +38,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import jax
 import optax
 from flax import nnx
+from tqdm import tqdm
 
 from jfleet import ToDistributedConfig, make_train_step, to_distributed
 from jfleet.auto_parallel import get_plan
 from jfleet.models import lm_loss, stride_batches
 from jfleet.models_llama import TinyLlama
-
-try:
-    from tqdm import tqdm
-except ImportError:  # tqdm comes with `pip install -e ".[dev]"`; without it: logged lines only
-    tqdm = None
 
 VOCAB = 64
 AXES = ("dp", "pp", "sharding", "sep", "mp")
@@ -120,19 +116,15 @@ def train_distributed(args: argparse.Namespace) -> list[float]:
 
     step = make_train_step(lm_loss)
     losses: list[float] = []
-    # a progress bar with the loss when tqdm is there and stderr is a terminal
-    bar = tqdm(total=args.steps, desc=plan.layout.name, disable=None) if tqdm else None
-    log = tqdm.write if tqdm else print
+    bar = tqdm(total=args.steps, desc=plan.layout.name)  # a progress bar with the loss
     start = time.perf_counter()
     for i, batch in enumerate(loader, start=1):
         losses.append(float(step(model, optimizer, batch)))
-        if bar is not None:
-            bar.update()
-            bar.set_postfix(loss=f"{losses[-1]:.4f}")
+        bar.update()
+        bar.set_postfix(loss=f"{losses[-1]:.4f}")
         if i == 1 or i % args.log_every == 0 or i == args.steps:
-            log(f"step {i:4d}/{args.steps}  loss {losses[-1]:.4f}")
-    if bar is not None:
-        bar.close()
+            tqdm.write(f"step {i:4d}/{args.steps}  loss {losses[-1]:.4f}")
+    bar.close()
     print(f"{len(losses)} steps in {time.perf_counter() - start:.1f} s (the first compiles)")
     return losses
 
