@@ -76,32 +76,51 @@ def peek(loader: Iterable[Any]) -> Any:
         raise ValueError("the dataloader yielded no batch; it must yield at least one.") from None
 
 
-def batch_shape(batch: Any) -> tuple[int, int]:
+def batch_shape(batch: Any) -> tuple[int | None, int | None]:
     """``(batch_size, seq_len)`` of a batch (or an ``input_spec``) for the cost model.
 
-    The batch size is the leading dimension all leaves share (times the process count
+    The batch size is the leading dimension the leaves share (times the process count
     with several processes); the sequence length is the second dimension of the first
-    integer leaf with two or more dimensions (token ids), else of the first leaf with
-    two or more, else 1.
+    integer leaf with two or more dimensions (token ids), else of the first leaf with two
+    or more, else 1. Leaves may be arrays or anything with ``.shape`` and ``.dtype``
+    (``jax.ShapeDtypeStruct``, a Paddle ``InputSpec``); a dimension given as ``None`` or
+    ``-1`` is unknown and comes back as None.
 
     Raises:
       ValueError: no arrays, a scalar leaf, or leaves disagreeing on the batch size.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> batch_shape({"tokens": np.zeros((16, 8), np.int32), "w": np.ones((16,))})
+      (16, 8)
+      >>> batch_shape(jax.ShapeDtypeStruct((4, 32), np.int32))
+      (4, 32)
     """
-    leaves = jax.tree_util.tree_leaves_with_path(batch)
-    shapes = [(jax.tree_util.keystr(p) or "batch", tuple(np.shape(x))) for p, x in leaves]
+    leaves = jax.tree_util.tree_leaves_with_path(batch, is_leaf=_has_shape)
+    shapes = [(jax.tree_util.keystr(p) or "batch", _shape(x)) for p, x in leaves]
     if not shapes:
         raise ValueError(f"a batch of {batch!r} has no arrays; yield arrays with a batch axis.")
     scalars = [name for name, s in shapes if not s]
     if scalars:
         raise ValueError(f"batch entries {scalars} are scalars; every entry needs a batch axis.")
-    sizes = {s[0] for _, s in shapes}
-    if len(sizes) != 1:
+    sizes = {s[0] for _, s in shapes} - {None}
+    if len(sizes) > 1:
         raise ValueError(
             "the batch's entries disagree on the batch size (leading dimension): "
             + ", ".join(f"{name} {s}" for name, s in shapes)
         )
-    dtypes = [np.dtype(getattr(x, "dtype", np.asarray(x).dtype)) for _, x in leaves]
+    dtypes = [np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype) for _, x in leaves]
     wide = [(s, d) for (_, s), d in zip(shapes, dtypes, strict=True) if len(s) >= 2]
     tokens = [s for s, d in wide if np.issubdtype(d, np.integer)]
     seq = tokens[0][1] if tokens else (wide[0][0][1] if wide else 1)
-    return sizes.pop() * jax.process_count(), int(seq)
+    size = sizes.pop() * jax.process_count() if sizes else None
+    return size, seq
+
+
+def _has_shape(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _shape(x: Any) -> tuple[int | None, ...]:
+    shape = x.shape if _has_shape(x) else np.shape(x)
+    return tuple(None if d is None or int(d) < 0 else int(d) for d in shape)

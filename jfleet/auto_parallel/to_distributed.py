@@ -68,9 +68,11 @@ class ToDistributedConfig:
     """What steers :func:`to_distributed` (every field optional).
 
     Attributes:
-      input_spec: one global batch's structure: arrays or anything with ``.shape`` and
-        ``.dtype`` (``jax.ShapeDtypeStruct``), in the loader's batch structure. Default:
-        the loader's first batch. Gives the cost model its batch size and sequence length.
+      input_spec: one global batch's shapes: arrays or anything with ``.shape`` and
+        ``.dtype`` (``jax.ShapeDtypeStruct``, Paddle's ``InputSpec``), e.g.
+        ``[jax.ShapeDtypeStruct((64, 512), jnp.int32)]``; ``None`` / ``-1`` dimensions are
+        read from the loader's first batch (the default for everything). Gives the cost
+        model its batch size and sequence length.
       sequence_parallel: split activations' sequence dimension over ``mp`` between the
         blocks (Megatron sequence parallelism) and consider ``sep`` layouts.
       profile: hardware profile name (``cpu``, ``a100``, ``h100``, ``h200``) or a
@@ -177,7 +179,15 @@ def to_distributed(
     tx, wrt = _transform(optimizer)
     device_num, node_num = _device_counts(device_num, node_num)
     first = peek(dataloader)
-    batch_size, seq_len = batch_shape(first if config.input_spec is None else config.input_spec)
+    batch_size, seq_len = batch_shape(first)
+    if config.input_spec is not None:  # what it states wins; what it leaves open (-1) not
+        spec_batch, spec_seq = batch_shape(config.input_spec)
+        batch_size, seq_len = spec_batch or batch_size, spec_seq or seq_len
+    if batch_size is None or seq_len is None:
+        raise ValueError(
+            f"the loader's first batch has no known batch size / sequence length "
+            f"({batch_size}, {seq_len}); yield arrays with concrete shapes."
+        )
     plan = _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len)
     _check_batch(plan, batch_size)
     placement = _init_fleet(plan, config.strategy, device_num * node_num)

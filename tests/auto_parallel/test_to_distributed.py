@@ -278,6 +278,21 @@ def test_a_later_batch_not_divisible_by_the_data_parallel_size_is_an_error():
         next(it)
 
 
+class InputSpec:
+    """Paddle's ``InputSpec(shape, dtype, name)``: -1 marks a dimension left open."""
+
+    def __init__(self, shape: list[int], dtype: str, name: str) -> None:
+        self.shape, self.dtype, self.name = tuple(shape), dtype, name
+
+
+def test_input_spec_states_the_shapes_the_cost_model_plans_for():
+    spec = [InputSpec([-1, 128], "int64", "tokens"), InputSpec([-1, 128], "int64", "labels")]
+    config = ToDistributedConfig(input_spec=spec)
+    model, _, _ = to_distributed(llama(), optax.sgd(0.1), lm_batches(1), config=config)
+    plan = get_plan(model)
+    assert (plan.batch_size, plan.seq_len) == (16, 128)  # batch from the loader, seq stated
+
+
 def test_a_returned_model_is_not_distributed_twice():
     config = ToDistributedConfig(force_mesh={"dp": 4, "pp": 2})
     model, _, _ = to_distributed(llama(), optax.sgd(0.1), lm_batches(1), config=config)
