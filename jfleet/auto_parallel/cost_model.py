@@ -47,17 +47,22 @@ norm) and ``4 V / mp`` (logits, log-softmax, softmax, one-hot labels). Measured 
 XLA:CPU with 8 devices these match the compiled temp's slope per token and layer to
 within 2% for :class:`~jfleet.models_llama.TinyLlama` and
 :class:`~jfleet.models_gpt2.TinyGPT2` at width 128 (16% over at width 256).
-Schedules: no pipeline or FThenB keep every micro-batch's activations of the stage's
-layers; 1F1B (jfleet's, recomputing each stage from its stashed input) keeps ``2(P-1)``
-stage inputs and one micro-batch's stage activations; recompute keeps each layer's
-input and one layer's activations.
+Schedules: no pipeline keeps every layer's activations; FThenB (``to_distributed``'s
+pipelined blocks, GPipe by autodiff of a scan whose masked bubble ticks run too) keeps
+the stage's activations of ``M + P - 1`` ticks, plus one tick's slice copied for the
+backward's inner loop (with more than one block a stage), one block's activations of one
+micro-batch (the backward's working set) and the stage's gradient accumulators; 1F1B
+(jfleet's, recomputing each stage from its stashed input) keeps ``2(P-1)`` stage inputs
+and one micro-batch's stage activations; recompute keeps each layer's input and one
+layer's activations.
 
 **Step time** (seconds; no overlap of communication with compute, so an upper bound):
 
 * compute ``6 Phi_mm T / (peak x devices)`` for the matmul parameters (blocks and head;
   the embedding gather is free) plus attention ``12 L s q_dim T``; recompute (and 1F1B)
   adds one forward of the blocks; embedding and head are replicated over ``pp``;
-* tensor parallel: per block and micro-batch the forward all-reduces after o and down,
+* tensor parallel: per block and stage run (micro-batch; FThenB: tick) the forward
+  all-reduces after o and down,
   and in the backward one all-reduce per column projection reading the block's input
   (XLA reduces q, k and v's input gradients separately: 3 for separate q/k/v, 1 for a
   fused qkv; 2 for SwiGLU gate/up, 1 for GELU), each of ``b s h`` elements, plus the
@@ -68,9 +73,14 @@ input and one layer's activations.
   ZeRO a reduce-scatter over ``sharding`` (on XLA:CPU an all-reduce plus a slice), an
   all-reduce of the shard over ``dp x sep``, and an all-gather of the parameters
   (``(n-1)/n P``): once per step at every stage (XLA gathers a ZeRO-3 parameter once and
-  reuses it in the backward; with recompute it gathers again);
+  reuses it in the backward; with recompute it gathers again); FThenB's pipelined blocks
+  leave their ``shard_map`` with gradients already summed over ``dp x sharding`` (one
+  all-reduce);
 * pipeline: bubble ``(P-1)/(M+P-1)`` of the blocks' compute, and ``2(M+P-1)`` (FThenB)
   or ``2(M+2P-2)`` (1F1B) point-to-point transfers of ``b s h`` on the critical path;
+  FThenB runs the embedding and head on every stage and all-reduces the stack's output
+  and its input's cotangent over ``pp``; 1F1B sums the embedding's and head's gradients
+  over ``pp``;
 * sequence parallel (``sep``): an all-gather of k and v per block forward and a
   reduce-scatter of their gradients backward.
 
@@ -684,13 +694,38 @@ def estimate(
     ab = workload.act_bytes
     tokens_local = local_seqs * local_seq  # per device, whole step
     tokens_mb = tokens_local // m
+    # FThenB is the pipeline to_distributed builds (blocks.PipelinedBlocks ->
+    # pipeline_forward): the GPipe forward is a lax.scan of M + P - 1 ticks in which every
+    # stage runs on every tick, its bubble ticks masked rather than skipped (a lax.cond
+    # under autodiff would stack a copy of the stage's weights per tick), and the backward
+    # is that scan's transpose. So a stage runs M + P - 1 times per step: its residuals,
+    # its tensor-parallel collectives and its sep gathers are those of M + P - 1
+    # micro-batches, not M. 1F1B (pipeline_loss) skips its bubble ticks with lax.cond.
+    fthenb = pp > 1 and layout.schedule == "FThenB"
+    runs = m + pp - 1 if fthenb else m
     if pp > 1 and layout.schedule == "1F1B":
         layer_acts = 2 * (pp - 1) * tokens_mb * h + tokens_mb * per_layer * stage_blocks
+    elif fthenb:
+        # The residuals are stacked by two scans (ticks, and the stage's blocks inside a
+        # tick) and a stack is freed only when the backward loop over it ends. At the
+        # backward's peak a stage holds: the stacks of all M + P - 1 ticks; the slice of
+        # one tick that the inner scan's backward loop takes as its operand (a copy; with
+        # one block a stage XLA removes that one-iteration loop and reads the stack in
+        # place); and one block's activations of one micro-batch, the working set of that
+        # block's backward (its cotangents; under recompute, the recomputed activations),
+        # which in a scan cannot reuse the memory of the blocks already differentiated.
+        kept = (h if layout.recompute else per_layer) * stage_blocks
+        copies = runs + (1 if stage_blocks > 1 else 0)
+        layer_acts = copies * tokens_mb * kept + tokens_mb * per_layer
     elif layout.recompute:
         layer_acts = tokens_local * h * stage_blocks + tokens_mb * per_layer
     else:
         layer_acts = tokens_local * per_layer * stage_blocks
     activations = int((layer_acts + tokens_local * outside) * ab)
+    if fthenb:
+        # the backward scan carries the stage's parameter gradients, accumulated over
+        # its ticks, while the residual stacks are live
+        activations += block_tp
     gathered = 0
     if stage >= 3:
         gathered = outside_tp + (one_block_tp if layout.recompute else block_tp)
@@ -746,7 +781,7 @@ def estimate(
         bwd = {"separate": 3, "fused": 1}.get(patterns.attention or "", 0)
         bwd += {"swiglu": 2, "gelu": 1}.get(patterns.mlp or "", 0)
         per_mb = stage_blocks * (fwd + bwd)
-        n_mb = per_mb * m
+        n_mb = per_mb * runs
         roles = {p.role for p in patterns.params}
         n_out = int("embedding" in roles) + int("head" in roles or bool(patterns.tied_head))
         out_bytes = n_out * tokens_local * h * ab
@@ -770,29 +805,49 @@ def estimate(
             coll["all_reduce"] += grads
             t_dp += lat + _ring("all-reduce", grads, red) / bw["data"]
         else:
+            zeroed = grads
+            if fthenb:
+                # the pipelined blocks' weights enter the pipeline's shard_map (manual over
+                # dp and sharding) replicated over the data axes, so their gradients leave
+                # it summed over dp x sharding: one all-reduce, not ZeRO's reduce-scatter;
+                # only the embedding's and the head's are reduced in the ZeRO layout
+                zeroed = outside_tp
+                coll["all_reduce"] += block_tp
+                t_dp += lat + _ring("all-reduce", block_tp, red) / bw["data"]
             if profile.reduce_scatter_native:
-                coll["reduce_scatter"] += grads
-                t_dp += lat + _ring("reduce-scatter", grads, shard) / bw["sharding"]
+                coll["reduce_scatter"] += zeroed
+                t_dp += lat + _ring("reduce-scatter", zeroed, shard) / bw["sharding"]
             else:
-                coll["all_reduce"] += grads
-                t_dp += lat + _ring("all-reduce", grads, shard) / bw["sharding"]
+                coll["all_reduce"] += zeroed
+                t_dp += lat + _ring("all-reduce", zeroed, shard) / bw["sharding"]
             if layout.dp * sep > 1:
-                coll["all_reduce"] += grads / shard
-                t_dp += lat + _ring("all-reduce", grads / shard, layout.dp * sep) / bw["dpsep"]
+                coll["all_reduce"] += zeroed / shard
+                t_dp += lat + _ring("all-reduce", zeroed / shard, layout.dp * sep) / bw["dpsep"]
             gathers = 2 if (stage >= 3 and layout.recompute) else 1
             coll["all_gather"] += gathers * tp_bytes
             t_dp += gathers * (lat + _ring("all-gather", tp_bytes, shard) / bw["sharding"])
     if pp > 1:
-        # embedding / head gradients are summed over the stages that hold them
-        coll["all_reduce"] += outside_tp
-        t_dp += lat + _ring("all-reduce", outside_tp, pp) / bw["pp"]
         ticks = m + pp - 1 if layout.schedule == "FThenB" else m + 2 * pp - 2
         act = tokens_mb * h * ab
         coll["collective_permute"] += 2 * ticks * act
         t_pp = 2 * ticks * (lat + act / bw["pp"])
+        if fthenb:
+            # to_distributed's stand-in runs only the blocks pipelined: the embedding and
+            # the head run on every stage, on the same (pp-invariant) values, so their
+            # gradients need no sum over pp. Instead the stack's output is summed over pp
+            # once (the last stage's, to every stage) and, in the backward, the
+            # cotangent of its input: two all-reduces of the local batch's b s h.
+            out = tokens_local * h * ab
+            coll["all_reduce"] += 2 * out
+            t_pp += 2 * (lat + _ring("all-reduce", out, pp) / bw["pp"])
+        else:
+            # 1F1B (pipeline_loss, a PipelineLayer): the embedding / head gradients are
+            # summed over the stages that hold them
+            coll["all_reduce"] += outside_tp
+            t_dp += lat + _ring("all-reduce", outside_tp, pp) / bw["pp"]
     if sep > 1 and patterns.attention:
         kv = tokens_mb * sep * 2 * d.kv_dim / mp * ab
-        n = stage_blocks * m
+        n = stage_blocks * runs
         coll["all_gather"] += n * kv
         coll["reduce_scatter"] += n * kv
         t_sep = 2 * n * (lat + _ring("all-gather", kv, sep) / bw["sep"])
