@@ -242,8 +242,9 @@ def pipeline_forward(
     after it (final norm, head, loss) stays ordinary code, so a pipelined stack can stand
     in for a model's list of decoder blocks. ``jax.grad`` of anything computed from the
     output differentiates the forward loop; its transpose is the backward loop, so the
-    schedule is FThenB and a stage keeps the activations of every micro-batch (only its
-    inputs with ``remat=True``).
+    schedule is FThenB. A stage keeps the activations of every tick, ``M + P - 1`` of them
+    (its bubble ticks run masked: a ``cond`` under autodiff would stack the stage's weights
+    per tick), or only its inputs with ``remat=True``.
 
     Args:
       stage_fn: ``stage_fn(params_of_one_stage, x, side, shared) -> y``, ``y`` of ``x``'s
