@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -81,3 +82,26 @@ def run_many(
         )
         raise AssertionError(f"subprocess(es) ran past the {timeout}s timeout\n{details}")
     return results
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (for a coordinator address)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def paddle_launch_envs(n: int, *, init_timeout: int = 60, heartbeat: int = 20) -> list[dict]:
+    """The ``PADDLE_*`` variables Paddle's launcher gives each of ``n`` local processes."""
+    endpoints = [f"127.0.0.1:{free_port()}" for _ in range(n)]
+    return [
+        {
+            "PADDLE_TRAINER_ID": str(rank),
+            "PADDLE_TRAINERS_NUM": str(n),
+            "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints),
+            "PADDLE_CURRENT_ENDPOINT": endpoints[rank],
+            "JFLEET_INIT_TIMEOUT": str(init_timeout),
+            "JFLEET_HEARTBEAT_TIMEOUT": str(heartbeat),
+        }
+        for rank in range(n)
+    ]

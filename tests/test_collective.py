@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import socket
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jfleet.collective import all_gather, all_reduce, barrier, broadcast_one_to_all
-from tests.subprocess_util import run_many
+from tests.subprocess_util import paddle_launch_envs, run_many
 
 
 @pytest.mark.parametrize(
@@ -96,25 +94,8 @@ print("CHILD_OK", rank)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_four_devices_each():
-    endpoints = [f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"]
-    envs = [
-        {
-            "PADDLE_TRAINER_ID": str(rank),
-            "PADDLE_TRAINERS_NUM": "2",
-            "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints),
-            "PADDLE_CURRENT_ENDPOINT": endpoints[rank],
-            "JFLEET_INIT_TIMEOUT": "30",
-            "JFLEET_HEARTBEAT_TIMEOUT": "10",
-        }
-        for rank in range(2)
-    ]
+    envs = paddle_launch_envs(2, init_timeout=30, heartbeat=10)
     results = run_many([CHILD, CHILD], envs=envs, timeout=120)
     for rank, result in enumerate(results):
         assert result.returncode == 0, (

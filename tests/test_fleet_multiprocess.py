@@ -9,8 +9,6 @@ in this (single) process.
 
 from __future__ import annotations
 
-import socket
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +16,7 @@ import optax
 from flax import nnx
 
 from jfleet.models import TinyLM, lm_batches, lm_loss
-from tests.subprocess_util import run_many
+from tests.subprocess_util import paddle_launch_envs, run_many
 
 STEPS = 2
 BATCH = 16
@@ -78,12 +76,6 @@ print("CHILD_OK", rank, flush=True)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def reference_losses() -> list[float]:
     """The same steps on the full batches, one process, no fleet."""
     model = TinyLM()
@@ -111,18 +103,7 @@ def parse_losses(stdout: str, rank: int) -> list[float]:
 
 
 def test_fleet_two_processes_four_devices_each():
-    endpoints = [f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"]
-    envs = [
-        {
-            "PADDLE_TRAINER_ID": str(rank),
-            "PADDLE_TRAINERS_NUM": "2",
-            "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints),
-            "PADDLE_CURRENT_ENDPOINT": endpoints[rank],
-            "JFLEET_INIT_TIMEOUT": "60",
-            "JFLEET_HEARTBEAT_TIMEOUT": "20",
-        }
-        for rank in range(2)
-    ]
+    envs = paddle_launch_envs(2, init_timeout=60, heartbeat=20)
     results = run_many([CHILD, CHILD], envs=envs, timeout=180)
     for rank, result in enumerate(results):
         report = f"child {rank} rc={result.returncode}\n{result.stdout}\n{result.stderr[-6000:]}"

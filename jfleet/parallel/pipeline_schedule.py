@@ -302,7 +302,7 @@ def pipeline_forward(
         axis_names=frozenset(spec.manual_axes),
         check_vma=True,
     )
-    return mapped(stage_params, inputs, side, shared)
+    return jax.jit(mapped)(stage_params, inputs, side, shared)
 
 
 def _no_head(*_: Any) -> jax.Array:

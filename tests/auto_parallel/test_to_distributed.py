@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jfleet import fleet, make_train_step
+from jfleet import DistributedStrategy, fleet, make_eval_step, make_train_step
 from jfleet.auto_parallel import ToDistributedConfig, get_plan, to_distributed
 from jfleet.auto_parallel.blocks import PipelinedBlocks
 from jfleet.models import lm_batches, lm_loss
@@ -307,3 +307,24 @@ def test_a_plan_for_another_model_is_refused():
     config = ToDistributedConfig(plan=plan)
     with pytest.raises(ValueError, match="does not match the plan"):
         to_distributed(llama(), optax.sgd(0.1), lm_batches(1), config=config)
+
+
+def test_the_config_strategy_adds_meta_optimizers_and_eval_runs_the_pipeline():
+    strategy = DistributedStrategy()
+    strategy.gradient_merge = True
+    strategy.gradient_merge_configs = {"k_steps": 2, "avg": True}
+    strategy.hybrid_configs = {"mp_degree": 8}  # replaced by the plan's degrees
+    config = ToDistributedConfig(force_mesh={"dp": 4, "pp": 2}, strategy=strategy)
+    model, opt, loader = to_distributed(llama(), optax.adam(1e-2), lm_batches(2), config=config)
+    assert "GradientMergeOptimizer" in opt.applied_meta_list
+    assert fleet.get_hybrid_communicate_group().get_model_parallel_world_size() == 1
+    batches = list(loader)
+    before = float(make_eval_step(lm_loss)(model, batches[0]))
+    assert abs(before - single_device_losses("llama", 1)[0]) < TOL  # the pipelined forward
+    kernel = model.layers.body.mlp.up_proj.kernel
+    start = np.asarray(kernel[...])
+    step = make_train_step(lm_loss)
+    step(model, opt, batches[0])
+    np.testing.assert_array_equal(np.asarray(kernel[...]), start)  # merged, not applied
+    step(model, opt, batches[1])
+    assert not np.allclose(np.asarray(kernel[...]), start)  # applied at the k-th step

@@ -9,8 +9,8 @@ on both processes and equal single-process training on the full batches.
 from __future__ import annotations
 
 from tests.auto_parallel.test_to_distributed import single_device_losses
-from tests.subprocess_util import run_many
-from tests.test_fleet_multiprocess import _free_port, parse_losses
+from tests.subprocess_util import paddle_launch_envs, run_many
+from tests.test_fleet_multiprocess import parse_losses
 
 STEPS = 3
 
@@ -41,18 +41,7 @@ print("CHILD_OK", rank, flush=True)
 
 
 def test_to_distributed_two_processes_four_devices_each():
-    endpoints = [f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"]
-    envs = [
-        {
-            "PADDLE_TRAINER_ID": str(rank),
-            "PADDLE_TRAINERS_NUM": "2",
-            "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints),
-            "PADDLE_CURRENT_ENDPOINT": endpoints[rank],
-            "JFLEET_INIT_TIMEOUT": "60",
-            "JFLEET_HEARTBEAT_TIMEOUT": "20",
-        }
-        for rank in range(2)
-    ]
+    envs = paddle_launch_envs(2, init_timeout=60, heartbeat=20)
     results = run_many([CHILD, CHILD], envs=envs, timeout=240)
     for rank, result in enumerate(results):
         report = f"child {rank} rc={result.returncode}\n{result.stdout}\n{result.stderr[-6000:]}"
