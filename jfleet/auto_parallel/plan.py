@@ -424,10 +424,11 @@ class Plan:
             entry = seen.setdefault(key, [p, set()])
             if in_block:
                 entry[1].add(p.stage)
+        pipelined = self.layout.pp > 1
         for key, (p, stage_set) in seen.items():
             stage = (
                 "all"
-                if p.stage is None
+                if p.stage is None or not pipelined
                 else ",".join(str(s) for s in sorted(stage_set))
                 if stage_set
                 else str(p.stage)
@@ -437,12 +438,23 @@ class Plan:
                     key,
                     "x".join(map(str, p.shape)),
                     p.role or "-",
-                    _spec_text(p.spec),
-                    _spec_text(p.zero_spec),
+                    self._shown(p.spec),
+                    self._shown(p.zero_spec),
                     stage,
                 ]
             )
         return rows
+
+    def _shown(self, spec: P) -> str:
+        """The spec as placed: axes of size 1 split nothing and are left out."""
+        sizes = self.mesh_shape
+
+        def keep(entry: Any) -> Any:
+            axes = entry if isinstance(entry, tuple) else (entry,)
+            kept = tuple(a for a in axes if a is not None and sizes.get(a, 1) > 1)
+            return None if not kept else kept if len(kept) > 1 else kept[0]
+
+        return _spec_text(P(*(keep(e) for e in spec)))
 
     # ------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
