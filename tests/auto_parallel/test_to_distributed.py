@@ -328,3 +328,11 @@ def test_the_config_strategy_adds_meta_optimizers_and_eval_runs_the_pipeline():
     np.testing.assert_array_equal(np.asarray(kernel[...]), start)  # merged, not applied
     step(model, opt, batches[1])
     assert not np.allclose(np.asarray(kernel[...]), start)  # applied at the k-th step
+
+
+def test_a_sep_axis_splits_the_sequence_between_pipelined_blocks():
+    config = ToDistributedConfig(force_mesh={"dp": 2, "pp": 2, "sep": 2}, sequence_parallel=True)
+    model, opt, loader = to_distributed(llama(), optax.adam(1e-2), lm_batches(3), config=config)
+    assert model.layers.seq_axes == ("sep",)
+    losses = train(model, opt, loader)
+    np.testing.assert_allclose(losses, single_device_losses("llama", 3), rtol=0, atol=TOL)
