@@ -182,6 +182,13 @@ class Fleet:
                 jax.process_index(),
                 jax.process_count(),
             )
+        if devices is not None:
+            devices = list(devices)
+            if not devices or len({id(d) for d in devices}) != len(devices):
+                raise ValueError(
+                    f"devices={devices!r} must list each device once, at least one; default: "
+                    "every device of the run."
+                )
         hcg = build_hybrid_communicate_group(strategy.hybrid_configs, devices)
         self._role_maker = role_maker
         self._user_strategy = strategy

@@ -47,10 +47,13 @@ class PipelinedBlocks(nnx.Module):
     parameters stacked to ``[P, L/P, ...]`` (``self.body``: one block of the blocks'
     class), the leading axis sharded on ``pp``.
 
-    Arguments after the activation are handed to every block: arrays whose leading
-    dimension is the batch size are split into micro-batches with the activation (masks,
-    positions), other arrays go whole to every micro-batch (rotary tables), anything else
-    is passed as it is.
+    Arguments after the activation are handed to every block: per-sample arrays are split
+    into micro-batches with the activation (masks, positions), other arrays go whole to
+    every micro-batch (rotary tables), anything else is passed as it is. Which arrays are
+    per-sample: those of the arguments named in ``per_sample``; without it, those whose
+    leading dimension is the batch size (an error when that size is also another of the
+    activation's dimensions, so a ``[seq, dim]`` table is never split by mistake). The
+    extra arguments get no gradient.
 
     Attributes:
       body: the stacked block.
@@ -60,6 +63,8 @@ class PipelinedBlocks(nnx.Module):
       recompute: recompute each block in the backward pass.
       seq_axes: mesh axes the sequence dimension is split over between blocks (sequence
         parallel), or None.
+      per_sample: positions (after the activation) or keyword names of the per-sample
+        block arguments, or None (decided by shape).
     """
 
     def __init__(
@@ -70,6 +75,7 @@ class PipelinedBlocks(nnx.Module):
         num_microbatches: int,
         recompute: bool = False,
         seq_axes: tuple[str, ...] | None = None,
+        per_sample: tuple[int | str, ...] | None = None,
     ) -> None:
         blocks = list(blocks)
         self.num_layers = len(blocks)
@@ -85,6 +91,7 @@ class PipelinedBlocks(nnx.Module):
         self.num_microbatches = num_microbatches
         self.recompute = recompute
         self.seq_axes = seq_axes
+        self.per_sample = None if per_sample is None else tuple(per_sample)
 
     def __len__(self) -> int:
         return 1
@@ -104,9 +111,7 @@ class PipelinedBlocks(nnx.Module):
         """``x`` through all ``L`` blocks, pipelined over ``pp``; same result as the loop."""
         graphdef, state = nnx.split(self.body)
         params = nnx.to_pure_dict(state)
-        batch = x.shape[0]
-        leaves, treedef = jax.tree.flatten((args, kwargs))
-        kinds = [_kind(leaf, batch) for leaf in leaves]
+        leaves, treedef, kinds = _argument_kinds(x, args, kwargs, self.per_sample)
         side = [leaf for leaf, k in zip(leaves, kinds, strict=True) if k == "side"]
         shared = [leaf for leaf, k in zip(leaves, kinds, strict=True) if k == "shared"]
         # XLA:CPU aborts compiling a 16-bit all-reduce inside a partly manual shard_map,
@@ -139,10 +144,46 @@ class PipelinedBlocks(nnx.Module):
         return y.astype(x.dtype)
 
 
-def _kind(leaf: Any, batch: int) -> str:
-    if not isinstance(leaf, (jax.Array, np.ndarray)):
-        return "static"
-    return "side" if leaf.ndim >= 1 and leaf.shape[0] == batch else "shared"
+def _is_array(leaf: Any) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray))
+
+
+def _argument_kinds(
+    x: jax.Array, args: tuple, kwargs: dict, per_sample: tuple[int | str, ...] | None
+) -> tuple[list, Any, list[str]]:
+    """Flattens a block's extra arguments; each leaf is "side", "shared" or "static".
+
+    With ``per_sample`` (argument positions after the activation, or keyword names) the
+    arrays of those arguments are per-sample and every other array is shared. Without
+    it an array whose leading dimension is the batch size is per-sample, and one that
+    could also be read as a sequence-indexed table (the batch size equals another of
+    the activation's dimensions) is an error asking for ``per_sample``.
+    """
+    batch = x.shape[0]
+    leaves, kinds = [], []
+    named = [*enumerate(args), *sorted(kwargs.items())]  # jax.tree.flatten's order
+    for key, value in named:
+        for path, leaf in jax.tree_util.tree_leaves_with_path(value):
+            leaves.append(leaf)
+            if not _is_array(leaf):
+                kinds.append("static")
+            elif per_sample is not None:
+                kinds.append("side" if key in per_sample else "shared")
+            elif leaf.ndim >= 1 and leaf.shape[0] == batch:
+                if batch in x.shape[1:]:
+                    where = f"argument {key!r}{jax.tree_util.keystr(path)}"
+                    raise ValueError(
+                        f"{where} of the pipelined blocks has shape {leaf.shape}, and its leading "
+                        f"{batch} is both the batch size and another dimension of the activation "
+                        f"{x.shape}: it is unclear whether it holds one row per sample. Say which "
+                        "block arguments are per-sample: ToDistributedConfig(per_sample_args=(0, "
+                        "'mask', ...)) (positions after the activation, or keyword names)."
+                    )
+                kinds.append("side")
+            else:
+                kinds.append("shared")
+    _, treedef = jax.tree.flatten((args, kwargs))
+    return leaves, treedef, kinds
 
 
 def module_at(root: nnx.Module, path: str) -> Any:
@@ -181,6 +222,7 @@ def pipeline_blocks(
     num_microbatches: int,
     recompute: bool = False,
     seq_axes: tuple[str, ...] | None = None,
+    per_sample: tuple[int | str, ...] | None = None,
 ) -> PipelinedBlocks:
     """Replaces the list at ``container`` (a dotted path) by a :class:`PipelinedBlocks`.
 
@@ -195,13 +237,14 @@ def pipeline_blocks(
         num_microbatches=num_microbatches,
         recompute=recompute,
         seq_axes=seq_axes,
+        per_sample=per_sample,
     )
     parent, _, name = container.rpartition(".")
     setattr(module_at(model, parent), name, stand_in)
     return stand_in
 
 
-_WRAPPED: dict[tuple[type, bool, Any, Any], type] = {}
+_WRAPPED: dict[tuple[type, bool, Any, Any], type] = {}  # one subclass per setting
 
 
 def wrap_blocks(
@@ -230,7 +273,20 @@ def wrap_blocks(
 
 
 def _subclass(cls: type, recompute: bool, mesh: Mesh | None, seq_axes: Any) -> type:
-    call = nnx.remat(cls.__call__) if recompute else cls.__call__
+    def call(self: Any, x: jax.Array, *args: Any, **kwargs: Any) -> Any:
+        if not recompute:
+            return cls.__call__(self, x, *args, **kwargs)
+        # Only arrays cross the remat boundary; flags (deterministic=True) stay Python values.
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        arrays = [leaf for leaf in leaves if _is_array(leaf)]
+
+        def inner(module: Any, x: jax.Array, arrays: list) -> Any:
+            it = iter(arrays)
+            merged = [next(it) if _is_array(leaf) else leaf for leaf in leaves]
+            a, kw = jax.tree.unflatten(treedef, merged)
+            return cls.__call__(module, x, *a, **kw)
+
+        return nnx.remat(inner)(self, x, arrays)
 
     def wrapped_call(self: Any, x: jax.Array, *args: Any, **kwargs: Any) -> Any:
         y = call(self, x, *args, **kwargs)
@@ -238,4 +294,12 @@ def _subclass(cls: type, recompute: bool, mesh: Mesh | None, seq_axes: Any) -> t
             y = constrain(y, mesh, DATA, seq_axes)
         return y
 
-    return type(cls.__name__, (cls,), {"__call__": wrapped_call, "__module__": cls.__module__})
+    return type(
+        cls.__name__,
+        (cls,),
+        {
+            "__call__": wrapped_call,
+            "__module__": cls.__module__,
+            "__qualname__": f"{cls.__qualname__}[to_distributed]",
+        },
+    )

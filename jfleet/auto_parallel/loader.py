@@ -44,11 +44,10 @@ class ShardedLoader:
         self._first = first
 
     def __iter__(self) -> Iterator[Any]:
-        if iter(self.loader) is self.loader:  # a one-shot iterator: keep the peeked batch
+        source = iter(self.loader)
+        if source is self.loader:  # a one-shot iterator: keep the peeked batch
             first, self._first = self._first, None
-            source = self.loader if first is None else itertools.chain([first], self.loader)
-        else:
-            source = iter(self.loader)
+            source = source if first is None else itertools.chain([first], source)
         for batch in source:
             yield self.plan.shard_batch(batch)
 
@@ -76,11 +75,12 @@ def peek(loader: Iterable[Any]) -> Any:
         raise ValueError("the dataloader yielded no batch; it must yield at least one.") from None
 
 
-def batch_shape(batch: Any) -> tuple[int | None, int | None]:
+def batch_shape(batch: Any, *, local: bool = True) -> tuple[int | None, int | None]:
     """``(batch_size, seq_len)`` of a batch (or an ``input_spec``) for the cost model.
 
-    The batch size is the leading dimension the leaves share (times the process count
-    with several processes); the sequence length is the second dimension of the first
+    The batch size is the leading dimension the leaves share, times the process count
+    when ``local`` (each process's part of a batch; never for global arrays);
+    scalar leaves are left out. The sequence length is the second dimension of the first
     integer leaf with two or more dimensions (token ids), else of the first leaf with two
     or more, else 1. Leaves may be arrays or anything with ``.shape`` and ``.dtype``
     (``jax.ShapeDtypeStruct``, a Paddle ``InputSpec``); a dimension given as ``None`` or
@@ -97,12 +97,10 @@ def batch_shape(batch: Any) -> tuple[int | None, int | None]:
       (4, 32)
     """
     leaves = jax.tree_util.tree_leaves_with_path(batch, is_leaf=_has_shape)
+    leaves = [(p, x) for p, x in leaves if _shape(x)]  # scalars are placed replicated
     shapes = [(jax.tree_util.keystr(p) or "batch", _shape(x)) for p, x in leaves]
     if not shapes:
         raise ValueError(f"a batch of {batch!r} has no arrays; yield arrays with a batch axis.")
-    scalars = [name for name, s in shapes if not s]
-    if scalars:
-        raise ValueError(f"batch entries {scalars} are scalars; every entry needs a batch axis.")
     sizes = {s[0] for _, s in shapes} - {None}
     if len(sizes) > 1:
         raise ValueError(
@@ -113,8 +111,9 @@ def batch_shape(batch: Any) -> tuple[int | None, int | None]:
     wide = [(s, d) for (_, s), d in zip(shapes, dtypes, strict=True) if len(s) >= 2]
     tokens = [s for s, d in wide if np.issubdtype(d, np.integer)]
     seq = tokens[0][1] if tokens else (wide[0][0][1] if wide else 1)
-    size = sizes.pop() * jax.process_count() if sizes else None
-    return size, seq
+    is_global = any(isinstance(x, jax.Array) and not x.is_fully_addressable for _, x in leaves)
+    scale = jax.process_count() if local and not is_global else 1
+    return (sizes.pop() * scale if sizes else None), seq
 
 
 def _has_shape(x: Any) -> bool:

@@ -100,6 +100,7 @@ def plan_for(
     optimizer: str = "adam",
     recompute: bool | None = None,
     dtype: str | None = None,
+    pipeline: bool = True,
 ) -> Plan:
     """Chooses the fastest layout of ``model`` that fits, by the cost model.
 
@@ -122,6 +123,8 @@ def plan_for(
       optimizer: what the optimizer state is sized for (``adam``, ``momentum``, ``sgd``, ...).
       recompute: force recompute on or off; default: compared.
       dtype: compute dtype; default the model's parameter dtype.
+      pipeline: whether layouts with ``pp > 1`` may be chosen (``to_distributed`` passes
+        False when the blocks cannot be stacked).
 
     Returns:
       The :class:`Plan`.
@@ -199,6 +202,15 @@ def plan_for(
     )
     if not patterns.recognised:
         layouts = [lay for lay in layouts if lay.pp == 1 and lay.mp == 1]
+    if not pipeline:
+        if forced is not None and forced["pp"] > 1:
+            raise ValueError(
+                f"force_mesh={dict(force_mesh)} asks for pp={forced['pp']}, but this model's "
+                "blocks cannot be pipelined; use pp 1."
+            )
+        piped = dict.fromkeys(lay.mesh_name for lay in layouts if lay.pp > 1)
+        excluded = [*excluded, *((m, "the blocks cannot be pipelined") for m in piped)]
+        layouts = [lay for lay in layouts if lay.pp == 1]
     if not layouts:
         raise ValueError(
             f"no layout of {device_num * node_num} devices suits {type(model).__name__} "

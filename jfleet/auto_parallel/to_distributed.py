@@ -54,6 +54,7 @@ from jfleet.auto_parallel.patterns import path_str
 from jfleet.auto_parallel.plan import Plan
 from jfleet.auto_parallel.planner import plan_for
 from jfleet.auto_parallel.profiles import HardwareProfile
+from jfleet.distributed_model import apply_model_settings
 from jfleet.distributed_optimizer import DistributedOptimizer
 from jfleet.placement import ParallelPlan
 from jfleet.strategy import DistributedStrategy
@@ -87,10 +88,14 @@ class ToDistributedConfig:
       zero_stage: ZeRO stage 0-3 (default: compared).
       recompute: recompute block activations in the backward pass (default: compared).
       plan: a :class:`Plan` (or its JSON) to apply instead of planning: reproduces a run.
-      strategy: a :class:`~jfleet.strategy.DistributedStrategy` whose meta-optimizer
-        settings (amp, gradient_merge, lamb, lars, gradient clipping through the
-        optimizer) apply on top; its hybrid and sharding settings are replaced by the
-        plan's.
+      strategy: a :class:`~jfleet.strategy.DistributedStrategy` whose AMP (model dtypes
+        and loss scaling), gradient merge, LAMB and LARS settings apply on top; its hybrid
+        and sharding settings are replaced by the plan's (use ``recompute`` above, not the
+        strategy's). Default: the strategy of an earlier ``fleet.init``, if any.
+      per_sample_args: which extra arguments of the decoder blocks hold one row per sample
+        (positions after the activation, or keyword names), for the pipelined stand-in to
+        split them into micro-batches; default: decided by shape
+        (:class:`~jfleet.auto_parallel.blocks.PipelinedBlocks`).
     """
 
     input_spec: Any = None
@@ -104,6 +109,7 @@ class ToDistributedConfig:
     recompute: bool | None = None
     plan: Plan | str | None = None
     strategy: DistributedStrategy | None = None
+    per_sample_args: tuple[int | str, ...] | None = None
 
 
 def get_plan(model: nnx.Module) -> Plan:
@@ -178,11 +184,18 @@ def to_distributed(
         )
     tx, wrt = _transform(optimizer)
     device_num, node_num = _device_counts(device_num, node_num)
+    _check_config(config)
     first = peek(dataloader)
     batch_size, seq_len = batch_shape(first)
     if config.input_spec is not None:  # what it states wins; what it leaves open (-1) not
-        spec_batch, spec_seq = batch_shape(config.input_spec)
-        batch_size, seq_len = spec_batch or batch_size, spec_seq or seq_len
+        spec_batch, spec_seq = batch_shape(config.input_spec, local=False)
+        if spec_batch is not None and batch_size is not None and spec_batch != batch_size:
+            raise ValueError(
+                f"config.input_spec states a global batch of {spec_batch}, but the loader's "
+                f"first batch has {batch_size}; make them agree (or leave the batch "
+                "dimension of input_spec open with -1)."
+            )
+        seq_len = spec_seq or seq_len
     if batch_size is None or seq_len is None:
         raise ValueError(
             f"the loader's first batch has no known batch size / sequence length "
@@ -190,8 +203,10 @@ def to_distributed(
         )
     plan = _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len)
     _check_batch(plan, batch_size)
-    placement = _init_fleet(plan, config.strategy, device_num * node_num)
-    _apply(model, plan, placement)
+    strategy = _strategy(config.strategy)
+    placement = _init_fleet(plan, strategy, device_num * node_num)
+    apply_model_settings(model, strategy)
+    _apply(model, plan, placement, config.per_sample_args)
     from jfleet import fleet
 
     dist = fleet.distributed_optimizer(tx)
@@ -283,7 +298,22 @@ def _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len
         sequence_parallel=config.sequence_parallel,
         optimizer=_optimizer_kind(tx, model, wrt),
         recompute=config.recompute,
+        pipeline=_stackable(model),
     )
+
+
+def _stackable(model: nnx.Module) -> bool:
+    """Whether the decoder blocks hold only ``nnx.Param`` (the pipelined stand-in needs it)."""
+    from jfleet.auto_parallel.patterns import match_patterns
+
+    blocks = match_patterns(model).blocks
+    if not blocks:
+        return True
+    held = [nnx.state(module_at(model, b), nnx.Not(nnx.Param)) for b in blocks]
+    kinds = sorted({type(v).__name__ for st in held for _, v in nnx.to_flat_state(st)})
+    if kinds:
+        logger.info("to_distributed: no pipeline; the blocks hold %s besides parameters", kinds)
+    return not kinds
 
 
 def _check_batch(plan: Plan, batch_size: int) -> None:
@@ -300,6 +330,72 @@ def _check_batch(plan: Plan, batch_size: int) -> None:
         )
 
 
+_PLANNING_FIELDS = (
+    "input_spec",
+    "sequence_parallel",
+    "profile",
+    "memory_budget",
+    "force_mesh",
+    "schedule",
+    "num_microbatches",
+    "zero_stage",
+    "recompute",
+)
+
+
+def _check_config(config: ToDistributedConfig) -> None:
+    if config.plan is not None:
+        defaults = ToDistributedConfig()
+        steering = [f for f in _PLANNING_FIELDS if getattr(config, f) != getattr(defaults, f)]
+        if steering:
+            raise ValueError(
+                f"config.plan is given together with {steering}: a given plan is applied as "
+                "it is; drop those settings, or drop plan to plan anew with them."
+            )
+    if config.strategy is not None:
+        if not isinstance(config.strategy, DistributedStrategy):
+            raise TypeError(f"config.strategy={config.strategy!r} is not a DistributedStrategy.")
+        if config.strategy.recompute:
+            raise ValueError(
+                "config.strategy.recompute=True: to_distributed recomputes whole decoder "
+                "blocks; set ToDistributedConfig(recompute=True) instead."
+            )
+
+
+def _strategy(user: DistributedStrategy | None) -> DistributedStrategy:
+    """The user's strategy (or an earlier ``fleet.init``'s), copied for the plan's degrees."""
+    from jfleet import fleet
+
+    if user is None and fleet._fleet._user_strategy is not None:
+        user = fleet._fleet._user_strategy
+        if user.recompute:
+            raise ValueError(
+                "the strategy given to fleet.init has recompute=True: to_distributed "
+                "recomputes whole decoder blocks; set ToDistributedConfig(recompute=True) and "
+                "pass a strategy without recompute."
+            )
+        logger.info("to_distributed: using the strategy given to fleet.init")
+    return copy.deepcopy(user) if user is not None else DistributedStrategy()
+
+
+def _mesh_devices(n: int) -> list[jax.Device]:
+    """``n`` devices for the mesh: all of them, or an equal share of every process's."""
+    devices = jax.devices()
+    if n == len(devices) or jax.process_count() == 1:
+        return devices[:n]
+    per, rest = divmod(n, jax.process_count())
+    if rest:
+        raise ValueError(
+            f"{n} devices cannot be split evenly over {jax.process_count()} processes; use a "
+            f"device count that is a multiple of {jax.process_count()}."
+        )
+    return [
+        d
+        for p in range(jax.process_count())
+        for d in [x for x in devices if x.process_index == p][:per]
+    ]
+
+
 def _default_profile() -> str:
     kind = jax.devices()[0].device_kind.lower()
     if jax.devices()[0].platform == "cpu":
@@ -310,13 +406,10 @@ def _default_profile() -> str:
     return "h100"
 
 
-def _init_fleet(plan: Plan, user: DistributedStrategy | None, n: int) -> ParallelPlan:
+def _init_fleet(plan: Plan, strategy: DistributedStrategy, n: int) -> ParallelPlan:
     """``fleet.init`` with the plan's degrees (and the user's meta-optimizer settings)."""
     from jfleet import fleet
 
-    if user is not None and not isinstance(user, DistributedStrategy):
-        raise TypeError(f"config.strategy={user!r} is not a DistributedStrategy.")
-    strategy = copy.deepcopy(user) if user is not None else DistributedStrategy()
     degrees = plan.mesh_shape
     strategy.hybrid_configs = {f"{a}_degree": n for a, n in degrees.items()}
     strategy.sharding = plan.zero_stage > 0
@@ -326,13 +419,15 @@ def _init_fleet(plan: Plan, user: DistributedStrategy | None, n: int) -> Paralle
         is_collective=True,
         strategy=strategy,
         log_level=logger.getEffectiveLevel(),
-        devices=jax.devices()[:n],
+        devices=_mesh_devices(n),
     )
     mesh = fleet.get_hybrid_communicate_group().mesh
     return ParallelPlan(mesh=mesh, zero_stage=plan.zero_stage)
 
 
-def _apply(model: nnx.Module, plan: Plan, placement: ParallelPlan) -> None:
+def _apply(
+    model: nnx.Module, plan: Plan, placement: ParallelPlan, per_sample: tuple | None = None
+) -> None:
     """Annotates, restructures (pipeline, recompute, SP) and places ``model`` for ``plan``."""
     specs = plan.specs
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
@@ -354,6 +449,7 @@ def _apply(model: nnx.Module, plan: Plan, placement: ParallelPlan) -> None:
             num_microbatches=plan.num_microbatches,
             recompute=plan.recompute,
             seq_axes=seq_axes,
+            per_sample=per_sample,
         )
     elif plan.blocks and (plan.recompute or seq_axes):
         blocks = [module_at(model, b) for b in plan.blocks]

@@ -189,7 +189,9 @@ def test_a_generator_loader_is_read_once_and_sharded():
         yield from lm_batches(3)
 
     model, _, loader = to_distributed(llama(), optax.sgd(0.1), batches())
-    assert len(list(loader)) == 3  # the batch peeked for planning is not lost
+    placed = list(loader)
+    assert len(placed) == 3  # the batch peeked for planning is not lost
+    assert all(spec_of(b["labels"]) == P(("dp", "sharding")) for b in placed)
     assert get_plan(model).optimizer == "sgd"
 
 
@@ -243,7 +245,7 @@ class NoParams(nnx.Module):
          ValueError, "NoParams has no nnx.Param"),
         (lambda: to_distributed(llama(), optax.sgd(0.1), lm_batches(1, batch=12),
                                 config=ToDistributedConfig(force_mesh={"dp": 8})),
-         ValueError, "12"),
+         ValueError, r"dp x sharding = 8 does not divide batch_size=12"),
         (lambda: to_distributed(llama(), optax.sgd(0.1), lm_batches(1),
                                 config=ToDistributedConfig(force_mesh={"dp": 3, "mp": 2})),
          ValueError, r"multiplies out to dp3 x mp2 = 6"),
@@ -336,3 +338,72 @@ def test_a_sep_axis_splits_the_sequence_between_pipelined_blocks():
     assert model.layers.seq_axes == ("sep",)
     losses = train(model, opt, loader)
     np.testing.assert_allclose(losses, single_device_losses("llama", 3), rtol=0, atol=TOL)
+
+
+class ArgBlock(nnx.Module):
+    """A block that takes a per-sample mask, a shared table and a Python flag."""
+
+    def __init__(self, width: int, rngs: nnx.Rngs) -> None:
+        self.norm = nnx.RMSNorm(width, rngs=rngs)
+        self.up = nnx.Linear(width, 2 * width, use_bias=False, rngs=rngs)
+        self.down = nnx.Linear(2 * width, width, use_bias=False, rngs=rngs)
+
+    def __call__(self, x, mask, table, *, deterministic: bool = True):
+        h = self.down(jax.nn.gelu(self.up(self.norm(x)))) * mask[..., None] + table
+        return x + (h if deterministic else 2 * h)
+
+
+class ArgModel(nnx.Module):
+    def __init__(self, vocab: int = 64, width: int = 32, layers: int = 4) -> None:
+        rngs = nnx.Rngs(0)
+        self.embed = nnx.Embed(vocab, width, rngs=rngs)
+        self.layers = nnx.List([ArgBlock(width, rngs) for _ in range(layers)])
+        self.head = nnx.Linear(width, vocab, use_bias=False, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        mask = (tokens % 3 != 0).astype(x.dtype)
+        seq, width = x.shape[1], x.shape[2]
+        table = 0.01 * jnp.sin(jnp.arange(seq)[:, None] * jnp.arange(width)[None, :])
+        for layer in self.layers:
+            x = layer(x, mask, table, deterministic=True)
+        return x @ self.head.kernel[...]
+
+
+def arg_model_losses(batches) -> list[float]:
+    model = ArgModel()
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt, batch):
+        loss, grads = nnx.value_and_grad(lm_loss)(model, batch)
+        opt.update(model, grads)
+        return loss
+
+    return [float(step(model, opt, b)) for b in batches]
+
+
+@pytest.mark.parametrize(
+    ("mesh", "batch", "per_sample"),
+    [({"dp": 4, "pp": 2}, 16, None), ({"dp": 2, "pp": 2, "mp": 2}, 8, (0,)), ({"dp": 8}, 8, None)],
+    ids=["pp-by-shape", "pp-declared", "recompute-no-pp"],
+)
+def test_blocks_with_masks_tables_and_flags(mesh, batch, per_sample):
+    data = lm_batches(2, batch=batch)
+    config = ToDistributedConfig(force_mesh=mesh, recompute=True, per_sample_args=per_sample)
+    model, opt, loader = to_distributed(ArgModel(), optax.adam(1e-2), data, config=config)
+    if "pp" in mesh:
+        assert model.layers.recompute
+    else:  # recompute wraps each block in place (a subclass of the same name)
+        assert type(model.layers[0]).__qualname__ == "ArgBlock[to_distributed]"
+    losses = train(model, opt, loader)
+    np.testing.assert_allclose(losses, arg_model_losses(data), rtol=0, atol=TOL)
+
+
+def test_a_batch_sized_argument_that_could_be_a_table_asks_which_it_is():
+    config = ToDistributedConfig(force_mesh={"dp": 4, "pp": 2})
+    model, opt, loader = to_distributed(
+        ArgModel(), optax.sgd(0.1), lm_batches(1, batch=8), config=config
+    )
+    with pytest.raises(ValueError, match=r"argument 0 .* shape \(8, 8\).*per_sample_args"):
+        train(model, opt, loader)
