@@ -164,8 +164,9 @@ def to_distributed(
         another type, a loader that is not iterable.
       ValueError: ``device_num x node_num`` above the devices present, a model without
         parameters, a forced mesh that does not multiply out or does not suit the
-        shapes, a batch the data-parallel size does not divide, a 1F1B schedule, a plan
-        made for another model.
+        shapes, a batch the data-parallel size does not divide, an ``input_spec`` batch
+        other than the loader's, a 1F1B schedule, a plan made for another model or given
+        with planning settings, a strategy asking for recompute, a model already returned.
     """
     config = ToDistributedConfig() if config is None else config
     if not isinstance(config, ToDistributedConfig):
