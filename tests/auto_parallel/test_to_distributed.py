@@ -44,9 +44,12 @@ def single_device_losses(name: str, steps: int = STEPS, batch: int = 16) -> tupl
 
 @functools.cache
 def _single_device_losses(name: str, steps: int, batch: int) -> tuple[float, ...]:
-    """The same model, optimizer and batches trained by a plain nnx.jit step on one device."""
+    return tuple(train_one_device(MODELS[name](), lm_batches(steps, batch=batch)))
+
+
+def train_one_device(model: nnx.Module, batches: list) -> list[float]:
+    """Adam 1e-2 by a plain nnx.jit step on one device: the reference every layout must meet."""
     with jax.default_device(jax.devices()[0]):
-        model = MODELS[name]()
         opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
 
         @nnx.jit
@@ -55,7 +58,7 @@ def _single_device_losses(name: str, steps: int, batch: int) -> tuple[float, ...
             opt.update(model, grads)
             return loss
 
-        return tuple(float(step(model, opt, b)) for b in lm_batches(steps, batch=batch))
+        return [float(step(model, opt, b)) for b in batches]
 
 
 def train(model, opt, loader) -> list[float]:
@@ -370,19 +373,6 @@ class ArgModel(nnx.Module):
         return x @ self.head.kernel[...]
 
 
-def arg_model_losses(batches) -> list[float]:
-    model = ArgModel()
-    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-
-    @nnx.jit
-    def step(model, opt, batch):
-        loss, grads = nnx.value_and_grad(lm_loss)(model, batch)
-        opt.update(model, grads)
-        return loss
-
-    return [float(step(model, opt, b)) for b in batches]
-
-
 @pytest.mark.parametrize(
     ("mesh", "batch", "per_sample"),
     [({"dp": 4, "pp": 2}, 16, None), ({"dp": 2, "pp": 2, "mp": 2}, 8, (0,)), ({"dp": 8}, 8, None)],
@@ -397,7 +387,7 @@ def test_blocks_with_masks_tables_and_flags(mesh, batch, per_sample):
     else:  # recompute wraps each block in place (a subclass of the same name)
         assert type(model.layers[0]).__qualname__ == "ArgBlock[to_distributed]"
     losses = train(model, opt, loader)
-    np.testing.assert_allclose(losses, arg_model_losses(data), rtol=0, atol=TOL)
+    np.testing.assert_allclose(losses, train_one_device(ArgModel(), data), rtol=0, atol=TOL)
 
 
 def test_a_batch_sized_argument_that_could_be_a_table_asks_which_it_is():
