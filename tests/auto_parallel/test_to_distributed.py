@@ -70,6 +70,11 @@ def spec_of(x: jax.Array) -> P:
     return x.sharding.spec
 
 
+def stack_program(model: nnx.Module, *args) -> str:
+    """The traced program of a pipelined stand-in's call (nested jaxprs included)."""
+    return str(jax.make_jaxpr(model.layers.run)(jnp.zeros((16, 8, 32)), *args))
+
+
 @pytest.mark.parametrize(
     ("mesh", "zero"),
     [
@@ -177,6 +182,7 @@ def test_pipelined_recompute_and_a_reproduced_plan():
     model, opt, loader = to_distributed(llama(), optax.adam(1e-2), lm_batches(3), config=config)
     first = get_plan(model)
     assert first.recompute and isinstance(model.layers, PipelinedBlocks)
+    assert "remat" in stack_program(model)  # each block recomputed in the backward
     losses = train(model, opt, loader)
     np.testing.assert_allclose(losses, single_device_losses("llama", 3), rtol=0, atol=TOL)
 
@@ -339,6 +345,7 @@ def test_a_sep_axis_splits_the_sequence_between_pipelined_blocks():
     config = ToDistributedConfig(force_mesh={"dp": 2, "pp": 2, "sep": 2}, sequence_parallel=True)
     model, opt, loader = to_distributed(llama(), optax.adam(1e-2), lm_batches(3), config=config)
     assert model.layers.seq_axes == ("sep",)
+    assert "sharding_constraint" in stack_program(model)  # pinned between the blocks
     losses = train(model, opt, loader)
     np.testing.assert_allclose(losses, single_device_losses("llama", 3), rtol=0, atol=TOL)
 
