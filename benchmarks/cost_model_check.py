@@ -5,7 +5,7 @@ Run from the repository root (8 emulated CPU devices; about two minutes on 2 cor
     python benchmarks/cost_model_check.py              # prints the table, writes RESULTS.md
     python benchmarks/cost_model_check.py --no-write   # print only
 
-For each candidate layout of the Llama-style :class:`jfleet.models_llama.TinyLlama`
+For each candidate layout of the Llama-style :class:`jfleet.models.llama.TinyLlama`
 (vocab 512, width 128, 8 heads, 4 kv heads, SwiGLU hidden 256, 4 layers; batch 16 x 64
 tokens; fp32 Adam) it runs what a user runs: :func:`jfleet.auto_parallel.to_distributed`
 with that mesh forced (``ToDistributedConfig(force_mesh=..., zero_stage=...,
@@ -20,7 +20,7 @@ compiles it (not run). It compares
   temp`` (outputs alias the donated arguments, so this is the step's peak; on CPU
   ``peak_memory_in_bytes`` leaves temp out);
 * the predicted collective bytes per device (``chosen.collectives.total``) with the
-  bytes :func:`jfleet.hlo.summarize` counts in the compiled HLO (all kinds; loop bodies
+  bytes :func:`jfleet.testing.hlo.summarize` counts in the compiled HLO (all kinds; loop bodies
   weighted by trip count; XLA:CPU's all-reduce + slice in place of a reduce-scatter has
   the same bytes in that accounting).
 """
@@ -52,10 +52,11 @@ import flax
 import optax
 
 from benchmarks.results_file import write_section
-from jfleet import hlo, make_train_step
+from jfleet import make_train_step
 from jfleet.auto_parallel import Plan, ToDistributedConfig, get_plan, to_distributed
 from jfleet.models import lm_batches, lm_loss
-from jfleet.models_llama import TinyLlama
+from jfleet.models.llama import TinyLlama
+from jfleet.testing import hlo
 
 MiB = 2**20
 SECTION = "cost_model_check"
@@ -223,8 +224,8 @@ def render(rows: list[Row], workload: Workload) -> str:
         ".compile()` (the one training engine; pipelines are to_distributed's FThenB stand-in)",
         "- predicted: the applied plan's (`get_plan(model)`) `chosen.memory.total` and "
         "`chosen.collectives.total`; measured: the compiled step's `memory_analysis()` "
-        "(argument + output - alias + temp) and the collective bytes `jfleet.hlo` counts in "
-        "its HLO. MiB per device.",
+        "(argument + output - alias + temp) and the collective bytes `jfleet.testing.hlo` counts "
+        "in its HLO. MiB per device.",
         "",
         "| layout | predicted memory | compiled memory | ratio | predicted collective bytes "
         "| compiled collective bytes | ratio | compiled, by kind |",

@@ -16,7 +16,7 @@ micro-batch size and ``M`` in (4, 8, 16) micro-batches, and reports per device:
 * the growth of temp from M=4 to M=16 (what stays constant is weights and gradient
   buffers; what grows is activations);
 * the collective-permutes per step counted in the compiled HLO (loop bodies weighted by
-  their trip count, :mod:`jfleet.hlo`) beside :func:`schedule_stats`' formula, and the
+  their trip count, :mod:`jfleet.testing.hlo`) beside :func:`schedule_stats`' formula, and the
   all-reduces (the data- and pipeline-parallel gradient reductions, once after the loop).
 
 The results go to a section of ``benchmarks/RESULTS.md`` (replaced on each run) when that
@@ -51,8 +51,8 @@ import optax
 from jax.sharding import AxisType
 
 from benchmarks.results_file import write_section
-from jfleet import hlo
 from jfleet.parallel.pipeline_schedule import pipeline_loss, schedule_stats
+from jfleet.testing import hlo
 
 MiB = 2**20
 HERE = Path(__file__).resolve().parent

@@ -5,11 +5,11 @@ Run from the repository root (8 emulated CPU devices; about 20 s on 2 cores)::
     python benchmarks/tensor_parallel.py            # prints the table, writes the results
     python benchmarks/tensor_parallel.py --no-write
 
-It builds one transformer block, :class:`jfleet.models_gpt.GPTBlock` from jfleet's
+It builds one transformer block, :class:`jfleet.models.parallel_gpt.GPTBlock` from jfleet's
 tensor-parallel layers (column-parallel fused qkv and MLP up projection, row-parallel
 attention output and MLP down projection; with sequence parallel their
 ``*SequenceParallelLinear`` forms), on a ``dp 2 x mp 4`` mesh, compiles (never runs) three
-programs of it and counts the collectives in the compiled HLO (:mod:`jfleet.hlo`):
+programs of it and counts the collectives in the compiled HLO (:mod:`jfleet.testing.hlo`):
 
 * ``forward``: ``block(x)``;
 * ``forward + backward``: ``jax.vjp(block, params, x)`` applied to a cotangent ``g`` that is
@@ -31,7 +31,7 @@ a reduce-scatter followed by an all-gather), so the same volume. Here ``b`` is t
 tensor-parallel group processes: the **per-data-parallel-replica batch** (global batch /
 dp), and ``s`` the full sequence.
 
-Bytes are jfleet.hlo's ``bytes``: the full buffer of each collective per execution (the
+Bytes are jfleet.testing.hlo's ``bytes``: the full buffer of each collective per execution (the
 array of an all-reduce, the input of a reduce-scatter, the output of an all-gather),
 summed; "all-reduce units" count an all-gather + reduce-scatter pair of ``B`` bytes as one
 all-reduce of ``B``, the accounting of Megatron's figure. Ring bytes sent per device
@@ -74,8 +74,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks.results_file import write_section
-from jfleet import DistributedStrategy, fleet, hlo
-from jfleet.models_gpt import GPTBlock, TinyGPT
+from jfleet import DistributedStrategy, fleet
+from jfleet.models.parallel_gpt import GPTBlock, TinyGPT
+from jfleet.testing import hlo
 
 MiB = 2**20
 HERE = Path(__file__).resolve().parent
@@ -383,7 +384,8 @@ def report(cfg: Config, rows: list[Measurement], command: str) -> str:
         f"Python {platform.python_version()}\n"
         f"- machine: {platform.machine()}, nproc {os.cpu_count()}, {jax.device_count()} "
         "emulated CPU devices\n"
-        f"- block: `jfleet.models_gpt.GPTBlock(h={h}, heads={cfg.heads}, hidden={cfg.ffn * h})` "
+        "- block: `jfleet.models.parallel_gpt.GPTBlock("
+        f"h={h}, heads={cfg.heads}, hidden={cfg.ffn * h})` "
         "from jfleet's tensor-parallel layers (pre-norm; fused qkv and MLP up column-parallel, "
         f"attention output and MLP down row-parallel), {cfg.dtype} ({bpe} bytes per element); "
         f"dp {cfg.dp} x mp {n}; global batch {cfg.global_batch}, so **b = {b} per data-parallel "
@@ -398,7 +400,7 @@ def report(cfg: Config, rows: list[Measurement], command: str) -> str:
         "`jax.vjp(block, params, x)` applied to a cotangent that is a program input (the block "
         "inside a stack); `value_and_grad(sum)` = gradients of `block(x).sum()`\n\n"
         + table(cfg, rows)
-        + "\nBytes are `jfleet.hlo`'s plain `bytes` (the full buffer of each collective per "
+        + "\nBytes are `jfleet.testing.hlo`'s plain `bytes` (the full buffer of each collective per "
         f"execution), summed over the collectives on the mp groups {groups} whose buffer holds "
         "at least one `[b, s, h]` activation; `k x kind` counts those buffers (a combined "
         "all-reduce of two is `2 x all-reduce in 1 ops`). *All-reduce units* count an "

@@ -68,9 +68,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks.results_file import write_section
-from jfleet import DistributedStrategy, fleet, hlo, make_train_step
+from jfleet import DistributedStrategy, fleet, make_train_step
 from jfleet.models import TinyLM, lm_batches, lm_loss
-from jfleet.placement import ParallelPlan
+from jfleet.placement import Placement
+from jfleet.testing import hlo
 
 MiB = 2**20
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
@@ -150,7 +151,7 @@ def layout_bytes(tree: Any, shardings: Any) -> int:
     )
 
 
-def gradient_shardings(plan: ParallelPlan, params: Any) -> Any:
+def gradient_shardings(plan: Placement, params: Any) -> Any:
     """The layout the engine gives gradients: ZeRO at stage >= 2, else the parameters'."""
     if plan.zero_stage >= 2:
         return plan.param_shardings(params, zero=True)
@@ -185,7 +186,7 @@ class BaselineStep:
         self,
         module: nnx.Module,
         tx: optax.GradientTransformation,
-        plan: ParallelPlan,
+        plan: Placement,
         batch: Any,
         loss_fn: Callable[[nnx.Module, Any], jax.Array],
     ) -> None:
@@ -339,7 +340,7 @@ def run_config(
     fleet.init(is_collective=True, strategy=config.strategy(), log_level="WARNING")
     model = fleet.distributed_model(workload.model())
     opt = fleet.distributed_optimizer(make_tx())
-    plan = model.plan
+    plan = model.placement
     opt.init(model, plan)
     batch = plan.shard_batch(workload.batch_data())
     step = make_train_step(lm_loss)

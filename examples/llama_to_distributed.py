@@ -4,7 +4,7 @@
     python examples/llama_to_distributed.py --mesh dp=2,pp=2,mp=2    # force a pipelined mesh
     python examples/llama_to_distributed.py --steps 10 --check       # compare with one device
 
-The model (``jfleet.models_llama.TinyLlama``: embedding, rotary attention, SwiGLU MLP,
+The model (``jfleet.models.llama.TinyLlama``: embedding, rotary attention, SwiGLU MLP,
 RMSNorm, four decoder layers, a bare head matrix) and the optimizer (``optax.adam``) have
 no distributed code. ``to_distributed(model, optimizer, loader, device_num=8)`` matches
 the model's parts, lets the cost model choose a layout, builds the fleet mesh and returns
@@ -43,7 +43,7 @@ from tqdm import tqdm
 from jfleet import ToDistributedConfig, make_train_step, to_distributed
 from jfleet.auto_parallel import get_plan
 from jfleet.models import lm_loss, stride_batches
-from jfleet.models_llama import TinyLlama
+from jfleet.models.llama import TinyLlama
 
 VOCAB = 64
 AXES = ("dp", "pp", "sharding", "sep", "mp")

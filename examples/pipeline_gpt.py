@@ -5,7 +5,7 @@
     python examples/pipeline_gpt.py --pp 4 --dp 2 --mp 1 --accumulate-steps 8
 
 The model is a Paddle-style ``PipelineLayer``: a vocabulary-parallel embedding, ``--layers``
-GPT blocks built from tensor-parallel layers (:class:`jfleet.models_gpt.GPTBlock`), a final
+GPT blocks built from tensor-parallel layers (:class:`jfleet.models.parallel_gpt.GPTBlock`), a final
 LayerNorm and an LM head that is the embedding again (``SharedLayerDesc``: one tied
 weight). The blocks are the pipelined body: their parameters are stacked ``[pp, layers/pp,
 ...]`` and split over the ``pp`` axis, each block keeping its Megatron layout on ``mp``;
@@ -39,7 +39,7 @@ from flax import nnx
 
 from jfleet import fleet
 from jfleet.models import stride_batches
-from jfleet.models_gpt import GPTBlock
+from jfleet.models.parallel_gpt import GPTBlock
 from jfleet.parallel.pipeline_schedule import schedule_stats
 
 VOCAB = 64
@@ -90,7 +90,7 @@ def gpt_layers(args: argparse.Namespace) -> list:
     Tensor-parallel layers (Megatron layout) when ``--mp`` is above 1, plain Flax layers
     (the same parameters from the same seed) otherwise.
     """
-    from jfleet.meta_parallel import (
+    from jfleet.fleet.meta_parallel import (
         ColumnParallelLinear,
         LayerDesc,
         RowParallelLinear,
@@ -129,7 +129,7 @@ def train(args: argparse.Namespace, schedule: str) -> list[float]:
 
     # the PipelineLayer is built after fleet.init: num_stages is the pp degree, and the
     # parallel layers are created on the fleet's mesh
-    from jfleet.meta_parallel import PipelineLayer
+    from jfleet.fleet.meta_parallel import PipelineLayer
 
     layer = PipelineLayer(gpt_layers(args), loss_fn=cross_entropy, seed=0)
     model = fleet.distributed_model(layer)

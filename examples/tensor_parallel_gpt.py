@@ -4,7 +4,7 @@
     python examples/tensor_parallel_gpt.py --sequence-parallel    # + Megatron sequence parallel
     python examples/tensor_parallel_gpt.py --dp 2 --sharding 2 --mp 2
 
-The model is :class:`jfleet.models_gpt.TinyGPT` built from ``fleet.meta_parallel`` layers
+The model is :class:`jfleet.models.parallel_gpt.TinyGPT` built from ``fleet.meta_parallel`` layers
 in the Megatron layout: the fused q/k/v projection and the MLP's up projection are
 ``ColumnParallelLinear`` (kernel split on the output dim, ``P(None, 'mp')``), the attention
 output and the MLP's down projection ``RowParallelLinear`` (kernel split on the input dim,
@@ -37,7 +37,7 @@ from flax import nnx
 
 from jfleet import fleet
 from jfleet.models import stride_batches
-from jfleet.models_gpt import TinyGPT, gpt_loss
+from jfleet.models.parallel_gpt import TinyGPT, gpt_loss
 from jfleet.parallel.sequence import is_sequence_parallel_parameter
 
 VOCAB = 64

@@ -11,15 +11,16 @@ Example:
 
 from jfleet import auto_parallel as auto_parallel
 from jfleet import fleet as fleet
-from jfleet import meta_parallel as meta_parallel
 from jfleet.auto_parallel import ToDistributedConfig as ToDistributedConfig
 from jfleet.auto_parallel import to_distributed as to_distributed
 from jfleet.distributed_model import DistributedModel as DistributedModel
-from jfleet.distributed_model import group_sharded_parallel as group_sharded_parallel
 from jfleet.distributed_optimizer import DistributedOptimizer as DistributedOptimizer
 from jfleet.engine import make_eval_step as make_eval_step
 from jfleet.engine import make_train_step as make_train_step
+from jfleet.fleet import meta_parallel as meta_parallel
+from jfleet.fleet.group_sharded import group_sharded_parallel as group_sharded_parallel
 from jfleet.placement import ParallelPlan as ParallelPlan
+from jfleet.placement import Placement as Placement
 from jfleet.role_maker import PaddleCloudRoleMaker as PaddleCloudRoleMaker
 from jfleet.role_maker import Role as Role
 from jfleet.role_maker import UserDefinedRoleMaker as UserDefinedRoleMaker

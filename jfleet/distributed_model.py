@@ -1,4 +1,4 @@
-"""``fleet.distributed_model`` and ``group_sharded_parallel``: place a model for the strategy.
+"""``fleet.distributed_model``: place a model for the strategy, wrap it for ``train_batch``.
 
 ``distributed_model(model)`` applies the strategy's model-side settings to an NNX
 model and places its variables on the mesh:
@@ -27,19 +27,17 @@ Example:
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import jax
 from flax import nnx
 
+from jfleet.amp import apply_amp
 from jfleet.distributed_optimizer import DistributedOptimizer
-from jfleet.engine import EvalStep, LossFn, TrainStep
-from jfleet.placement import ParallelPlan
-
-_LEVELS = {"os": 1, "os_g": 2, "p_g_os": 3}
-_train_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_eval_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+from jfleet.engine import EvalStep, LossFn, TrainStep, cached_step
+from jfleet.optim.compiler import amp_settings
+from jfleet.placement import Placement
+from jfleet.recompute import apply_recompute
 
 
 class DistributedModel(nnx.Module):
@@ -49,9 +47,9 @@ class DistributedModel(nnx.Module):
     ``DistributedModel`` (or ``.module``) consistently with the optimizer.
     """
 
-    def __init__(self, module: nnx.Module, plan: ParallelPlan) -> None:
+    def __init__(self, module: nnx.Module, placement: Placement) -> None:
         self.module = module
-        self.plan = plan
+        self.placement = placement
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -72,22 +70,15 @@ class DistributedModel(nnx.Module):
         """
         if loss_fn is None:
             raise TypeError("train_batch needs loss_fn=loss_fn(model, batch) -> loss.")
-        step = _cached(_train_steps, loss_fn, self.plan, TrainStep)
+        step = cached_step(TrainStep, loss_fn, self.placement)
         return step(self, optimizer, batch)
 
     def eval_batch(self, batch: Any, loss_fn: LossFn | None = None) -> jax.Array:
         """The loss on ``batch`` without updating anything."""
         if loss_fn is None:
             raise TypeError("eval_batch needs loss_fn=loss_fn(model, batch) -> loss.")
-        step = _cached(_eval_steps, loss_fn, self.plan, EvalStep)
+        step = cached_step(EvalStep, loss_fn, self.placement)
         return step(self, batch)
-
-
-def _cached(table, loss_fn, plan, cls):
-    per_fn = table.setdefault(loss_fn, {})
-    if plan not in per_fn:
-        per_fn[plan] = cls(loss_fn, plan)
-    return per_fn[plan]
 
 
 def apply_model_settings(model: nnx.Module, strategy: Any) -> nnx.Module:
@@ -96,9 +87,6 @@ def apply_model_settings(model: nnx.Module, strategy: Any) -> nnx.Module:
     The same call a single-device reference run uses to build the identical model.
     """
     if strategy.amp:
-        from jfleet.amp import apply_amp
-        from jfleet.optim.compiler import amp_settings
-
         settings = amp_settings(strategy)
         apply_amp(
             model,
@@ -108,8 +96,6 @@ def apply_model_settings(model: nnx.Module, strategy: Any) -> nnx.Module:
             custom_black_list=tuple(strategy.amp_configs["custom_black_list"]),
         )
     if strategy.recompute:
-        from jfleet.recompute import apply_recompute
-
         configs = strategy.recompute_configs
         apply_recompute(
             model, configs["checkpoints"], enable_offload=bool(configs["enable_offload"])
@@ -117,7 +103,7 @@ def apply_model_settings(model: nnx.Module, strategy: Any) -> nnx.Module:
     return model
 
 
-def prepare_model(model: nnx.Module, strategy: Any, plan: ParallelPlan) -> DistributedModel:
+def prepare_model(model: nnx.Module, strategy: Any, plan: Placement) -> DistributedModel:
     """Applies the strategy's AMP and recompute settings, places the model, wraps it."""
     if isinstance(model, DistributedModel):
         raise ValueError("the model is already a DistributedModel; pass it on as it is.")
@@ -130,69 +116,3 @@ def prepare_model(model: nnx.Module, strategy: Any, plan: ParallelPlan) -> Distr
         apply_model_settings(model, strategy)
     plan.place_params(model)
     return DistributedModel(model, plan)
-
-
-def group_sharded_parallel(
-    model: nnx.Module,
-    optimizer: Any,
-    level: str,
-    scaler: Any = None,
-    group: Any = None,
-    offload: bool = False,
-    sync_buffers: bool = False,
-    buffer_max_size: int = 2**23,
-    segment_size: int = 2**20,
-    sync_comm: bool = False,
-    dp_group: Any = None,
-    exclude_layer: Any = None,
-) -> tuple[DistributedModel, DistributedOptimizer, Any]:
-    """Paddle's ZeRO entry point: ``level`` 'os' (stage 1), 'os_g' (2) or 'p_g_os' (3).
-
-    Shards over the mesh's ``sharding`` axis when its degree is above 1, else over
-    ``dp`` (every device, for a pure data-parallel fleet). Without ``fleet.init``
-    a default fleet (data parallel over all devices) is started. The buffer and
-    communication knobs (``buffer_max_size``, ``segment_size``, ``sync_comm``,
-    ``sync_buffers``) mean nothing under SPMD and are ignored (logged).
-
-    Returns:
-      ``(model, optimizer, scaler)`` as Paddle does.
-
-    Raises:
-      ValueError: an unknown level, or offload / exclude_layer, which jfleet does
-        not provide.
-    """
-    from jfleet import fleet
-    from jfleet._logging import logger
-
-    if level not in _LEVELS:
-        raise ValueError(
-            f"level={level!r} is not a group_sharded_parallel level; expected one of "
-            f"{list(_LEVELS)} (ZeRO stage 1, 2, 3)."
-        )
-    if offload:
-        raise ValueError("group_sharded_parallel(offload=True) is not available in jfleet yet.")
-    if exclude_layer:
-        raise ValueError(
-            f"group_sharded_parallel(exclude_layer={exclude_layer!r}) is not available in "
-            "jfleet yet; every parameter is sharded."
-        )
-    if group is not None or dp_group is not None:
-        raise ValueError(
-            "group_sharded_parallel(group=..., dp_group=...) is not needed in jfleet: the "
-            "sharding axis of the fleet's mesh is the group; drop these arguments."
-        )
-    logger.info(
-        "group_sharded_parallel: buffer_max_size, segment_size, sync_comm and sync_buffers "
-        "mean nothing under SPMD and are ignored"
-    )
-    if fleet._fleet._role_maker is None:
-        logger.info("group_sharded_parallel: no fleet.init yet; starting a data-parallel fleet")
-        fleet.init(is_collective=True)
-    mesh = fleet.get_hybrid_communicate_group().mesh
-    axis = "sharding" if mesh.shape["sharding"] > 1 else "dp"
-    plan = ParallelPlan(mesh=mesh, zero_stage=_LEVELS[level], zero_axis=axis)
-    if not isinstance(optimizer, DistributedOptimizer):
-        optimizer = fleet.distributed_optimizer(optimizer)
-    wrapped = prepare_model(model, None, plan)
-    optimizer.init(wrapped, plan)
-    return wrapped, optimizer, scaler

@@ -22,6 +22,8 @@ Example:
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -33,7 +35,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jfleet.optim.loss_scale import loss_scale_of
-from jfleet.placement import ParallelPlan
+from jfleet.placement import Placement, resolve_placement
 
 
 class DistributedOptimizer(nnx.Optimizer):
@@ -64,14 +66,15 @@ class DistributedOptimizer(nnx.Optimizer):
         self.step = nnx.data(None)
         self.opt_state = nnx.data(None)
         self._param_paths: tuple[str, ...] | None = None
+        self._model: Callable[[], Any] = lambda: None
 
     @property
     def is_bound(self) -> bool:
         """Whether the state has been made for a model."""
         return self._param_paths is not None
 
-    def init(self, model: nnx.Module, plan: ParallelPlan | None = None) -> DistributedOptimizer:
-        """Makes the optimizer state for ``model`` (once), placed for the plan.
+    def init(self, model: nnx.Module, placement: Placement | None = None) -> DistributedOptimizer:
+        """Makes the optimizer state for ``model`` (once), placed for ``placement`` (default: the model's, else the run's).
 
         ZeRO stage >= 1 shards every parameter-shaped state leaf (moments,
         accumulated gradients, master weights) over the ZeRO axis; scalars are
@@ -80,6 +83,8 @@ class DistributedOptimizer(nnx.Optimizer):
         Raises:
           ValueError: already bound to a model with other parameters.
         """
+        if self.is_bound and self._model() is model:
+            return self  # the common case, every step: nothing to look at
         paths = _param_paths(nnx.state(model, self.wrt))
         if self.is_bound:
             if paths != self._param_paths:
@@ -89,10 +94,7 @@ class DistributedOptimizer(nnx.Optimizer):
                     f"{_short(paths)}; make one distributed optimizer per model."
                 )
             return self
-        if plan is None:
-            from jfleet.engine import resolve_plan
-
-            plan = resolve_plan(None, model)
+        plan = resolve_placement(placement, model)
         params = nnx.state(model, self.wrt)
         if plan.zero_stage >= 1:
             params = jax.device_put(params, plan.param_shardings(params, zero=True))
@@ -112,6 +114,7 @@ class DistributedOptimizer(nnx.Optimizer):
         self.step = OptState(jax.device_put(jnp.array(0, dtype=jnp.uint32), replicated))
         self.opt_state = nnx.data(state)
         self._param_paths = paths
+        self._model = weakref.ref(model)
         return self
 
     def update(self, model: nnx.Module, grads: Any, /, **kwargs: Any) -> optax.Updates:

@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -39,7 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jfleet.distributed_optimizer import DistributedOptimizer
-from jfleet.placement import ParallelPlan
+from jfleet.placement import Placement, resolve_placement
 
 LossFn = Callable[[nnx.Module, Any], Any]
 
@@ -54,21 +55,26 @@ def _split_loss(out: Any) -> tuple[jax.Array, Any]:
         loss, aux = out
     else:
         loss, aux = out, None
+    return scalar_loss(loss, "loss_fn"), aux
+
+
+def scalar_loss(loss: Any, what: str) -> jax.Array:
+    """``loss`` as a float32 scalar: the one loss check of every step and pipeline.
+
+    Raises:
+      ValueError: ``loss`` is not a scalar; ``what`` names who returned it.
+
+    Example:
+      >>> scalar_loss(3, "loss_fn").dtype
+      dtype('float32')
+    """
     loss = jnp.asarray(loss)
     if loss.shape != ():
         raise ValueError(
-            f"loss_fn returned a loss of shape {loss.shape}; it must be a scalar "
+            f"{what} returned a loss of shape {loss.shape}; it must be a scalar "
             "(reduce it with .mean() or .sum())."
         )
-    return loss.astype(jnp.float32), aux
-
-
-def resolve_plan(plan: ParallelPlan | None, model: nnx.Module) -> ParallelPlan:
-    """The plan a step runs under: the one given, else the model's, else the fleet's."""
-    if plan is not None:
-        return plan
-    own = getattr(model, "plan", None)
-    return own if isinstance(own, ParallelPlan) else ParallelPlan.from_fleet()
+    return loss.astype(jnp.float32)
 
 
 def _shardings(tree: Any) -> Any:
@@ -76,13 +82,13 @@ def _shardings(tree: Any) -> Any:
 
 
 class _Step:
-    """What the train and eval steps share: the loss function, the plan, the compile cache."""
+    """What the train and eval steps share: the loss function, the placement, the compile cache."""
 
-    def __init__(self, loss_fn: LossFn, plan: ParallelPlan | None = None) -> None:
+    def __init__(self, loss_fn: LossFn, placement: Placement | None = None) -> None:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn={loss_fn!r} is not callable; pass loss_fn(model, batch).")
         self.loss_fn = loss_fn
-        self._plan = plan
+        self._placement = placement
         self._cache: dict[Any, Callable] = {}
         self.last_aux: Any = None
 
@@ -114,9 +120,9 @@ class TrainStep(_Step):
                 f"optimizer={type(optimizer).__name__} is not a DistributedOptimizer; wrap it "
                 "with fleet.distributed_optimizer(...)."
             )
-        plan = resolve_plan(self._plan, model)
-        optimizer.init(model, plan)
-        batch = plan.shard_batch(batch)
+        placement = resolve_placement(self._placement, model)
+        optimizer.init(model, placement)
+        batch = placement.shard_batch(batch)
         model_def, model_state = nnx.split(model)
         opt_def, opt_state = nnx.split(optimizer)
         key = (
@@ -127,27 +133,29 @@ class TrainStep(_Step):
         )
         fn = self._cache.get(key)
         if fn is None:
-            fn = self._build(plan, model_def, model_state, opt_def, opt_state, batch, optimizer)
+            fn = self._build(
+                placement, model_def, model_state, opt_def, opt_state, batch, optimizer
+            )
             self._cache[key] = fn
         return fn, (model_state, opt_state, batch)
 
-    def _build(self, plan, model_def, model_state, opt_def, opt_state, batch, optimizer):
+    def _build(self, placement, model_def, model_state, opt_def, opt_state, batch, optimizer):
         loss_fn = self.loss_fn
         wrt = optimizer.wrt
         scaled = optimizer.has_loss_scaling
         grad_shardings = gathered = None
-        if plan.zero_stage >= 2:
+        if placement.zero_stage >= 2:
             params = nnx.state(nnx.merge(model_def, model_state), wrt)
-            grad_shardings = plan.param_shardings(params, zero=True)
-        if plan.zero_stage >= 3:
+            grad_shardings = placement.param_shardings(params, zero=True)
+        if placement.zero_stage >= 3:
             # ZeRO-3 keeps parameters sharded between steps and gathers them (to their
             # tensor-parallel layout) for the step; left to itself GSPMD may keep them
             # sharded and all-reduce activations instead, which costs far more.
-            gathered = plan.param_shardings(params, zero=False)
+            gathered = placement.param_shardings(params, zero=False)
         model_sh = _shardings(model_state)
         opt_sh = _shardings(opt_state)
         batch_sh = _shardings(batch)
-        replicated = plan.named(jax.sharding.PartitionSpec())
+        replicated = placement.named(jax.sharding.PartitionSpec())
 
         def step(model_state, opt_state, batch):
             model = nnx.merge(model_def, model_state)
@@ -181,7 +189,7 @@ class EvalStep(_Step):
     """One jitted evaluation step ``step(model, batch) -> loss`` (no update)."""
 
     def __call__(self, model: nnx.Module, batch: Any) -> jax.Array:
-        batch = resolve_plan(self._plan, model).shard_batch(batch)
+        batch = resolve_placement(self._placement, model).shard_batch(batch)
         model_def, model_state = nnx.split(model)
         key = (model_def, jax.tree.structure(batch))
         fn = self._cache.get(key)
@@ -198,20 +206,42 @@ class EvalStep(_Step):
         return loss
 
 
-def make_train_step(loss_fn: LossFn, *, plan: ParallelPlan | None = None) -> TrainStep:
+_STEPS: dict[type, weakref.WeakKeyDictionary] = {}
+
+
+def cached_step(cls: type[_Step], loss_fn: LossFn, placement: Placement | None) -> Any:
+    """The one step cache: the ``cls`` step (train or eval) for ``loss_fn`` and ``placement``.
+
+    ``train_batch`` and ``eval_batch`` of every wrapped model ask here, so a loss function
+    compiles once per placement and model structure however often it is passed in. Equal
+    loss-function objects share a step.
+
+    Example:
+      >>> loss_fn = lambda m, b: 0.0
+      >>> cached_step(TrainStep, loss_fn, None) is cached_step(TrainStep, loss_fn, None)
+      True
+    """
+    per_fn = _STEPS.setdefault(cls, weakref.WeakKeyDictionary()).setdefault(loss_fn, {})
+    if placement not in per_fn:
+        per_fn[placement] = cls(loss_fn, placement)
+    return per_fn[placement]
+
+
+def make_train_step(loss_fn: LossFn, *, placement: Placement | None = None) -> TrainStep:
     """The engine's train step as a function ``step(model, optimizer, batch) -> loss``.
 
     Args:
       loss_fn: ``loss_fn(model, batch)`` returning a scalar loss or ``(loss, aux)``.
-      plan: the parallel plan; default: the one ``fleet.init`` set up.
+      placement: where the arrays live; default: the model's (a ``DistributedModel``),
+        else the one ``fleet.init`` set up.
 
     Returns:
       A :class:`TrainStep`. ``optimizer`` must come from
       ``fleet.distributed_optimizer``; it is bound to ``model`` on the first call.
     """
-    return TrainStep(loss_fn, plan)
+    return TrainStep(loss_fn, placement)
 
 
-def make_eval_step(loss_fn: LossFn, *, plan: ParallelPlan | None = None) -> EvalStep:
+def make_eval_step(loss_fn: LossFn, *, placement: Placement | None = None) -> EvalStep:
     """The engine's evaluation step ``step(model, batch) -> loss``."""
-    return EvalStep(loss_fn, plan)
+    return EvalStep(loss_fn, placement)

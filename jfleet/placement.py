@@ -1,17 +1,19 @@
-"""Where a run's arrays live: the parallel plan, parameter specs, ZeRO specs, batches.
+"""Where a run's arrays live: parameter specs, ZeRO specs, optimizer state, batches.
 
-The :class:`ParallelPlan` is the engine's view of a strategy: the mesh, the axes a
-batch is split over, and which ZeRO stage shards what over which axis. Everything
-that places an array (``distributed_model``, the engine, ``group_sharded_parallel``)
-asks this module, so there is one rule for each placement.
+A :class:`Placement` is the engine's view of a strategy: the mesh, the axes a batch is
+split over, and which ZeRO stage shards what over which axis. Everything that places
+an array (``distributed_model``, the engine, ``group_sharded_parallel``,
+``to_distributed``, the sharded loader) asks this module, so there is one rule for each
+placement. (Not to be confused with :class:`jfleet.auto_parallel.Plan`, the planner's
+choice of a layout, which ``to_distributed`` turns into a :class:`Placement`.)
 
 Example:
   >>> import jax
   >>> from jfleet import fleet
-  >>> from jfleet.placement import ParallelPlan
+  >>> from jfleet.placement import Placement
   >>> _ = fleet.init(is_collective=True)
-  >>> plan = ParallelPlan.from_fleet()
-  >>> plan.data_parallel_size == jax.device_count()
+  >>> placement = Placement.from_fleet()
+  >>> placement.data_parallel_size == jax.device_count()
   True
 """
 
@@ -27,15 +29,17 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jfleet import _context
 from jfleet._logging import logger
+from jfleet.parallel.mesh_context import named
+from jfleet.topology import DATA_AXES, SHARDING
 
-#: Mesh axes a batch is split over, outermost first.
-DATA_AXES = ("dp", "sharding")
+__all__ = ["ParallelPlan", "Placement", "check_divides", "resolve_placement"]
 
 
 @dataclasses.dataclass(frozen=True)
-class ParallelPlan:
-    """The parallel layout the engine compiles a step for.
+class Placement:
+    """Where a run's arrays live: the layout the engine compiles a step for.
 
     Attributes:
       mesh: the one hybrid mesh (``fleet.get_hybrid_communicate_group().mesh``).
@@ -48,7 +52,7 @@ class ParallelPlan:
 
     mesh: Mesh
     zero_stage: int = 0
-    zero_axis: str = "sharding"
+    zero_axis: str = SHARDING
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
@@ -59,12 +63,15 @@ class ParallelPlan:
             )
 
     @classmethod
-    def from_fleet(cls) -> ParallelPlan:
-        """The plan for the strategy given to ``fleet.init``."""
-        from jfleet import fleet
+    def from_fleet(cls) -> Placement:
+        """The placement for the strategy given to ``fleet.init`` (the current run).
 
-        hcg = fleet.get_hybrid_communicate_group()
-        strategy = fleet._fleet.strategy
+        Raises:
+          RuntimeError: ``fleet.init`` not called. ValueError: ``strategy.sharding``
+            without a sharding axis.
+        """
+        run = _context.require("the placement of the run's arrays")
+        hcg, strategy = run.hcg, run.strategy
         degree = hcg.get_sharding_parallel_world_size()
         stage = int(strategy.sharding_configs["stage"]) if degree > 1 else 0
         if strategy.sharding and degree == 1:
@@ -90,8 +97,8 @@ class ParallelPlan:
         return self.mesh.shape[self.zero_axis] if self.zero_stage else 1
 
     def named(self, spec: P) -> NamedSharding:
-        """A ``NamedSharding`` on this plan's mesh."""
-        return NamedSharding(self.mesh, spec)
+        """A ``NamedSharding`` on this placement's mesh (the one builder, see ``mesh_context``)."""
+        return named(self.mesh, *spec)
 
     # -------------------------------------------------------------- params
     def param_specs(self, params: nnx.State) -> Any:
@@ -182,14 +189,16 @@ class ParallelPlan:
         """
         size = self.data_parallel_size
         multi = jax.process_count() > 1
+        parts = [(a, self.mesh.shape[a]) for a in self.data_axes]
 
         def _check_rows(path: Any, global_n: int | None) -> None:
-            if global_n is not None and global_n % size:
+            if global_n is not None:
                 name = jax.tree_util.keystr(path) or "batch"
-                axes = " x ".join(f"{a} {self.mesh.shape[a]}" for a in self.data_axes)
-                raise ValueError(
-                    f"{name} has batch size {global_n}, which the data-parallel size {size} "
-                    f"({axes}) does not divide; use a batch size that is a multiple of {size}."
+                check_divides(
+                    f"{name} has batch size {global_n}",
+                    global_n,
+                    parts,
+                    f"use a batch size that is a multiple of {size}",
                 )
 
         def one(path: Any, x: Any) -> jax.Array:
@@ -217,3 +226,51 @@ def _axes(entry: Any) -> tuple[str, ...]:
     if entry is None:
         return ()
     return tuple(entry) if isinstance(entry, tuple | list) else (entry,)
+
+
+ParallelPlan = Placement
+"""The former name of :class:`Placement` (kept for one release)."""
+
+
+def resolve_placement(placement: Placement | None, model: Any) -> Placement:
+    """The placement a step runs under: the one given, else the model's, else the run's.
+
+    Example:
+      >>> from flax import nnx
+      >>> from jfleet import fleet
+      >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+      >>> resolve_placement(None, nnx.Linear(2, 2, rngs=nnx.Rngs(0))).zero_stage
+      0
+    """
+    if placement is not None:
+        return placement
+    own = getattr(model, "placement", None)
+    return own if isinstance(own, Placement) else Placement.from_fleet()
+
+
+def check_divides(
+    what: str, size: int, parts: Any, fix: str, label: str = "data-parallel size"
+) -> None:
+    """The one batch-divisibility check: ``size`` must split into ``parts``.
+
+    Args:
+      what: the start of the message, naming the value (``"batch has batch size 6"``).
+      size: the number to split.
+      parts: ``(name, count)`` pairs whose product must divide ``size``.
+      fix: how to fix it, the message's end.
+      label: what the product is.
+
+    Raises:
+      ValueError: the product does not divide ``size``.
+
+    Example:
+      >>> check_divides("batch has batch size 6", 6, [("dp", 2), ("sharding", 2)], "use 8")
+      Traceback (most recent call last):
+      ...
+      ValueError: batch has batch size 6, which the data-parallel size 4 (dp 2 x sharding 2) does not divide; use 8.
+    """
+    parts = list(parts)
+    total = math.prod(n for _, n in parts)
+    if size % total:
+        product = " x ".join(f"{name} {n}" for name, n in parts)
+        raise ValueError(f"{what}, which the {label} {total} ({product}) does not divide; {fix}.")

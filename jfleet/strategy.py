@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from jfleet import _prototxt
+from jfleet.topology import DEFAULT_ORDER
 
 __all__ = [
     "SPMD_NOOP_SETTINGS",
@@ -79,8 +80,6 @@ _NCCL = {  # NCCLConfig: per-communicator NCCL tuning.
 def _nccl(*names: str) -> dict[str, Any]:
     return {name: dict(_NCCL) for name in names}
 
-
-DEFAULT_ORDER = ("dp", "pp", "sharding", "sep", "mp")
 
 # Every setting, with Paddle's default. Top level: switches, then sections.
 _SCHEMA: dict[str, Any] = {

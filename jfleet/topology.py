@@ -35,7 +35,14 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 __all__ = [
+    "AXIS_NAMES",
+    "DATA_AXES",
     "DEFAULT_ORDER",
+    "DP",
+    "MP",
+    "PP",
+    "SEP",
+    "SHARDING",
     "CommunicateTopology",
     "Group",
     "HybridCommunicateGroup",
@@ -44,10 +51,27 @@ __all__ = [
     "build_hybrid_communicate_group",
 ]
 
-DEFAULT_ORDER = ("dp", "pp", "sharding", "sep", "mp")
-"""Paddle's default ``hybrid_configs["order"]``, outermost axis first."""
+# The axis vocabulary: the one place the mesh axis names are spelled. Every other module
+# names an axis through these constants.
+DP = "dp"
+"""The data-parallel axis (Paddle's ``data`` / ``dp_degree``)."""
+PP = "pp"
+"""The pipeline axis (Paddle's ``pipe`` / ``pp_degree``): one pipeline stage per index."""
+SHARDING = "sharding"
+"""The ZeRO axis (Paddle's ``sharding`` / ``sharding_degree``); batches split on it too."""
+SEP = "sep"
+"""The sequence (segment) parallel axis (Paddle's ``sep`` / ``sep_degree``)."""
+MP = "mp"
+"""The tensor-parallel axis (Paddle's ``model`` / ``mp_degree``)."""
 
-_TOPO_TO_MESH = {"data": "dp", "pipe": "pp", "sharding": "sharding", "sep": "sep", "model": "mp"}
+DEFAULT_ORDER = (DP, PP, SHARDING, SEP, MP)
+"""Paddle's default ``hybrid_configs["order"]``, outermost axis first."""
+AXIS_NAMES = DEFAULT_ORDER
+"""Every axis of a jfleet mesh (each mesh has all five, degree-1 axes kept)."""
+DATA_AXES = (DP, SHARDING)
+"""The axes a batch is split over, outermost first (use as one ``PartitionSpec`` entry)."""
+
+_TOPO_TO_MESH = {"data": DP, "pipe": PP, "sharding": SHARDING, "sep": SEP, "model": MP}
 _MESH_TO_TOPO = {v: k for k, v in _TOPO_TO_MESH.items()}
 
 
@@ -417,15 +441,15 @@ class HybridCommunicateGroup:
 
     def get_data_parallel_rank(self) -> int:
         """Host view: this process's ``dp`` coordinate (traced: ``get_axis_rank("dp")``)."""
-        return self._coord["dp"]
+        return self._coord[DP]
 
     def get_data_parallel_world_size(self) -> int:
         """The ``dp`` degree."""
-        return self._dims["dp"]
+        return self._dims[DP]
 
     def get_data_parallel_group(self) -> Group:
         """The ``dp`` group (``axis_name="dp"``) of this process."""
-        return self._group(["dp"], "dp")
+        return self._group([DP], DP)
 
     def get_data_parallel_group_src_rank(self) -> int:
         """Host view: the global rank of the first member of this process's ``dp`` group."""
@@ -435,15 +459,15 @@ class HybridCommunicateGroup:
 
     def get_model_parallel_rank(self) -> int:
         """Host view: this process's ``mp`` coordinate (traced: ``get_axis_rank("mp")``)."""
-        return self._coord["mp"]
+        return self._coord[MP]
 
     def get_model_parallel_world_size(self) -> int:
         """The ``mp`` degree."""
-        return self._dims["mp"]
+        return self._dims[MP]
 
     def get_model_parallel_group(self) -> Group:
         """The ``mp`` group (``axis_name="mp"``) of this process."""
-        return self._group(["mp"], "mp")
+        return self._group([MP], MP)
 
     def get_model_parallel_group_src_rank(self) -> int:
         """Host view: the global rank of the first member of this process's ``mp`` group."""
@@ -453,15 +477,15 @@ class HybridCommunicateGroup:
 
     def get_sharding_parallel_rank(self) -> int:
         """Host view: this process's ``sharding`` coordinate (traced: ``get_axis_rank``)."""
-        return self._coord["sharding"]
+        return self._coord[SHARDING]
 
     def get_sharding_parallel_world_size(self) -> int:
         """The ``sharding`` degree."""
-        return self._dims["sharding"]
+        return self._dims[SHARDING]
 
     def get_sharding_parallel_group(self) -> Group:
         """The ``sharding`` group (``axis_name="sharding"``) of this process."""
-        return self._group(["sharding"], "sharding")
+        return self._group([SHARDING], SHARDING)
 
     def get_sharding_parallel_group_src_rank(self) -> int:
         """Host view: the first global rank of this process's ``sharding`` group."""
@@ -471,16 +495,16 @@ class HybridCommunicateGroup:
 
     def get_sep_parallel_rank(self) -> int:
         """Host view: this process's ``sep`` coordinate (traced: ``get_axis_rank("sep")``)."""
-        return self._coord["sep"]
+        return self._coord[SEP]
 
     def get_sep_parallel_world_size(self) -> int:
         """The ``sep`` degree."""
-        return self._dims["sep"]
+        return self._dims[SEP]
 
     def get_sep_parallel_group(self) -> Group:
         """The ``sep`` group of this process (a one-rank group when ``sep`` is 1, where
         Paddle raises "sep not exist")."""
-        return self._group(["sep"], "sep")
+        return self._group([SEP], SEP)
 
     def get_sep_parallel_group_src_rank(self) -> int:
         """Host view: the first global rank of this process's ``sep`` group."""
@@ -491,7 +515,7 @@ class HybridCommunicateGroup:
     @property
     def stage_id(self) -> int:
         """Host view: this process's ``pp`` coordinate."""
-        return self._coord["pp"]
+        return self._coord[PP]
 
     @property
     def is_first_stage(self) -> bool:
@@ -501,7 +525,7 @@ class HybridCommunicateGroup:
     @property
     def is_last_stage(self) -> bool:
         """Host view: whether this process holds the last pipeline stage (an attribute)."""
-        return self.stage_id == self._dims["pp"] - 1
+        return self.stage_id == self._dims[PP] - 1
 
     def get_stage_id(self) -> int:
         """Host view: this process's pipeline stage (traced: ``get_axis_rank("pp")``)."""
@@ -509,11 +533,11 @@ class HybridCommunicateGroup:
 
     def get_pipe_parallel_world_size(self) -> int:
         """The ``pp`` degree."""
-        return self._dims["pp"]
+        return self._dims[PP]
 
     def get_pipe_parallel_group(self) -> Group:
         """The ``pp`` group (``axis_name="pp"``) of this process."""
-        return self._group(["pp"], "pp")
+        return self._group([PP], PP)
 
     def get_p2p_next_rank(self) -> int:
         """Host view: the global rank of the next stage in this process's pipeline ring.
@@ -541,7 +565,7 @@ class HybridCommunicateGroup:
         if direction not in ("next", "prev"):
             raise ValueError(f"direction={direction!r}; expected 'next' or 'prev'.")
         step = 1 if direction == "next" else -1
-        pp = self._dims["pp"]
+        pp = self._dims[PP]
         return [(i, (i + step) % pp) for i in range(pp)]
 
     def get_p2p_groups(self) -> tuple[Group, Group, Group, Group]:
@@ -554,8 +578,8 @@ class HybridCommunicateGroup:
         no ``PADDLE_USE_FOUR_DIRECTIONS_P2P`` setting is needed.
         """
         me, nxt, prv = self.global_rank, self.get_p2p_next_rank(), self.get_p2p_prev_rank()
-        fwd = Group("pp", (me, nxt), rank=0, name="p2p_next")
-        bwd = Group("pp", (prv, me), rank=(prv, me).index(me), name="p2p_prev")
+        fwd = Group(PP, (me, nxt), rank=0, name="p2p_next")
+        bwd = Group(PP, (prv, me), rank=(prv, me).index(me), name="p2p_prev")
         return fwd, bwd, fwd, bwd
 
     def get_rank_from_stage(self, stage_id: int, **kwargs: int) -> int:
@@ -564,7 +588,7 @@ class HybridCommunicateGroup:
         ``kwargs`` replace further coordinates, keyed by topology or mesh axis names.
         """
         coord = dict(self._coord)
-        coord["pp"] = stage_id
+        coord[PP] = stage_id
         for name, value in kwargs.items():
             coord[self._mesh_axis(name)] = value
         for a, v in coord.items():
@@ -581,7 +605,7 @@ class HybridCommunicateGroup:
         axes fused (``axis_name`` = those axes in mesh order). With ``sharding=True``:
         every rank with this process's ``sharding`` coordinate (all non-``sharding`` axes).
         """
-        skip = "sharding" if sharding else "dp"
+        skip = SHARDING if sharding else DP
         axes = [a for a in self._axes if a != skip]
         return self._group(axes, "sharding_check" if sharding else "check")
 
@@ -594,11 +618,11 @@ class HybridCommunicateGroup:
 
     def get_dp_sep_parallel_group(self) -> Group:
         """The fused ``(dp, sep)`` group (Paddle requires ``sep`` > 1; jfleet does not)."""
-        return self.create_fuse_group(["dp", "sep"])
+        return self.create_fuse_group([DP, SEP])
 
     def get_pp_mp_parallel_group(self) -> Group:
         """The fused ``(pp, mp)`` group (Paddle requires ``sep`` > 1; jfleet does not)."""
-        return self.create_fuse_group(["pp", "mp"])
+        return self.create_fuse_group([PP, MP])
 
     def get_parallel_mode(self) -> ParallelMode:
         """The mode ``distributed_model`` dispatches on, with Paddle's priority.
@@ -608,13 +632,13 @@ class HybridCommunicateGroup:
         Paddle returns ``None``; jfleet returns DATA_PARALLEL.
         """
         d = self._dims
-        if d["pp"] > 1:
+        if d[PP] > 1:
             return ParallelMode.PIPELINE_PARALLEL
-        if d["mp"] > 1:
+        if d[MP] > 1:
             return ParallelMode.TENSOR_PARALLEL
-        if d["sep"] > 1:
+        if d[SEP] > 1:
             return ParallelMode.SEGMENT_PARALLEL
-        if d["sharding"] > 1:
+        if d[SHARDING] > 1:
             return ParallelMode.SHARDING_PARALLEL
         return ParallelMode.DATA_PARALLEL
 
@@ -662,14 +686,14 @@ def build_hybrid_communicate_group(
     degrees = {}
     for a in DEFAULT_ORDER:
         key = f"{a}_degree"
-        value = hybrid_configs.get(key, -1 if a == "dp" else 1)
-        if not _is_int(value) or (value < 1 and not (a == "dp" and value == -1)):
-            allowed = "an int >= 1 or -1 (infer)" if a == "dp" else "an int >= 1"
+        value = hybrid_configs.get(key, -1 if a == DP else 1)
+        if not _is_int(value) or (value < 1 and not (a == DP and value == -1)):
+            allowed = "an int >= 1 or -1 (infer)" if a == DP else "an int >= 1"
             raise ValueError(f"{key}={value!r} is not valid; expected {allowed}.")
         degrees[a] = int(value)
     n = len(devices)
-    if degrees["dp"] == -1:
-        others = [a for a in order if a != "dp"]
+    if degrees[DP] == -1:
+        others = [a for a in order if a != DP]
         rest = math.prod(degrees[a] for a in others)
         if n % rest:
             product = " x ".join(f"{a}_degree={degrees[a]}" for a in others)
@@ -677,7 +701,7 @@ def build_hybrid_communicate_group(
                 f"dp_degree=-1 cannot be inferred: {product} = {rest} does not divide the "
                 f"{n} devices; choose degrees whose product divides {n}."
             )
-        degrees["dp"] = n // rest
+        degrees[DP] = n // rest
     total = math.prod(degrees.values())
     if total != n:
         product = " x ".join(f"{a}_degree={degrees[a]}" for a in order)

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import tensor_parallel, zero_memory
-from jfleet import hlo
+from jfleet.testing import hlo
 
 MESH_AXIS = "x"
 

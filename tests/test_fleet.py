@@ -1,4 +1,4 @@
-"""Tests for jfleet/fleet.py and jfleet/fleet_util.py: ``fleet.init`` and its functions.
+"""Tests for jfleet/fleet/: ``fleet.init`` and its functions, ``fleet.util``.
 
 Everything here runs in the suite's one process with 8 CPU devices; the 2-process job
 is in ``tests/test_fleet_multiprocess.py``. Role makers of several workers are tested
@@ -19,6 +19,7 @@ from jax.sharding import AxisType
 
 from jfleet import fleet
 from jfleet import fleet as fleet_module
+from jfleet.fleet import fleet_base
 from jfleet.role_maker import PaddleCloudRoleMaker, UserDefinedRoleMaker
 from jfleet.strategy import DistributedStrategy
 
@@ -57,7 +58,7 @@ def make_strategy(**hybrid) -> DistributedStrategy:
 
 def init_as_worker(monkeypatch, current_id: int, worker_num: int):
     """``fleet.init`` with a ``worker_num``-worker role maker, without jax.distributed."""
-    monkeypatch.setattr(fleet_module, "initialize_distributed", lambda role_maker: False)
+    monkeypatch.setattr(fleet_base, "initialize_distributed", lambda role_maker: False)
     endpoints = [f"127.0.0.1:{6170 + i}" for i in range(worker_num)]
     role_maker = UserDefinedRoleMaker(
         current_id=current_id, worker_num=worker_num, worker_endpoints=endpoints

@@ -17,7 +17,7 @@
 
 Example:
   >>> from jfleet.auto_parallel import plan_for
-  >>> from jfleet.models_llama import TinyLlama
+  >>> from jfleet.models.llama import TinyLlama
   >>> plan = plan_for(TinyLlama(), device_num=8, batch_size=64, seq_len=8)
   >>> plan.layout.name
   'dp8'

@@ -10,7 +10,7 @@ gives its layout). Shape-only operations pass a kernel through; calls (``pjit``,
 
 Example:
   >>> from flax import nnx
-  >>> from jfleet.models_llama import LlamaAttention
+  >>> from jfleet.models.llama import LlamaAttention
   >>> attn = nnx.eval_shape(lambda: LlamaAttention(32, 4, 2, rngs=nnx.Rngs(0)))
   >>> names = ["k_proj", "o_proj", "q_proj", "v_proj"]
   >>> flow = probe(attn, [(n, "kernel") for n in names], 32, "float32")

@@ -10,7 +10,7 @@ classes unchanged).
 
 Example:
   >>> import jax
-  >>> from jfleet.models_llama import TinyLlama
+  >>> from jfleet.models.llama import TinyLlama
   >>> mesh = jax.make_mesh((2, 4), ("dp", "pp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   >>> model = TinyLlama(layers=4)
   >>> tokens = jax.numpy.zeros((4, 8), int)
@@ -32,9 +32,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jfleet.parallel.mesh_context import DATA, constrain
+from jfleet.parallel.mesh_context import constrain
 from jfleet.parallel.pipeline_layer import _narrow, _run_layers, _stack, _widen, annotate_stack
 from jfleet.parallel.pipeline_schedule import pipeline_forward
+from jfleet.topology import DATA_AXES
 
 __all__ = ["PipelinedBlocks", "container_of", "module_at", "pipeline_blocks", "wrap_blocks"]
 
@@ -291,7 +292,7 @@ def _subclass(cls: type, recompute: bool, mesh: Mesh | None, seq_axes: Any) -> t
     def wrapped_call(self: Any, x: jax.Array, *args: Any, **kwargs: Any) -> Any:
         y = call(self, x, *args, **kwargs)
         if seq_axes is not None and isinstance(y, jax.Array) and y.ndim >= 2:
-            y = constrain(y, mesh, DATA, seq_axes)
+            y = constrain(y, mesh, DATA_AXES, seq_axes)
         return y
 
     return type(

@@ -45,8 +45,8 @@ masked scores and the probabilities), SwiGLU ``5 F`` (gate, up, silu's two parts
 product), GELU ``3 F``. Outside the blocks: ``h`` (embedding output), ``4 h`` (final
 norm) and ``4 V / mp`` (logits, log-softmax, softmax, one-hot labels). Measured on
 XLA:CPU with 8 devices these match the compiled temp's slope per token and layer to
-within 2% for :class:`~jfleet.models_llama.TinyLlama` and
-:class:`~jfleet.models_gpt2.TinyGPT2` at width 128 (16% over at width 256).
+within 2% for :class:`~jfleet.models.llama.TinyLlama` and
+:class:`~jfleet.models.gpt2.TinyGPT2` at width 128 (16% over at width 256).
 Schedules: no pipeline keeps every layer's activations; FThenB (``to_distributed``'s
 pipelined blocks, GPipe by autodiff of a scan whose masked bubble ticks run too) keeps
 the stage's activations of ``M + P - 1`` ticks, plus one tick's slice copied for the
@@ -87,13 +87,13 @@ layer's activations.
 Every collective also pays the profile's latency. A group's bandwidth is intra-node
 when its devices lie within one node (row-major mesh order), else inter-node.
 
-**Collective bytes** are counted as :mod:`jfleet.hlo` counts them (the buffer of an
+**Collective bytes** are counted as :mod:`jfleet.testing.hlo` counts them (the buffer of an
 all-reduce, the input of a reduce-scatter, the output of an all-gather), so a
 prediction compares directly with a compiled step (``benchmarks/cost_model_check.py``).
 
 Example:
   >>> from jfleet.auto_parallel.patterns import match_patterns
-  >>> from jfleet.models_llama import TinyLlama
+  >>> from jfleet.models.llama import TinyLlama
   >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, layers=2))
   >>> work = Workload(batch_size=16, seq_len=8)
   >>> c = estimate(found, work, Layout(dp=2, mp=4), get_profile("cpu"), devices_per_node=8)
@@ -383,7 +383,7 @@ _TIME_WORDS = {
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Collectives:
-    """Predicted collective bytes per device per step, as :func:`jfleet.hlo.summarize` counts."""
+    """Predicted collective bytes per device per step, as :func:`jfleet.testing.hlo.summarize` counts."""
 
     all_reduce: int = 0
     reduce_scatter: int = 0
@@ -444,7 +444,7 @@ def shape_problem(
     """Why ``degrees`` cannot run this model and workload, or None when they can.
 
     >>> from jfleet.auto_parallel.patterns import match_patterns
-    >>> from jfleet.models_llama import TinyLlama
+    >>> from jfleet.models.llama import TinyLlama
     >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, kv_heads=2, layers=2))
     >>> shape_problem(found, Workload(batch_size=8, seq_len=8), {"mp": 4}, 8)
     'mp=4 does not divide kv_heads=2'

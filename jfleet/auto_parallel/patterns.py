@@ -40,14 +40,14 @@ matched: replicated (unmatched parameters are listed by path).
 **Fused-qkv layout assumption.** A contiguous split of a fused projection's output must
 give each rank whole heads, so its output is assumed laid out per head:
 ``[heads, 3, head_dim]`` for multi-head attention (Megatron's layout, used by
-:class:`jfleet.models_gpt.TinyGPT` and :class:`jfleet.models_gpt2.TinyGPT2`), and
+:class:`jfleet.models.parallel_gpt.TinyGPT` and :class:`jfleet.models.gpt2.TinyGPT2`), and
 ``[kv_heads, group + 2, head_dim]`` (a group's q heads, then its k and v) under
 grouped-query attention. When the trace shows the output reshaped as
 ``[3, heads, head_dim]`` (Hugging Face GPT-2's layout) the attention is left replicated
 and listed as unmatched, with the reason.
 
 Example:
-  >>> from jfleet.models_llama import TinyLlama
+  >>> from jfleet.models.llama import TinyLlama
   >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, kv_heads=2, layers=2))
   >>> found.attention, found.mlp, found.dims.heads, found.dims.kv_heads, len(found.blocks)
   ('separate', 'swiglu', 4, 2, 2)
@@ -605,7 +605,7 @@ def match_patterns(model: nnx.Module) -> ModelPatterns:
       ValueError: the model has no ``nnx.Param``.
 
     Example:
-      >>> from jfleet.models_gpt2 import TinyGPT2
+      >>> from jfleet.models.gpt2 import TinyGPT2
       >>> found = match_patterns(TinyGPT2(vocab=64, width=32, heads=4, layers=2))
       >>> found.attention, found.mlp, found.tied_head, found.spec("h.0.attn.c_attn.bias")
       ('fused', 'gelu', True, P('mp',))

@@ -9,7 +9,7 @@ passed back to reproduce a run.
 
 Example:
   >>> from jfleet.auto_parallel import plan_for
-  >>> from jfleet.models_llama import TinyLlama
+  >>> from jfleet.models.llama import TinyLlama
   >>> plan = plan_for(TinyLlama(), device_num=8, batch_size=64, seq_len=8)
   >>> Plan.from_json(plan.to_json()) == plan
   True

@@ -5,7 +5,7 @@ every layout the shapes allow (:mod:`jfleet.auto_parallel.cost_model`), drops wh
 fit the memory budget and returns the fastest as a :class:`~jfleet.auto_parallel.plan.Plan`.
 
 Example:
-  >>> from jfleet.models_llama import TinyLlama
+  >>> from jfleet.models.llama import TinyLlama
   >>> plan = plan_for(TinyLlama(), device_num=8, batch_size=64, seq_len=8)
   >>> plan.mesh_shape
   {'dp': 8, 'pp': 1, 'sharding': 1, 'sep': 1, 'mp': 1}

@@ -14,7 +14,7 @@ Built-in profiles (:data:`PROFILES`):
   GFLOP/s fp32 peak); 2 GiB of (host) memory each; in-process collectives copy memory at
   ~2 GB/s; between processes (gloo over TCP) ~0.5 GB/s; 50 us per collective. XLA:CPU
   has no reduce-scatter pass (a sharded gradient reduction is an all-reduce followed by a
-  slice: ``reduce_scatter_native=False``, see :mod:`jfleet.hlo`).
+  slice: ``reduce_scatter_native=False``, see :mod:`jfleet.testing.hlo`).
 * ``a100``: NVIDIA A100 SXM4 80GB (A100 datasheet): 19.5 TFLOP/s fp32, 156 TF32, 312
   bf16/fp16; 80 GB HBM2e; NVLink 3 600 GB/s total (300e9 per direction); HDR
   InfiniBand 200 Gb/s per GPU between nodes (DGX A100: 25e9 B/s).

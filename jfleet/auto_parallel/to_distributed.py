@@ -14,7 +14,7 @@ Example:
   >>> from jfleet import make_train_step
   >>> from jfleet.auto_parallel import ToDistributedConfig, get_plan, to_distributed
   >>> from jfleet.models import lm_batches, lm_loss
-  >>> from jfleet.models_llama import TinyLlama
+  >>> from jfleet.models.llama import TinyLlama
   >>> config = ToDistributedConfig(force_mesh={"dp": 2, "mp": 4})
   >>> model, opt, loader = to_distributed(TinyLlama(), optax.adam(1e-2), lm_batches(2),
   ...                                     config=config)
@@ -40,6 +40,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jfleet import _context, fleet
 from jfleet._logging import logger
 from jfleet.auto_parallel.blocks import (
     PipelinedBlocks,
@@ -208,8 +209,6 @@ def to_distributed(
     placement = _init_fleet(plan, strategy, device_num * node_num)
     apply_model_settings(model, strategy)
     _apply(model, plan, placement, config.per_sample_args)
-    from jfleet import fleet
-
     dist = fleet.distributed_optimizer(tx)
     dist.wrt = wrt
     dist.init(model, placement)
@@ -270,7 +269,7 @@ def _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len
         raise ValueError(
             f"schedule={config.schedule!r}: to_distributed pipelines a model's own blocks with "
             "FThenB (GPipe) only; 1F1B needs the loss inside the pipeline, so build the model "
-            "as a jfleet.meta_parallel.PipelineLayer and train it with fleet for 1F1B."
+            "as a jfleet.fleet.meta_parallel.PipelineLayer and train it with fleet for 1F1B."
         )
     if config.plan is not None:
         plan = Plan.from_json(config.plan) if isinstance(config.plan, str) else config.plan
@@ -365,10 +364,9 @@ def _check_config(config: ToDistributedConfig) -> None:
 
 def _strategy(user: DistributedStrategy | None) -> DistributedStrategy:
     """The user's strategy (or an earlier ``fleet.init``'s), copied for the plan's degrees."""
-    from jfleet import fleet
-
-    if user is None and fleet._fleet._user_strategy is not None:
-        user = fleet._fleet._user_strategy
+    run = _context.current()
+    if user is None and run is not None:
+        user = run.strategy
         if user.recompute:
             raise ValueError(
                 "the strategy given to fleet.init has recompute=True: to_distributed "
@@ -409,7 +407,6 @@ def _default_profile() -> str:
 
 def _init_fleet(plan: Plan, strategy: DistributedStrategy, n: int) -> ParallelPlan:
     """``fleet.init`` with the plan's degrees (and the user's meta-optimizer settings)."""
-    from jfleet import fleet
 
     degrees = plan.mesh_shape
     strategy.hybrid_configs = {f"{a}_degree": n for a, n in degrees.items()}

@@ -68,14 +68,13 @@ from jax.sharding import PartitionSpec as P
 
 from jfleet.parallel import random as tp_random
 from jfleet.parallel.mesh_context import (
-    DATA,
-    MP,
     constrain,
     layer_mesh,
     mp_degree,
     named,
     shard_map_mesh,
 )
+from jfleet.topology import DATA_AXES, MP
 
 __all__ = [
     "ColumnParallelLinear",
@@ -200,8 +199,8 @@ def activation_entries(mesh: Mesh, shape: Sequence[int], last: Any) -> tuple[Any
         return ()
     if len(shape) == 1:
         return (last,)
-    data = math.prod(mesh.shape.get(a, 1) for a in DATA)
-    batch = DATA if shape[0] % data == 0 else P.UNCONSTRAINED
+    data = math.prod(mesh.shape.get(a, 1) for a in DATA_AXES)
+    batch = DATA_AXES if shape[0] % data == 0 else P.UNCONSTRAINED
     return (batch,) + (None,) * (len(shape) - 2) + (last,)
 
 

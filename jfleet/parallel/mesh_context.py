@@ -11,7 +11,8 @@ Example:
   >>> from jfleet import fleet
   >>> _ = fleet.init(is_collective=True)
   >>> mesh = layer_mesh()
-  >>> x = constrain(jnp.ones((8, 4)), mesh, DATA, None)
+  >>> from jfleet.topology import DATA_AXES
+  >>> x = constrain(jnp.ones((8, 4)), mesh, DATA_AXES, None)
   >>> x.sharding.spec
   P(('dp', 'sharding'), None)
 """
@@ -24,10 +25,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-#: The batch axes (``dp`` x ``sharding``); use as a spec entry.
-DATA = ("dp", "sharding")
-#: The tensor-parallel axis.
-MP = "mp"
+from jfleet import _context
+from jfleet.topology import MP
 
 
 def layer_mesh(mesh: Mesh | None = None) -> Mesh:
@@ -40,14 +39,13 @@ def layer_mesh(mesh: Mesh | None = None) -> Mesh:
         if not isinstance(mesh, Mesh):
             raise TypeError(f"mesh={mesh!r} is not a jax.sharding.Mesh.")
         return mesh
-    from jfleet import fleet
-
-    if fleet._fleet._hcg is None:
+    run = _context.current()
+    if run is None:
         raise RuntimeError(
             "parallel layers are built on the fleet's mesh: call fleet.init(is_collective=True, "
             "strategy=...) before constructing them (or pass mesh=...)."
         )
-    return fleet._fleet._hcg.mesh
+    return run.mesh
 
 
 def mp_degree(mesh: Mesh) -> int:
@@ -56,7 +54,7 @@ def mp_degree(mesh: Mesh) -> int:
 
 
 def named(mesh: Mesh, *entries: Any) -> NamedSharding:
-    """``NamedSharding(mesh, P(*entries))`` with axes the mesh lacks dropped.
+    """``NamedSharding(mesh, P(*entries))`` with axes the mesh lacks dropped: the one builder.
 
     Inside a ``jax.shard_map`` that is manual over some axes (a pipeline stage, manual
     over ``pp`` and the data axes), the sharding is built on the context's abstract mesh

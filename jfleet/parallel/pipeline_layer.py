@@ -46,13 +46,16 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from jfleet import _context
 from jfleet._logging import logger
+from jfleet.amp import cast_floating
+from jfleet.engine import scalar_loss
 from jfleet.parallel import pipeline_schedule
+from jfleet.parallel.mesh_context import layer_mesh
+from jfleet.placement import Placement
+from jfleet.topology import PP
 
 __all__ = ["LayerDesc", "PipelineLayer", "SharedLayerDesc"]
-
-#: The mesh axis stages are laid out on.
-PP = "pp"
 
 
 # ------------------------------------------------------------------ descriptions
@@ -292,11 +295,9 @@ class PipelineLayer(nnx.Module):
         self.pre = nnx.List(pre)
         self.post = nnx.List(post)
         self.body = _stack(body, stages, layers[start].name)
-        from jfleet import fleet
-
-        hcg = fleet._fleet._hcg
-        if hcg is not None:
-            self.place(hcg.mesh)
+        mesh = _context.current_mesh()
+        if mesh is not None:
+            self.place(mesh)
 
     # -------------------------------------------------------------- running
     @property
@@ -326,10 +327,8 @@ class PipelineLayer(nnx.Module):
         metadata says. Done at construction after ``fleet.init``, and by
         ``fleet.distributed_model``.
         """
-        from jfleet.placement import ParallelPlan
-
         self.annotate(mesh)
-        ParallelPlan(mesh=mesh).place_params(self)
+        Placement(mesh=mesh).place_params(self)
         return self
 
     def annotate(self, mesh: jax.sharding.Mesh) -> None:
@@ -396,8 +395,6 @@ class PipelineLayer(nnx.Module):
           ValueError: no ``loss_fn``, a mesh whose ``pp`` size is not ``num_stages``,
             and :func:`~jfleet.parallel.pipeline_schedule.pipeline_loss`'s errors.
         """
-        from jfleet.parallel.mesh_context import layer_mesh
-
         loss_fn = self._loss_fn(loss_fn_idx)
         mesh = layer_mesh(mesh)
         size = mesh.shape.get(PP, 1)
@@ -473,15 +470,9 @@ def _narrow(tree: Any, dtypes: Any) -> Any:
 
 
 def _loss_value(loss_fn: Callable[..., Any], output: Any, labels: Any) -> jax.Array:
-    from jfleet.amp import cast_floating
-
-    loss = jnp.asarray(loss_fn(cast_floating(output, jnp.float32), labels))
-    if loss.shape != ():
-        raise ValueError(
-            f"loss_fn(output, labels) returned shape {loss.shape}; it must return the scalar "
-            "mean loss of its (micro-)batch (reduce it with .mean())."
-        )
-    return loss.astype(jnp.float32)
+    return scalar_loss(
+        loss_fn(cast_floating(output, jnp.float32), labels), "loss_fn(output, labels)"
+    )
 
 
 def annotate_stack(body: nnx.Module, mesh: jax.sharding.Mesh, num_stages: int) -> None:
@@ -619,10 +610,8 @@ def _resolve_stages(num_stages: Any, topology: Any) -> int:
     if num_stages is None:
         if from_topology is not None:
             return from_topology
-        from jfleet import fleet
-
-        hcg = fleet._fleet._hcg
-        return hcg.get_pipe_parallel_world_size() if hcg is not None else 1
+        run = _context.current()
+        return run.hcg.get_pipe_parallel_world_size() if run is not None else 1
     if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
         raise ValueError(f"num_stages={num_stages!r} must be an int >= 1.")
     if from_topology is not None and from_topology != num_stages:

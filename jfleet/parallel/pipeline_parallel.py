@@ -35,7 +35,7 @@ Example:
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 from typing import Any
 
 import jax
@@ -43,10 +43,11 @@ import jax.numpy as jnp
 
 from jfleet.distributed_model import DistributedModel, prepare_model
 from jfleet.distributed_optimizer import DistributedOptimizer
-from jfleet.engine import EvalStep, TrainStep
+from jfleet.engine import EvalStep, TrainStep, cached_step
 from jfleet.parallel.pipeline_layer import PipelineLayer
 from jfleet.parallel.pipeline_schedule import SCHEDULES
-from jfleet.placement import ParallelPlan
+from jfleet.placement import Placement
+from jfleet.topology import PP
 
 __all__ = ["PipelineParallel", "pipeline_model"]
 
@@ -89,7 +90,7 @@ class PipelineParallel(DistributedModel):
 
     Attributes:
       module: the :class:`PipelineLayer`.
-      plan: the parallel plan (mesh, ZeRO stage).
+      placement: where the arrays live (mesh, ZeRO stage).
       micro_batch_size: rows per micro-batch per data-parallel replica.
       accumulate_steps: micro-batches per step (``M``).
       schedule: ``"1F1B"`` or ``"FThenB"``.
@@ -98,7 +99,7 @@ class PipelineParallel(DistributedModel):
     def __init__(
         self,
         layers: PipelineLayer,
-        plan: ParallelPlan,
+        placement: Placement,
         *,
         micro_batch_size: int = 1,
         accumulate_steps: int = 1,
@@ -112,7 +113,7 @@ class PipelineParallel(DistributedModel):
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"pipeline_configs['{name}']={value!r} must be an int >= 1.")
-        super().__init__(layers, plan)
+        super().__init__(layers, placement)
         self.micro_batch_size = micro_batch_size
         self.accumulate_steps = accumulate_steps
         self.schedule = resolve_schedule(schedule)
@@ -173,7 +174,9 @@ class PipelineParallel(DistributedModel):
             )
         self.module._loss_fn(loss_fn_idx)
         batch = self._checked(data)
-        loss = _train_step(loss_fn_idx)(self, optimizer, batch)
+        loss = cached_step(TrainStep, _PipelineObjective(loss_fn_idx), self.placement)(
+            self, optimizer, batch
+        )
         if lr_scheduler is not None:
             lr_scheduler.step()
         return loss
@@ -194,8 +197,10 @@ class PipelineParallel(DistributedModel):
         batch = self._checked(data, check_rows=compute_loss)
         if compute_loss:
             self.module._loss_fn(loss_fn_idx)
-            return _eval_step(loss_fn_idx)(self, batch)
-        step = _output_step()
+            return cached_step(EvalStep, _PipelineObjective(loss_fn_idx), self.placement)(
+                self, batch
+            )
+        step = cached_step(EvalStep, _outputs, self.placement)
         step(self, batch)
         return step.last_aux
 
@@ -213,13 +218,15 @@ class PipelineParallel(DistributedModel):
         if jax.process_count() > 1 and not isinstance(leaves[0], jax.Array):
             rows *= jax.process_count()  # each process passes its part
         mbs, acc = self.micro_batch_size, self.accumulate_steps
-        dp = self.plan.data_parallel_size
+        dp = self.placement.data_parallel_size
         if rows == mbs * acc * dp:
             return
         if dp == 1:
             where = f"the batch size {rows}"
         else:
-            axes = " x ".join(f"{a} {self.plan.mesh.shape[a]}" for a in self.plan.data_axes)
+            axes = " x ".join(
+                f"{a} {self.placement.mesh.shape[a]}" for a in self.placement.data_axes
+            )
             per = f"{rows // dp}" if rows % dp == 0 else f"{rows / dp:g}"
             where = (
                 f"the batch size per data-parallel replica, {per} (a batch of {rows} rows over "
@@ -263,7 +270,7 @@ def _pipeline_objective(model: PipelineParallel, batch: Any, *, loss_fn_idx: int
         labels,
         schedule=model.schedule,
         num_microbatches=model.accumulate_steps,
-        mesh=model.plan.mesh,
+        mesh=model.placement.mesh,
         loss_fn_idx=loss_fn_idx,
     )
 
@@ -272,23 +279,18 @@ def _outputs(model: PipelineParallel, batch: Any) -> tuple[jax.Array, Any]:
     return jnp.zeros((), jnp.float32), model.module(batch[0])
 
 
-@functools.cache
-def _train_step(loss_fn_idx: int) -> TrainStep:
-    return TrainStep(functools.partial(_pipeline_objective, loss_fn_idx=loss_fn_idx))
+@dataclasses.dataclass(frozen=True)
+class _PipelineObjective:
+    """The engine's loss function for loss function ``loss_fn_idx``; equal ones share a step."""
 
+    loss_fn_idx: int
 
-@functools.cache
-def _eval_step(loss_fn_idx: int) -> EvalStep:
-    return EvalStep(functools.partial(_pipeline_objective, loss_fn_idx=loss_fn_idx))
-
-
-@functools.cache
-def _output_step() -> EvalStep:
-    return EvalStep(_outputs)
+    def __call__(self, model: PipelineParallel, batch: Any) -> jax.Array:
+        return _pipeline_objective(model, batch, loss_fn_idx=self.loss_fn_idx)
 
 
 # ------------------------------------------------------------------ fleet entry
-def pipeline_model(model: Any, strategy: Any, plan: ParallelPlan) -> PipelineParallel:
+def pipeline_model(model: Any, strategy: Any, placement: Placement) -> PipelineParallel:
     """``fleet.distributed_model`` for a pipeline: checks, AMP / recompute / placement, wrap.
 
     Raises:
@@ -296,13 +298,13 @@ def pipeline_model(model: Any, strategy: Any, plan: ParallelPlan) -> PipelinePar
       ValueError: ``num_stages`` is not the ``pp`` degree; bad ``pipeline_configs``.
       NotImplementedError: a Paddle schedule jfleet does not have yet.
     """
-    pp = plan.mesh.shape.get("pp", 1)
+    pp = placement.mesh.shape.get(PP, 1)
     if not isinstance(model, PipelineLayer):
         raise TypeError(
             f"pp_degree={pp} needs the model as a PipelineLayer, got "
             f"{type(model).__name__}: describe it as PipelineLayer([LayerDesc(Embedding, ...), "
             "LayerDesc(Block, ...), ..., LayerDesc(Head, ...)], loss_fn=...) (from "
-            "jfleet.meta_parallel), or set pp_degree=1."
+            "jfleet.fleet.meta_parallel), or set pp_degree=1."
         )
     if model.num_stages != pp:
         raise ValueError(
@@ -312,11 +314,11 @@ def pipeline_model(model: Any, strategy: Any, plan: ParallelPlan) -> PipelinePar
         )
     configs = strategy.pipeline_configs if strategy is not None else {}
     schedule = resolve_schedule(configs.get("schedule_mode", "1F1B"))
-    model.annotate(plan.mesh)  # a PipelineLayer built before fleet.init has no layout yet
-    wrapped = prepare_model(model, strategy, plan)
+    model.annotate(placement.mesh)  # a PipelineLayer built before fleet.init has no layout yet
+    wrapped = prepare_model(model, strategy, placement)
     return PipelineParallel(
         wrapped.module,
-        wrapped.plan,
+        wrapped.placement,
         micro_batch_size=int(configs.get("micro_batch_size", 1)),
         accumulate_steps=int(configs.get("accumulate_steps", 1)),
         schedule=schedule,

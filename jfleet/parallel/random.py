@@ -56,6 +56,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jfleet import _context
+
 __all__ = [
     "INIT_MODES",
     "MODEL_PARALLEL_RNG",
@@ -276,11 +278,9 @@ def model_parallel_random_seed(seed: int | None = None) -> int:
       >>> model_parallel_random_seed(5)
       5
     """
-    from jfleet import fleet
-
     if seed is not None and not (_is_int(seed) and seed >= 0):
         raise ValueError(f"seed={seed!r} must be a non-negative int or None.")
-    hcg = fleet.get_hybrid_communicate_group()
+    hcg = _context.require("model_parallel_random_seed").hcg
     mp_size = hcg.get_model_parallel_world_size()
     pp_size = hcg.get_pipe_parallel_world_size()
     pp_rank = hcg.get_stage_id()
@@ -310,9 +310,7 @@ def apply_tensor_init_seed(strategy: Any) -> int | None:
       >>> apply_tensor_init_seed(s)
       42
     """
-    from jfleet import fleet
-
-    if fleet.get_hybrid_communicate_group().get_model_parallel_world_size() <= 1:
+    if _context.require("apply_tensor_init_seed").hcg.get_model_parallel_world_size() <= 1:
         return None
     seed = int(strategy.tensor_parallel_configs["tensor_init_seed"])
     return model_parallel_random_seed(None if seed == -1 else seed)

@@ -44,7 +44,8 @@ from jax.sharding import PartitionSpec as P
 
 from jfleet._logging import logger
 from jfleet.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from jfleet.parallel.mesh_context import DATA, MP, constrain, layer_mesh, mp_degree
+from jfleet.parallel.mesh_context import constrain, layer_mesh, mp_degree
+from jfleet.topology import DATA_AXES, MP
 
 
 def _seq_entries(x: jax.Array, seq_axis: int, seq: Any, mesh: Mesh) -> tuple[Any, ...]:
@@ -56,8 +57,8 @@ def _seq_entries(x: jax.Array, seq_axis: int, seq: Any, mesh: Mesh) -> tuple[Any
     entries[seq_axis] = seq
     batch_axis = 1 if seq_axis == 0 else 0
     if x.ndim >= 2 and batch_axis != seq_axis:
-        data = math.prod(mesh.shape.get(a, 1) for a in DATA)
-        entries[batch_axis] = DATA if x.shape[batch_axis] % data == 0 else P.UNCONSTRAINED
+        data = math.prod(mesh.shape.get(a, 1) for a in DATA_AXES)
+        entries[batch_axis] = DATA_AXES if x.shape[batch_axis] % data == 0 else P.UNCONSTRAINED
     return tuple(entries)
 
 
@@ -281,7 +282,7 @@ def _manual_batch(x: jax.Array, seq_axis: int, mesh: Mesh) -> tuple[dict[int, An
     The data axes are made manual too when they divide the batch, so the batch stays
     split inside the layer (left automatic, the compiler gathers it).
     """
-    data = tuple(a for a in DATA if a in mesh.axis_names)
+    data = tuple(a for a in DATA_AXES if a in mesh.axis_names)
     batch_axis = 1 if seq_axis == 0 else 0
     size = math.prod(mesh.shape[a] for a in data)
     if x.ndim >= 2 and data and x.shape[batch_axis] % size == 0:

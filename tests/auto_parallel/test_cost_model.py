@@ -21,7 +21,7 @@ from jfleet.auto_parallel import (
     match_patterns,
 )
 from jfleet.auto_parallel.cost_model import enumerate_layouts, rank
-from jfleet.models_llama import TinyLlama
+from jfleet.models.llama import TinyLlama
 
 #: The check's model at 2 layers and batch 8 (one block a pipeline stage at pp 2).
 SMALL = cost_model_check.Workload(layers=2, batch=8)

@@ -10,9 +10,9 @@ from jax.sharding import PartitionSpec as P
 
 from jfleet.auto_parallel.patterns import match_patterns
 from jfleet.models import TinyLM
-from jfleet.models_gpt import TinyGPT
-from jfleet.models_gpt2 import TinyGPT2
-from jfleet.models_llama import TinyLlama
+from jfleet.models.gpt2 import TinyGPT2
+from jfleet.models.llama import TinyLlama
+from jfleet.models.parallel_gpt import TinyGPT
 
 COL, ROW, VOCAB, REP = P(None, "mp"), P("mp", None), P("mp", None), P()
 

@@ -21,8 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 from jfleet.auto_parallel import HardwareProfile, Plan, plan_for, split_devices
 from jfleet.auto_parallel.plan import spec_to_json
-from jfleet.models_gpt2 import TinyGPT2
-from jfleet.models_llama import TinyLlama
+from jfleet.models.gpt2 import TinyGPT2
+from jfleet.models.llama import TinyLlama
 
 GOLDEN = Path(__file__).parent / "golden"
 REGENERATE = os.environ.get("JFLEET_REGENERATE_GOLDEN") == "1"

@@ -18,8 +18,8 @@ from jfleet import DistributedStrategy, fleet, make_eval_step, make_train_step
 from jfleet.auto_parallel import ToDistributedConfig, get_plan, to_distributed
 from jfleet.auto_parallel.blocks import PipelinedBlocks
 from jfleet.models import lm_batches, lm_loss
-from jfleet.models_gpt2 import TinyGPT2
-from jfleet.models_llama import TinyLlama
+from jfleet.models.gpt2 import TinyGPT2
+from jfleet.models.llama import TinyLlama
 
 STEPS = 10
 #: fp32 Adam over 10 steps: the reductions run in another order on 8 devices.

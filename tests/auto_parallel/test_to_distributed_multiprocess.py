@@ -22,7 +22,7 @@ import optax
 from jfleet import fleet, make_train_step
 from jfleet.auto_parallel import ToDistributedConfig, get_plan, to_distributed
 from jfleet.models import lm_batches, lm_loss
-from jfleet.models_llama import TinyLlama
+from jfleet.models.llama import TinyLlama
 
 rank = int(os.environ["PADDLE_TRAINER_ID"])
 fleet.init(is_collective=True, log_level="WARNING")

@@ -14,7 +14,8 @@ from jax.sharding import Mesh
 
 from jfleet import fleet
 from jfleet.parallel.cross_entropy import ParallelCrossEntropy, parallel_cross_entropy
-from jfleet.parallel.mesh_context import DATA, MP, named
+from jfleet.parallel.mesh_context import named
+from jfleet.topology import DATA_AXES, MP
 
 IGNORE = -100
 CONFIGS = {
@@ -39,8 +40,8 @@ def make_batch(mesh: Mesh, shape=(8, 6, 64), dtype=jnp.float32, seed=0):
     labels[0, :3] = IGNORE
     labels[5, -1] = IGNORE
     weight = rng.uniform(0.5, 1.5, shape[:-1]).astype(np.float32)
-    logits = jax.device_put(logits, named(mesh, DATA, None, MP))
-    labels = jax.device_put(labels, named(mesh, DATA, None))
+    logits = jax.device_put(logits, named(mesh, DATA_AXES, None, MP))
+    labels = jax.device_put(labels, named(mesh, DATA_AXES, None))
     return logits, labels, weight
 
 

@@ -10,15 +10,17 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jfleet import DistributedStrategy, fleet, hlo, make_train_step
+from jfleet import DistributedStrategy, fleet, make_train_step
 from jfleet.parallel import random as tp_random
 from jfleet.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from jfleet.parallel.mesh_context import DATA, MP, named
+from jfleet.parallel.mesh_context import named
 from jfleet.parallel.random import get_rng_state_tracker
+from jfleet.testing import hlo
+from jfleet.topology import DATA_AXES, MP
 
 HYBRIDS = {
     "mp4_dp2": {"dp_degree": 2, "mp_degree": 4},
@@ -179,11 +181,11 @@ def test_layer_matches_flax_layer_on_one_device(case, hybrid, jit):
     got_specs = jax.tree.map(lambda v: v.sharding.spec, nnx.to_pure_dict(params))
     assert got_specs == specs
     if case == "row_parallel_input":  # hand it an input already split over mp
-        x = jax.device_put(x, named(mesh, DATA, None, MP))
+        x = jax.device_put(x, named(mesh, DATA_AXES, None, MP))
 
     got_y, got_gm, got_gx = _forward_and_grads(model, x, w, jit=jit)
     np.testing.assert_allclose(got_y, want_y, **FP32)
-    want_sharding = named(mesh, DATA, *([None] * (got_y.ndim - 2)), last)
+    want_sharding = named(mesh, DATA_AXES, *([None] * (got_y.ndim - 2)), last)
     assert got_y.sharding.is_equivalent_to(want_sharding, got_y.ndim), got_y.sharding
     got_g = jax.tree_util.tree_leaves_with_path(nnx.state(got_gm, nnx.Param))
     want_g = jax.tree.leaves(nnx.state(want_gm, nnx.Param))

@@ -1,6 +1,6 @@
 """PipelineLayer: the same model as TinyGPT, segmentation, recompute, tied weights, errors.
 
-The GPT is jfleet's :class:`~jfleet.models_gpt.TinyGPT` described as layers: built with
+The GPT is jfleet's :class:`~jfleet.models.parallel_gpt.TinyGPT` described as layers: built with
 the same seed, the PipelineLayer has TinyGPT's parameters (stacked) whatever the number
 of stages and the tensor-parallel degree, and computes the same function.
 """
@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from jfleet import DistributedStrategy, fleet
 from jfleet.models import lm_batches
-from jfleet.models_gpt import GPTBlock, TinyGPT, gpt_loss
+from jfleet.models.parallel_gpt import GPTBlock, TinyGPT, gpt_loss
 from jfleet.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from jfleet.parallel.pipeline_layer import LayerDesc, PipelineLayer, SharedLayerDesc
 from jfleet.parallel.pipeline_schedule import SCHEDULES

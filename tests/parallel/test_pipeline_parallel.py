@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from jfleet import DistributedStrategy, fleet
 from jfleet.distributed_model import apply_model_settings
 from jfleet.models import lm_batches
-from jfleet.models_gpt import TinyGPT, gpt_loss
+from jfleet.models.parallel_gpt import TinyGPT, gpt_loss
 from jfleet.optim.clip import clip_by_global_norm
 from jfleet.optim.compiler import compile_strategy
 from jfleet.parallel.pipeline_layer import LayerDesc, PipelineLayer
@@ -153,7 +153,7 @@ def test_pp2_sharding2_dp2_zero1_trains_like_one_device():
         {"dp_degree": 2, "sharding_degree": 2, "pp_degree": 2}, 2, 2, sharding=True
     )
     losses, params, model, opt = pipeline_run(strategy)
-    assert model.plan.zero_stage == 1
+    assert model.placement.zero_stage == 1
     trace = nnx.as_pure(opt.opt_state)[0].trace["module"]
     for leaf in (trace["body"]["attn"]["qkv"]["kernel"], trace["pre"][0]["layer"]["embedding"]):
         assert "sharding" in jax.tree.leaves(tuple(leaf.sharding.spec))  # ZeRO-1: state split
@@ -257,7 +257,7 @@ def test_pp_not_dividing_the_devices_fails_at_fleet_init():
 
 
 def test_meta_parallel_exports_the_pipeline_names():
-    import jfleet.meta_parallel as mp
+    import jfleet.fleet.meta_parallel as mp
     from jfleet.parallel import pipeline_layer, pipeline_parallel
 
     assert mp.PipelineLayer is pipeline_layer.PipelineLayer
@@ -270,7 +270,7 @@ def test_meta_parallel_exports_the_pipeline_names():
 def test_parallel_cross_entropy_works_as_the_pipeline_loss():
     """The vocabulary-parallel loss on the last stage trains like the dense one."""
 
-    from jfleet.meta_parallel import (
+    from jfleet.fleet.meta_parallel import (
         ColumnParallelLinear,
         LayerDesc,
         PipelineLayer,
@@ -280,7 +280,7 @@ def test_parallel_cross_entropy_works_as_the_pipeline_loss():
         parallel_cross_entropy,
     )
     from jfleet.models import stride_batches
-    from jfleet.models_gpt import GPTBlock
+    from jfleet.models.parallel_gpt import GPTBlock
 
     def layers():
         column = functools.partial(ColumnParallelLinear, has_bias=True, gather_output=False)

@@ -17,8 +17,9 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jfleet import fleet, hlo
+from jfleet import fleet
 from jfleet.parallel.pipeline_schedule import SCHEDULES, pipeline_loss, schedule_stats
+from jfleet.testing import hlo
 
 D, LAYERS, CLASSES, MICRO = 16, 2, 5, 2
 RTOL, ATOL = 1e-5, 1e-6

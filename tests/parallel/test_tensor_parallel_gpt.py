@@ -9,9 +9,10 @@ import optax
 import pytest
 from flax import nnx
 
-from jfleet import DistributedStrategy, fleet, hlo
+from jfleet import DistributedStrategy, fleet
 from jfleet.models import lm_batches
-from jfleet.models_gpt import GPTBlock, TinyGPT, gpt_loss
+from jfleet.models.parallel_gpt import GPTBlock, TinyGPT, gpt_loss
+from jfleet.testing import hlo
 
 HYBRIDS = {
     "mp4_dp2": {"dp_degree": 2, "mp_degree": 4},
@@ -138,9 +139,8 @@ def test_sequence_length_not_divisible_by_mp_is_a_clear_error():
 
 
 def test_meta_parallel_names_are_importable_both_ways():
+    import jfleet.fleet.meta_parallel as mp
     from jfleet.fleet.meta_parallel import ColumnParallelLinear, ParallelCrossEntropy
-
-    import jfleet.meta_parallel as mp
 
     assert (
         mp.ColumnParallelLinear is ColumnParallelLinear is fleet.meta_parallel.ColumnParallelLinear

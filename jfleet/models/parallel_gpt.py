@@ -2,7 +2,7 @@
 
 ``TinyGPT(..., tensor_parallel=False)`` is an ordinary single-device NNX model;
 ``tensor_parallel=True`` builds the same model (same parameter names, shapes and, with
-the same seed, the same initial values) from :mod:`jfleet.meta_parallel` layers in the
+the same seed, the same initial values) from :mod:`jfleet.fleet.meta_parallel` layers in the
 Megatron layout: q/k/v and the MLP's up projection column-parallel, the attention output
 and the MLP's down projection row-parallel, the embedding and the LM head split over the
 vocabulary, the loss a :class:`~jfleet.parallel.cross_entropy.ParallelCrossEntropy`.

@@ -1,24 +1,18 @@
-"""The Fleet facade: ``fleet.init`` and the module-level functions Paddle users call.
+"""The :class:`Fleet` object behind :mod:`jfleet.fleet`'s module functions.
 
-As in Paddle, ``jfleet.fleet`` is a module whose functions are bound to one
-process-wide :class:`Fleet` object, so a ported script reads the same::
+Its state (role maker, strategy, hybrid group) lives in :mod:`jfleet._context`, where
+layers, placement and the engine read it; the object adds the getters Paddle users call
+and the last distributed optimizer (for ``get_loss_scaling``).
 
-    from jfleet import fleet
-
-    strategy = fleet.DistributedStrategy()
-    strategy.hybrid_configs = {"dp_degree": 2, "pp_degree": 2, "mp_degree": 2}
-    fleet.init(is_collective=True, strategy=strategy)
-    hcg = fleet.get_hybrid_communicate_group()
-    mesh = hcg.mesh  # one jax.sharding.Mesh with axes (dp, pp, sharding, sep, mp)
-
-Rank answers are host answers: ``worker_index()`` is this process's index (what
-Paddle calls the trainer id); the coordinate of a device on a mesh axis comes from
-the :class:`~jfleet.topology.HybridCommunicateGroup` getters.
+Example:
+  >>> from jfleet import fleet
+  >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+  >>> fleet.worker_num(), fleet.get_hybrid_communicate_group().mesh.size
+  (1, 8)
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,61 +20,27 @@ import jax
 import optax
 from flax import nnx
 
-from jfleet import collective
+from jfleet import _context, collective
 from jfleet._logging import logger, set_log_level
 from jfleet.distributed_model import DistributedModel, prepare_model
 from jfleet.distributed_optimizer import DistributedOptimizer
-from jfleet.fleet_util import UtilBase
+from jfleet.fleet.util_base import UtilBase
 from jfleet.optim.compiler import compile_strategy
+from jfleet.parallel.pipeline_layer import PipelineLayer
+from jfleet.parallel.pipeline_parallel import pipeline_model
 from jfleet.parallel.random import apply_tensor_init_seed, get_rng_state_tracker, set_init_mode
-from jfleet.placement import ParallelPlan
+from jfleet.placement import Placement
 from jfleet.role_maker import (
     PaddleCloudRoleMaker,
-    Role,
     RoleMakerBase,
-    UserDefinedRoleMaker,
     initialize_distributed,
 )
 from jfleet.strategy import SPMD_NOOP_SETTINGS, DistributedStrategy
 from jfleet.topology import (
     CommunicateTopology,
     HybridCommunicateGroup,
-    ParallelMode,
     build_hybrid_communicate_group,
 )
-
-__all__ = [
-    "CommunicateTopology",
-    "DistributedStrategy",
-    "Fleet",
-    "HybridCommunicateGroup",
-    "PaddleCloudRoleMaker",
-    "ParallelMode",
-    "Role",
-    "UserDefinedRoleMaker",
-    "all_reduce",
-    "barrier_worker",
-    "distributed_model",
-    "distributed_optimizer",
-    "get_hybrid_communicate_group",
-    "get_hybrid_parallel_topology",
-    "get_loss_scaling",
-    "init",
-    "is_first_worker",
-    "is_server",
-    "is_worker",
-    "local_device_ids",
-    "local_rank",
-    "node_num",
-    "rank",
-    "server_num",
-    "util",
-    "worker_endpoints",
-    "worker_index",
-    "worker_num",
-    "world_device_ids",
-    "world_size",
-]
 
 
 class Fleet:
@@ -103,17 +63,24 @@ class Fleet:
     def _reset(self) -> None:
         get_rng_state_tracker().reset()
         set_init_mode("replicable")
-        self._role_maker: RoleMakerBase | None = None
-        self._user_strategy: DistributedStrategy | None = None
-        self._hcg: HybridCommunicateGroup | None = None
+        _context.clear()
         self._optimizer: DistributedOptimizer | None = None
 
-    def _require_init(self, what: str) -> None:
-        if self._role_maker is None:
-            raise RuntimeError(
-                f"fleet.{what}() needs fleet.init() first; call "
-                "`fleet.init(is_collective=True, strategy=...)` at the start of the script."
-            )
+    def _require_init(self, what: str) -> _context.Run:
+        return _context.require(f"fleet.{what}()")
+
+    @property
+    def is_initialized(self) -> bool:
+        """Whether :meth:`init` has set up a run."""
+        return _context.current() is not None
+
+    @property
+    def _role_maker(self) -> RoleMakerBase:
+        return self._require_init("worker info").role_maker
+
+    @property
+    def _hcg(self) -> HybridCommunicateGroup:
+        return self._require_init("get_hybrid_communicate_group").hcg
 
     # ----------------------------------------------------------------- init
     def init(
@@ -190,9 +157,7 @@ class Fleet:
                     "every device of the run."
                 )
         hcg = build_hybrid_communicate_group(strategy.hybrid_configs, devices)
-        self._role_maker = role_maker
-        self._user_strategy = strategy
-        self._hcg = hcg
+        _context.set_run(_context.Run(role_maker=role_maker, strategy=strategy, hcg=hcg))
         self._optimizer = None
         apply_tensor_init_seed(strategy)
         ignored = strategy.spmd_noop_settings()
@@ -323,12 +288,12 @@ class Fleet:
                 "fleet.distributed_optimizer got a strategy: it replaces the one given to "
                 "fleet.init (prefer passing it to fleet.init)"
             )
-            if strategy.hybrid_configs != self._user_strategy.hybrid_configs:
+            if strategy.hybrid_configs != self.strategy.hybrid_configs:
                 logger.warning(
                     "the hybrid_configs of the strategy given to distributed_optimizer differ "
                     "from fleet.init's; the mesh stays as fleet.init built it"
                 )
-            self._user_strategy = strategy
+            _context.replace(strategy=strategy)
         wrt = nnx.Param
         if isinstance(optimizer, nnx.Optimizer):
             wrt = optimizer.wrt
@@ -338,7 +303,7 @@ class Fleet:
                 f"optimizer={optimizer!r} ({type(optimizer).__name__}) is neither an optax "
                 "GradientTransformation nor an nnx.Optimizer; pass e.g. optax.adam(1e-3)."
             )
-        compiled = compile_strategy(optimizer, self._user_strategy)
+        compiled = compile_strategy(optimizer, self.strategy)
         dist = DistributedOptimizer(
             compiled.tx,
             inner_tx=optimizer,
@@ -368,14 +333,11 @@ class Fleet:
             pp_degree > 1. ValueError: a ``PipelineLayer`` whose ``num_stages`` is
             not the pp degree. NotImplementedError: a Paddle schedule jfleet lacks.
         """
-        self._require_init("distributed_model")
-        from jfleet.parallel.pipeline_layer import PipelineLayer
-
-        if self._hcg.get_pipe_parallel_world_size() > 1 or isinstance(model, PipelineLayer):
-            from jfleet.parallel.pipeline_parallel import pipeline_model
-
-            return pipeline_model(model, self._user_strategy, ParallelPlan.from_fleet())
-        return prepare_model(model, self._user_strategy, ParallelPlan.from_fleet())
+        run = self._require_init("distributed_model")
+        placement = Placement.from_fleet()
+        if run.hcg.get_pipe_parallel_world_size() > 1 or isinstance(model, PipelineLayer):
+            return pipeline_model(model, run.strategy, placement)
+        return prepare_model(model, run.strategy, placement)
 
     def get_loss_scaling(self) -> float:
         """The current fp16 loss scale of the last distributed optimizer."""
@@ -397,46 +359,8 @@ class Fleet:
     @property
     def strategy(self) -> DistributedStrategy:
         """The strategy given to :meth:`init` (a default one if none was)."""
-        if self._role_maker is None:
-            raise RuntimeError(
-                "fleet.strategy needs fleet.init() first; call "
-                "`fleet.init(is_collective=True, strategy=...)` at the start of the script."
-            )
-        return self._user_strategy
+        return _context.require("fleet.strategy").strategy
 
 
 def _noop_reason(name: str) -> str:
     return SPMD_NOOP_SETTINGS.get(name, "no effect under SPMD")
-
-
-_fleet = Fleet()
-
-init = _fleet.init
-worker_index = _fleet.worker_index
-rank = _fleet.rank
-worker_num = _fleet.worker_num
-world_size = _fleet.world_size
-is_first_worker = _fleet.is_first_worker
-is_worker = _fleet.is_worker
-is_server = _fleet.is_server
-server_num = _fleet.server_num
-node_num = _fleet.node_num
-local_rank = _fleet.local_rank
-local_device_ids = _fleet.local_device_ids
-world_device_ids = _fleet.world_device_ids
-worker_endpoints = _fleet.worker_endpoints
-barrier_worker = _fleet.barrier_worker
-all_reduce = _fleet.all_reduce
-get_hybrid_communicate_group = _fleet.get_hybrid_communicate_group
-get_hybrid_parallel_topology = _fleet.get_hybrid_parallel_topology
-distributed_optimizer = _fleet.distributed_optimizer
-distributed_model = _fleet.distributed_model
-get_loss_scaling = _fleet.get_loss_scaling
-_get_applied_meta_list = _fleet._get_applied_meta_list
-util = _fleet.util
-_reset = _fleet._reset
-
-# ``fleet.meta_parallel.ColumnParallelLinear`` and ``from jfleet.fleet.meta_parallel import ...``
-from jfleet import meta_parallel  # noqa: E402
-
-sys.modules[__name__ + ".meta_parallel"] = meta_parallel

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from jfleet import collective
 
 if TYPE_CHECKING:
-    from jfleet.fleet import Fleet
+    from jfleet.fleet.fleet_base import Fleet
 
 
 class UtilBase:

@@ -1,4 +1,4 @@
-"""Small reference models and data for the examples, notebooks, benchmarks and tests.
+"""A GPT-shaped toy language model without attention, and the token data every reference model trains on.
 
 Example:
   >>> model = TinyLM()

@@ -1,6 +1,6 @@
 """Paddle's ``fleet.meta_parallel`` names: tensor-, sequence- and pipeline-parallel layers, RNGs.
 
-Importable as ``jfleet.meta_parallel`` and as ``jfleet.fleet.meta_parallel``.
+Importable as ``jfleet.fleet.meta_parallel`` (Paddle's path); also ``jfleet.fleet.meta_parallel``.
 
 Example:
   >>> from jfleet import fleet

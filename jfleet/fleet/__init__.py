@@ -1,0 +1,100 @@
+"""The Fleet facade: ``fleet.init`` and the module-level functions Paddle users call.
+
+As in Paddle, ``jfleet.fleet``'s functions are bound to one process-wide
+:class:`~jfleet.fleet.fleet_base.Fleet` object, so a ported script reads the same::
+
+    from jfleet import fleet
+
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = {"dp_degree": 2, "pp_degree": 2, "mp_degree": 2}
+    fleet.init(is_collective=True, strategy=strategy)
+    hcg = fleet.get_hybrid_communicate_group()
+    mesh = hcg.mesh  # one jax.sharding.Mesh with axes (dp, pp, sharding, sep, mp)
+
+Rank answers are host answers: ``worker_index()`` is this process's index (what
+Paddle calls the trainer id); the coordinate of a device on a mesh axis comes from
+the :class:`~jfleet.topology.HybridCommunicateGroup` getters. The layers are under
+``fleet.meta_parallel`` as in Paddle.
+
+This package is the facade only: nothing else in jfleet imports it (the run it starts
+is in :mod:`jfleet._context`), except ``to_distributed``, which calls ``fleet.init``.
+
+Example:
+  >>> from jfleet import fleet
+  >>> s = fleet.DistributedStrategy()
+  >>> s.hybrid_configs = {"dp_degree": 2, "mp_degree": 4}
+  >>> _ = fleet.init(is_collective=True, strategy=s, log_level="WARNING")
+  >>> fleet.get_hybrid_communicate_group().get_model_parallel_world_size()
+  4
+"""
+
+from jfleet.fleet import meta_parallel as meta_parallel
+from jfleet.fleet.fleet_base import Fleet as Fleet
+from jfleet.role_maker import PaddleCloudRoleMaker as PaddleCloudRoleMaker
+from jfleet.role_maker import Role as Role
+from jfleet.role_maker import UserDefinedRoleMaker as UserDefinedRoleMaker
+from jfleet.strategy import DistributedStrategy as DistributedStrategy
+from jfleet.topology import CommunicateTopology as CommunicateTopology
+from jfleet.topology import HybridCommunicateGroup as HybridCommunicateGroup
+from jfleet.topology import ParallelMode as ParallelMode
+
+__all__ = [
+    "CommunicateTopology",
+    "DistributedStrategy",
+    "Fleet",
+    "HybridCommunicateGroup",
+    "PaddleCloudRoleMaker",
+    "ParallelMode",
+    "Role",
+    "UserDefinedRoleMaker",
+    "all_reduce",
+    "barrier_worker",
+    "distributed_model",
+    "distributed_optimizer",
+    "get_hybrid_communicate_group",
+    "get_hybrid_parallel_topology",
+    "get_loss_scaling",
+    "init",
+    "is_first_worker",
+    "is_server",
+    "is_worker",
+    "local_device_ids",
+    "local_rank",
+    "meta_parallel",
+    "node_num",
+    "rank",
+    "server_num",
+    "util",
+    "worker_endpoints",
+    "worker_index",
+    "worker_num",
+    "world_device_ids",
+    "world_size",
+]
+
+_fleet = Fleet()
+
+init = _fleet.init
+worker_index = _fleet.worker_index
+rank = _fleet.rank
+worker_num = _fleet.worker_num
+world_size = _fleet.world_size
+is_first_worker = _fleet.is_first_worker
+is_worker = _fleet.is_worker
+is_server = _fleet.is_server
+server_num = _fleet.server_num
+node_num = _fleet.node_num
+local_rank = _fleet.local_rank
+local_device_ids = _fleet.local_device_ids
+world_device_ids = _fleet.world_device_ids
+worker_endpoints = _fleet.worker_endpoints
+barrier_worker = _fleet.barrier_worker
+all_reduce = _fleet.all_reduce
+get_hybrid_communicate_group = _fleet.get_hybrid_communicate_group
+get_hybrid_parallel_topology = _fleet.get_hybrid_parallel_topology
+distributed_optimizer = _fleet.distributed_optimizer
+distributed_model = _fleet.distributed_model
+get_loss_scaling = _fleet.get_loss_scaling
+_get_applied_meta_list = _fleet._get_applied_meta_list
+util = _fleet.util
+_reset = _fleet._reset

@@ -1,0 +1,91 @@
+"""Paddle's ZeRO entry point ``group_sharded_parallel(model, optimizer, level)``.
+
+It starts a data-parallel fleet when none is running and wraps the optimizer with
+``fleet.distributed_optimizer``, so it belongs to the facade.
+
+Example:
+  >>> import optax
+  >>> from flax import nnx
+  >>> model, opt, _ = group_sharded_parallel(
+  ...     nnx.Linear(8, 8, rngs=nnx.Rngs(0)), optax.adam(1e-3), "os_g")
+  >>> model.placement.zero_stage, model.placement.zero_axis
+  (2, 'dp')
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flax import nnx
+
+from jfleet import _context, fleet
+from jfleet._logging import logger
+from jfleet.distributed_model import DistributedModel, prepare_model
+from jfleet.distributed_optimizer import DistributedOptimizer
+from jfleet.placement import Placement
+from jfleet.topology import DP, SHARDING
+
+_LEVELS = {"os": 1, "os_g": 2, "p_g_os": 3}
+
+
+def group_sharded_parallel(
+    model: nnx.Module,
+    optimizer: Any,
+    level: str,
+    scaler: Any = None,
+    group: Any = None,
+    offload: bool = False,
+    sync_buffers: bool = False,
+    buffer_max_size: int = 2**23,
+    segment_size: int = 2**20,
+    sync_comm: bool = False,
+    dp_group: Any = None,
+    exclude_layer: Any = None,
+) -> tuple[DistributedModel, DistributedOptimizer, Any]:
+    """Paddle's ZeRO entry point: ``level`` 'os' (stage 1), 'os_g' (2) or 'p_g_os' (3).
+
+    Shards over the mesh's ``sharding`` axis when its degree is above 1, else over
+    ``dp`` (every device, for a pure data-parallel fleet). Without ``fleet.init``
+    a default fleet (data parallel over all devices) is started. The buffer and
+    communication knobs (``buffer_max_size``, ``segment_size``, ``sync_comm``,
+    ``sync_buffers``) mean nothing under SPMD and are ignored (logged).
+
+    Returns:
+      ``(model, optimizer, scaler)`` as Paddle does.
+
+    Raises:
+      ValueError: an unknown level, or offload / exclude_layer, which jfleet does
+        not provide.
+    """
+    if level not in _LEVELS:
+        raise ValueError(
+            f"level={level!r} is not a group_sharded_parallel level; expected one of "
+            f"{list(_LEVELS)} (ZeRO stage 1, 2, 3)."
+        )
+    if offload:
+        raise ValueError("group_sharded_parallel(offload=True) is not available in jfleet yet.")
+    if exclude_layer:
+        raise ValueError(
+            f"group_sharded_parallel(exclude_layer={exclude_layer!r}) is not available in "
+            "jfleet yet; every parameter is sharded."
+        )
+    if group is not None or dp_group is not None:
+        raise ValueError(
+            "group_sharded_parallel(group=..., dp_group=...) is not needed in jfleet: the "
+            "sharding axis of the fleet's mesh is the group; drop these arguments."
+        )
+    logger.info(
+        "group_sharded_parallel: buffer_max_size, segment_size, sync_comm and sync_buffers "
+        "mean nothing under SPMD and are ignored"
+    )
+    if _context.current() is None:
+        logger.info("group_sharded_parallel: no fleet.init yet; starting a data-parallel fleet")
+        fleet.init(is_collective=True)
+    mesh = fleet.get_hybrid_communicate_group().mesh
+    axis = SHARDING if mesh.shape[SHARDING] > 1 else DP
+    placement = Placement(mesh=mesh, zero_stage=_LEVELS[level], zero_axis=axis)
+    if not isinstance(optimizer, DistributedOptimizer):
+        optimizer = fleet.distributed_optimizer(optimizer)
+    wrapped = prepare_model(model, None, placement)
+    optimizer.init(wrapped, placement)
+    return wrapped, optimizer, scaler

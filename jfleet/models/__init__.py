@@ -1,0 +1,23 @@
+"""Reference models for the docs, examples, notebooks, benchmarks and tests.
+
+Each is a small decoder written in plain Flax NNX (no distributed code) unless its name
+says otherwise; all train on the token batches of :mod:`jfleet.models.tiny_lm`.
+
+* :mod:`~jfleet.models.tiny_lm`: ``TinyLM`` (embedding, MLP blocks, head; no attention)
+  and the data (``lm_batches``, ``stride_batches``, ``lm_loss``).
+* :mod:`~jfleet.models.parallel_gpt`: ``TinyGPT``, built from plain layers or from
+  jfleet's tensor-parallel layers (Megatron layout, optional sequence parallel).
+* :mod:`~jfleet.models.gpt2`: ``TinyGPT2``, GPT-2-style (fused qkv, tied head).
+* :mod:`~jfleet.models.llama`: ``TinyLlama``, Llama-style (RMSNorm, RoPE, GQA, SwiGLU).
+
+Example:
+  >>> from jfleet.models import TinyLM, lm_batches, lm_loss
+  >>> float(lm_loss(TinyLM(), lm_batches(1)[0])) > 0
+  True
+"""
+
+from jfleet.models.tiny_lm import Block as Block
+from jfleet.models.tiny_lm import TinyLM as TinyLM
+from jfleet.models.tiny_lm import lm_batches as lm_batches
+from jfleet.models.tiny_lm import lm_loss as lm_loss
+from jfleet.models.tiny_lm import stride_batches as stride_batches
