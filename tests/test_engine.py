@@ -9,47 +9,13 @@ import optax
 import pytest
 from flax import nnx
 
-from jfleet import DistributedStrategy, fleet, make_train_step
-from jfleet.distributed_model import apply_model_settings
+from jfleet import fleet, make_train_step
 from jfleet.models import TinyLM, lm_batches, lm_loss
 from jfleet.optim import hyperparams
 from jfleet.optim.clip import clip_by_global_norm, global_norm
-from jfleet.optim.compiler import amp_settings, compile_strategy
-from jfleet.optim.loss_scale import loss_scale_of
+from jfleet.testing import assert_trees_close, make_strategy, train_one_device
 
 STEPS = 4
-
-
-def make_strategy(hybrid: dict, **settings) -> DistributedStrategy:
-    strategy = DistributedStrategy()
-    strategy.hybrid_configs = hybrid
-    for name, value in settings.items():
-        setattr(strategy, name, value)
-    return strategy
-
-
-def reference_run(strategy, tx, batches, loss_fn=lm_loss):
-    """The same training on one device: plain nnx.jit, the same chain, no mesh."""
-    model = apply_model_settings(TinyLM(), strategy)
-    amp = amp_settings(strategy)
-    compiled = compile_strategy(tx, strategy)
-    opt = nnx.Optimizer(model, compiled.tx, wrt=nnx.Param)
-    scaled = bool(amp and amp.loss_scaling)
-
-    @nnx.jit
-    def step(model, opt, batch):
-        scale = loss_scale_of(nnx.as_pure(opt.opt_state)) if scaled else 1.0
-
-        def objective(m):
-            loss = loss_fn(m, batch).astype(jnp.float32)
-            return loss * scale, loss
-
-        grads, loss = nnx.grad(objective, has_aux=True)(model)
-        opt.update(model, grads)
-        return loss
-
-    losses = [float(step(model, opt, jax.tree.map(jnp.asarray, b))) for b in batches]
-    return np.array(losses), nnx.state(model, nnx.Param)
 
 
 def fleet_run(strategy, tx, batches, loss_fn=lm_loss):
@@ -58,21 +24,6 @@ def fleet_run(strategy, tx, batches, loss_fn=lm_loss):
     opt = fleet.distributed_optimizer(tx)
     losses = [float(model.train_batch(b, opt, loss_fn=loss_fn)) for b in batches]
     return np.array(losses), nnx.state(model.module, nnx.Param), model, opt
-
-
-def assert_params_close(got, want, rtol, atol):
-    got_leaves = jax.tree_util.tree_leaves_with_path(got)
-    want_leaves = jax.tree.leaves(want)
-    assert len(got_leaves) == len(want_leaves)
-    for (path, g), w in zip(got_leaves, want_leaves, strict=True):
-        assert g.dtype == w.dtype, jax.tree_util.keystr(path)
-        np.testing.assert_allclose(
-            np.asarray(g, np.float32),
-            np.asarray(w, np.float32),
-            rtol=rtol,
-            atol=atol,
-            err_msg=jax.tree_util.keystr(path),
-        )
 
 
 ADAM = lambda: optax.adam(1e-2)  # noqa: E731
@@ -131,10 +82,12 @@ MODES = {
 def test_mode_matches_single_device(mode):
     hybrid, settings, make_tx, tol = MODES[mode]
     batches = lm_batches(STEPS if "merge" not in mode else 8)
-    want_losses, want_params = reference_run(make_strategy(hybrid, **settings), make_tx(), batches)
+    want_losses, want_params = train_one_device(
+        TinyLM(), make_tx(), batches, lm_loss, strategy=make_strategy(hybrid, **settings)
+    )
     got_losses, got_params, _, _ = fleet_run(make_strategy(hybrid, **settings), make_tx(), batches)
     np.testing.assert_allclose(got_losses, want_losses, rtol=tol["rtol"])
-    assert_params_close(got_params, want_params, **tol)
+    assert_trees_close(got_params, want_params, **tol)
     # the run really trained (a no-op engine would keep the initial parameters)
     initial = nnx.state(TinyLM(), nnx.Param)
     moved = max(
@@ -175,7 +128,7 @@ def test_gradient_merge_equals_one_step_on_concatenated_batch():
     _, merged_params, _, _ = fleet_run(merged, optax.sgd(0.5), parts)
     fleet._reset()
     _, one_params, _, _ = fleet_run(make_strategy({"dp_degree": 8}), optax.sgd(0.5), [whole])
-    assert_params_close(merged_params, one_params, rtol=1e-5, atol=1e-6)
+    assert_trees_close(merged_params, one_params, rtol=1e-5, atol=1e-6)
 
 
 def test_fp16_injected_inf_skips_step_and_follows_paddles_rule():
@@ -251,7 +204,9 @@ def test_users_own_nnx_jit_step_keeps_working():
         return loss
 
     got = [float(step(model, opt, jax.tree.map(jnp.asarray, b))) for b in batches]
-    want, _ = reference_run(make_strategy({"dp_degree": 8}), optax.adam(1e-2), batches)
+    want, _ = train_one_device(
+        TinyLM(), optax.adam(1e-2), batches, lm_loss, strategy=make_strategy({"dp_degree": 8})
+    )
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 

@@ -11,31 +11,23 @@ from flax import nnx
 from jfleet import DistributedStrategy, fleet, group_sharded_parallel, make_train_step
 from jfleet.models import TinyLM, lm_batches, lm_loss
 from jfleet.recompute import apply_recompute
-
-
-def init(hybrid=None, **settings):
-    strategy = DistributedStrategy()
-    strategy.hybrid_configs = hybrid or {"dp_degree": 8}
-    for name, value in settings.items():
-        setattr(strategy, name, value)
-    fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
-    return strategy
+from tests.fleet_setup import init_fleet
 
 
 def test_lamb_over_sgd_names_the_family():
-    init(lamb=True)
+    init_fleet(lamb=True)
     with pytest.raises(ValueError, match="(?i)adam.*(sgd|momentum)|(sgd|momentum).*adam"):
         fleet.distributed_optimizer(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1))
 
 
 def test_lars_over_adam_names_the_family():
-    init(lars=True)
+    init_fleet(lars=True)
     with pytest.raises(ValueError, match="(?i)momentum.*adam|adam.*momentum"):
         fleet.distributed_optimizer(optax.inject_hyperparams(optax.adam)(learning_rate=0.1))
 
 
 def test_lamb_over_plain_adam_shows_the_fix():
-    init(lamb=True)
+    init_fleet(lamb=True)
     with pytest.raises(ValueError, match="inject_hyperparams"):
         fleet.distributed_optimizer(optax.adam(1e-3))
 
@@ -52,22 +44,22 @@ def test_gradient_merge_k_steps_below_one(k):
 
 def test_sharding_stage_4():
     with pytest.raises(ValueError, match="stage.*4|4.*stage"):
-        init({"dp_degree": 2, "sharding_degree": 4}, sharding_configs={"stage": 4})
+        init_fleet({"dp_degree": 2, "sharding_degree": 4}, sharding_configs={"stage": 4})
 
 
 def test_sharding_degree_not_dividing_devices():
     with pytest.raises(ValueError, match="sharding_degree=3"):
-        init({"dp_degree": -1, "sharding_degree": 3})
+        init_fleet({"dp_degree": -1, "sharding_degree": 3})
 
 
 def test_recompute_checkpoint_matching_nothing():
-    init(recompute=True, recompute_configs={"checkpoints": ["NoSuchBlock"]})
+    init_fleet(recompute=True, recompute_configs={"checkpoints": ["NoSuchBlock"]})
     with pytest.raises(ValueError, match="NoSuchBlock.*matches no sub-module"):
         fleet.distributed_model(TinyLM())
 
 
 def test_batch_not_divisible_by_data_parallel_size():
-    init({"dp_degree": 2, "sharding_degree": 4})
+    init_fleet({"dp_degree": 2, "sharding_degree": 4})
     model = fleet.distributed_model(TinyLM())
     opt = fleet.distributed_optimizer(optax.sgd(0.1))
     batch = lm_batches(1, batch=6)[0]
@@ -76,20 +68,20 @@ def test_batch_not_divisible_by_data_parallel_size():
 
 
 def test_lamb_with_lars_names_both_switches():
-    init(lamb=True, lars=True)
+    init_fleet(lamb=True, lars=True)
     with pytest.raises(ValueError, match=r"strategy\.lamb=True and strategy\.lars=True"):
         fleet.distributed_optimizer(optax.sgd(0.1))
 
 
 def test_dgc_with_amp_names_both_switches():
-    init(dgc=True, amp=True)
+    init_fleet(dgc=True, amp=True)
     with pytest.raises(ValueError, match=r"strategy\.dgc=True and strategy\.amp=True"):
         fleet.distributed_optimizer(optax.sgd(0.1))
 
 
 @pytest.mark.parametrize("switch", ["dgc", "localsgd", "adaptive_localsgd", "fp16_allreduce"])
 def test_meta_optimizers_not_provided_are_errors_not_ignored(switch):
-    init(**{switch: True})
+    init_fleet(**{switch: True})
     with pytest.raises(NotImplementedError, match=f"strategy.{switch}=True"):
         fleet.distributed_optimizer(optax.sgd(0.1))
 
@@ -100,7 +92,7 @@ def test_group_sharded_parallel_bad_level():
 
 
 def test_loss_fn_returning_a_vector():
-    init()
+    init_fleet()
     model = fleet.distributed_model(TinyLM())
     opt = fleet.distributed_optimizer(optax.sgd(0.1))
     step = make_train_step(lambda m, b: m(b["tokens"]).mean(axis=(1, 2)))
@@ -109,7 +101,7 @@ def test_loss_fn_returning_a_vector():
 
 
 def test_optimizer_reused_for_another_model():
-    init()
+    init_fleet()
     opt = fleet.distributed_optimizer(optax.sgd(0.1))
     fleet.distributed_model(TinyLM()).train_batch(lm_batches(1)[0], opt, loss_fn=lm_loss)
     other = fleet.distributed_model(nnx.Linear(3, 3, rngs=nnx.Rngs(0)))
@@ -118,19 +110,19 @@ def test_optimizer_reused_for_another_model():
 
 
 def test_not_an_optimizer():
-    init()
+    init_fleet()
     with pytest.raises(TypeError, match="optimizer='adam'"):
         fleet.distributed_optimizer("adam")
 
 
 def test_not_a_module():
-    init()
+    init_fleet()
     with pytest.raises(TypeError, match="model=dict"):
         fleet.distributed_model({"w": np.ones(3)})
 
 
 def test_get_loss_scaling_without_fp16():
-    init()
+    init_fleet()
     fleet.distributed_optimizer(optax.sgd(0.1))
     with pytest.raises(RuntimeError, match="no fp16 loss scaling"):
         fleet.get_loss_scaling()

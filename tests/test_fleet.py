@@ -22,6 +22,7 @@ from jfleet import fleet as fleet_module
 from jfleet.fleet import fleet_base
 from jfleet.role_maker import PaddleCloudRoleMaker, UserDefinedRoleMaker
 from jfleet.strategy import DistributedStrategy
+from jfleet.testing import make_strategy
 
 _ENV_VARS = (
     "PADDLE_TRAINER_ID",
@@ -47,13 +48,6 @@ def _single_process_env(monkeypatch):
     level = jfleet_logger.level
     yield
     jfleet_logger.setLevel(level)
-
-
-def make_strategy(**hybrid) -> DistributedStrategy:
-    strategy = DistributedStrategy()
-    if hybrid:
-        strategy.hybrid_configs = hybrid
-    return strategy
 
 
 def init_as_worker(monkeypatch, current_id: int, worker_num: int):
@@ -180,7 +174,7 @@ def test_default_mesh_axes_sizes_and_types():
 
 
 def test_hybrid_mesh_follows_the_strategy():
-    strategy = make_strategy(dp_degree=2, pp_degree=1, sharding_degree=2, mp_degree=2)
+    strategy = make_strategy(dict(dp_degree=2, pp_degree=1, sharding_degree=2, mp_degree=2))
     fleet.init(is_collective=True, strategy=strategy)
     hcg = fleet.get_hybrid_communicate_group()
     mesh = hcg.mesh
@@ -196,7 +190,9 @@ def test_hybrid_mesh_follows_the_strategy():
 
 
 def test_hybrid_parallel_topology():
-    fleet.init(is_collective=True, strategy=make_strategy(dp_degree=2, pp_degree=2, mp_degree=2))
+    fleet.init(
+        is_collective=True, strategy=make_strategy(dict(dp_degree=2, pp_degree=2, mp_degree=2))
+    )
     topo = fleet.get_hybrid_parallel_topology()
     assert topo is fleet.get_hybrid_communicate_group().topology()
     assert topo.get_hybrid_group_names() == ["data", "pipe", "sharding", "sep", "model"]
@@ -221,7 +217,7 @@ def test_hybrid_parallel_topology():
     ],
 )
 def test_dp_degree_is_inferred(hybrid, dp):
-    strategy = make_strategy(**hybrid)
+    strategy = make_strategy(hybrid)
     assert strategy.hybrid_configs["dp_degree"] == -1
     fleet.init(is_collective=True, strategy=strategy)
     shape = dict(fleet.get_hybrid_communicate_group().mesh.shape)
@@ -234,7 +230,7 @@ def test_dp_degree_is_inferred(hybrid, dp):
 
 def test_non_default_order_changes_the_mesh_axis_order():
     order = ["mp", "sep", "sharding", "pp", "dp"]
-    strategy = make_strategy(dp_degree=2, mp_degree=4, order=order)
+    strategy = make_strategy(dict(dp_degree=2, mp_degree=4, order=order))
     fleet.init(is_collective=True, strategy=strategy)
     mesh = fleet.get_hybrid_communicate_group().mesh
     assert mesh.axis_names == tuple(order)
@@ -259,9 +255,9 @@ def test_order_alias_and_cp_entry():
 
 
 def test_init_again_rebuilds_the_mesh():
-    fleet.init(is_collective=True, strategy=make_strategy(mp_degree=2))
+    fleet.init(is_collective=True, strategy=make_strategy(dict(mp_degree=2)))
     assert dict(fleet.get_hybrid_communicate_group().mesh.shape)["mp"] == 2
-    fleet.init(is_collective=True, strategy=make_strategy(mp_degree=4))
+    fleet.init(is_collective=True, strategy=make_strategy(dict(mp_degree=4)))
     assert dict(fleet.get_hybrid_communicate_group().mesh.shape)["mp"] == 4
     assert fleet._fleet.strategy.hybrid_configs["mp_degree"] == 4
 
@@ -270,7 +266,7 @@ def test_init_again_rebuilds_the_mesh():
 
 
 def test_degrees_whose_product_is_not_the_device_count():
-    strategy = make_strategy(dp_degree=2, mp_degree=2)
+    strategy = make_strategy(dict(dp_degree=2, mp_degree=2))
     with pytest.raises(ValueError, match=r"dp_degree=2 x .*mp_degree=2 = 4.*8 devices") as info:
         fleet.init(is_collective=True, strategy=strategy)
     message = str(info.value)
@@ -282,13 +278,13 @@ def test_degrees_whose_product_is_not_the_device_count():
 
 
 def test_degrees_too_large_for_the_devices():
-    strategy = make_strategy(dp_degree=4, pp_degree=2, mp_degree=2)
+    strategy = make_strategy(dict(dp_degree=4, pp_degree=2, mp_degree=2))
     with pytest.raises(ValueError, match=r"dp_degree=4 x pp_degree=2 .*mp_degree=2 = 16.*8 dev"):
         fleet.init(is_collective=True, strategy=strategy)
 
 
 def test_inferred_dp_that_does_not_divide():
-    strategy = make_strategy(mp_degree=3)
+    strategy = make_strategy(dict(mp_degree=3))
     with pytest.raises(ValueError, match=r"dp_degree=-1 .*mp_degree=3 = 3 does not divide the 8"):
         fleet.init(is_collective=True, strategy=strategy)
 
@@ -368,7 +364,7 @@ def test_distributed_optimizer_bad_arguments():
 
 
 def test_distributed_model_bad_arguments():
-    fleet.init(is_collective=True, strategy=make_strategy(pp_degree=2))
+    fleet.init(is_collective=True, strategy=make_strategy(dict(pp_degree=2)))
     with pytest.raises(TypeError, match="pp_degree=2 needs the model as a PipelineLayer"):
         fleet.distributed_model(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
 

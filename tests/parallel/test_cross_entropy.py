@@ -16,6 +16,7 @@ from jfleet import fleet
 from jfleet.parallel.cross_entropy import ParallelCrossEntropy, parallel_cross_entropy
 from jfleet.parallel.mesh_context import named
 from jfleet.topology import DATA_AXES, MP
+from tests.fleet_setup import fleet_mesh, init_fleet
 
 IGNORE = -100
 CONFIGS = {
@@ -23,13 +24,6 @@ CONFIGS = {
     "mp2_sharding2_dp2": {"dp_degree": 2, "mp_degree": 2, "sharding_degree": 2},
     "mp1_dp8": {"dp_degree": 8},
 }
-
-
-def init_fleet(hybrid: dict) -> Mesh:
-    strategy = fleet.DistributedStrategy()
-    strategy.hybrid_configs = hybrid
-    fleet.init(is_collective=True, strategy=strategy)
-    return fleet.get_hybrid_communicate_group().mesh
 
 
 def make_batch(mesh: Mesh, shape=(8, 6, 64), dtype=jnp.float32, seed=0):
@@ -65,7 +59,8 @@ def dense_value_and_grad(logits, labels, weight):
 
 @pytest.mark.parametrize("hybrid", CONFIGS.values(), ids=CONFIGS.keys())
 def test_loss_and_grad_equal_dense(hybrid):
-    mesh = init_fleet(hybrid)
+    init_fleet(hybrid)
+    mesh = fleet_mesh()
     logits, labels, weight = make_batch(mesh)
     ce = ParallelCrossEntropy()
 
@@ -104,7 +99,8 @@ def test_eager_functional_and_labels_with_trailing_one():
 
 
 def test_custom_ignore_index_ignores_a_real_class():
-    mesh = init_fleet(CONFIGS["mp4_dp2"])
+    init_fleet(CONFIGS["mp4_dp2"])
+    mesh = fleet_mesh()
     logits, labels, _ = make_batch(mesh)
     labels = np.where(np.asarray(labels) == IGNORE, 3, np.asarray(labels))
     labels[1] = 7  # a whole row of class 7, owned by the first mp shard
@@ -121,7 +117,8 @@ def test_custom_ignore_index_ignores_a_real_class():
 
 @pytest.mark.parametrize("hybrid", [CONFIGS["mp4_dp2"], CONFIGS["mp1_dp8"]], ids=["mp4", "mp1"])
 def test_bf16_logits_use_fp32_math(hybrid):
-    mesh = init_fleet(hybrid)
+    init_fleet(hybrid)
+    mesh = fleet_mesh()
     logits, labels, weight = make_batch(mesh, dtype=jnp.bfloat16)
     ce = ParallelCrossEntropy()
     loss = jax.jit(ce)(logits, labels)
@@ -136,7 +133,8 @@ def test_bf16_logits_use_fp32_math(hybrid):
 
 
 def test_out_of_range_labels_give_nan_for_that_token_only():
-    mesh = init_fleet(CONFIGS["mp4_dp2"])
+    init_fleet(CONFIGS["mp4_dp2"])
+    mesh = fleet_mesh()
     logits, labels, _ = make_batch(mesh)
     vocab = logits.shape[-1]
     bad = np.array(labels)
@@ -187,7 +185,8 @@ def _numel(shape: str) -> int:
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_compiled_program_never_holds_full_vocab(dtype):
-    mesh = init_fleet(CONFIGS["mp4_dp2"])
+    init_fleet(CONFIGS["mp4_dp2"])
+    mesh = fleet_mesh()
     b, s, vocab = 8, 16, 512
     logits, labels, _ = make_batch(mesh, shape=(b, s, vocab), dtype=dtype)
     ce = ParallelCrossEntropy()

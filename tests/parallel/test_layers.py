@@ -21,6 +21,7 @@ from jfleet.parallel.mesh_context import named
 from jfleet.parallel.random import get_rng_state_tracker
 from jfleet.testing import hlo
 from jfleet.topology import DATA_AXES, MP
+from tests.fleet_setup import fleet_mesh, init_fleet
 
 HYBRIDS = {
     "mp4_dp2": {"dp_degree": 2, "mp_degree": 4},
@@ -28,22 +29,6 @@ HYBRIDS = {
 }
 FP32 = dict(rtol=1e-5, atol=1e-6)
 B, S, IN, OUT, VOCAB = 4, 3, 8, 16, 16
-
-
-@pytest.fixture(autouse=True)
-def _fresh_random():
-    tp_random.get_rng_state_tracker().reset()
-    tp_random.set_init_mode("replicable")
-    yield
-    tp_random.get_rng_state_tracker().reset()
-    tp_random.set_init_mode("replicable")
-
-
-def init_fleet(hybrid: dict) -> jax.sharding.Mesh:
-    strategy = DistributedStrategy()
-    strategy.hybrid_configs = hybrid
-    fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
-    return fleet.get_hybrid_communicate_group().mesh
 
 
 # --------------------------------------------------------------- the layer cases
@@ -168,7 +153,8 @@ def test_layer_matches_flax_layer_on_one_device(case, hybrid, jit):
     build, _, _, last, specs = CASES[case]
     ref, x, w, (want_y, want_gm, want_gx) = _reference(case)
 
-    mesh = init_fleet(HYBRIDS[hybrid])
+    init_fleet(HYBRIDS[hybrid])
+    mesh = fleet_mesh()
     model = build(nnx.Rngs(3))
     # the same initial parameters as the Flax layer (the replicable init contract)
     for (path, got), want in zip(

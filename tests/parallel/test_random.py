@@ -8,7 +8,6 @@ import pytest
 from flax import nnx
 
 from jfleet import DistributedStrategy, fleet
-from jfleet.parallel import random as tp_random
 from jfleet.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from jfleet.parallel.random import (
     MODEL_PARALLEL_RNG,
@@ -19,24 +18,7 @@ from jfleet.parallel.random import (
     local_seed,
     model_parallel_random_seed,
 )
-
-
-@pytest.fixture(autouse=True)
-def _fresh_random():
-    get_rng_state_tracker().reset()
-    tp_random.set_init_mode("replicable")
-    yield
-    get_rng_state_tracker().reset()
-    tp_random.set_init_mode("replicable")
-
-
-def init_fleet(hybrid: dict, **settings) -> DistributedStrategy:
-    strategy = DistributedStrategy()
-    strategy.hybrid_configs = hybrid
-    for name, value in settings.items():
-        setattr(strategy, name, value)
-    fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
-    return strategy
+from tests.fleet_setup import init_fleet
 
 
 def _key_data(key):
@@ -208,7 +190,6 @@ def test_dropout_on_replicated_activations_is_the_same_on_every_mp_rank():
 
 
 def _paddle_kernel(seed: int):
-    from jfleet import DistributedStrategy, fleet
     from jfleet.parallel.layers import ColumnParallelLinear
     from jfleet.parallel.random import set_init_mode
 
