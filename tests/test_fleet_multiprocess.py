@@ -9,13 +9,11 @@ in this (single) process.
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
 from jfleet.models import TinyLM, lm_batches, lm_loss
+from jfleet.testing import train_one_device
 from tests.subprocess_util import paddle_launch_envs, run_many
 
 STEPS = 2
@@ -78,19 +76,8 @@ print("CHILD_OK", rank, flush=True)
 
 def reference_losses() -> list[float]:
     """The same steps on the full batches, one process, no fleet."""
-    model = TinyLM()
-    opt = nnx.Optimizer(model, optax.sgd(LR), wrt=nnx.Param)
-
-    @nnx.jit
-    def step(model, opt, batch):
-        loss, grads = nnx.value_and_grad(lm_loss)(model, batch)
-        opt.update(model, grads)
-        return loss
-
-    return [
-        float(step(model, opt, jax.tree.map(jnp.asarray, b)))
-        for b in lm_batches(STEPS, batch=BATCH)
-    ]
+    losses, _ = train_one_device(TinyLM(), optax.sgd(LR), lm_batches(STEPS, batch=BATCH), lm_loss)
+    return list(losses)
 
 
 def parse_losses(stdout: str, rank: int) -> list[float]:

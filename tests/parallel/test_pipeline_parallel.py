@@ -20,13 +20,12 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jfleet import DistributedStrategy, fleet
-from jfleet.distributed_model import apply_model_settings
 from jfleet.models import lm_batches
 from jfleet.models.parallel_gpt import TinyGPT, gpt_loss
 from jfleet.optim.clip import clip_by_global_norm
-from jfleet.optim.compiler import compile_strategy
 from jfleet.parallel.pipeline_layer import LayerDesc, PipelineLayer
 from jfleet.parallel.pipeline_parallel import PipelineParallel
+from jfleet.testing import assert_trees_close, make_strategy, train_one_device
 
 from .test_pipeline_layer import BLOCKS, HEADS, HIDDEN, VOCAB, WIDTH, as_tinygpt, ce, gpt_descs
 
@@ -49,36 +48,21 @@ def sgd():
     return optax.sgd(0.5, momentum=0.9)
 
 
-def make_strategy(hybrid: dict, micro: int, acc: int, schedule: str = "1F1B", **settings):
-    strategy = DistributedStrategy()
-    strategy.hybrid_configs = hybrid
-    strategy.pipeline_configs = {
-        "micro_batch_size": micro,
-        "accumulate_steps": acc,
-        "schedule_mode": schedule,
-    }
-    for name, value in settings.items():
-        setattr(strategy, name, value)
-    return strategy
-
-
 def batches() -> list:
     return lm_batches(STEPS, batch=BATCH, seq=SEQ, vocab=VOCAB)
 
 
+def pipeline_strategy(hybrid: dict, micro: int, acc: int, schedule: str = "1F1B", **settings):
+    """A strategy with ``pipeline_configs`` (micro-batch size, accumulate steps, schedule)."""
+    configs = {"micro_batch_size": micro, "accumulate_steps": acc, "schedule_mode": schedule}
+    return make_strategy(hybrid, pipeline_configs=configs, **settings)
+
+
 def reference_run(strategy, make_tx):
     """TinyGPT on one device: plain nnx.jit step, the strategy's model settings and chain."""
-    model = apply_model_settings(TinyGPT(VOCAB, WIDTH, HEADS, BLOCKS, HIDDEN, seed=0), strategy)
-    opt = nnx.Optimizer(model, compile_strategy(make_tx(), strategy).tx, wrt=nnx.Param)
-
-    @nnx.jit
-    def step(model, opt, batch):
-        loss, grads = nnx.value_and_grad(gpt_loss)(model, batch)
-        opt.update(model, grads)
-        return loss
-
-    losses = [float(step(model, opt, jax.tree.map(jnp.asarray, b))) for b in batches()]
-    return np.array(losses), nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    model = TinyGPT(VOCAB, WIDTH, HEADS, BLOCKS, HIDDEN, seed=0)
+    losses, params = train_one_device(model, make_tx(), batches(), gpt_loss, strategy=strategy)
+    return losses, nnx.to_pure_dict(params)
 
 
 @functools.cache
@@ -96,25 +80,16 @@ def pipeline_run(strategy, make_tx=sgd, tensor_parallel=False):
     return np.array(losses), as_tinygpt(nnx.state(model.module, nnx.Param)), model, opt
 
 
-def assert_close(got, want, rtol, atol):
-    for (path, g), w in zip(
-        jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True
-    ):
-        np.testing.assert_allclose(
-            np.asarray(g), np.asarray(w), rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path)
-        )
-
-
 # ------------------------------------------------------------------ equality
 @pytest.mark.parametrize("schedule", ["FThenB", "1F1B"])
 def test_pp2_dp2_mp2_trains_like_one_device(schedule):
     want_losses, want_params = fp32_reference()
-    strategy = make_strategy({"dp_degree": 2, "pp_degree": 2, "mp_degree": 2}, 2, 4, schedule)
+    strategy = pipeline_strategy({"dp_degree": 2, "pp_degree": 2, "mp_degree": 2}, 2, 4, schedule)
     losses, params, model, _ = pipeline_run(strategy, tensor_parallel=True)
     assert model.schedule == schedule and model.accumulate_steps == 4
     assert model.module.body.attn.qkv.kernel.sharding.spec == P("pp", None, None, "mp")
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-    assert_close(params, want_params, **FP32)
+    assert_trees_close(params, want_params, **FP32, check_dtypes=False)
 
 
 def test_pp4_dp2_four_micro_batches_with_lr_scheduler_and_eval():
@@ -125,7 +100,7 @@ def test_pp4_dp2_four_micro_batches_with_lr_scheduler_and_eval():
             self.steps += 1
 
     want_losses, want_params = fp32_reference()
-    strategy = make_strategy({"dp_degree": 2, "pp_degree": 4}, 2, 4, "F-then-B")
+    strategy = pipeline_strategy({"dp_degree": 2, "pp_degree": 4}, 2, 4, "F-then-B")
     fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
     model = fleet.distributed_model(PipelineLayer(gpt_descs(), loss_fn=ce, seed=0))
     assert (model.schedule, model.num_stages) == ("FThenB", 4)
@@ -135,7 +110,9 @@ def test_pp4_dp2_four_micro_batches_with_lr_scheduler_and_eval():
     losses = [float(model.train_batch(b, opt, lr_scheduler=scheduler)) for b in data]
     assert scheduler.steps == STEPS
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-    assert_close(as_tinygpt(nnx.state(model.module, nnx.Param)), want_params, **FP32)
+    assert_trees_close(
+        as_tinygpt(nnx.state(model.module, nnx.Param)), want_params, **FP32, check_dtypes=False
+    )
 
     # evaluation: the trained model's loss (pipelined, forward only) and outputs
     ref = TinyGPT(VOCAB, WIDTH, HEADS, BLOCKS, HIDDEN, seed=0)
@@ -149,7 +126,7 @@ def test_pp4_dp2_four_micro_batches_with_lr_scheduler_and_eval():
 
 def test_pp2_sharding2_dp2_zero1_trains_like_one_device():
     want_losses, want_params = fp32_reference()
-    strategy = make_strategy(
+    strategy = pipeline_strategy(
         {"dp_degree": 2, "sharding_degree": 2, "pp_degree": 2}, 2, 2, sharding=True
     )
     losses, params, model, opt = pipeline_run(strategy)
@@ -158,7 +135,7 @@ def test_pp2_sharding2_dp2_zero1_trains_like_one_device():
     for leaf in (trace["body"]["attn"]["qkv"]["kernel"], trace["pre"][0]["layer"]["embedding"]):
         assert "sharding" in jax.tree.leaves(tuple(leaf.sharding.spec))  # ZeRO-1: state split
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-    assert_close(params, want_params, **FP32)
+    assert_trees_close(params, want_params, **FP32, check_dtypes=False)
 
 
 def test_amp_bf16_o1_with_gradient_clipping_trains_like_one_device():
@@ -166,12 +143,12 @@ def test_amp_bf16_o1_with_gradient_clipping_trains_like_one_device():
         return optax.chain(clip_by_global_norm(0.05), optax.sgd(0.5))
 
     settings = dict(amp=True, amp_configs={"dtype": "bfloat16"})
-    want_losses, want_params = reference_run(make_strategy({}, 1, 1, **settings), clipped)
-    strategy = make_strategy({"dp_degree": 4, "pp_degree": 2}, 2, 2, **settings)
+    want_losses, want_params = reference_run(pipeline_strategy({}, 1, 1, **settings), clipped)
+    strategy = pipeline_strategy({"dp_degree": 4, "pp_degree": 2}, 2, 2, **settings)
     losses, params, model, _ = pipeline_run(strategy, clipped)
     assert model.module.body.attn.qkv.dtype == jnp.bfloat16  # O1 applied to the stacked body
     np.testing.assert_allclose(losses, want_losses, rtol=BF16["rtol"])
-    assert_close(params, want_params, **BF16)
+    assert_trees_close(params, want_params, **BF16, check_dtypes=False)
     initial = as_tinygpt(nnx.state(PipelineLayer(gpt_descs(), num_stages=1), nnx.Param))
     moved = max(
         float(np.abs(np.asarray(a) - np.asarray(b)).max())
@@ -183,7 +160,9 @@ def test_amp_bf16_o1_with_gradient_clipping_trains_like_one_device():
 # ------------------------------------------------------------------ errors
 def init(hybrid: dict, micro: int = 2, acc: int = 4, schedule: str = "1F1B"):
     fleet.init(
-        is_collective=True, strategy=make_strategy(hybrid, micro, acc, schedule), log_level="ERROR"
+        is_collective=True,
+        strategy=pipeline_strategy(hybrid, micro, acc, schedule),
+        log_level="ERROR",
     )
 
 

@@ -9,10 +9,11 @@ import optax
 import pytest
 from flax import nnx
 
-from jfleet import DistributedStrategy, fleet
+from jfleet import fleet
 from jfleet.models import lm_batches
 from jfleet.models.parallel_gpt import GPTBlock, TinyGPT, gpt_loss
-from jfleet.testing import hlo
+from jfleet.testing import assert_trees_close, hlo, train_one_device
+from tests.fleet_setup import init_fleet
 
 HYBRIDS = {
     "mp4_dp2": {"dp_degree": 2, "mp_degree": 4},
@@ -23,39 +24,14 @@ STEPS = 5
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-def init(hybrid: dict) -> None:
-    s = DistributedStrategy()
-    s.hybrid_configs = hybrid
-    fleet.init(is_collective=True, strategy=s, log_level="WARNING")
-
-
-def close(got, want, **tol):
-    for (path, g), w in zip(
-        jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True
-    ):
-        np.testing.assert_allclose(
-            np.asarray(g), np.asarray(w), err_msg=jax.tree_util.keystr(path), **(tol or TOL)
-        )
+def close(got, want):
+    assert_trees_close(got, want, **TOL)
 
 
 # SGD, not Adam: the key bias's true gradient is exactly zero (softmax ignores a shift
 # shared by all keys), and Adam would blow its ~1e-9 rounding noise up to +-lr steps.
 def make_tx():
     return optax.sgd(0.5)
-
-
-def single_device_training(batches):
-    model = TinyGPT()
-    opt = nnx.Optimizer(model, make_tx(), wrt=nnx.Param)
-
-    @nnx.jit
-    def step(model, opt, batch):
-        loss, grads = nnx.value_and_grad(gpt_loss)(model, batch)
-        opt.update(model, grads)
-        return loss
-
-    losses = [float(step(model, opt, jax.tree.map(jnp.asarray, b))) for b in batches]
-    return np.array(losses), nnx.state(model, nnx.Param)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
@@ -65,7 +41,7 @@ def test_forward_and_gradients_equal_the_plain_model(hybrid, sequence_parallel):
     plain = TinyGPT()
     want_logits = plain(batch["tokens"])
     want_grads = nnx.jit(nnx.grad(gpt_loss))(plain, batch)
-    init(HYBRIDS[hybrid])
+    init_fleet(HYBRIDS[hybrid])
     model = TinyGPT(tensor_parallel=True, sequence_parallel=sequence_parallel)
     close(nnx.state(model, nnx.Param), nnx.state(plain, nnx.Param))  # same initial values
     assert model.blocks[0].attn.qkv.kernel.sharding.spec == jax.sharding.PartitionSpec(None, "mp")
@@ -85,8 +61,8 @@ def test_forward_and_gradients_equal_the_plain_model(hybrid, sequence_parallel):
 )
 def test_five_training_steps_equal_the_plain_model(hybrid, sequence_parallel):
     batches = lm_batches(STEPS)
-    want_losses, want_params = single_device_training(batches)
-    init(HYBRIDS[hybrid])
+    want_losses, want_params = train_one_device(TinyGPT(), make_tx(), batches, gpt_loss)
+    init_fleet(HYBRIDS[hybrid])
     model = fleet.distributed_model(
         TinyGPT(tensor_parallel=True, sequence_parallel=sequence_parallel)
     )
@@ -98,7 +74,7 @@ def test_five_training_steps_equal_the_plain_model(hybrid, sequence_parallel):
 
 
 def block_collectives(sequence_parallel: bool):
-    init(HYBRIDS["mp4_dp2"])
+    init_fleet(HYBRIDS["mp4_dp2"])
     model = TinyGPT(tensor_parallel=True, sequence_parallel=sequence_parallel)
     block: GPTBlock = model.blocks[0]
     x = jnp.zeros((8, 8, 32), jnp.float32)  # [b, s, h]
@@ -131,7 +107,7 @@ def test_sequence_parallel_block_moves_the_same_bytes_as_gathers_and_scatters():
 
 
 def test_sequence_length_not_divisible_by_mp_is_a_clear_error():
-    init(HYBRIDS["mp4_dp2"])
+    init_fleet(HYBRIDS["mp4_dp2"])
     model = TinyGPT(tensor_parallel=True, sequence_parallel=True)
     tokens = jnp.zeros((8, 6), jnp.int32)
     with pytest.raises(ValueError, match=r"sequence length 6 .* mp degree 4"):
