@@ -102,7 +102,7 @@ class DistributedOptimizer(nnx.Optimizer):
         replicated = NamedSharding(plan.mesh, P())
 
         def on_mesh(x: Any) -> Any:
-            sharding = getattr(x, "sharding", None)
+            sharding = x.sharding if isinstance(x, jax.Array) else None
             if isinstance(sharding, NamedSharding) and sharding.mesh == plan.mesh:
                 return x
             return jax.device_put(x, replicated)

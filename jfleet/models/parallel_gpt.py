@@ -25,6 +25,16 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jfleet.parallel.cross_entropy import parallel_cross_entropy
+from jfleet.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from jfleet.parallel.sequence import (
+    ColumnSequenceParallelLinear,
+    RowSequenceParallelLinear,
+    gather_from_sequence_parallel,
+    mark_as_sequence_parallel_parameter,
+    scatter_to_sequence_parallel,
+)
+
 
 def _layers(tensor_parallel: bool, sequence_parallel: bool):
     """(column, row, embed) constructors for the chosen layout."""
@@ -36,18 +46,7 @@ def _layers(tensor_parallel: bool, sequence_parallel: bool):
             functools.partial(nnx.Linear, use_bias=True),
             nnx.Embed,
         )
-    from jfleet.parallel.layers import (
-        ColumnParallelLinear,
-        RowParallelLinear,
-        VocabParallelEmbedding,
-    )
-
     if sequence_parallel:
-        from jfleet.parallel.sequence import (
-            ColumnSequenceParallelLinear,
-            RowSequenceParallelLinear,
-        )
-
         return (
             functools.partial(
                 ColumnSequenceParallelLinear, has_bias=True, gather_output=False, seq_axis=1
@@ -144,16 +143,12 @@ class TinyGPT(nnx.Module):
         )
         self.norm = nnx.LayerNorm(width, rngs=rngs)
         if tensor_parallel:
-            from jfleet.parallel.layers import ColumnParallelLinear
-
             self.head = ColumnParallelLinear(
                 width, vocab, has_bias=False, gather_output=False, rngs=rngs
             )
         else:
             self.head = nnx.Linear(width, vocab, use_bias=False, rngs=rngs)
         if sequence_parallel:
-            from jfleet.parallel.sequence import mark_as_sequence_parallel_parameter
-
             for block in self.blocks:
                 for norm in (block.norm1, block.norm2):
                     mark_as_sequence_parallel_parameter(norm.scale)
@@ -164,15 +159,11 @@ class TinyGPT(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         x = self.embed(tokens)
         if self.sequence_parallel:
-            from jfleet.parallel.sequence import scatter_to_sequence_parallel
-
             x = scatter_to_sequence_parallel(x, seq_axis=1)
         for block in self.blocks:
             x = block(x)
         x = self.norm(x)
         if self.sequence_parallel:
-            from jfleet.parallel.sequence import gather_from_sequence_parallel
-
             x = gather_from_sequence_parallel(x, seq_axis=1)
         return self.head(x)
 
@@ -182,8 +173,6 @@ def gpt_loss(model: nnx.Module, batch: dict) -> jax.Array:
     logits = model(batch["tokens"])
     inner = getattr(model, "module", model)
     if getattr(inner, "tensor_parallel", False):
-        from jfleet.parallel.cross_entropy import parallel_cross_entropy
-
         return jnp.mean(parallel_cross_entropy(logits, batch["labels"]))
     return jnp.mean(
         optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["labels"])

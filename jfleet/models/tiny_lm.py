@@ -1,4 +1,4 @@
-"""A GPT-shaped toy language model without attention, and the token data every reference model trains on.
+"""A GPT-shaped toy language model without attention, and the token data the models train on.
 
 Example:
   >>> model = TinyLM()

@@ -41,6 +41,10 @@ from typing import Any
 import optax
 
 from jfleet._logging import logger
+from jfleet.optim.gradient_merge import gradient_merge
+from jfleet.optim.lamb_lars import lamb_from, lars_from
+from jfleet.optim.loss_scale import dynamic_loss_scaling
+from jfleet.optim.master_weights import master_weights
 
 # Pairs Paddle's meta-optimizer black lists forbid.
 _CONFLICTS = (
@@ -136,11 +140,6 @@ def compile_strategy(tx: optax.GradientTransformation, strategy: Any) -> Compile
         Adam-family optimizer, LARS without a momentum one, bad config values.
       NotImplementedError: meta-optimizers jfleet does not provide yet.
     """
-    from jfleet.optim.gradient_merge import gradient_merge
-    from jfleet.optim.lamb_lars import lamb_from, lars_from
-    from jfleet.optim.loss_scale import dynamic_loss_scaling
-    from jfleet.optim.master_weights import master_weights
-
     check_combinations(strategy)
     applied: list[str] = []
     if strategy.lamb:

@@ -97,15 +97,15 @@ default_embed_init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", 
 
 
 # ------------------------------------------------------------------ shared pieces
-@functools.partial(jax.jit, static_argnames=("init_fn", "shape", "dtype", "sharding", "axis"))
-def _draw(keys, *, init_fn, shape, dtype, sharding, axis):
+@functools.partial(jax.jit, static_argnames=("init_fn", "shape", "dtype", "target", "axis"))
+def _draw(keys, *, init_fn, shape, dtype, target, axis):
     if axis is None:
         value = init_fn(keys[0], shape, dtype)
     else:
         part = list(shape)
         part[axis] //= len(keys)
         value = jnp.concatenate([init_fn(k, tuple(part), dtype) for k in keys], axis=axis)
-    return lax.with_sharding_constraint(value, sharding)
+    return lax.with_sharding_constraint(value, target)
 
 
 def init_sharded(
@@ -136,9 +136,7 @@ def init_sharded(
       P(None, 'dp')
     """
     keys = tuple(key) if axis is not None else (key,)
-    return _draw(
-        keys, init_fn=init_fn, shape=tuple(shape), dtype=dtype, sharding=sharding, axis=axis
-    )
+    return _draw(keys, init_fn=init_fn, shape=tuple(shape), dtype=dtype, target=sharding, axis=axis)
 
 
 def draw_param(
