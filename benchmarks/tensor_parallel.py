@@ -400,8 +400,8 @@ def report(cfg: Config, rows: list[Measurement], command: str) -> str:
         "`jax.vjp(block, params, x)` applied to a cotangent that is a program input (the block "
         "inside a stack); `value_and_grad(sum)` = gradients of `block(x).sum()`\n\n"
         + table(cfg, rows)
-        + "\nBytes are `jfleet.testing.hlo`'s plain `bytes` (the full buffer of each collective per "
-        f"execution), summed over the collectives on the mp groups {groups} whose buffer holds "
+        + "\nBytes are `jfleet.testing.hlo`'s plain `bytes` (the full buffer of each collective "
+        f"per execution), summed over the collectives on the mp groups {groups} whose buffer holds "
         "at least one `[b, s, h]` activation; `k x kind` counts those buffers (a combined "
         "all-reduce of two is `2 x all-reduce in 1 ops`). *All-reduce units* count an "
         "all-gather + reduce-scatter pair of B bytes as one all-reduce of B (a ring all-reduce "

@@ -74,7 +74,9 @@ class DistributedOptimizer(nnx.Optimizer):
         return self._param_paths is not None
 
     def init(self, model: nnx.Module, placement: Placement | None = None) -> DistributedOptimizer:
-        """Makes the optimizer state for ``model`` (once), placed for ``placement`` (default: the model's, else the run's).
+        """Makes the optimizer state for ``model`` (once), placed for ``placement``.
+
+        ``placement`` defaults to the model's (a ``DistributedModel``), else the run's.
 
         ZeRO stage >= 1 shards every parameter-shaped state leaf (moments,
         accumulated gradients, master weights) over the ZeRO axis; scalars are

@@ -264,10 +264,10 @@ def check_divides(
       ValueError: the product does not divide ``size``.
 
     Example:
-      >>> check_divides("batch has batch size 6", 6, [("dp", 2), ("sharding", 2)], "use 8")
+      >>> check_divides("6 rows", 6, [("dp", 2), ("sharding", 2)], "use 8")
       Traceback (most recent call last):
       ...
-      ValueError: batch has batch size 6, which the data-parallel size 4 (dp 2 x sharding 2) does not divide; use 8.
+      ValueError: 6 rows, which the data-parallel size 4 (dp 2 x sharding 2) does not divide; use 8.
     """
     parts = list(parts)
     total = math.prod(n for _, n in parts)

@@ -12,7 +12,7 @@ from jfleet.testing import make_strategy
 
 
 def init_fleet(hybrid: dict | None = None, **settings: Any) -> DistributedStrategy:
-    """Starts a fleet on the 8 test devices; ``hybrid`` as ``hybrid_configs``; returns the strategy."""
+    """Starts a fleet on the test devices with ``hybrid_configs=hybrid``; returns the strategy."""
     strategy = make_strategy(hybrid, **settings)
     fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
     return strategy
