@@ -4,8 +4,11 @@
   (q/k/v/o or fused qkv, grouped-query heads), MLPs (SwiGLU, GELU), norms, the LM head
   and the repeated decoder blocks of an unannotated Flax NNX model, and gives each
   parameter its Megatron tensor-parallel role.
-* :mod:`jfleet.auto_parallel.cost_model` — per-device memory, collective bytes and step time of
-  every ``dp x pp x sharding x sep x mp`` layout the shapes allow.
+* :mod:`jfleet.auto_parallel.layouts` — every ``dp x pp x sharding x sep x mp`` layout the
+  shapes allow (with ZeRO stage, schedule, micro-batches, recompute), and why the other
+  meshes are excluded.
+* :mod:`jfleet.auto_parallel.cost_model` — per-device memory, collective bytes and step time
+  of a layout; the ranking.
 * :mod:`jfleet.auto_parallel.profiles` — hardware profiles (emulated CPU, A100, H100, H200, or
   your own numbers).
 * :mod:`jfleet.auto_parallel.plan` — the :class:`Plan` (data, table, JSON).
@@ -13,7 +16,9 @@
 * :mod:`jfleet.auto_parallel.to_distributed` — :func:`to_distributed` applies a plan to a
   model, optimizer and loader; :func:`get_plan` gives it back.
 * :mod:`jfleet.auto_parallel.blocks` — the pipelined stand-in for a list of blocks.
-* :mod:`jfleet.auto_parallel.loader` — the loader yielding global sharded batches.
+
+The loader ``to_distributed`` returns, yielding global sharded batches, is
+:class:`jfleet.data.ShardedLoader`.
 
 Example:
   >>> from jfleet.auto_parallel import plan_for
@@ -24,11 +29,11 @@ Example:
 """
 
 from jfleet.auto_parallel.cost_model import Candidate as Candidate
-from jfleet.auto_parallel.cost_model import Layout as Layout
-from jfleet.auto_parallel.cost_model import Workload as Workload
-from jfleet.auto_parallel.cost_model import enumerate_layouts as enumerate_layouts
 from jfleet.auto_parallel.cost_model import estimate as estimate
 from jfleet.auto_parallel.cost_model import rank as rank
+from jfleet.auto_parallel.layouts import Layout as Layout
+from jfleet.auto_parallel.layouts import Workload as Workload
+from jfleet.auto_parallel.layouts import enumerate_layouts as enumerate_layouts
 from jfleet.auto_parallel.patterns import ModelDims as ModelDims
 from jfleet.auto_parallel.patterns import ModelPatterns as ModelPatterns
 from jfleet.auto_parallel.patterns import ParamInfo as ParamInfo

@@ -1,21 +1,10 @@
-"""The cost model: per-device memory and step time of every way to lay a model out.
+"""The cost model: per-device memory, collective bytes and step time of a layout.
 
-:func:`enumerate_layouts` lists every factorisation of ``device_num x node_num`` into
-``dp x pp x sharding x sep x mp`` (``sep > 1`` only under sequence parallelism) that the
-model's shapes allow, with each ZeRO stage, pipeline schedule, micro-batch count and
-recompute setting worth comparing. :func:`estimate` predicts one layout's per-device
-memory, collective bytes and step time; :func:`rank` drops what does not fit the memory
-budget, sorts the rest by time and says why each one lost.
-
-**Shape rules.** ``mp`` divides every dimension a tensor-parallel role splits (heads,
-kv heads, q/kv widths, MLP hidden, vocabulary) and is at most the devices of one node
-(tensor parallelism stays on the fast links; the mesh order ``dp, pp, sharding, sep,
-mp`` puts ``mp`` neighbours next to each other). Grouped-query attention: ``mp`` must
-divide the kv heads, so each rank holds whole kv groups (Megatron's
-``num_query_groups % tp == 0``); replicating kv heads when ``mp > kv_heads`` is not
-offered. ``pp`` divides the decoder blocks (uniform stages). ``dp x sharding`` divides
-the batch; ``sep`` divides the sequence. A model with no recognised parts gets
-``mp = pp = 1``; one with no repeated blocks gets ``pp = 1``.
+:func:`estimate` predicts one :class:`~jfleet.auto_parallel.layouts.Layout`'s per-device
+memory, collective bytes and step time for a :class:`~jfleet.auto_parallel.layouts.Workload`;
+:func:`rank` drops what does not fit the memory budget, sorts the rest by time and says
+why each one lost. Which layouts exist at all (the shape rules, and why a mesh is
+excluded) is :mod:`jfleet.auto_parallel.layouts`.
 
 **Memory per device** (bytes; ``Phi_tp`` is a parameter's elements after the ``mp`` split,
 ``Phi_z`` after the ZeRO split too, only the blocks of one pipeline stage counted; the
@@ -106,39 +95,27 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
+from jfleet.auto_parallel.layouts import OPTIMIZER_MOMENTS, Layout, Workload
 from jfleet.auto_parallel.patterns import ModelPatterns, ParamInfo
 from jfleet.auto_parallel.profiles import HardwareProfile, get_profile
-from jfleet.placement import ParallelPlan
+from jfleet.placement import Placement
+from jfleet.topology import AXIS_NAMES, DP, MP, PP, SEP, SHARDING
 
 __all__ = [
-    "AXES",
-    "OPTIMIZER_MOMENTS",
-    "SCHEDULES",
     "Candidate",
     "Collectives",
-    "Layout",
     "Memory",
     "StepTime",
-    "Workload",
-    "enumerate_layouts",
     "estimate",
     "rank",
 ]
-
-#: Mesh axes, outermost first (Paddle's default ``hybrid_parallel_order``).
-AXES = ("dp", "pp", "sharding", "sep", "mp")
-#: Pipeline schedules the cost model knows.
-SCHEDULES = ("FThenB", "1F1B")
-#: Optimizer state per parameter, in parameter-sized arrays.
-OPTIMIZER_MOMENTS = {"adam": 2, "adamw": 2, "lamb": 2, "momentum": 1, "lars": 1, "sgd": 0}
 
 _NORM_ELEMS = 4  # per norm, x h
 _ATTN_Q_ELEMS = 4  # x q_dim
@@ -152,148 +129,6 @@ GiB = 2**30
 
 def _gib(n: float) -> str:
     return f"{n / GiB:.3g} GiB" if n >= 2**27 else f"{n / 2**20:.3g} MiB"
-
-
-# ------------------------------------------------------------------ inputs
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Workload:
-    """What one training step processes.
-
-    Attributes:
-      batch_size: global batch (sequences per step).
-      seq_len: tokens per sequence.
-      dtype: compute / activation dtype name (``float32``, ``bfloat16``).
-      optimizer: ``adam`` (2 moments), ``momentum`` (1), ``sgd`` (0), ... (see
-        :data:`OPTIMIZER_MOMENTS`).
-      sequence_parallel: activations between tensor-parallel regions split over ``mp``
-        (Megatron SP), and ``sep`` candidates enumerated.
-
-    Raises:
-      ValueError: a non-positive size, an unknown optimizer or dtype.
-    """
-
-    batch_size: int
-    seq_len: int
-    dtype: str = "float32"
-    optimizer: str = "adam"
-    sequence_parallel: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("batch_size", "seq_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an int >= 1.")
-        if self.optimizer not in OPTIMIZER_MOMENTS:
-            raise ValueError(
-                f"optimizer={self.optimizer!r} is not known to the cost model; use one of "
-                f"{sorted(OPTIMIZER_MOMENTS)}."
-            )
-        try:
-            jnp.dtype(self.dtype)
-        except TypeError as err:
-            raise ValueError(f"dtype={self.dtype!r} is not a dtype name.") from err
-
-    @property
-    def act_bytes(self) -> int:
-        """Bytes per activation element."""
-        return jnp.dtype(self.dtype).itemsize
-
-    @property
-    def tokens(self) -> int:
-        """Tokens per step (batch x sequence)."""
-        return self.batch_size * self.seq_len
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Layout:
-    """One way to run the step: mesh degrees, ZeRO stage, pipeline schedule, recompute.
-
-    Attributes:
-      dp: data-parallel degree.
-      pp: pipeline stages.
-      sharding: ZeRO (sharding) degree; the batch is split over ``dp x sharding``.
-      sep: sequence (segment) parallel degree.
-      mp: tensor-parallel degree.
-      zero_stage: 0 without a sharding axis, else 1, 2 or 3.
-      schedule: ``"FThenB"`` or ``"1F1B"`` when ``pp > 1``, else None.
-      num_microbatches: micro-batches per step (1 without a pipeline).
-      recompute: recompute each block's activations in the backward pass.
-
-    Raises:
-      ValueError: a degree < 1, or an inconsistent stage / schedule / micro-batch count.
-    """
-
-    dp: int = 1
-    pp: int = 1
-    sharding: int = 1
-    sep: int = 1
-    mp: int = 1
-    zero_stage: int = 0
-    schedule: str | None = None
-    num_microbatches: int = 1
-    recompute: bool = False
-
-    def __post_init__(self) -> None:
-        for name in (*AXES, "num_microbatches"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an int >= 1.")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage={self.zero_stage!r} must be 0, 1, 2 or 3.")
-        if self.zero_stage and self.sharding == 1:
-            raise ValueError(
-                f"zero_stage={self.zero_stage} needs a sharding axis; sharding=1 here. "
-                "Use sharding > 1 or zero_stage=0."
-            )
-        if self.sharding > 1 and not self.zero_stage:
-            raise ValueError(
-                f"sharding={self.sharding} without a ZeRO stage; give zero_stage 1, 2 or 3."
-            )
-        if self.pp > 1 and self.schedule not in SCHEDULES:
-            raise ValueError(f"pp={self.pp} needs schedule in {SCHEDULES}; got {self.schedule!r}.")
-        if self.pp == 1 and (self.schedule is not None or self.num_microbatches != 1):
-            raise ValueError(
-                f"schedule={self.schedule!r} / num_microbatches={self.num_microbatches} "
-                "only apply with pp > 1."
-            )
-
-    @property
-    def degrees(self) -> dict[str, int]:
-        """``{axis: degree}`` in mesh order."""
-        return {a: getattr(self, a) for a in AXES}
-
-    @property
-    def size(self) -> int:
-        """Devices used (the product of the degrees)."""
-        return math.prod(self.degrees.values())
-
-    @property
-    def data_degree(self) -> int:
-        """How many ways the batch is split (dp x sharding)."""
-        return self.dp * self.sharding
-
-    @property
-    def mesh_name(self) -> str:
-        """``dp2 x mp4``; ``single device`` when every degree is 1."""
-        parts = [f"{a}{d}" for a, d in self.degrees.items() if d > 1]
-        return " x ".join(parts) or "single device"
-
-    @property
-    def name(self) -> str:
-        """The mesh, then ZeRO, schedule and recompute when they apply."""
-        extra = []
-        if self.zero_stage:
-            extra.append(f"ZeRO-{self.zero_stage}")
-        if self.pp > 1:
-            extra.append(f"{self.schedule} M={self.num_microbatches}")
-        if self.recompute:
-            extra.append("recompute")
-        return self.mesh_name + (f" ({', '.join(extra)})" if extra else "")
-
-    def complexity(self) -> tuple:
-        """Tie-break order: fewer parallel kinds, lower ZeRO stage, no recompute first."""
-        kinds = sum(d > 1 for a, d in self.degrees.items() if a != "dp")
-        return (kinds, self.zero_stage, self.recompute, self.pp, self.mp, self.sep)
 
 
 # ------------------------------------------------------------------ outputs
@@ -383,7 +218,10 @@ _TIME_WORDS = {
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Collectives:
-    """Predicted collective bytes per device per step, as :func:`jfleet.testing.hlo.summarize` counts."""
+    """Predicted collective bytes per device per step.
+
+    Counted as :func:`jfleet.testing.hlo.summarize` counts a compiled step's.
+    """
 
     all_reduce: int = 0
     reduce_scatter: int = 0
@@ -424,158 +262,6 @@ class Candidate:
     reason: str = ""
 
 
-# ------------------------------------------------------------------ enumeration
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _factorisations(n: int, k: int) -> Iterable[tuple[int, ...]]:
-    if k == 1:
-        yield (n,)
-        return
-    for d in _divisors(n):
-        for rest in _factorisations(n // d, k - 1):
-            yield (d, *rest)
-
-
-def shape_problem(
-    patterns: ModelPatterns, workload: Workload, degrees: Mapping[str, int], devices_per_node: int
-) -> str | None:
-    """Why ``degrees`` cannot run this model and workload, or None when they can.
-
-    >>> from jfleet.auto_parallel.patterns import match_patterns
-    >>> from jfleet.models.llama import TinyLlama
-    >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, kv_heads=2, layers=2))
-    >>> shape_problem(found, Workload(batch_size=8, seq_len=8), {"mp": 4}, 8)
-    'mp=4 does not divide kv_heads=2'
-    """
-    d = patterns.dims
-    mp, pp, sep = degrees.get("mp", 1), degrees.get("pp", 1), degrees.get("sep", 1)
-    data = degrees.get("dp", 1) * degrees.get("sharding", 1)
-    if mp > 1:
-        if not patterns.recognised:
-            return "no tensor-parallel parts were recognised"
-        if mp > devices_per_node:
-            return f"mp={mp} exceeds the {devices_per_node} devices of a node"
-        if d.heads and d.heads % mp:
-            return f"mp={mp} does not divide heads={d.heads}"
-        if d.kv_heads and d.kv_heads % mp:
-            return f"mp={mp} does not divide kv_heads={d.kv_heads}"
-        bad = [s for s in patterns.split_dims() if s % mp]
-        if bad:
-            return f"mp={mp} does not divide the split dimension(s) {bad}"
-    if pp > 1:
-        if len(patterns.blocks) < 2:
-            return "no run of >= 2 identical blocks to pipeline"
-        if len(patterns.blocks) % pp:
-            return f"pp={pp} does not divide the {len(patterns.blocks)} blocks"
-    if sep > 1:
-        if not workload.sequence_parallel:
-            return "sep > 1 needs sequence_parallel=True"
-        if workload.seq_len % sep:
-            return f"sep={sep} does not divide seq_len={workload.seq_len}"
-    if workload.batch_size % data:
-        return f"dp x sharding = {data} does not divide batch_size={workload.batch_size}"
-    return None
-
-
-def _microbatch_options(local: int, pp: int, forced: int | None) -> list[int]:
-    if forced is not None:
-        return [forced] if local % forced == 0 else []
-    divisors = _divisors(local)
-    out = []
-    for target in (pp, 2 * pp, 4 * pp):
-        fit = [m for m in divisors if m >= target]
-        if fit:
-            out.append(fit[0])
-    if not out:
-        out.append(divisors[-1])
-    return sorted(set(out))
-
-
-def enumerate_layouts(
-    patterns: ModelPatterns,
-    workload: Workload,
-    *,
-    device_num: int,
-    node_num: int = 1,
-    force_mesh: Mapping[str, int] | None = None,
-    schedule: str | None = None,
-    num_microbatches: int | None = None,
-    zero_stage: int | None = None,
-    recompute: bool | None = None,
-) -> tuple[list[Layout], list[tuple[str, str]]]:
-    """Every layout worth predicting, and the meshes excluded (with the reason).
-
-    Args:
-      patterns: what :func:`~jfleet.auto_parallel.patterns.match_patterns` found.
-      workload: batch, sequence, dtype, optimizer.
-      device_num: devices per node.
-      node_num: nodes.
-      force_mesh: only this mesh (degrees; missing axes are 1).
-      schedule: only this pipeline schedule.
-      num_microbatches: only this micro-batch count (pipelined layouts).
-      zero_stage: only this ZeRO stage (0: no sharding axis).
-      recompute: only with (True) or without (False) recompute.
-
-    Returns:
-      ``(layouts, excluded)``; ``excluded`` holds ``(mesh name, reason)`` pairs.
-    """
-    total = device_num * node_num
-    layouts: list[Layout] = []
-    excluded: list[tuple[str, str]] = []
-    axes = AXES if workload.sequence_parallel else ("dp", "pp", "sharding", "mp")
-    if force_mesh is not None:
-        meshes = [tuple(force_mesh.get(a, 1) for a in AXES)]
-    else:
-        meshes = []
-        for combo in _factorisations(total, len(axes)):
-            deg = dict(zip(axes, combo, strict=True))
-            meshes.append(tuple(deg.get(a, 1) for a in AXES))
-    recompute_options = [False, True] if recompute is None else [bool(recompute)]
-    for sizes in meshes:
-        deg = dict(zip(AXES, sizes, strict=True))
-        name = " x ".join(f"{a}{d}" for a, d in deg.items() if d > 1) or "single device"
-        problem = shape_problem(patterns, workload, deg, device_num)
-        if problem is None and zero_stage is not None:
-            if zero_stage == 0 and deg["sharding"] > 1:
-                problem = f"zero_stage=0 but sharding={deg['sharding']}"
-            elif zero_stage > 0 and deg["sharding"] == 1:
-                problem = f"zero_stage={zero_stage} needs sharding > 1"
-        if problem is not None:
-            excluded.append((name, problem))
-            continue
-        stages = ([zero_stage] if zero_stage else [1, 2, 3]) if deg["sharding"] > 1 else [0]
-        if deg["pp"] > 1:
-            local = workload.batch_size // (deg["dp"] * deg["sharding"])
-            ms = _microbatch_options(local, deg["pp"], num_microbatches)
-            if not ms:
-                excluded.append(
-                    (
-                        name,
-                        f"num_microbatches={num_microbatches} does not divide the "
-                        f"{local} sequences per data-parallel replica",
-                    )
-                )
-                continue
-            scheds = [schedule] if schedule else list(SCHEDULES)
-        else:
-            ms, scheds = [1], [None]
-        for stage, sched, m, rc in itertools.product(stages, scheds, ms, recompute_options):
-            if sched == "1F1B" and rc and recompute is None:
-                continue  # 1F1B recomputes each stage anyway: the same layout twice
-            layouts.append(
-                Layout(
-                    **deg,
-                    zero_stage=stage,
-                    schedule=sched,
-                    num_microbatches=m,
-                    recompute=rc,
-                )
-            )
-    return layouts, excluded
-
-
 # ------------------------------------------------------------------ estimation
 def _local_elems(spec: P, shape: Sequence[int], sizes: Mapping[str, int]) -> int:
     n = 1
@@ -591,9 +277,9 @@ def _group_bandwidth(
 ) -> float:
     """Intra-node bandwidth when the group's devices lie within one node, else inter-node."""
     span = 1
-    for i, axis in enumerate(AXES):
+    for i, axis in enumerate(AXIS_NAMES):
         if axis in group and degrees[axis] > 1:
-            stride = math.prod(degrees[a] for a in AXES[i + 1 :])
+            stride = math.prod(degrees[a] for a in AXIS_NAMES[i + 1 :])
             span = max(span, stride * degrees[axis])
     return profile.intra_node_bandwidth if span <= per_node else profile.inter_node_bandwidth
 
@@ -646,8 +332,8 @@ def estimate(
     mp, pp, sep, shard = layout.mp, layout.pp, layout.sep, layout.sharding
     stage = layout.zero_stage
     m = layout.num_microbatches
-    abstract = AbstractMesh(tuple(deg.values()), AXES)
-    zero = ParallelPlan(mesh=abstract, zero_stage=stage) if stage else None
+    abstract = AbstractMesh(tuple(deg.values()), AXIS_NAMES)
+    zero = Placement(mesh=abstract, zero_stage=stage) if stage else None
     layers, norms = _layers_and_norms(patterns)
     stage_blocks = layers // pp
 
@@ -761,14 +447,12 @@ def estimate(
     compute = t_blocks + t_head
 
     lat = profile.collective_latency
-    bw = {
-        "mp": _group_bandwidth(("mp",), deg, profile, devices_per_node),
-        "data": _group_bandwidth(("dp", "sharding", "sep"), deg, profile, devices_per_node),
-        "sharding": _group_bandwidth(("sharding",), deg, profile, devices_per_node),
-        "dpsep": _group_bandwidth(("dp", "sep"), deg, profile, devices_per_node),
-        "pp": _group_bandwidth(("pp",), deg, profile, devices_per_node),
-        "sep": _group_bandwidth(("sep",), deg, profile, devices_per_node),
-    }
+
+    def bw(*group: str) -> float:
+        return _group_bandwidth(group, deg, profile, devices_per_node)
+
+    bw_mp, bw_data, bw_shard = bw(MP), bw(DP, SHARDING, SEP), bw(SHARDING)
+    bw_dpsep, bw_pp, bw_sep = bw(DP, SEP), bw(PP), bw(SEP)
     coll = dict.fromkeys(
         ("all_reduce", "reduce_scatter", "all_gather", "collective_permute", "all_to_all"), 0.0
     )
@@ -795,7 +479,7 @@ def estimate(
             coll["all_reduce"] += n_mb * act
         coll["all_reduce"] += out_bytes + stats
         count = n_mb + n_out + (2 if stats else 0)
-        t_tp = count * lat + (_ring("all-reduce", n_mb * act + out_bytes + stats, mp)) / bw["mp"]
+        t_tp = count * lat + (_ring("all-reduce", n_mb * act + out_bytes + stats, mp)) / bw_mp
 
     # gradient reduction over the data axes (and sep)
     red = data * sep
@@ -803,7 +487,7 @@ def estimate(
     if red > 1:
         if stage == 0:
             coll["all_reduce"] += grads
-            t_dp += lat + _ring("all-reduce", grads, red) / bw["data"]
+            t_dp += lat + _ring("all-reduce", grads, red) / bw_data
         else:
             zeroed = grads
             if fthenb:
@@ -813,24 +497,24 @@ def estimate(
                 # only the embedding's and the head's are reduced in the ZeRO layout
                 zeroed = outside_tp
                 coll["all_reduce"] += block_tp
-                t_dp += lat + _ring("all-reduce", block_tp, red) / bw["data"]
+                t_dp += lat + _ring("all-reduce", block_tp, red) / bw_data
             if profile.reduce_scatter_native:
                 coll["reduce_scatter"] += zeroed
-                t_dp += lat + _ring("reduce-scatter", zeroed, shard) / bw["sharding"]
+                t_dp += lat + _ring("reduce-scatter", zeroed, shard) / bw_shard
             else:
                 coll["all_reduce"] += zeroed
-                t_dp += lat + _ring("all-reduce", zeroed, shard) / bw["sharding"]
+                t_dp += lat + _ring("all-reduce", zeroed, shard) / bw_shard
             if layout.dp * sep > 1:
                 coll["all_reduce"] += zeroed / shard
-                t_dp += lat + _ring("all-reduce", zeroed / shard, layout.dp * sep) / bw["dpsep"]
+                t_dp += lat + _ring("all-reduce", zeroed / shard, layout.dp * sep) / bw_dpsep
             gathers = 2 if (stage >= 3 and layout.recompute) else 1
             coll["all_gather"] += gathers * tp_bytes
-            t_dp += gathers * (lat + _ring("all-gather", tp_bytes, shard) / bw["sharding"])
+            t_dp += gathers * (lat + _ring("all-gather", tp_bytes, shard) / bw_shard)
     if pp > 1:
         ticks = m + pp - 1 if layout.schedule == "FThenB" else m + 2 * pp - 2
         act = tokens_mb * h * ab
         coll["collective_permute"] += 2 * ticks * act
-        t_pp = 2 * ticks * (lat + act / bw["pp"])
+        t_pp = 2 * ticks * (lat + act / bw_pp)
         if fthenb:
             # to_distributed's stand-in runs only the blocks pipelined: the embedding and
             # the head run on every stage, on the same (pp-invariant) values, so their
@@ -839,18 +523,18 @@ def estimate(
             # cotangent of its input: two all-reduces of the local batch's b s h.
             out = tokens_local * h * ab
             coll["all_reduce"] += 2 * out
-            t_pp += 2 * (lat + _ring("all-reduce", out, pp) / bw["pp"])
+            t_pp += 2 * (lat + _ring("all-reduce", out, pp) / bw_pp)
         else:
             # 1F1B (pipeline_loss, a PipelineLayer): the embedding / head gradients are
             # summed over the stages that hold them
             coll["all_reduce"] += outside_tp
-            t_dp += lat + _ring("all-reduce", outside_tp, pp) / bw["pp"]
+            t_dp += lat + _ring("all-reduce", outside_tp, pp) / bw_pp
     if sep > 1 and patterns.attention:
         kv = tokens_mb * sep * 2 * d.kv_dim / mp * ab
         n = stage_blocks * runs
         coll["all_gather"] += n * kv
         coll["reduce_scatter"] += n * kv
-        t_sep = 2 * n * (lat + _ring("all-gather", kv, sep) / bw["sep"])
+        t_sep = 2 * n * (lat + _ring("all-gather", kv, sep) / bw_sep)
 
     return Candidate(
         layout=layout,

@@ -70,6 +70,7 @@ from jax.sharding import PartitionSpec as P
 
 from jfleet._logging import logger
 from jfleet.auto_parallel._dataflow import Flow, probe
+from jfleet.topology import MP
 
 __all__ = [
     "COLUMN_ROLES",
@@ -126,13 +127,11 @@ def role_spec(role: str | None, kind: str, ndim: int) -> P:
     """
     if role in COLUMN_ROLES or role == "head":
         if kind == "kernel" and ndim == 2:
-            return P(None, "mp")
+            return P(None, MP)
         if kind == "bias" and ndim == 1:
-            return P("mp")
-    if role in ROW_ROLES and kind == "kernel" and ndim == 2:
-        return P("mp", None)
-    if role == "embedding" and ndim == 2:
-        return P("mp", None)
+            return P(MP)
+    if ((role in ROW_ROLES and kind == "kernel") or role == "embedding") and ndim == 2:
+        return P(MP, None)
     return P()
 
 

@@ -20,22 +20,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
 from flax import nnx
-from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
-from jfleet.auto_parallel.cost_model import (
-    Candidate,
-    Collectives,
-    Layout,
-    Memory,
-    StepTime,
-)
+from jfleet.auto_parallel.cost_model import Candidate, Collectives, Memory, StepTime
+from jfleet.auto_parallel.layouts import Layout
 from jfleet.auto_parallel.patterns import path_str
 from jfleet.auto_parallel.profiles import HardwareProfile
 
@@ -94,9 +86,11 @@ class ParamPlan:
       role: the matched role, or None (replicated).
       spec: the layout before ZeRO (tensor parallel over ``mp``); what the engine reads
         from a Param's ``out_sharding`` metadata.
-      zero_spec: ``spec`` with the ZeRO axis added (:meth:`ParallelPlan.zero_spec`); the
-        layout of the optimizer state at ZeRO >= 1, of the gradients at >= 2 and of the
-        parameter itself at 3. Equal to ``spec`` at stage 0.
+      zero_spec: ``spec`` with the ZeRO axis added
+        (:meth:`~jfleet.placement.Placement.zero_spec`); the layout of the optimizer state
+        at ZeRO >= 1, of the gradients at >= 2 and of the parameter itself at 3. Equal to
+        ``spec`` at stage 0. ``to_distributed`` applies it as it stands here (it is
+        computed once, when the plan is made).
       stage: the pipeline stage holding it (None outside the decoder blocks, which every
         stage holds).
     """
@@ -224,7 +218,7 @@ class Plan:
 
     @property
     def layout(self) -> Layout:
-        """The chosen :class:`~jfleet.auto_parallel.cost_model.Layout`."""
+        """The chosen :class:`~jfleet.auto_parallel.layouts.Layout`."""
         return self.chosen.layout
 
     @property
@@ -257,26 +251,6 @@ class Plan:
         raise KeyError(f"{path!r} is not a parameter of this plan; e.g. {some}")
 
     # ------------------------------------------------------------ applying helpers
-    def make_mesh(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
-        """A ``Mesh`` with this plan's axes (``AxisType.Auto``) over the first devices.
-
-        Raises:
-          ValueError: fewer devices than the plan needs.
-        """
-        n = math.prod(self.axis_sizes)
-        devices = list(jax.devices() if devices is None else devices)
-        if len(devices) < n:
-            raise ValueError(
-                f"the plan needs {n} devices ({self.layout.mesh_name}) but {len(devices)} "
-                "are available."
-            )
-        return jax.make_mesh(
-            self.axis_sizes,
-            self.axis_names,
-            axis_types=(AxisType.Auto,) * len(self.mesh),
-            devices=devices[:n],
-        )
-
     def partition_specs(self, state: nnx.State, *, zero: bool = False) -> nnx.State:
         """A tree like ``state`` (``nnx.Param`` state) with each leaf's ``PartitionSpec``.
 

@@ -27,21 +27,19 @@ from flax import nnx
 from jax.sharding import AbstractMesh
 
 from jfleet._logging import logger
-from jfleet.auto_parallel.cost_model import (
-    AXES,
+from jfleet.auto_parallel.cost_model import Candidate, estimate, rank
+from jfleet.auto_parallel.layouts import (
     OPTIMIZER_MOMENTS,
     SCHEDULES,
-    Candidate,
     Workload,
     enumerate_layouts,
-    estimate,
-    rank,
     shape_problem,
 )
-from jfleet.auto_parallel.patterns import ModelPatterns, match_patterns
+from jfleet.auto_parallel.patterns import ModelPatterns, match_patterns, path_str
 from jfleet.auto_parallel.plan import ParamPlan, Plan, _mib, _secs
 from jfleet.auto_parallel.profiles import HardwareProfile, get_profile
-from jfleet.placement import ParallelPlan
+from jfleet.placement import Placement
+from jfleet.topology import AXIS_NAMES, MP, PP, SEP
 
 __all__ = ["plan_for"]
 
@@ -57,10 +55,10 @@ def _check_force_mesh(force_mesh: Mapping[str, int], device_num: int, node_num: 
         raise TypeError(
             f"force_mesh={force_mesh!r} must be a dict of degrees, e.g. {{'dp': 2, 'mp': 4}}."
         )
-    unknown = sorted(set(force_mesh) - set(AXES))
+    unknown = sorted(set(force_mesh) - set(AXIS_NAMES))
     if unknown:
         raise ValueError(
-            f"force_mesh={dict(force_mesh)} names unknown axes {unknown}; axes are {AXES}."
+            f"force_mesh={dict(force_mesh)} names unknown axes {unknown}; axes are {AXIS_NAMES}."
         )
     for a, n in force_mesh.items():
         _positive_int(f"force_mesh[{a!r}]", n)
@@ -73,7 +71,33 @@ def _check_force_mesh(force_mesh: Mapping[str, int], device_num: int, node_num: 
             f"device_num x node_num = {device_num} x {node_num} = {total}; give degrees "
             f"whose product is {total}."
         )
-    return {a: int(force_mesh.get(a, 1)) for a in AXES}
+    return {a: int(force_mesh.get(a, 1)) for a in AXIS_NAMES}
+
+
+def _check_patterns(patterns: Any, model: nnx.Module) -> ModelPatterns:
+    """``patterns`` when they are ``model``'s (the same parameter paths and shapes)."""
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            f"model is a {type(model).__name__}, not an nnx.Module; pass a Flax NNX module."
+        )
+    if not isinstance(patterns, ModelPatterns):
+        raise TypeError(
+            f"patterns={patterns!r} ({type(patterns).__name__}) is not a ModelPatterns; pass "
+            "match_patterns(model)'s result, or leave patterns out."
+        )
+    found = {p.path: tuple(p.shape) for p in patterns.params}
+    have = {
+        path_str(path): tuple(var.shape)
+        for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    }
+    if found != have:
+        differ = sorted(set(found.items()) ^ set(have.items()))[:4]
+        raise ValueError(
+            f"patterns were found in another model than this {type(model).__name__}: "
+            f"parameters differ at {differ}; pass match_patterns(model) for this model, or "
+            "leave patterns out."
+        )
+    return patterns
 
 
 def _model_dtype(patterns: ModelPatterns) -> str:
@@ -101,6 +125,7 @@ def plan_for(
     recompute: bool | None = None,
     dtype: str | None = None,
     pipeline: bool = True,
+    patterns: ModelPatterns | None = None,
 ) -> Plan:
     """Chooses the fastest layout of ``model`` that fits, by the cost model.
 
@@ -125,15 +150,20 @@ def plan_for(
       dtype: compute dtype; default the model's parameter dtype.
       pipeline: whether layouts with ``pp > 1`` may be chosen (``to_distributed`` passes
         False when the blocks cannot be stacked).
+      patterns: what :func:`~jfleet.auto_parallel.patterns.match_patterns` found in
+        ``model``, when the caller has it already (``to_distributed`` matches once);
+        default: matched here.
 
     Returns:
       The :class:`Plan`.
 
     Raises:
-      TypeError: ``model`` is not an ``nnx.Module``; ``force_mesh`` not a dict.
+      TypeError: ``model`` is not an ``nnx.Module``; ``force_mesh`` not a dict;
+        ``patterns`` not a ``ModelPatterns``.
       ValueError: a model without parameters, a non-positive count, a forced mesh that
         does not multiply out or does not suit the shapes, an unknown schedule or ZeRO
-        stage, or no layout that fits the memory budget.
+        stage, ``patterns`` found in another model, or no layout that fits the memory
+        budget.
     """
     device_num = _positive_int("device_num", device_num)
     node_num = _positive_int("node_num", node_num)
@@ -151,16 +181,16 @@ def plan_for(
     forced = None
     if force_mesh is not None:
         forced = _check_force_mesh(force_mesh, device_num, node_num)
-        if forced["sep"] > 1 and not sequence_parallel:
+        if forced[SEP] > 1 and not sequence_parallel:
             raise ValueError(
-                f"force_mesh={dict(force_mesh)} has sep={forced['sep']} but "
+                f"force_mesh={dict(force_mesh)} has sep={forced[SEP]} but "
                 "sequence_parallel=False; pass sequence_parallel=True."
             )
     prof = get_profile(profile)
     budget = prof.memory_bytes if memory_budget is None else memory_budget
     if not budget > 0:
         raise ValueError(f"memory_budget={memory_budget!r} must be a positive number of bytes.")
-    patterns = match_patterns(model)
+    patterns = match_patterns(model) if patterns is None else _check_patterns(patterns, model)
     workload = Workload(
         batch_size=_positive_int("batch_size", batch_size),
         seq_len=_positive_int("seq_len", seq_len),
@@ -177,7 +207,7 @@ def plan_for(
             ", ".join(patterns.unmatched) or "none",
             "".join(f"; {n}" for n in patterns.notes),
         )
-        if forced is not None and (forced["mp"] > 1 or forced["pp"] > 1):
+        if forced is not None and (forced[MP] > 1 or forced[PP] > 1):
             raise ValueError(
                 f"force_mesh={dict(force_mesh)} asks for tensor or pipeline parallelism, but "
                 f"no transformer parts of {type(model).__name__} were recognised; use dp / "
@@ -203,9 +233,9 @@ def plan_for(
     if not patterns.recognised:
         layouts = [lay for lay in layouts if lay.pp == 1 and lay.mp == 1]
     if not pipeline:
-        if forced is not None and forced["pp"] > 1:
+        if forced is not None and forced[PP] > 1:
             raise ValueError(
-                f"force_mesh={dict(force_mesh)} asks for pp={forced['pp']}, but this model's "
+                f"force_mesh={dict(force_mesh)} asks for pp={forced[PP]}, but this model's "
                 "blocks cannot be pipelined; use pp 1."
             )
         piped = dict.fromkeys(lay.mesh_name for lay in layouts if lay.pp > 1)
@@ -263,8 +293,8 @@ def _build_plan(
     model_name: str,
 ) -> Plan:
     lay = best.layout
-    abstract = AbstractMesh(tuple(lay.degrees.values()), AXES)
-    zero = ParallelPlan(mesh=abstract, zero_stage=lay.zero_stage)
+    abstract = AbstractMesh(tuple(lay.degrees.values()), AXIS_NAMES)
+    zero = Placement(mesh=abstract, zero_stage=lay.zero_stage)
     per_stage = len(patterns.blocks) // lay.pp if patterns.blocks else 0
     if patterns.blocks:
         stages = tuple(tuple(range(k * per_stage, (k + 1) * per_stage)) for k in range(lay.pp))

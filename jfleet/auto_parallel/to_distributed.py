@@ -49,25 +49,29 @@ from jfleet.auto_parallel.blocks import (
     pipeline_blocks,
     wrap_blocks,
 )
-from jfleet.auto_parallel.cost_model import OPTIMIZER_MOMENTS
-from jfleet.auto_parallel.loader import ShardedLoader, batch_shape, peek
-from jfleet.auto_parallel.patterns import path_str
+from jfleet.auto_parallel.layouts import OPTIMIZER_MOMENTS
+from jfleet.auto_parallel.patterns import ModelPatterns, match_patterns, path_str
 from jfleet.auto_parallel.plan import Plan
 from jfleet.auto_parallel.planner import plan_for
 from jfleet.auto_parallel.profiles import HardwareProfile
+from jfleet.data import ShardedLoader, batch_shape, peek
 from jfleet.distributed_model import apply_model_settings
 from jfleet.distributed_optimizer import DistributedOptimizer
-from jfleet.placement import ParallelPlan
+from jfleet.placement import Placement, check_divides
 from jfleet.strategy import DistributedStrategy
+from jfleet.topology import DP, MP, PP, SEP, SHARDING
 
 __all__ = ["ToDistributedConfig", "get_plan", "to_distributed"]
 
 _PLANS: weakref.WeakKeyDictionary[nnx.Module, Plan] = weakref.WeakKeyDictionary()
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class ToDistributedConfig:
     """What steers :func:`to_distributed` (every field optional).
+
+    Frozen: ``to_distributed`` only reads it, so one config can steer several calls; make a
+    changed copy with ``dataclasses.replace(config, zero_stage=1)``.
 
     Attributes:
       input_spec: one global batch's shapes: arrays or anything with ``.shape`` and
@@ -158,7 +162,7 @@ def to_distributed(
     Returns:
       ``(model, optimizer, loader)``: the placed model, a
       :class:`~jfleet.distributed_optimizer.DistributedOptimizer` with its state placed,
-      and a :class:`~jfleet.auto_parallel.loader.ShardedLoader`.
+      and a :class:`~jfleet.data.ShardedLoader`.
 
     Raises:
       TypeError: not an ``nnx.Module``, an optimizer of another kind, a config of
@@ -204,7 +208,7 @@ def to_distributed(
             f"({batch_size}, {seq_len}); yield arrays with concrete shapes."
         )
     plan = _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len)
-    _check_batch(plan, batch_size)
+    _check_batch(plan, batch_size)  # a given plan may be for another batch
     strategy = _strategy(config.strategy)
     placement = _init_fleet(plan, strategy, device_num * node_num)
     apply_model_settings(model, strategy)
@@ -283,8 +287,10 @@ def _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len
                 f"{device_num * node_num}."
             )
         return plan
+    patterns = match_patterns(model)  # once: the planner and the pipeline check share it
     return plan_for(
         model,
+        patterns=patterns,
         device_num=device_num,
         node_num=node_num,
         batch_size=batch_size,
@@ -298,15 +304,13 @@ def _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len
         sequence_parallel=config.sequence_parallel,
         optimizer=_optimizer_kind(tx, model, wrt),
         recompute=config.recompute,
-        pipeline=_stackable(model),
+        pipeline=_stackable(model, patterns),
     )
 
 
-def _stackable(model: nnx.Module) -> bool:
+def _stackable(model: nnx.Module, patterns: ModelPatterns) -> bool:
     """Whether the decoder blocks hold only ``nnx.Param`` (the pipelined stand-in needs it)."""
-    from jfleet.auto_parallel.patterns import match_patterns
-
-    blocks = match_patterns(model).blocks
+    blocks = patterns.blocks
     if not blocks:
         return True
     held = [nnx.state(module_at(model, b), nnx.Not(nnx.Param)) for b in blocks]
@@ -318,16 +322,19 @@ def _stackable(model: nnx.Module) -> bool:
 
 def _check_batch(plan: Plan, batch_size: int) -> None:
     degrees = plan.mesh_shape
-    data = degrees["dp"] * degrees["sharding"]
-    micro = plan.num_microbatches if degrees["pp"] > 1 else 1
-    if batch_size % (data * micro):
-        what = f"data-parallel size {data} (dp {degrees['dp']} x sharding {degrees['sharding']})"
-        if micro > 1:
-            what += f" x {micro} pipeline micro-batches"
-        raise ValueError(
-            f"the loader's batch size {batch_size} is not divisible by the {what} of plan "
-            f"{plan.layout.name}; use a batch size that is a multiple of {data * micro}."
-        )
+    parts = [(DP, degrees[DP]), (SHARDING, degrees[SHARDING])]
+    label = "data-parallel size"
+    if degrees[PP] > 1 and plan.num_microbatches > 1:
+        parts.append(("pipeline micro-batches", plan.num_microbatches))
+        label += " x pipeline micro-batches"
+    check_divides(
+        f"the loader's batch size is {batch_size}",
+        batch_size,
+        parts,
+        f"plan {plan.layout.name} needs a batch size that is a multiple of "
+        f"{math.prod(n for _, n in parts)}",
+        label=label,
+    )
 
 
 _PLANNING_FIELDS = (
@@ -405,7 +412,7 @@ def _default_profile() -> str:
     return "h100"
 
 
-def _init_fleet(plan: Plan, strategy: DistributedStrategy, n: int) -> ParallelPlan:
+def _init_fleet(plan: Plan, strategy: DistributedStrategy, n: int) -> Placement:
     """``fleet.init`` with the plan's degrees (and the user's meta-optimizer settings)."""
 
     degrees = plan.mesh_shape
@@ -420,25 +427,34 @@ def _init_fleet(plan: Plan, strategy: DistributedStrategy, n: int) -> ParallelPl
         devices=_mesh_devices(n),
     )
     mesh = fleet.get_hybrid_communicate_group().mesh
-    return ParallelPlan(mesh=mesh, zero_stage=plan.zero_stage)
+    return Placement(mesh=mesh, zero_stage=plan.zero_stage)
+
+
+def _padded(spec: Any, ndim: int) -> tuple:
+    """A spec as metadata: one entry per dimension."""
+    return tuple(spec) + (None,) * (ndim - len(spec))
 
 
 def _apply(
-    model: nnx.Module, plan: Plan, placement: ParallelPlan, per_sample: tuple | None = None
+    model: nnx.Module, plan: Plan, placement: Placement, per_sample: tuple | None = None
 ) -> None:
-    """Annotates, restructures (pipeline, recompute, SP) and places ``model`` for ``plan``."""
-    specs = plan.specs
+    """Annotates, restructures (pipeline, recompute, SP) and places ``model`` for ``plan``.
+
+    The layouts are the plan's, computed once by the planner: each parameter's
+    ``out_sharding`` is its ``spec`` and, with ZeRO, its ``optimizer_sharding`` (the
+    layout Flax gives its optimizer state) its ``zero_spec``. The parameters of a
+    pipelined stack, which the plan names block by block, take the stack's layout.
+    """
+    params = {p.path: p for p in plan.params}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        spec = specs[path_str(path)]
-        var.set_metadata(
-            out_sharding=tuple(spec) + (None,) * (var.ndim - len(spec)), mesh=placement.mesh
-        )
+        spec = params[path_str(path)].spec
+        var.set_metadata(out_sharding=_padded(spec, var.ndim), mesh=placement.mesh)
     degrees = plan.mesh_shape
     seq_axes = tuple(
-        a for a in ("sep", "mp") if degrees[a] > 1 and (a == "sep" or plan.sequence_parallel)
+        a for a in (SEP, MP) if degrees[a] > 1 and (a == SEP or plan.sequence_parallel)
     )
     seq_axes = seq_axes or None
-    if plan.blocks and degrees["pp"] > 1:
+    if plan.blocks and degrees[PP] > 1:
         container = container_of(model, plan.blocks)
         pipeline_blocks(
             model,
@@ -452,4 +468,9 @@ def _apply(
     elif plan.blocks and (plan.recompute or seq_axes):
         blocks = [module_at(model, b) for b in plan.blocks]
         wrap_blocks(blocks, recompute=plan.recompute, mesh=placement.mesh, seq_axes=seq_axes)
+    if plan.zero_stage:  # after the restructuring: stacking keeps the first block's metadata
+        for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+            entry = params.get(path_str(path))
+            if entry is not None and entry.shape == tuple(var.shape):
+                var.set_metadata(optimizer_sharding=_padded(entry.zero_spec, var.ndim))
     placement.place_params(model)

@@ -19,7 +19,14 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jfleet.auto_parallel import HardwareProfile, Plan, plan_for, split_devices
+from jfleet.auto_parallel import (
+    HardwareProfile,
+    Plan,
+    match_patterns,
+    plan_for,
+    planner,
+    split_devices,
+)
 from jfleet.auto_parallel.plan import spec_to_json
 from jfleet.models.gpt2 import TinyGPT2
 from jfleet.models.llama import TinyLlama
@@ -231,6 +238,26 @@ def test_bad_inputs_are_errors_naming_the_values():
 
     with pytest.raises(ValueError, match="Empty has no nnx.Param"):
         plan_for(Empty(), device_num=8, **kw)
+
+
+def test_patterns_found_once_are_planned_without_matching_again(monkeypatch):
+    model = shapes("llama")
+    kw = {"device_num": 8, "batch_size": 16, "seq_len": 16, "force_mesh": {"dp": 2, "mp": 4}}
+    found = match_patterns(model)
+    fresh = plan_for(model, **kw)
+
+    def no_second_match(model):
+        raise AssertionError("plan_for matched the model again")
+
+    monkeypatch.setattr(planner, "match_patterns", no_second_match)
+    assert plan_for(model, patterns=found, **kw) == fresh
+    with pytest.raises(TypeError, match=r"patterns=\{'mp': 4\} \(dict\) is not a ModelPatterns"):
+        plan_for(model, patterns={"mp": 4}, **kw)
+    other = match_patterns(shapes("gpt2"))
+    with pytest.raises(
+        ValueError, match="patterns were found in another model than this TinyLlama"
+    ):
+        plan_for(model, patterns=other, **kw)
 
 
 class ConvNet(nnx.Module):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib
 import logging
 
 import jax
@@ -15,12 +17,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jfleet import DistributedStrategy, fleet, make_eval_step, make_train_step
-from jfleet.auto_parallel import ToDistributedConfig, get_plan, to_distributed
+from jfleet.auto_parallel import ToDistributedConfig, get_plan, match_patterns, planner
 from jfleet.auto_parallel.blocks import PipelinedBlocks
+from jfleet.auto_parallel.to_distributed import to_distributed
 from jfleet.models import lm_batches, lm_loss
 from jfleet.models.gpt2 import TinyGPT2
 from jfleet.models.llama import TinyLlama
 
+#: The module (``jfleet.auto_parallel.to_distributed`` is the function of the same name).
+to_distributed_module = importlib.import_module("jfleet.auto_parallel.to_distributed")
 STEPS = 10
 #: fp32 Adam over 10 steps: the reductions run in another order on 8 devices.
 TOL = 1e-4
@@ -75,6 +80,26 @@ def stack_program(model: nnx.Module, *args) -> str:
     return str(jax.make_jaxpr(model.layers.run)(jnp.zeros((16, 8, 32)), *args))
 
 
+def optimizer_layouts(model: nnx.Module) -> dict[str, tuple]:
+    """Each parameter's ``optimizer_sharding`` metadata (the layout of its optimizer state)."""
+    return {
+        ".".join(map(str, path)): var.get_metadata("optimizer_sharding", None)
+        for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    }
+
+
+def planned_optimizer_layouts(plan, model: nnx.Module) -> dict[str, tuple]:
+    """What the plan's ZeRO specs say the optimizer layouts are, one entry per dimension."""
+    ndims = {
+        ".".join(map(str, path)): var.ndim
+        for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    }
+    return {
+        p.path: tuple(p.zero_spec) + (None,) * (ndims[p.path] - len(p.zero_spec))
+        for p in plan.params
+    }
+
+
 @pytest.mark.parametrize(
     ("mesh", "zero"),
     [
@@ -112,6 +137,7 @@ def test_llama_trains_like_one_device(mesh, zero):
             x for x in jax.tree.leaves(nnx.state(opt)) if getattr(x, "shape", ()) == (32, 32)
         ]
         assert moments and all("sharding" in str(spec_of(x)) for x in moments)
+        assert optimizer_layouts(model) == planned_optimizer_layouts(plan, model)
     batch = next(iter(loader))
     assert spec_of(batch["tokens"]) == P(("dp", "sharding"))
     losses = train(model, opt, loader)
@@ -202,6 +228,48 @@ def test_a_generator_loader_is_read_once_and_sharded():
     assert len(placed) == 3  # the batch peeked for planning is not lost
     assert all(spec_of(b["labels"]) == P(("dp", "sharding")) for b in placed)
     assert get_plan(model).optimizer == "sgd"
+
+
+def test_the_model_is_matched_once_and_the_plans_zero_specs_are_applied(monkeypatch):
+    calls = []
+
+    def counted(model):
+        calls.append(type(model).__name__)
+        return match_patterns(model)
+
+    monkeypatch.setattr(to_distributed_module, "match_patterns", counted)
+    monkeypatch.setattr(planner, "match_patterns", counted)
+    config = ToDistributedConfig(force_mesh={"dp": 2, "sharding": 2, "mp": 2}, zero_stage=1)
+    model, _, _ = to_distributed(llama(), optax.sgd(0.1), lm_batches(1), config=config)
+    assert calls == ["TinyLlama"]
+    plan = get_plan(model)
+    assert plan.zero_stage == 1
+    layouts = optimizer_layouts(model)
+    assert layouts == planned_optimizer_layouts(plan, model)
+    assert any("sharding" in str(spec) for spec in layouts.values())
+
+
+def test_the_config_is_frozen():
+    config = ToDistributedConfig(zero_stage=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.zero_stage = 2
+    assert dataclasses.replace(config, zero_stage=2).zero_stage == 2
+
+
+def test_a_given_plan_checks_the_loaders_batch():
+    model, _, _ = to_distributed(
+        llama(), optax.sgd(0.1), lm_batches(1), config=ToDistributedConfig(force_mesh={"dp": 8})
+    )
+    plan = get_plan(model)
+    fleet._fleet._reset()
+    with pytest.raises(
+        ValueError,
+        match=r"batch size is 12, which the data-parallel size 8 \(dp 8 x sharding 1\) does not "
+        r"divide; plan dp8 needs a batch size that is a multiple of 8",
+    ):
+        to_distributed(
+            llama(), optax.sgd(0.1), lm_batches(1, batch=12), config=ToDistributedConfig(plan=plan)
+        )
 
 
 class ConvNet(nnx.Module):

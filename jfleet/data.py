@@ -1,10 +1,17 @@
-"""The data loader ``to_distributed`` returns: the user's batches as global sharded arrays.
+"""The sharded loader: a user's batches as global arrays split over the data axes.
+
+:class:`ShardedLoader` wraps any iterable of batches (a list, a generator, a ``torch`` or
+``grain`` loader) and places each one with :meth:`jfleet.placement.Placement.shard_batch`:
+the batch dimension split over ``dp x sharding``, the rest replicated. ``to_distributed``
+returns one; a Fleet script wraps its own loader in one for the run's placement
+(``Placement.from_fleet()``). :func:`peek` and :func:`batch_shape` read a loader's first
+batch for planning.
 
 Example:
   >>> import jax, numpy as np
-  >>> from jfleet.placement import ParallelPlan
+  >>> from jfleet.placement import Placement
   >>> mesh = jax.make_mesh((4, 2), ("dp", "sharding"))
-  >>> loader = ShardedLoader([{"x": np.ones((16, 4))}] * 3, ParallelPlan(mesh))
+  >>> loader = ShardedLoader([{"x": np.ones((16, 4))}] * 3, Placement(mesh))
   >>> batch = next(iter(loader))
   >>> batch["x"].sharding.spec, len(loader)
   (P(('dp', 'sharding'),), 3)
@@ -19,7 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jfleet.placement import ParallelPlan
+from jfleet.placement import Placement
 
 __all__ = ["ShardedLoader", "batch_shape", "peek"]
 
@@ -33,14 +40,31 @@ class ShardedLoader:
     list, a ``torch`` or ``grain`` loader) is re-iterated on every ``iter``; a one-shot
     iterator (a generator) is consumed once.
 
+    Args:
+      loader: an iterable of batches.
+      placement: the :class:`~jfleet.placement.Placement` whose data axes split each batch.
+      first: the batch :func:`peek` already took from a one-shot ``loader``; it is
+        yielded first, so no batch is lost.
+
     Attributes:
       loader: the wrapped loader.
-      plan: the :class:`~jfleet.placement.ParallelPlan` whose data axes split the batch.
+      placement: the :class:`~jfleet.placement.Placement` whose data axes split the batch.
+
+    Raises:
+      TypeError: ``placement`` is not a ``Placement``.
+      ValueError: (while iterating) a batch whose size the data-parallel size does not
+        divide.
     """
 
-    def __init__(self, loader: Iterable[Any], plan: ParallelPlan, first: Any = None) -> None:
+    def __init__(self, loader: Iterable[Any], placement: Placement, first: Any = None) -> None:
+        if not isinstance(placement, Placement):
+            raise TypeError(
+                f"placement={placement!r} ({type(placement).__name__}) is not a "
+                "jfleet.placement.Placement; pass Placement.from_fleet() (after fleet.init) "
+                "or Placement(mesh)."
+            )
         self.loader = loader
-        self.plan = plan
+        self.placement = placement
         self._first = first
 
     def __iter__(self) -> Iterator[Any]:
@@ -49,7 +73,7 @@ class ShardedLoader:
             first, self._first = self._first, None
             source = source if first is None else itertools.chain([first], source)
         for batch in source:
-            yield self.plan.shard_batch(batch)
+            yield self.placement.shard_batch(batch)
 
     def __len__(self) -> int:
         return len(self.loader)  # TypeError for loaders without a length, as for the original
@@ -58,9 +82,15 @@ class ShardedLoader:
 def peek(loader: Iterable[Any]) -> Any:
     """The loader's first batch (kept for iteration when the loader is a one-shot iterator).
 
+    Pass it as :class:`ShardedLoader`'s ``first``: a generator cannot give it twice.
+
     Raises:
       TypeError: ``loader`` is not iterable.
       ValueError: it yields nothing.
+
+    Example:
+      >>> peek(iter([1, 2, 3])), peek([4, 5])
+      (1, 4)
     """
     try:
         it = iter(loader)

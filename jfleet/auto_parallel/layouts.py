@@ -1,0 +1,405 @@
+"""Layouts: every way to lay a model out on the devices, and the shape rules that exclude some.
+
+A :class:`Layout` is one way to run a training step: the mesh degrees
+``dp x pp x sharding x sep x mp`` (mesh order, outermost first), the ZeRO stage, the
+pipeline schedule and micro-batch count, and recompute. A :class:`Workload` is what the
+step processes (batch, sequence, dtype, optimizer). :func:`enumerate_layouts` lists every
+factorisation of ``device_num x node_num`` into those degrees (``sep > 1`` only under
+sequence parallelism) that the model's shapes allow, with each ZeRO stage, pipeline
+schedule, micro-batch count and recompute setting worth comparing, and gives the reason
+for each mesh it leaves out (:func:`shape_problem`). What each layout costs is
+:mod:`jfleet.auto_parallel.cost_model`'s business.
+
+**Shape rules.** ``mp`` divides every dimension a tensor-parallel role splits (heads,
+kv heads, q/kv widths, MLP hidden, vocabulary) and is at most the devices of one node
+(tensor parallelism stays on the fast links; the mesh order ``dp, pp, sharding, sep,
+mp`` puts ``mp`` neighbours next to each other). Grouped-query attention: ``mp`` must
+divide the kv heads, so each rank holds whole kv groups (Megatron's
+``num_query_groups % tp == 0``); replicating kv heads when ``mp > kv_heads`` is not
+offered. ``pp`` divides the decoder blocks (uniform stages). ``dp x sharding`` divides
+the batch; ``sep`` divides the sequence. A model with no recognised parts gets
+``mp = pp = 1``; one with no repeated blocks gets ``pp = 1``.
+
+Example:
+  >>> from jfleet.auto_parallel.patterns import match_patterns
+  >>> from jfleet.models.llama import TinyLlama
+  >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, kv_heads=2, layers=2))
+  >>> layouts, excluded = enumerate_layouts(found, Workload(batch_size=8, seq_len=8),
+  ...                                       device_num=4)
+  >>> sorted({lay.mesh_name for lay in layouts if lay.pp == 1 and lay.sharding == 1})
+  ['dp2 x mp2', 'dp4']
+  >>> excluded
+  [('mp4', 'mp=4 does not divide kv_heads=2'), ('pp4', 'pp=4 does not divide the 2 blocks')]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Iterable, Mapping
+
+import jax.numpy as jnp
+
+from jfleet.auto_parallel.patterns import ModelPatterns
+from jfleet.topology import AXIS_NAMES, DP, MP, PP, SEP, SHARDING
+
+__all__ = [
+    "OPTIMIZER_MOMENTS",
+    "SCHEDULES",
+    "Layout",
+    "Workload",
+    "enumerate_layouts",
+    "mesh_name",
+    "shape_problem",
+]
+
+#: Pipeline schedules the cost model knows.
+SCHEDULES = ("FThenB", "1F1B")
+#: Optimizer state per parameter, in parameter-sized arrays.
+OPTIMIZER_MOMENTS = {"adam": 2, "adamw": 2, "lamb": 2, "momentum": 1, "lars": 1, "sgd": 0}
+
+
+def _count_ok(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+
+
+def mesh_name(degrees: Mapping[str, int]) -> str:
+    """A mesh's name: its axes of degree > 1 in mesh order, ``single device`` for none.
+
+    >>> mesh_name({"dp": 2, "pp": 1, "mp": 4})
+    'dp2 x mp4'
+    >>> mesh_name({})
+    'single device'
+    """
+    parts = [f"{a}{degrees[a]}" for a in AXIS_NAMES if degrees.get(a, 1) > 1]
+    return " x ".join(parts) or "single device"
+
+
+# ------------------------------------------------------------------ inputs
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What one training step processes.
+
+    Attributes:
+      batch_size: global batch (sequences per step).
+      seq_len: tokens per sequence.
+      dtype: compute / activation dtype name (``float32``, ``bfloat16``).
+      optimizer: ``adam`` (2 moments), ``momentum`` (1), ``sgd`` (0), ... (see
+        :data:`OPTIMIZER_MOMENTS`).
+      sequence_parallel: activations between tensor-parallel regions split over ``mp``
+        (Megatron SP), and ``sep`` candidates enumerated.
+
+    Raises:
+      ValueError: a non-positive size, an unknown optimizer or dtype.
+
+    Example:
+      >>> Workload(batch_size=4, seq_len=8, dtype="bfloat16").tokens
+      32
+    """
+
+    batch_size: int
+    seq_len: int
+    dtype: str = "float32"
+    optimizer: str = "adam"
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "seq_len"):
+            value = getattr(self, name)
+            if not _count_ok(value):
+                raise ValueError(f"{name}={value!r} must be an int >= 1.")
+        if self.optimizer not in OPTIMIZER_MOMENTS:
+            raise ValueError(
+                f"optimizer={self.optimizer!r} is not known to the cost model; use one of "
+                f"{sorted(OPTIMIZER_MOMENTS)}."
+            )
+        try:
+            jnp.dtype(self.dtype)
+        except TypeError as err:
+            raise ValueError(f"dtype={self.dtype!r} is not a dtype name.") from err
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes per activation element."""
+        return jnp.dtype(self.dtype).itemsize
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per step (batch x sequence)."""
+        return self.batch_size * self.seq_len
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Layout:
+    """One way to run the step: mesh degrees, ZeRO stage, pipeline schedule, recompute.
+
+    Attributes:
+      dp: data-parallel degree.
+      pp: pipeline stages.
+      sharding: ZeRO (sharding) degree; the batch is split over ``dp x sharding``.
+      sep: sequence (segment) parallel degree.
+      mp: tensor-parallel degree.
+      zero_stage: 0 without a sharding axis, else 1, 2 or 3.
+      schedule: ``"FThenB"`` or ``"1F1B"`` when ``pp > 1``, else None.
+      num_microbatches: micro-batches per step (1 without a pipeline).
+      recompute: recompute each block's activations in the backward pass.
+
+    Raises:
+      ValueError: a degree < 1, or an inconsistent stage / schedule / micro-batch count.
+
+    Example:
+      >>> Layout(dp=2, sharding=2, mp=2, zero_stage=3).name
+      'dp2 x sharding2 x mp2 (ZeRO-3)'
+    """
+
+    dp: int = 1
+    pp: int = 1
+    sharding: int = 1
+    sep: int = 1
+    mp: int = 1
+    zero_stage: int = 0
+    schedule: str | None = None
+    num_microbatches: int = 1
+    recompute: bool = False
+
+    def __post_init__(self) -> None:
+        for name in (*AXIS_NAMES, "num_microbatches"):
+            value = getattr(self, name)
+            if not _count_ok(value):
+                raise ValueError(f"{name}={value!r} must be an int >= 1.")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage={self.zero_stage!r} must be 0, 1, 2 or 3.")
+        if self.zero_stage and self.sharding == 1:
+            raise ValueError(
+                f"zero_stage={self.zero_stage} needs a sharding axis; sharding=1 here. "
+                "Use sharding > 1 or zero_stage=0."
+            )
+        if self.sharding > 1 and not self.zero_stage:
+            raise ValueError(
+                f"sharding={self.sharding} without a ZeRO stage; give zero_stage 1, 2 or 3."
+            )
+        if self.pp > 1 and self.schedule not in SCHEDULES:
+            raise ValueError(f"pp={self.pp} needs schedule in {SCHEDULES}; got {self.schedule!r}.")
+        if self.pp == 1 and (self.schedule is not None or self.num_microbatches != 1):
+            raise ValueError(
+                f"schedule={self.schedule!r} / num_microbatches={self.num_microbatches} "
+                "only apply with pp > 1."
+            )
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        """``{axis: degree}`` in mesh order."""
+        return {a: getattr(self, a) for a in AXIS_NAMES}
+
+    @property
+    def size(self) -> int:
+        """Devices used (the product of the degrees)."""
+        return math.prod(self.degrees.values())
+
+    @property
+    def data_degree(self) -> int:
+        """How many ways the batch is split (dp x sharding)."""
+        return self.dp * self.sharding
+
+    @property
+    def mesh_name(self) -> str:
+        """``dp2 x mp4``; ``single device`` when every degree is 1."""
+        return mesh_name(self.degrees)
+
+    @property
+    def name(self) -> str:
+        """The mesh, then ZeRO, schedule and recompute when they apply."""
+        extra = []
+        if self.zero_stage:
+            extra.append(f"ZeRO-{self.zero_stage}")
+        if self.pp > 1:
+            extra.append(f"{self.schedule} M={self.num_microbatches}")
+        if self.recompute:
+            extra.append("recompute")
+        return self.mesh_name + (f" ({', '.join(extra)})" if extra else "")
+
+    def complexity(self) -> tuple:
+        """Tie-break order: fewer parallel kinds, lower ZeRO stage, no recompute first."""
+        kinds = sum(d > 1 for a, d in self.degrees.items() if a != DP)
+        return (kinds, self.zero_stage, self.recompute, self.pp, self.mp, self.sep)
+
+
+# ------------------------------------------------------------------ shape rules
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _factorisations(n: int, k: int) -> Iterable[tuple[int, ...]]:
+    if k == 1:
+        yield (n,)
+        return
+    for d in _divisors(n):
+        for rest in _factorisations(n // d, k - 1):
+            yield (d, *rest)
+
+
+def shape_problem(
+    patterns: ModelPatterns, workload: Workload, degrees: Mapping[str, int], devices_per_node: int
+) -> str | None:
+    """Why ``degrees`` cannot run this model and workload, or None when they can.
+
+    Args:
+      patterns: what :func:`~jfleet.auto_parallel.patterns.match_patterns` found.
+      workload: batch, sequence and sequence parallelism.
+      degrees: ``{axis: degree}`` (missing axes are 1).
+      devices_per_node: devices of one node (the most ``mp`` may span).
+
+    Returns:
+      The reason, worded for a report (``"mp=4 does not divide kv_heads=2"``), or None.
+
+    Example:
+      >>> from jfleet.auto_parallel.patterns import match_patterns
+      >>> from jfleet.models.llama import TinyLlama
+      >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, kv_heads=2, layers=2))
+      >>> shape_problem(found, Workload(batch_size=8, seq_len=8), {"mp": 4}, 8)
+      'mp=4 does not divide kv_heads=2'
+    """
+    d = patterns.dims
+    mp, pp, sep = degrees.get(MP, 1), degrees.get(PP, 1), degrees.get(SEP, 1)
+    data = degrees.get(DP, 1) * degrees.get(SHARDING, 1)
+    if mp > 1:
+        if not patterns.recognised:
+            return "no tensor-parallel parts were recognised"
+        if mp > devices_per_node:
+            return f"mp={mp} exceeds the {devices_per_node} devices of a node"
+        if d.heads and d.heads % mp:
+            return f"mp={mp} does not divide heads={d.heads}"
+        if d.kv_heads and d.kv_heads % mp:
+            return f"mp={mp} does not divide kv_heads={d.kv_heads}"
+        bad = [s for s in patterns.split_dims() if s % mp]
+        if bad:
+            return f"mp={mp} does not divide the split dimension(s) {bad}"
+    if pp > 1:
+        if len(patterns.blocks) < 2:
+            return "no run of >= 2 identical blocks to pipeline"
+        if len(patterns.blocks) % pp:
+            return f"pp={pp} does not divide the {len(patterns.blocks)} blocks"
+    if sep > 1:
+        if not workload.sequence_parallel:
+            return "sep > 1 needs sequence_parallel=True"
+        if workload.seq_len % sep:
+            return f"sep={sep} does not divide seq_len={workload.seq_len}"
+    if workload.batch_size % data:
+        return f"dp x sharding = {data} does not divide batch_size={workload.batch_size}"
+    return None
+
+
+def _zero_problem(zero_stage: int | None, sharding: int) -> str | None:
+    """Why a forced ZeRO stage cannot go with this sharding degree, or None."""
+    if zero_stage == 0 and sharding > 1:
+        return f"zero_stage=0 but sharding={sharding}"
+    if zero_stage and sharding == 1:
+        return f"zero_stage={zero_stage} needs sharding > 1"
+    return None
+
+
+def _microbatch_options(local: int, pp: int, forced: int | None) -> list[int]:
+    if forced is not None:
+        return [forced] if local % forced == 0 else []
+    divisors = _divisors(local)
+    out = []
+    for target in (pp, 2 * pp, 4 * pp):
+        fit = [m for m in divisors if m >= target]
+        if fit:
+            out.append(fit[0])
+    if not out:
+        out.append(divisors[-1])
+    return sorted(set(out))
+
+
+def _meshes(total: int, sequence_parallel: bool, force_mesh: Mapping[str, int] | None) -> list:
+    """Every mesh to consider, as degree tuples in mesh order."""
+    if force_mesh is not None:
+        return [tuple(force_mesh.get(a, 1) for a in AXIS_NAMES)]
+    axes = AXIS_NAMES if sequence_parallel else (DP, PP, SHARDING, MP)
+    meshes = []
+    for combo in _factorisations(total, len(axes)):
+        deg = dict(zip(axes, combo, strict=True))
+        meshes.append(tuple(deg.get(a, 1) for a in AXIS_NAMES))
+    return meshes
+
+
+def enumerate_layouts(
+    patterns: ModelPatterns,
+    workload: Workload,
+    *,
+    device_num: int,
+    node_num: int = 1,
+    force_mesh: Mapping[str, int] | None = None,
+    schedule: str | None = None,
+    num_microbatches: int | None = None,
+    zero_stage: int | None = None,
+    recompute: bool | None = None,
+) -> tuple[list[Layout], list[tuple[str, str]]]:
+    """Every layout worth predicting, and the meshes excluded (with the reason).
+
+    Args:
+      patterns: what :func:`~jfleet.auto_parallel.patterns.match_patterns` found.
+      workload: batch, sequence, dtype, optimizer.
+      device_num: devices per node.
+      node_num: nodes.
+      force_mesh: only this mesh (degrees; missing axes are 1).
+      schedule: only this pipeline schedule.
+      num_microbatches: only this micro-batch count (pipelined layouts).
+      zero_stage: only this ZeRO stage (0: no sharding axis).
+      recompute: only with (True) or without (False) recompute.
+
+    Returns:
+      ``(layouts, excluded)``; ``excluded`` holds ``(mesh name, reason)`` pairs.
+
+    Example:
+      >>> from jfleet.auto_parallel.patterns import match_patterns
+      >>> from jfleet.models.llama import TinyLlama
+      >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, layers=2))
+      >>> layouts, excluded = enumerate_layouts(found, Workload(batch_size=4, seq_len=8),
+      ...                                       device_num=8, force_mesh={"dp": 8})
+      >>> layouts, excluded
+      ([], [('dp8', 'dp x sharding = 8 does not divide batch_size=4')])
+    """
+    layouts: list[Layout] = []
+    excluded: list[tuple[str, str]] = []
+    recompute_options = [False, True] if recompute is None else [bool(recompute)]
+    for sizes in _meshes(device_num * node_num, workload.sequence_parallel, force_mesh):
+        deg = dict(zip(AXIS_NAMES, sizes, strict=True))
+        name = mesh_name(deg)
+        problem = shape_problem(patterns, workload, deg, device_num)
+        if problem is None and zero_stage is not None:
+            problem = _zero_problem(zero_stage, deg[SHARDING])
+        if problem is not None:
+            excluded.append((name, problem))
+            continue
+        stages = ([zero_stage] if zero_stage else [1, 2, 3]) if deg[SHARDING] > 1 else [0]
+        if deg[PP] > 1:
+            local = workload.batch_size // (deg[DP] * deg[SHARDING])
+            ms = _microbatch_options(local, deg[PP], num_microbatches)
+            if not ms:
+                excluded.append(
+                    (
+                        name,
+                        f"num_microbatches={num_microbatches} does not divide the "
+                        f"{local} sequences per data-parallel replica",
+                    )
+                )
+                continue
+            scheds = [schedule] if schedule else list(SCHEDULES)
+        else:
+            ms, scheds = [1], [None]
+        for stage, sched, m, rc in itertools.product(stages, scheds, ms, recompute_options):
+            if sched == "1F1B" and rc and recompute is None:
+                continue  # 1F1B recomputes each stage anyway: the same layout twice
+            layouts.append(
+                Layout(
+                    **deg,
+                    zero_stage=stage,
+                    schedule=sched,
+                    num_microbatches=m,
+                    recompute=rc,
+                )
+            )
+    return layouts, excluded
