@@ -10,6 +10,28 @@ from jfleet import fleet
 from jfleet.strategy import DistributedStrategy
 from jfleet.testing import make_strategy
 
+#: The variables that describe a job's processes (Paddle's, JAX's and jfleet's timeouts).
+PROCESS_ENV_VARS = (
+    "PADDLE_TRAINER_ID",
+    "PADDLE_TRAINERS_NUM",
+    "PADDLE_TRAINER_ENDPOINTS",
+    "PADDLE_CURRENT_ENDPOINT",
+    "PADDLE_MASTER",
+    "PADDLE_RANK_IN_NODE",
+    "PADDLE_TRAINING_ROLE",
+    "JAX_COORDINATOR_ADDRESS",
+    "JAX_NUM_PROCESSES",
+    "JAX_PROCESS_ID",
+    "JFLEET_INIT_TIMEOUT",
+    "JFLEET_HEARTBEAT_TIMEOUT",
+)
+
+
+def clear_process_env(monkeypatch: Any) -> None:
+    """Removes every process variable for this test: a one-process job."""
+    for name in PROCESS_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+
 
 def init_fleet(hybrid: dict | None = None, **settings: Any) -> DistributedStrategy:
     """Starts a fleet on the test devices with ``hybrid_configs=hybrid``; returns the strategy."""

@@ -23,27 +23,15 @@ from jfleet.fleet import fleet_base
 from jfleet.role_maker import PaddleCloudRoleMaker, UserDefinedRoleMaker
 from jfleet.strategy import DistributedStrategy
 from jfleet.testing import make_strategy
+from tests.fleet_setup import clear_process_env
 
-_ENV_VARS = (
-    "PADDLE_TRAINER_ID",
-    "PADDLE_TRAINERS_NUM",
-    "PADDLE_TRAINER_ENDPOINTS",
-    "PADDLE_CURRENT_ENDPOINT",
-    "PADDLE_MASTER",
-    "PADDLE_RANK_IN_NODE",
-    "PADDLE_TRAINING_ROLE",
-    "JAX_COORDINATOR_ADDRESS",
-    "JAX_NUM_PROCESSES",
-    "JAX_PROCESS_ID",
-)
 NOOP_MESSAGE = "mean nothing under SPMD"
 
 
 @pytest.fixture(autouse=True)
 def _single_process_env(monkeypatch):
     """No process variables (a one-process job) and the jfleet logger level restored."""
-    for name in _ENV_VARS:
-        monkeypatch.delenv(name, raising=False)
+    clear_process_env(monkeypatch)
     jfleet_logger = logging.getLogger("jfleet")
     level = jfleet_logger.level
     yield

@@ -10,21 +10,7 @@ from jfleet.role_maker import (
     UserDefinedRoleMaker,
     initialize_distributed,
 )
-
-_VARS = (
-    "PADDLE_TRAINER_ID",
-    "PADDLE_TRAINERS_NUM",
-    "PADDLE_TRAINER_ENDPOINTS",
-    "PADDLE_CURRENT_ENDPOINT",
-    "PADDLE_MASTER",
-    "PADDLE_RANK_IN_NODE",
-    "PADDLE_TRAINING_ROLE",
-    "JAX_COORDINATOR_ADDRESS",
-    "JAX_NUM_PROCESSES",
-    "JAX_PROCESS_ID",
-    "JFLEET_INIT_TIMEOUT",
-    "JFLEET_HEARTBEAT_TIMEOUT",
-)
+from tests.fleet_setup import clear_process_env
 
 FOUR = "10.0.0.1:6170,10.0.0.1:6171,10.0.0.2:6170,10.0.0.2:6171"
 
@@ -32,8 +18,7 @@ FOUR = "10.0.0.1:6170,10.0.0.1:6171,10.0.0.2:6170,10.0.0.2:6171"
 @pytest.fixture
 def env(monkeypatch):
     """A clean process environment; returns a setter of variables."""
-    for name in _VARS:
-        monkeypatch.delenv(name, raising=False)
+    clear_process_env(monkeypatch)
 
     def set_env(**values):
         for name, value in values.items():
