@@ -154,7 +154,7 @@ def lower_step(
     """
     from jfleet import fleet
 
-    fleet._fleet._reset()
+    fleet._reset()
     config = ToDistributedConfig(
         force_mesh=degrees,
         zero_stage=stage,

@@ -13,6 +13,7 @@ from jfleet import auto_parallel as auto_parallel
 from jfleet import fleet as fleet
 from jfleet.auto_parallel import ToDistributedConfig as ToDistributedConfig
 from jfleet.auto_parallel import to_distributed as to_distributed
+from jfleet.data import ShardedLoader as ShardedLoader
 from jfleet.distributed_model import DistributedModel as DistributedModel
 from jfleet.distributed_optimizer import DistributedOptimizer as DistributedOptimizer
 from jfleet.engine import make_eval_step as make_eval_step
