@@ -325,6 +325,16 @@ def estimate(
 
     Returns:
       An unranked :class:`Candidate`.
+
+    Example:
+      >>> from jfleet.auto_parallel.patterns import match_patterns
+      >>> from jfleet.models.llama import TinyLlama
+      >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, layers=2))
+      >>> work = Workload(batch_size=16, seq_len=8)
+      >>> dp = estimate(found, work, Layout(dp=8), devices_per_node=8)
+      >>> z3 = estimate(found, work, Layout(sharding=8, zero_stage=3), devices_per_node=8)
+      >>> z3.memory.params * 8 == dp.memory.params
+      True
     """
     profile = get_profile(profile)
     d = patterns.dims
@@ -574,6 +584,16 @@ def rank(candidates: Sequence[Candidate], memory_budget: float) -> list[Candidat
 
     Returns:
       The ranked candidates (new objects).
+
+    Example:
+      >>> from jfleet.auto_parallel.patterns import match_patterns
+      >>> from jfleet.models.llama import TinyLlama
+      >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, layers=2))
+      >>> work = Workload(batch_size=16, seq_len=8)
+      >>> cands = [estimate(found, work, lay, devices_per_node=8)
+      ...          for lay in (Layout(dp=8), Layout(dp=2, mp=4))]
+      >>> [(c.layout.name, c.reason) for c in rank(cands, memory_budget=2**30)][0]
+      ('dp8', 'best')
     """
 
     def key(c: Candidate) -> tuple:

@@ -313,7 +313,9 @@ def _microbatch_options(local: int, pp: int, forced: int | None) -> list[int]:
     return sorted(set(out))
 
 
-def _meshes(total: int, sequence_parallel: bool, force_mesh: Mapping[str, int] | None) -> list:
+def _meshes(
+    total: int, sequence_parallel: bool, force_mesh: Mapping[str, int] | None
+) -> list[tuple[int, ...]]:
     """Every mesh to consider, as degree tuples in mesh order."""
     if force_mesh is not None:
         return [tuple(force_mesh.get(a, 1) for a in AXIS_NAMES)]

@@ -164,6 +164,15 @@ def plan_for(
         does not multiply out or does not suit the shapes, an unknown schedule or ZeRO
         stage, ``patterns`` found in another model, or no layout that fits the memory
         budget.
+
+    Example:
+      >>> from jfleet.models.llama import TinyLlama
+      >>> model = TinyLlama()
+      >>> found = match_patterns(model)  # matched once, planned twice
+      >>> small = plan_for(model, patterns=found, device_num=8, batch_size=8, seq_len=8)
+      >>> large = plan_for(model, patterns=found, device_num=8, batch_size=64, seq_len=8)
+      >>> small.mesh_shape == large.mesh_shape, large.layout.name
+      (True, 'dp8')
     """
     device_num = _positive_int("device_num", device_num)
     node_num = _positive_int("node_num", node_num)
