@@ -69,19 +69,6 @@ class Fleet:
     def _require_init(self, what: str) -> _context.Run:
         return _context.require(f"fleet.{what}()")
 
-    @property
-    def is_initialized(self) -> bool:
-        """Whether :meth:`init` has set up a run."""
-        return _context.current() is not None
-
-    @property
-    def _role_maker(self) -> RoleMakerBase:
-        return self._require_init("worker info").role_maker
-
-    @property
-    def _hcg(self) -> HybridCommunicateGroup:
-        return self._require_init("get_hybrid_communicate_group").hcg
-
     # ----------------------------------------------------------------- init
     def init(
         self,
@@ -177,47 +164,39 @@ class Fleet:
     # ------------------------------------------------------------ processes
     def worker_index(self) -> int:
         """This process's index among the workers (Paddle's trainer id)."""
-        self._require_init("worker_index")
-        return self._role_maker.worker_index()
+        return self._require_init("worker_index").role_maker.worker_index()
 
     rank = worker_index
 
     def worker_num(self) -> int:
         """The number of worker processes."""
-        self._require_init("worker_num")
-        return self._role_maker.worker_num()
+        return self._require_init("worker_num").role_maker.worker_num()
 
     world_size = worker_num
 
     def is_first_worker(self) -> bool:
         """Whether this process is worker 0."""
-        self._require_init("is_first_worker")
-        return self._role_maker.is_first_worker()
+        return self._require_init("is_first_worker").role_maker.is_first_worker()
 
     def is_worker(self) -> bool:
         """Always True in collective mode."""
-        self._require_init("is_worker")
-        return self._role_maker.is_worker()
+        return self._require_init("is_worker").role_maker.is_worker()
 
     def is_server(self) -> bool:
         """Always False in collective mode (no parameter servers)."""
-        self._require_init("is_server")
-        return self._role_maker.is_server()
+        return self._require_init("is_server").role_maker.is_server()
 
     def server_num(self) -> int:
         """0 in collective mode."""
-        self._require_init("server_num")
-        return self._role_maker.server_num()
+        return self._require_init("server_num").role_maker.server_num()
 
     def node_num(self) -> int:
         """The number of distinct hosts among the worker endpoints."""
-        self._require_init("node_num")
-        return self._role_maker.node_num()
+        return self._require_init("node_num").role_maker.node_num()
 
     def local_rank(self) -> int:
         """This process's index among the processes on its host."""
-        self._require_init("local_rank")
-        return self._role_maker.local_rank()
+        return self._require_init("local_rank").role_maker.local_rank()
 
     def local_device_ids(self) -> list[int]:
         """Ids of the devices this process drives."""
@@ -231,8 +210,7 @@ class Fleet:
 
     def worker_endpoints(self, to_string: bool = False) -> list[str] | str:
         """The workers' ``host:port`` endpoints (a comma-joined string if ``to_string``)."""
-        self._require_init("worker_endpoints")
-        endpoints = list(self._role_maker.worker_endpoints())
+        endpoints = list(self._require_init("worker_endpoints").role_maker.worker_endpoints())
         return ",".join(endpoints) if to_string else endpoints
 
     def barrier_worker(self) -> None:
@@ -248,13 +226,11 @@ class Fleet:
     # ------------------------------------------------------------- topology
     def get_hybrid_communicate_group(self) -> HybridCommunicateGroup:
         """The hybrid group: the mesh and Paddle's group and rank getters."""
-        self._require_init("get_hybrid_communicate_group")
-        return self._hcg
+        return self._require_init("get_hybrid_communicate_group").hcg
 
     def get_hybrid_parallel_topology(self) -> CommunicateTopology:
         """The :class:`CommunicateTopology` behind the hybrid group."""
-        self._require_init("get_hybrid_parallel_topology")
-        return self._hcg.topology()
+        return self._require_init("get_hybrid_parallel_topology").hcg.topology()
 
     # ------------------------------------------------------------- training
     def distributed_optimizer(
