@@ -21,9 +21,11 @@ Example:
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 _POLICIES = {
@@ -32,7 +34,7 @@ _POLICIES = {
     "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "offload_dot_with_no_batch_dims": None,  # built on demand (needs memory kinds)
 }
-_REMAT_CLASSES: dict[tuple[type, str | None], type] = {}
+_REMAT_CLASSES: dict[tuple, type] = {}  # one subclass per (class, setting)
 
 
 def module_paths(model: nnx.Module) -> list[tuple[str, nnx.Module]]:
@@ -73,7 +75,9 @@ def apply_recompute(
             "strategy.recompute=True needs recompute_configs={'checkpoints': [...]} naming the "
             "sub-modules to recompute (paths such as 'blocks.0' or class names)."
         )
-    policy = _offload_policy() if enable_offload else None
+    policy = "offload_dot_with_no_batch_dims" if enable_offload else None
+    if enable_offload:
+        _offload_policy()  # refuse before changing any module
     modules = [(p, m) for p, m in module_paths(model) if p]
     chosen: dict[int, nnx.Module] = {}
     for name in checkpoints:
@@ -87,7 +91,7 @@ def apply_recompute(
         for m in hits:
             chosen[id(m)] = m
     for m in chosen.values():
-        _remat_module(m, policy, "offload" if enable_offload else None)
+        _remat_module(m, policy)
     return model
 
 
@@ -95,30 +99,120 @@ def _class_name(module: nnx.Module) -> str:
     return getattr(type(module), "_jfleet_original", type(module)).__name__
 
 
-def _remat_module(module: nnx.Module, policy, policy_name: str | None) -> None:
-    cls = type(module)
-    if getattr(cls, "_jfleet_original", None) is not None:
-        return
-    key = (cls, policy_name)
-    remat_cls = _REMAT_CLASSES.get(key)
-    if remat_cls is None:
-        original_call = cls.__call__
+def _remat_module(module: nnx.Module, policy: str | None) -> None:
+    if getattr(type(module), "_jfleet_original", None) is not None:
+        return  # already wrapped: recomputing twice would only cost time
+    module.__class__ = remat_class(type(module), policy=policy)
 
-        def __call__(self, *args, **kwargs):  # noqa: N807
-            return nnx.remat(lambda m, *a, **k: original_call(m, *a, **k), policy=policy)(
-                self, *args, **kwargs
-            )
 
-        remat_cls = type(cls.__name__, (cls,), {"__call__": __call__, "_jfleet_original": cls})
-        remat_cls.__qualname__ = cls.__qualname__
-        remat_cls.__module__ = cls.__module__
-        _REMAT_CLASSES[key] = remat_cls
-    module.__class__ = remat_cls
+def remat_class(
+    cls: type,
+    *,
+    policy: str | None = None,
+    after: Callable[[Any], Any] | None = None,
+    recompute: bool = True,
+    tag: str | None = None,
+) -> type:
+    """The subclass of ``cls`` whose ``__call__`` runs the original under ``nnx.remat``.
+
+    The one class swap behind :func:`apply_recompute` and ``to_distributed``'s block
+    wrapping: assign it to a module's ``__class__`` and the module keeps its parameters,
+    paths and ``__init__``. Only arrays (and NNX modules / variables) of the call's
+    arguments cross the remat boundary; everything else (``deterministic=True``, a
+    string) stays a Python value, so flags keep steering control flow. One subclass is
+    made per setting and cached.
+
+    Args:
+      cls: the module class.
+      policy: the name of a ``jax.checkpoint`` saving policy (``"dots_saveable"``,
+        ``"nothing_saveable"``, ``"dots_with_no_batch_dims_saveable"``,
+        ``"offload_dot_with_no_batch_dims"``), or None to recompute everything.
+      after: applied to the call's output (a sharding constraint, say); a hashable
+        callable, as it is part of the cache key.
+      recompute: False gives a subclass that only applies ``after``.
+      tag: the subclass's ``__qualname__`` becomes ``f"{cls.__qualname__}[{tag}]"``
+        (default: ``cls.__qualname__``); its ``__name__`` is always ``cls.__name__``.
+
+    Returns:
+      The cached subclass; :func:`is_recomputed` is True for its instances when
+      ``recompute``.
+
+    Raises:
+      ValueError: an unknown policy name, or the offload policy on a platform without
+        pinned host memory.
+      TypeError: ``cls`` is not an ``nnx.Module`` subclass.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> layer = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+      >>> layer.__class__ = remat_class(nnx.Linear)
+      >>> is_recomputed(layer), type(layer).__name__, remat_class(nnx.Linear) is type(layer)
+      (True, 'Linear', True)
+      >>> graphdef, state = nnx.split(layer)
+      >>> run = lambda state, x: nnx.merge(graphdef, state)(x)
+      >>> "remat" in str(jax.make_jaxpr(run)(state, jnp.ones((1, 2))))
+      True
+    """
+    if not (isinstance(cls, type) and issubclass(cls, nnx.Module)):
+        raise TypeError(f"remat_class(cls={cls!r}): cls must be an nnx.Module subclass.")
+    if policy is not None and policy not in _POLICIES:
+        raise ValueError(
+            f"policy={policy!r} is not a checkpoint policy; use None or one of {list(_POLICIES)}."
+        )
+    key = (cls, policy, after, bool(recompute), tag)
+    sub = _REMAT_CLASSES.get(key)
+    if sub is None:
+        sub = _make_remat_class(cls, _policy(policy), after, bool(recompute), tag)
+        _REMAT_CLASSES[key] = sub
+    return sub
+
+
+def _is_dynamic(leaf: Any) -> bool:
+    """Whether an argument leaf crosses the remat boundary (arrays and NNX graph nodes)."""
+    return isinstance(leaf, jax.Array | np.ndarray | nnx.Module | nnx.Variable)
+
+
+def _make_remat_class(
+    cls: type, policy: Any, after: Callable[[Any], Any] | None, recompute: bool, tag: str | None
+) -> type:
+    original = cls.__call__
+
+    def remat_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_dynamic)
+        dynamic = [leaf for leaf in leaves if _is_dynamic(leaf)]
+
+        def inner(module: Any, dynamic: list) -> Any:
+            it = iter(dynamic)
+            merged = [next(it) if _is_dynamic(leaf) else leaf for leaf in leaves]
+            a, kw = jax.tree.unflatten(treedef, merged)
+            return original(module, *a, **kw)
+
+        return nnx.remat(inner, policy=policy)(self, dynamic)
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
+        y = remat_call(self, *args, **kwargs) if recompute else original(self, *args, **kwargs)
+        return y if after is None else after(y)
+
+    sub = type(
+        cls.__name__,
+        (cls,),
+        {"__call__": __call__, "_jfleet_original": cls, "_jfleet_recompute": recompute},
+    )
+    sub.__qualname__ = f"{cls.__qualname__}[{tag}]" if tag else cls.__qualname__
+    sub.__module__ = cls.__module__
+    return sub
 
 
 def is_recomputed(module: nnx.Module) -> bool:
-    """Whether :func:`apply_recompute` put this module under ``jax.checkpoint``."""
-    return getattr(type(module), "_jfleet_original", None) is not None
+    """Whether the module runs under ``jax.checkpoint`` (:func:`apply_recompute`, a remat class)."""
+    return bool(getattr(type(module), "_jfleet_recompute", False))
+
+
+def _policy(name: str | None) -> Any:
+    if name == "offload_dot_with_no_batch_dims":
+        return _offload_policy()
+    return None if name is None else _POLICIES[name]
 
 
 def _offload_policy():

@@ -24,20 +24,54 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from jfleet.parallel import stack
 from jfleet.parallel.mesh_context import constrain
-from jfleet.parallel.pipeline_layer import _narrow, _run_layers, _stack, _widen, annotate_stack
 from jfleet.parallel.pipeline_schedule import pipeline_forward
-from jfleet.topology import DATA_AXES
+from jfleet.recompute import remat_class
+from jfleet.topology import DATA_AXES, PP
 
-__all__ = ["PipelinedBlocks", "container_of", "module_at", "pipeline_blocks", "wrap_blocks"]
+__all__ = [
+    "PipelinedBlocks",
+    "SequenceConstraint",
+    "container_of",
+    "module_at",
+    "pipeline_blocks",
+    "wrap_blocks",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceConstraint:
+    """Pins a block output's sequence dimension to ``seq_axes`` (sequence parallel).
+
+    Hashable, so it can key :func:`jfleet.recompute.remat_class`'s cache. Outputs that are
+    not arrays of rank >= 2 pass unchanged. Inside the pipeline's ``shard_map`` the manual
+    (data) axes are dropped from the constraint.
+
+    Example:
+      >>> import jax
+      >>> auto = (jax.sharding.AxisType.Auto,) * 2
+      >>> mesh = jax.make_mesh((2, 4), ("dp", "sep"), axis_types=auto, devices=jax.devices()[:8])
+      >>> pin = SequenceConstraint(mesh, ("sep",))
+      >>> jax.jit(pin)(jax.numpy.ones((2, 8, 3))).sharding.spec
+      P('dp', 'sep')
+    """
+
+    mesh: Mesh
+    seq_axes: tuple[str, ...]
+
+    def __call__(self, y: Any) -> Any:
+        if isinstance(y, jax.Array) and y.ndim >= 2:
+            return constrain(y, self.mesh, DATA_AXES, self.seq_axes)
+        return y
 
 
 class PipelinedBlocks(nnx.Module):
@@ -80,14 +114,14 @@ class PipelinedBlocks(nnx.Module):
     ) -> None:
         blocks = list(blocks)
         self.num_layers = len(blocks)
-        self.num_stages = int(mesh.shape["pp"])
+        self.num_stages = int(mesh.shape[PP])
         if self.num_layers % self.num_stages:
             raise ValueError(
                 f"{self.num_layers} blocks do not split evenly into {self.num_stages} pipeline "
                 f"stages; use a pp degree dividing {self.num_layers}."
             )
-        self.body = _stack(blocks, self.num_stages, type(blocks[0]).__name__)
-        annotate_stack(self.body, mesh, self.num_stages)
+        self.body = stack.stack_layers(blocks, self.num_stages, type(blocks[0]).__name__)
+        stack.annotate_stack(self.body, mesh, self.num_stages)
         self.mesh = mesh
         self.num_microbatches = num_microbatches
         self.recompute = recompute
@@ -111,80 +145,24 @@ class PipelinedBlocks(nnx.Module):
     def run(self, x: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
         """``x`` through all ``L`` blocks, pipelined over ``pp``; same result as the loop."""
         graphdef, state = nnx.split(self.body)
-        params = nnx.to_pure_dict(state)
-        leaves, treedef, kinds = _argument_kinds(x, args, kwargs, self.per_sample)
-        side = [leaf for leaf, k in zip(leaves, kinds, strict=True) if k == "side"]
-        shared = [leaf for leaf, k in zip(leaves, kinds, strict=True) if k == "shared"]
-        # XLA:CPU aborts compiling a 16-bit all-reduce inside a partly manual shard_map,
-        # so on CPU half-precision values cross the pipeline in float32 (same values).
-        wide = self.mesh.devices.flat[0].platform == "cpu"
-        dtypes = jax.tree.map(lambda a: a.dtype, (params, x))
-        mesh, seq_axes = self.mesh, self.seq_axes
-        after = None if seq_axes is None else (lambda y: constrain(y, mesh, None, seq_axes))
-        interval = 1 if self.recompute else 0
-
-        def stage_fn(w: Any, h: jax.Array, side: list, shared: list) -> jax.Array:
-            w, h = _narrow((w, h), dtypes)
-            it_side, it_shared = iter(side), iter(shared)
-            merged = [
-                next(it_side) if k == "side" else next(it_shared) if k == "shared" else leaf
-                for leaf, k in zip(leaves, kinds, strict=True)
-            ]
-            a, kw = jax.tree.unflatten(treedef, merged)
-            return _widen(_run_layers(graphdef, interval, w, h, a, kw, after), wide)
-
+        inputs, carried, side, shared = stack.stage_inputs(x, args, kwargs, self.per_sample)
+        after = None if self.seq_axes is None else SequenceConstraint(self.mesh, self.seq_axes)
+        stage_fn = stack.stage_function(
+            graphdef, inputs, remat_interval=1 if self.recompute else 0, after=after
+        )
+        stage_fn, params, carried_in = stack.widened_stage(
+            stage_fn, nnx.to_pure_dict(state), carried, mesh=self.mesh
+        )
         y = pipeline_forward(
             stage_fn,
-            _widen(params, wide),
-            _widen(x, wide),
+            params,
+            carried_in,
             side,
             shared,
-            mesh=mesh,
+            mesh=self.mesh,
             num_microbatches=self.num_microbatches,
         )
-        return y.astype(x.dtype)
-
-
-def _is_array(leaf: Any) -> bool:
-    return isinstance(leaf, (jax.Array, np.ndarray))
-
-
-def _argument_kinds(
-    x: jax.Array, args: tuple, kwargs: dict, per_sample: tuple[int | str, ...] | None
-) -> tuple[list, Any, list[str]]:
-    """Flattens a block's extra arguments; each leaf is "side", "shared" or "static".
-
-    With ``per_sample`` (argument positions after the activation, or keyword names) the
-    arrays of those arguments are per-sample and every other array is shared. Without
-    it an array whose leading dimension is the batch size is per-sample, and one that
-    could also be read as a sequence-indexed table (the batch size equals another of
-    the activation's dimensions) is an error asking for ``per_sample``.
-    """
-    batch = x.shape[0]
-    leaves, kinds = [], []
-    named = [*enumerate(args), *sorted(kwargs.items())]  # jax.tree.flatten's order
-    for key, value in named:
-        for path, leaf in jax.tree_util.tree_leaves_with_path(value):
-            leaves.append(leaf)
-            if not _is_array(leaf):
-                kinds.append("static")
-            elif per_sample is not None:
-                kinds.append("side" if key in per_sample else "shared")
-            elif leaf.ndim >= 1 and leaf.shape[0] == batch:
-                if batch in x.shape[1:]:
-                    where = f"argument {key!r}{jax.tree_util.keystr(path)}"
-                    raise ValueError(
-                        f"{where} of the pipelined blocks has shape {leaf.shape}, and its leading "
-                        f"{batch} is both the batch size and another dimension of the activation "
-                        f"{x.shape}: it is unclear whether it holds one row per sample. Say which "
-                        "block arguments are per-sample: ToDistributedConfig(per_sample_args=(0, "
-                        "'mask', ...)) (positions after the activation, or keyword names)."
-                    )
-                kinds.append("side")
-            else:
-                kinds.append("shared")
-    _, treedef = jax.tree.flatten((args, kwargs))
-    return leaves, treedef, kinds
+        return inputs.activation_of(stack.narrow(y, carried), side)
 
 
 def module_at(root: nnx.Module, path: str) -> Any:
@@ -245,9 +223,6 @@ def pipeline_blocks(
     return stand_in
 
 
-_WRAPPED: dict[tuple[type, bool, Any, Any], type] = {}  # one subclass per setting
-
-
 def wrap_blocks(
     blocks: Sequence[nnx.Module],
     *,
@@ -258,49 +233,14 @@ def wrap_blocks(
     """Gives each block recompute and a sequence-parallel output constraint, in place.
 
     The blocks keep their parameters, paths and ``__init__``; their class becomes a
-    subclass of the same name whose ``__call__`` runs the original under ``nnx.remat``
+    subclass of the same name (:func:`jfleet.recompute.remat_class`, qualified name
+    ``Block[to_distributed]``) whose ``__call__`` runs the original under ``nnx.remat``
     (``recompute``) and pins the output's sequence dimension to ``seq_axes``.
     """
     if not recompute and seq_axes is None:
         return
+    after = None if seq_axes is None else SequenceConstraint(mesh, tuple(seq_axes))
     for block in blocks:
-        cls = type(block)
-        key = (cls, recompute, mesh, seq_axes)
-        sub = _WRAPPED.get(key)
-        if sub is None:
-            sub = _subclass(cls, recompute, mesh, seq_axes)
-            _WRAPPED[key] = sub
-        block.__class__ = sub
-
-
-def _subclass(cls: type, recompute: bool, mesh: Mesh | None, seq_axes: Any) -> type:
-    def call(self: Any, x: jax.Array, *args: Any, **kwargs: Any) -> Any:
-        if not recompute:
-            return cls.__call__(self, x, *args, **kwargs)
-        # Only arrays cross the remat boundary; flags (deterministic=True) stay Python values.
-        leaves, treedef = jax.tree.flatten((args, kwargs))
-        arrays = [leaf for leaf in leaves if _is_array(leaf)]
-
-        def inner(module: Any, x: jax.Array, arrays: list) -> Any:
-            it = iter(arrays)
-            merged = [next(it) if _is_array(leaf) else leaf for leaf in leaves]
-            a, kw = jax.tree.unflatten(treedef, merged)
-            return cls.__call__(module, x, *a, **kw)
-
-        return nnx.remat(inner)(self, x, arrays)
-
-    def wrapped_call(self: Any, x: jax.Array, *args: Any, **kwargs: Any) -> Any:
-        y = call(self, x, *args, **kwargs)
-        if seq_axes is not None and isinstance(y, jax.Array) and y.ndim >= 2:
-            y = constrain(y, mesh, DATA_AXES, seq_axes)
-        return y
-
-    return type(
-        cls.__name__,
-        (cls,),
-        {
-            "__call__": wrapped_call,
-            "__module__": cls.__module__,
-            "__qualname__": f"{cls.__qualname__}[to_distributed]",
-        },
-    )
+        block.__class__ = remat_class(
+            type(block), after=after, recompute=recompute, tag="to_distributed"
+        )

@@ -18,6 +18,13 @@ are the **pre** part (embedding), those after it the **post** part (final norm, 
   :class:`~jfleet.parallel.pipeline_parallel.PipelineParallel` for ``train_batch``.
 * :class:`SharedLayerDesc`\\ s with one key share one module (a tied embedding and LM
   head): one parameter, whose gradient sums both uses.
+* The activation entering the body may be an array or a tuple (any pytree) of arrays,
+  as Paddle's pipelined layers pass ``(hidden, attention_mask, position_ids)``: every body
+  layer takes and returns it, and the post layers get it. Its floating arrays go from
+  stage to stage and are differentiated; its other arrays (integer position ids, boolean
+  masks) reach every stage as per-sample side inputs with their micro-batch and get no
+  gradient, so the body layers must return them unchanged. Stacking, running and the
+  stage function are :mod:`jfleet.parallel.stack`'s, shared with ``to_distributed``.
 
 Every stage must hold the same number of layers (the stages are one stacked array per
 parameter); uneven settings are refused with the settings that would work.
@@ -44,13 +51,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax import lax
 
 from jfleet import _context
 from jfleet._logging import logger
 from jfleet.amp import cast_floating
 from jfleet.engine import scalar_loss
-from jfleet.parallel import pipeline_schedule
+from jfleet.parallel import pipeline_schedule, stack
 from jfleet.parallel.mesh_context import layer_mesh
 from jfleet.placement import Placement
 from jfleet.topology import PP
@@ -294,7 +300,7 @@ class PipelineLayer(nnx.Module):
         post = [_build_entry(d, rngs, shared) for d in layers[end:]]
         self.pre = nnx.List(pre)
         self.post = nnx.List(post)
-        self.body = _stack(body, stages, layers[start].name)
+        self.body = stack.stack_layers(body, stages, layers[start].name)
         mesh = _context.current_mesh()
         if mesh is not None:
             self.place(mesh)
@@ -333,7 +339,7 @@ class PipelineLayer(nnx.Module):
 
     def annotate(self, mesh: jax.sharding.Mesh) -> None:
         """Sets the body parameters' ``out_sharding`` and ``mesh`` metadata for ``mesh``."""
-        annotate_stack(self.body, mesh, self.num_stages)
+        stack.annotate_stack(self.body, mesh, self.num_stages)
 
     def run_pre(self, inputs: Any) -> Any:
         """The layers before the body."""
@@ -341,11 +347,13 @@ class PipelineLayer(nnx.Module):
             inputs = run(inputs)
         return inputs
 
-    def run_body(self, x: jax.Array) -> jax.Array:
-        """The body's ``N`` layers in order, one ``lax.scan`` over the stacked parameters."""
-        graphdef, state = nnx.split(self.body)
-        params = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), nnx.to_pure_dict(state))
-        return _run_layers(graphdef, self.recompute_interval, params, x)
+    def run_body(self, x: Any) -> Any:
+        """The body's ``N`` layers in order, one ``lax.scan`` over the stacked parameters.
+
+        ``x`` is an array or a pytree such as ``(hidden, mask, position_ids)`` that every
+        body layer takes and returns.
+        """
+        return stack.run_stack(self.body, x, remat_interval=self.recompute_interval)
 
     def run_post(self, x: Any) -> Any:
         """The layers after the body."""
@@ -377,6 +385,9 @@ class PipelineLayer(nnx.Module):
         :func:`~jfleet.parallel.pipeline_schedule.pipeline_loss` with one stage = a scan
         over the stage's layers and the head = post layers + ``loss_fn``. Differentiate
         it with ``nnx.grad`` (the engine does): gradients reach every ``nnx.Param``.
+        When the pre layers return a tuple such as ``(hidden, mask, position_ids)``, its
+        non-floating arrays travel to every stage and to the head as per-sample side
+        inputs (see the module docstring).
 
         Args:
           inputs: the first layer's input, batch first.
@@ -404,35 +415,35 @@ class PipelineLayer(nnx.Module):
                 f"has size {size}; build it with num_stages={size} (pp_degree)."
             )
         x = self.run_pre(inputs)
+        split, carried, side, shared = stack.stage_inputs(x)
         body_def, body_state = nnx.split(self.body)
         post_def, post_params, post_rest = nnx.split(self.post, nnx.Param, ...)
         stage_params = nnx.to_pure_dict(body_state)
         head_params = nnx.to_pure_dict(post_params)
-        dtypes = jax.tree.map(lambda a: a.dtype, (stage_params, head_params, x))
-        interval = self.recompute_interval
+        stage_fn = stack.stage_function(body_def, split, remat_interval=self.recompute_interval)
 
-        def stage_fn(params: Any, h: Any) -> Any:
-            params, h = _narrow((params, h), (dtypes[0], dtypes[2]))
-            return _widen(_run_layers(body_def, interval, params, h), wide)
-
-        def head_fn(params: Any, y: Any, target: Any) -> jax.Array:
-            params, y = _narrow((params, y), (dtypes[1], dtypes[2]))
+        def head_fn(params: Any, y: list, target: tuple) -> jax.Array:
+            labels, side = target
             post = nnx.merge(post_def, params, post_rest)
+            out = split.activation_of(y, side)
             for run in post:
-                y = run(y)
-            return _loss_value(loss_fn, y, target)
+                out = run(out)
+            return _loss_value(loss_fn, out, labels)
 
-        # XLA:CPU aborts compiling a 16-bit all-reduce inside a partly manual shard_map
-        # (the schedule's gradient sums), so on CPU half-precision arrays cross the
-        # pipeline in float32 and are cast back inside the stages: the same values.
-        wide = mesh.devices.flat[0].platform == "cpu"
+        # On CPU half-precision values cross the pipeline in float32 (stack.widened_stage).
+        wide = stack.widens_on(mesh)
+        stage_fn, stage_params, carried_in = stack.widened_stage(
+            stage_fn, stage_params, carried, mesh=mesh
+        )
         return pipeline_schedule.pipeline_loss(
             stage_fn,
-            head_fn,
-            _widen(stage_params, wide),
-            _widen(head_params, wide),
-            _widen(x, wide),
-            labels,
+            stack.widened(head_fn, (head_params, carried), wide=wide),
+            stage_params,
+            stack.widen(head_params, wide),
+            carried_in,
+            (labels, side),  # the head rebuilds the body's output from its side leaves
+            side,
+            shared,
             mesh=mesh,
             schedule=schedule,
             num_microbatches=num_microbatches,
@@ -453,82 +464,10 @@ class PipelineLayer(nnx.Module):
 
 
 # ------------------------------------------------------------------ running helpers
-def _widen(tree: Any, wide: bool) -> Any:
-    """Half-precision floating leaves cast to float32 when ``wide``."""
-
-    def one(a: Any) -> Any:
-        if wide and jnp.issubdtype(a.dtype, jnp.floating) and jnp.dtype(a.dtype).itemsize < 4:
-            return a.astype(jnp.float32)
-        return a
-
-    return jax.tree.map(one, tree)
-
-
-def _narrow(tree: Any, dtypes: Any) -> Any:
-    """``tree`` cast back to ``dtypes`` (undoes :func:`_widen`)."""
-    return jax.tree.map(lambda a, d: a if a.dtype == d else a.astype(d), tree, dtypes)
-
-
 def _loss_value(loss_fn: Callable[..., Any], output: Any, labels: Any) -> jax.Array:
     return scalar_loss(
         loss_fn(cast_floating(output, jnp.float32), labels), "loss_fn(output, labels)"
     )
-
-
-def annotate_stack(body: nnx.Module, mesh: jax.sharding.Mesh, num_stages: int) -> None:
-    """Sets a stacked body's ``out_sharding`` to ``('pp', None, *inner)`` and its ``mesh``.
-
-    ``inner`` is each layer's own (tensor-parallel) layout, read from the metadata
-    :func:`_stack` left behind the two stacked axes; ``pp`` is used only when the mesh's
-    ``pp`` size is ``num_stages``.
-    """
-    stage_axis = PP if mesh.shape.get(PP, 1) == num_stages else None
-    for _, var in nnx.to_flat_state(nnx.state(body)):
-        current = var.get_metadata("out_sharding", None)
-        inner = tuple(current)[2:] if current else ()
-        inner = inner + (None,) * (var.ndim - 2 - len(inner))
-        var.set_metadata(out_sharding=(stage_axis, None, *inner), mesh=mesh)
-
-
-def _run_layers(
-    graphdef: Any,
-    interval: int,
-    params: Any,
-    x: jax.Array,
-    args: tuple = (),
-    kwargs: dict | None = None,
-    after: Callable[[jax.Array], jax.Array] | None = None,
-) -> jax.Array:
-    """``x`` through the layers whose parameters are ``params`` (leaves ``[n, ...]``).
-
-    Each layer is called as ``layer(x, *args, **kwargs)``, and ``after`` (a sharding
-    constraint, say) applied to its output. The activation keeps the dtype it enters
-    with (a ``lax.scan`` carry). With ``interval > 0`` each group of ``interval`` layers
-    runs under ``jax.checkpoint``.
-    """
-    kwargs = kwargs or {}
-
-    def one(h: jax.Array, w: Any) -> tuple[jax.Array, None]:
-        y = nnx.merge(graphdef, w)(h, *args, **kwargs)
-        y = y if after is None else after(y)
-        return jax.tree.map(lambda a, b: a.astype(b.dtype), y, h), None
-
-    def scan(h: jax.Array, w: Any) -> jax.Array:
-        return lax.scan(one, h, w)[0]
-
-    if interval <= 0:
-        return scan(x, params)
-    n = jax.tree.leaves(params)[0].shape[0]
-    groups, rest = divmod(n, interval)
-    group = jax.checkpoint(scan)
-    if groups:
-        full = jax.tree.map(
-            lambda a: a[: groups * interval].reshape(groups, interval, *a.shape[1:]), params
-        )
-        x = lax.scan(lambda h, w: (group(h, w), None), x, full)[0]
-    if rest:
-        x = group(x, jax.tree.map(lambda a: a[groups * interval :], params))
-    return x
 
 
 # ------------------------------------------------------------------ building helpers
@@ -751,32 +690,3 @@ def _build_entry(entry: Any, rngs: nnx.Rngs, shared: dict) -> _Run:
     if isinstance(entry, nnx.Module):
         return _Run(entry, None)
     return _Run(None, entry)
-
-
-def _stack(layers: list[Any], stages: int, name: str) -> nnx.Module:
-    """One module of the layers' class, each parameter stacked to ``[P, N/P, ...]``."""
-    first = layers[0]
-    if not isinstance(first, nnx.Module):
-        raise TypeError(
-            f"the pipelined body's {name} builds a {type(first).__name__}, not an nnx.Module."
-        )
-    other = nnx.state(first, nnx.Not(nnx.Param))
-    if jax.tree.leaves(other):
-        kinds = sorted({type(v).__name__ for _, v in nnx.to_flat_state(other)})
-        raise ValueError(
-            f"the pipelined body's {name} layers hold state other than nnx.Param ({kinds}); "
-            "pipelined layers may only hold parameters (no batch statistics, caches or RNG "
-            "streams: build dropout without rngs, or keep such layers in the pre / post part)."
-        )
-    graphdef, _ = nnx.split(first)
-    per_stage = len(layers) // stages
-    states = [nnx.state(layer) for layer in layers]
-    stacked = jax.tree.map(
-        lambda *xs: jnp.stack(xs).reshape(stages, per_stage, *xs[0].shape), *states
-    )
-    for _, var in nnx.to_flat_state(stacked):
-        inner = var.get_metadata("out_sharding", None)
-        if inner:  # a tensor-parallel layer's layout, now behind the two stacked axes
-            inner = tuple(inner) + (None,) * (var.ndim - 2 - len(inner))
-            var.set_metadata(out_sharding=(None, None, *inner))
-    return nnx.merge(graphdef, stacked)

@@ -34,14 +34,23 @@ The loss is the mean over micro-batches of ``head_fn``'s loss, and over the data
 replicas: with a ``head_fn`` that averages over its micro-batch's samples it equals the
 single-device mean over the global batch, whatever the data-parallel degree.
 
+One stage function serves both entry points: ``stage_fn(params_of_one_stage, x, side,
+shared) -> y``. ``x`` is the activation passed from stage to stage (differentiated);
+``side`` holds per-sample arrays split into micro-batches with the inputs (an attention
+mask, position ids) and ``shared`` whole arrays every micro-batch gets (a rotary table).
+Neither is differentiated (their cotangents are zero) nor passed between stages: every
+stage reads the side rows of the micro-batch it runs (1F1B's backward re-reads them by
+micro-batch index, so its stash ring holds only the activation).
+
 Example:
   >>> import jax, jax.numpy as jnp
   >>> mesh = jax.make_mesh((2, 4), ("dp", "pp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  >>> stage_fn = lambda w, x: jnp.tanh(x @ w)
+  >>> stage_fn = lambda w, x, mask, scale: jnp.tanh(x @ w) * mask[:, None] * scale
   >>> head_fn = lambda h, y, t: jnp.mean((y @ h - t) ** 2)
   >>> w = jnp.stack([jnp.eye(4)] * 4)  # 4 stages
-  >>> x, t = jnp.ones((16, 4)), jnp.zeros((16, 1))
+  >>> x, t, mask = jnp.ones((16, 4)), jnp.zeros((16, 1)), jnp.ones(16)
   >>> loss = lambda w: pipeline_loss(stage_fn, head_fn, w, jnp.ones((4, 1)), x, t,
+  ...                                side=mask, shared=jnp.float32(1.0),
   ...                                mesh=mesh, schedule="1F1B", num_microbatches=4)
   >>> value, grad = jax.jit(jax.value_and_grad(loss))(w)
   >>> grad.shape, bool(value > 0)
@@ -62,10 +71,14 @@ from jax.custom_derivatives import SymbolicZero
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jfleet.placement import check_divides
+from jfleet.topology import DATA_AXES, PP
+
 #: The schedule names :func:`pipeline_loss` accepts (Paddle's ``schedule_mode`` values).
 SCHEDULES = ("FThenB", "1F1B")
 
-StageFn = Callable[[Any, Any], Any]
+#: ``stage_fn(params_of_one_stage, x, side, shared) -> y``, for both entry points.
+StageFn = Callable[[Any, Any, Any, Any], Any]
 HeadFn = Callable[[Any, Any, Any], jax.Array]
 
 
@@ -154,20 +167,24 @@ def pipeline_loss(
     head_params: Any,
     inputs: Any,
     targets: Any,
+    side: Any = (),
+    shared: Any = (),
     *,
     mesh: Mesh,
     schedule: str = "1F1B",
     num_microbatches: int,
-    pp_axis: str = "pp",
-    data_axes: tuple[str, ...] = ("dp", "sharding"),
+    pp_axis: str = PP,
+    data_axes: tuple[str, ...] = DATA_AXES,
     remat: bool = False,
 ) -> jax.Array:
     """The mean loss of a pipelined stack of stages, differentiable in all its arrays.
 
     Args:
-      stage_fn: ``stage_fn(params_of_one_stage, x) -> y``, ``y`` of ``x``'s shapes and
-        dtypes (the activation passed between stages). A stage may hold several layers
-        (leaves ``[P, L/P, ...]`` run by a ``lax.scan`` inside ``stage_fn``).
+      stage_fn: ``stage_fn(params_of_one_stage, x, side, shared) -> y``, ``y`` of ``x``'s
+        structure, shapes and dtypes (the activation passed between stages); ``side`` and
+        ``shared`` are this micro-batch's rows of ``side`` and all of ``shared``. A stage
+        may hold several layers (leaves ``[P, L/P, ...]`` run by a ``lax.scan`` inside
+        ``stage_fn``).
       head_fn: ``head_fn(head_params, y, target) -> scalar``: the loss of one micro-batch
         from the last stage's output (final norm, LM head, loss). Make it a mean over the
         micro-batch's samples for the result to be the global-batch mean.
@@ -178,6 +195,11 @@ def pipeline_loss(
       inputs: array (or pytree of arrays) ``[B, ...]`` entering stage 0 (the embedding's
         output); ``B = num_microbatches x micro-batch size x data-parallel size``.
       targets: array (or pytree) ``[B, ...]`` given to ``head_fn``; never differentiated.
+      side: per-sample arrays (a pytree) ``[B, ...]`` every stage needs with its
+        micro-batch (an attention mask, position ids); split into micro-batches like
+        ``inputs``; never differentiated.
+      shared: arrays (a pytree) every stage gets whole with every micro-batch; never
+        differentiated.
       mesh: the mesh; must have ``pp_axis``.
       schedule: ``"1F1B"`` or ``"FThenB"``.
       num_microbatches: ``M``, micro-batches per step.
@@ -202,7 +224,8 @@ def pipeline_loss(
       >>> mesh = jax.make_mesh((8,), ("pp",), axis_types=(jax.sharding.AxisType.Auto,))
       >>> w = jnp.zeros((8, 3, 3))
       >>> x, t = jnp.ones((4, 3)), jnp.zeros((4, 3))
-      >>> pipeline_loss(lambda w, x: x + x @ w, lambda h, y, t: jnp.mean((y - t) ** 2),
+      >>> pipeline_loss(lambda w, x, side, shared: x + x @ w,
+      ...               lambda h, y, t: jnp.mean((y - t) ** 2),
       ...               w, (), x, t, mesh=mesh, schedule="FThenB", num_microbatches=2)
       Array(1., dtype=float32)
     """
@@ -210,8 +233,7 @@ def pipeline_loss(
         stage_fn,
         head_fn,
         stage_params,
-        inputs,
-        targets,
+        {"inputs": inputs, "targets": targets, "side": side},
         mesh=mesh,
         schedule=schedule,
         num_microbatches=num_microbatches,
@@ -219,11 +241,11 @@ def pipeline_loss(
         data_axes=data_axes,
         remat=remat,
     )
-    return _differentiable(spec)(stage_params, head_params, inputs, targets)
+    return _differentiable(spec)(stage_params, head_params, inputs, targets, side, shared)
 
 
 def pipeline_forward(
-    stage_fn: Callable[[Any, Any, Any, Any], Any],
+    stage_fn: StageFn,
     stage_params: Any,
     inputs: Any,
     side: Any = (),
@@ -231,8 +253,8 @@ def pipeline_forward(
     *,
     mesh: Mesh,
     num_microbatches: int,
-    pp_axis: str = "pp",
-    data_axes: tuple[str, ...] = ("dp", "sharding"),
+    pp_axis: str = PP,
+    data_axes: tuple[str, ...] = DATA_AXES,
     remat: bool = False,
 ) -> Any:
     """The output of a pipelined stack of stages, differentiable by plain autodiff (GPipe).
@@ -253,8 +275,9 @@ def pipeline_forward(
         degree), sharded on ``pp``.
       inputs: the activation ``[B, ...]`` entering stage 0 (a pytree of arrays allowed).
       side: per-sample arrays ``[B, ...]`` every stage needs with its micro-batch (an
-        attention mask, positions); split into micro-batches like ``inputs``.
-      shared: arrays every stage gets whole (a rotary table).
+        attention mask, positions); split into micro-batches like ``inputs``; no
+        gradient flows into them (``lax.stop_gradient``).
+      shared: arrays every stage gets whole (a rotary table); no gradient either.
       mesh: the mesh; must have ``pp_axis``.
       num_microbatches: ``M``; each data-parallel replica's rows split into ``M``
         consecutive micro-batches.
@@ -278,13 +301,11 @@ def pipeline_forward(
       >>> y[0]
       Array([16., 16., 16.], dtype=float32)
     """
-    rows = inputs if not jax.tree.leaves(side) else (inputs, side)
     spec = _validate(
         stage_fn,
         _no_head,
         stage_params,
-        inputs,
-        rows,
+        {"inputs": inputs, "side": side},
         mesh=mesh,
         schedule="FThenB",
         num_microbatches=num_microbatches,
@@ -302,6 +323,7 @@ def pipeline_forward(
         axis_names=frozenset(spec.manual_axes),
         check_vma=True,
     )
+    side, shared = lax.stop_gradient((side, shared))
     return jax.jit(mapped)(stage_params, inputs, side, shared)
 
 
@@ -311,33 +333,20 @@ def _no_head(*_: Any) -> jax.Array:
 
 def _local_forward(spec, stage_params, inputs, side, shared):
     """One device's share of :func:`pipeline_forward`: the GPipe loop, the last stage's output."""
-    m, p, axes = spec.num_microbatches, spec.num_stages, spec.manual_axes
+    p, axes = spec.num_stages, spec.manual_axes
     params = _vary(jax.tree.map(lambda a: a[0], stage_params), axes)
-
-    def split(tree):
-        return jax.tree.map(lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:]), tree)
-
-    x_mb, side_mb, shared = (
-        _vary(split(inputs), axes),
-        _vary(split(side), axes),
-        _vary(shared, axes),
-    )
+    x_mb = _vary(_split(inputs, spec), axes)
+    call = _stage_call(spec, _vary(_split(side, spec), axes), _vary(shared, axes))
     stage = lax.axis_index(spec.pp_axis)
-    stage_fn = jax.checkpoint(spec.stage_fn) if spec.remat else spec.stage_fn
-    y = jax.eval_shape(stage_fn, params, _take(x_mb, 0), _take(side_mb, 0), shared)
-    if jax.tree.structure(y) != jax.tree.structure(inputs) or _shapes(y) != _shapes(_take(x_mb, 0)):
-        raise ValueError(
-            "stage_fn must return an activation of its input's structure, shapes and dtypes; "
-            f"for x = {_shapes(_take(x_mb, 0))} it returned {_shapes(y)}."
-        )
+    _check_stage(call, params, _take(x_mb, 0))
+    call = jax.checkpoint(call) if spec.remat else call
 
     def run(x, i):
-        return _vary(stage_fn(params, x, _take(side_mb, i), shared), axes)
+        return _vary(call(params, x, i), axes)
 
     outs = _forward_ticks(spec, run, x_mb, stage, skip_bubbles=False)
     last = jax.tree.map(lambda a: jnp.where(stage == p - 1, a, jnp.zeros_like(a)), outs)
-    out = lax.psum(last, spec.pp_axis)
-    return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), out)
+    return _unsplit(lax.psum(last, spec.pp_axis))
 
 
 # ------------------------------------------------------------------ validation
@@ -349,9 +358,10 @@ def _check_schedule(schedule: Any) -> None:
 
 
 def _validate(
-    stage_fn, head_fn, stage_params, inputs, targets, *, mesh, schedule, num_microbatches,
-    pp_axis, data_axes, remat,
+    stage_fn, head_fn, stage_params, batched, *, mesh, schedule, num_microbatches, pp_axis,
+    data_axes, remat,
 ) -> _Pipeline:  # fmt: skip
+    """Checks the arguments; ``batched`` maps names to the pytrees split into micro-batches."""
     _check_schedule(schedule)
     m = num_microbatches
     if not isinstance(m, int) or isinstance(m, bool) or m < 1:
@@ -384,29 +394,32 @@ def _validate(
             f"{pp_axis!r} size); these do not: {'; '.join(bad)}."
         )
 
-    dp = math.prod(mesh.shape[a] for a in data_axes)
-    rows = _batch_rows(inputs, "inputs") | _batch_rows(targets, "targets")
+    rows = set()
+    for name, tree in batched.items():
+        rows |= _batch_rows(tree, name, optional=name == "side")
     if len(rows) != 1:
         raise ValueError(
-            "inputs and targets must share one batch size on their leading axis; got "
+            f"{', '.join(batched)} must share one batch size on their leading axis; got "
             f"{sorted(rows)}."
         )
     (batch,) = rows
-    if batch % (m * dp):
-        local = batch // dp if batch % dp == 0 else None
-        fits = [k for k in range(1, local + 1) if local % k == 0] if local else []
-        hint = f"; num_microbatches dividing {local}: {fits}" if fits else ""
-        raise ValueError(
-            f"a batch of {batch} rows does not split into num_microbatches={m} micro-batches "
-            f"over a data-parallel size of {dp} ({' x '.join(data_axes) or 'none'}): the batch "
-            f"must be num_microbatches x micro-batch size x {dp}, a multiple of {m * dp}{hint}."
-        )
+    dp = math.prod(mesh.shape[a] for a in data_axes)
+    local = batch // dp if batch % dp == 0 else None
+    fits = [k for k in range(1, local + 1) if local % k == 0] if local else []
+    check_divides(
+        f"the batch of {batch} rows",
+        batch,
+        [("num_microbatches", m), *((a, mesh.shape[a]) for a in data_axes)],
+        f"the batch must be num_microbatches x micro-batch size x the data-parallel size {dp}"
+        + (f"; num_microbatches dividing {local}: {fits}" if fits else ""),
+        label="micro-batch count x data-parallel size",
+    )
     return _Pipeline(stage_fn, head_fn, mesh, schedule, m, pp_axis, data_axes, bool(remat))
 
 
-def _batch_rows(tree: Any, name: str) -> set[int]:
+def _batch_rows(tree: Any, name: str, optional: bool = False) -> set[int]:
     leaves = jax.tree_util.tree_leaves_with_path(tree)
-    if not leaves:
+    if not leaves and not optional:
         raise ValueError(f"{name} has no arrays; pass a [B, ...] array.")
     rows = set()
     for path, leaf in leaves:
@@ -421,19 +434,20 @@ def _batch_rows(tree: Any, name: str) -> set[int]:
 
 # ------------------------------------------------------------------ custom_vjp
 def _differentiable(spec: _Pipeline) -> Callable[..., jax.Array]:
-    """``f(stage_params, head_params, inputs, targets) -> loss`` with the schedule's VJP."""
+    """``f(stage_params, head_params, inputs, targets, side, shared) -> loss`` with the
+    schedule's VJP (targets, side and shared get zero cotangents)."""
 
     @jax.custom_vjp
-    def run(stage_params, head_params, inputs, targets):
+    def run(stage_params, head_params, inputs, targets, side, shared):
         return _sharded(spec, forward_only=True, with_dx=False)(
-            stage_params, head_params, inputs, targets
+            stage_params, head_params, inputs, targets, side, shared
         )
 
-    def fwd(stage_params, head_params, inputs, targets):
+    def fwd(stage_params, head_params, inputs, targets, side, shared):
         with_dx = any(leaf.perturbed for leaf in jax.tree.leaves(inputs, is_leaf=_is_primal))
         values = [
             jax.tree.map(lambda leaf: leaf.value, tree, is_leaf=_is_primal)
-            for tree in (stage_params, head_params, inputs, targets)
+            for tree in (stage_params, head_params, inputs, targets, side, shared)
         ]
         loss, grads = _sharded(spec, forward_only=False, with_dx=with_dx)(*values)
         return loss, grads
@@ -441,12 +455,13 @@ def _differentiable(spec: _Pipeline) -> Callable[..., jax.Array]:
     def bwd(grads, g):
         d_stage, d_head, d_inputs = grads
         if isinstance(g, SymbolicZero):
-            return None, None, None, None
+            return (None,) * 6
 
         def scale(tree):
             return jax.tree.map(lambda d: (d * g).astype(d.dtype), tree)
 
-        return scale(d_stage), scale(d_head), (None if d_inputs is None else scale(d_inputs)), None
+        d_inputs = None if d_inputs is None else scale(d_inputs)
+        return scale(d_stage), scale(d_head), d_inputs, None, None, None
 
     run.defvjp(fwd, bwd, symbolic_zeros=True)
     return run
@@ -466,13 +481,15 @@ def _sharded(spec: _Pipeline, *, forward_only: bool, with_dx: bool) -> Callable:
     else:
         out_specs = (loss_out, (P(pp), P(), batch_spec if with_dx else None))
 
-    def body(stage_params, head_params, inputs, targets):
-        return _local_step(spec, stage_params, head_params, inputs, targets, forward_only, with_dx)
+    def body(stage_params, head_params, inputs, targets, side, shared):
+        return _local_step(
+            spec, stage_params, head_params, inputs, targets, side, shared, forward_only, with_dx
+        )
 
     mapped = jax.shard_map(
         body,
         mesh=spec.mesh,
-        in_specs=(P(pp), P(), batch_spec, batch_spec),
+        in_specs=(P(pp), P(), batch_spec, batch_spec, batch_spec, P()),
         out_specs=out_specs,
         axis_names=frozenset(spec.manual_axes),
         check_vma=True,
@@ -507,14 +524,39 @@ def _shapes(tree: Any) -> Any:
     return jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", tree)
 
 
-def _check_fns(spec: _Pipeline, params: Any, head: Any, x: Any, target: Any) -> None:
-    """Traces ``stage_fn`` and ``head_fn`` on one micro-batch: clear errors for bad returns."""
-    y = jax.eval_shape(spec.stage_fn, params, x)
+def _split(tree: Any, spec: _Pipeline) -> Any:
+    """``[B, ...]`` leaves as ``[M, B / M, ...]``: the micro-batches, consecutive rows."""
+    m = spec.num_microbatches
+    return jax.tree.map(lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:]), tree)
+
+
+def _unsplit(tree: Any) -> Any:
+    return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), tree)
+
+
+def _stage_call(spec: _Pipeline, side_mb: Any, shared: Any) -> Callable[..., Any]:
+    """``call(params, x, i)``: ``stage_fn`` on micro-batch ``i``'s activation ``x``.
+
+    The side and shared inputs are closed over, so no gradient reaches them.
+    """
+
+    def call(params: Any, x: Any, i: jax.Array) -> Any:
+        return spec.stage_fn(params, x, _take(side_mb, i), shared)
+
+    return call
+
+
+def _check_stage(call: Callable[..., Any], params: Any, x: Any) -> None:
+    """Traces ``stage_fn`` on one micro-batch: a clear error for a bad return."""
+    y = jax.eval_shape(call, params, x, jnp.zeros((), jnp.int32))
     if jax.tree.structure(y) != jax.tree.structure(x) or _shapes(y) != _shapes(x):
         raise ValueError(
             "stage_fn must return an activation of its input's structure, shapes and dtypes "
             f"(it is passed to the next stage); for x = {_shapes(x)} it returned {_shapes(y)}."
         )
+
+
+def _check_head(spec: _Pipeline, head: Any, x: Any, target: Any) -> None:
     loss = jax.eval_shape(spec.head_fn, head, x, target)
     if getattr(loss, "shape", None) != ():
         raise ValueError(
@@ -527,7 +569,9 @@ def _acc_dtype(x: jax.Array) -> Any:
     return jnp.promote_types(x.dtype, jnp.float32)
 
 
-def _local_step(spec, stage_params, head_params, inputs, targets, forward_only, with_dx):
+def _local_step(
+    spec, stage_params, head_params, inputs, targets, side, shared, forward_only, with_dx
+):
     """One device's share: split micro-batches, run the schedule, reduce once after it."""
     m, axes = spec.num_microbatches, spec.manual_axes
     scale = 1.0 / (m * spec.data_size)
@@ -535,19 +579,18 @@ def _local_step(spec, stage_params, head_params, inputs, targets, forward_only, 
     # invariant over an axis would return a cotangent already summed over that axis.
     params = _vary(jax.tree.map(lambda a: a[0], stage_params), axes)
     head = _vary(head_params, axes)
-    x_mb = _vary(jax.tree.map(lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:]), inputs), axes)
-    t_mb = jax.tree.map(lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:]), targets)
+    x_mb = _vary(_split(inputs, spec), axes)
+    t_mb = _split(targets, spec)
+    call = _stage_call(spec, _vary(_split(side, spec), axes), _vary(shared, axes))
     stage = lax.axis_index(spec.pp_axis)
-    _check_fns(spec, params, head, _take(x_mb, 0), _take(t_mb, 0))
+    _check_stage(call, params, _take(x_mb, 0))
+    _check_head(spec, head, _take(x_mb, 0), _take(t_mb, 0))
 
     if forward_only:
-        total = _gpipe_forward(spec, params, head, x_mb, t_mb, stage, skip_bubbles=True)
+        total = _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage, skip_bubbles=True)
         return lax.psum(total, axes) * scale
-    if spec.schedule == "FThenB":
-        total, grads = _fthenb(spec, params, head, x_mb, t_mb, stage, with_dx)
-    else:
-        total, grads = _one_f_one_b(spec, params, head, x_mb, t_mb, stage, with_dx)
-    d_stage, d_head, d_x = grads
+    run = _fthenb if spec.schedule == "FThenB" else _one_f_one_b
+    total, (d_stage, d_head, d_x) = run(spec, call, params, head, x_mb, t_mb, stage, with_dx)
 
     def finish(tree, over, like):
         tree = lax.psum(tree, over) if over else tree
@@ -556,8 +599,7 @@ def _local_step(spec, stage_params, head_params, inputs, targets, forward_only, 
     d_stage = jax.tree.map(lambda d: d[None], finish(d_stage, spec.data_axes, params))
     d_head = finish(d_head, axes, head_params)
     if with_dx:
-        d_x = finish(d_x, (spec.pp_axis,), x_mb)
-        d_x = jax.tree.map(lambda d: d.reshape(d.shape[0] * d.shape[1], *d.shape[2:]), d_x)
+        d_x = _unsplit(finish(d_x, (spec.pp_axis,), x_mb))
     return lax.psum(total, axes) * scale, (d_stage, d_head, d_x if with_dx else None)
 
 
@@ -613,15 +655,16 @@ def _forward_ticks(spec, run, x_mb, stage, *, skip_bubbles):
     return outs
 
 
-def _gpipe_forward(spec, params, head, x_mb, t_mb, stage, *, skip_bubbles):
+def _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage, *, skip_bubbles):
     """The forward GPipe loop, then the head on the last stage.
 
-    Returns this device's sum of head losses (zero off the last stage).
+    ``call(params, x, i)`` runs this device's stage on micro-batch ``i``. Returns this
+    device's sum of head losses (zero off the last stage).
     """
     p, axes = spec.num_stages, spec.manual_axes
-    stage_fn = jax.checkpoint(spec.stage_fn) if spec.remat else spec.stage_fn
+    call = jax.checkpoint(call) if spec.remat else call
     outs = _forward_ticks(
-        spec, lambda x, _: _vary(stage_fn(params, x), axes), x_mb, stage, skip_bubbles=skip_bubbles
+        spec, lambda x, i: _vary(call(params, x, i), axes), x_mb, stage, skip_bubbles=skip_bubbles
     )
 
     def heads():
@@ -633,11 +676,11 @@ def _gpipe_forward(spec, params, head, x_mb, t_mb, stage, *, skip_bubbles):
     return lax.cond(stage == p - 1, heads, lambda: _vary(jnp.zeros((), jnp.float32), axes))
 
 
-def _fthenb(spec, params, head, x_mb, t_mb, stage, with_dx):
+def _fthenb(spec, call, params, head, x_mb, t_mb, stage, with_dx):
     """GPipe: differentiate the forward loop; its transpose is the backward loop."""
 
     def local(params, head, x_mb):
-        return _gpipe_forward(spec, params, head, x_mb, t_mb, stage, skip_bubbles=False)
+        return _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage, skip_bubbles=False)
 
     if with_dx:
         total, grads = jax.value_and_grad(local, argnums=(0, 1, 2))(params, head, x_mb)
@@ -646,26 +689,30 @@ def _fthenb(spec, params, head, x_mb, t_mb, stage, with_dx):
     return total, (d_stage, d_head, None)
 
 
-def _one_f_one_b(spec, params, head, x_mb, t_mb, stage, with_dx):
-    """1F1B: one scan of ``M + 2(P - 1)`` ticks, each one forward and one backward."""
+def _one_f_one_b(spec, call, params, head, x_mb, t_mb, stage, with_dx):
+    """1F1B: one scan of ``M + 2(P - 1)`` ticks, each one forward and one backward.
+
+    A micro-batch's side inputs are read by its index (``call(params, x, i)``), in the
+    forward and again in the recomputing backward: only the activation is stashed.
+    """
     m, p, axes = spec.num_microbatches, spec.num_stages, spec.manual_axes
-    stage_fn, head_fn = spec.stage_fn, spec.head_fn
+    head_fn = spec.head_fn
     slots = max(2 * (p - 1), 1)
     act = _take(x_mb, 0)
     last = stage == p - 1
     zero_loss = _vary(jnp.zeros((), jnp.float32), axes)
 
-    def forward(x):
-        return _vary(stage_fn(params, x), axes)
+    def forward(x, i):
+        return _vary(call(params, x, i), axes)
 
-    def backward(x, g):
-        _, vjp = jax.vjp(stage_fn, params, x)
+    def backward(x, g, i):
+        _, vjp = jax.vjp(lambda params, x: call(params, x, i), params, x)
         d_params, d_x = vjp(g)
         return _vary((zero_loss, d_params, _zeros(head), d_x), axes)
 
-    def last_stage(x, target):
+    def last_stage(x, target, i):
         def full(params, head, x):
-            return jnp.asarray(head_fn(head, stage_fn(params, x), target), jnp.float32)
+            return jnp.asarray(head_fn(head, call(params, x, i), target), jnp.float32)
 
         loss, grads = jax.value_and_grad(full, argnums=(0, 1, 2))(params, head, x)
         return _vary((loss, *grads), axes)
@@ -680,11 +727,11 @@ def _one_f_one_b(spec, params, head, x_mb, t_mb, stage, with_dx):
         fi, bi = jnp.clip(f, 0, m - 1), jnp.clip(b, 0, m - 1)
         x = _select(stage == 0, _take(x_mb, fi), received_x)
         x_back = _take(stash, bi % slots)  # read before this tick's write to the ring
-        y = lax.cond(f_valid & ~last, forward, lambda _: _zeros(act), x)
+        y = lax.cond(f_valid & ~last, lambda x: forward(x, fi), lambda _: _zeros(act), x)
         branch = jnp.where(last, jnp.where(f_valid, 2, 0), jnp.where(b_valid, 1, 0))
         loss, dp, dh, dx = lax.switch(
             branch,
-            (skip, lambda x, g, t: backward(x, g), lambda x, g, t: last_stage(x, t)),
+            (skip, lambda x, g, t: backward(x, g, bi), lambda x, g, t: last_stage(x, t, fi)),
             _select(last, x, x_back),
             received_g,
             _take(t_mb, fi),

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from jfleet import fleet
 from jfleet.parallel.pipeline_schedule import SCHEDULES, pipeline_loss, schedule_stats
 from jfleet.testing import hlo
+from jfleet.topology import DP, MP, PP
 
 D, LAYERS, CLASSES, MICRO = 16, 2, 5, 2
 RTOL, ATOL = 1e-5, 1e-6
@@ -29,8 +30,8 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 # ------------------------------------------------------------------ the model
-def stage_fn(w, x):
-    """Two tanh layers, weights ``w['w']: [L, D, D]``, ``w['b']: [L, D]``."""
+def stage_fn(w, x, side, shared):
+    """Two tanh layers, weights ``w['w']: [L, D, D]``, ``w['b']: [L, D]`` (no side inputs)."""
 
     def layer(h, wl):
         return jnp.tanh(h @ wl["w"] + wl["b"]), None
@@ -47,7 +48,7 @@ def sequential_loss(sp, hp, x, t, m, stage=stage_fn):
     """The reference: every micro-batch through every stage in turn, one device."""
 
     def one(x, t):
-        y = jax.lax.scan(lambda h, w: (stage(w, h), None), x, sp)[0]
+        y = jax.lax.scan(lambda h, w: (stage(w, h, (), ()), None), x, sp)[0]
         return head_fn(hp, y, t)
 
     return jnp.mean(jax.vmap(one)(x.reshape(m, -1, D), t.reshape(m, -1)))
@@ -84,8 +85,8 @@ def assert_trees_close(got, want):
 
 def check_against_sequential(mesh, m, stage=stage_fn, variants=None):
     """Loss and (stage, head, input) gradients of each variant equal the sequential model's."""
-    stages = mesh.shape["pp"]
-    data = mesh.shape.get("dp", 1)
+    stages = mesh.shape[PP]
+    data = mesh.shape.get(DP, 1)
     sp, hp, x, t = make_problem(stages, m * MICRO * data)
     variants = variants or [{"schedule": s} for s in SCHEDULES]
 
@@ -120,23 +121,23 @@ def test_with_data_parallel_matches_sequential(pp, m):
     mesh = make_mesh(dp=2, pp=pp)
     out = check_against_sequential(mesh, m)
     for _, (d_stage, d_head, d_x) in out:
-        assert d_stage["w"].sharding.is_equivalent_to(NamedSharding(mesh, P("pp")), 4)
+        assert d_stage["w"].sharding.is_equivalent_to(NamedSharding(mesh, P(PP)), 4)
         assert d_head["w"].sharding.is_equivalent_to(NamedSharding(mesh, P()), 2)
-        assert d_x.sharding.is_equivalent_to(NamedSharding(mesh, P("dp")), 2)
+        assert d_x.sharding.is_equivalent_to(NamedSharding(mesh, P(DP)), 2)
 
 
-def mp_stage_fn(w, x):
+def mp_stage_fn(w, x, side, shared):
     """stage_fn with its weights constrained to column-parallel over the automatic ``mp``.
 
     Inside the pipeline's shard_map, shardings name the current (partly manual) mesh; the
     single-device reference has no mesh and runs it unconstrained.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    if "mp" not in mesh.axis_names:
-        return stage_fn(w, x)
+    if MP not in mesh.axis_names:
+        return stage_fn(w, x, side, shared)
     w = dict(w)
-    w["w"] = jax.lax.with_sharding_constraint(w["w"], NamedSharding(mesh, P(None, None, "mp")))
-    return stage_fn(w, x)
+    w["w"] = jax.lax.with_sharding_constraint(w["w"], NamedSharding(mesh, P(None, None, MP)))
+    return stage_fn(w, x, side, shared)
 
 
 @pytest.mark.parametrize("m", [1, 2, 4, 8])
@@ -145,9 +146,7 @@ def test_with_tensor_parallel_matches_sequential(pp, m):
     mesh = make_mesh(pp=pp, mp=2)
     out = check_against_sequential(mesh, m, stage=mp_stage_fn)
     for _, (d_stage, _, _) in out:  # the constraint shows in the gradient's layout
-        assert d_stage["w"].sharding.is_equivalent_to(
-            NamedSharding(mesh, P("pp", None, None, "mp")), 4
-        )
+        assert d_stage["w"].sharding.is_equivalent_to(NamedSharding(mesh, P(PP, None, None, MP)), 4)
 
 
 def test_fleet_mesh_pp2_dp2_mp2():
@@ -169,6 +168,52 @@ def test_remat_and_forward_only_match():
         )
     )(sp, hp, x)
     np.testing.assert_allclose(float(loss), float(ref), rtol=RTOL)
+
+
+def side_stage_fn(w, x, side, shared):
+    """stage_fn whose rows also read per-sample int positions and a bool mask (``side``)
+    and a shared table: masked-out rows pass through, the others add their table row."""
+    positions, keep = side
+    h = stage_fn(w, x, (), ()) + shared[positions]
+    return jnp.where(keep[:, None], h, x)
+
+
+def test_side_and_shared_inputs_reach_every_stage_and_get_no_gradient():
+    mesh = make_mesh(dp=2, pp=2)
+    m = 2
+    sp, hp, x, t = make_problem(2, m * MICRO * 2)
+    k = jax.random.split(jax.random.key(7), 3)
+    positions = jax.random.randint(k[0], (x.shape[0],), 0, 5)
+    keep = jax.random.bernoulli(k[1], 0.7, (x.shape[0],))
+    table = jax.random.normal(k[2], (5, D)) / 4
+
+    def reference(sp, hp, x, table):
+        def one(x, t, positions, keep):
+            y = jax.lax.scan(
+                lambda h, w: (side_stage_fn(w, h, (positions, keep), table), None), x, sp
+            )[0]
+            return head_fn(hp, y, t)
+
+        split = lambda a: a.reshape(m, -1, *a.shape[1:])  # noqa: E731
+        return jnp.mean(jax.vmap(one)(split(x), split(t), split(positions), split(keep)))
+
+    def everything(sp, hp, x, table):
+        out = []
+        for schedule in SCHEDULES:
+            loss = lambda a, b, c, d, s=schedule: pipeline_loss(  # noqa: E731
+                side_stage_fn, head_fn, a, b, c, t, (positions, keep), d,
+                mesh=mesh, schedule=s, num_microbatches=m,
+            )  # fmt: skip
+            out.append(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(sp, hp, x, table))
+        return out, jax.value_and_grad(reference, argnums=(0, 1, 2))(sp, hp, x, table)
+
+    compiled = jax.jit(everything).lower(sp, hp, x, table).compile(FAST_COMPILE)
+    out, (ref_loss, ref_grads) = compiled(sp, hp, x, table)
+    assert float(jnp.abs(ref_grads[0]["w"]).sum()) > 0
+    for schedule, (loss, grads) in zip(SCHEDULES, out, strict=True):
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=RTOL, err_msg=schedule)
+        assert_trees_close(grads[:3], ref_grads)
+        assert not np.any(np.asarray(grads[3])), schedule  # shared: never differentiated
 
 
 # ------------------------------------------------------------------ with nnx.grad
@@ -312,11 +357,16 @@ def _call(**overrides):
     [
         ({"schedule": "Interleaved"}, r"schedule='Interleaved'.*\['FThenB', '1F1B'\]"),
         ({"num_microbatches": 0}, r"num_microbatches=0"),
-        ({"num_microbatches": 3}, r"batch of 8 rows.*num_microbatches=3.*data-parallel size of 2"),
+        (
+            {"num_microbatches": 3},
+            r"batch of 8 rows, which the micro-batch count x data-parallel size 6 "
+            r"\(num_microbatches 3 x dp 2\).*num_microbatches dividing 4: \[1, 2, 4\]",
+        ),
         ({"mesh": "mesh"}, r"no pipeline axis pp_axis='pp'"),
         ({"stage_params": {"w": jnp.zeros((4, 2, D, D))}}, r"size 2.*\['w'\]: \(4, 2, 16, 16\)"),
         ({"targets": jnp.zeros((6,), jnp.int32)}, r"one batch size.*\[6, 8\]"),
-        ({"stage_fn": lambda w, x: x[:, :3]}, r"stage_fn must return.*float32\[2, 3\]"),
+        ({"side": jnp.zeros((4, 3))}, r"inputs, targets, side must share one batch size.*\[4, 8\]"),
+        ({"stage_fn": lambda w, x, s, c: x[:, :3]}, r"stage_fn must return.*float32\[2, 3\]"),
         ({"head_fn": lambda h, y, t: y.sum(0)}, r"head_fn must return a scalar.*\(16,\)"),
         ({"stage_fn": "f"}, r"stage_fn='f' is not callable"),
     ],

@@ -1,0 +1,534 @@
+"""Stacked layers: the one code that turns identical layers into pipeline stages and runs them.
+
+:class:`~jfleet.parallel.pipeline_layer.PipelineLayer` (Paddle's pipelined body) and
+``to_distributed``'s :class:`~jfleet.auto_parallel.blocks.PipelinedBlocks` (a stand-in for
+a model's list of decoder blocks) both run through this module:
+
+* :func:`stack_layers` stacks ``N`` identical layers into one module of their class whose
+  parameters are ``[P, N/P, ...]`` (stage ``s`` owns row ``s``); :func:`annotate_stack`
+  lays the stacked parameters out as ``(pp, None, *inner)`` on a mesh.
+* :func:`run_layers` runs a stack of layers with one ``lax.scan`` (optionally recomputing
+  groups of layers, optionally constraining each output); :func:`run_stack` runs all
+  stages of a stacked module in order (the single-device model).
+* :func:`stage_inputs` splits what a stage gets into the schedules' three kinds: the
+  **carried** activation (the floating leaves of the value passed from layer to layer;
+  sent to the next stage, differentiated), per-sample **side** inputs (split into
+  micro-batches with the activation, never differentiated: the non-floating leaves of the
+  activation, such as integer position ids or a boolean attention mask, and the per-sample
+  extra block arguments) and **shared** inputs (whole arrays every micro-batch gets: a
+  rotary table). :func:`stage_function` builds the schedules' stage function
+  ``stage_fn(params, carried, side, shared) -> carried`` from them.
+* :func:`widened_stage`: XLA:CPU aborts compiling a 16-bit all-reduce inside a partly manual
+  ``shard_map`` (the schedules' gradient sums), so on CPU half-precision arrays cross the
+  pipeline in float32 and are cast back inside the stage: the same values.
+
+Non-floating leaves of the activation do not cross stages: every stage receives the
+values that entered the stack (as side inputs), so the layers must return them unchanged,
+as Paddle's pipelined layers pass ``(hidden, mask, position_ids)`` along.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from flax import nnx
+  >>> layers = [nnx.Linear(3, 3, rngs=nnx.Rngs(i)) for i in range(4)]
+  >>> body = stack_layers(layers, 2)
+  >>> body.kernel.shape
+  (2, 2, 3, 3)
+  >>> x = jnp.ones((5, 3))
+  >>> want = layers[3](layers[2](layers[1](layers[0](x))))
+  >>> bool(jnp.allclose(run_stack(body, x), want, atol=1e-6))
+  True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from jfleet.topology import PP
+
+__all__ = [
+    "SHARED",
+    "SIDE",
+    "STATIC",
+    "StageFn",
+    "StageInputs",
+    "annotate_stack",
+    "narrow",
+    "run_layers",
+    "run_stack",
+    "stack_layers",
+    "stage_function",
+    "stage_inputs",
+    "widen",
+    "widened",
+    "widened_stage",
+    "widens_on",
+]
+
+SIDE = "side"
+"""Kind of a per-sample stage input: split into micro-batches with the activation."""
+SHARED = "shared"
+"""Kind of a whole-array stage input: every micro-batch gets all of it."""
+STATIC = "static"
+"""Kind of a block argument that is not an array: passed to every layer as it is."""
+
+#: The schedules' stage function: ``stage_fn(params_of_one_stage, x, side, shared) -> y``.
+StageFn = Callable[[Any, Any, Any, Any], Any]
+
+
+# ------------------------------------------------------------------ stacking
+def stack_layers(layers: Sequence[nnx.Module], num_stages: int, name: str | None = None) -> Any:
+    """One module of the layers' class whose parameters are stacked to ``[P, N/P, ...]``.
+
+    Each layer's own (tensor-parallel) ``out_sharding`` metadata is kept behind the two
+    stacked axes, ``(None, None, *inner)``; :func:`annotate_stack` fills in the stage axis.
+
+    Args:
+      layers: ``N`` modules of one class and structure, holding only ``nnx.Param``\\ s.
+      num_stages: ``P``; it must divide ``N``.
+      name: what the layers are called in error messages (default: their class name).
+
+    Returns:
+      A module of the layers' class (its ``__call__`` is one layer's; run it with
+      :func:`run_layers` / :func:`run_stack`).
+
+    Raises:
+      TypeError: an entry that is not an ``nnx.Module``.
+      ValueError: no layers, ``num_stages`` not dividing their number, or layers holding
+        state other than ``nnx.Param`` (batch statistics, caches, RNG streams).
+
+    Example:
+      >>> from flax import nnx
+      >>> body = stack_layers([nnx.Linear(2, 3, rngs=nnx.Rngs(i)) for i in range(6)], 3)
+      >>> body.kernel.shape, body.bias.shape
+      ((3, 2, 2, 3), (3, 2, 3))
+    """
+    layers = list(layers)
+    if not layers:
+        raise ValueError("stack_layers(layers=[]): pass the (identical) layers to stack.")
+    bad = [
+        f"{i}: {type(a).__name__}" for i, a in enumerate(layers) if not isinstance(a, nnx.Module)
+    ]
+    name = name or type(layers[0]).__name__
+    if bad:
+        raise TypeError(
+            f"the pipelined body's {name} builds {'; '.join(bad)}, not an nnx.Module; "
+            "pipelined layers must be nnx.Module instances."
+        )
+    if not isinstance(num_stages, int) or num_stages < 1 or len(layers) % num_stages:
+        raise ValueError(
+            f"num_stages={num_stages!r} does not split the {len(layers)} {name} layers evenly; "
+            f"use a stage count dividing {len(layers)}."
+        )
+    other = nnx.state(layers[0], nnx.Not(nnx.Param))
+    if jax.tree.leaves(other):
+        kinds = sorted({type(v).__name__ for _, v in nnx.to_flat_state(other)})
+        raise ValueError(
+            f"the pipelined body's {name} layers hold state other than nnx.Param ({kinds}); "
+            "pipelined layers may only hold parameters (no batch statistics, caches or RNG "
+            "streams: build dropout without rngs, or keep such layers in the pre / post part)."
+        )
+    graphdef, _ = nnx.split(layers[0])
+    per_stage = len(layers) // num_stages
+    states = [nnx.state(layer) for layer in layers]
+    stacked = jax.tree.map(
+        lambda *xs: jnp.stack(xs).reshape(num_stages, per_stage, *xs[0].shape), *states
+    )
+    for _, var in nnx.to_flat_state(stacked):
+        inner = var.get_metadata("out_sharding", None)
+        if inner:  # a tensor-parallel layer's layout, now behind the two stacked axes
+            inner = tuple(inner) + (None,) * (var.ndim - 2 - len(inner))
+            var.set_metadata(out_sharding=(None, None, *inner))
+    return nnx.merge(graphdef, stacked)
+
+
+def annotate_stack(body: nnx.Module, mesh: jax.sharding.Mesh, num_stages: int) -> None:
+    """Sets a stacked module's ``out_sharding`` to ``(PP, None, *inner)`` and its ``mesh``.
+
+    ``inner`` is each layer's own (tensor-parallel) layout, read from the metadata
+    :func:`stack_layers` left behind the two stacked axes. The stage axis is sharded on
+    the pipeline axis only when the mesh's pipeline size is ``num_stages`` (else None).
+
+    Example:
+      >>> import jax
+      >>> from flax import nnx
+      >>> mesh = jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2])
+      >>> body = stack_layers([nnx.Linear(2, 2, rngs=nnx.Rngs(i)) for i in range(4)], 2)
+      >>> annotate_stack(body, mesh, 2)
+      >>> body.kernel.get_metadata("out_sharding")
+      ('pp', None, None, None)
+    """
+    stage_axis = PP if mesh.shape.get(PP, 1) == num_stages else None
+    for _, var in nnx.to_flat_state(nnx.state(body)):
+        current = var.get_metadata("out_sharding", None)
+        inner = tuple(current)[2:] if current else ()
+        inner = inner + (None,) * (var.ndim - 2 - len(inner))
+        var.set_metadata(out_sharding=(stage_axis, None, *inner), mesh=mesh)
+
+
+# ------------------------------------------------------------------ running
+def run_layers(
+    graphdef: Any,
+    params: Any,
+    x: Any,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    *,
+    remat_interval: int = 0,
+    after: Callable[[Any], Any] | None = None,
+) -> Any:
+    """``x`` through the layers whose parameters are ``params`` (leaves ``[n, ...]``).
+
+    Each layer is ``nnx.merge(graphdef, params_of_layer)`` called as ``layer(x, *args,
+    **kwargs)``, with ``after`` (a sharding constraint, say) applied to its output. The
+    activation (an array or a pytree such as ``(hidden, mask, position_ids)``) is a
+    ``lax.scan`` carry: it keeps the structure and dtypes it enters with.
+
+    Args:
+      graphdef: the graph definition of one layer (``nnx.split(stacked)[0]``).
+      params: the layers' parameters, leaves ``[n, ...]`` (one stage's, or all ``N``).
+      x: the activation entering the first layer.
+      args: further positional arguments of every layer.
+      kwargs: keyword arguments of every layer.
+      remat_interval: ``k > 0`` runs each group of ``k`` layers under ``jax.checkpoint``
+        (the last group may be shorter); 0 keeps every activation.
+      after: applied to each layer's output.
+
+    Returns:
+      The last layer's output.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> body = stack_layers([nnx.Linear(2, 2, rngs=nnx.Rngs(i)) for i in range(3)], 1)
+      >>> graphdef, state = nnx.split(body)
+      >>> params = jax.tree.map(lambda a: a[0], nnx.to_pure_dict(state))  # stage 0
+      >>> run_layers(graphdef, params, jnp.ones((4, 2)), remat_interval=2).shape
+      (4, 2)
+    """
+    kwargs = kwargs or {}
+
+    def one(h: Any, w: Any) -> tuple[Any, None]:
+        y = nnx.merge(graphdef, w)(h, *args, **kwargs)
+        y = y if after is None else after(y)
+        return jax.tree.map(lambda a, b: a.astype(b.dtype), y, h), None
+
+    def scan(h: Any, w: Any) -> Any:
+        return lax.scan(one, h, w)[0]
+
+    if remat_interval <= 0:
+        return scan(x, params)
+    n = jax.tree.leaves(params)[0].shape[0]
+    groups, rest = divmod(n, remat_interval)
+    group = jax.checkpoint(scan)
+    if groups:
+        full = jax.tree.map(
+            lambda a: a[: groups * remat_interval].reshape(groups, remat_interval, *a.shape[1:]),
+            params,
+        )
+        x = lax.scan(lambda h, w: (group(h, w), None), x, full)[0]
+    if rest:
+        x = group(x, jax.tree.map(lambda a: a[groups * remat_interval :], params))
+    return x
+
+
+def run_stack(body: nnx.Module, x: Any, *args: Any, remat_interval: int = 0, **kwargs: Any) -> Any:
+    """All ``N`` layers of a stacked module in order, on one program (the sequential model).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> body = stack_layers([nnx.Linear(2, 2, rngs=nnx.Rngs(i)) for i in range(4)], 2)
+      >>> run_stack(body, jnp.ones((3, 2))).shape
+      (3, 2)
+    """
+    graphdef, state = nnx.split(body)
+    params = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), nnx.to_pure_dict(state))
+    return run_layers(graphdef, params, x, args, kwargs, remat_interval=remat_interval)
+
+
+# ------------------------------------------------------------------ stage inputs
+def _is_array(leaf: Any) -> bool:
+    return isinstance(leaf, jax.Array | np.ndarray)
+
+
+def _floating(leaf: Any) -> bool:
+    return jnp.issubdtype(leaf.dtype, jnp.inexact)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageInputs:
+    """How :func:`stage_inputs` split a stack's inputs into carried, side and shared parts.
+
+    Attributes:
+      activation: the treedef of the activation passed from layer to layer.
+      floating: per activation leaf, whether it is carried (floating) or a side input.
+      arguments: the treedef of ``(args, kwargs)``, the layers' further arguments.
+      leaves: the argument leaves; the arrays among them are replaced by None (their
+        values come back as side / shared inputs).
+      kinds: per argument leaf, :data:`SIDE`, :data:`SHARED` or :data:`STATIC`.
+    """
+
+    activation: Any
+    floating: tuple[bool, ...]
+    arguments: Any
+    leaves: tuple
+    kinds: tuple[str, ...]
+
+    @property
+    def num_side(self) -> int:
+        """How many side inputs come from the activation (they come first)."""
+        return sum(not f for f in self.floating)
+
+    def activation_of(self, carried: Sequence[Any], side: Sequence[Any]) -> Any:
+        """The activation rebuilt from its carried leaves and the first side inputs."""
+        carried, side = iter(carried), iter(side)
+        leaves = [next(carried) if f else next(side) for f in self.floating]
+        return jax.tree.unflatten(self.activation, leaves)
+
+    def carried_of(self, y: Any) -> list:
+        """The carried (floating) leaves of a layer's output.
+
+        Raises:
+          ValueError: ``y`` does not have the activation's structure.
+        """
+        leaves, treedef = jax.tree.flatten(y)
+        if treedef != self.activation:
+            raise ValueError(
+                "the pipelined layers must return an activation of the structure they take "
+                f"(it is passed to the next layer); they take {self.activation} and return "
+                f"{treedef}."
+            )
+        return [leaf for leaf, f in zip(leaves, self.floating, strict=True) if f]
+
+    def arguments_of(self, side: Sequence[Any], shared: Sequence[Any]) -> tuple[tuple, dict]:
+        """The layers' ``(args, kwargs)`` from the side inputs (after the activation's) and
+        the shared inputs."""
+        side, shared = iter(list(side)[self.num_side :]), iter(shared)
+        merged = [
+            next(side) if k == SIDE else next(shared) if k == SHARED else leaf
+            for leaf, k in zip(self.leaves, self.kinds, strict=True)
+        ]
+        return jax.tree.unflatten(self.arguments, merged)
+
+
+def stage_inputs(
+    x: Any,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    per_sample: Sequence[int | str] | None = None,
+) -> tuple[StageInputs, list, list, list]:
+    """Splits a stack's inputs into the carried activation, side and shared inputs.
+
+    The activation ``x`` (an array or a pytree such as ``(hidden, mask, position_ids)``):
+    its floating leaves are **carried** (passed between stages, differentiated), its other
+    leaves (integer ids, boolean masks) become **side** inputs. The layers' further
+    arguments ``args`` / ``kwargs``: with ``per_sample`` (argument positions after the
+    activation, or keyword names) the arrays of those arguments are side inputs and every
+    other array is **shared**; without it an array whose leading dimension is the batch
+    size is a side input. Leaves that are not arrays (``deterministic=True``) are static.
+
+    Args:
+      x: the activation entering the stack, batch first.
+      args: further positional arguments of every layer.
+      kwargs: keyword arguments of every layer.
+      per_sample: which arguments hold one row per sample, or None (decided by shape).
+
+    Returns:
+      ``(inputs, carried, side, shared)``: the split (for :func:`stage_function` and to
+      rebuild the output), the carried leaves, the side arrays (the activation's first),
+      the shared arrays.
+
+    Raises:
+      ValueError: ``x`` has no floating leaf; or, without ``per_sample``, an argument whose
+        leading dimension is the batch size and also another dimension of the activation
+        (it could be a per-sample array or a sequence-indexed table).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> hidden, ids = jnp.ones((4, 3, 2)), jnp.zeros((4, 3), int)
+      >>> table = jnp.ones((3, 2))
+      >>> inputs, carried, side, shared = stage_inputs((hidden, ids), (table,), {"flag": True})
+      >>> len(carried), len(side), len(shared), inputs.kinds
+      (1, 1, 1, ('shared', 'static'))
+    """
+    kwargs = kwargs or {}
+    x_leaves, activation = jax.tree.flatten(x)
+    floating = tuple(_is_array(a) and _floating(a) for a in x_leaves)
+    bad = [f"{type(a).__name__}" for a in x_leaves if not _is_array(a)]
+    if bad or not any(floating):
+        got = jax.tree.map(lambda a: f"{getattr(a, 'dtype', type(a).__name__)}", x)
+        raise ValueError(
+            f"the activation entering the pipelined layers is {got}; it must be an array or "
+            "a pytree of arrays with at least one floating array (the hidden state) passed "
+            "from layer to layer; integer ids and boolean masks may travel with it."
+        )
+    first = next(a for a, f in zip(x_leaves, floating, strict=True) if f)
+    carried = [a for a, f in zip(x_leaves, floating, strict=True) if f]
+    side = [a for a, f in zip(x_leaves, floating, strict=True) if not f]
+    per_sample = None if per_sample is None else tuple(per_sample)
+    leaves, kinds, shared = [], [], []
+    named = [*enumerate(args), *sorted(kwargs.items())]  # jax.tree.flatten's order
+    for key, value in named:
+        for path, leaf in jax.tree_util.tree_leaves_with_path(value):
+            kind = _kind(key, path, leaf, first, per_sample)
+            kinds.append(kind)
+            leaves.append(leaf if kind == STATIC else None)
+            if kind == SIDE:
+                side.append(leaf)
+            elif kind == SHARED:
+                shared.append(leaf)
+    arguments = jax.tree.structure((tuple(args), kwargs))
+    inputs = StageInputs(activation, floating, arguments, tuple(leaves), tuple(kinds))
+    return inputs, carried, side, shared
+
+
+def _kind(key: Any, path: Any, leaf: Any, x: jax.Array, per_sample: tuple | None) -> str:
+    if not _is_array(leaf):
+        return STATIC
+    if per_sample is not None:
+        return SIDE if key in per_sample else SHARED
+    batch = x.shape[0]
+    if leaf.ndim < 1 or leaf.shape[0] != batch:
+        return SHARED
+    if batch in x.shape[1:]:
+        where = f"argument {key!r}{jax.tree_util.keystr(path)}"
+        raise ValueError(
+            f"{where} of the pipelined blocks has shape {leaf.shape}, and its leading "
+            f"{batch} is both the batch size and another dimension of the activation "
+            f"{x.shape}: it is unclear whether it holds one row per sample. Say which "
+            "block arguments are per-sample: ToDistributedConfig(per_sample_args=(0, "
+            "'mask', ...)) (positions after the activation, or keyword names)."
+        )
+    return SIDE
+
+
+def stage_function(
+    graphdef: Any,
+    inputs: StageInputs,
+    *,
+    remat_interval: int = 0,
+    after: Callable[[Any], Any] | None = None,
+) -> StageFn:
+    """The schedules' ``stage_fn(params, carried, side, shared) -> carried`` for a stack.
+
+    It rebuilds the activation and the layers' arguments from the carried, side and
+    shared inputs (as :func:`stage_inputs` split them), runs the stage's layers with
+    :func:`run_layers` and returns the carried leaves of the output.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> body = stack_layers([nnx.Linear(2, 2, rngs=nnx.Rngs(i)) for i in range(2)], 1)
+      >>> graphdef, state = nnx.split(body)
+      >>> params = jax.tree.map(lambda a: a[0], nnx.to_pure_dict(state))
+      >>> inputs, carried, side, shared = stage_inputs(jnp.ones((3, 2)))
+      >>> stage_fn = stage_function(graphdef, inputs)
+      >>> [a.shape for a in stage_fn(params, carried, side, shared)]
+      [(3, 2)]
+    """
+
+    def stage_fn(params: Any, carried: Any, side: Any, shared: Any) -> list:
+        x = inputs.activation_of(carried, side)
+        args, kwargs = inputs.arguments_of(side, shared)
+        y = run_layers(
+            graphdef, params, x, args, kwargs, remat_interval=remat_interval, after=after
+        )
+        return inputs.carried_of(y)
+
+    return stage_fn
+
+
+# ------------------------------------------------------------------ CPU widening
+def widens_on(mesh: jax.sharding.Mesh) -> bool:
+    """Whether half-precision arrays must cross a pipeline on ``mesh`` in float32 (CPU).
+
+    Example:
+      >>> import jax
+      >>> widens_on(jax.make_mesh((1,), ("pp",), devices=jax.devices()[:1]))
+      True
+    """
+    return mesh.devices.flat[0].platform == "cpu"
+
+
+def widen(tree: Any, wide: bool = True) -> Any:
+    """``tree`` with its half-precision floating leaves cast to float32 when ``wide``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> [a.dtype for a in widen([jnp.ones(2, jnp.bfloat16), jnp.ones(2, int)])]
+      [dtype('float32'), dtype('int32')]
+    """
+
+    def one(a: Any) -> Any:
+        if wide and jnp.issubdtype(a.dtype, jnp.floating) and jnp.dtype(a.dtype).itemsize < 4:
+            return a.astype(jnp.float32)
+        return a
+
+    return jax.tree.map(one, tree)
+
+
+def narrow(tree: Any, like: Any) -> Any:
+    """``tree`` cast back to the dtypes of ``like`` (arrays or dtypes): undoes :func:`widen`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> narrow(jnp.ones(2), jnp.ones(2, jnp.bfloat16)).dtype
+      dtype(bfloat16)
+    """
+    dtypes = jax.tree.map(lambda a: getattr(a, "dtype", a), like)
+    return jax.tree.map(lambda a, d: a if a.dtype == d else a.astype(d), tree, dtypes)
+
+
+def widened(fn: Callable[..., Any], like: tuple, *, wide: bool) -> Callable[..., Any]:
+    """``fn`` taking its first ``len(like)`` arguments widened and returning its output widened.
+
+    Inside, those arguments are cast back to the dtypes of ``like`` (a tuple of pytrees of
+    arrays or dtypes) before ``fn`` runs; further arguments pass unchanged. With ``wide``
+    False, ``fn`` itself.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> x = jnp.ones(2, jnp.bfloat16)
+      >>> f = widened(lambda a, b: a * b, (x,), wide=True)
+      >>> f(widen(x), 2.0).dtype
+      dtype('float32')
+    """
+    if not wide:
+        return fn
+    dtypes = jax.tree.map(lambda a: getattr(a, "dtype", a), like)
+
+    def wide_fn(*args: Any) -> Any:
+        head = narrow(args[: len(dtypes)], dtypes)
+        return widen(fn(*head, *args[len(dtypes) :]))
+
+    return wide_fn
+
+
+def widened_stage(
+    stage_fn: StageFn, params: Any, x: Any, *, mesh: jax.sharding.Mesh
+) -> tuple[StageFn, Any, Any]:
+    """A stage function, its parameters and activation as they cross a pipeline on ``mesh``.
+
+    On CPU meshes (:func:`widens_on`) the parameters and activation are widened to float32
+    and the returned stage function casts them back before ``stage_fn`` and widens its
+    output; elsewhere everything is returned as given. Cast the pipeline's output back
+    with ``narrow(y, x)``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> mesh = jax.make_mesh((1,), ("pp",), devices=jax.devices()[:1])
+      >>> w, x = jnp.ones((2, 2), jnp.bfloat16), jnp.ones((3, 2), jnp.bfloat16)
+      >>> fn, w32, x32 = widened_stage(lambda w, x, s, c: x @ w, w, x, mesh=mesh)
+      >>> w32.dtype, fn(w32, x32, (), ()).dtype
+      (dtype('float32'), dtype('float32'))
+    """
+    wide = widens_on(mesh)
+    return widened(stage_fn, (params, x), wide=wide), widen(params, wide), widen(x, wide)
