@@ -138,27 +138,44 @@ class Placement:
         return spec
 
     def param_shardings(self, params: nnx.State, *, zero: bool | None = None) -> Any:
-        """``NamedSharding`` per parameter; ZeRO-sharded when ``zero`` (default: stage 3)."""
+        """``NamedSharding`` per parameter; ZeRO-sharded when ``zero`` (default: stage 3).
+
+        A parameter's ZeRO layout is its ``optimizer_sharding`` metadata where that is set
+        and fits this mesh (``to_distributed`` sets it from its plan, :meth:`place_params`
+        from :meth:`zero_spec`), else :meth:`zero_spec` of its layout: one rule, so the
+        optimizer state, the ZeRO-2 gradients and the ZeRO-3 parameters agree.
+        """
         if zero is None:
             zero = self.zero_stage >= 3
         specs = self.param_specs(params)
+        own = iter(
+            var.get_metadata("optimizer_sharding", None) if isinstance(var, nnx.Variable) else None
+            for var in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        )
 
         def one(spec: P, x: Any) -> NamedSharding:
-            return self.named(self.zero_spec(spec, np.shape(x)) if zero else spec)
+            given, shape = next(own), np.shape(x)
+            if not zero:
+                return self.named(spec)
+            if given is not None and self._fits(P(*given), shape):
+                return self.named(P(*given))
+            return self.named(self.zero_spec(spec, shape))
 
         return jax.tree.map(one, specs, params, is_leaf=lambda s: isinstance(s, P))
 
     def place_params(self, model: nnx.Module) -> nnx.Module:
-        """Moves the model's parameters (and other variables) onto the mesh for this plan.
+        """Moves the model's parameters (and other variables) onto the mesh for this placement.
 
-        With ZeRO, annotated parameters also get ``optimizer_sharding`` metadata: Flax
-        builds an annotated parameter's optimizer state from its metadata and would
-        otherwise re-lay the state out unsharded (``out_sharding``).
+        With ZeRO, annotated parameters also get ``optimizer_sharding`` metadata where they
+        have none that fits (a plan may have set it): Flax builds an annotated parameter's
+        optimizer state from its metadata and would otherwise re-lay the state out
+        unsharded (``out_sharding``).
         """
         if self.zero_stage >= 1:
             for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
                 spec = var.get_metadata("out_sharding", None)
-                if spec:
+                given = var.get_metadata("optimizer_sharding", None)
+                if spec and not (given is not None and self._fits(P(*given), var.shape)):
                     zero = self.zero_spec(P(*spec), tuple(var.shape))
                     var.set_metadata(optimizer_sharding=tuple(zero))
         params, rest = nnx.state(model, nnx.Param, ...)
@@ -170,6 +187,18 @@ class Placement:
         )
         nnx.update(model, params, rest)
         return model
+
+    def _fits(self, spec: P, shape: tuple[int, ...]) -> bool:
+        """Whether ``spec`` names this mesh's axes and splits ``shape`` evenly."""
+        if len(spec) > len(shape):
+            return False
+        for entry, size in zip(spec, shape, strict=False):
+            axes = _axes(entry)
+            if any(a not in self.mesh.axis_names for a in axes):
+                return False
+            if size % math.prod(self.mesh.shape[a] for a in axes):
+                return False
+        return True
 
     # -------------------------------------------------------------- batches
     def batch_sharding(self, ndim: int) -> NamedSharding:

@@ -147,3 +147,25 @@ def test_the_fleet_facade_builds_the_same_placement():
     model = fleet.distributed_model(nnx.Linear(8, 8, rngs=nnx.Rngs(0)))
     assert model.placement == Placement.from_fleet()
     assert model.module.kernel.sharding.spec == P(SHARDING, None)
+
+
+def test_a_given_zero_layout_is_kept_and_used_when_it_fits():
+    init_fleet(HYBRID)
+    placement = Placement(mesh=fleet_mesh(), zero_stage=1)
+    model = Annotated()
+    model.kernel.set_metadata(optimizer_sharding=(None, (SHARDING, MP)))  # a plan's choice
+    model.bias.set_metadata(optimizer_sharding=(DP,))  # set by hand
+    placement.place_params(model)
+    assert model.kernel.get_metadata("optimizer_sharding") == (None, (SHARDING, MP))
+    shardings = placement.param_shardings(nnx.state(model, nnx.Param), zero=True)
+    assert shardings["kernel"].spec == P(None, (SHARDING, MP))  # zero_spec: P(sharding, mp)
+    assert shardings["bias"].spec == P(DP)  # zero_spec: P(sharding)
+
+
+def test_a_zero_layout_that_does_not_fit_the_mesh_is_recomputed():
+    init_fleet(HYBRID)
+    model = Annotated()
+    model.kernel.set_metadata(optimizer_sharding=(None, (SHARDING, MP, DP)))  # 8 does not split 4
+    placement = Placement(mesh=fleet_mesh(), zero_stage=1)
+    placement.place_params(model)
+    assert model.kernel.get_metadata("optimizer_sharding") == (SHARDING, MP)
