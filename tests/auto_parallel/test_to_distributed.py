@@ -23,6 +23,7 @@ from jfleet.auto_parallel.to_distributed import to_distributed
 from jfleet.models import lm_batches, lm_loss
 from jfleet.models.gpt2 import TinyGPT2
 from jfleet.models.llama import TinyLlama
+from jfleet.testing import train_one_device
 
 #: The module (``jfleet.auto_parallel.to_distributed`` is the function of the same name).
 to_distributed_module = importlib.import_module("jfleet.auto_parallel.to_distributed")
@@ -49,21 +50,12 @@ def single_device_losses(name: str, steps: int = STEPS, batch: int = 16) -> tupl
 
 @functools.cache
 def _single_device_losses(name: str, steps: int, batch: int) -> tuple[float, ...]:
-    return tuple(train_one_device(MODELS[name](), lm_batches(steps, batch=batch)))
+    return tuple(adam_one_device(MODELS[name](), lm_batches(steps, batch=batch)))
 
 
-def train_one_device(model: nnx.Module, batches: list) -> list[float]:
-    """Adam 1e-2 by a plain nnx.jit step on one device: the reference every layout must meet."""
-    with jax.default_device(jax.devices()[0]):
-        opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-
-        @nnx.jit
-        def step(model, opt, batch):
-            loss, grads = nnx.value_and_grad(lm_loss)(model, batch)
-            opt.update(model, grads)
-            return loss
-
-        return [float(step(model, opt, b)) for b in batches]
+def adam_one_device(model: nnx.Module, batches: list) -> list[float]:
+    """Adam 1e-2 on one device: the reference every layout must meet."""
+    return list(train_one_device(model, optax.adam(1e-2), batches, lm_loss)[0])
 
 
 def train(model, opt, loader) -> list[float]:
@@ -462,7 +454,7 @@ def test_blocks_with_masks_tables_and_flags(mesh, batch, per_sample):
     else:  # recompute wraps each block in place (a subclass of the same name)
         assert type(model.layers[0]).__qualname__ == "ArgBlock[to_distributed]"
     losses = train(model, opt, loader)
-    np.testing.assert_allclose(losses, train_one_device(ArgModel(), data), rtol=0, atol=TOL)
+    np.testing.assert_allclose(losses, adam_one_device(ArgModel(), data), rtol=0, atol=TOL)
 
 
 def test_a_batch_sized_argument_that_could_be_a_table_asks_which_it_is():
