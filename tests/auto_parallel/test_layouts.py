@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import pytest
 from flax import nnx
 
@@ -11,6 +9,7 @@ from jfleet.auto_parallel import Layout, Workload, enumerate_layouts, match_patt
 from jfleet.auto_parallel.layouts import SCHEDULES, mesh_name, shape_problem
 from jfleet.models.llama import TinyLlama
 from jfleet.topology import AXIS_NAMES
+from tests.auto_parallel.conv_net import ConvNet
 
 WORK = Workload(batch_size=16, seq_len=64)
 
@@ -18,17 +17,6 @@ WORK = Workload(batch_size=16, seq_len=64)
 def _llama(**kw):
     args = {"vocab": 512, "width": 128, "heads": 8, "kv_heads": 4, "layers": 4, "hidden": 256}
     return match_patterns(nnx.eval_shape(lambda: TinyLlama(**(args | kw))))
-
-
-class ConvNet(nnx.Module):
-    """No transformer part: nothing for mp to split, no blocks to pipeline."""
-
-    def __init__(self) -> None:
-        self.conv = nnx.Conv(1, 4, (3, 3), rngs=nnx.Rngs(0))
-        self.out = nnx.Linear(4, 1, rngs=nnx.Rngs(1))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.out(jnp.mean(self.conv(x), axis=(1, 2)))
 
 
 def test_enumeration_respects_the_shapes():

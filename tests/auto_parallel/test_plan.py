@@ -30,6 +30,7 @@ from jfleet.auto_parallel import (
 from jfleet.auto_parallel.plan import spec_to_json
 from jfleet.models.gpt2 import TinyGPT2
 from jfleet.models.llama import TinyLlama
+from tests.auto_parallel.conv_net import CONV_NET_PATHS, ConvNet
 
 GOLDEN = Path(__file__).parent / "golden"
 REGENERATE = os.environ.get("JFLEET_REGENERATE_GOLDEN") == "1"
@@ -260,17 +261,6 @@ def test_patterns_found_once_are_planned_without_matching_again(monkeypatch):
         plan_for(model, patterns=other, **kw)
 
 
-class ConvNet(nnx.Module):
-    def __init__(self):
-        rngs = nnx.Rngs(0)
-        self.c1 = nnx.Conv(3, 8, (3, 3), rngs=rngs)
-        self.c2 = nnx.Conv(8, 8, (3, 3), rngs=rngs)
-        self.fc = nnx.Linear(8, 10, rngs=rngs)
-
-    def __call__(self, x):
-        return self.fc(self.c2(self.c1(x)).mean((1, 2)))
-
-
 def test_an_unrecognised_model_gets_a_data_parallel_plan_and_a_warning(caplog):
     model = nnx.eval_shape(ConvNet)
     with caplog.at_level(logging.WARNING, logger="jfleet"):
@@ -278,7 +268,7 @@ def test_an_unrecognised_model_gets_a_data_parallel_plan_and_a_warning(caplog):
     assert plan.layout.mp == 1 and plan.layout.pp == 1
     assert all(c.layout.mp == 1 and c.layout.pp == 1 for c in plan.candidates)
     (record,) = [r for r in caplog.records if r.name == "jfleet" and r.levelno == logging.WARNING]
-    for path in ("c1.kernel", "c2.bias", "fc.kernel"):
+    for path in CONV_NET_PATHS:
         assert path in record.getMessage()
     assert set(plan.unmatched) == {p.path for p in plan.params}
     with pytest.raises(ValueError, match="asks for tensor or pipeline parallelism"):

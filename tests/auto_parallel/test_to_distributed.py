@@ -24,6 +24,7 @@ from jfleet.models import lm_batches, lm_loss
 from jfleet.models.gpt2 import TinyGPT2
 from jfleet.models.llama import TinyLlama
 from jfleet.testing import train_one_device
+from tests.auto_parallel.conv_net import ConvNet
 
 #: The module (``jfleet.auto_parallel.to_distributed`` is the function of the same name).
 to_distributed_module = importlib.import_module("jfleet.auto_parallel.to_distributed")
@@ -264,15 +265,6 @@ def test_a_given_plan_checks_the_loaders_batch():
         )
 
 
-class ConvNet(nnx.Module):
-    def __init__(self) -> None:
-        self.conv = nnx.Conv(1, 4, (3, 3), rngs=nnx.Rngs(0))
-        self.out = nnx.Linear(4, 1, rngs=nnx.Rngs(1))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.out(jnp.mean(self.conv(x), axis=(1, 2)))
-
-
 def conv_loss(model: nnx.Module, batch: dict) -> jax.Array:
     return jnp.mean((model(batch["x"])[:, 0] - batch["y"]) ** 2)
 
@@ -290,13 +282,7 @@ def test_an_unrecognised_model_runs_data_parallel_with_a_warning(caplog):
     step = make_train_step(conv_loss)
     losses = [float(step(model, opt, b)) for b in loader]
 
-    ref = ConvNet()
-    ref_opt = nnx.Optimizer(ref, optax.sgd(0.1), wrt=nnx.Param)
-    expected = []
-    for b in data:
-        loss, grads = nnx.value_and_grad(conv_loss)(ref, b)
-        ref_opt.update(ref, grads)
-        expected.append(float(loss))
+    expected, _ = train_one_device(ConvNet(), optax.sgd(0.1), data, conv_loss)
     np.testing.assert_allclose(losses, expected, rtol=1e-5, atol=1e-6)
 
 
