@@ -101,7 +101,7 @@ class DistributedOptimizer(nnx.Optimizer):
         if plan.zero_stage >= 1:
             params = jax.device_put(params, plan.param_shardings(params, zero=True))
         state = to_opt_state(self.tx.init(params))
-        replicated = NamedSharding(plan.mesh, P())
+        replicated = plan.named(P())
 
         def on_mesh(x: Any) -> Any:
             sharding = x.sharding if isinstance(x, jax.Array) else None

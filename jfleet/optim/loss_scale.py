@@ -43,7 +43,9 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
+
+from jfleet.parallel.mesh_context import named
 
 __all__ = [
     "DynamicLossScalingState",
@@ -124,7 +126,7 @@ def _replicated_sharding(params: Any) -> NamedSharding | None:
         if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
             sharding = leaf.sharding
             if isinstance(sharding, NamedSharding):
-                return NamedSharding(sharding.mesh, PartitionSpec())
+                return named(sharding.mesh)
     return None
 
 
