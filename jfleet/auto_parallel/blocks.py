@@ -88,7 +88,10 @@ class PipelinedBlocks(nnx.Module):
     per-sample: those of the arguments named in ``per_sample``; without it, those whose
     leading dimension is the batch size (an error when that size is also another of the
     activation's dimensions, so a ``[seq, dim]`` table is never split by mistake). The
-    extra arguments get no gradient.
+    extra arguments get no gradient. The activation may be a tuple whose non-floating
+    arrays (integer ids, boolean masks) the blocks return unchanged: they travel as
+    per-sample side inputs too. The split, the stacking and the stage function are
+    :mod:`jfleet.parallel.stack`'s, shared with ``PipelineLayer``.
 
     Attributes:
       body: the stacked block.
@@ -146,7 +149,8 @@ class PipelinedBlocks(nnx.Module):
         """``x`` through all ``L`` blocks, pipelined over ``pp``; same result as the loop."""
         graphdef, state = nnx.split(self.body)
         inputs, carried, side, shared = stack.stage_inputs(x, args, kwargs, self.per_sample)
-        after = None if self.seq_axes is None else SequenceConstraint(self.mesh, self.seq_axes)
+        seq_axes = self.seq_axes
+        after = None if seq_axes is None else SequenceConstraint(self.mesh, tuple(seq_axes))
         stage_fn = stack.stage_function(
             graphdef, inputs, remat_interval=1 if self.recompute else 0, after=after
         )

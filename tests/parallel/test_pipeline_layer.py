@@ -23,6 +23,7 @@ from jfleet.models.parallel_gpt import GPTBlock, TinyGPT, gpt_loss
 from jfleet.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from jfleet.parallel.pipeline_layer import LayerDesc, PipelineLayer, SharedLayerDesc
 from jfleet.parallel.pipeline_schedule import SCHEDULES
+from jfleet.topology import MP, PP
 
 VOCAB, WIDTH, HEADS, HIDDEN, BLOCKS = 32, 16, 2, 32, 4
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -91,9 +92,9 @@ def test_same_seed_builds_tinygpt_whatever_the_stages_and_mp():
     assert model.num_stages == 2
     assert_close(as_tinygpt(nnx.state(model, nnx.Param)), want, rtol=0, atol=0)
     kernel = model.body.attn.qkv.kernel
-    assert kernel.get_metadata("out_sharding") == ("pp", None, None, "mp")
-    assert kernel.sharding.spec == P("pp", None, None, "mp")
-    assert model.body.norm1.scale.sharding.spec == P("pp", None, None)
+    assert kernel.get_metadata("out_sharding") == (PP, None, None, MP)
+    assert kernel.sharding.spec == P(PP, None, None, MP)
+    assert model.body.norm1.scale.sharding.spec == P(PP, None, None)
 
 
 def test_call_and_loss_are_the_sequential_model():
@@ -231,6 +232,83 @@ def test_tied_embedding_and_head_equal_the_shared_single_device_model():
             "norm": pure["post"][0]["layer"],
         }
         assert_close(got, {k: nnx.to_pure_dict(want)[k] for k in got})
+
+
+# ------------------------------------------------------------------ masks and positions
+class Inputs(nnx.Module):
+    """Paddle-style pre layer: tokens -> (hidden, attention mask, integer position ids).
+
+    Token 0 is padding: the mask is False there and positions count real tokens only.
+    """
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.embed = VocabParallelEmbedding(VOCAB, WIDTH, rngs=rngs)
+
+    def __call__(self, tokens):
+        mask = tokens != 0
+        positions = jnp.maximum(jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0)
+        return self.embed(tokens), mask, positions
+
+
+class MaskedBlock(nnx.Module):
+    """Takes and returns ``(hidden, mask, position_ids)``: causal attention over the unmasked
+    keys, the positions entering as a sinusoid (tensor-parallel q/k/v and output)."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        column, row = TENSOR_PARALLEL
+        self.norm = nnx.LayerNorm(WIDTH, rngs=rngs)
+        self.qkv = column(WIDTH, 3 * WIDTH, rngs=rngs)
+        self.o = row(WIDTH, WIDTH, rngs=rngs)
+
+    def __call__(self, inputs):
+        x, mask, positions = inputs
+        b, s, w = x.shape
+        hd = w // HEADS
+        angle = positions[..., None].astype(jnp.float32) / (1.0 + jnp.arange(w))
+        qkv = self.qkv(self.norm(x) + jnp.sin(angle)).reshape(b, s, HEADS, 3, hd)
+        q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(hd)
+        allowed = jnp.tril(jnp.ones((s, s), bool)) & mask[:, None, None, :]
+        allowed = allowed | jnp.eye(s, dtype=bool)  # every row sees itself
+        probs = jax.nn.softmax(jnp.where(allowed, logits, -1e30), axis=-1)
+        out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, w)
+        return x + self.o(out), mask, positions
+
+
+def hidden(inputs):
+    return inputs[0]
+
+
+def test_stages_pass_a_mask_and_position_ids_like_paddle_with_both_schedules():
+    init(dp_degree=2, pp_degree=2, mp_degree=2)
+    head = LayerDesc(ColumnParallelLinear, WIDTH, VOCAB, has_bias=False, gather_output=False)
+    descs = [LayerDesc(Inputs), *[LayerDesc(MaskedBlock)] * 4, hidden]
+    model = PipelineLayer([*descs, LayerDesc(nnx.LayerNorm, WIDTH), head], loss_fn=ce, seed=0)
+    assert (model.num_stages, model.layers_per_stage, len(model.post)) == (2, 2, 3)
+
+    k = jax.random.split(jax.random.key(3), 3)
+    tokens = jax.random.randint(k[0], (8, 6), 1, VOCAB)
+    pad = jnp.arange(6)[None, :] < jax.random.randint(k[1], (8, 1), 0, 4)
+    tokens = jnp.where(pad, 0, tokens)  # left padding of 0-3 tokens per row
+    labels = jax.random.randint(k[2], (8, 6), 0, VOCAB)
+    _, mask, positions = model.run_pre(tokens)
+    assert (mask.dtype, positions.dtype) == (jnp.bool_, jnp.int32)
+    assert not bool(mask.all()) and int(positions.max()) == 5
+
+    @nnx.jit
+    def run(model):
+        out = [nnx.value_and_grad(lambda m: m.loss(tokens, labels))(model)]
+        for schedule in SCHEDULES:
+            loss = functools.partial(
+                PipelineLayer.pipeline_loss, schedule=schedule, num_microbatches=2
+            )
+            out.append(nnx.value_and_grad(loss)(model, tokens, labels))
+        return out
+
+    (want_loss, want), *got = run(model)
+    for schedule, (loss, grads) in zip(SCHEDULES, got, strict=True):
+        np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5, err_msg=schedule)
+        assert_close(nnx.to_pure_dict(grads), want)
 
 
 # ------------------------------------------------------------------ errors
