@@ -100,8 +100,8 @@ def _class_name(module: nnx.Module) -> str:
 
 
 def _remat_module(module: nnx.Module, policy: str | None) -> None:
-    if getattr(type(module), "_jfleet_original", None) is not None:
-        return  # already wrapped: recomputing twice would only cost time
+    if is_recomputed(module):
+        return  # recomputing twice would only cost time
     module.__class__ = remat_class(type(module), policy=policy)
 
 
