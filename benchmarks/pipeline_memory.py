@@ -86,7 +86,7 @@ class Row:
     all_reduces: tuple[int, int]
 
 
-def _stage(w, x):
+def _stage(w, x, side, shared):
     return jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, w)[0]
 
 
