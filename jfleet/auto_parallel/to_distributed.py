@@ -414,7 +414,6 @@ def _default_profile() -> str:
 
 def _init_fleet(plan: Plan, strategy: DistributedStrategy, n: int) -> Placement:
     """``fleet.init`` with the plan's degrees (and the user's meta-optimizer settings)."""
-
     degrees = plan.mesh_shape
     strategy.hybrid_configs = {f"{a}_degree": n for a, n in degrees.items()}
     strategy.sharding = plan.zero_stage > 0
