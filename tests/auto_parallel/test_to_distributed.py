@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import json
 import logging
 
 import jax
@@ -19,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from jfleet import DistributedStrategy, fleet, make_eval_step, make_train_step
 from jfleet.auto_parallel import ToDistributedConfig, get_plan, match_patterns, planner
 from jfleet.auto_parallel.blocks import PipelinedBlocks
+from jfleet.auto_parallel.plan import spec_from_json
 from jfleet.auto_parallel.to_distributed import to_distributed
 from jfleet.models import lm_batches, lm_loss
 from jfleet.models.gpt2 import TinyGPT2
@@ -240,6 +242,26 @@ def test_the_model_is_matched_once_and_the_plans_zero_specs_are_applied(monkeypa
     layouts = optimizer_layouts(model)
     assert layouts == planned_optimizer_layouts(plan, model)
     assert any("sharding" in str(spec) for spec in layouts.values())
+
+
+def test_a_given_plans_zero_spec_is_the_optimizer_state_layout():
+    """A plan's ZeRO layouts are applied as they are, not recomputed by the placement."""
+    config = ToDistributedConfig(force_mesh={"dp": 2, "sharding": 2, "mp": 2}, zero_stage=1)
+    model, _, _ = to_distributed(
+        llama(), optax.sgd(0.1, momentum=0.9), lm_batches(1), config=config
+    )
+    stored = json.loads(get_plan(model).to_json())
+    fleet._reset()
+    (entry,) = [p for p in stored["params"] if p["path"] == "lm_head"]
+    assert spec_from_json(entry["zero_spec"]) == P("sharding", "mp")  # what zero_spec picks
+    entry["zero_spec"] = [None, ["sharding", "mp"]]  # a layout of the plan's own
+    config = ToDistributedConfig(plan=json.dumps(stored))
+    model, opt, _ = to_distributed(
+        llama(), optax.sgd(0.1, momentum=0.9), lm_batches(1), config=config
+    )
+    assert model.lm_head.get_metadata("optimizer_sharding") == (None, ("sharding", "mp"))
+    momentum = opt.opt_state[0].trace["lm_head"]
+    assert spec_of(momentum[...]) == P(None, ("sharding", "mp"))
 
 
 def test_the_config_is_frozen():
