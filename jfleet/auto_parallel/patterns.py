@@ -1,50 +1,47 @@
 """Find the transformer parts of an unannotated Flax NNX model, and their tensor-parallel roles.
 
-:func:`match_patterns` walks the module graph (``nnx.iter_modules``) and recognises, by
-module type, structure and parameter shapes — with attribute names only as hints:
+:func:`match_patterns` traces one forward call of the model abstractly
+(:func:`~jfleet.auto_parallel.dataflow.trace_model`: ``jax.make_jaxpr``, no FLOPs spent) and
+reads the roles from the computation, not from names or kernel ranks:
 
+* **projection pairs** (Megatron column then row): a projection — any ``dot_general`` with a
+  parameter on one side: ``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum``, a bare
+  ``Param`` used with ``@`` or ``jnp.einsum`` — whose output dimension reaches another
+  projection's contracted dimension through per-head or elementwise work only (reshapes,
+  rotary, q/k norms, softmax, attention scores and values, gating). The consumer is split
+  on that input dimension (row parallel), every producer on the output dimension feeding it
+  (column parallel): the heads dimension for attention, hidden for MLPs, whatever the
+  kernel's rank or einsum equation. A bias added to a column's output is split with it.
+* **role names**, for reports: producers meeting in attention scores are ``q`` (left side)
+  and ``k`` (right side), those feeding the values ``v`` (one producer in several places:
+  ``qkv``, ``kv``); the consumer is ``o``. Without attention: ``gate`` (the producer passed
+  through a nonlinearity before a product), ``up``, ``gate_up`` (one stacked producer), and
+  ``down``.
 * the **token embedding** (an ``nnx.Embed``; more than one ``Embed`` of the model width:
   the one whose vocabulary the head produces, else one named like ``wte`` /
   ``embed_tokens`` / ``tok``, else the largest), and **position / type embeddings** (the
-  other ``Embed`` tables of the model width);
-* **attention**: a module whose dense children (``nnx.Linear`` or any module holding one
-  2-D weight and an optional 1-D bias) are either q, k, v (``width -> q_dim``,
-  ``width -> kv_dim``, ``width -> kv_dim``) and o (``q_dim -> width``), or a fused qkv
-  (``width -> q_dim + 2 kv_dim``) and o; with or without biases; ``kv_dim < q_dim`` is
-  grouped-query attention;
-* the **MLP**: gate and up (``width -> hidden``, twice: SwiGLU) or up alone (GELU), and
-  down (``hidden -> width``);
-* **norms**: ``nnx.RMSNorm``, ``nnx.LayerNorm``, or a module named ``*norm*`` holding only
-  vectors of the model width;
-* the **LM head**: a dense ``width -> vocab`` or a bare ``[width, vocab]`` Param outside
-  the decoder blocks; with none, the head is taken to be tied to the token embedding
-  (``embed.attend``);
+  other ``Embed`` tables of the model width), vocabulary parallel / replicated;
+* **norms**: the parameters of ``nnx.RMSNorm`` / ``nnx.LayerNorm`` modules (q/k norms of
+  ``head_dim`` included), or of a module named ``*norm*`` holding only vectors: replicated;
+* the **LM head**: a dense ``width -> vocab`` or a bare ``[width, vocab]`` Param outside the
+  decoder blocks (column parallel over the vocabulary); with none, the head is taken to be
+  tied to the token embedding (``embed.attend``);
 * the **decoder blocks**: the longest run (by parameters) of >= 2 sibling modules of one
   class with the same parameter paths, shapes and dtypes: the pipeline candidate.
 
-Where shapes alone are ambiguous (q and o are both ``width x width`` in multi-head
-attention; gate/up and down when ``hidden == width``), the module is traced once with
-``jax.make_jaxpr`` on an input ``[2, 4, width]``: the projection whose input is computed
-from its siblings' outputs is o (or down). A module whose ``__call__`` needs more than
-that input falls back to name hints (``o_proj``, ``out``, ``c_proj``, ``down``, ``w2``,
-...). The number of heads comes from an attribute (``num_heads``, ``n_head``,
-``heads``, ...; kv: ``num_key_value_heads``, ``kv_heads``, ...) or from the same trace
-(the reshape that splits q's output into ``[heads, head_dim]``).
+**Units.** Each split dimension carries the number of whole units a split must not cut
+(heads, key/value heads, hidden features), read from the reshapes in the trace: a split
+over ``mp`` is used only where ``mp`` divides them. Under grouped-query attention whose key /
+value heads ``mp`` does not divide, k and v stay replicated and q / o are split
+(:meth:`ParamInfo.spec_for`), which the plan notes.
 
-**Roles and layouts (Megatron).** q, k, v, fused qkv, gate, up: column parallel, kernel
-``P(None, 'mp')``, bias ``P('mp')``. o, down: row parallel, kernel ``P('mp', None)``,
-bias replicated. Token embedding: vocabulary parallel, ``P('mp', None)``; head kernel
-``P(None, 'mp')`` (bias ``P('mp')``). Norms, position embeddings and everything not
-matched: replicated (unmatched parameters are listed by path).
+**How the model is called.** ``inputs`` (the loader's first batch's input) and, for models
+whose call needs more than ``model(inputs)``, ``forward(model, batch)``. Without inputs, a
+model with a token embedding is traced on token ids ``[2, 8]``; other models are left
+unmatched (data parallel).
 
-**Fused-qkv layout assumption.** A contiguous split of a fused projection's output must
-give each rank whole heads, so its output is assumed laid out per head:
-``[heads, 3, head_dim]`` for multi-head attention (Megatron's layout, used by
-:class:`jfleet.models.parallel_gpt.TinyGPT` and :class:`jfleet.models.gpt2.TinyGPT2`), and
-``[kv_heads, group + 2, head_dim]`` (a group's q heads, then its k and v) under
-grouped-query attention. When the trace shows the output reshaped as
-``[3, heads, head_dim]`` (Hugging Face GPT-2's layout) the attention is left replicated
-and listed as unmatched, with the reason.
+Everything left replicated inside the decoder blocks that is not a norm or a row's bias is
+listed with the reason (:attr:`ModelPatterns.replicated_in_blocks`).
 
 Example:
   >>> from jfleet.models.llama import TinyLlama
@@ -60,7 +57,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -69,40 +66,27 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jfleet._logging import logger
-from jfleet.auto_parallel._dataflow import Flow, probe
+from jfleet.auto_parallel.dataflow import Trace, TraceError, trace_model
 from jfleet.topology import MP
 
 __all__ = [
     "COLUMN_ROLES",
     "ROW_ROLES",
+    "DotCost",
     "ModelDims",
     "ModelPatterns",
     "ParamInfo",
     "match_patterns",
     "path_str",
-    "role_spec",
 ]
 
-#: Roles split on their output (last) dimension over ``mp``.
-COLUMN_ROLES = frozenset({"q", "k", "v", "qkv", "gate", "up"})
-#: Roles split on their input (first) dimension over ``mp``.
+#: Roles split on an output dimension over ``mp``.
+COLUMN_ROLES = frozenset({"q", "k", "v", "qk", "kv", "qkv", "gate", "up", "gate_up"})
+#: Roles split on an input (contracted) dimension over ``mp``.
 ROW_ROLES = frozenset({"o", "down"})
-_REPLICATED_ROLES = frozenset({"norm", "position_embedding"})
-
-_HEAD_HINTS = ("num_heads", "n_heads", "n_head", "num_attention_heads", "heads", "nhead")
-_KV_HINTS = (
-    "num_key_value_heads",
-    "num_kv_heads",
-    "n_kv_heads",
-    "kv_heads",
-    "num_query_groups",
-    "num_groups",
-)
-_O_HINTS = ("o_proj", "out_proj", "o", "wo", "out", "c_proj", "proj", "dense", "output")
-_DOWN_HINTS = ("down_proj", "down", "w2", "fc2", "c_proj", "proj", "wo", "out", "dense_4h_to_h")
-_GATE_HINTS = ("gate", "w1", "wi_0")
 _TOKEN_HINTS = ("tok", "wte", "word", "embed_tokens")
-_POSITION_HINTS = ("pos", "wpe", "type", "segment")
+#: Token ids a model with an embedding is traced on when no input is given.
+_DEFAULT_TOKENS = (2, 8)
 
 
 def path_str(path: Sequence[Any]) -> str:
@@ -114,27 +98,6 @@ def path_str(path: Sequence[Any]) -> str:
     return ".".join(str(getattr(k, "key", k)) for k in path)
 
 
-def role_spec(role: str | None, kind: str, ndim: int) -> P:
-    """The Megatron ``PartitionSpec`` of a parameter over ``mp``, before ZeRO and pipelining.
-
-    Args:
-      role: the parameter's role (see the module docstring), or None (unmatched).
-      kind: ``"kernel"``, ``"bias"``, ``"table"`` or ``"scale"``.
-      ndim: the parameter's rank.
-
-    >>> role_spec("q", "kernel", 2), role_spec("o", "bias", 1), role_spec("norm", "scale", 1)
-    (P(None, 'mp'), P(), P())
-    """
-    if role in COLUMN_ROLES or role == "head":
-        if kind == "kernel" and ndim == 2:
-            return P(None, MP)
-        if kind == "bias" and ndim == 1:
-            return P(MP)
-    if ((role in ROW_ROLES and kind == "kernel") or role == "embedding") and ndim == 2:
-        return P(MP, None)
-    return P()
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ParamInfo:
     """One parameter: where it is, its shape and dtype, and what it was matched as.
@@ -143,10 +106,14 @@ class ParamInfo:
       path: dotted path (``layers.0.mlp.up_proj.kernel``).
       shape: the global shape.
       dtype: dtype name (``float32``).
-      role: ``q``, ``k``, ``v``, ``qkv``, ``o``, ``gate``, ``up``, ``down``,
-        ``embedding``, ``position_embedding``, ``head``, ``norm``; None when unmatched.
+      role: ``q``, ``k``, ``v``, ``qk``, ``kv``, ``qkv``, ``o``, ``gate``, ``up``,
+        ``gate_up``, ``down``, ``embedding``, ``position_embedding``, ``head``, ``norm``;
+        None when unmatched.
       kind: ``kernel``, ``bias``, ``table`` (embeddings), ``scale`` (norms) or ``other``.
       block: index of the decoder block holding it, or None outside the blocks.
+      split_dim: the dimension split over ``mp`` (None: replicated).
+      units: the whole units along ``split_dim`` (heads, hidden features, vocabulary rows)
+        that a split must not cut: ``mp`` must divide it.
     """
 
     path: str
@@ -155,6 +122,8 @@ class ParamInfo:
     role: str | None = None
     kind: str = "other"
     block: int | None = None
+    split_dim: int | None = None
+    units: int = 0
 
     @property
     def size(self) -> int:
@@ -168,8 +137,22 @@ class ParamInfo:
 
     @property
     def spec(self) -> P:
-        """The tensor-parallel layout (:func:`role_spec`)."""
-        return role_spec(self.role, self.kind, len(self.shape))
+        """The tensor-parallel layout when ``mp`` divides :attr:`units` (else see spec_for)."""
+        if self.split_dim is None:
+            return P()
+        return P(*(MP if d == self.split_dim else None for d in range(len(self.shape))))
+
+    def spec_for(self, mp: int) -> P:
+        """The layout at ``mp``: :attr:`spec`, or replicated when ``mp`` would cut a unit.
+
+        >>> k = ParamInfo(path="k", shape=(32, 16), dtype="float32", role="k", kind="kernel",
+        ...               split_dim=1, units=2)
+        >>> k.spec_for(2), k.spec_for(4)
+        (P(None, 'mp'), P())
+        """
+        if self.split_dim is None or (self.units and self.units % mp):
+            return P()
+        return self.spec
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -206,6 +189,26 @@ class ModelDims:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class DotCost:
+    """One product of the traced forward pass, for the cost model.
+
+    Attributes:
+      flops: forward FLOPs at the traced shape (:attr:`ModelPatterns.traced_tokens`).
+      block: the decoder block it runs in (None: outside the blocks).
+      splits: ``(path, dim)``: a split of that parameter on that dim splits this product.
+      grads: operands needing a gradient (the backward pass runs one product per operand).
+      attention: a product of two activations (attention scores or values), whose FLOPs
+        grow with the square of the sequence length.
+    """
+
+    flops: int
+    block: int | None
+    splits: frozenset[tuple[str, int]]
+    grads: int
+    attention: bool
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelPatterns:
     """What :func:`match_patterns` found.
 
@@ -215,13 +218,17 @@ class ModelPatterns:
       blocks: module paths of the decoder blocks, in order (the pipeline candidate;
         empty when there is no run of >= 2 identical blocks).
       block_class: the blocks' class name.
-      attention: ``"separate"`` (q/k/v/o), ``"fused"`` (qkv/o) or None.
-      mlp: ``"swiglu"`` (gate/up/down), ``"gelu"`` (up/down) or None.
+      attention: ``"separate"`` (q, k, v apart), ``"fused"`` (one qkv producer) or None.
+      mlp: ``"swiglu"`` (gated), ``"gelu"`` (one up projection) or None.
       norm: ``"rmsnorm"``, ``"layernorm"``, ``"other"`` or None.
       tied_head: True when the head is the token embedding (no separate head found),
         False for a separate head, None without a token embedding.
       has_attention_bias: whether the attention projections carry biases.
       notes: why parts were left unmatched, for the warning and the plan.
+      dots: the traced products (empty when the model was not traced).
+      traced_tokens: ``(batch, seq)`` of the traced input (``dots``' FLOPs are for it).
+      replicated_in_blocks: ``(path, reason)`` of every decoder-block parameter left
+        replicated that is not a norm or a row's bias.
     """
 
     params: tuple[ParamInfo, ...]
@@ -234,6 +241,9 @@ class ModelPatterns:
     tied_head: bool | None = None
     has_attention_bias: bool = False
     notes: tuple[str, ...] = ()
+    dots: tuple[DotCost, ...] = ()
+    traced_tokens: tuple[int, int] | None = None
+    replicated_in_blocks: tuple[tuple[str, str], ...] = ()
 
     @property
     def unmatched(self) -> tuple[str, ...]:
@@ -266,13 +276,20 @@ class ModelPatterns:
     def _by_path(self) -> dict[str, ParamInfo]:
         return {p.path: p for p in self.params}
 
+    def replicated_at(self, mp: int) -> tuple[ParamInfo, ...]:
+        """Decoder-block kernels (rank >= 2) that stay whole on every ``mp`` rank at ``mp``."""
+        return tuple(
+            p
+            for p in self.params
+            if p.block is not None and len(p.shape) >= 2 and p.spec_for(mp) == P()
+        )
+
     def split_dims(self) -> tuple[int, ...]:
-        """Every dimension size the tensor-parallel roles split: mp must divide each."""
+        """Every unit count a split needs ``mp`` to divide, outside the optional k / v splits."""
         out = set()
         for p in self.params:
-            for size, entry in zip(p.shape, p.spec, strict=False):
-                if entry is not None:
-                    out.add(size)
+            if p.split_dim is not None and p.role not in ("k", "v", "kv"):
+                out.add(p.units or p.shape[p.split_dim])
         return tuple(sorted(out))
 
     def summary(self) -> str:
@@ -291,7 +308,122 @@ class ModelPatterns:
         return ", ".join(parts)
 
 
-# ------------------------------------------------------------------ matching
+# ------------------------------------------------------------------ roles from the trace
+@dataclasses.dataclass
+class _Group:
+    row: int
+    row_dim: int
+    units: int
+    producers: dict[int, tuple[int, int]]  # producer -> (dim, units)
+    attention: bool
+
+
+def _groups(trace: Trace, exclude: set[int]) -> list[_Group]:
+    """Column / row pairs: each row (a consumer of tagged dims) with the producers feeding it.
+
+    ``exclude``: parameters that are no pair's member (embedding tables, the LM head).
+    """
+    edges_in = [e for e in trace.edges if e.producer not in exclude and e.consumer not in exclude]
+    consumers = {e.consumer for e in edges_in}
+    by_row: dict[int, list] = collections.defaultdict(list)
+    for e in edges_in:
+        if e.producer not in consumers:
+            by_row[e.consumer].append(e)
+    in_attention = set()
+    for lhs, rhs in trace.score_sides:
+        in_attention |= lhs | rhs
+    for side in trace.value_sides:
+        in_attention |= side
+    taken: set[int] = set()
+    groups = []
+    for row in sorted(by_row, key=lambda i: trace.paths[i]):
+        edges = by_row[row]
+        fed: dict[int, set[int]] = collections.defaultdict(set)
+        for e in edges:
+            if e.producer not in taken:
+                fed[e.consumer_dim].add(e.producer)
+        if not fed:
+            continue
+        dim = max(sorted(fed), key=lambda d: len(fed[d]))
+        producers: dict[int, tuple[int, int]] = {}
+        for e in edges:
+            if e.consumer_dim != dim or e.producer in taken:
+                continue
+            prev = producers.get(e.producer)
+            if prev is None:
+                producers[e.producer] = (e.producer_dim, e.units)
+            elif prev[0] == e.producer_dim:
+                producers[e.producer] = (prev[0], min(prev[1], e.units))
+        taken |= set(producers)
+        units = max(u for _, u in producers.values())
+        groups.append(_Group(row, dim, units, producers, bool(set(producers) & in_attention)))
+    return groups
+
+
+def _free_size(trace: Trace, i: int) -> int:
+    shape = trace.shapes[i]
+    return math.prod(s for d, s in enumerate(shape) if d not in trace.contracted.get(i, ()))
+
+
+def _contracted_size(trace: Trace, i: int) -> int:
+    return math.prod(trace.shapes[i][d] for d in trace.contracted.get(i, ()))
+
+
+def _attention_roles(trace: Trace, group: _Group) -> dict[int, str]:
+    lhs = set().union(*(a for a, _ in trace.score_sides)) if trace.score_sides else set()
+    rhs = set().union(*(b for _, b in trace.score_sides)) if trace.score_sides else set()
+    val = set().union(*trace.value_sides) if trace.value_sides else set()
+    names = {
+        (True, True, True): "qkv",
+        (True, True, False): "qk",
+        (False, True, True): "kv",
+        (True, False, True): "qkv",
+        (True, False, False): "q",
+        (False, True, False): "k",
+        (False, False, True): "v",
+        (False, False, False): "gate",
+    }
+    roles = {p: names[(p in lhs, p in rhs, p in val)] for p in group.producers}
+    roles[group.row] = "o"
+    return roles
+
+
+def _mlp_roles(trace: Trace, group: _Group) -> dict[int, str]:
+    producers = sorted(group.producers, key=lambda i: trace.paths[i])
+    roles: dict[int, str] = {group.row: "down"}
+    if len(producers) == 1:
+        (p,) = producers
+        gated = _free_size(trace, p) > _contracted_size(trace, group.row)
+        roles[p] = "gate_up" if gated else "up"
+        return roles
+    gates = [
+        p
+        for p in producers
+        if any((p in a and na) or (p in b and nb) for a, na, b, nb in trace.gates)
+    ]
+    gate = gates[0] if len(gates) == 1 else producers[0]
+    for p in producers:
+        roles[p] = "gate" if (p == gate and len(producers) == 2) else "up"
+    return roles
+
+
+def _bias_splits(trace: Trace, split: dict[int, tuple[int, int]]) -> dict[int, tuple]:
+    """``{bias: (owner, dim or None, units)}`` for biases added to a projection's output."""
+    out: dict[int, tuple] = {}
+    for b, entries in trace.biases.items():
+        for bdim, tag in sorted(entries):
+            own = split.get(tag.param)
+            if own is not None and own[0] == tag.dim:
+                out[b] = (tag.param, bdim, own[1])
+                break
+        else:
+            owners = sorted({tag.param for _, tag in entries})
+            if len(owners) == 1:
+                out[b] = (owners[0], None, 0)
+    return out
+
+
+# ------------------------------------------------------------------ helpers
 @dataclasses.dataclass
 class _Dense:
     path: tuple
@@ -337,216 +469,15 @@ def _hint(name: str, hints: Iterable[str]) -> bool:
     return any(name == h or name.endswith("_" + h) or name.startswith(h) for h in hints)
 
 
-def _int_attr(module: Any, names: Iterable[str]) -> int | None:
-    for n in names:
-        v = getattr(module, n, None)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-    return None
-
-
-def _is_norm(path: tuple, module: Any, params: dict, width: int | None) -> bool:
+def _is_norm(path: tuple, module: Any, params: dict) -> bool:
     if isinstance(module, nnx.RMSNorm | nnx.LayerNorm):
         return True
     own = _direct_params(path, params)
     return (
         "norm" in type(module).__name__.lower()
         and bool(own)
-        and all(len(v.shape) == 1 and (width is None or v.shape[0] == width) for v in own.values())
+        and all(len(v.shape) == 1 for v in own.values())
     )
-
-
-# ------------------------------------------------------------------ containers
-@dataclasses.dataclass
-class _Match:
-    kind: str  # "attention" | "mlp"
-    style: str  # separate | fused | swiglu | gelu
-    roles: dict[int, str]  # dense index -> role
-    heads: int = 0
-    kv_heads: int = 0
-    head_dim: int = 0
-    hidden: int = 0
-    note: str | None = None
-
-
-def _pick_fed(denses, candidates, flow, hints) -> int | None:
-    """Among ``candidates``, the one whose input depends on its siblings (else by name)."""
-    if flow is not None:
-        fed = [i for i in candidates if flow.feeds.get(i)]
-        if len(fed) == 1:
-            return fed[0]
-    named = [i for i in candidates if _hint(denses[i].name, hints)]
-    if len(named) == 1:
-        return named[0]
-    return None
-
-
-def _heads_from(flow: Flow | None, q_index: int, q_dim: int) -> int | None:
-    if flow is None or q_index not in flow.reshapes:
-        return None
-    shape_in, shape_out = flow.reshapes[q_index]
-    lead = len(shape_in) - 1
-    if shape_out[:lead] != shape_in[:lead] or len(shape_out) != lead + 2:
-        return None
-    heads, hd = shape_out[lead:]
-    return heads if heads * hd == q_dim else None
-
-
-def _match_attention(container, denses, width, flow_fn) -> _Match | None:
-    n = len(denses)
-    if n == 2:
-        for qkv_i, o_i in ((0, 1), (1, 0)):
-            qkv, o = denses[qkv_i], denses[o_i]
-            if qkv.n_in != width or o.n_out != width:
-                continue
-            q_dim = o.n_in
-            rest = qkv.n_out - q_dim
-            if rest <= 0 or rest % 2 or q_dim % (rest // 2):
-                continue
-            kv_dim = rest // 2
-            heads = _int_attr(container, _HEAD_HINTS)
-            kv_heads = _int_attr(container, _KV_HINTS)
-            flow = flow_fn()
-            note = None
-            if flow is not None and qkv_i in flow.reshapes:
-                shape_in, shape_out = flow.reshapes[qkv_i]
-                lead = len(shape_in) - 1
-                split = shape_out[lead:]
-                hf_layout = (
-                    kv_dim == q_dim
-                    and len(split) == 3
-                    and split[0] == 3
-                    and split[1] != 3
-                    and split[1] * split[2] == q_dim
-                )
-                if hf_layout:
-                    return _Match(
-                        "attention",
-                        "fused",
-                        {},
-                        note=(
-                            f"{path_str(qkv.path)}: the fused qkv output is reshaped to "
-                            f"{list(split)} ([3, heads, head_dim]), so a contiguous mp split "
-                            "would not give whole heads; lay it out per head "
-                            "([heads, 3, head_dim]) to tensor-parallelise it"
-                        ),
-                    )
-                if (
-                    heads is None
-                    and len(split) == 3
-                    and split[0] * split[1] * split[2] == (qkv.n_out)
-                ):
-                    kv_heads_found = split[0]
-                    group = split[1] - 2
-                    if group >= 1:
-                        heads, kv_heads = kv_heads_found * group, kv_heads_found
-            if heads is None:
-                return _Match(
-                    "attention",
-                    "fused",
-                    {},
-                    note=f"{path_str(qkv.path[:-1])}: the number of heads was not found "
-                    "(no num_heads / n_head attribute and no traceable reshape)",
-                )
-            kv_heads = kv_heads or kv_dim * heads // q_dim
-            if q_dim % heads or kv_dim * heads != kv_heads * q_dim:
-                return None
-            roles = {qkv_i: "qkv", o_i: "o"}
-            return _Match("attention", "fused", roles, heads, kv_heads, q_dim // heads, note=note)
-        return None
-    if n != 4:
-        return None
-    outs_w = [i for i, d in enumerate(denses) if d.n_out == width]
-    ins_w = [i for i, d in enumerate(denses) if d.n_in == width]
-    if not outs_w or len(ins_w) < 3:
-        return None
-    flow_cache: list = []
-
-    def flow() -> Flow | None:
-        if not flow_cache:
-            flow_cache.append(flow_fn())
-        return flow_cache[0]
-
-    candidates = [i for i in outs_w if sum(1 for j in ins_w if j != i) == 3]
-    if len(candidates) > 1:
-        pick = _pick_fed(denses, candidates, flow(), _O_HINTS)
-        candidates = [pick] if pick is not None else []
-    if len(candidates) != 1:
-        return _Match(
-            "attention",
-            "separate",
-            {},
-            note=f"{path_str(denses[0].path[:-1])}: four width-sized projections, but which one "
-            "is the output projection could not be told (no trace, no o_proj-like name)",
-        )
-    o_i = candidates[0]
-    o = denses[o_i]
-    qkv = [i for i in range(4) if i != o_i]
-    if any(denses[i].n_in != width for i in qkv):
-        return None
-    q_dim = o.n_in
-    outs = sorted(denses[i].n_out for i in qkv)
-    if outs[2] != q_dim or outs[0] != outs[1] or q_dim % outs[0]:
-        return None
-    kv_dim = outs[0]
-    if kv_dim == q_dim:
-        named = [i for i in qkv if _hint(denses[i].name, ("q", "q_proj", "query", "wq"))]
-        q_i = named[0] if len(named) == 1 else qkv[0]
-    else:
-        q_i = next(i for i in qkv if denses[i].n_out == q_dim)
-    kv = [i for i in qkv if i != q_i]
-    k_i, v_i = kv
-    named_v = [i for i in kv if _hint(denses[i].name, ("v", "v_proj", "value", "wv"))]
-    if named_v and named_v[0] == k_i:
-        k_i, v_i = v_i, k_i
-    heads = _int_attr(container, _HEAD_HINTS) or _heads_from(flow(), q_i, q_dim)
-    if heads is None:
-        return _Match(
-            "attention",
-            "separate",
-            {},
-            note=f"{path_str(o.path[:-1])}: the number of heads was not found (no num_heads / "
-            "n_head attribute and no traceable reshape of q)",
-        )
-    if q_dim % heads:
-        return None
-    head_dim = q_dim // heads
-    kv_heads = _int_attr(container, _KV_HINTS) or kv_dim // head_dim
-    if kv_heads * head_dim != kv_dim:
-        return None
-    roles = {q_i: "q", k_i: "k", v_i: "v", o_i: "o"}
-    return _Match("attention", "separate", roles, heads, kv_heads, head_dim)
-
-
-def _match_mlp(denses, width, flow_fn) -> _Match | None:
-    n = len(denses)
-    if n not in (2, 3):
-        return None
-    downs = [i for i, d in enumerate(denses) if d.n_out == width]
-    ups_of = {
-        i: [j for j, u in enumerate(denses) if j != i and u.n_in == width and u.n_out == d.n_in]
-        for i, d in enumerate(denses)
-        if i in downs
-    }
-    candidates = [i for i in downs if len(ups_of[i]) == n - 1]
-    if len(candidates) > 1:
-        pick = _pick_fed(denses, candidates, flow_fn(), _DOWN_HINTS)
-        candidates = [pick] if pick is not None else []
-    if len(candidates) != 1:
-        return None
-    down = candidates[0]
-    ups = ups_of[down]
-    hidden = denses[down].n_in
-    if n == 2:
-        return _Match("mlp", "gelu", {ups[0]: "up", down: "down"}, hidden=hidden)
-    if denses[ups[0]].n_out != denses[ups[1]].n_out:
-        return None
-    gate = ups[0]
-    named = [i for i in ups if _hint(denses[i].name, _GATE_HINTS)]
-    if len(named) == 1:
-        gate = named[0]
-    up = ups[1] if gate == ups[0] else ups[0]
-    return _Match("mlp", "swiglu", {gate: "gate", up: "up", down: "down"}, hidden=hidden)
 
 
 # ------------------------------------------------------------------ blocks
@@ -590,18 +521,74 @@ def _find_blocks(modules, params) -> tuple[list[tuple], str | None]:
 
 
 # ------------------------------------------------------------------ entry point
-def match_patterns(model: nnx.Module) -> ModelPatterns:
-    """Matches embeddings, attention, MLPs, norms, the head and the decoder blocks of ``model``.
+def _trace(model, inputs, forward, token, notes) -> tuple[Trace | None, tuple | None]:
+    from jfleet.data import batch_shape
+
+    if inputs is not None:
+        trace = trace_model(model, inputs, forward)
+        batch, seq = batch_shape(inputs, local=False)
+        return trace, (batch or 1, seq or 1)
+    if forward is not None:
+        raise ValueError(
+            "match_patterns got forward= but no inputs; pass the batch forward is called with."
+        )
+    if token is None:
+        notes.append(
+            "the model was not traced (no input given and no token embedding to make one); "
+            "pass the first batch (to_distributed does) to find its projections"
+        )
+        return None, None
+    tokens = jax.ShapeDtypeStruct(_DEFAULT_TOKENS, jnp.int32)
+    try:
+        return trace_model(model, tokens), _DEFAULT_TOKENS
+    except TraceError as err:
+        notes.append(f"the model was not traced on token ids {list(_DEFAULT_TOKENS)}: {err}")
+        return None, None
+
+
+def _reason(i: int, trace: Trace | None, projections: set[int]) -> str:
+    if trace is None:
+        return "not traced"
+    if i not in projections:
+        return "not used as a projection (a dot_general / einsum operand) in the traced forward"
+    if i in trace.cut:
+        return (
+            f"its output dimension is cut ({trace.cut[i]}) before it reaches another "
+            "projection, so a contiguous split would not give whole heads (e.g. a fused qkv "
+            "laid out [3, heads, head_dim]: lay it out per head, [heads, 3, head_dim], to "
+            "split it)"
+        )
+    return (
+        "its output reaches no other projection through per-head or elementwise work, so "
+        "there is no column/row pair to split it in"
+    )
+
+
+def match_patterns(
+    model: nnx.Module,
+    inputs: Any = None,
+    *,
+    forward: Callable[[nnx.Module, Any], Any] | None = None,
+) -> ModelPatterns:
+    """Matches embeddings, projection pairs, norms, the head and the decoder blocks of ``model``.
 
     Args:
-      model: an ``nnx.Module`` with ordinary (unannotated) parameters.
+      model: an ``nnx.Module`` with ordinary (unannotated) parameters (abstract ones from
+        ``nnx.eval_shape`` too).
+      inputs: what the model is called with for the trace (arrays or
+        ``jax.ShapeDtypeStruct``\\ s; only shapes are read): the loader's first batch's
+        input, or the whole batch when ``forward`` is given. Default: token ids ``[2, 8]``
+        when the model has a token embedding, else no trace.
+      forward: ``forward(model, inputs)`` when the model is not called as
+        ``model(inputs)`` (it needs positions, a mask, a cache; a loss function works too).
 
     Returns:
       A :class:`ModelPatterns` with every parameter's role (None when unmatched).
 
     Raises:
       TypeError: ``model`` is not an ``nnx.Module``.
-      ValueError: the model has no ``nnx.Param``.
+      ValueError: the model has no ``nnx.Param``; ``forward`` without ``inputs``.
+      TraceError: tracing the given ``inputs`` failed (the message suggests ``forward``).
 
     Example:
       >>> from jfleet.models.gpt2 import TinyGPT2
@@ -621,7 +608,8 @@ def match_patterns(model: nnx.Module) -> ModelPatterns:
         )
     params = dict(plist)
     modules = list(nnx.iter_modules(model))
-    roles: dict[tuple, tuple[str, str]] = {}  # param path -> (role, kind)
+    # path -> (role, kind, split_dim, units)
+    roles: dict[tuple, tuple[str, str, int | None, int]] = {}
     notes: list[str] = []
 
     # embeddings
@@ -643,9 +631,11 @@ def match_patterns(model: nnx.Module) -> ModelPatterns:
             token = named[0] if len(named) == 1 else max(same, key=lambda pm: pm[1].num_embeddings)
         vocab = token[1].num_embeddings
         for p, _ in same:
-            role = "embedding" if p == token[0] else "position_embedding"
-            roles[(*p, "embedding")] = (role, "table")
-    norm_mods = [(p, m) for p, m in modules if _is_norm(p, m, params, width)]
+            if p == token[0]:
+                roles[(*p, "embedding")] = ("embedding", "table", 0, vocab)
+            else:
+                roles[(*p, "embedding")] = ("position_embedding", "table", None, 0)
+    norm_mods = [(p, m) for p, m in modules if _is_norm(p, m, params)]
     if width is None:
         sizes = collections.Counter(
             v.shape[0] for p, m in norm_mods for v in _direct_params(p, params).values()
@@ -657,8 +647,9 @@ def match_patterns(model: nnx.Module) -> ModelPatterns:
     norm_kind = None
     for p, m in norm_mods:
         for name, v in _direct_params(p, params).items():
-            if width is not None and v.shape == (width,):
-                roles[(*p, name)] = ("norm", "scale" if name in ("scale", "weight") else "bias")
+            if len(v.shape) == 1:
+                kind = "scale" if name in ("scale", "weight") else "bias"
+                roles[(*p, name)] = ("norm", kind, None, 0)
         kind = (
             "rmsnorm"
             if isinstance(m, nnx.RMSNorm)
@@ -677,55 +668,72 @@ def match_patterns(model: nnx.Module) -> ModelPatterns:
                 return i
         return None
 
-    # attention and MLP containers
-    by_parent: dict[tuple, list[_Dense]] = collections.defaultdict(list)
-    for d in dense_list:
-        by_parent[d.path[:-1]].append(d)
-    by_path = dict(modules)
-    dtype = next(iter(params.values())).dtype
+    # projection pairs, from the traced computation
+    trace, traced_tokens = _trace(model, inputs, forward, token, notes)
     dims = {"heads": 0, "kv_heads": 0, "head_dim": 0, "hidden": 0}
     attention = mlp = None
     attn_bias = False
-    signature_cache: dict[tuple, _Match | None] = {}
-    if width:
-        for parent, denses in sorted(by_parent.items(), key=lambda kv: path_str(kv[0])):
-            container = by_path.get(parent)
-            if container is None or len(denses) < 2:
-                continue
-            denses = sorted(denses, key=lambda d: str(d.name))
-            key = (type(container).__name__, _signature(parent, params))
-
-            def flow_fn(container=container, denses=denses, parent=parent) -> Flow | None:
-                rel = [d.kernel[len(parent) :] for d in denses]
-                return probe(container, rel, width, dtype)
-
-            if key in signature_cache:
-                found = signature_cache[key]
+    projections: set[int] = set()
+    index: dict[tuple, int] = {}
+    dots: list[DotCost] = []
+    if trace is not None:
+        index = {path: i for i, path in enumerate(trace.paths)}
+        projections = {d.param for d in trace.dots if d.param is not None}
+        split: dict[int, tuple[int, int]] = {}
+        named: dict[int, str] = {}
+        exclude = {
+            i
+            for i, path in enumerate(trace.paths)
+            if roles.get(path, ("",))[0] in ("embedding", "position_embedding")
+            or (
+                vocab
+                and block_of(path) is None
+                and len(trace.shapes[i]) == 2
+                and trace.shapes[i] == (width, vocab)
+            )
+        }
+        for group in _groups(trace, exclude):
+            found = (_attention_roles if group.attention else _mlp_roles)(trace, group)
+            named.update(found)
+            split[group.row] = (group.row_dim, group.units)
+            for p, (dim, units) in group.producers.items():
+                split[p] = (dim, units)
+            if group.attention and attention is None:
+                attention = "fused" if "qkv" in found.values() else "separate"
+                q_dim = _contracted_size(trace, group.row)
+                heads = next((h for h in trace.heads if q_dim % h == 0), group.units)
+                kv = min(u for _, u in group.producers.values())
+                dims.update(
+                    heads=heads,
+                    kv_heads=kv if heads % kv == 0 else heads,
+                    head_dim=q_dim // heads,
+                )
+            elif not group.attention and mlp is None:
+                mlp = "swiglu" if {"gate", "gate_up"} & set(found.values()) else "gelu"
+                dims["hidden"] = _contracted_size(trace, group.row)
+        for i, role in named.items():
+            dim, units = split[i]
+            roles[trace.paths[i]] = (role, "kernel", dim, units)
+        for b, (owner, dim, units) in _bias_splits(trace, split).items():
+            if owner in named and trace.paths[b] not in roles:
+                roles[trace.paths[b]] = (named[owner], "bias", dim, units)
+                attn_bias = attn_bias or named[owner] in {"q", "k", "v", "qk", "kv", "qkv", "o"}
+        blocks_of = {i: block_of(path) for i, path in enumerate(trace.paths)}
+        for d in trace.dots:
+            if d.param is not None:
+                block = blocks_of[d.param]
             else:
-                found = _match_attention(container, denses, width, flow_fn)
-                if found is None:
-                    found = _match_mlp(denses, width, flow_fn)
-                signature_cache[key] = found
-            if found is None:
-                continue
-            if found.note:
-                if found.note not in notes:
-                    notes.append(found.note)
-                if not found.roles:
-                    continue
-            for i, role in found.roles.items():
-                d = denses[i]
-                roles[d.kernel] = (role, "kernel")
-                if d.bias is not None:
-                    roles[d.bias] = (role, "bias")
-                    if found.kind == "attention":
-                        attn_bias = True
-            if found.kind == "attention" and attention is None:
-                attention = found.style
-                dims.update(heads=found.heads, kv_heads=found.kv_heads, head_dim=found.head_dim)
-            elif found.kind == "mlp" and mlp is None:
-                mlp = found.style
-                dims["hidden"] = found.hidden
+                inside = [blocks_of[i] for i in d.last if blocks_of[i] is not None]
+                block = max(inside) if inside else None
+            dots.append(
+                DotCost(
+                    flops=d.flops,
+                    block=block,
+                    splits=frozenset((path_str(trace.paths[p]), dim) for p, dim in d.splits),
+                    grads=d.grads,
+                    attention=d.param is None,
+                )
+            )
 
     # head: a dense width -> vocab, or a bare [width, vocab] Param, outside the blocks
     tied = None
@@ -746,17 +754,17 @@ def match_patterns(model: nnx.Module) -> ModelPatterns:
             and v.shape[0] == width
             and (v.shape[1] == vocab if vocab else False)
             and block_of(p) is None
-            and not any(p in (d.kernel,) for d in dense_list)
+            and not any(p == d.kernel for d in dense_list)
         ]
         if len(heads_found) + len(bare) == 1:
             if heads_found:
                 d = heads_found[0]
-                roles[d.kernel] = ("head", "kernel")
-                if d.bias is not None:
-                    roles[d.bias] = ("head", "bias")
                 vocab = vocab or d.n_out
+                roles[d.kernel] = ("head", "kernel", 1, vocab)
+                if d.bias is not None:
+                    roles[d.bias] = ("head", "bias", 0, vocab)
             else:
-                roles[bare[0]] = ("head", "kernel")
+                roles[bare[0]] = ("head", "kernel", 1, vocab)
             tied = False if token is not None else None
         elif len(heads_found) + len(bare) > 1:
             notes.append(
@@ -770,8 +778,10 @@ def match_patterns(model: nnx.Module) -> ModelPatterns:
             tied = True
 
     infos = []
+    replicated = []
     for path, value in plist:
-        role, kind = roles.get(path, (None, "other"))
+        role, kind, split_dim, units = roles.get(path, (None, "other", None, 0))
+        block = block_of(path)
         infos.append(
             ParamInfo(
                 path=path_str(path),
@@ -779,9 +789,18 @@ def match_patterns(model: nnx.Module) -> ModelPatterns:
                 dtype=str(value.dtype),
                 role=role,
                 kind=kind,
-                block=block_of(path),
+                block=block,
+                split_dim=split_dim,
+                units=units,
             )
         )
+        i = index.get(path, -1)
+        if role is None and (block is not None or i in projections):
+            reason = _reason(i, trace, projections)
+            if block is not None:
+                replicated.append((path_str(path), reason))
+            else:
+                notes.append(f"{path_str(path)}: {reason}")
     found = ModelPatterns(
         params=tuple(infos),
         dims=ModelDims(vocab=vocab, width=width or 0, layers=len(block_paths), **dims),
@@ -793,6 +812,9 @@ def match_patterns(model: nnx.Module) -> ModelPatterns:
         tied_head=tied,
         has_attention_bias=attn_bias,
         notes=tuple(notes),
+        dots=tuple(dots),
+        traced_tokens=traced_tokens,
+        replicated_in_blocks=tuple(replicated),
     )
     logger.debug("patterns: %s; unmatched %s", found.summary(), list(found.unmatched))
     return found

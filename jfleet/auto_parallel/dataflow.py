@@ -1,0 +1,649 @@
+"""Which projection feeds which, along which dimension: a walk over a model's traced program.
+
+:func:`trace_model` traces one forward call of a whole model abstractly (``jax.make_jaxpr``:
+no FLOPs spent) and follows every parameter through the program. Each projection — a
+``dot_general`` with a parameter on one side, whatever the kernel's rank or einsum
+equation — tags the dimensions of its output that come from the kernel's free dimensions
+(``Tag(param, dim, units)``). Tags travel through the work a Megatron layout keeps local:
+reshapes (a dimension split into ``[heads, head_dim]`` keeps its tag on the outer part,
+``units`` becoming the number of heads), transposes, broadcasts, elementwise work (rotary,
+gating, softmax), reductions over other dimensions, and products of two activations that
+keep the dimension as a batch dimension (attention scores and values over heads). A
+residual sum (two different activations added) and slicing or contracting a dimension end
+its tags. When a projection contracts a tagged dimension, the walk records an
+:class:`Edge`: the producer's output dimension reaches the consumer's input dimension, so
+the pair can be split there (column then row parallel).
+
+The walk also records every product (:class:`Dot`: its FLOPs, the projections whose split
+would split it, whether its operands need gradients) for the cost model, the biases added
+to tagged outputs, and which projections meet in attention scores, in attention values
+and in gating products, so roles can be named.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> mlp = nnx.Sequential(nnx.Linear(8, 16, rngs=nnx.Rngs(0)), nnx.gelu,
+  ...                      nnx.Linear(16, 8, rngs=nnx.Rngs(1)))
+  >>> trace = trace_model(mlp, jnp.zeros((2, 4, 8)))
+  >>> [(trace.path(e.producer), e.producer_dim, trace.path(e.consumer), e.consumer_dim)
+  ...  for e in trace.edges]
+  [('layers.0.kernel', 1, 'layers.2.kernel', 0)]
+  >>> sum(d.flops for d in trace.dots)
+  4096
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+__all__ = ["Dot", "Edge", "Tag", "Trace", "TraceError", "trace_model"]
+
+
+class TraceError(ValueError):
+    """The model could not be traced with the given input (the message says how to fix it)."""
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Tag:
+    """A dimension carrying projection ``param``'s output dimension ``dim``, in ``units``
+    contiguous units (heads, hidden features) that a split must not cut."""
+
+    param: int
+    dim: int
+    units: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Edge:
+    """Projection ``producer``'s output dim reaches ``consumer``'s contracted input dim."""
+
+    producer: int
+    producer_dim: int
+    consumer: int
+    consumer_dim: int
+    units: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Dot:
+    """One product of the forward pass.
+
+    Attributes:
+      flops: forward FLOPs (2 x output elements x contracted size), loop trips included.
+      param: the parameter on one side (a projection), or None (two activations).
+      splits: ``(param, dim)`` pairs: when that parameter is split over ``mp`` on that
+        dimension, this product is split too.
+      grads: operands that need a gradient (the backward pass computes one product each).
+      last: the projections the operands came from most recently (for block attribution).
+    """
+
+    flops: int
+    param: int | None
+    splits: frozenset[tuple[int, int]]
+    grads: int
+    last: frozenset[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Val:
+    tags: tuple[frozenset, ...]
+    bcast: tuple[bool, ...]
+    view: tuple[Tag | None, ...] | None = None  # a view of one parameter, dim by dim
+    act: bool = False  # depends on the model's inputs
+    grad: bool = False  # depends on a parameter
+    last: frozenset = frozenset()
+    score: bool = False  # an attention score / probability
+    nonlin: bool = False  # through a nonlinearity since the last projection
+
+
+_EMPTY: frozenset = frozenset()
+_NONLINEAR = frozenset(
+    {"exp", "exp2", "tanh", "logistic", "erf", "erfc", "max", "log", "log1p", "sin", "cos"}
+)
+_REDUCTIONS = frozenset(
+    {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin", "reduce_and"}
+)
+_CUMULATIVE = frozenset({"cumsum", "cummax", "cummin", "cumprod", "cumlogsumexp"})
+_ADDS = frozenset({"add", "sub", "add_any"})
+
+
+def _const(ndim: int) -> _Val:
+    return _Val(tags=(_EMPTY,) * ndim, bcast=(True,) * ndim)
+
+
+def _shape(v: Any) -> tuple[int, ...]:
+    return tuple(getattr(getattr(v, "aval", None), "shape", ()) or ())
+
+
+def reshape_groups(a: Sequence[int], b: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """Pairs of dimension groups of two shapes of one array whose sizes multiply equally.
+
+    >>> reshape_groups((2, 8, 32), (2, 8, 4, 8))
+    [([0], [0]), ([1], [1]), ([2], [2, 3])]
+    """
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(a) or j < len(b):
+        if i < len(a) and a[i] == 1:
+            groups.append(([i], [j] if j < len(b) and b[j] == 1 else []))
+            j += 1 if j < len(b) and b[j] == 1 else 0
+            i += 1
+            continue
+        if j < len(b) and b[j] == 1:
+            groups.append(([], [j]))
+            j += 1
+            continue
+        if i >= len(a) or j >= len(b):
+            break
+        ii, jj, pa, pb = [i], [j], a[i], b[j]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb and i < len(a):
+                ii.append(i)
+                pa *= a[i]
+                i += 1
+            elif j < len(b):
+                jj.append(j)
+                pb *= b[j]
+                j += 1
+            else:
+                break
+        groups.append((ii, jj))
+    return groups
+
+
+def _retag(tags: frozenset, size: int) -> frozenset:
+    return frozenset(Tag(t.param, t.dim, math.gcd(t.units, size)) for t in tags)
+
+
+class _Walk:
+    def __init__(self, n_params: int) -> None:
+        self.n_params = n_params
+        self.edges: list[Edge] = []
+        self.dots: list[Dot] = []
+        self.biases: dict[int, set[tuple[int, Tag]]] = {}
+        self.contracted: dict[int, set[int]] = {}
+        self.score_sides: list[tuple[frozenset, frozenset]] = []
+        self.value_sides: list[frozenset] = []
+        self.gates: list[tuple[frozenset, bool, frozenset, bool]] = []
+        self.heads: list[int] = []
+        self.cut: dict[int, str] = {}
+
+    # ------------------------------------------------------------ helpers
+    def _generic(self, args: list[_Val], outs: Sequence[Any]) -> list[_Val]:
+        act = any(a.act for a in args)
+        grad = any(a.grad for a in args)
+        last = frozenset().union(*(a.last for a in args)) if args else _EMPTY
+        score = any(a.score for a in args)
+        res = []
+        for o in outs:
+            n = len(_shape(o))
+            res.append(
+                _Val(
+                    tags=(_EMPTY,) * n,
+                    bcast=(False,) * n if act or grad else (True,) * n,
+                    act=act,
+                    grad=grad,
+                    last=last,
+                    score=score,
+                )
+            )
+        return res
+
+    def _like(self, args: list[_Val], tags, bcast, view=None, **kw) -> _Val:
+        base = {
+            "act": any(a.act for a in args),
+            "grad": any(a.grad for a in args),
+            "last": frozenset().union(*(a.last for a in args)) if args else _EMPTY,
+            "score": any(a.score for a in args),
+            "nonlin": any(a.nonlin for a in args),
+        }
+        base.update(kw)
+        return _Val(tags=tuple(tags), bcast=tuple(bcast), view=view, **base)
+
+    # ------------------------------------------------------------ structural ops
+    def _elementwise(self, name: str, eqn: Any, args: list[_Val]) -> _Val:
+        out_shape = _shape(eqn.outvars[0])
+        n = len(out_shape)
+        shapes = [_shape(v) for v in eqn.invars]
+        arrays = [(a, s) for a, s in zip(args, shapes, strict=True) if len(s) == n]
+        tags, bcast = [], []
+        views = [a for a, _ in arrays if a.view is not None]
+        acts = [(a, s) for a, s in arrays if a.view is None and (a.act or a.grad)]
+        for d in range(n):
+            full = [(a, s) for a, s in arrays if s[d] == out_shape[d] and not a.bcast[d]]
+            bcast.append(not full)
+            sets = [a.tags[d] for a, _ in full if a.view is None]
+            if name in _ADDS and len([a for a, _ in acts if not a.bcast[d]]) > 1:
+                distinct = {a.tags[d] for a, s in acts if s[d] == out_shape[d] and not a.bcast[d]}
+                tags.append(next(iter(distinct)) if len(distinct) == 1 else _EMPTY)
+            else:
+                tags.append(frozenset().union(*sets) if sets else _EMPTY)
+            if name in _ADDS and tags[d]:
+                for v in views:
+                    t = v.view[d] if d < len(v.view) else None
+                    if t is not None:
+                        for tag in tags[d]:
+                            self.biases.setdefault(t.param, set()).add((t.dim, tag))
+        if name == "mul" and len(acts) == 2:
+            (a, _), (b, _) = acts
+            shared = [
+                d for d in range(n) if a.tags[d] and b.tags[d] and not (a.bcast[d] or b.bcast[d])
+            ]
+            if shared and not (a.score or b.score):
+                self.gates.append((a.last, a.nonlin, b.last, b.nonlin))
+        view = None
+        if name in ("convert_element_type", "copy", "copy_p", "reduce_precision"):
+            view = args[0].view
+        nonlin = name in _NONLINEAR or any(a.nonlin for a in args)
+        return self._like(args, tags, bcast, view, nonlin=nonlin)
+
+    def _reshape(self, eqn: Any, a: _Val) -> _Val:
+        src, dst = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+        tags: list = [_EMPTY] * len(dst)
+        view: list | None = [None] * len(dst) if a.view is not None else None
+        for ii, jj in reshape_groups(src, dst):
+            outer_in = next((i for i in ii if src[i] > 1), None)
+            outer_out = next((j for j in jj if dst[j] > 1), None)
+            if outer_in is None or outer_out is None:
+                continue
+            tags[outer_out] = _retag(a.tags[outer_in], dst[outer_out])
+            if view is not None and a.view[outer_in] is not None:
+                t = a.view[outer_in]
+                view[outer_out] = Tag(t.param, t.dim, math.gcd(t.units, dst[outer_out]))
+        bcast = [False] * len(dst)
+        for ii, jj in reshape_groups(src, dst):
+            for j in jj:
+                bcast[j] = all(a.bcast[i] for i in ii) if ii else True
+        return self._like([a], tags, bcast, None if view is None else tuple(view))
+
+    def _permute(self, a: _Val, order: Sequence[int]) -> _Val:
+        view = None if a.view is None else tuple(a.view[i] for i in order)
+        return self._like(
+            [a], [a.tags[i] for i in order], [a.bcast[i] for i in order], view, nonlin=a.nonlin
+        )
+
+    def _broadcast(self, eqn: Any, a: _Val) -> _Val:
+        src, dst = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+        dims = eqn.params["broadcast_dimensions"]
+        tags: list = [_EMPTY] * len(dst)
+        bcast = [True] * len(dst)
+        view: list | None = [None] * len(dst) if a.view is not None else None
+        for i, d in enumerate(dims):
+            if src[i] == dst[d]:
+                tags[d] = a.tags[i]
+                bcast[d] = a.bcast[i]
+                if view is not None:
+                    view[d] = a.view[i]
+        return self._like([a], tags, bcast, None if view is None else tuple(view))
+
+    def _drop(
+        self, a: _Val, keep: Sequence[int], changed: frozenset = _EMPTY, why: str = ""
+    ) -> _Val:
+        for i in changed:
+            for t in a.tags[i]:
+                self.cut.setdefault(t.param, why)
+        tags = [_EMPTY if i in changed else a.tags[i] for i in keep]
+        bcast = [a.bcast[i] for i in keep]
+        view = None
+        if a.view is not None:
+            view = tuple(None if i in changed else a.view[i] for i in keep)
+        return self._like([a], tags, bcast, view)
+
+    def _resized(self, eqn: Any, args: list[_Val]) -> list[_Val]:
+        """slice, pad, concatenate, dynamic_slice, ...: dims whose size changes lose tags."""
+        out = []
+        a = args[0]
+        src = _shape(eqn.invars[0])
+        for o in eqn.outvars:
+            dst = _shape(o)
+            if len(dst) != len(src):
+                out.extend(self._generic(args, [o]))
+                continue
+            changed = frozenset(i for i in range(len(src)) if src[i] != dst[i])
+            if eqn.primitive.name == "concatenate":
+                changed = changed | {eqn.params["dimension"]}
+                sets = [
+                    [b.tags[d] for b, v in zip(args, eqn.invars, strict=True) if len(_shape(v))]
+                    for d in range(len(dst))
+                ]
+                tags = [
+                    _EMPTY if d in changed else frozenset().union(*sets[d]) for d in range(len(dst))
+                ]
+                bcast = [all(b.bcast[d] for b in args) for d in range(len(dst))]
+                out.append(self._like(args, tags, bcast))
+                continue
+            val = self._drop(a, range(len(src)), changed, eqn.primitive.name)
+            out.append(self._like(args, val.tags, val.bcast, val.view))
+        return out
+
+    # ------------------------------------------------------------ products
+    def _dot(self, eqn: Any, lhs: _Val, rhs: _Val, mult: int) -> _Val:
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        ls, rs = _shape(eqn.invars[0]), _shape(eqn.invars[1])
+        out_shape = _shape(eqn.outvars[0])
+        contracted = math.prod(ls[i] for i in lc)
+        flops = 2 * math.prod(out_shape) * contracted * mult
+        lfree = [i for i in range(len(ls)) if i not in lc and i not in lb]
+        rfree = [i for i in range(len(rs)) if i not in rc and i not in rb]
+        grads = int(lhs.grad) + int(rhs.grad)
+        splits: set[tuple[int, int]] = set()
+        for side in (lhs, rhs):
+            for ts in side.tags:
+                splits.update((t.param, t.dim) for t in ts)
+            if side.view is not None:
+                splits.update((t.param, t.dim) for t in side.view if t is not None)
+        pside = None
+        if lhs.view is not None and rhs.view is None:
+            pside, wv, av, wc, ac, _, ab, wfree, afree = (
+                "l",
+                lhs,
+                rhs,
+                lc,
+                rc,
+                lb,
+                rb,
+                lfree,
+                rfree,
+            )
+        elif rhs.view is not None and lhs.view is None:
+            pside, wv, av, wc, ac, _, ab, wfree, afree = (
+                "r",
+                rhs,
+                lhs,
+                rc,
+                lc,
+                rb,
+                lb,
+                rfree,
+                lfree,
+            )
+        if pside is not None:
+            params = {t.param for t in wv.view if t is not None}
+            param = params.pop() if len(params) == 1 else None
+            for wd, ad in zip(wc, ac, strict=True):
+                w = wv.view[wd]
+                if w is None:
+                    continue
+                self.contracted.setdefault(w.param, set()).add(w.dim)
+                for t in av.tags[ad]:
+                    if t.param != w.param:
+                        self.edges.append(Edge(t.param, t.dim, w.param, w.dim, t.units))
+            batch_tags = [av.tags[ad] for ad in ab]
+            a_tags = [av.tags[i] for i in afree]
+            w_tags = [frozenset({wv.view[i]}) if wv.view[i] is not None else _EMPTY for i in wfree]
+            tags = batch_tags + (w_tags + a_tags if pside == "l" else a_tags + w_tags)
+            last = frozenset({param}) if param is not None else av.last
+            self.dots.append(Dot(flops, param, frozenset(splits), grads, last))
+            n = len(out_shape)
+            return _Val(
+                tags=tuple(tags),
+                bcast=(False,) * n,
+                act=av.act,
+                grad=True,
+                last=last,
+            )
+        # two activations (attention scores / values), or two parameters
+        last = lhs.last | rhs.last
+        self.dots.append(Dot(flops, None, frozenset(splits), grads, last))
+        if lhs.view is None and rhs.view is None and lhs.act and rhs.act:
+            if lhs.score != rhs.score:
+                self.value_sides.append(rhs.last if lhs.score else lhs.last)
+            elif not lhs.score:
+                self.score_sides.append((lhs.last, rhs.last))
+                tagged = [i for i in lb if lhs.tags[i]]
+                if tagged:
+                    self.heads.append(_shape(eqn.invars[0])[tagged[0]])
+        tags = [lhs.tags[i] | rhs.tags[j] for i, j in zip(lb, rb, strict=True)]
+        tags += [lhs.tags[i] for i in lfree] + [rhs.tags[i] for i in rfree]
+        score = lhs.score == rhs.score and not lhs.score and lhs.act and rhs.act
+        n = len(out_shape)
+        return _Val(
+            tags=tuple(tags),
+            bcast=(False,) * n,
+            act=lhs.act or rhs.act,
+            grad=lhs.grad or rhs.grad,
+            last=last,
+            score=score,
+        )
+
+    # ------------------------------------------------------------ the walk
+    def run(self, jaxpr: Any, args: list[_Val], consts: Sequence[_Val] = (), mult: int = 1):
+        from jax.extend.core import Literal
+
+        env: dict[Any, _Val] = {}
+        for var, val in zip(jaxpr.constvars, consts, strict=False):
+            env[var] = val
+        for var, val in zip(jaxpr.invars, args, strict=True):
+            env[var] = val
+
+        def read(x: Any) -> _Val:
+            if isinstance(x, Literal):
+                return _const(len(_shape(x)))
+            return env.get(x) or _const(len(_shape(x)))
+
+        for eqn in jaxpr.eqns:
+            ins = [read(x) for x in eqn.invars]
+            outs = self._eqn(eqn, ins, mult)
+            for var, val in zip(eqn.outvars, outs, strict=False):
+                env[var] = val
+        return [read(v) for v in jaxpr.outvars]
+
+    def _sub(self, closed: Any, args: list[_Val], mult: int) -> list[_Val]:
+        inner = getattr(closed, "jaxpr", closed)
+        consts = [_const(len(np.shape(c))) for c in getattr(closed, "consts", ())]
+        return self.run(inner, args, consts, mult)
+
+    def _eqn(self, eqn: Any, ins: list[_Val], mult: int) -> list[_Val]:
+        name = eqn.primitive.name
+        p = eqn.params
+        if name == "dot_general" and len(ins) == 2:
+            return [self._dot(eqn, ins[0], ins[1], mult)]
+        if name == "reshape":
+            return [self._reshape(eqn, ins[0])]
+        if name == "transpose":
+            return [self._permute(ins[0], p["permutation"])]
+        if name == "broadcast_in_dim":
+            return [self._broadcast(eqn, ins[0])]
+        if name == "squeeze":
+            gone = {d % len(ins[0].tags) for d in p["dimensions"]}
+            return [self._drop(ins[0], [i for i in range(len(ins[0].tags)) if i not in gone])]
+        if name == "gather":
+            for a in ins[:1]:
+                for ts in a.tags:
+                    for t in ts:
+                        self.cut.setdefault(t.param, "gather")
+        if name in _REDUCTIONS:
+            axes = set(p["axes"])
+            keep = [i for i in range(len(ins[0].tags)) if i not in axes]
+            val = self._drop(ins[0], keep)
+            return [dataclasses.replace(val, view=None)]
+        if name in _CUMULATIVE:
+            axis = p["axis"]
+            return [self._drop(ins[0], range(len(ins[0].tags)), frozenset({axis}))]
+        if name in ("slice", "pad", "dynamic_slice", "dynamic_update_slice", "concatenate"):
+            return self._resized(eqn, ins)
+        if name == "split":
+            a, axis = ins[0], p["axis"]
+            cut = frozenset({axis})
+            return [self._drop(a, range(len(a.tags)), cut, "split") for _ in eqn.outvars]
+        for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):  # jit, custom_jvp/vjp, remat, ...
+            sub = p.get(key)
+            inner = getattr(sub, "jaxpr", sub)
+            if (
+                name != "scan"
+                and hasattr(inner, "eqns")
+                and len(inner.invars) == len(ins)
+                and len(inner.outvars) == len(eqn.outvars)
+            ):
+                return self._sub(sub, ins, mult)
+        if name == "scan":
+            return self._scan(eqn, ins, mult)
+        if name == "cond":
+            outs = None
+            for branch in p["branches"]:
+                res = self._sub(branch, ins[1:], mult)
+                outs = (
+                    res
+                    if outs is None
+                    else [self._merge(a, b) for a, b in zip(outs, res, strict=True)]
+                )
+            return outs or self._generic(ins, eqn.outvars)
+        if name == "while":
+            nc, nb = p["cond_nconsts"], p["body_nconsts"]
+            body_args = ins[nc : nc + nb] + ins[nc + nb :]
+            self._sub(p["body_jaxpr"], body_args, mult)
+            return self._generic(ins, eqn.outvars)
+        outs = eqn.outvars
+        shapes = [_shape(v) for v in eqn.invars]
+        if len(outs) == 1 and not any(k in p for k in ("axes", "dimension", "dimensions", "axis")):
+            n = len(_shape(outs[0]))
+            if all(len(s) in (0, n) for s in shapes) and any(len(s) == n for s in shapes):
+                return [self._elementwise(name, eqn, ins)]
+        return self._generic(ins, outs)
+
+    def _merge(self, a: _Val, b: _Val) -> _Val:
+        n = min(len(a.tags), len(b.tags))
+        return self._like(
+            [a, b],
+            [a.tags[i] | b.tags[i] for i in range(n)],
+            [a.bcast[i] and b.bcast[i] for i in range(n)],
+        )
+
+    def _scan(self, eqn: Any, ins: list[_Val], mult: int) -> list[_Val]:
+        p = eqn.params
+        nc, ncarry, length = p["num_consts"], p["num_carry"], int(p["length"])
+        # each step sees one slice of xs; a stacked parameter's slice keeps its dims' tags
+        xs = [self._drop(x, range(1, len(x.tags))) for x in ins[nc + ncarry :]]
+        outs = self._sub(p["jaxpr"], ins[: nc + ncarry] + xs, mult * length)
+        carry, ys = outs[:ncarry], outs[ncarry:]
+        ys = [self._like([y], (_EMPTY, *y.tags), (False, *y.bcast)) for y in ys]
+        return carry + ys
+
+
+@dataclasses.dataclass(frozen=True)
+class Trace:
+    """What :func:`trace_model` found.
+
+    Attributes:
+      paths: each parameter's path (``("layers", 0, "attn", "q", "kernel")``); parameters
+        are referred to by index into it.
+      shapes: each parameter's shape.
+      edges: projection pairs (:class:`Edge`).
+      dots: every product of the forward pass (:class:`Dot`).
+      biases: ``{bias: {(bias dim, Tag)}}``: parameters added to tagged outputs.
+      contracted: ``{param: dims}``: the dims of each projection contracted with activations.
+      score_sides: per attention-score product, the projections on its two sides.
+      value_sides: per attention-value product, the projections on the values' side.
+      gates: per gating product, ``(projections, nonlinear, projections, nonlinear)``.
+      heads: per attention-score product, the size of its first tagged batch dimension.
+      cut: ``{projection: primitive}``: where a tagged output dimension was sliced.
+      input_shapes: the traced inputs' shapes.
+    """
+
+    paths: tuple[tuple, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    edges: tuple[Edge, ...]
+    dots: tuple[Dot, ...]
+    biases: dict[int, frozenset]
+    contracted: dict[int, frozenset]
+    score_sides: tuple[tuple[frozenset, frozenset], ...]
+    value_sides: tuple[frozenset, ...]
+    gates: tuple[tuple[frozenset, bool, frozenset, bool], ...]
+    heads: tuple[int, ...]
+    cut: dict[int, str]
+    input_shapes: tuple[tuple[int, ...], ...]
+
+    def path(self, i: int) -> str:
+        """Parameter ``i``'s dotted path."""
+        return ".".join(str(k) for k in self.paths[i])
+
+
+def _key(k: Any) -> Any:
+    return getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
+
+
+def trace_model(
+    model: nnx.Module, inputs: Any, forward: Callable[[nnx.Module, Any], Any] | None = None
+) -> Trace:
+    """Traces ``model(inputs)`` (or ``forward(model, inputs)``) abstractly and walks it.
+
+    Args:
+      model: an ``nnx.Module``.
+      inputs: what the model is called with: arrays or ``jax.ShapeDtypeStruct`` leaves
+        (numpy arrays are read for their shapes only).
+      forward: ``forward(model, inputs)`` when calling ``model(inputs)`` is not how the
+        model runs (positions, masks, caches, a loss): anything returning arrays.
+
+    Raises:
+      TraceError: the call fails (the message names the model and suggests ``forward``),
+        or returns no arrays.
+    """
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    pleaves, ptree = jax.tree_util.tree_flatten_with_path(params)
+    paths = tuple(tuple(_key(k) for k in path[:-1]) for path, _ in pleaves)
+    shapes = tuple(tuple(int(s) for s in np.shape(v)) for _, v in pleaves)
+    pvals = [jax.ShapeDtypeStruct(np.shape(v), v.dtype) for _, v in pleaves]
+    ileaves, itree = jax.tree_util.tree_flatten(inputs)
+    arrays = [i for i, x in enumerate(ileaves) if hasattr(x, "shape") and hasattr(x, "dtype")]
+    ivals = [jax.ShapeDtypeStruct(np.shape(ileaves[i]), ileaves[i].dtype) for i in arrays]
+
+    def run(pv: list, rest: Any, iv: list) -> Any:
+        m = nnx.merge(graphdef, jax.tree_util.tree_unflatten(ptree, pv), rest)
+        leaves = list(ileaves)
+        for i, v in zip(arrays, iv, strict=True):
+            leaves[i] = v
+        x = jax.tree_util.tree_unflatten(itree, leaves)
+        return forward(m, x) if forward is not None else m(x)
+
+    how = "forward(model, batch)" if forward is not None else f"{type(model).__name__}(inputs)"
+    try:
+        closed, out_shape = jax.make_jaxpr(run, return_shape=True)(pvals, rest, ivals)
+    except Exception as err:  # the user's call failed: say where, and how to call it
+        raise TraceError(
+            f"tracing {how} failed for the auto-parallel plan: {type(err).__name__}: {err}. "
+            "If the model is not called as model(inputs) — it needs positions, a mask or a "
+            "cache, or the batch's input is not its first entry — pass "
+            "ToDistributedConfig(forward=lambda model, batch: ...) calling it as your "
+            "training step does."
+        ) from err
+    outs = jax.tree_util.tree_leaves(out_shape)
+    if not outs or not all(isinstance(o, jax.ShapeDtypeStruct) for o in outs):
+        raise TraceError(
+            f"{how} returned {out_shape!r}, not arrays; the forward hook must return the "
+            "model's output (logits) or a loss."
+        )
+    walk = _Walk(len(pleaves))
+    n_rest = len(jax.tree_util.tree_leaves(rest))
+    args: list[_Val] = []
+    for i, shape in enumerate(shapes):
+        n = len(shape)
+        view = tuple(Tag(i, d, shape[d]) for d in range(n))
+        args.append(_Val(tags=(_EMPTY,) * n, bcast=(False,) * n, view=view, grad=True))
+    args += [_const(len(np.shape(x))) for x in jax.tree_util.tree_leaves(rest)][:n_rest]
+    for v in ivals:
+        n = len(v.shape)
+        args.append(_Val(tags=(_EMPTY,) * n, bcast=(False,) * n, act=True))
+    consts = [_const(len(np.shape(c))) for c in closed.consts]
+    walk.run(closed.jaxpr, args, consts)
+    return Trace(
+        paths=paths,
+        shapes=shapes,
+        edges=tuple(walk.edges),
+        dots=tuple(walk.dots),
+        biases={k: frozenset(v) for k, v in walk.biases.items()},
+        contracted={k: frozenset(v) for k, v in walk.contracted.items()},
+        score_sides=tuple(walk.score_sides),
+        value_sides=tuple(walk.value_sides),
+        gates=tuple(walk.gates),
+        heads=tuple(walk.heads),
+        cut=dict(walk.cut),
+        input_shapes=tuple(tuple(v.shape) for v in ivals),
+    )
