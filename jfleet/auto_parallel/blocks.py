@@ -75,12 +75,20 @@ class SequenceConstraint:
 
 
 class PipelinedBlocks(nnx.Module):
-    """Stands in for a list of identical blocks and runs them as pipeline stages.
+    """Stands in for a list of blocks and runs them as pipeline stages.
 
     Iterating yields a single callable, :meth:`run`, so ``for layer in blocks: x =
     layer(x, ...)`` runs the whole stack once. Its parameters are the blocks'
     parameters stacked to ``[P, L/P, ...]`` (``self.body``: one block of the blocks'
     class), the leading axis sharded on ``pp``.
+
+    The blocks must be alike, static settings included (:func:`jfleet.parallel.stack.
+    first_difference`), or repeat with a period ``p`` (Gemma's local / global attention
+    alternating: ``p = 2``): then each ``p`` consecutive blocks run as one super-block
+    (``self.body`` is a :class:`~jfleet.parallel.stack.SuperBlock` whose parameters are
+    ``[P, L/(pP), ...]``), and ``P`` must divide ``L/p``. Blocks that neither are alike
+    nor repeat are refused with the first attribute that differs: running them all as
+    block 0 would be silently wrong.
 
     Arguments after the activation are handed to every block: per-sample arrays are split
     into micro-batches with the activation (masks, positions), other arrays go whole to
@@ -96,6 +104,7 @@ class PipelinedBlocks(nnx.Module):
     Attributes:
       body: the stacked block.
       num_layers: ``L``, the blocks replaced.
+      period: ``p``, the blocks per stacked unit (1: every block alike).
       num_stages: ``P``, the mesh's ``pp`` size.
       num_microbatches: micro-batches per call.
       recompute: recompute each block in the backward pass.
@@ -114,16 +123,34 @@ class PipelinedBlocks(nnx.Module):
         recompute: bool = False,
         seq_axes: tuple[str, ...] | None = None,
         per_sample: tuple[int | str, ...] | None = None,
+        period: int | None = None,
     ) -> None:
         blocks = list(blocks)
+        if not blocks:
+            raise ValueError("PipelinedBlocks(blocks=[]): pass the model's decoder blocks.")
+        name = type(blocks[0]).__name__
         self.num_layers = len(blocks)
         self.num_stages = int(mesh.shape[PP])
-        if self.num_layers % self.num_stages:
+        if period is None:
+            period = stack.block_period(blocks)
+            if period is None:
+                i, j, difference = stack.first_mismatch(blocks) or (0, 0, "?")
+                raise ValueError(
+                    f"the {self.num_layers} {name} blocks are not alike and do not repeat with "
+                    f"any period shorter than {self.num_layers}: block {i} differs from block "
+                    f"{j} in {difference}. Pipelined blocks run one definition (static "
+                    "settings included), so these cannot be pipelined; plan without a "
+                    "pipeline (pp 1), or give the blocks settings that repeat."
+                )
+        units = self.num_layers // period if self.num_layers % period == 0 else 0
+        if units and units % self.num_stages:
+            grouped = f" (in {units} super-blocks of {period})" if period > 1 else ""
             raise ValueError(
-                f"{self.num_layers} blocks do not split evenly into {self.num_stages} pipeline "
-                f"stages; use a pp degree dividing {self.num_layers}."
+                f"{self.num_layers} {name} blocks{grouped} do not split evenly into "
+                f"{self.num_stages} pipeline stages; use a pp degree dividing {units}."
             )
-        self.body = stack.stack_layers(blocks, self.num_stages, type(blocks[0]).__name__)
+        self.period = period
+        self.body = stack.stack_layers(blocks, self.num_stages, name, period=period)
         stack.annotate_stack(self.body, mesh, self.num_stages)
         self.mesh = mesh
         self.num_microbatches = num_microbatches
@@ -206,12 +233,27 @@ def pipeline_blocks(
     recompute: bool = False,
     seq_axes: tuple[str, ...] | None = None,
     per_sample: tuple[int | str, ...] | None = None,
+    period: int | None = None,
 ) -> PipelinedBlocks:
     """Replaces the list at ``container`` (a dotted path) by a :class:`PipelinedBlocks`.
 
+    ``period``: blocks per stacked unit, or None to find it (:func:`jfleet.parallel.stack.
+    block_period`); the other arguments are :class:`PipelinedBlocks`'.
+
     Raises:
       ValueError: blocks holding state other than ``nnx.Param`` (dropout RNG streams,
-        batch statistics), or a block count the ``pp`` size does not divide.
+        batch statistics); blocks that are not alike and do not repeat (the message names
+        the first differing attribute); or a count of blocks (of super-blocks) the ``pp``
+        size does not divide.
+
+    Example:
+      >>> import jax
+      >>> from jfleet.models.llama import TinyLlama
+      >>> auto = (jax.sharding.AxisType.Auto,) * 2
+      >>> mesh = jax.make_mesh((4, 2), ("dp", "pp"), axis_types=auto)
+      >>> model = TinyLlama(layers=4)
+      >>> pipeline_blocks(model, "layers", mesh=mesh, num_microbatches=2).period
+      1
     """
     blocks = list(module_at(model, container))
     stand_in = PipelinedBlocks(
@@ -221,6 +263,7 @@ def pipeline_blocks(
         recompute=recompute,
         seq_axes=seq_axes,
         per_sample=per_sample,
+        period=period,
     )
     parent, _, name = container.rpartition(".")
     setattr(module_at(model, parent), name, stand_in)

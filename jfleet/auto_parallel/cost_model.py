@@ -103,7 +103,7 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from jfleet.auto_parallel.layouts import OPTIMIZER_MOMENTS, Layout, Workload
-from jfleet.auto_parallel.patterns import ModelPatterns, ParamInfo
+from jfleet.auto_parallel.patterns import COLUMN_ROLES, ROW_ROLES, ModelPatterns, ParamInfo
 from jfleet.auto_parallel.profiles import HardwareProfile, get_profile
 from jfleet.placement import Placement
 from jfleet.topology import AXIS_NAMES, DP, MP, PP, SEP, SHARDING
@@ -247,6 +247,8 @@ class Candidate:
 
     Attributes:
       layout: the layout.
+      flops: predicted dot FLOPs per device per step, as executed (a masked pipeline
+        bubble included): what ``jfleet.testing.hlo.dot_flops`` counts in the compiled step.
       memory: predicted bytes per device.
       time: predicted seconds per step.
       collectives: predicted collective bytes per device per step.
@@ -258,6 +260,7 @@ class Candidate:
     memory: Memory
     time: StepTime
     collectives: Collectives
+    flops: float = 0.0
     fits: bool = True
     reason: str = ""
 
@@ -306,6 +309,74 @@ def _layers_and_norms(patterns: ModelPatterns) -> tuple[int, int]:
     return 0, 0
 
 
+def _split_set(patterns: ModelPatterns, mp: int) -> frozenset[tuple[str, int]]:
+    """``(path, dim)`` of every parameter split over ``mp`` at this degree."""
+    if mp <= 1:
+        return frozenset()
+    return frozenset(
+        (p.path, p.split_dim)
+        for p in patterns.params
+        if p.split_dim is not None and p.spec_for(mp) != P()
+    )
+
+
+def _split_degrees(patterns: ModelPatterns, mp: int) -> tuple[int, int]:
+    """How many ways ``mp`` splits the attention's and the MLP's activations (1 or ``mp``)."""
+    attn = mlp = 1
+    for p in patterns.params:
+        if p.kind == "kernel" and p.spec_for(mp) != P():
+            if p.role in ("q", "qk", "qkv"):
+                attn = mp
+            elif p.role in ("up", "gate_up", "gate"):
+                mlp = mp
+    return attn, mlp
+
+
+def _tp_reductions(patterns: ModelPatterns, mp: int) -> tuple[int, int]:
+    """All-reduces per block: forward (one per split row), backward (one per split column)."""
+    first = 0 if patterns.blocks else None
+    kernels = [
+        p
+        for p in patterns.params
+        if p.kind == "kernel" and p.block == first and p.spec_for(mp) != P()
+    ]
+    rows = sum(p.role in ROW_ROLES for p in kernels)
+    columns = sum(p.role in COLUMN_ROLES for p in kernels)
+    return rows, columns
+
+
+def _flops(patterns: ModelPatterns, workload: Workload, layout: Layout) -> tuple[float, ...]:
+    """Per-device dot FLOPs of one step: (blocks' forward, blocks' step, outside's step).
+
+    Each traced product is scaled from the traced batch to the workload's (attention
+    products with the square of the sequence), counted forward plus one backward product
+    per operand needing a gradient, and divided by the data axes and by ``mp`` only when a
+    parameter split over ``mp`` splits it. The blocks' numbers are for all blocks (the
+    caller divides by ``pp``); without a trace, ``6 x`` the kernels' elements per token.
+    """
+    data = layout.data_degree * layout.sep
+    if not patterns.dots:
+        kernels = sum(p.size for p in patterns.params if p.kind != "table" and len(p.shape) >= 2)
+        inside = sum(p.size for p in patterns.params if p.block is not None and len(p.shape) >= 2)
+        per = 2 * workload.tokens / data
+        return per * inside, 3 * per * inside, 3 * per * (kernels - inside)
+    split = _split_set(patterns, layout.mp)
+    batch, seq = patterns.traced_tokens or (1, 1)
+    scale = workload.tokens / (batch * seq)
+    fwd_blocks = step_blocks = step_outside = 0.0
+    for d in patterns.dots:
+        f = d.flops * scale * (workload.seq_len / seq if d.attention else 1.0) / data
+        if d.splits & split:
+            f /= layout.mp
+        step = f * (1 + d.grads)
+        if d.block is None:
+            step_outside += step
+        else:
+            fwd_blocks += f
+            step_blocks += step
+    return fwd_blocks, step_blocks, step_outside
+
+
 def estimate(
     patterns: ModelPatterns,
     workload: Workload,
@@ -351,12 +422,12 @@ def estimate(
         return p.block is None or p.block < stage_blocks
 
     def tp(p: ParamInfo) -> int:
-        return _local_elems(p.spec, p.shape, deg) * jnp.dtype(p.dtype).itemsize
+        return _local_elems(p.spec_for(mp), p.shape, deg) * jnp.dtype(p.dtype).itemsize
 
     def zp(p: ParamInfo) -> int:
         if zero is None:
             return tp(p)
-        spec = zero.zero_spec(p.spec, p.shape)
+        spec = zero.zero_spec(p.spec_for(mp), p.shape)
         return _local_elems(spec, p.shape, deg) * jnp.dtype(p.dtype).itemsize
 
     mine = [p for p in patterns.params if in_stage(p)]
@@ -379,12 +450,12 @@ def estimate(
     h, s = d.width, workload.seq_len
     sp = mp if workload.sequence_parallel else 1
     per_layer_rep = _NORM_ELEMS * norms * h / sp
-    per_layer_split = 0.0
+    attn_mp, mlp_mp = _split_degrees(patterns, mp)
+    per_layer = per_layer_rep
     if patterns.attention:
-        per_layer_split += _ATTN_Q_ELEMS * d.q_dim + _ATTN_SCORE_ELEMS * d.heads * s
+        per_layer += (_ATTN_Q_ELEMS * d.q_dim + _ATTN_SCORE_ELEMS * d.heads * s) / attn_mp
     if patterns.mlp:
-        per_layer_split += _MLP_ELEMS[patterns.mlp] * d.hidden
-    per_layer = per_layer_rep + per_layer_split / mp
+        per_layer += _MLP_ELEMS[patterns.mlp] * d.hidden / mlp_mp
     vocab = d.vocab if patterns.tied_head is not None else 0
     outside = _OUTSIDE_H_ELEMS * h + _LOGIT_ELEMS * vocab / mp
     ab = workload.act_bytes
@@ -434,27 +505,17 @@ def estimate(
         activations=activations,
     )
 
-    # compute
-    flops_per_token_blocks = 0.0
-    flops_per_token_head = 0.0
-    for p in patterns.params:
-        if len(p.shape) != 2 or p.kind == "table":
-            continue
-        if p.block is not None:
-            flops_per_token_blocks += 6 * p.size
-        else:
-            flops_per_token_head += 6 * p.size
-    if patterns.tied_head:
-        flops_per_token_head += 6 * d.width * d.vocab
-    if patterns.attention:
-        flops_per_token_blocks += 12 * layers * s * d.q_dim
-    recompute_factor = 4 / 3 if (layout.recompute or layout.schedule == "1F1B") else 1.0
+    # compute: every product of the traced forward, with its backward
+    fwd_blocks, step_blocks, step_outside = _flops(patterns, workload, layout)
+    recompute = layout.recompute or layout.schedule == "1F1B"
+    runs_share = (m + pp - 1) / m if fthenb else 1.0
+    block_flops = (step_blocks + (fwd_blocks if recompute else 0.0)) / pp
     peak = profile.flops(workload.dtype)
-    n_dev = layout.size
-    t_blocks = flops_per_token_blocks * workload.tokens * recompute_factor / (n_dev * peak)
-    t_head = flops_per_token_head * workload.tokens / ((n_dev // pp) * peak)
+    t_blocks = block_flops / peak
+    t_head = step_outside / peak
     bubble = t_blocks * (pp - 1) / m if pp > 1 else 0.0
     compute = t_blocks + t_head
+    executed = block_flops * (runs_share if fthenb else 1.0) + step_outside
 
     lat = profile.collective_latency
 
@@ -471,9 +532,7 @@ def estimate(
     # tensor parallel
     if mp > 1:
         act = tokens_mb * h * ab
-        fwd = int(bool(patterns.attention)) + int(bool(patterns.mlp))
-        bwd = {"separate": 3, "fused": 1}.get(patterns.attention or "", 0)
-        bwd += {"swiglu": 2, "gelu": 1}.get(patterns.mlp or "", 0)
+        fwd, bwd = _tp_reductions(patterns, mp)
         per_mb = stage_blocks * (fwd + bwd)
         n_mb = per_mb * runs
         roles = {p.role for p in patterns.params}
@@ -548,6 +607,7 @@ def estimate(
 
     return Candidate(
         layout=layout,
+        flops=executed,
         memory=memory,
         time=StepTime(
             compute=compute,

@@ -10,15 +10,16 @@ schedule, micro-batch count and recompute setting worth comparing, and gives the
 for each mesh it leaves out (:func:`shape_problem`). What each layout costs is
 :mod:`jfleet.auto_parallel.cost_model`'s business.
 
-**Shape rules.** ``mp`` divides every dimension a tensor-parallel role splits (heads,
-kv heads, q/kv widths, MLP hidden, vocabulary) and is at most the devices of one node
-(tensor parallelism stays on the fast links; the mesh order ``dp, pp, sharding, sep,
-mp`` puts ``mp`` neighbours next to each other). Grouped-query attention: ``mp`` must
-divide the kv heads, so each rank holds whole kv groups (Megatron's
-``num_query_groups % tp == 0``); replicating kv heads when ``mp > kv_heads`` is not
-offered. ``pp`` divides the decoder blocks (uniform stages). ``dp x sharding`` divides
-the batch; ``sep`` divides the sequence. A model with no recognised parts gets
-``mp = pp = 1``; one with no repeated blocks gets ``pp = 1``.
+**Shape rules.** ``mp`` divides every unit count a tensor-parallel split must not cut
+(query heads, MLP hidden, vocabulary) and is at most the devices of one node (tensor
+parallelism stays on the fast links; the mesh order ``dp, pp, sharding, sep, mp`` puts
+``mp`` neighbours next to each other). Grouped-query attention whose kv heads ``mp`` does
+not divide keeps k and v whole on every ``mp`` rank (each rank then holds every kv head
+its q heads need) and splits q and o. ``mp > 1`` is excluded when it would leave most of
+the decoder blocks' kernel elements whole (attention or MLP that could not be paired).
+``pp`` divides the decoder blocks (uniform stages). ``dp x sharding`` divides the batch;
+``sep`` divides the sequence. A model with no recognised parts gets ``mp = pp = 1``; one
+with no repeated blocks gets ``pp = 1``.
 
 Example:
   >>> from jfleet.auto_parallel.patterns import match_patterns
@@ -27,9 +28,9 @@ Example:
   >>> layouts, excluded = enumerate_layouts(found, Workload(batch_size=8, seq_len=8),
   ...                                       device_num=4)
   >>> sorted({lay.mesh_name for lay in layouts if lay.pp == 1 and lay.sharding == 1})
-  ['dp2 x mp2', 'dp4']
+  ['dp2 x mp2', 'dp4', 'mp4']
   >>> excluded
-  [('mp4', 'mp=4 does not divide kv_heads=2'), ('pp4', 'pp=4 does not divide the 2 blocks')]
+  [('pp4', 'pp=4 does not divide the 2 blocks')]
 """
 
 from __future__ import annotations
@@ -251,16 +252,16 @@ def shape_problem(
       devices_per_node: devices of one node (the most ``mp`` may span).
 
     Returns:
-      The reason, worded for a report (``"mp=4 does not divide kv_heads=2"``), or None.
+      The reason, worded for a report (``"mp=8 does not divide the split unit count(s)
+      [4]"``), or None.
 
     Example:
       >>> from jfleet.auto_parallel.patterns import match_patterns
       >>> from jfleet.models.llama import TinyLlama
       >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, kv_heads=2, layers=2))
-      >>> shape_problem(found, Workload(batch_size=8, seq_len=8), {"mp": 4}, 8)
-      'mp=4 does not divide kv_heads=2'
+      >>> shape_problem(found, Workload(batch_size=8, seq_len=8), {"mp": 8}, 8)
+      'mp=8 does not divide the split unit count(s) [4]'
     """
-    d = patterns.dims
     mp, pp, sep = degrees.get(MP, 1), degrees.get(PP, 1), degrees.get(SEP, 1)
     data = degrees.get(DP, 1) * degrees.get(SHARDING, 1)
     if mp > 1:
@@ -268,13 +269,17 @@ def shape_problem(
             return "no tensor-parallel parts were recognised"
         if mp > devices_per_node:
             return f"mp={mp} exceeds the {devices_per_node} devices of a node"
-        if d.heads and d.heads % mp:
-            return f"mp={mp} does not divide heads={d.heads}"
-        if d.kv_heads and d.kv_heads % mp:
-            return f"mp={mp} does not divide kv_heads={d.kv_heads}"
         bad = [s for s in patterns.split_dims() if s % mp]
         if bad:
-            return f"mp={mp} does not divide the split dimension(s) {bad}"
+            return f"mp={mp} does not divide the split unit count(s) {bad}"
+        kernels = [p for p in patterns.params if p.block is not None and len(p.shape) >= 2]
+        whole = patterns.replicated_at(mp)
+        if kernels and 2 * sum(p.size for p in whole) > sum(p.size for p in kernels):
+            shown = ", ".join(p.path for p in whole if p.block == 0)
+            return (
+                f"mp={mp} would leave most of the decoder blocks' kernels whole on every mp "
+                f"rank ({shown}, ... in every block)"
+            )
     if pp > 1:
         if len(patterns.blocks) < 2:
             return "no run of >= 2 identical blocks to pipeline"

@@ -110,6 +110,7 @@ def _candidate_to_dict(c: Candidate) -> dict[str, Any]:
         "memory": dataclasses.asdict(c.memory),
         "time": dataclasses.asdict(c.time),
         "collectives": dataclasses.asdict(c.collectives),
+        "flops": c.flops,
         "fits": c.fits,
         "reason": c.reason,
     }
@@ -121,6 +122,7 @@ def _candidate_from_dict(d: Mapping[str, Any]) -> Candidate:
         memory=Memory(**d["memory"]),
         time=StepTime(**d["time"]),
         collectives=Collectives(**d["collectives"]),
+        flops=d.get("flops", 0.0),
         fits=d["fits"],
         reason=d["reason"],
     )

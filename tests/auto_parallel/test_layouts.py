@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jfleet.auto_parallel import Layout, Workload, enumerate_layouts, match_patterns
 from jfleet.auto_parallel.layouts import SCHEDULES, mesh_name, shape_problem
@@ -20,12 +21,12 @@ def _llama(**kw):
 
 
 def test_enumeration_respects_the_shapes():
-    found = _llama()
+    found = _llama(heads=4, kv_heads=2)
     layouts, excluded = enumerate_layouts(found, WORK, device_num=8)
     meshes = {lay.mesh_name for lay in layouts}
     assert "mp8" not in meshes and "pp8" not in meshes
     assert dict(excluded) == {
-        "mp8": "mp=8 does not divide kv_heads=4",
+        "mp8": "mp=8 does not divide the split unit count(s) [4]",
         "pp8": "pp=8 does not divide the 4 blocks",
     }
     assert all(lay.size == 8 and lay.sep == 1 for lay in layouts)
@@ -48,16 +49,29 @@ def test_every_mesh_is_either_enumerated_or_excluded_with_a_reason():
 @pytest.mark.parametrize(
     ("kw", "mesh", "reason"),
     [
-        ({"heads": 4, "kv_heads": 4}, "mp8", "mp=8 does not divide heads=4"),
-        ({}, "mp8", "mp=8 does not divide kv_heads=4"),
-        ({"vocab": 510}, "dp2 x mp4", "mp=4 does not divide the split dimension(s) [510]"),
+        ({"heads": 4, "kv_heads": 4}, "mp8", "mp=8 does not divide the split unit count(s) [4]"),
+        ({"vocab": 510}, "dp2 x mp4", "mp=4 does not divide the split unit count(s) [510]"),
         ({"layers": 6}, "dp2 x pp4", "pp=4 does not divide the 6 blocks"),
     ],
-    ids=["heads", "kv-heads", "split-dim", "blocks"],
+    ids=["heads", "vocab", "blocks"],
 )
 def test_an_excluded_mesh_names_its_reason(kw, mesh, reason):
     _, excluded = enumerate_layouts(_llama(**kw), WORK, device_num=8)
     assert dict(excluded)[mesh] == reason
+
+
+def test_kv_heads_mp_does_not_divide_stay_whole_and_q_o_are_split():
+    found = _llama()  # 8 heads, 4 kv heads: at mp8 each rank holds one q head, all kv heads
+    layouts, excluded = enumerate_layouts(found, WORK, device_num=8)
+    assert "mp8" in {lay.mesh_name for lay in layouts} and "mp8" not in dict(excluded)
+    k = next(p for p in found.params if p.path == "layers.0.self_attn.k_proj.kernel")
+    q = next(p for p in found.params if p.path == "layers.0.self_attn.q_proj.kernel")
+    assert (k.spec_for(4), k.spec_for(8)) == (P(None, "mp"), P())
+    assert q.spec_for(8) == P(None, "mp")
+    assert [p.path for p in found.replicated_at(8) if p.block == 0] == [
+        "layers.0.self_attn.k_proj.kernel",
+        "layers.0.self_attn.v_proj.kernel",
+    ]
 
 
 def test_mp_stays_inside_a_node():

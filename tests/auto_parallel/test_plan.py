@@ -223,8 +223,8 @@ def test_bad_inputs_are_errors_naming_the_values():
         plan_for(model, device_num=8, force_mesh={"dp": 2, "mp": 2}, **kw)
     with pytest.raises(ValueError, match=r"unknown axes \['tp'\]"):
         plan_for(model, device_num=8, force_mesh={"dp": 2, "tp": 4}, **kw)
-    with pytest.raises(ValueError, match=r"mp=8 does not divide kv_heads=4"):
-        plan_for(model, device_num=8, force_mesh={"mp": 8}, **kw)
+    with pytest.raises(ValueError, match=r"pp=8 does not divide the \d+ blocks"):
+        plan_for(model, device_num=8, force_mesh={"pp": 8}, **kw)
     with pytest.raises(ValueError, match=r"sep=2 but sequence_parallel=False"):
         plan_for(model, device_num=8, force_mesh={"dp": 4, "sep": 2}, **kw)
     with pytest.raises(ValueError, match=r"schedule='GPipe' is not one of"):
