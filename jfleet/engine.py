@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -81,6 +82,70 @@ def _shardings(tree: Any) -> Any:
     return jax.tree.map(lambda x: x.sharding, tree)
 
 
+def _leaf_specs(tree: Any) -> tuple:
+    """What of a tree's arrays a compiled step is specialised to: shape, dtype, sharding."""
+    return tuple(
+        (getattr(x, "shape", None), getattr(x, "dtype", None), getattr(x, "sharding", None))
+        for x in jax.tree.leaves(tree)
+    )
+
+
+def _same(a: Any, b: Any) -> bool:
+    """``a == b`` as a plain bool; False when the comparison fails or is not a bool."""
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+class _CompileCache:
+    """Compiled steps by key, where a key need not be hashable.
+
+    A key holds the model's (and optimizer's) graph definition, and a graph
+    definition carries every static attribute of the model: a config attribute
+    holding a list or a non-frozen dataclass makes it unhashable, although it still
+    compares with ``==`` and a plain ``nnx.jit`` step trains the model. So a hashable
+    key is looked up in a dict and an unhashable one is searched by ``==`` in a list:
+    either way an equal key finds its step (one compile per distinct key), and a
+    different graph definition (another structure or another static value) misses
+    and compiles anew. The search is linear, over the few unhashable keys one step
+    sees.
+
+    An unhashable key is stored as a deep copy (the graph definition's static values
+    are the model's own objects, so a list edited in place would otherwise edit the
+    stored key too and match a program traced with the old value); the step is built
+    from that copy. Keys that cannot be copied are stored as they are.
+    """
+
+    def __init__(self) -> None:
+        self._hashed: dict[Any, Callable] = {}
+        self._unhashable: list[tuple[Any, Callable]] = []
+
+    def __len__(self) -> int:
+        return len(self._hashed) + len(self._unhashable)
+
+    def get_or_build(self, key: Any, build: Callable[[Any], Callable]) -> Callable:
+        """The step for ``key``; ``build(key)`` makes it on a miss (and gets the stored key)."""
+        try:
+            fn = self._hashed.get(key)
+        except TypeError:  # unhashable: a list, dict or plain dataclass in the config
+            pass
+        else:
+            if fn is None:
+                fn = self._hashed[key] = build(key)
+            return fn
+        for stored, fn in self._unhashable:
+            if _same(stored, key):
+                return fn
+        try:
+            stored = copy.deepcopy(key)
+        except Exception:
+            stored = key
+        fn = build(stored)
+        self._unhashable.append((stored, fn))
+        return fn
+
+
 class _Step:
     """What the train and eval steps share: the loss function, the placement, the compile cache."""
 
@@ -89,7 +154,7 @@ class _Step:
             raise TypeError(f"loss_fn={loss_fn!r} is not callable; pass loss_fn(model, batch).")
         self.loss_fn = loss_fn
         self._placement = placement
-        self._cache: dict[Any, Callable] = {}
+        self._cache = _CompileCache()
         self.last_aux: Any = None
 
 
@@ -97,8 +162,11 @@ class TrainStep(_Step):
     """One jitted train step ``step(model, optimizer, batch) -> loss``.
 
     Built by :func:`make_train_step`. The first call for a model/optimizer/batch
-    structure compiles; later calls reuse the executable. The aux value of a
-    ``(loss, aux)`` loss function of the last call is in ``last_aux``.
+    structure compiles; later calls reuse the executable. A structure is the model's
+    and the optimizer's graph definitions (static attributes included, hashable or
+    not: a config holding a list is fine), the placement, and the shapes, dtypes and
+    shardings of the state and batch arrays. The aux value of a ``(loss, aux)`` loss
+    function of the last call is in ``last_aux``.
     """
 
     def lower(self, model: nnx.Module, optimizer: DistributedOptimizer, batch: Any):
@@ -125,18 +193,28 @@ class TrainStep(_Step):
         batch = placement.shard_batch(batch)
         model_def, model_state = nnx.split(model)
         opt_def, opt_state = nnx.split(optimizer)
+        # What the program is specialised to: the placement (ZeRO stage and mesh), both
+        # graph definitions (structure and static attributes), the batch's structure,
+        # and the shape, dtype and sharding of every state and batch array (the jit's in
+        # and out shardings are fixed when it is built). See _CompileCache for keys
+        # that are not hashable.
         key = (
+            placement,
             model_def,
             opt_def,
             jax.tree.structure(batch),
-            tuple((x.shape, x.dtype) for x in jax.tree.leaves(batch)),
+            _leaf_specs(model_state),
+            _leaf_specs(opt_state),
+            _leaf_specs(batch),
         )
-        fn = self._cache.get(key)
-        if fn is None:
-            fn = self._build(
+
+        def build(key):
+            _, model_def, opt_def, *_ = key
+            return self._build(
                 placement, model_def, model_state, opt_def, opt_state, batch, optimizer
             )
-            self._cache[key] = fn
+
+        fn = self._cache.get_or_build(key, build)
         return fn, (model_state, opt_state, batch)
 
     def _build(self, placement, model_def, model_state, opt_def, opt_state, batch, optimizer):
@@ -192,15 +270,17 @@ class EvalStep(_Step):
         batch = resolve_placement(self._placement, model).shard_batch(batch)
         model_def, model_state = nnx.split(model)
         key = (model_def, jax.tree.structure(batch))
-        fn = self._cache.get(key)
-        if fn is None:
-            loss_fn = self.loss_fn
+        loss_fn = self.loss_fn
+
+        def build(key):
+            model_def = key[0]
 
             def step(model_state, batch):
                 return _split_loss(loss_fn(nnx.merge(model_def, model_state), batch))
 
-            fn = jax.jit(step)
-            self._cache[key] = fn
+            return jax.jit(step)  # specialises to shapes and shardings itself
+
+        fn = self._cache.get_or_build(key, build)
         loss, aux = fn(model_state, batch)
         self.last_aux = aux
         return loss

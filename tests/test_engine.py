@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,7 @@ from jfleet.models import TinyLM, lm_batches, lm_loss
 from jfleet.optim import hyperparams
 from jfleet.optim.clip import clip_by_global_norm, global_norm
 from jfleet.testing import assert_trees_close, make_strategy, train_one_device
+from tests.fleet_setup import init_fleet
 
 STEPS = 4
 
@@ -238,3 +241,118 @@ def test_clip_norm_in_the_clip_mode_is_really_exceeded():
     model = TinyLM()
     grads = nnx.grad(lm_loss)(model, jax.tree.map(jnp.asarray, lm_batches(1)[0]))
     assert float(global_norm(nnx.state(grads, nnx.Param))) > 4 * 0.05
+
+
+@dataclasses.dataclass
+class MLPConfig:
+    """A config object with list fields: not hashable, so neither is a graph def holding it."""
+
+    sizes: list[int]
+    scales: list[float]
+
+
+class ListConfigMLP(nnx.Module):
+    """A two-layer MLP whose config holds lists, as plain attributes or in a dataclass."""
+
+    def __init__(self, sizes=(4, 8, 2), scales=(1.0, 2.0), *, in_dataclass=False):
+        config = MLPConfig(list(sizes), list(scales))
+        if in_dataclass:
+            self.config = config
+        else:
+            self.sizes, self.scales = config.sizes, config.scales
+        rngs = nnx.Rngs(0)
+        self.up = nnx.Linear(config.sizes[0], config.sizes[1], rngs=rngs)
+        self.down = nnx.Linear(config.sizes[1], config.sizes[2], rngs=rngs)
+
+    def __call__(self, x):
+        scales = self.config.scales if hasattr(self, "config") else self.scales
+        return self.down(nnx.relu(self.up(x)) * scales[0]) * scales[1]
+
+
+def mlp_loss(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def mlp_batches(n, batch=16):
+    rng = np.random.default_rng(0)
+    return [
+        {
+            "x": rng.normal(size=(batch, 4)).astype(np.float32),
+            "y": rng.normal(size=(batch, 2)).astype(np.float32),
+        }
+        for _ in range(n)
+    ]
+
+
+def plain_nnx_jit_run(model, batches):
+    """The reference: a hand-written ``nnx.jit`` step on one device."""
+    with jax.default_device(jax.devices()[0]):
+        opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, opt, batch):
+            loss, grads = nnx.value_and_grad(mlp_loss)(model, batch)
+            opt.update(model, grads)
+            return loss
+
+        losses = [float(step(model, opt, jax.tree.map(jnp.asarray, b))) for b in batches]
+    return np.array(losses), nnx.state(model, nnx.Param)
+
+
+@pytest.mark.parametrize("in_dataclass", [False, True], ids=["list_attribute", "dataclass"])
+def test_make_train_step_trains_a_model_whose_config_holds_a_list(in_dataclass):
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(nnx.graphdef(ListConfigMLP(in_dataclass=in_dataclass)))  # what broke the cache
+    batches = mlp_batches(3)
+    want_losses, want_params = plain_nnx_jit_run(ListConfigMLP(in_dataclass=in_dataclass), batches)
+    init_fleet({"dp_degree": 8})
+    model = fleet.distributed_model(ListConfigMLP(in_dataclass=in_dataclass))
+    opt = fleet.distributed_optimizer(optax.sgd(0.1))
+    step = make_train_step(mlp_loss)
+    got_losses = np.array([float(step(model, opt, b)) for b in batches])
+    np.testing.assert_allclose(got_losses, want_losses, rtol=0, atol=1e-6)
+    assert_trees_close(nnx.state(model.module, nnx.Param), want_params, rtol=0, atol=1e-6)
+    assert not np.allclose(got_losses[0], got_losses[-1])  # it trained
+
+
+def test_step_with_unhashable_config_compiles_once_and_again_for_another_structure():
+    traces = []
+
+    def loss_fn(model, batch):
+        traces.append(1)  # runs once per trace, i.e. once per compile
+        return mlp_loss(model, batch)
+
+    batches = mlp_batches(3)
+    init_fleet({"dp_degree": 8})
+    step = make_train_step(loss_fn)
+
+    def train(module):
+        model = fleet.distributed_model(module)
+        opt = fleet.distributed_optimizer(optax.sgd(0.1))
+        return model, opt, [float(step(model, opt, b)) for b in batches]
+
+    model, opt, _ = train(ListConfigMLP())
+    assert len(traces) == 1  # three calls, one compile
+
+    # The same parameters but another value in the config's list: only the graph
+    # definition differs, and reusing the first program would scale by the old value.
+    _, _, got = train(ListConfigMLP(scales=(1.0, 3.0)))
+    want, _ = plain_nnx_jit_run(ListConfigMLP(scales=(1.0, 3.0)), batches)
+    assert len(traces) == 2
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
+    # Other layer sizes: another structure, another compile.
+    train(ListConfigMLP(sizes=(4, 16, 2)))
+    assert len(traces) == 3
+
+    # The first model again: its program is still cached.
+    step(model, opt, batches[0])
+    assert len(traces) == 3
+
+    # The config's list edited in place: the program traced with the old value must
+    # not be reused (a hand-written nnx.jit step would reuse it).
+    model.module.scales[1] = 5.0
+    want_loss = float(mlp_loss(model.module, jax.tree.map(jnp.asarray, batches[1])))
+    got_loss = float(step(model, opt, batches[1]))
+    assert len(traces) == 4
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)

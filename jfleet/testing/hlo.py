@@ -1,4 +1,4 @@
-"""Count the collectives of a compiled XLA program, and their bytes, from its HLO text.
+"""Count the collectives of a compiled XLA program and their bytes, and its dot FLOPs, from HLO.
 
 ``collectives(text)`` reads the optimised HLO that ``jax.jit(f).lower(...).compile().as_text()``
 prints and returns one :class:`Collective` per collective instruction, with
@@ -23,6 +23,10 @@ reduction appears on CPU as an all-reduce whose result is only sliced. ``sliced_
 reports the part of an all-reduce's result that is used only through ``dynamic-slice``:
 the bytes a GPU/TPU build would reduce-scatter instead.
 
+``dot_flops(text)`` counts the floating-point operations of every ``dot`` and
+``convolution``, weighted the same way by the trip counts of enclosing loops (which
+``compiled.cost_analysis()`` does not do: it counts a loop body once).
+
 Example:
   >>> text = '''
   ... HloModule m, num_partitions=4
@@ -41,7 +45,7 @@ import dataclasses
 import json
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
@@ -349,6 +353,20 @@ class _Module:
         table = self.by_name[comp]
         return sum(shape_bytes(table[op].shape) for op in inst.operands if op in table)
 
+    def operand_shapes(self, comp: str, inst: _Instruction) -> list[str | None]:
+        """The shape of each operand: printed inline (``f32[4,8]{1,0} %x``), else the
+        shape of the instruction of that name in ``comp``; None when neither says."""
+        shapes: list[str | None] = []
+        table = self.by_name[comp]
+        for piece in _tuple_elements(f"({inst.args})"):
+            head, _, name = piece.strip().rpartition(" ")
+            if head.strip():
+                shapes.append(head.strip())
+            else:
+                found = table.get(name.lstrip("%"))
+                shapes.append(found.shape if found is not None else None)
+        return shapes
+
     def only_sliced(self, comp: str, name: str, depth: int = 0) -> bool:
         """Whether every use of value ``name`` reads it through a dynamic-slice.
 
@@ -406,28 +424,38 @@ class _Module:
 
     def walk(self) -> list[Collective]:
         out: list[Collective] = []
-        if self.entry is None:
-            return out
-        self._walk(self.entry, 1, True, out, set())
+        for comp, inst, weight, known in self.visit():
+            kind, phase = _kind(inst.opcode)
+            if kind is not None and phase != "done":
+                out.append(self._collective(comp, inst, kind, phase, weight, known))
         return out
 
-    def _walk(self, comp: str, weight: int, known: bool, out: list, stack: set) -> None:
+    def visit(self) -> Iterator[tuple[str, _Instruction, int, bool]]:
+        """(computation, instruction, executions per run, trip counts known) of every
+        instruction reachable from the entry, each in every computation that reaches it."""
+        if self.entry is None:
+            return iter(())
+        return self._visit(self.entry, 1, True, frozenset())
+
+    def _visit(
+        self, comp: str, weight: int, known: bool, stack: frozenset
+    ) -> Iterator[tuple[str, _Instruction, int, bool]]:
         if comp not in self.computations or comp in stack:
             return
         stack = stack | {comp}
         for inst in self.computations[comp]:
-            kind, phase = _kind(inst.opcode)
-            if kind is not None and phase != "done":
-                out.append(self._collective(comp, inst, kind, phase, weight, known))
+            yield comp, inst, weight, known
+            _, phase = _kind(inst.opcode)
             if phase == "done" or inst.opcode in ("async-update", "async-done"):
                 continue
             trip = _trip_count(inst) if inst.opcode == "while" else None
             for attr, callee in _callees(inst):
                 if inst.opcode == "while" and attr in ("body", "condition"):
                     inner = (trip if trip is not None else 1) + (attr == "condition")
-                    self._walk(callee, weight * inner, known and trip is not None, out, stack)
+                    deeper = known and trip is not None
+                    yield from self._visit(callee, weight * inner, deeper, stack)
                 else:
-                    self._walk(callee, weight, known, out, stack)
+                    yield from self._visit(callee, weight, known, stack)
 
     def _collective(self, comp, inst, kind, phase, weight, known) -> Collective:
         operand_bytes = self.operand_bytes(comp, inst)
@@ -473,6 +501,122 @@ def _tuple_elements(shape: str) -> list[str]:
     if current.strip():
         parts.append(current.strip())
     return parts
+
+
+@dataclasses.dataclass(frozen=True)
+class Contraction:
+    """One ``dot`` or ``convolution`` instruction of a compiled program.
+
+    Attributes:
+      opcode: ``"dot"`` or ``"convolution"``.
+      name: the instruction's name in the HLO text.
+      flops: floating-point operations of one execution (a multiply-add counts 2).
+      weight: executions per run of the program (product of enclosing trip counts).
+      trip_count_known: False when an enclosing while loop has no ``known_trip_count``
+        (the loop is then counted once).
+    """
+
+    opcode: str
+    name: str
+    flops: int
+    weight: int
+    trip_count_known: bool = True
+
+
+def _dims(shape: str | None) -> list[int] | None:
+    """The dimensions of an array shape string (a dynamic ``<=N`` counts N)."""
+    found = _ARRAY.search(re.sub(r"/\*.*?\*/", "", shape or ""))
+    if found is None:
+        return None
+    return [int(d.strip().replace("<=", "")) for d in found.group(2).split(",") if d.strip()]
+
+
+def _contraction_flops(module: _Module, comp: str, inst: _Instruction) -> int:
+    out = _dims(inst.shape)
+    shapes = module.operand_shapes(comp, inst)
+    if inst.opcode == "dot":
+        lhs = _dims(shapes[0]) if shapes else None
+        if out is None or lhs is None:
+            raise ValueError(
+                f"dot {inst.name!r}: cannot read the shape of its result or of its lhs "
+                f"operand {inst.args!r}; pass the HLO module text whole."
+            )
+        found = re.search(r"\blhs_contracting_dims=\{([\d,\s]*)\}", inst.attrs)
+        axes = [int(a) for a in found.group(1).split(",") if a.strip()] if found else []
+        return 2 * math.prod(out) * math.prod(lhs[a] for a in axes)
+    kernel = _dims(shapes[1]) if len(shapes) > 1 else None
+    labels = re.search(r"\bdim_labels=\w+_(\w+)->\w+", inst.attrs)
+    if out is None or kernel is None or labels is None or "o" not in labels.group(1):
+        raise ValueError(
+            f"convolution {inst.name!r}: cannot read its result shape, its kernel's shape "
+            f"or the kernel's output feature dimension from dim_labels ({inst.attrs!r}); "
+            "pass the HLO module text whole."
+        )
+    features = kernel[labels.group(1).index("o")]
+    return 2 * math.prod(out) * math.prod(kernel) // max(features, 1)
+
+
+def contractions(text: str) -> list[Contraction]:
+    """Every ``dot`` and ``convolution`` reachable from the entry of an HLO module text.
+
+    See :func:`dot_flops` for how each is counted and weighted.
+
+    Example:
+      >>> text = '''
+      ... ENTRY %main (a: f32[8,16], b: f32[16,4]) -> f32[8,4] {
+      ...   %a = f32[8,16]{1,0} parameter(0)
+      ...   %b = f32[16,4]{1,0} parameter(1)
+      ...   ROOT %d = f32[8,4]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+      ... }
+      ... '''
+      >>> contractions(text)
+      [Contraction(opcode='dot', name='d', flops=1024, weight=1, trip_count_known=True)]
+    """
+    module = _Module(text)
+    return [
+        Contraction(inst.opcode, inst.name, _contraction_flops(module, comp, inst), weight, known)
+        for comp, inst, weight, known in module.visit()
+        if inst.opcode in ("dot", "convolution")
+    ]
+
+
+def dot_flops(text: str) -> float:
+    """Floating-point operations per device of one run, from every dot and convolution.
+
+    ``text`` is optimised HLO (``jax.jit(f).lower(...).compile().as_text()``); after SPMD
+    partitioning its shapes are one device's, so this is per device.
+
+      * a ``dot``: 2 x (elements of the result, batch dimensions included) x (product of
+        the lhs operand's ``lhs_contracting_dims``);
+      * a ``convolution``: 2 x (elements of the result) x (kernel elements / the kernel's
+        output feature count), the kernel's ``o`` dimension in ``dim_labels`` (such as
+        ``b01f_01io->b01f``): the multiply-adds of one output element. Every tap of the
+        window counts, padding included (XLA's cost analysis leaves out taps that fall
+        in padding, so it reports less for a padded convolution).
+
+    Each is weighted by its executions per run: 1 in the entry computation, times the
+    ``known_trip_count`` of every enclosing ``while`` body (its condition runs once more),
+    and counted in every computation reached through ``fusion`` (``calls=``), ``call``
+    (``to_apply=``), ``while`` (body and condition), async wrappers (``async-start``) and
+    ``conditional``. Every branch of a conditional counts once: an upper bound when a
+    branch is skipped. A while loop without ``known_trip_count`` counts its body once
+    (:func:`contractions` marks those with ``trip_count_known=False``).
+
+    ``compiled.cost_analysis()["flops"]`` counts a loop body once, whatever its trip
+    count, and adds elementwise work; this counts what a scan or a pipeline schedule
+    really runs. Matmuls a backend rewrote into custom calls (cuBLAS ``__cublas$gemm``,
+    oneDNN) are not ``dot`` instructions and are not counted.
+
+    Raises:
+      ValueError: a dot's lhs or a convolution's kernel shape cannot be read.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> text = jax.jit(jnp.matmul).lower(jnp.ones((8, 16)), jnp.ones((16, 4))).compile()
+      >>> dot_flops(text.as_text())
+      1024.0
+    """
+    return float(sum(c.flops * c.weight for c in contractions(text)))
 
 
 def collectives(text: str) -> list[Collective]:

@@ -1,0 +1,1 @@
+"""Tests of jfleet.testing: the HLO readers."""
