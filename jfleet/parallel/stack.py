@@ -4,9 +4,12 @@
 ``to_distributed``'s :class:`~jfleet.auto_parallel.blocks.PipelinedBlocks` (a stand-in for
 a model's list of decoder blocks) both run through this module:
 
-* :func:`stack_layers` stacks ``N`` identical layers into one module of their class whose
+* :func:`stack_layers` stacks ``N`` alike layers into one module of their class whose
   parameters are ``[P, N/P, ...]`` (stage ``s`` owns row ``s``); :func:`annotate_stack`
-  lays the stacked parameters out as ``(pp, None, *inner)`` on a mesh.
+  lays the stacked parameters out as ``(pp, None, *inner)`` on a mesh. Layers are alike
+  when their definitions are equal, static settings included (:func:`first_difference`);
+  layers that repeat with a period ``p`` (local / global attention alternating) stack as
+  ``N/p`` super-blocks of ``p`` layers each (:class:`SuperBlock`, :func:`block_period`).
 * :func:`run_layers` runs a stack of layers with one ``lax.scan`` (optionally recomputing
   groups of layers, optionally constraining each output); :func:`run_stack` runs all
   stages of a stacked module in order (the single-device model).
@@ -42,13 +45,16 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import functools
+import types
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.nnx import graph as nnx_graph
 from jax import lax
 
 from jfleet.topology import PP
@@ -59,7 +65,11 @@ __all__ = [
     "STATIC",
     "StageFn",
     "StageInputs",
+    "SuperBlock",
     "annotate_stack",
+    "block_period",
+    "first_difference",
+    "first_mismatch",
     "narrow",
     "run_layers",
     "run_stack",
@@ -83,36 +93,329 @@ STATIC = "static"
 StageFn = Callable[[Any, Any, Any, Any], Any]
 
 
-# ------------------------------------------------------------------ stacking
-def stack_layers(layers: Sequence[nnx.Module], num_stages: int, name: str | None = None) -> Any:
-    """One module of the layers' class whose parameters are stacked to ``[P, N/P, ...]``.
+# ------------------------------------------------------------------ alike layers
+_ABSENT = object()
 
-    Each layer's own (tensor-parallel) ``out_sharding`` metadata is kept behind the two
-    stacked axes, ``(None, None, *inner)``; :func:`annotate_stack` fills in the stage axis.
+
+def first_difference(a: nnx.Module, b: nnx.Module) -> str | None:
+    """What first tells ``a``'s definition from ``b``'s, or None when they are alike.
+
+    Two layers are alike when one graph definition runs both: the same classes, the same
+    attributes with equal static values (``window=4``, ``None``, strings, tuples, dtypes;
+    functions made from the same code with alike defaults and closures), the same
+    sub-module sharing, and variables of the same kind, shape and dtype. Parameter values
+    and variable metadata (layouts) may differ. Attributes are compared in sorted order, so
+    the difference named is the first by path.
 
     Args:
-      layers: ``N`` modules of one class and structure, holding only ``nnx.Param``\\ s.
-      num_stages: ``P``; it must divide ``N``.
-      name: what the layers are called in error messages (default: their class name).
+      a: a layer.
+      b: another layer.
 
     Returns:
-      A module of the layers' class (its ``__call__`` is one layer's; run it with
-      :func:`run_layers` / :func:`run_stack`).
+      None, or a phrase naming the attribute path and both values, ``a``'s first:
+      ``"attribute 'attn.window' (None vs 4)"``, ``"parameter 'mlp.kernel' (shape (16, 32)
+      vs (16, 64))"``, ``"its class (LocalBlock vs GlobalBlock)"``.
+
+    Example:
+      >>> from flax import nnx
+      >>> first_difference(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.Linear(2, 3, rngs=nnx.Rngs(1)))
+      >>> first_difference(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.Linear(2, 4, rngs=nnx.Rngs(0)))
+      "parameter 'bias' (shape (3,) vs (4,))"
+      >>> drop = lambda r: nnx.Dropout(r, deterministic=True)
+      >>> first_difference(drop(0.1), drop(0.2))
+      "attribute 'rate' (0.1 vs 0.2)"
+    """
+    return _difference(a, b, (), {}, {})
+
+
+def _difference(a: Any, b: Any, path: tuple, seen_a: dict, seen_b: dict) -> str | None:
+    if type(a) is not type(b):
+        return _differs(path, a, b)
+    node = isinstance(a, nnx.Variable) or nnx_graph.is_graph_node(a)
+    if node:  # the same sharing of sub-modules and variables
+        first_a, first_b = seen_a.get(id(a)), seen_b.get(id(b))
+        if first_a != first_b:
+            shown = [
+                f"the same object as {_dotted(p)!r}" if p is not None else "a separate object"
+                for p in (first_a, first_b)
+            ]
+            return f"{_where(path)} ({shown[0]} vs {shown[1]})"
+        if first_a is not None:
+            return None
+        seen_a[id(a)], seen_b[id(b)] = path, path
+    if isinstance(a, nnx.Variable):
+        return _array_difference(path, a.get_value(), b.get_value(), a)
+    if node:
+        dict_a, dict_b = _attributes(a), _attributes(b)
+        for key in sorted(set(dict_a) | set(dict_b), key=_key_order):
+            value_a, value_b = dict_a.get(key, _ABSENT), dict_b.get(key, _ABSENT)
+            if value_a is _ABSENT or value_b is _ABSENT:
+                return _differs((*path, key), value_a, value_b)
+            found = _difference(value_a, value_b, (*path, key), seen_a, seen_b)
+            if found:
+                return found
+        return None
+    if _is_array(a):
+        return _array_difference(path, a, b, None)
+    leaves_a, tree_a = jax.tree_util.tree_flatten_with_path(a, is_leaf=_is_graph_leaf)
+    leaves_b, tree_b = jax.tree_util.tree_flatten_with_path(b, is_leaf=_is_graph_leaf)
+    if tree_a == tree_b and not jax.tree_util.treedef_is_leaf(tree_a):  # a container
+        for (keys, value_a), (_, value_b) in zip(leaves_a, leaves_b, strict=True):
+            found = _difference(value_a, value_b, (*path, *map(_key, keys)), seen_a, seen_b)
+            if found:
+                return found
+        return None
+    return None if _same_static(a, b) else _differs(path, a, b)
+
+
+def _attributes(node: Any) -> dict:
+    items = nnx_graph.get_node_impl(node).node_dict(node)
+    return {k: v for k, v in items.items() if not str(k).startswith("_pytree__")}
+
+
+def _is_graph_leaf(x: Any) -> bool:
+    return isinstance(x, nnx.Variable) or nnx_graph.is_graph_node(x)
+
+
+def _key(key: Any) -> Any:
+    for name in ("name", "key", "idx"):
+        if hasattr(key, name):
+            return getattr(key, name)
+    return str(key)
+
+
+def _key_order(key: Any) -> tuple:
+    return (0, key, "") if isinstance(key, int) else (1, 0, str(key))
+
+
+def _dotted(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def _where(path: tuple) -> str:
+    return f"attribute {_dotted(path)!r}" if path else "its class"
+
+
+def _differs(path: tuple, a: Any, b: Any) -> str:
+    return f"{_where(path)} ({_show(a)} vs {_show(b)})"
+
+
+def _show(value: Any) -> str:
+    if value is _ABSENT:
+        return "absent"
+    if isinstance(value, nnx.Variable) or nnx_graph.is_graph_node(value) or isinstance(value, type):
+        return type(value).__name__ if not isinstance(value, type) else value.__name__
+    if _is_array(value):
+        return f"{value.dtype}{list(value.shape)}"
+    if isinstance(value, types.FunctionType):
+        return f"function {value.__qualname__}"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _array_difference(path: tuple, a: Any, b: Any, variable: Any) -> str | None:
+    what = "parameter" if isinstance(variable, nnx.Param) else "variable" if variable else "array"
+    shape_a, shape_b = _shape(a), _shape(b)
+    if shape_a != shape_b:
+        return f"{what} {_dotted(path)!r} (shape {shape_a} vs {shape_b})"
+    dtype_a, dtype_b = getattr(a, "dtype", type(a)), getattr(b, "dtype", type(b))
+    if dtype_a != dtype_b:
+        return f"{what} {_dotted(path)!r} (dtype {dtype_a} vs {dtype_b})"
+    return None
+
+
+def _shape(value: Any) -> tuple:
+    return tuple(value.shape) if hasattr(value, "shape") else tuple(np.shape(value))
+
+
+def _same_static(a: Any, b: Any) -> bool:
+    """Whether two static values steer a layer alike (functions: by code and closure)."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, types.FunctionType):
+        cells = [[_cell(c) for c in f.__closure__ or ()] for f in (a, b)]
+        return (
+            a.__code__ is b.__code__
+            and _same_static(a.__defaults__, b.__defaults__)
+            and _same_static(a.__kwdefaults__, b.__kwdefaults__)
+            and _same_static(cells[0], cells[1])
+        )
+    if isinstance(a, functools.partial):
+        return (
+            _same_static(a.func, b.func)
+            and _same_static(a.args, b.args)
+            and _same_static(a.keywords, b.keywords)
+        )
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same_static(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_static(a[k], b[k]) for k in a)
+    if isinstance(a, float) and a != a and b != b:  # two NaNs
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # an object whose == is not a truth value
+        return False
+
+
+def _cell(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a cell not yet filled
+        return _ABSENT
+
+
+def _labels(layers: Sequence[nnx.Module]) -> list[int]:
+    """Per layer, the index of the first layer alike to it."""
+    labels: list[int] = []
+    for i, layer in enumerate(layers):
+        same = (j for j in sorted(set(labels)) if first_difference(layer, layers[j]) is None)
+        labels.append(next(same, i))
+    return labels
+
+
+def block_period(layers: Sequence[nnx.Module]) -> int | None:
+    """The smallest period ``p`` with which the layers repeat, or None.
+
+    ``p`` divides ``N = len(layers)`` and layer ``i`` is alike (:func:`first_difference`)
+    to layer ``i + p`` for every ``i``: 1 when all layers are alike (a single layer
+    included), 2 for local / global attention alternating. A period of ``N`` itself
+    (``N > 1``) would leave nothing to stack, so there is no period then: None.
+
+    Raises:
+      ValueError: no layers.
+
+    Example:
+      >>> from flax import nnx
+      >>> drop = lambda r: nnx.Dropout(r, deterministic=True)
+      >>> block_period([drop(0.1), drop(0.2)] * 3), block_period([drop(0.1)] * 4)
+      (2, 1)
+      >>> block_period([drop(0.1), drop(0.2), drop(0.2), drop(0.2)]) is None
+      True
+    """
+    layers = list(layers)
+    if not layers:
+        raise ValueError("block_period(layers=[]): pass the layers whose period to find.")
+    labels = _labels(layers)
+    n = len(labels)
+    for p in range(1, n if n > 1 else 2):
+        if n % p == 0 and all(labels[i] == labels[i + p] for i in range(n - p)):
+            return p
+    return None
+
+
+def first_mismatch(layers: Sequence[nnx.Module], period: int = 1) -> tuple[int, int, str] | None:
+    """The first layer ``i`` unlike layer ``i % period``: ``(i, i % period, difference)``.
+
+    None when the layers repeat with ``period`` (every layer is alike to the layer at its
+    place in the first period); the difference is :func:`first_difference`'s phrase.
+
+    Example:
+      >>> from flax import nnx
+      >>> drop = lambda r: nnx.Dropout(r, deterministic=True)
+      >>> first_mismatch([drop(0.1), drop(0.2)] * 2)
+      (1, 0, "attribute 'rate' (0.2 vs 0.1)")
+      >>> first_mismatch([drop(0.1), drop(0.2)] * 2, period=2) is None
+      True
+    """
+    layers = list(layers)
+    for i in range(period, len(layers)):
+        found = first_difference(layers[i], layers[i % period])
+        if found:
+            return i, i % period, found
+    return None
+
+
+class SuperBlock(nnx.Module):
+    """``p`` consecutive layers run in order: the unit stacked when layers repeat every ``p``.
+
+    ``__call__(x, *args, **kwargs)`` runs ``x = layer(x, *args, **kwargs)`` for each layer,
+    every layer getting the same further arguments and passing the activation (an array or
+    a tuple such as ``(hidden, mask, positions)``) to the next.
+
+    Attributes:
+      layers: the layers, in order (an ``nnx.List``).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> pair = SuperBlock([nnx.Linear(2, 2, rngs=nnx.Rngs(i)) for i in range(2)])
+      >>> x = jnp.ones((1, 2))
+      >>> bool(jnp.allclose(pair(x), pair.layers[1](pair.layers[0](x))))
+      True
+    """
+
+    def __init__(self, layers: Sequence[nnx.Module]) -> None:
+        self.layers = nnx.List(list(layers))
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        for layer in self.layers:
+            x = layer(x, *args, **kwargs)
+        return x
+
+
+def _steps(module: nnx.Module) -> Iterator[nnx.Module]:
+    """The layers one scan step of a stack runs: a super-block's, or the module itself."""
+    return iter(module.layers) if isinstance(module, SuperBlock) else iter((module,))
+
+
+# ------------------------------------------------------------------ stacking
+def stack_layers(
+    layers: Sequence[nnx.Module],
+    num_stages: int,
+    name: str | None = None,
+    *,
+    period: int = 1,
+) -> Any:
+    """One module whose parameters are the layers' stacked to ``[P, N/P, ...]``.
+
+    With ``period=1`` the layers must be alike (:func:`first_difference`: the same
+    definition, static settings such as a sliding window included), and the result is a
+    module of their class built from layer 0's definition. With ``period=p`` layer ``i``
+    must be alike to layer ``i % p``: each ``p`` consecutive layers become a
+    :class:`SuperBlock` and the ``N/p`` super-blocks are stacked to ``[P, N/(pP), ...]``
+    (:func:`block_period` finds ``p``). Each layer's own (tensor-parallel)
+    ``out_sharding`` metadata is kept behind the two stacked axes, ``(None, None,
+    *inner)``; :func:`annotate_stack` fills in the stage axis.
+
+    Args:
+      layers: ``N`` modules holding only ``nnx.Param``\\ s.
+      num_stages: ``P``; it must divide ``N / period``.
+      name: what the layers are called in error messages (default: their class name).
+      period: ``p``, the number of consecutive layers stacked as one unit; it must
+        divide ``N``.
+
+    Returns:
+      A module of the layers' class (``period=1``) or a :class:`SuperBlock` (its
+      ``__call__`` is one unit's; run the stack with :func:`run_layers` / :func:`run_stack`).
 
     Raises:
       TypeError: an entry that is not an ``nnx.Module``.
-      ValueError: no layers, ``num_stages`` not dividing their number, or layers holding
-        state other than ``nnx.Param`` (batch statistics, caches, RNG streams).
+      ValueError: no layers; ``period`` not dividing their number; ``num_stages`` not
+        dividing the number of units; layers holding state other than ``nnx.Param``
+        (batch statistics, caches, RNG streams); or layers that are not alike (layer
+        ``i`` unlike layer ``i % period``; the message names the first differing
+        attribute with both values and the period they repeat with, if any).
 
     Example:
       >>> from flax import nnx
       >>> body = stack_layers([nnx.Linear(2, 3, rngs=nnx.Rngs(i)) for i in range(6)], 3)
       >>> body.kernel.shape, body.bias.shape
       ((3, 2, 2, 3), (3, 2, 3))
+      >>> def linear(i):  # every other layer computes at the highest matmul precision
+      ...     return nnx.Linear(2, 2, precision="highest" if i % 2 else None, rngs=nnx.Rngs(i))
+      >>> stack_layers([linear(i) for i in range(4)], 2)  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ValueError: the pipelined body's Linear layers are not alike: layer 1 differs from ...
+      >>> pairs = stack_layers([linear(i) for i in range(4)], 2, period=2)
+      >>> type(pairs).__name__, pairs.layers[1].kernel.shape, pairs.layers[1].precision
+      ('SuperBlock', (2, 1, 2, 2), 'highest')
     """
     layers = list(layers)
     if not layers:
-        raise ValueError("stack_layers(layers=[]): pass the (identical) layers to stack.")
+        raise ValueError("stack_layers(layers=[]): pass the (alike) layers to stack.")
     bad = [
         f"{i}: {type(a).__name__}" for i, a in enumerate(layers) if not isinstance(a, nnx.Module)
     ]
@@ -122,24 +425,43 @@ def stack_layers(layers: Sequence[nnx.Module], num_stages: int, name: str | None
             f"the pipelined body's {name} builds {'; '.join(bad)}, not an nnx.Module; "
             "pipelined layers must be nnx.Module instances."
         )
-    if not isinstance(num_stages, int) or num_stages < 1 or len(layers) % num_stages:
+    count = len(layers)
+    if not isinstance(period, int) or period < 1 or count % period:
         raise ValueError(
-            f"num_stages={num_stages!r} does not split the {len(layers)} {name} layers evenly; "
-            f"use a stage count dividing {len(layers)}."
+            f"period={period!r} does not divide the {count} {name} layers; use a period "
+            f"(layers per super-block) dividing {count}."
         )
-    other = nnx.state(layers[0], nnx.Not(nnx.Param))
-    if jax.tree.leaves(other):
-        kinds = sorted({type(v).__name__ for _, v in nnx.to_flat_state(other)})
+    units = count // period
+    if not isinstance(num_stages, int) or num_stages < 1 or units % num_stages:
+        grouped = f" in {units} super-blocks of {period}" if period > 1 else ""
         raise ValueError(
-            f"the pipelined body's {name} layers hold state other than nnx.Param ({kinds}); "
-            "pipelined layers may only hold parameters (no batch statistics, caches or RNG "
-            "streams: build dropout without rngs, or keep such layers in the pre / post part)."
+            f"num_stages={num_stages!r} does not split the {count} {name} layers{grouped} "
+            f"evenly; use a stage count dividing {units}."
         )
-    graphdef, _ = nnx.split(layers[0])
-    per_stage = len(layers) // num_stages
-    states = [nnx.state(layer) for layer in layers]
-    stacked = jax.tree.map(
-        lambda *xs: jnp.stack(xs).reshape(num_stages, per_stage, *xs[0].shape), *states
+    for layer in layers[:period]:
+        other = nnx.state(layer, nnx.Not(nnx.Param))
+        if jax.tree.leaves(other):
+            kinds = sorted({type(v).__name__ for _, v in nnx.to_flat_state(other)})
+            raise ValueError(
+                f"the pipelined body's {name} layers hold state other than nnx.Param ({kinds}); "
+                "pipelined layers may only hold parameters (no batch statistics, caches or RNG "
+                "streams: build dropout without rngs, or keep such layers in the pre / post "
+                "part)."
+            )
+    mismatch = first_mismatch(layers, period)
+    if mismatch:
+        raise ValueError(_unlike_message(layers, mismatch, period, name))
+    if period > 1:
+        layers = [SuperBlock(layers[k : k + period]) for k in range(0, count, period)]
+    graphdef, template = nnx.split(layers[0])
+    per_stage = units // num_stages
+    leaves = [jax.tree.leaves(nnx.state(layer)) for layer in layers]
+    stacked = jax.tree.unflatten(
+        jax.tree.structure(template),
+        [
+            jnp.stack(xs).reshape(num_stages, per_stage, *xs[0].shape)
+            for xs in zip(*leaves, strict=True)
+        ],
     )
     for _, var in nnx.to_flat_state(stacked):
         inner = var.get_metadata("out_sharding", None)
@@ -147,6 +469,30 @@ def stack_layers(layers: Sequence[nnx.Module], num_stages: int, name: str | None
             inner = tuple(inner) + (None,) * (var.ndim - 2 - len(inner))
             var.set_metadata(out_sharding=(None, None, *inner))
     return nnx.merge(graphdef, stacked)
+
+
+def _unlike_message(
+    layers: Sequence[nnx.Module], mismatch: tuple[int, int, str], period: int, name: str
+) -> str:
+    i, j, difference = mismatch
+    found = block_period(layers)
+    said = f"layer {i} differs from layer {j} in {difference}"
+    if period == 1:
+        head = f"the pipelined body's {name} layers are not alike: {said}"
+    else:
+        head = f"the pipelined body's {name} layers do not repeat every {period}: {said}"
+    if found is not None and found != period:
+        fix = (
+            f"they repeat every {found} layers: stack them with period={found} (super-blocks "
+            f"of {found} consecutive layers), or run them without a pipeline."
+        )
+    else:
+        fix = (
+            f"they do not repeat with any period shorter than all {len(layers)}, so one "
+            "definition cannot run them all: run them without a pipeline, or give them the "
+            "same settings."
+        )
+    return f"{head}. Stacked layers all run one definition (static settings included); {fix}"
 
 
 def annotate_stack(body: nnx.Module, mesh: jax.sharding.Mesh, num_stages: int) -> None:
@@ -186,19 +532,21 @@ def run_layers(
 ) -> Any:
     """``x`` through the layers whose parameters are ``params`` (leaves ``[n, ...]``).
 
-    Each layer is ``nnx.merge(graphdef, params_of_layer)`` called as ``layer(x, *args,
-    **kwargs)``, with ``after`` (a sharding constraint, say) applied to its output. The
-    activation (an array or a pytree such as ``(hidden, mask, position_ids)``) is a
-    ``lax.scan`` carry: it keeps the structure and dtypes it enters with.
+    Each scan step is one stacked unit, ``nnx.merge(graphdef, params_of_unit)``: a layer,
+    or the ``p`` layers of a :class:`SuperBlock` in order. Each layer is called as
+    ``layer(x, *args, **kwargs)``, with ``after`` (a sharding constraint, say) applied to
+    its output. The activation (an array or a pytree such as ``(hidden, mask,
+    position_ids)``) is a ``lax.scan`` carry: it keeps the structure and dtypes it enters
+    with (cast back after each unit).
 
     Args:
-      graphdef: the graph definition of one layer (``nnx.split(stacked)[0]``).
-      params: the layers' parameters, leaves ``[n, ...]`` (one stage's, or all ``N``).
+      graphdef: the graph definition of one unit (``nnx.split(stacked)[0]``).
+      params: the units' parameters, leaves ``[n, ...]`` (one stage's, or all).
       x: the activation entering the first layer.
       args: further positional arguments of every layer.
       kwargs: keyword arguments of every layer.
-      remat_interval: ``k > 0`` runs each group of ``k`` layers under ``jax.checkpoint``
-        (the last group may be shorter); 0 keeps every activation.
+      remat_interval: ``k > 0`` runs each group of ``k`` units (layers, or super-blocks)
+        under ``jax.checkpoint`` (the last group may be shorter); 0 keeps every activation.
       after: applied to each layer's output.
 
     Returns:
@@ -216,8 +564,10 @@ def run_layers(
     kwargs = kwargs or {}
 
     def one(h: Any, w: Any) -> tuple[Any, None]:
-        y = nnx.merge(graphdef, w)(h, *args, **kwargs)
-        y = y if after is None else after(y)
+        y = h
+        for layer in _steps(nnx.merge(graphdef, w)):
+            y = layer(y, *args, **kwargs)
+            y = y if after is None else after(y)
         return jax.tree.map(lambda a, b: a.astype(b.dtype), y, h), None
 
     def scan(h: Any, w: Any) -> Any:
@@ -241,6 +591,8 @@ def run_layers(
 
 def run_stack(body: nnx.Module, x: Any, *args: Any, remat_interval: int = 0, **kwargs: Any) -> Any:
     """All ``N`` layers of a stacked module in order, on one program (the sequential model).
+
+    ``remat_interval`` counts stacked units (super-blocks when the stack has a period).
 
     Example:
       >>> import jax.numpy as jnp

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType
 
+from jfleet.auto_parallel.blocks import PipelinedBlocks, pipeline_blocks
 from jfleet.parallel import stack
 from jfleet.parallel.pipeline_schedule import pipeline_forward
 from jfleet.topology import DP, MP, PP
@@ -286,3 +287,157 @@ def test_a_stack_runs_through_pipeline_forward_with_side_activation_leaves():
     assert got[1].dtype == jnp.bool_ and got[2].dtype == jnp.int32
     assert_trees_close(got, want)
     assert_trees_close(got_grads, want_grads)
+
+
+# ------------------------------------------------------------------ blocks that alternate
+# A tiny decoder as public NNX ports of Gemma 2/3 write it: the blocks are one class, and
+# even blocks attend within a sliding window while odd ones attend globally (a static
+# setting; the parameter shapes are the same).
+WIDTH, HEADS, VOCAB, WINDOW, TOKENS = 16, 2, 32, 3, 8
+
+
+class Attention(nnx.Module):
+    def __init__(self, sliding_window: int | None, *, rngs: nnx.Rngs):
+        self.num_heads = HEADS
+        self.sliding_window = sliding_window
+        self.qkv = nnx.Linear(WIDTH, 3 * WIDTH, use_bias=False, rngs=rngs)
+        self.out = nnx.Linear(WIDTH, WIDTH, use_bias=False, rngs=rngs)
+
+    def __call__(self, x, positions, mask=None):
+        b, t, _ = x.shape
+        q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3 * self.num_heads, -1), 3, axis=2)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+        if mask is None:
+            distance = positions[:, :, None] - positions[:, None, :]
+            mask = distance >= 0
+            if self.sliding_window is not None:
+                mask = mask & (distance < self.sliding_window)
+        scores = jnp.where(mask[:, None], scores, -1e30)
+        y = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+        return self.out(y.reshape(b, t, WIDTH))
+
+
+class Block(nnx.Module):
+    def __init__(self, i: int, *, rngs: nnx.Rngs):
+        self.sliding_window = WINDOW if i % 2 == 0 else None  # local, global, local, ...
+        self.attn_norm = nnx.RMSNorm(WIDTH, rngs=rngs)
+        self.attn = Attention(self.sliding_window, rngs=rngs)
+        self.mlp_norm = nnx.RMSNorm(WIDTH, rngs=rngs)
+        self.up = nnx.Linear(WIDTH, 2 * WIDTH, rngs=rngs)
+        self.down = nnx.Linear(2 * WIDTH, WIDTH, rngs=rngs)
+
+    def __call__(self, x, positions, mask=None):
+        x = x + self.attn(self.attn_norm(x), positions, mask)
+        return x + self.down(nnx.gelu(self.up(self.mlp_norm(x))))
+
+
+class Decoder(nnx.Module):
+    block_class = Block
+
+    def __init__(self, kinds=(0, 1, 2, 3), *, seed: int = 0):
+        rngs = nnx.Rngs(seed)
+        self.embed = nnx.Embed(VOCAB, WIDTH, rngs=rngs)
+        self.layers = nnx.List([self.block_class(i, rngs=rngs) for i in kinds])
+        self.norm = nnx.RMSNorm(WIDTH, rngs=rngs)
+
+    def __call__(self, tokens):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, positions)
+        return self.embed.attend(self.norm(x))
+
+
+def lm_data(batch: int = 4):
+    tokens = jax.random.randint(jax.random.key(7), (batch, TOKENS + 1), 0, VOCAB)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def lm_loss(model, tokens, targets):
+    logits = model(tokens)
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1)), logits
+
+
+def test_first_difference_names_the_setting_and_both_values():
+    local, wide = Block(0, rngs=nnx.Rngs(0)), Block(1, rngs=nnx.Rngs(1))
+    assert stack.first_difference(local, Block(2, rngs=nnx.Rngs(2))) is None
+    assert stack.first_difference(wide, local) == "attribute 'attn.sliding_window' (None vs 3)"
+    narrow = nnx.Linear(WIDTH, WIDTH, rngs=nnx.Rngs(0))
+    assert stack.first_difference(narrow, nnx.Linear(WIDTH, 8, rngs=nnx.Rngs(0))) == (
+        "parameter 'bias' (shape (16,) vs (8,))"
+    )
+    assert stack.first_difference(local, narrow) == "its class (Block vs Linear)"
+
+
+def test_block_period_of_alternating_identical_and_irregular_blocks():
+    assert stack.block_period(Decoder().layers) == 2
+    assert stack.block_period(Decoder(kinds=(0, 0, 0, 0)).layers) == 1
+    assert stack.block_period(Decoder(kinds=(0, 1, 1, 1)).layers) is None
+    assert stack.block_period(Decoder(kinds=(1,)).layers) == 1
+
+
+def test_alternating_blocks_are_refused_without_their_period():
+    """Before the check every block ran as block 0 (all local attention): silently wrong."""
+    blocks = list(Decoder().layers)
+    with pytest.raises(
+        ValueError,
+        match=r"layer 1 differs from layer 0 in attribute 'attn.sliding_window' \(None vs 3\)"
+        r".*period=2",
+    ):
+        stack.stack_layers(blocks, 2)
+    with pytest.raises(ValueError, match=r"do not repeat every 2: layer 3 differs from layer 1"):
+        stack.stack_layers(list(Decoder(kinds=(0, 1, 2, 2)).layers), 1, period=2)
+    with pytest.raises(ValueError, match=r"period=3 does not divide the 4 Block layers"):
+        stack.stack_layers(blocks, 1, period=3)
+    with pytest.raises(ValueError, match=r"in 2 super-blocks of 2 evenly; .* dividing 2"):
+        stack.stack_layers(blocks, 4, period=2)
+    mesh = make_mesh(dp=2, pp=2)
+    with pytest.raises(ValueError, match=r"layer 1 differs from layer 0 .*sliding_window"):
+        PipelinedBlocks(blocks, mesh=mesh, num_microbatches=2, period=1)
+    irregular = list(Decoder(kinds=(0, 1, 1, 1)).layers)
+    with pytest.raises(ValueError, match=r"block 1 differs from block 0 .*sliding_window"):
+        PipelinedBlocks(irregular, mesh=mesh, num_microbatches=2)
+
+
+def test_super_blocks_stack_and_run_each_block_with_its_own_setting():
+    blocks = list(Decoder().layers)
+    body = stack.stack_layers(blocks, 2, period=2)
+    assert type(body) is stack.SuperBlock
+    assert [layer.attn.sliding_window for layer in body.layers] == [WINDOW, None]
+    assert body.layers[1].up.kernel.shape == (2, 1, WIDTH, 2 * WIDTH)
+    np.testing.assert_array_equal(body.layers[1].up.kernel[1, 0], blocks[3].up.kernel[...])
+    x = jax.random.normal(jax.random.key(0), (2, TOKENS, WIDTH))
+    positions = jnp.broadcast_to(jnp.arange(TOKENS), (2, TOKENS))
+    want = loop(blocks, x, positions)
+    assert_trees_close(stack.run_stack(body, x, positions, remat_interval=1), want)
+
+
+def test_pipelined_super_blocks_equal_one_device_in_values_and_gradients():
+    """dp2 x pp2 x mp2, 4 alternating blocks as 2 super-blocks of 2 (one per stage),
+    with and without recompute: the loss, logits and every gradient equal one device's."""
+    auto = (AxisType.Auto,) * 3
+    mesh = jax.make_mesh((2, 2, 2), (DP, PP, MP), axis_types=auto, devices=jax.devices()[:8])
+    reference = Decoder()
+    plain, recomputed = nnx.clone(reference), nnx.clone(reference)
+    stand_in = pipeline_blocks(plain, "layers", mesh=mesh, num_microbatches=2)
+    assert stand_in.period == 2 and type(stand_in.body) is stack.SuperBlock
+    pipeline_blocks(recomputed, "layers", mesh=mesh, num_microbatches=2, recompute=True)
+    tokens, targets = lm_data()
+    grad = nnx.value_and_grad(lm_loss, has_aux=True)
+
+    @nnx.jit
+    def run(reference, plain, recomputed):
+        return [grad(m, tokens, targets) for m in (reference, plain, recomputed)]
+
+    ((want_loss, want_logits), want), *pipelined = run(reference, plain, recomputed)
+    for (loss, logits), grads in pipelined:
+        np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
+        assert_trees_close(grads["embed"], want["embed"], atol=1e-5)
+        assert_trees_close(grads["norm"], want["norm"], atol=1e-5)
+        body = grads["layers"]["body"]["layers"]
+        for b in range(4):
+            stage, k = divmod(b, 2)
+            got = jax.tree.map(lambda a, s=stage: a[s, 0], body[k])
+            assert_trees_close(got, want["layers"][b], atol=1e-5)

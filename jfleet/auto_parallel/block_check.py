@@ -1,0 +1,633 @@
+"""Planning-time checks: can a model's decoder blocks run as a pipelined stack?
+
+``to_distributed`` replaces a model's list of blocks by a
+:class:`~jfleet.auto_parallel.blocks.PipelinedBlocks` only when that runs the same
+computation. :func:`pipeline_problem` says why it would not, before the first step, in
+words for the user (or None):
+
+* the blocks hold state other than ``nnx.Param`` (dropout RNG streams, batch
+  statistics, caches);
+* the blocks are not alike and do not repeat with a period
+  (:func:`~jfleet.parallel.stack.block_period`), or ``num_stages`` does not divide the
+  number of stacked units;
+* the forward does not run each block exactly once, in order, each taking the previous
+  block's output and the same further arguments;
+* a block takes an object argument (a KV-cache module, a list of variables) or returns
+  more than its activation (``(x, aux_loss)``).
+
+The calls are seen by :func:`record_block_calls`, which traces the forward abstractly
+(``jax.eval_shape``: no FLOPs) on a copy of the model's state and leaves the model as it
+was.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from jfleet.models.llama import TinyLlama
+  >>> model = TinyLlama(layers=2)
+  >>> tokens = jnp.zeros((2, 8), int)
+  >>> paths = ["layers.0", "layers.1"]
+  >>> print(pipeline_problem(model, paths, lambda: model(tokens), num_stages=2))
+  None
+  >>> print(pipeline_problem(model, paths, lambda: model(tokens), num_stages=4))
+  the 2 blocks do not split evenly into 4 pipeline stages; use a pp degree dividing 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.nnx import graph as nnx_graph
+
+from jfleet.auto_parallel.blocks import module_at
+from jfleet.parallel.stack import block_period, first_mismatch
+
+__all__ = [
+    "ARRAY",
+    "NONE",
+    "OBJECT",
+    "SCALAR",
+    "STATIC",
+    "TREE",
+    "Argument",
+    "BlockCall",
+    "BlockCalls",
+    "Leaf",
+    "block_period",
+    "period_problem",
+    "pipeline_problem",
+    "record_block_calls",
+]
+
+ARRAY = "array"
+"""Kind of a block argument that is an array."""
+NONE = "none"
+"""Kind of a block argument that is None."""
+SCALAR = "scalar"
+"""Kind of a block argument that is a Python bool / int / float / str or an enum member."""
+TREE = "tree"
+"""Kind of a block argument that is a pytree (tuple, list, dict) of arrays and scalars."""
+STATIC = "static"
+"""Kind of a block argument that is another object holding no arrays (a function, a
+frozen config): passed to every block as it is."""
+OBJECT = "object"
+"""Kind of a block argument a pipeline cannot pass: an NNX module or variable, or a
+container or object holding them or arrays outside a pytree (a KV cache)."""
+
+_PIPELINE_ARGS = (
+    "after the activation, pipelined blocks take only arrays, pytrees of arrays and plain "
+    "Python values: an NNX object or a cache cannot be split into micro-batches and handed "
+    "to every pipeline stage"
+)
+_CROSS = (
+    "only the activation (and integer/bool side inputs passed back unchanged) can cross "
+    "pipeline stages"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One array (or other leaf) of a block's activation or output.
+
+    Attributes:
+      kind: ``"float"``, ``"int"``, ``"bool"`` (arrays) or ``"other"``.
+      text: a description, ``"float32[2,8,16]"`` or a type name.
+      passed_back: (outputs only) the very array of the activation at the same place,
+        returned unchanged.
+    """
+
+    kind: str
+    text: str
+    passed_back: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Argument:
+    """One argument of a block call after the activation.
+
+    Attributes:
+      name: its position after the activation (``"0"``, ``"1"``, ...) or its keyword.
+      kind: :data:`ARRAY`, :data:`NONE`, :data:`SCALAR`, :data:`TREE`, :data:`STATIC` or
+        :data:`OBJECT`.
+      text: a description: ``"int32[2,8]"``, ``"True"``, ``"KVCache (an NNX object)"``.
+    """
+
+    name: str
+    kind: str
+    text: str
+
+    @property
+    def where(self) -> str:
+        """``"argument 0 after the activation"`` or ``"keyword argument 'mask'"``."""
+        if self.name.isdigit():
+            return f"argument {self.name} after the activation"
+        return f"keyword argument {self.name!r}"
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockCall:
+    """What one call of a block took and returned.
+
+    Attributes:
+      activation: the leaves of its first argument (the activation).
+      arguments: its further positional arguments, then its keyword arguments.
+      returns: ``"array"``, ``"tuple"``, or the type name of what it returned.
+      outputs: the leaves of what it returned.
+      same_structure: the output has the activation's pytree structure.
+      chained: its activation is, leaf by leaf, the output of the block call just before
+        it (True for the first call of the forward).
+      differs: how its further arguments differ from the first block call's (a phrase),
+        or None when they are the same (the same arrays, equal Python values).
+    """
+
+    activation: tuple[Leaf, ...]
+    arguments: tuple[Argument, ...]
+    returns: str
+    outputs: tuple[Leaf, ...]
+    same_structure: bool
+    chained: bool = True
+    differs: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockCalls:
+    """The calls of one block during one forward.
+
+    Attributes:
+      path: the block's dotted path (``"layers.0"``).
+      calls: its calls, in order (empty when the forward never ran it).
+    """
+
+    path: str
+    calls: tuple[BlockCall, ...]
+
+
+# ------------------------------------------------------------------ recording
+def record_block_calls(
+    model: nnx.Module, block_paths: Sequence[str], call: Callable[[], Any]
+) -> list[BlockCalls]:
+    """How each block at ``block_paths`` is called when ``call()`` runs the model's forward.
+
+    ``call`` is evaluated abstractly (``jax.eval_shape``: shapes only, no FLOPs) on a copy
+    of the model: for the duration, the model's attributes are those of a copy merged from
+    its state inside the trace, so a forward that updates state (dropout RNG counts,
+    batch statistics) can run, and the copy's blocks are instances of a recording
+    subclass of their class. The model itself is left exactly as it was (its attributes,
+    sub-modules, classes and state). ``call`` must reach the blocks through ``model``
+    (``lambda: model(tokens)``); blocks reached through a reference taken before (a list
+    of the blocks captured in a closure) are not seen.
+
+    Args:
+      model: the NNX model.
+      block_paths: dotted paths of the blocks (``["layers.0", "layers.1"]``).
+      call: a function of no arguments running the model's forward.
+
+    Returns:
+      One :class:`BlockCalls` per path, in the order given.
+
+    Raises:
+      TypeError: ``block_paths`` is a string, or a path that is not an ``nnx.Module``.
+      ValueError: a path that does not resolve under ``model``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jfleet.models.llama import TinyLlama
+      >>> model = TinyLlama(layers=2)
+      >>> tokens = jnp.zeros((2, 8), int)
+      >>> calls = record_block_calls(model, ["layers.0", "layers.1"], lambda: model(tokens))
+      >>> [len(c.calls) for c in calls], calls[1].calls[0].chained
+      ([1, 1], True)
+      >>> calls[0].calls[0].returns, calls[0].calls[0].outputs[0].text
+      ('array', 'float32[2,8,32]')
+    """
+    paths = _check_paths(model, block_paths)
+    graphdef, state = nnx.split(model)
+    seen: dict[str, list[BlockCall]] = {p: [] for p in paths}
+    chain = _Chain()
+    saved = dict(vars(model))
+
+    def traced(state: Any) -> None:
+        fresh = nnx.merge(graphdef, state)
+        for path in paths:
+            block = module_at(fresh, path)
+            block.__class__ = _recording_class(type(block), path, seen[path], chain)
+        attributes = vars(model)
+        attributes.clear()
+        attributes.update(vars(fresh))
+        try:
+            call()
+        finally:
+            attributes.clear()
+            attributes.update(saved)
+
+    jax.eval_shape(traced, state)
+    return [BlockCalls(p, tuple(seen[p])) for p in paths]
+
+
+def _check_paths(model: nnx.Module, block_paths: Sequence[str]) -> list[str]:
+    if isinstance(block_paths, str):
+        raise TypeError(
+            f"block_paths={block_paths!r} is one string; pass a list of dotted paths, "
+            "such as ['layers.0', 'layers.1']."
+        )
+    paths = list(block_paths)
+    for path in paths:
+        try:
+            block = module_at(model, path)
+        except (AttributeError, IndexError, KeyError, TypeError) as err:
+            raise ValueError(
+                f"block path {path!r} does not resolve under the {type(model).__name__} "
+                f"({type(err).__name__}: {err}); give dotted paths such as 'layers.0'."
+            ) from err
+        if not isinstance(block, nnx.Module):
+            raise TypeError(
+                f"block path {path!r} is a {type(block).__name__}, not an nnx.Module; give "
+                "the paths of the model's blocks."
+            )
+    return paths
+
+
+class _Chain:
+    """The last block output and the first block call's arguments, across blocks."""
+
+    def __init__(self) -> None:
+        self.last: list | None = None
+        self.first: tuple | None = None
+
+
+def _recording_class(cls: type, path: str, calls: list, chain: _Chain) -> type:
+    original = cls.__call__
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
+        x = args[0] if args else None
+        rest = (args[1:], kwargs)
+        x_leaves, x_tree = jax.tree.flatten(x)
+        arguments = tuple(_argument(str(i), v) for i, v in enumerate(args[1:])) + tuple(
+            _argument(k, v) for k, v in kwargs.items()
+        )
+        y = original(self, *args, **kwargs)
+        y_leaves, y_tree = jax.tree.flatten(y)
+        same = x_tree == y_tree and bool(args)
+        outputs = tuple(
+            _leaf(a, passed_back=same and a is x_leaves[i]) for i, a in enumerate(y_leaves)
+        )
+        chained = chain.last is None or (
+            len(chain.last) == len(x_leaves)
+            and all(a is b for a, b in zip(chain.last, x_leaves, strict=True))
+        )
+        if chain.first is None:
+            chain.first = rest
+        differs = _arguments_differ(chain.first, rest)
+        chain.last = list(y_leaves)
+        calls.append(
+            BlockCall(
+                activation=tuple(_leaf(a) for a in x_leaves) if args else (),
+                arguments=arguments,
+                returns=_returns(y),
+                outputs=outputs,
+                same_structure=same,
+                chained=chained,
+                differs=differs,
+            )
+        )
+        return y
+
+    sub = type(cls.__name__, (cls,), {"__call__": __call__})
+    sub.__qualname__ = f"{cls.__qualname__}[recording]"
+    sub.__module__ = cls.__module__
+    return sub
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | np.generic)
+
+
+def _is_graph_leaf(x: Any) -> bool:
+    return isinstance(x, nnx.Variable) or nnx_graph.is_graph_node(x)
+
+
+def _array_text(a: Any) -> str:
+    return f"{jnp.dtype(a.dtype).name}[{','.join(str(d) for d in np.shape(a))}]"
+
+
+def _leaf(a: Any, passed_back: bool = False) -> Leaf:
+    if not _is_array(a):
+        return Leaf("other", type(a).__name__, passed_back)
+    dtype = jnp.dtype(a.dtype)
+    kind = (
+        "float"
+        if jnp.issubdtype(dtype, jnp.inexact)
+        else "bool"
+        if dtype == jnp.bool_
+        else "int"
+        if jnp.issubdtype(dtype, jnp.integer)
+        else "other"
+    )
+    return Leaf(kind, _array_text(a), passed_back)
+
+
+def _returns(y: Any) -> str:
+    return "array" if _is_array(y) else "tuple" if isinstance(y, tuple) else type(y).__name__
+
+
+def _argument(name: str, value: Any) -> Argument:
+    if value is None:
+        return Argument(name, NONE, "None")
+    if _is_array(value):
+        return Argument(name, ARRAY, _array_text(value))
+    if isinstance(value, bool | int | float | complex | str | bytes | enum.Enum):
+        text = repr(value)
+        return Argument(name, SCALAR, text if len(text) <= 40 else text[:37] + "...")
+    if _is_graph_leaf(value):
+        return Argument(name, OBJECT, f"{type(value).__name__} (an NNX object)")
+    leaves, tree = jax.tree.flatten(value, is_leaf=_is_graph_leaf)
+    if not jax.tree_util.treedef_is_leaf(tree):  # a pytree: judge its leaves
+        for leaf in leaves:
+            inner = _argument(name, leaf)
+            if inner.kind == OBJECT:
+                return Argument(name, OBJECT, f"{type(value).__name__} holding {inner.text}")
+        return Argument(name, TREE, f"{type(value).__name__} of {len(leaves)} leaves")
+    held = [
+        v
+        for v in jax.tree.leaves(getattr(value, "__dict__", {}), is_leaf=_is_graph_leaf)
+        if _is_array(v) or _is_graph_leaf(v)
+    ]
+    if held:
+        what = _argument(name, held[0]).text
+        return Argument(name, OBJECT, f"{type(value).__name__} (an object holding {what})")
+    return Argument(name, STATIC, type(value).__name__)
+
+
+def _arguments_differ(first: tuple, rest: tuple) -> str | None:
+    (args0, kwargs0), (args1, kwargs1) = first, rest
+    if len(args0) != len(args1) or sorted(kwargs0) != sorted(kwargs1):
+        return (
+            f"{len(args1)} further positional arguments and keywords {sorted(kwargs1)} "
+            f"(the first block: {len(args0)} and {sorted(kwargs0)})"
+        )
+    pairs = [(str(i), a, b) for i, (a, b) in enumerate(zip(args0, args1, strict=True))]
+    pairs += [(k, kwargs0[k], kwargs1[k]) for k in sorted(kwargs0)]
+    for name, a, b in pairs:
+        where = Argument(name, "", "").where
+        leaves_a, tree_a = jax.tree.flatten(a, is_leaf=_is_graph_leaf)
+        leaves_b, tree_b = jax.tree.flatten(b, is_leaf=_is_graph_leaf)
+        if tree_a != tree_b:
+            return (
+                f"{where}: {_argument(name, b).text} (the first block: {_argument(name, a).text})"
+            )
+        for x, y in zip(leaves_a, leaves_b, strict=True):
+            if x is y:
+                continue
+            if _is_array(x) or _is_array(y) or _is_graph_leaf(x) or _is_graph_leaf(y):
+                return f"{where}: another array ({_argument(name, y).text})"
+            if not _equal(x, y):
+                return f"{where}: {y!r} (the first block: {x!r})"
+    return None
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # an object whose == is not a truth value
+        return False
+
+
+# ------------------------------------------------------------------ problems
+def period_problem(
+    blocks: Sequence[nnx.Module],
+    *,
+    num_stages: int | None = None,
+    names: Sequence[str] | None = None,
+) -> tuple[int | None, str | None]:
+    """The blocks' period and, if they cannot be stacked over ``num_stages``, why not.
+
+    Args:
+      blocks: the blocks, in order.
+      num_stages: the pipeline stages, or None (not checked).
+      names: what to call the blocks in the reason (their paths); default ``block i``.
+
+    Returns:
+      ``(period, reason)``: the :func:`~jfleet.parallel.stack.block_period` (None when
+      the blocks do not repeat), and None or the reason: no period (naming the first
+      differing attribute), or ``num_stages`` not dividing the number of stacked units.
+
+    Raises:
+      ValueError: no blocks, ``names`` of another length, or ``num_stages`` below 1.
+
+    Example:
+      >>> from flax import nnx
+      >>> drop = lambda r: nnx.Dropout(r, deterministic=True)
+      >>> period_problem([drop(0.1), drop(0.2)] * 2, num_stages=2)
+      (2, None)
+      >>> print(period_problem([drop(0.1), drop(0.2), drop(0.2)])[1])  # doctest: +ELLIPSIS
+      block 1 differs from block 0 in attribute 'rate' (0.2 vs 0.1), and the 3 blocks do...
+    """
+    blocks = list(blocks)
+    if not blocks:
+        raise ValueError("period_problem(blocks=[]): pass the model's blocks.")
+    names = [f"block {i}" for i in range(len(blocks))] if names is None else list(names)
+    if len(names) != len(blocks):
+        raise ValueError(
+            f"names has {len(names)} entries for {len(blocks)} blocks; give one per block."
+        )
+    if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):
+        raise ValueError(f"num_stages={num_stages!r}: give a pipeline stage count >= 1.")
+    count = len(blocks)
+    period = block_period(blocks)
+    if period is None:
+        i, j, difference = first_mismatch(blocks) or (0, 0, "?")
+        return None, (
+            f"{names[i]} differs from {names[j]} in {difference}, and the {count} blocks do "
+            f"not repeat with any period shorter than {count}: a pipeline runs all stacked "
+            "blocks with one definition (static settings included); give the blocks settings "
+            "that repeat, or plan without a pipeline."
+        )
+    if num_stages is None or (count // period) % num_stages == 0:
+        return period, None
+    units = count // period
+    if period == 1:
+        return period, (
+            f"the {count} blocks do not split evenly into {num_stages} pipeline stages; use a "
+            f"pp degree dividing {count}."
+        )
+    i, j, difference = first_mismatch(blocks) or (0, 0, "?")
+    return period, (
+        f"the {count} blocks repeat every {period} ({names[i]} differs from {names[j]} in "
+        f"{difference}), so they pipeline as {units} super-blocks of {period}, which "
+        f"{num_stages} pipeline stages do not split evenly; use a pp degree dividing {units}."
+    )
+
+
+def pipeline_problem(
+    model: nnx.Module,
+    block_paths: Sequence[str],
+    call: Callable[[], Any],
+    *,
+    num_stages: int | None = None,
+) -> str | None:
+    """Why the blocks at ``block_paths`` cannot run as a pipelined stack, or None.
+
+    The checks, in order (the first failing one is the reason):
+
+    1. the blocks hold only ``nnx.Param``\\ s (no dropout RNG streams, batch statistics or
+       caches);
+    2. they are alike or repeat with a period, and ``num_stages`` (if given) divides the
+       number of stacked units (:func:`period_problem`);
+    3. ``call()`` (the forward, traced abstractly by :func:`record_block_calls`) runs
+       every block exactly once;
+    4. in order, each block taking the previous block's output as its activation;
+    5. with the same further arguments as the first block (the same arrays, equal Python
+       values): a pipeline hands every block the first block's arguments;
+    6. those arguments are arrays, pytrees of arrays or Python values, not NNX objects or
+       caches;
+    7. each block takes a floating array (or a tuple of arrays with a floating one) and
+       returns an activation of the same structure whose integer / boolean parts are the
+       ones it took, unchanged.
+
+    Args:
+      model: the NNX model; left exactly as it was.
+      block_paths: dotted paths of the blocks, in order (``["layers.0", ...]``).
+      call: a function of no arguments running the model's forward
+        (``lambda: model(tokens)``).
+      num_stages: the pipeline stages, or None (not checked).
+
+    Returns:
+      None, or the reason in a sentence for the user.
+
+    Raises:
+      TypeError / ValueError: ``block_paths`` that do not name modules of ``model``, or
+        ``num_stages`` below 1.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> class Net(nnx.Module):
+      ...     def __init__(self):
+      ...         self.blocks = nnx.List([nnx.Linear(4, 4, rngs=nnx.Rngs(i)) for i in range(2)])
+      ...     def __call__(self, x):
+      ...         aux = 0.0
+      ...         for block in self.blocks:
+      ...             x = block(x)
+      ...             aux = aux + jnp.mean(x**2)
+      ...         return x, aux
+      >>> net = Net()
+      >>> print(pipeline_problem(net, ["blocks.0", "blocks.1"], lambda: net(jnp.ones((2, 4)))))
+      None
+    """
+    paths = _check_paths(model, block_paths)
+    blocks = [module_at(model, p) for p in paths]
+    state = _state_problem(blocks, paths)
+    if state:
+        return state
+    names = [f"block {p}" for p in paths]
+    _, reason = period_problem(blocks, num_stages=num_stages, names=names)
+    if reason:
+        return reason
+    records = record_block_calls(model, paths, call)
+    for record in records:
+        if len(record.calls) != 1:
+            return _count_problem(record)
+    for index, record in enumerate(records):
+        problem = _call_problem(record.path, record.calls[0], paths[0] if index else None)
+        if problem:
+            return problem
+    return None
+
+
+def _state_problem(blocks: Sequence[nnx.Module], paths: Sequence[str]) -> str | None:
+    found = []
+    for path, block in zip(paths, blocks, strict=True):
+        other = nnx.state(block, nnx.Not(nnx.Param))
+        for where, value in nnx.to_flat_state(other):
+            dotted = ".".join(str(p) for p in (path, *where))
+            found.append(f"{dotted} ({type(value).__name__})")
+    if not found:
+        return None
+    shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+    return (
+        f"the blocks hold state other than nnx.Param: {shown}. A pipeline stacks only "
+        "parameters: build dropout without rngs (pass rngs when calling it), keep batch "
+        "statistics and caches out of the blocks, or plan without a pipeline."
+    )
+
+
+def _count_problem(record: BlockCalls) -> str:
+    if not record.calls:
+        return (
+            f"block {record.path} is never called by the forward, so replacing the blocks by "
+            "a pipeline would not run what the forward runs; plan without a pipeline (or "
+            "give the blocks the forward actually runs)."
+        )
+    return (
+        f"block {record.path} is called {len(record.calls)} times per forward (a shared block "
+        "or a loop over it); a pipeline runs each block once per forward, so plan without a "
+        "pipeline."
+    )
+
+
+def _call_problem(path: str, call: BlockCall, first: str | None) -> str | None:
+    if not call.chained:
+        return (
+            f"block {path} does not take the previous block's output as its activation (the "
+            "forward changes the activation between blocks or runs them out of order); a "
+            "pipeline runs the blocks back to back, so plan without a pipeline."
+        )
+    if call.differs and first is not None:
+        return (
+            f"block {path} is called with arguments other than block {first}'s ("
+            f"{call.differs}); a pipeline hands every block the first block's arguments: "
+            "compute such arguments once before the loop and let each block pick its "
+            "behaviour from its own settings, or plan without a pipeline."
+        )
+    for argument in call.arguments:
+        if argument.kind == OBJECT:
+            return f"block {path} takes {argument.where} = {argument.text}; {_PIPELINE_ARGS}."
+    kinds = [leaf.kind for leaf in call.activation]
+    if not kinds or "other" in kinds or "float" not in kinds:
+        taken = _described(call.activation) if call.activation else "no positional activation"
+        return (
+            f"block {path} takes {taken} as its activation; a pipelined block takes a "
+            "floating array, or a tuple of arrays with a floating one (the hidden state) and "
+            "integer / boolean ones passed along."
+        )
+    fine = (
+        call.same_structure
+        and len(call.outputs) == len(call.activation)
+        and all(
+            o.kind == "float" if a.kind == "float" else o.kind == a.kind
+            for a, o in zip(call.activation, call.outputs, strict=True)
+        )
+    )
+    if fine:
+        for i, (a, o) in enumerate(zip(call.activation, call.outputs, strict=True)):
+            if a.kind != "float" and not o.passed_back:
+                return (
+                    f"block {path} returns the {a.text} part {i} of its activation changed; "
+                    "integer and boolean parts must come back as taken, since every pipeline "
+                    "stage gets the values that entered the stack: return them unchanged, or "
+                    "plan without a pipeline."
+                )
+    else:
+        if call.returns == "array":
+            returned = f"an array {call.outputs[0].text}"
+        elif not call.outputs:
+            returned = "None" if call.returns == "NoneType" else f"an empty {call.returns}"
+        else:
+            returned = f"a {call.returns} {_described(call.outputs)}"
+        return (
+            f"block {path} returns {returned} where it takes {_described(call.activation)} "
+            f"— {_CROSS}; return the activation alone (add auxiliary losses outside the "
+            "blocks), or plan without a pipeline."
+        )
+    return None
+
+
+def _described(leaves: Sequence[Leaf]) -> str:
+    if len(leaves) == 1:
+        return leaves[0].text
+    return "(" + ", ".join(leaf.text for leaf in leaves) + ")"

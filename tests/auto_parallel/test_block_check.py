@@ -1,0 +1,293 @@
+"""jfleet.auto_parallel.block_check: the reasons a model's blocks cannot be pipelined,
+found at planning time by an abstract trace that leaves the model as it was."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jfleet.auto_parallel import block_check
+from tests.parallel.test_stack import TOKENS, WIDTH, Block, Decoder
+
+PATHS = [f"layers.{i}" for i in range(4)]
+
+
+def tokens(batch: int = 4):
+    return jnp.zeros((batch, TOKENS), jnp.int32)
+
+
+# ------------------------------------------------------------------ variants of the decoder
+class DropoutBlock(Block):
+    """Holds its own dropout RNG stream (state other than nnx.Param)."""
+
+    def __init__(self, i, *, rngs):
+        super().__init__(i, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, x, positions):
+        return self.drop(super().__call__(x, positions))
+
+
+class DropoutDecoder(Decoder):
+    block_class = DropoutBlock
+
+
+class AuxBlock(Block):
+    """Returns (hidden, aux_loss), as mixture-of-experts blocks do."""
+
+    def __call__(self, x, positions):
+        y = super().__call__(x, positions)
+        return y, jnp.mean(y**2)
+
+
+class AuxDecoder(Decoder):
+    block_class = AuxBlock
+
+    def __call__(self, tokens):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x, total = self.embed(tokens), 0.0
+        for layer in self.layers:
+            x, aux = layer(x, positions)
+            total = total + aux
+        return self.embed.attend(self.norm(x)), total
+
+
+class ShiftingBlock(Block):
+    """Takes (hidden, positions) and returns the positions shifted: they do not pass back."""
+
+    def __call__(self, inputs):
+        x, positions = inputs
+        return super().__call__(x, positions), positions + 1
+
+
+class ShiftingDecoder(Decoder):
+    block_class = ShiftingBlock
+
+    def __call__(self, tokens):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x = (self.embed(tokens), positions)
+        for layer in self.layers:
+            x = layer(x)
+        return self.embed.attend(self.norm(x[0]))
+
+
+class KVCache(nnx.Module):
+    def __init__(self):
+        self.keys = nnx.Cache(jnp.zeros((4, TOKENS, WIDTH)))
+
+
+class CacheBlock(Block):
+    def __call__(self, x, positions, cache=None):
+        return super().__call__(x, positions)
+
+
+class CacheDecoder(Decoder):
+    """Passes a KV-cache module to every block, and a dict of arrays (which is fine)."""
+
+    block_class = CacheBlock
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.cache = KVCache()
+
+    def __call__(self, tokens):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, positions, cache=self.cache)
+        return x
+
+
+class DictArgumentDecoder(CacheDecoder):
+    def __call__(self, tokens):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, positions, cache={"keys": self.cache.keys[...]})
+        return x
+
+
+class SkippingDecoder(Decoder):
+    """Runs only the first three blocks."""
+
+    def __call__(self, tokens):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x = self.embed(tokens)
+        for layer in list(self.layers)[:3]:
+            x = layer(x, positions)
+        return x
+
+
+class RepeatingDecoder(Decoder):
+    """Runs every block twice (a looped / weight-shared stack)."""
+
+    def __call__(self, tokens):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x = self.embed(tokens)
+        for _ in range(2):
+            for layer in self.layers:
+                x = layer(x, positions)
+        return x
+
+
+class MaskDecoder(Decoder):
+    """Global blocks (alike) handed a local mask on even and a causal one on odd layers, by
+    layer index: without the argument check block 0's mask would reach every block."""
+
+    def __init__(self):
+        super().__init__(kinds=(1, 1, 1, 1))
+
+    def __call__(self, tokens):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x = self.embed(tokens)
+        causal = jnp.tril(jnp.ones((tokens.shape[0], TOKENS, TOKENS), bool))
+        local = causal & ~jnp.tril(causal, -3)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, mask=local if i % 2 == 0 else causal)
+        return x
+
+
+class ScalingDecoder(Decoder):
+    """Scales the activation between blocks: the blocks are not back to back."""
+
+    def __call__(self, tokens):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = 2 * layer(x, positions)
+        return x
+
+
+CASES = {
+    "state": (
+        DropoutDecoder,
+        {},
+        r"state other than nnx.Param: layers\.0\.drop\.rngs\.count \(RngCount\), "
+        r"layers\.0\.drop\.rngs\.key \(RngKey\)",
+    ),
+    "no-period": (
+        lambda: Decoder(kinds=(0, 1, 1, 1)),
+        {},
+        r"block layers\.1 differs from block layers\.0 in attribute 'attn\.sliding_window' "
+        r"\(None vs 3\), and the 4 blocks do not repeat",
+    ),
+    "stages": (
+        Decoder,
+        {"num_stages": 4},
+        r"repeat every 2 .* 2 super-blocks of 2, which 4 pipeline stages do not split evenly",
+    ),
+    "aux-output": (
+        AuxDecoder,
+        {},
+        r"block layers\.0 returns a tuple \(float32\[4,8,16\], float32\[\]\) where it takes "
+        r"float32\[4,8,16\] — only the activation",
+    ),
+    "changed-int": (
+        ShiftingDecoder,
+        {},
+        r"block layers\.0 returns the int32\[4,8\] part 1 of its activation changed",
+    ),
+    "cache-argument": (
+        CacheDecoder,
+        {},
+        r"block layers\.0 takes keyword argument 'cache' = KVCache \(an NNX object\)",
+    ),
+    "never-called": (SkippingDecoder, {}, r"block layers\.3 is never called by the forward"),
+    "called-twice": (RepeatingDecoder, {}, r"block layers\.0 is called 2 times per forward"),
+    "other-arguments": (
+        MaskDecoder,
+        {},
+        r"block layers\.1 is called with arguments other than block layers\.0's \(keyword "
+        r"argument 'mask': another array \(bool\[4,8,8\]\)\)",
+    ),
+    "not-back-to-back": (
+        ScalingDecoder,
+        {},
+        r"block layers\.1 does not take the previous block's output",
+    ),
+}
+
+
+def values(model):
+    def plain(a):
+        return np.asarray(
+            jax.random.key_data(a) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) else a
+        )
+
+    return jax.tree.map(plain, nnx.to_pure_dict(nnx.state(model)))
+
+
+def snapshot(model):
+    blocks = list(model.layers)
+    state = values(model)
+    return blocks, [type(b) for b in blocks], nnx.graphdef(model), state
+
+
+def assert_unchanged(model, before):
+    blocks, classes, graphdef, state = before
+    assert all(a is b for a, b in zip(model.layers, blocks, strict=True))
+    assert [type(b) for b in model.layers] == classes
+    assert nnx.graphdef(model) == graphdef
+    jax.tree.map(np.testing.assert_array_equal, values(model), state)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_pipeline_problem_names_the_reason_and_leaves_the_model_alone(case):
+    make, options, reason = CASES[case]
+    model = make()
+    before = snapshot(model)
+    problem = block_check.pipeline_problem(model, PATHS, lambda: model(tokens()), **options)
+    assert problem is not None and re.search(reason, problem), problem
+    assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("make", [Decoder, DictArgumentDecoder])
+def test_pipeline_problem_passes_alternating_blocks_and_array_dicts(make):
+    model = make()
+    before = snapshot(model)
+    assert block_check.pipeline_problem(model, PATHS, lambda: model(tokens()), num_stages=2) is None
+    assert_unchanged(model, before)
+
+
+def test_record_block_calls_sees_each_call_and_restores_a_stateful_forward():
+    """The dropout blocks advance their RNG counts in the forward: the trace runs on a copy."""
+    model = DropoutDecoder()
+    before = snapshot(model)
+    records = block_check.record_block_calls(model, PATHS, lambda: model(tokens()))
+    assert [r.path for r in records] == PATHS and all(len(r.calls) == 1 for r in records)
+    call = records[2].calls[0]
+    assert call.activation == (block_check.Leaf("float", "float32[4,8,16]"),)
+    assert call.arguments == (block_check.Argument("0", block_check.ARRAY, "int32[4,8]"),)
+    assert call.returns == "array" and call.same_structure and call.chained
+    assert call.differs is None
+    assert_unchanged(model, before)
+
+    shifting = ShiftingDecoder()
+    (call,) = block_check.record_block_calls(shifting, ["layers.0"], lambda: shifting(tokens()))[
+        0
+    ].calls
+    assert [leaf.kind for leaf in call.outputs] == ["float", "int"]
+    assert [leaf.passed_back for leaf in call.outputs] == [False, False]
+    with pytest.raises(ValueError, match=r"block path 'layers\.9' does not resolve"):
+        block_check.record_block_calls(shifting, ["layers.9"], lambda: None)
+    with pytest.raises(TypeError, match=r"block_paths='layers\.0' is one string"):
+        block_check.record_block_calls(shifting, "layers.0", lambda: None)
+
+
+def test_period_problem_and_the_shared_block_period():
+    from jfleet.parallel import stack
+
+    assert block_check.block_period is stack.block_period
+    blocks = list(Decoder().layers)
+    assert block_check.period_problem(blocks, num_stages=2) == (2, None)
+    period, reason = block_check.period_problem(blocks[:3])
+    assert period is None and "block 1 differs from block 0" in reason
+    assert block_check.period_problem(list(Decoder(kinds=(0, 0, 0)).layers), num_stages=2) == (
+        1,
+        "the 3 blocks do not split evenly into 2 pipeline stages; use a pp degree dividing 3.",
+    )
