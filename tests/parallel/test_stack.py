@@ -415,14 +415,17 @@ def test_super_blocks_stack_and_run_each_block_with_its_own_setting():
 
 def test_pipelined_super_blocks_equal_one_device_in_values_and_gradients():
     """dp2 x pp2 x mp2, 4 alternating blocks as 2 super-blocks of 2 (one per stage),
-    with and without recompute: the loss, logits and every gradient equal one device's."""
+    plain, and with recompute and sequence-parallel constraints after each block: the loss,
+    logits and every gradient equal one device's."""
     auto = (AxisType.Auto,) * 3
     mesh = jax.make_mesh((2, 2, 2), (DP, PP, MP), axis_types=auto, devices=jax.devices()[:8])
     reference = Decoder()
     plain, recomputed = nnx.clone(reference), nnx.clone(reference)
     stand_in = pipeline_blocks(plain, "layers", mesh=mesh, num_microbatches=2)
     assert stand_in.period == 2 and type(stand_in.body) is stack.SuperBlock
-    pipeline_blocks(recomputed, "layers", mesh=mesh, num_microbatches=2, recompute=True)
+    pipeline_blocks(
+        recomputed, "layers", mesh=mesh, num_microbatches=2, recompute=True, seq_axes=(MP,)
+    )
     tokens, targets = lm_data()
     grad = nnx.value_and_grad(lm_loss, has_aux=True)
 
