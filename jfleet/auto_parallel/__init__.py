@@ -1,9 +1,12 @@
 """Auto-parallel analysis: find a model's parts, predict every layout, choose a plan.
 
-* :mod:`jfleet.auto_parallel.patterns` — :func:`match_patterns` finds embeddings, attention
-  (q/k/v/o or fused qkv, grouped-query heads), MLPs (SwiGLU, GELU), norms, the LM head
-  and the repeated decoder blocks of an unannotated Flax NNX model, and gives each
-  parameter its Megatron tensor-parallel role.
+* :mod:`jfleet.auto_parallel.dataflow` — :func:`trace_model` traces one forward call
+  abstractly and follows every parameter through it: which projection's output dimension
+  reaches which projection's contracted dimension, and every product's FLOPs.
+* :mod:`jfleet.auto_parallel.patterns` — :func:`match_patterns` reads from that trace the
+  Megatron column / row pairs (attention of any kernel rank or einsum, grouped-query
+  heads, MLPs gated or not), and finds embeddings, norms, the LM head and the repeated
+  decoder blocks of an unannotated Flax NNX model.
 * :mod:`jfleet.auto_parallel.layouts` — every ``dp x pp x sharding x sep x mp`` layout the
   shapes allow (with ZeRO stage, schedule, micro-batches, recompute), and why the other
   meshes are excluded.
@@ -31,6 +34,8 @@ Example:
 from jfleet.auto_parallel.cost_model import Candidate as Candidate
 from jfleet.auto_parallel.cost_model import estimate as estimate
 from jfleet.auto_parallel.cost_model import rank as rank
+from jfleet.auto_parallel.dataflow import TraceError as TraceError
+from jfleet.auto_parallel.dataflow import trace_model as trace_model
 from jfleet.auto_parallel.layouts import Layout as Layout
 from jfleet.auto_parallel.layouts import Workload as Workload
 from jfleet.auto_parallel.layouts import enumerate_layouts as enumerate_layouts

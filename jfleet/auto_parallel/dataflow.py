@@ -174,6 +174,7 @@ class _Walk:
         self.value_sides: list[frozenset] = []
         self.gates: list[tuple[frozenset, bool, frozenset, bool]] = []
         self.heads: list[int] = []
+        self.lookups: set[int] = set()
         self.cut: dict[int, str] = {}
 
     # ------------------------------------------------------------ helpers
@@ -249,19 +250,32 @@ class _Walk:
         src, dst = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
         tags: list = [_EMPTY] * len(dst)
         view: list | None = [None] * len(dst) if a.view is not None else None
-        for ii, jj in reshape_groups(src, dst):
+        groups = reshape_groups(src, dst)
+        new_ones = {jj[0] for ii, jj in groups if not ii and jj}
+        pending: frozenset = _EMPTY  # tags of a size-1 dim merged into the next one
+        for ii, jj in groups:
             outer_in = next((i for i in ii if src[i] > 1), None)
             outer_out = next((j for j in jj if dst[j] > 1), None)
+            if ii and not jj and src[ii[0]] == 1:
+                pending = pending | a.tags[ii[0]]
+                continue
             if outer_in is None or outer_out is None:
                 continue
-            tags[outer_out] = _retag(a.tags[outer_in], dst[outer_out])
+            if pending:  # [.., 1, g] -> [.., g]: one kv head shared by g q heads
+                tags[outer_out] = tags[outer_out] | _retag(pending, 1)
+                pending = _EMPTY
             if view is not None and a.view[outer_in] is not None:
                 t = a.view[outer_in]
                 view[outer_out] = Tag(t.param, t.dim, math.gcd(t.units, dst[outer_out]))
+            if outer_out - 1 in new_ones and len(jj) == 1 and outer_in == len(src) - 1:
+                # [.., n] -> [.., 1, n]: an activation's features as one head of n
+                # (multi-query k / v): the head dim carries them, one unit
+                outer_out -= 1
+            tags[outer_out] = tags[outer_out] | _retag(a.tags[outer_in], dst[outer_out])
         bcast = [False] * len(dst)
         for ii, jj in reshape_groups(src, dst):
             for j in jj:
-                bcast[j] = all(a.bcast[i] for i in ii) if ii else True
+                bcast[j] = (all(a.bcast[i] for i in ii) if ii else True) and not tags[j]
         return self._like([a], tags, bcast, None if view is None else tuple(view))
 
     def _permute(self, a: _Val, order: Sequence[int]) -> _Val:
@@ -282,6 +296,8 @@ class _Walk:
                 bcast[d] = a.bcast[i]
                 if view is not None:
                     view[d] = a.view[i]
+            elif src[i] == 1 and a.tags[i]:  # one head repeated for every q head
+                tags[d] = a.tags[i]
         return self._like([a], tags, bcast, None if view is None else tuple(view))
 
     def _drop(
@@ -460,6 +476,11 @@ class _Walk:
                 for ts in a.tags:
                     for t in ts:
                         self.cut.setdefault(t.param, "gather")
+            table, indices = ins[0], ins[1]
+            if table.view is not None and indices.act and len(table.view) == 2:
+                owners = {t.param for t in table.view if t is not None}
+                if len(owners) == 1:
+                    self.lookups.add(owners.pop())
         if name in _REDUCTIONS:
             axes = set(p["axes"])
             keep = [i for i in range(len(ins[0].tags)) if i not in axes]
@@ -545,6 +566,8 @@ class Trace:
       gates: per gating product, ``(projections, nonlinear, projections, nonlinear)``.
       heads: per attention-score product, the size of its first tagged batch dimension.
       cut: ``{projection: primitive}``: where a tagged output dimension was sliced.
+      lookups: 2-D parameters gathered from with indices computed from the inputs
+        (embedding tables, ``nnx.Embed`` or a bare ``Param``).
       input_shapes: the traced inputs' shapes.
     """
 
@@ -559,6 +582,7 @@ class Trace:
     gates: tuple[tuple[frozenset, bool, frozenset, bool], ...]
     heads: tuple[int, ...]
     cut: dict[int, str]
+    lookups: frozenset[int]
     input_shapes: tuple[tuple[int, ...], ...]
 
     def path(self, i: int) -> str:
@@ -645,5 +669,6 @@ def trace_model(
         gates=tuple(walk.gates),
         heads=tuple(walk.heads),
         cut=dict(walk.cut),
+        lookups=frozenset(walk.lookups),
         input_shapes=tuple(tuple(v.shape) for v in ivals),
     )

@@ -281,10 +281,22 @@ def shape_problem(
                 f"rank ({shown}, ... in every block)"
             )
     if pp > 1:
-        if len(patterns.blocks) < 2:
+        blocks, period = len(patterns.blocks), patterns.block_period
+        if blocks < 2:
             return "no run of >= 2 identical blocks to pipeline"
-        if len(patterns.blocks) % pp:
-            return f"pp={pp} does not divide the {len(patterns.blocks)} blocks"
+        if period is None:
+            return (
+                "the blocks are not alike (static settings included) and do not repeat, so "
+                "no one definition can run them stacked"
+            )
+        if (blocks // period) % pp:
+            if period == 1:
+                return f"pp={pp} does not divide the {blocks} blocks"
+            return (
+                f"pp={pp} does not divide the {blocks // period} super-blocks of {period} "
+                "(the blocks repeat every "
+                f"{period})"
+            )
     if sep > 1:
         if not workload.sequence_parallel:
             return "sep > 1 needs sequence_parallel=True"

@@ -67,6 +67,7 @@ from jax.sharding import PartitionSpec as P
 
 from jfleet._logging import logger
 from jfleet.auto_parallel.dataflow import Trace, TraceError, trace_model
+from jfleet.parallel.stack import block_period
 from jfleet.topology import MP
 
 __all__ = [
@@ -229,6 +230,10 @@ class ModelPatterns:
       traced_tokens: ``(batch, seq)`` of the traced input (``dots``' FLOPs are for it).
       replicated_in_blocks: ``(path, reason)`` of every decoder-block parameter left
         replicated that is not a norm or a row's bias.
+      block_period: the blocks repeat every this many (1: all alike, static settings
+        included; 2: alternating local / global attention, ...); None when they do not
+        repeat (:func:`jfleet.parallel.stack.block_period`). A pipeline stacks super-blocks
+        of one period.
     """
 
     params: tuple[ParamInfo, ...]
@@ -244,6 +249,7 @@ class ModelPatterns:
     dots: tuple[DotCost, ...] = ()
     traced_tokens: tuple[int, int] | None = None
     replicated_in_blocks: tuple[tuple[str, str], ...] = ()
+    block_period: int | None = 1
 
     @property
     def unmatched(self) -> tuple[str, ...]:
@@ -369,22 +375,43 @@ def _contracted_size(trace: Trace, i: int) -> int:
     return math.prod(trace.shapes[i][d] for d in trace.contracted.get(i, ()))
 
 
+_Q_HINTS = ("q", "query", "wq", "q_proj", "q_einsum", "to_q", "q_lin")
+_K_HINTS = ("k", "key", "wk", "k_proj", "to_k", "k_lin")
+
+
 def _attention_roles(trace: Trace, group: _Group) -> dict[int, str]:
+    """q / k / v / qk / kv / qkv for the producers, o for the row.
+
+    A producer feeding both the scores and the values is ``kv`` (``qkv`` when it is on
+    both sides of the scores); one feeding only the values is ``v``; of those feeding only
+    the scores, q and k are told apart by name (``q_proj``, ``query``, ``wq``, ...), then by
+    units (k has the fewer under grouped-query attention), then by side (q on the left).
+    """
     lhs = set().union(*(a for a, _ in trace.score_sides)) if trace.score_sides else set()
     rhs = set().union(*(b for _, b in trace.score_sides)) if trace.score_sides else set()
     val = set().union(*trace.value_sides) if trace.value_sides else set()
-    names = {
-        (True, True, True): "qkv",
-        (True, True, False): "qk",
-        (False, True, True): "kv",
-        (True, False, True): "qkv",
-        (True, False, False): "q",
-        (False, True, False): "k",
-        (False, False, True): "v",
-        (False, False, False): "gate",
-    }
-    roles = {p: names[(p in lhs, p in rhs, p in val)] for p in group.producers}
-    roles[group.row] = "o"
+    most = max(u for _, u in group.producers.values())
+    roles: dict[int, str] = {group.row: "o"}
+    for p, (_, units) in group.producers.items():
+        both = p in lhs and p in rhs
+        if (p in lhs or p in rhs) and p in val:
+            roles[p] = "qkv" if both else "kv"
+        elif both:
+            roles[p] = "qk"
+        elif p in val:
+            roles[p] = "v"
+        elif p in lhs or p in rhs:
+            name = str(trace.paths[p][-2]) if len(trace.paths[p]) > 1 else ""
+            if _hint(name, _K_HINTS) and not _hint(name, ("kv",)):
+                roles[p] = "k"
+            elif _hint(name, _Q_HINTS) and not _hint(name, ("qkv",)):
+                roles[p] = "q"
+            elif units < most:
+                roles[p] = "k"
+            else:
+                roles[p] = "q" if p in lhs else "k"
+        else:
+            roles[p] = "gate"
     return roles
 
 
@@ -661,6 +688,8 @@ def match_patterns(
 
     # blocks
     block_paths, block_class = _find_blocks(modules, params)
+    by_path = dict(modules)
+    period = block_period([by_path[b] for b in block_paths]) if block_paths else 1
 
     def block_of(path: tuple) -> int | None:
         for i, b in enumerate(block_paths):
@@ -679,6 +708,13 @@ def match_patterns(
     if trace is not None:
         index = {path: i for i, path in enumerate(trace.paths)}
         projections = {d.param for d in trace.dots if d.param is not None}
+        tables = [trace.paths[i] for i in sorted(trace.lookups) if block_of(trace.paths[i]) is None]
+        if token is None and tables:  # a bare Param table gathered with the token ids
+            path = max(tables, key=lambda t: params[t].shape[0])
+            token = (path[:-1], None)
+            vocab, table_width = (int(n) for n in params[path].shape)
+            width = width or table_width
+            roles[path] = ("embedding", "table", 0, vocab)
         split: dict[int, tuple[int, int]] = {}
         named: dict[int, str] = {}
         exclude = {
@@ -815,6 +851,7 @@ def match_patterns(
         dots=tuple(dots),
         traced_tokens=traced_tokens,
         replicated_in_blocks=tuple(replicated),
+        block_period=period,
     )
     logger.debug("patterns: %s; unmatched %s", found.summary(), list(found.unmatched))
     return found

@@ -93,6 +93,8 @@ class ParamPlan:
         computed once, when the plan is made).
       stage: the pipeline stage holding it (None outside the decoder blocks, which every
         stage holds).
+      replicated_why: for a decoder-block parameter kept whole on every ``mp`` rank (other
+        than norms and rows' biases), the reason; else empty.
     """
 
     path: str
@@ -102,6 +104,7 @@ class ParamPlan:
     spec: P
     zero_spec: P
     stage: int | None = None
+    replicated_why: str = ""
 
 
 def _candidate_to_dict(c: Candidate) -> dict[str, Any]:
@@ -377,8 +380,8 @@ class Plan:
             )
         lines += [
             "",
-            "| parameter | shape | role | spec | ZeRO spec | stage |",
-            "|---|---|---|---|---|---|",
+            "| parameter | shape | role | spec | ZeRO spec | stage | replicated because |",
+            "|---|---|---|---|---|---|---|",
         ]
         for row in self._grouped_params():
             lines.append("| " + " | ".join(row) + " |")
@@ -417,6 +420,7 @@ class Plan:
                     self._shown(p.spec),
                     self._shown(p.zero_spec),
                     stage,
+                    p.replicated_why or "",
                 ]
             )
         return rows
@@ -452,6 +456,7 @@ class Plan:
                     "spec": spec_to_json(p.spec),
                     "zero_spec": spec_to_json(p.zero_spec),
                     "stage": p.stage,
+                    "replicated_why": p.replicated_why,
                 }
                 for p in self.params
             ],
@@ -506,6 +511,7 @@ class Plan:
                         spec=spec_from_json(p["spec"]),
                         zero_spec=spec_from_json(p["zero_spec"]),
                         stage=p["stage"],
+                        replicated_why=p.get("replicated_why", ""),
                     )
                     for p in d["params"]
                 ),

@@ -25,6 +25,7 @@ from typing import Any
 
 from flax import nnx
 from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
 
 from jfleet._logging import logger
 from jfleet.auto_parallel.cost_model import Candidate, estimate, rank
@@ -100,6 +101,25 @@ def _check_patterns(patterns: Any, model: nnx.Module) -> ModelPatterns:
     return patterns
 
 
+_UNIT_WORDS = {"k": "kv heads", "v": "kv heads", "kv": "kv heads", "o": "heads", "q": "heads"}
+
+
+def _replicated_summary(patterns: ModelPatterns) -> list[str]:
+    """``path (block 0's; * for every block): reason``, grouped by reason."""
+    by_reason: dict[str, list[str]] = collections.defaultdict(list)
+    blocks = patterns.blocks
+    for path, reason in patterns.replicated_in_blocks:
+        shown = path
+        for b in blocks:
+            if path.startswith(b + "."):
+                parent = b.rsplit(".", 1)[0] if "." in b else ""
+                shown = f"{parent}.*{path[len(b) :]}" if parent else f"*{path[len(b) :]}"
+                break
+        if shown not in by_reason[reason]:
+            by_reason[reason].append(shown)
+    return [f"{', '.join(paths)} ({reason})" for reason, paths in by_reason.items()]
+
+
 def _model_dtype(patterns: ModelPatterns) -> str:
     counts = collections.Counter()
     for p in patterns.params:
@@ -124,7 +144,7 @@ def plan_for(
     optimizer: str = "adam",
     recompute: bool | None = None,
     dtype: str | None = None,
-    pipeline: bool = True,
+    pipeline: bool | str = True,
     patterns: ModelPatterns | None = None,
 ) -> Plan:
     """Chooses the fastest layout of ``model`` that fits, by the cost model.
@@ -148,8 +168,9 @@ def plan_for(
       optimizer: what the optimizer state is sized for (``adam``, ``momentum``, ``sgd``, ...).
       recompute: force recompute on or off; default: compared.
       dtype: compute dtype; default the model's parameter dtype.
-      pipeline: whether layouts with ``pp > 1`` may be chosen (``to_distributed`` passes
-        False when the blocks cannot be stacked).
+      pipeline: whether layouts with ``pp > 1`` may be chosen: True, or False / the reason
+        they may not (``to_distributed`` passes the reason the blocks cannot run as a
+        pipelined stack, from :func:`~jfleet.auto_parallel.block_check.pipeline_problem`).
       patterns: what :func:`~jfleet.auto_parallel.patterns.match_patterns` found in
         ``model``, when the caller has it already (``to_distributed`` matches once);
         default: matched here.
@@ -222,7 +243,13 @@ def plan_for(
                 f"no transformer parts of {type(model).__name__} were recognised; use dp / "
                 "sharding only."
             )
-    elif patterns.unmatched:
+    elif patterns.replicated_in_blocks:
+        logger.warning(
+            "%s: decoder-block parameters kept whole on every mp rank: %s",
+            type(model).__name__,
+            "; ".join(_replicated_summary(patterns)),
+        )
+    if patterns.recognised and patterns.unmatched:
         logger.info("unmatched parameters, kept replicated: %s", ", ".join(patterns.unmatched))
     if forced is not None:
         problem = shape_problem(patterns, workload, forced, device_num)
@@ -241,14 +268,17 @@ def plan_for(
     )
     if not patterns.recognised:
         layouts = [lay for lay in layouts if lay.pp == 1 and lay.mp == 1]
-    if not pipeline:
+    if pipeline is not True:
+        why = (
+            pipeline if isinstance(pipeline, str) and pipeline else "the blocks cannot be pipelined"
+        )
         if forced is not None and forced[PP] > 1:
             raise ValueError(
                 f"force_mesh={dict(force_mesh)} asks for pp={forced[PP]}, but this model's "
-                "blocks cannot be pipelined; use pp 1."
+                f"blocks cannot be pipelined: {why} Use pp 1."
             )
         piped = dict.fromkeys(lay.mesh_name for lay in layouts if lay.pp > 1)
-        excluded = [*excluded, *((m, "the blocks cannot be pipelined") for m in piped)]
+        excluded = [*excluded, *((m, why) for m in piped)]
         layouts = [lay for lay in layouts if lay.pp == 1]
     if not layouts:
         raise ValueError(
@@ -310,8 +340,12 @@ def _build_plan(
     else:
         stages = ()
     params = []
+    why = dict(patterns.replicated_in_blocks)
     for p in patterns.params:
-        spec = p.spec
+        spec = p.spec_for(lay.mp)
+        reason = why.get(p.path, "")
+        if lay.mp > 1 and p.split_dim is not None and spec == P():
+            reason = f"mp={lay.mp} does not divide its {p.units} {_UNIT_WORDS.get(p.role, 'units')}"
         zspec = zero.zero_spec(spec, p.shape) if lay.zero_stage else spec
         stage = p.block // per_stage if (p.block is not None and per_stage) else None
         params.append(
@@ -323,6 +357,7 @@ def _build_plan(
                 spec=spec,
                 zero_spec=zspec,
                 stage=stage,
+                replicated_why=reason,
             )
         )
     logger.info(

@@ -32,7 +32,7 @@ import copy
 import dataclasses
 import math
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -42,6 +42,7 @@ from flax import nnx
 
 from jfleet import _context, fleet
 from jfleet._logging import logger
+from jfleet.auto_parallel.block_check import pipeline_problem
 from jfleet.auto_parallel.blocks import (
     PipelinedBlocks,
     container_of,
@@ -101,6 +102,15 @@ class ToDistributedConfig:
         (positions after the activation, or keyword names), for the pipelined stand-in to
         split them into micro-batches; default: decided by shape
         (:class:`~jfleet.auto_parallel.blocks.PipelinedBlocks`).
+      forward: how the model is called on a batch, ``forward(model, batch) -> arrays``, for
+        the trace the plan is read from (which projections pair up, the FLOPs) and for the
+        pipeline checks. A loss function ``(model, batch) -> loss`` works too. Default:
+        ``model(x)`` with ``x`` the batch itself (an array), its first entry (a tuple or
+        list) or its ``input_ids`` / ``tokens`` / ``inputs`` / ``input`` / ``x`` entry (a
+        dict). Give it when the model needs more (positions, a mask, a cache)::
+
+          ToDistributedConfig(
+              forward=lambda model, batch: model(batch["tokens"], batch["positions"]))
     """
 
     input_spec: Any = None
@@ -115,6 +125,41 @@ class ToDistributedConfig:
     plan: Plan | str | None = None
     strategy: DistributedStrategy | None = None
     per_sample_args: tuple[int | str, ...] | None = None
+    forward: Callable[[nnx.Module, Any], Any] | None = None
+
+
+_INPUT_KEYS = ("input_ids", "tokens", "inputs", "input", "x")
+
+
+def _model_call(batch: Any, forward: Callable | None) -> tuple[Any, Callable | None]:
+    """``(inputs, forward)`` for tracing the model on ``batch`` (see ``config.forward``).
+
+    Raises:
+      ValueError: a dict batch with none of the known input keys and no ``forward``.
+
+    Example:
+      >>> _model_call({"tokens": 1, "labels": 2}, None)
+      (1, None)
+    """
+    if forward is not None:
+        if not callable(forward):
+            raise TypeError(
+                f"config.forward={forward!r} is not callable; pass a function "
+                "forward(model, batch) that calls the model as your training step does."
+            )
+        return batch, forward
+    if isinstance(batch, Mapping):
+        for key in _INPUT_KEYS:
+            if key in batch:
+                return batch[key], None
+        raise ValueError(
+            f"the loader's batches are dicts with keys {sorted(batch)}, none of them a known "
+            f"model input {_INPUT_KEYS}; pass ToDistributedConfig(forward=lambda model, "
+            "batch: model(batch[...])) calling the model as your training step does."
+        )
+    if isinstance(batch, tuple | list):
+        return batch[0], None
+    return batch, None
 
 
 def get_plan(model: nnx.Module) -> Plan:
@@ -171,7 +216,9 @@ def to_distributed(
         parameters, a forced mesh that does not multiply out or does not suit the
         shapes, a batch the data-parallel size does not divide, an ``input_spec`` batch
         other than the loader's, a 1F1B schedule, a plan made for another model or given
-        with planning settings, a strategy asking for recompute, a model already returned.
+        with planning settings, a strategy asking for recompute, a model already returned;
+        a model whose traced call fails (``TraceError``: the message names the model and
+        suggests ``config.forward``), a ``forward`` returning no arrays.
     """
     config = ToDistributedConfig() if config is None else config
     if not isinstance(config, ToDistributedConfig):
@@ -207,7 +254,7 @@ def to_distributed(
             f"the loader's first batch has no known batch size / sequence length "
             f"({batch_size}, {seq_len}); yield arrays with concrete shapes."
         )
-    plan = _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len)
+    plan = _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len, first)
     _check_batch(plan, batch_size)  # a given plan may be for another batch
     strategy = _strategy(config.strategy)
     placement = _init_fleet(plan, strategy, device_num * node_num)
@@ -268,7 +315,7 @@ def _optimizer_kind(tx: optax.GradientTransformation, model: nnx.Module, wrt: An
     return by_count[min(moments, max(by_count))]
 
 
-def _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len) -> Plan:
+def _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len, first) -> Plan:
     if config.schedule not in (None, "FThenB"):
         raise ValueError(
             f"schedule={config.schedule!r}: to_distributed pipelines a model's own blocks with "
@@ -287,7 +334,9 @@ def _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len
                 f"{device_num * node_num}."
             )
         return plan
-    patterns = match_patterns(model)  # once: the planner and the pipeline check share it
+    inputs, forward = _model_call(first, config.forward)
+    # once: the planner and the pipeline check share it
+    patterns = match_patterns(model, inputs, forward=forward)
     return plan_for(
         model,
         patterns=patterns,
@@ -304,20 +353,30 @@ def _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len
         sequence_parallel=config.sequence_parallel,
         optimizer=_optimizer_kind(tx, model, wrt),
         recompute=config.recompute,
-        pipeline=_stackable(model, patterns),
+        pipeline=_pipeline_problem(model, patterns, inputs, forward),
     )
 
 
-def _stackable(model: nnx.Module, patterns: ModelPatterns) -> bool:
-    """Whether the decoder blocks hold only ``nnx.Param`` (the pipelined stand-in needs it)."""
-    blocks = patterns.blocks
-    if not blocks:
+def _pipeline_problem(
+    model: nnx.Module, patterns: ModelPatterns, inputs: Any, forward: Callable | None
+) -> str | bool:
+    """True when the decoder blocks can run as a pipelined stack, else the reason why not.
+
+    Checked at planning time on the traced forward
+    (:func:`~jfleet.auto_parallel.block_check.pipeline_problem`): parameters only (no
+    dropout RNG streams or caches), alike or repeating blocks, each called once in order
+    with the same further arguments (arrays, not cache objects), returning the activation.
+    """
+    if not patterns.blocks:
         return True
-    held = [nnx.state(module_at(model, b), nnx.Not(nnx.Param)) for b in blocks]
-    kinds = sorted({type(v).__name__ for st in held for _, v in nnx.to_flat_state(st)})
-    if kinds:
-        logger.info("to_distributed: no pipeline; the blocks hold %s besides parameters", kinds)
-    return not kinds
+
+    def call() -> Any:
+        return forward(model, inputs) if forward is not None else model(inputs)
+
+    problem = pipeline_problem(model, list(patterns.blocks), call)
+    if problem:
+        logger.info("to_distributed: no pipeline: %s", problem)
+    return problem or True
 
 
 def _check_batch(plan: Plan, batch_size: int) -> None:

@@ -228,9 +228,9 @@ def test_a_generator_loader_is_read_once_and_sharded():
 def test_the_model_is_matched_once_and_the_plans_zero_specs_are_applied(monkeypatch):
     calls = []
 
-    def counted(model):
+    def counted(model, *args, **kwargs):
         calls.append(type(model).__name__)
-        return match_patterns(model)
+        return match_patterns(model, *args, **kwargs)
 
     monkeypatch.setattr(to_distributed_module, "match_patterns", counted)
     monkeypatch.setattr(planner, "match_patterns", counted)
