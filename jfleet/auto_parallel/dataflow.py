@@ -53,11 +53,21 @@ class TraceError(ValueError):
 @dataclasses.dataclass(frozen=True, order=True)
 class Tag:
     """A dimension carrying projection ``param``'s output dimension ``dim``, in ``units``
-    contiguous units (heads, hidden features) that a split must not cut."""
+    contiguous units (heads, hidden features) that a split must not cut.
+
+    ``inner``: the dimension is the inner part of a split of that output dimension
+    (``[heads] -> [kv_heads, group]``: the group part), which a contiguous split of the
+    projection's dimension does not split on its own; merged back under its outer part
+    (``[kv_heads, group] -> [heads]``) the units multiply again. ``raw``: a 2-D kernel's
+    output dimension not yet reshaped (``heads * head_dim`` flattened): its first split is
+    into units and their insides (``[heads, head_dim]``), so it leaves no inner part.
+    """
 
     param: int
     dim: int
     units: int
+    inner: bool = False
+    raw: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,8 +169,33 @@ def reshape_groups(a: Sequence[int], b: Sequence[int]) -> list[tuple[list[int], 
     return groups
 
 
-def _retag(tags: frozenset, size: int) -> frozenset:
-    return frozenset(Tag(t.param, t.dim, math.gcd(t.units, size)) for t in tags)
+def _retag(tags: frozenset, size: int, inner: bool | None = None) -> frozenset:
+    return frozenset(
+        Tag(t.param, t.dim, math.gcd(t.units, size), t.inner if inner is None else inner, t.raw)
+        for t in tags
+    )
+
+
+def _split_tags(tags: frozenset, outer: int, inner: int) -> tuple[frozenset, frozenset]:
+    """Tags of a dimension split into ``[outer, inner]``: the outer part keeps them (units
+    as many as fit), the inner part carries the rest of their units, marked inner."""
+    out, rest = set(), set()
+    for t in tags:
+        u = math.gcd(t.units, outer)
+        out.add(Tag(t.param, t.dim, u, t.inner))
+        if not t.inner and not t.raw and t.units // u > 1:
+            rest.add(Tag(t.param, t.dim, math.gcd(t.units // u, inner), True))
+    return frozenset(out), frozenset(rest)
+
+
+def _merge_tags(outer: frozenset, inner: frozenset) -> frozenset:
+    """Tags of ``[outer, inner]`` merged into one dimension: the outer part's, with the
+    units of the same projection's inner part multiplied back in."""
+    out = set()
+    for t in outer:
+        extra = [i.units for i in inner if i.inner and (i.param, i.dim) == (t.param, t.dim)]
+        out.add(Tag(t.param, t.dim, t.units * (extra[0] if extra else 1), t.inner, t.raw))
+    return frozenset(out)
 
 
 class _Walk:
@@ -254,16 +289,14 @@ class _Walk:
         new_ones = {jj[0] for ii, jj in groups if not ii and jj}
         pending: frozenset = _EMPTY  # tags of a size-1 dim merged into the next one
         for ii, jj in groups:
-            outer_in = next((i for i in ii if src[i] > 1), None)
-            outer_out = next((j for j in jj if dst[j] > 1), None)
+            big_in = [i for i in ii if src[i] > 1]
+            big_out = [j for j in jj if dst[j] > 1]
             if ii and not jj and src[ii[0]] == 1:
                 pending = pending | a.tags[ii[0]]
                 continue
-            if outer_in is None or outer_out is None:
+            if not big_in or not big_out:
                 continue
-            if pending:  # [.., 1, g] -> [.., g]: one kv head shared by g q heads
-                tags[outer_out] = tags[outer_out] | _retag(pending, 1)
-                pending = _EMPTY
+            outer_in, outer_out = big_in[0], big_out[0]
             if view is not None and a.view[outer_in] is not None:
                 t = a.view[outer_in]
                 view[outer_out] = Tag(t.param, t.dim, math.gcd(t.units, dst[outer_out]))
@@ -271,7 +304,18 @@ class _Walk:
                 # [.., n] -> [.., 1, n]: an activation's features as one head of n
                 # (multi-query k / v): the head dim carries them, one unit
                 outer_out -= 1
-            tags[outer_out] = tags[outer_out] | _retag(a.tags[outer_in], dst[outer_out])
+            if pending:  # [.., 1, g] -> [.., g]: one kv head shared by g q heads
+                tags[outer_out] = tags[outer_out] | _retag(pending, 1)
+                pending = _EMPTY
+            incoming = a.tags[outer_in]
+            if len(big_in) > 1:  # a merge: inner parts multiply their units back in
+                incoming = _merge_tags(incoming, a.tags[big_in[1]])
+            if len(big_out) > 1 and outer_out == big_out[0]:  # a split: [outer, inner]
+                kept, rest = _split_tags(incoming, dst[outer_out], dst[big_out[1]])
+                tags[outer_out] = tags[outer_out] | kept
+                tags[big_out[1]] = tags[big_out[1]] | rest
+            else:
+                tags[outer_out] = tags[outer_out] | _retag(incoming, dst[outer_out])
         bcast = [False] * len(dst)
         for ii, jj in reshape_groups(src, dst):
             for j in jj:
@@ -390,7 +434,7 @@ class _Walk:
                     continue
                 self.contracted.setdefault(w.param, set()).add(w.dim)
                 for t in av.tags[ad]:
-                    if t.param != w.param:
+                    if t.param != w.param and not t.inner:
                         self.edges.append(Edge(t.param, t.dim, w.param, w.dim, t.units))
             batch_tags = [av.tags[ad] for ad in ab]
             a_tags = [av.tags[i] for i in afree]
@@ -649,7 +693,7 @@ def trace_model(
     args: list[_Val] = []
     for i, shape in enumerate(shapes):
         n = len(shape)
-        view = tuple(Tag(i, d, shape[d]) for d in range(n))
+        view = tuple(Tag(i, d, shape[d], raw=n == 2) for d in range(n))
         args.append(_Val(tags=(_EMPTY,) * n, bcast=(False,) * n, view=view, grad=True))
     args += [_const(len(np.shape(x))) for x in jax.tree_util.tree_leaves(rest)][:n_rest]
     for v in ivals:

@@ -390,7 +390,10 @@ def _attention_roles(trace: Trace, group: _Group) -> dict[int, str]:
     lhs = set().union(*(a for a, _ in trace.score_sides)) if trace.score_sides else set()
     rhs = set().union(*(b for _, b in trace.score_sides)) if trace.score_sides else set()
     val = set().union(*trace.value_sides) if trace.value_sides else set()
-    most = max(u for _, u in group.producers.values())
+    score_only = [
+        u for p, (_, u) in group.producers.items() if (p in lhs or p in rhs) and p not in val
+    ]
+    most = max(score_only, default=0)
     roles: dict[int, str] = {group.row: "o"}
     for p, (_, units) in group.producers.items():
         both = p in lhs and p in rhs
@@ -731,14 +734,19 @@ def match_patterns(
         for group in _groups(trace, exclude):
             found = (_attention_roles if group.attention else _mlp_roles)(trace, group)
             named.update(found)
-            split[group.row] = (group.row_dim, group.units)
-            for p, (dim, units) in group.producers.items():
-                split[p] = (dim, units)
+            units = {p: u for p, (_, u) in group.producers.items()}
+            query = [u for p, u in units.items() if found[p] in ("q", "qk", "qkv")]
+            # the row is split like the queries (heads); under grouped-query attention k and
+            # v may have fewer units (kv heads), and then stay whole where mp cuts them
+            row_units = min(query) if query else min(units.values())
+            split[group.row] = (group.row_dim, row_units)
+            for p, (dim, u) in group.producers.items():
+                split[p] = (dim, math.gcd(u, row_units))
             if group.attention and attention is None:
                 attention = "fused" if "qkv" in found.values() else "separate"
                 q_dim = _contracted_size(trace, group.row)
-                heads = next((h for h in trace.heads if q_dim % h == 0), group.units)
-                kv = min(u for _, u in group.producers.values())
+                heads = max([row_units, *(h for h in trace.heads if q_dim % h == 0)])
+                kv = min(split[p][1] for p in units if found[p] in ("k", "v", "kv", "qkv"))
                 dims.update(
                     heads=heads,
                     kv_heads=kv if heads % kv == 0 else heads,

@@ -42,7 +42,7 @@ from flax import nnx
 
 from jfleet import _context, fleet
 from jfleet._logging import logger
-from jfleet.auto_parallel.block_check import pipeline_problem
+from jfleet.auto_parallel.block_check import ARRAY, TREE, pipeline_problem, record_block_calls
 from jfleet.auto_parallel.blocks import (
     PipelinedBlocks,
     container_of,
@@ -259,7 +259,10 @@ def to_distributed(
     strategy = _strategy(config.strategy)
     placement = _init_fleet(plan, strategy, device_num * node_num)
     apply_model_settings(model, strategy)
-    _apply(model, plan, placement, config.per_sample_args)
+    per_sample = config.per_sample_args
+    if per_sample is None and plan.blocks and plan.mesh_shape[PP] > 1:
+        per_sample = _per_sample_args(model, plan.blocks, first, config.forward)
+    _apply(model, plan, placement, per_sample)
     dist = fleet.distributed_optimizer(tx)
     dist.wrt = wrt
     dist.init(model, placement)
@@ -377,6 +380,50 @@ def _pipeline_problem(
     if problem:
         logger.info("to_distributed: no pipeline: %s", problem)
     return problem or True
+
+
+def _leading(text: str) -> int | None:
+    """The leading dimension of an array described as ``int32[8,16]`` (None: a scalar)."""
+    inside = text.partition("[")[2].partition("]")[0]
+    head = inside.split(",")[0]
+    return int(head) if head.strip().isdigit() else None
+
+
+def _per_sample_args(
+    model: nnx.Module, blocks: tuple[str, ...], batch: Any, forward: Callable | None
+) -> tuple[int | str, ...] | None:
+    """The decoder blocks' extra arguments that hold one row per sample.
+
+    The forward is traced abstractly on the batch and on the batch repeated twice: an
+    array argument whose leading dimension doubles with the batch is per-sample (split
+    into micro-batches), the others are shared. None (decide by shape) when an argument
+    is a pytree or the traces disagree.
+    """
+    size = batch_shape(batch, local=False)[0]
+
+    def twice(x: Any) -> Any:
+        if hasattr(x, "shape") and np.ndim(x) >= 1 and np.shape(x)[0] == size:
+            return np.concatenate([np.asarray(x)] * 2)
+        return x
+
+    records = []
+    for b in (batch, jax.tree.map(twice, batch)):
+        inputs, fwd = _model_call(b, forward)
+
+        def call(inputs: Any = inputs, fwd: Callable | None = fwd) -> Any:
+            return fwd(model, inputs) if fwd is not None else model(inputs)
+
+        calls = record_block_calls(model, list(blocks), call)[0].calls
+        if not calls:
+            return None
+        records.append(calls[0].arguments)
+    out: list[int | str] = []
+    for a, b in zip(*records, strict=True):
+        if a.kind == TREE or a.name != b.name:
+            return None
+        if a.kind == ARRAY and _leading(a.text) != _leading(b.text):
+            out.append(int(a.name) if a.name.isdigit() else a.name)
+    return tuple(out)
 
 
 def _check_batch(plan: Plan, batch_size: int) -> None:
