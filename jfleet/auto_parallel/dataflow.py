@@ -50,6 +50,12 @@ class TraceError(ValueError):
     """The model could not be traced with the given input (the message says how to fix it)."""
 
 
+class _NotArraysError(Exception):
+    def __init__(self, value: Any) -> None:
+        super().__init__("not arrays")
+        self.value = value
+
+
 @dataclasses.dataclass(frozen=True, order=True)
 class Tag:
     """A dimension carrying projection ``param``'s output dimension ``dim``, in ``units``
@@ -669,11 +675,20 @@ def trace_model(
         for i, v in zip(arrays, iv, strict=True):
             leaves[i] = v
         x = jax.tree_util.tree_unflatten(itree, leaves)
-        return forward(m, x) if forward is not None else m(x)
+        out = forward(m, x) if forward is not None else m(x)
+        leaves_out = jax.tree_util.tree_leaves(out)
+        if not leaves_out or not all(isinstance(o, jax.Array) for o in leaves_out):
+            raise _NotArraysError(out)
+        return out
 
     how = "forward(model, batch)" if forward is not None else f"{type(model).__name__}(inputs)"
     try:
-        closed, out_shape = jax.make_jaxpr(run, return_shape=True)(pvals, rest, ivals)
+        closed = jax.make_jaxpr(run)(pvals, rest, ivals)
+    except _NotArraysError as err:
+        raise TraceError(
+            f"{how} returned {err.value!r}, not arrays; the forward hook must return the "
+            "model's output (logits) or a loss."
+        ) from None
     except Exception as err:  # the user's call failed: say where, and how to call it
         raise TraceError(
             f"tracing {how} failed for the auto-parallel plan: {type(err).__name__}: {err}. "
@@ -682,12 +697,6 @@ def trace_model(
             "ToDistributedConfig(forward=lambda model, batch: ...) calling it as your "
             "training step does."
         ) from err
-    outs = jax.tree_util.tree_leaves(out_shape)
-    if not outs or not all(isinstance(o, jax.ShapeDtypeStruct) for o in outs):
-        raise TraceError(
-            f"{how} returned {out_shape!r}, not arrays; the forward hook must return the "
-            "model's output (logits) or a loss."
-        )
     walk = _Walk(len(pleaves))
     n_rest = len(jax.tree_util.tree_leaves(rest))
     args: list[_Val] = []

@@ -273,12 +273,19 @@ def shape_problem(
         if bad:
             return f"mp={mp} does not divide the split unit count(s) {bad}"
         kernels = [p for p in patterns.params if p.block is not None and len(p.shape) >= 2]
-        whole = patterns.replicated_at(mp)
-        if kernels and 2 * sum(p.size for p in whole) > sum(p.size for p in kernels):
+        largest = max((p.size for p in kernels), default=0)
+        # k / v whole where mp cuts their kv heads is the grouped-query layout; any other
+        # large block kernel left whole would be computed on every mp rank
+        whole = [
+            p
+            for p in patterns.replicated_at(mp)
+            if p.role not in ("k", "v", "kv") and 8 * p.size >= largest
+        ]
+        if whole:
             shown = ", ".join(p.path for p in whole if p.block == 0)
             return (
-                f"mp={mp} would leave most of the decoder blocks' kernels whole on every mp "
-                f"rank ({shown}, ... in every block)"
+                f"mp={mp} would leave large decoder-block kernels whole on every mp rank "
+                f"({shown}, ... in every block)"
             )
     if pp > 1:
         blocks, period = len(patterns.blocks), patterns.block_period

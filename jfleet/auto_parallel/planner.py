@@ -251,6 +251,16 @@ def plan_for(
         )
     if patterns.recognised and patterns.unmatched:
         logger.info("unmatched parameters, kept replicated: %s", ", ".join(patterns.unmatched))
+    why_not_piped = None
+    if pipeline is not True:
+        why_not_piped = (
+            pipeline if isinstance(pipeline, str) and pipeline else "the blocks cannot be pipelined"
+        )
+        if forced is not None and forced[PP] > 1:
+            raise ValueError(
+                f"force_mesh={dict(force_mesh)} asks for pp={forced[PP]}, but this model's "
+                f"blocks cannot be pipelined: {why_not_piped} Use pp 1."
+            )
     if forced is not None:
         problem = shape_problem(patterns, workload, forced, device_num)
         if problem is not None:
@@ -268,17 +278,9 @@ def plan_for(
     )
     if not patterns.recognised:
         layouts = [lay for lay in layouts if lay.pp == 1 and lay.mp == 1]
-    if pipeline is not True:
-        why = (
-            pipeline if isinstance(pipeline, str) and pipeline else "the blocks cannot be pipelined"
-        )
-        if forced is not None and forced[PP] > 1:
-            raise ValueError(
-                f"force_mesh={dict(force_mesh)} asks for pp={forced[PP]}, but this model's "
-                f"blocks cannot be pipelined: {why} Use pp 1."
-            )
+    if why_not_piped is not None:
         piped = dict.fromkeys(lay.mesh_name for lay in layouts if lay.pp > 1)
-        excluded = [*excluded, *((m, why) for m in piped)]
+        excluded = [*excluded, *((m, why_not_piped) for m in piped)]
         layouts = [lay for lay in layouts if lay.pp == 1]
     if not layouts:
         raise ValueError(

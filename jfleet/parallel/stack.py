@@ -214,7 +214,13 @@ def _show(value: Any) -> str:
 
 
 def _array_difference(path: tuple, a: Any, b: Any, variable: Any) -> str | None:
-    what = "parameter" if isinstance(variable, nnx.Param) else "variable" if variable else "array"
+    what = (
+        "parameter"
+        if isinstance(variable, nnx.Param)
+        else "variable"
+        if variable is not None
+        else "array"
+    )
     shape_a, shape_b = _shape(a), _shape(b)
     if shape_a != shape_b:
         return f"{what} {_dotted(path)!r} (shape {shape_a} vs {shape_b})"

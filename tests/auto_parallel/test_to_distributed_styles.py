@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import logging
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -20,7 +22,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jfleet import make_train_step
-from jfleet.auto_parallel import ToDistributedConfig, get_plan, to_distributed
+from jfleet.auto_parallel import ToDistributedConfig, TraceError, get_plan, to_distributed
 from jfleet.testing import train_one_device
 from jfleet.testing.nnx_styles import STYLES
 
@@ -92,3 +94,101 @@ def test_pipelined_and_zero3_layouts_train_like_one_device(name):
     model, zero3 = distributed(name, {"dp": 2, "sharding": 2, "mp": 2}, zero_stage=3)
     assert get_plan(model).zero_stage == 3
     np.testing.assert_allclose(zero3, one_device(name), rtol=TOL, atol=TOL)
+
+
+# ------------------------------------------------------------------ what cannot be split
+def test_blocks_with_dropout_streams_are_refused_a_pipeline_at_planning_time():
+    style = STYLES["dropout"]
+    config = ToDistributedConfig(force_mesh={"dp": 2, "pp": 2, "mp": 2})
+    with pytest.raises(ValueError, match=r"cannot be pipelined: the blocks hold state other"):
+        to_distributed(style.build(nnx.Rngs(0)), optax.adam(1e-2), style.batches(1), config=config)
+    model, _, _ = to_distributed(style.build(nnx.Rngs(0)), optax.adam(1e-2), style.batches(1))
+    reasons = dict(get_plan(model).excluded)
+    assert "dp4 x pp2" in reasons and "RngKey" in reasons["dp4 x pp2"]
+
+
+def test_blocks_that_do_not_repeat_are_not_pipelined_and_the_setting_is_named():
+    style = STYLES["gemma_alternating"]  # sliding windows 4, None, 4, None: period 2
+    model = style.build(nnx.Rngs(0))
+    model.layers[2].attn.sliding_window_size = None  # 4, None, None, None: no period
+    config = ToDistributedConfig(force_mesh={"dp": 4, "pp": 2})
+    with pytest.raises(ValueError, match=r"differs from block layers.0 in attribute "
+                       r"'attn.sliding_window_size' \(None vs 4\)"):  # fmt: skip
+        to_distributed(model, optax.adam(1e-2), style.batches(1), config=config)
+    config = ToDistributedConfig(force_mesh={"dp": 2, "pp": 4})  # 2 super-blocks of 2
+    with pytest.raises(ValueError, match=r"pp=4 does not divide the 2 super-blocks of 2"):
+        to_distributed(style.build(nnx.Rngs(0)), optax.adam(1e-2), style.batches(1), config=config)
+
+
+class MysteryAttention(nnx.Module):
+    """q / k / v / o around a kernel the pass cannot see through (a Pallas call, a callback):
+    here a sort across heads, which mixes what a head split would keep apart."""
+
+    def __init__(self, width: int, heads: int, *, rngs: nnx.Rngs):
+        self.heads = heads
+        self.wq, self.wk, self.wv, self.wo = (
+            nnx.Linear(width, width, use_bias=False, rngs=rngs) for _ in range(4)
+        )
+
+    def __call__(self, x):
+        b, t, w = x.shape
+        q, k, v = (f(x).reshape(b, t, self.heads, -1) for f in (self.wq, self.wk, self.wv))
+        mixed = jax.lax.sort(q * k + v, dimension=2)
+        return self.wo(mixed.reshape(b, t, w))
+
+
+class MysteryLM(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(64, 32, rngs=rngs)
+        self.blocks = nnx.List([MysteryAttention(32, 4, rngs=rngs) for _ in range(2)])
+        self.norm = nnx.RMSNorm(32, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = x + block(self.norm(x))
+        return self.embed.attend(x)
+
+
+def test_attention_that_cannot_be_split_gets_no_mp_and_a_warning_listing_it(caplog):
+    batches = STYLES["mha"].batches(1, seq=8)
+    with caplog.at_level(logging.WARNING, logger="jfleet"):
+        model, _, _ = to_distributed(MysteryLM(nnx.Rngs(0)), optax.adam(1e-2), batches)
+    plan = get_plan(model)
+    assert plan.mesh_shape["mp"] == 1
+    warned = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "kept whole on every mp rank" in warned
+    assert all(f"blocks.*.{n}.kernel" in warned for n in ("wq", "wk", "wv", "wo"))
+    why = plan._param("blocks.0.wo.kernel").replicated_why
+    assert "no column/row pair" in why
+    with pytest.raises(ValueError, match=r"mp=4 would leave large decoder-block kernels whole"):
+        to_distributed(
+            MysteryLM(nnx.Rngs(0)),
+            optax.adam(1e-2),
+            batches,
+            config=ToDistributedConfig(force_mesh={"dp": 2, "mp": 4}),
+        )
+
+
+# ------------------------------------------------------------------ how the model is called
+class NeedsMask(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(64, 16, rngs=rngs)
+
+    def __call__(self, tokens, mask):
+        return self.embed.attend(self.embed(tokens) * mask[..., None])
+
+
+def test_a_model_whose_call_fails_or_a_hook_returning_no_arrays_is_a_clear_error():
+    batches = [{"tokens": np.zeros((8, 8), np.int32), "mask": np.ones((8, 8), np.float32)}]
+    with pytest.raises(TraceError, match=r"tracing NeedsMask\(inputs\) failed.*forward="):
+        to_distributed(NeedsMask(nnx.Rngs(0)), optax.adam(1e-2), batches)
+    config = ToDistributedConfig(forward=lambda model, batch: "logits")
+    with pytest.raises(TraceError, match=r"returned 'logits', not arrays"):
+        to_distributed(NeedsMask(nnx.Rngs(0)), optax.adam(1e-2), batches, config=config)
+    config = ToDistributedConfig(forward=lambda model, batch: model(batch["tokens"], batch["mask"]))
+    model, _, _ = to_distributed(NeedsMask(nnx.Rngs(0)), optax.adam(1e-2), batches, config=config)
+    assert get_plan(model).mesh_shape["dp"] == 8
+    with pytest.raises(ValueError, match=r"keys \['ids', 'y'\], none of them a known model input"):
+        odd = [{"ids": np.zeros((8, 8), np.int32), "y": np.zeros((8, 8), np.int32)}]
+        to_distributed(NeedsMask(nnx.Rngs(0)), optax.adam(1e-2), odd)
