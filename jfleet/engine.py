@@ -85,7 +85,9 @@ def _shardings(tree: Any) -> Any:
 def _leaf_specs(tree: Any) -> tuple:
     """What of a tree's arrays a compiled step is specialised to: shape, dtype, sharding."""
     return tuple(
-        (getattr(x, "shape", None), getattr(x, "dtype", None), getattr(x, "sharding", None))
+        (x.shape, x.dtype, x.sharding)
+        if isinstance(x, jax.Array)
+        else (getattr(x, "shape", None), getattr(x, "dtype", None), None)
         for x in jax.tree.leaves(tree)
     )
 

@@ -45,7 +45,7 @@ from flax import nnx
 from flax.nnx import graph as nnx_graph
 
 from jfleet.auto_parallel.blocks import module_at
-from jfleet.parallel.stack import block_period, first_mismatch
+from jfleet.parallel.alike import block_period, first_mismatch
 
 __all__ = [
     "ARRAY",

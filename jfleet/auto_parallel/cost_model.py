@@ -47,14 +47,23 @@ layer's activations.
 
 **Step time** (seconds; no overlap of communication with compute, so an upper bound):
 
-* compute ``6 Phi_mm T / (peak x devices)`` for the matmul parameters (blocks and head;
-  the embedding gather is free) plus attention ``12 L s q_dim T``; recompute (and 1F1B)
-  adds one forward of the blocks; embedding and head are replicated over ``pp``;
-* tensor parallel: per block and stage run (micro-batch; FThenB: tick) the forward
-  all-reduces after o and down,
-  and in the backward one all-reduce per column projection reading the block's input
-  (XLA reduces q, k and v's input gradients separately: 3 for separate q/k/v, 1 for a
-  fused qkv; 2 for SwiGLU gate/up, 1 for GELU), each of ``b s h`` elements, plus the
+* compute: every product of the traced forward pass
+  (:attr:`~jfleet.auto_parallel.patterns.ModelPatterns.dots`: projections of any kernel
+  rank, attention scores and values, the head), scaled from the traced batch to the
+  workload's (attention products with the square of the sequence), plus one backward
+  product per operand that needs a gradient, per device: divided by the data axes
+  (``dp x sharding x sep``) and by ``mp`` only when a parameter split over ``mp`` at this
+  degree splits the product (a product of a kernel left whole runs on every ``mp`` rank);
+  the blocks' share divided by ``pp``; recompute (and 1F1B) adds one forward of the
+  blocks; embedding and head run on every stage. :attr:`Candidate.flops` is that count as
+  executed (FThenB's masked bubble ticks included), what
+  :func:`jfleet.testing.hlo.dot_flops` counts in the compiled step. Without a trace,
+  ``6 x`` the kernels' elements per token;
+* tensor parallel: per block and stage run (micro-batch; FThenB: tick) one forward
+  all-reduce per row projection split over ``mp`` (after o and down), and in the
+  backward one per split column projection reading the block's input (XLA reduces q, k
+  and v's input gradients separately: 3 for separate q/k/v, 1 for a fused qkv; 2 for
+  SwiGLU gate/up, 1 for GELU or a stacked gate/up), each of ``b s h`` elements, plus the
   vocabulary-parallel embedding (forward) and head (backward) and two softmax
   statistics; ring all-reduce ``2(n-1)/n B`` at the bandwidth of the links the ``mp``
   group spans;

@@ -407,30 +407,13 @@ class _Walk:
             if side.view is not None:
                 splits.update((t.param, t.dim) for t in side.view if t is not None)
         pside = None
-        if lhs.view is not None and rhs.view is None:
-            pside, wv, av, wc, ac, _, ab, wfree, afree = (
-                "l",
-                lhs,
-                rhs,
-                lc,
-                rc,
-                lb,
-                rb,
-                lfree,
-                rfree,
-            )
-        elif rhs.view is not None and lhs.view is None:
-            pside, wv, av, wc, ac, _, ab, wfree, afree = (
-                "r",
-                rhs,
-                lhs,
-                rc,
-                lc,
-                rb,
-                lb,
-                rfree,
-                lfree,
-            )
+        sides = {
+            "l": (lhs, rhs, lc, rc, rb, lfree, rfree),
+            "r": (rhs, lhs, rc, lc, lb, rfree, lfree),
+        }
+        if (lhs.view is None) != (rhs.view is None):
+            pside = "l" if lhs.view is not None else "r"
+            wv, av, wc, ac, ab, wfree, afree = sides[pside]
         if pside is not None:
             params = {t.param for t in wv.view if t is not None}
             param = params.pop() if len(params) == 1 else None

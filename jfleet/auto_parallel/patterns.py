@@ -57,7 +57,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -67,7 +67,15 @@ from jax.sharding import PartitionSpec as P
 
 from jfleet._logging import logger
 from jfleet.auto_parallel.dataflow import Trace, TraceError, trace_model
-from jfleet.parallel.stack import block_period
+from jfleet.auto_parallel.pairs import (
+    attention_roles,
+    bias_splits,
+    contracted_size,
+    mlp_roles,
+    name_hint,
+    pairs,
+)
+from jfleet.parallel.alike import block_period
 from jfleet.topology import MP
 
 __all__ = [
@@ -314,145 +322,6 @@ class ModelPatterns:
         return ", ".join(parts)
 
 
-# ------------------------------------------------------------------ roles from the trace
-@dataclasses.dataclass
-class _Group:
-    row: int
-    row_dim: int
-    units: int
-    producers: dict[int, tuple[int, int]]  # producer -> (dim, units)
-    attention: bool
-
-
-def _groups(trace: Trace, exclude: set[int]) -> list[_Group]:
-    """Column / row pairs: each row (a consumer of tagged dims) with the producers feeding it.
-
-    ``exclude``: parameters that are no pair's member (embedding tables, the LM head).
-    """
-    edges_in = [e for e in trace.edges if e.producer not in exclude and e.consumer not in exclude]
-    consumers = {e.consumer for e in edges_in}
-    by_row: dict[int, list] = collections.defaultdict(list)
-    for e in edges_in:
-        if e.producer not in consumers:
-            by_row[e.consumer].append(e)
-    in_attention = set()
-    for lhs, rhs in trace.score_sides:
-        in_attention |= lhs | rhs
-    for side in trace.value_sides:
-        in_attention |= side
-    taken: set[int] = set()
-    groups = []
-    for row in sorted(by_row, key=lambda i: trace.paths[i]):
-        edges = by_row[row]
-        fed: dict[int, set[int]] = collections.defaultdict(set)
-        for e in edges:
-            if e.producer not in taken:
-                fed[e.consumer_dim].add(e.producer)
-        if not fed:
-            continue
-        dim = max(sorted(fed), key=lambda d: len(fed[d]))
-        producers: dict[int, tuple[int, int]] = {}
-        for e in edges:
-            if e.consumer_dim != dim or e.producer in taken:
-                continue
-            prev = producers.get(e.producer)
-            if prev is None:
-                producers[e.producer] = (e.producer_dim, e.units)
-            elif prev[0] == e.producer_dim:
-                producers[e.producer] = (prev[0], min(prev[1], e.units))
-        taken |= set(producers)
-        units = max(u for _, u in producers.values())
-        groups.append(_Group(row, dim, units, producers, bool(set(producers) & in_attention)))
-    return groups
-
-
-def _free_size(trace: Trace, i: int) -> int:
-    shape = trace.shapes[i]
-    return math.prod(s for d, s in enumerate(shape) if d not in trace.contracted.get(i, ()))
-
-
-def _contracted_size(trace: Trace, i: int) -> int:
-    return math.prod(trace.shapes[i][d] for d in trace.contracted.get(i, ()))
-
-
-_Q_HINTS = ("q", "query", "wq", "q_proj", "q_einsum", "to_q", "q_lin")
-_K_HINTS = ("k", "key", "wk", "k_proj", "to_k", "k_lin")
-
-
-def _attention_roles(trace: Trace, group: _Group) -> dict[int, str]:
-    """q / k / v / qk / kv / qkv for the producers, o for the row.
-
-    A producer feeding both the scores and the values is ``kv`` (``qkv`` when it is on
-    both sides of the scores); one feeding only the values is ``v``; of those feeding only
-    the scores, q and k are told apart by name (``q_proj``, ``query``, ``wq``, ...), then by
-    units (k has the fewer under grouped-query attention), then by side (q on the left).
-    """
-    lhs = set().union(*(a for a, _ in trace.score_sides)) if trace.score_sides else set()
-    rhs = set().union(*(b for _, b in trace.score_sides)) if trace.score_sides else set()
-    val = set().union(*trace.value_sides) if trace.value_sides else set()
-    score_only = [
-        u for p, (_, u) in group.producers.items() if (p in lhs or p in rhs) and p not in val
-    ]
-    most = max(score_only, default=0)
-    roles: dict[int, str] = {group.row: "o"}
-    for p, (_, units) in group.producers.items():
-        both = p in lhs and p in rhs
-        if (p in lhs or p in rhs) and p in val:
-            roles[p] = "qkv" if both else "kv"
-        elif both:
-            roles[p] = "qk"
-        elif p in val:
-            roles[p] = "v"
-        elif p in lhs or p in rhs:
-            name = str(trace.paths[p][-2]) if len(trace.paths[p]) > 1 else ""
-            if _hint(name, _K_HINTS) and not _hint(name, ("kv",)):
-                roles[p] = "k"
-            elif _hint(name, _Q_HINTS) and not _hint(name, ("qkv",)):
-                roles[p] = "q"
-            elif units < most:
-                roles[p] = "k"
-            else:
-                roles[p] = "q" if p in lhs else "k"
-        else:
-            roles[p] = "gate"
-    return roles
-
-
-def _mlp_roles(trace: Trace, group: _Group) -> dict[int, str]:
-    producers = sorted(group.producers, key=lambda i: trace.paths[i])
-    roles: dict[int, str] = {group.row: "down"}
-    if len(producers) == 1:
-        (p,) = producers
-        gated = _free_size(trace, p) > _contracted_size(trace, group.row)
-        roles[p] = "gate_up" if gated else "up"
-        return roles
-    gates = [
-        p
-        for p in producers
-        if any((p in a and na) or (p in b and nb) for a, na, b, nb in trace.gates)
-    ]
-    gate = gates[0] if len(gates) == 1 else producers[0]
-    for p in producers:
-        roles[p] = "gate" if (p == gate and len(producers) == 2) else "up"
-    return roles
-
-
-def _bias_splits(trace: Trace, split: dict[int, tuple[int, int]]) -> dict[int, tuple]:
-    """``{bias: (owner, dim or None, units)}`` for biases added to a projection's output."""
-    out: dict[int, tuple] = {}
-    for b, entries in trace.biases.items():
-        for bdim, tag in sorted(entries):
-            own = split.get(tag.param)
-            if own is not None and own[0] == tag.dim:
-                out[b] = (tag.param, bdim, own[1])
-                break
-        else:
-            owners = sorted({tag.param for _, tag in entries})
-            if len(owners) == 1:
-                out[b] = (owners[0], None, 0)
-    return out
-
-
 # ------------------------------------------------------------------ helpers
 @dataclasses.dataclass
 class _Dense:
@@ -492,11 +361,6 @@ def _dense_of(path: tuple, module: Any, params: dict[tuple, Any]) -> _Dense | No
         bias = (*path, vecs[0][0])
     name = str(path[-1]) if path else ""
     return _Dense(path, name, module, (*path, kname), bias, n_in, n_out)
-
-
-def _hint(name: str, hints: Iterable[str]) -> bool:
-    name = name.lower()
-    return any(name == h or name.endswith("_" + h) or name.startswith(h) for h in hints)
 
 
 def _is_norm(path: tuple, module: Any, params: dict) -> bool:
@@ -657,7 +521,7 @@ def match_patterns(
             ((p, m) for p, m in same if m.num_embeddings in heads_out and len(same) > 1), None
         )
         if token is None:
-            named = [(p, m) for p, m in same if _hint(str(p[-1]), _TOKEN_HINTS)]
+            named = [(p, m) for p, m in same if name_hint(str(p[-1]), _TOKEN_HINTS)]
             token = named[0] if len(named) == 1 else max(same, key=lambda pm: pm[1].num_embeddings)
         vocab = token[1].num_embeddings
         for p, _ in same:
@@ -731,8 +595,8 @@ def match_patterns(
                 and trace.shapes[i] == (width, vocab)
             )
         }
-        for group in _groups(trace, exclude):
-            found = (_attention_roles if group.attention else _mlp_roles)(trace, group)
+        for group in pairs(trace, exclude):
+            found = (attention_roles if group.attention else mlp_roles)(trace, group)
             named.update(found)
             units = {p: u for p, (_, u) in group.producers.items()}
             query = [u for p, u in units.items() if found[p] in ("q", "qk", "qkv")]
@@ -744,7 +608,7 @@ def match_patterns(
                 split[p] = (dim, math.gcd(u, row_units))
             if group.attention and attention is None:
                 attention = "fused" if "qkv" in found.values() else "separate"
-                q_dim = _contracted_size(trace, group.row)
+                q_dim = contracted_size(trace, group.row)
                 heads = max([row_units, *(h for h in trace.heads if q_dim % h == 0)])
                 kv = min(split[p][1] for p in units if found[p] in ("k", "v", "kv", "qkv"))
                 dims.update(
@@ -754,11 +618,11 @@ def match_patterns(
                 )
             elif not group.attention and mlp is None:
                 mlp = "swiglu" if {"gate", "gate_up"} & set(found.values()) else "gelu"
-                dims["hidden"] = _contracted_size(trace, group.row)
+                dims["hidden"] = contracted_size(trace, group.row)
         for i, role in named.items():
             dim, units = split[i]
             roles[trace.paths[i]] = (role, "kernel", dim, units)
-        for b, (owner, dim, units) in _bias_splits(trace, split).items():
+        for b, (owner, dim, units) in bias_splits(trace, split).items():
             if owner in named and trace.paths[b] not in roles:
                 roles[trace.paths[b]] = (named[owner], "bias", dim, units)
                 attn_bias = attn_bias or named[owner] in {"q", "k", "v", "qk", "kv", "qkv", "o"}
