@@ -1,28 +1,44 @@
-"""The auto-parallel cost model against the compiler: predicted vs compiled memory and bytes.
+"""The auto-parallel cost model against the compiler: memory, collective bytes and FLOPs.
 
-Run from the repository root (8 emulated CPU devices; about two minutes on 2 cores)::
+Run from the repository root (8 emulated CPU devices; several minutes on 2 cores)::
 
-    python benchmarks/cost_model_check.py              # prints the table, writes RESULTS.md
+    python benchmarks/cost_model_check.py              # prints the tables, writes RESULTS.md
     python benchmarks/cost_model_check.py --no-write   # print only
 
-For each candidate layout of the Llama-style :class:`jfleet.models.llama.TinyLlama`
-(vocab 512, width 128, 8 heads, 4 kv heads, SwiGLU hidden 256, 4 layers; batch 16 x 64
-tokens; fp32 Adam) it runs what a user runs: :func:`jfleet.auto_parallel.to_distributed`
-with that mesh forced (``ToDistributedConfig(force_mesh=..., zero_stage=...,
-recompute=False, num_microbatches=...)``: it plans with the cost model, calls
-``fleet.init``, places the parameters and the Adam state, and with ``pp > 1`` replaces
-the decoder blocks by the FThenB pipelined stand-in), then lowers the one training
-engine's step, ``jfleet.make_train_step(lm_loss).lower(model, opt, batch)``, and
-compiles it (not run). It compares
+Two subjects are checked, through one code path (:class:`Subject`: a fresh model, one
+batch, the loss and the ``forward`` hook):
 
-* the predicted per-device memory of the plan applied (``get_plan(model).chosen.memory
-  .total``) with the compiled step's ``memory_analysis()``: ``argument + output - alias +
-  temp`` (outputs alias the donated arguments, so this is the step's peak; on CPU
+* each layout of :data:`LAYOUTS` on the Llama-style :class:`jfleet.models.llama.TinyLlama`
+  (vocab 512, width 128, 8 heads, 4 kv heads, SwiGLU hidden 256, 4 layers; batch 16 x 64
+  tokens; fp32 Adam);
+* every style of :data:`jfleet.testing.nnx_styles.STYLES` (tiny decoder LMs written in
+  public Flax NNX styles; batch :data:`STYLE_BATCH` x :data:`STYLE_SEQ` tokens, so batch
+  and sequence differ) under :data:`STYLE_LAYOUTS`: dp2 x mp4, dp2 x sharding2 x mp2
+  ZeRO-3 and, for styles with ``pipelines``, dp2 x pp2 x mp2 FThenB M=2.
+
+For each it runs what a user runs: :func:`jfleet.auto_parallel.to_distributed` with that
+mesh forced (``ToDistributedConfig(force_mesh=..., zero_stage=..., recompute=False,
+num_microbatches=..., forward=...)``: it plans with the cost model, calls ``fleet.init``,
+places the parameters and the Adam state, and with ``pp > 1`` replaces the decoder blocks
+by the FThenB pipelined stand-in), then lowers the one training engine's step,
+``jfleet.make_train_step(loss).lower(model, opt, batch)``, and compiles it (not run). It
+compares, per device,
+
+* the predicted memory of the plan applied (``get_plan(model).chosen.memory.total``) with
+  the compiled step's ``memory_analysis()``: ``argument + output - alias + temp``
+  (outputs alias the donated arguments, so this is the step's peak; on CPU
   ``peak_memory_in_bytes`` leaves temp out);
-* the predicted collective bytes per device (``chosen.collectives.total``) with the
-  bytes :func:`jfleet.testing.hlo.summarize` counts in the compiled HLO (all kinds; loop bodies
+* the predicted collective bytes (``chosen.collectives.total``) with the bytes
+  :func:`jfleet.testing.hlo.summarize` counts in the compiled HLO (all kinds; loop bodies
   weighted by trip count; XLA:CPU's all-reduce + slice in place of a reduce-scatter has
-  the same bytes in that accounting).
+  the same bytes in that accounting);
+* the predicted dot FLOPs of one step as executed (``chosen.flops``, a masked FThenB
+  bubble included) with :func:`jfleet.testing.hlo.dot_flops` of the compiled HLO (while
+  bodies weighted by their trip counts; ``cost_analysis()`` counts a loop body once).
+
+The tolerances (:data:`TOLERANCES`: memory ±25%, collective bytes ±15%, FLOPs ±10%) are
+the ones ``tests/auto_parallel/test_cost_model.py`` holds the model to; the tables mark
+the ratios outside them, and nothing here loosens them.
 """
 
 from __future__ import annotations
@@ -35,6 +51,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -50,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flax
 import optax
+from flax import nnx
 
 from benchmarks.results_file import write_section
 from jfleet import make_train_step
@@ -57,8 +75,10 @@ from jfleet.auto_parallel import Plan, ToDistributedConfig, get_plan, to_distrib
 from jfleet.models import lm_batches, lm_loss
 from jfleet.models.llama import TinyLlama
 from jfleet.testing import hlo
+from jfleet.testing.nnx_styles import STYLES, Style
 
 MiB = 2**20
+KiB = 2**10
 SECTION = "cost_model_check"
 #: XLA:CPU options that skip LLVM's expensive optimisations (same HLO, faster compile).
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
@@ -114,17 +134,39 @@ LAYOUTS: tuple[tuple[dict[str, int], int, int | None], ...] = (
     ({"dp": 2, "pp": 2, "sharding": 2}, 1, 2),
 )
 
+#: Batch and sequence length of the NNX-zoo checks (they differ, so a layout that confused
+#: the batch and sequence axes would show).
+STYLE_BATCH, STYLE_SEQ = 8, 16
+
+#: The layouts every style of :data:`jfleet.testing.nnx_styles.STYLES` is checked under:
+#: tensor parallel, ZeRO-3 with tensor parallel, and (styles with ``pipelines``) a pipeline
+#: with tensor parallel.
+STYLE_LAYOUTS: tuple[tuple[dict[str, int], int, int | None], ...] = (
+    ({"dp": 2, "mp": 4}, 0, None),
+    ({"dp": 2, "sharding": 2, "mp": 2}, 3, None),
+    ({"dp": 2, "pp": 2, "mp": 2}, 0, 2),
+)
+
+
+def style_layouts(style: Style) -> list[tuple[dict[str, int], int, int | None]]:
+    """:data:`STYLE_LAYOUTS` that apply to ``style`` (no pipeline where it cannot pipeline)."""
+    return [lay for lay in STYLE_LAYOUTS if style.pipelines or "pp" not in lay[0]]
+
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One layout: predicted and measured memory and collective bytes (per device)."""
+    """One layout of one subject: predicted and measured memory, collective bytes and dot
+    FLOPs (per device)."""
 
+    subject: str
     name: str
     predicted_memory: int
     measured_memory: int
     predicted_bytes: int
     measured_bytes: int
     measured_kinds: dict[str, int]
+    predicted_flops: float
+    measured_flops: float
     compile_seconds: float
 
     @property
@@ -137,6 +179,11 @@ class Row:
         """predicted / measured collective bytes."""
         return self.predicted_bytes / self.measured_bytes if self.measured_bytes else float("nan")
 
+    @property
+    def flops_ratio(self) -> float:
+        """predicted / measured dot FLOPs."""
+        return self.predicted_flops / self.measured_flops if self.measured_flops else float("nan")
+
 
 def layout_id(degrees: dict[str, int], stage: int, microbatches: int | None) -> str:
     """A short id (``dp2_pp2_mp2_zero0_m2``) for test parameters and logs."""
@@ -144,8 +191,41 @@ def layout_id(degrees: dict[str, int], stage: int, microbatches: int | None) -> 
     return name + (f"_m{microbatches}" if microbatches else "")
 
 
+@dataclasses.dataclass(frozen=True)
+class Subject:
+    """What one check trains: a fresh model, one batch, the loss and how the model is called.
+
+    ``forward`` is ``ToDistributedConfig.forward`` (``None``: ``model(batch["tokens"])``).
+    """
+
+    name: str
+    build: Callable[[], nnx.Module]
+    batch: Callable[[], dict]
+    loss_fn: Callable[[nnx.Module, dict], jax.Array]
+    forward: Callable[[nnx.Module, dict], jax.Array] | None = None
+
+
+def subject(what: Workload | Style | Subject) -> Subject:
+    """The :class:`Subject` of a TinyLlama :class:`Workload` or an NNX-zoo :class:`Style`
+    (a style at :data:`STYLE_BATCH` x :data:`STYLE_SEQ` tokens)."""
+    if isinstance(what, Subject):
+        return what
+    if isinstance(what, Workload):
+        return Subject("TinyLlama", what.model, what.batch_data, lm_loss)
+    return Subject(
+        what.name,
+        lambda: what.build(nnx.Rngs(0)),
+        lambda: what.batches(1, batch=STYLE_BATCH, seq=STYLE_SEQ)[0],
+        what.loss_fn,
+        what.forward,
+    )
+
+
 def lower_step(
-    workload: Workload, degrees: dict[str, int], stage: int, microbatches: int | None = None
+    what: Workload | Style | Subject,
+    degrees: dict[str, int],
+    stage: int,
+    microbatches: int | None = None,
 ) -> tuple[jax.stages.Lowered, Plan]:
     """``to_distributed`` on this mesh, then the engine's step lowered for one batch.
 
@@ -154,38 +234,39 @@ def lower_step(
     """
     from jfleet import fleet
 
+    sub = subject(what)
     fleet._reset()
     config = ToDistributedConfig(
         force_mesh=degrees,
         zero_stage=stage,
         recompute=False,
         num_microbatches=microbatches,
+        forward=sub.forward,
     )
-    model, opt, loader = to_distributed(
-        workload.model(), optax.adam(1e-3), [workload.batch_data()], config=config
-    )
+    model, opt, loader = to_distributed(sub.build(), optax.adam(1e-3), [sub.batch()], config=config)
     batch = next(iter(loader))
-    return make_train_step(lm_loss).lower(model, opt, batch), get_plan(model)
+    return make_train_step(sub.loss_fn).lower(model, opt, batch), get_plan(model)
 
 
 def check(
-    workload: Workload,
+    what: Workload | Style | Subject,
     degrees: dict[str, int],
     stage: int,
     microbatches: int | None = None,
     *,
     compiler_options: dict | None = None,
 ) -> Row:
-    """Applies, lowers, compiles and compares one layout.
+    """Applies, lowers, compiles and compares one layout of a TinyLlama workload or a style.
 
     ``compiler_options`` go to ``Lowered.compile`` (the tests pass :data:`FAST_COMPILE`:
     LLVM's optimisation level changes neither the HLO nor its buffer assignment, so
-    neither the collectives nor ``memory_analysis``).
+    neither the collectives, the dots nor ``memory_analysis``).
     """
     start = time.perf_counter()
-    lowered, plan = lower_step(workload, degrees, stage, microbatches)
+    lowered, plan = lower_step(what, degrees, stage, microbatches)
     compiled = lowered.compile(compiler_options)
     seconds = time.perf_counter() - start
+    text = compiled.as_text()
     m = compiled.memory_analysis()
     measured = (
         m.argument_size_in_bytes
@@ -193,20 +274,69 @@ def check(
         - m.alias_size_in_bytes
         + m.temp_size_in_bytes
     )
-    kinds = {k: s.bytes for k, s in hlo.summarize(compiled.as_text()).items() if s.count}
+    kinds = {k: s.bytes for k, s in hlo.summarize(text).items() if s.count}
     return Row(
+        subject=subject(what).name,
         name=plan.layout.name,
         predicted_memory=plan.chosen.memory.total,
         measured_memory=measured,
         predicted_bytes=plan.chosen.collectives.total,
         measured_bytes=sum(kinds.values()),
         measured_kinds=kinds,
+        predicted_flops=plan.chosen.flops,
+        measured_flops=hlo.dot_flops(text),
         compile_seconds=seconds,
     )
 
 
-def render(rows: list[Row], workload: Workload) -> str:
-    """The Markdown section for RESULTS.md."""
+#: How far predicted / measured may be from 1 (the limits the tests hold the model to).
+TOLERANCES = {"memory": 0.25, "collective bytes": 0.15, "FLOPs": 0.10}
+
+
+def ratios(row: Row) -> dict[str, float]:
+    """``row``'s predicted / measured ratios, by the names of :data:`TOLERANCES`."""
+    return {
+        "memory": row.memory_ratio,
+        "collective bytes": row.bytes_ratio,
+        "FLOPs": row.flops_ratio,
+    }
+
+
+def outside(row: Row) -> dict[str, float]:
+    """The ratios of ``row`` outside :data:`TOLERANCES` (empty when all are within)."""
+    return {k: r for k, r in ratios(row).items() if not abs(r - 1.0) <= TOLERANCES[k]}
+
+
+def _cell(row: Row, what: str) -> str:
+    """A ratio, bold where it is outside its tolerance."""
+    text = f"{ratios(row)[what]:.3f}"
+    return f"**{text}**" if what in outside(row) else text
+
+
+def _span(rows: list[Row], what: str) -> str:
+    values = [ratios(r)[what] for r in rows]
+    return f"{what} {min(values):.3f} to {max(values):.3f}"
+
+
+def _outliers(rows: list[Row]) -> str:
+    """One sentence per row outside a tolerance: which ratio, by how much."""
+    parts = []
+    for r in rows:
+        worse = ", ".join(
+            f"{k} {v:.3f} ({(v - 1) * 100:+.1f}%, limit ±{TOLERANCES[k] * 100:.0f}%)"
+            for k, v in outside(r).items()
+        )
+        if worse:
+            parts.append(f"{r.subject} {r.name}: {worse}")
+    return "; ".join(parts) if parts else "none"
+
+
+def _flops(value: float) -> str:
+    return f"{value / 1e6:.3f}"
+
+
+def render(rows: list[Row], style_rows: list[Row], workload: Workload) -> str:
+    """The Markdown section for RESULTS.md: the TinyLlama table, then the NNX-zoo table."""
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         "# Auto-parallel cost model vs the compiled step",
@@ -217,36 +347,52 @@ def render(rows: list[Row], workload: Workload) -> str:
         f"Python {platform.python_version()}",
         f"- machine: {platform.machine()}, nproc {os.cpu_count()}, {jax.device_count()} "
         f"emulated {jax.devices()[0].platform.upper()} devices",
-        f"- model: {workload.describe()}",
+        f"- models: {workload.describe()}; and every style of `jfleet.testing.nnx_styles."
+        f"STYLES` (tiny decoder LMs written in public Flax NNX styles), batch {STYLE_BATCH} x "
+        f"{STYLE_SEQ} tokens, fp32, `optax.adam`",
         "- applied and compiled as a user runs it: `to_distributed(model, optax.adam(1e-3), "
         "loader, config=ToDistributedConfig(force_mesh=..., zero_stage=..., recompute=False, "
-        "num_microbatches=...))`, then `make_train_step(lm_loss).lower(model, opt, batch)"
-        ".compile()` (the one training engine; pipelines are to_distributed's FThenB stand-in)",
-        "- predicted: the applied plan's (`get_plan(model)`) `chosen.memory.total` and "
-        "`chosen.collectives.total`; measured: the compiled step's `memory_analysis()` "
-        "(argument + output - alias + temp) and the collective bytes `jfleet.testing.hlo` counts "
-        "in its HLO. MiB per device.",
+        "num_microbatches=..., forward=...))`, then `make_train_step(loss).lower(model, opt, "
+        "batch).compile()` (the one training engine; pipelines are to_distributed's FThenB "
+        "stand-in; `forward` and `loss` are the style's, `lm_loss` for TinyLlama)",
+        "- predicted: the applied plan's (`get_plan(model)`) `chosen.memory.total`, "
+        "`chosen.collectives.total` and `chosen.flops`; measured: the compiled step's "
+        "`memory_analysis()` (argument + output - alias + temp), the collective bytes "
+        "`jfleet.testing.hlo.summarize` counts in its HLO and the dot FLOPs "
+        "`jfleet.testing.hlo.dot_flops` counts (while-loop bodies weighted by their trip "
+        "counts; `cost_analysis()` counts a loop body once). Per device; ratios are predicted "
+        "/ compiled.",
+        f"- tolerances the test suite holds the model to (`tests/auto_parallel/"
+        f"test_cost_model.py`): memory ±{TOLERANCES['memory'] * 100:.0f}%, collective bytes "
+        f"±{TOLERANCES['collective bytes'] * 100:.0f}%, FLOPs "
+        f"±{TOLERANCES['FLOPs'] * 100:.0f}%; a ratio outside its tolerance is **bold**.",
+        "",
+        "## TinyLlama",
+        "",
+        "MiB and MFLOP per device.",
         "",
         "| layout | predicted memory | compiled memory | ratio | predicted collective bytes "
-        "| compiled collective bytes | ratio | compiled, by kind |",
-        "|---|---|---|---|---|---|---|---|",
+        "| compiled collective bytes | ratio | predicted MFLOP | compiled MFLOP | ratio "
+        "| compiled bytes, by kind |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         kinds = ", ".join(f"{k} {v / MiB:.3f}" for k, v in r.measured_kinds.items()) or "-"
         lines.append(
             f"| {r.name} | {r.predicted_memory / MiB:.3f} | {r.measured_memory / MiB:.3f} "
-            f"| {r.memory_ratio:.3f} | {r.predicted_bytes / MiB:.3f} "
-            f"| {r.measured_bytes / MiB:.3f} | {r.bytes_ratio:.3f} | {kinds} |"
+            f"| {_cell(r, 'memory')} | {r.predicted_bytes / MiB:.3f} "
+            f"| {r.measured_bytes / MiB:.3f} | {_cell(r, 'collective bytes')} "
+            f"| {_flops(r.predicted_flops)} | {_flops(r.measured_flops)} "
+            f"| {_cell(r, 'FLOPs')} | {kinds} |"
         )
-    mem = [r.memory_ratio for r in rows]
-    byt = [r.bytes_ratio for r in rows]
     lines += [
         "",
-        f"Memory ratio {min(mem):.3f} to {max(mem):.3f}, collective-bytes ratio "
-        f"{min(byt):.3f} to {max(byt):.3f} over {len(rows)} layouts "
-        f"({sum('pp' in r.name for r in rows)} pipelined). Tolerances the test suite holds the "
-        "model to (`tests/auto_parallel/test_cost_model.py`): memory within 25%, collective "
-        "bytes within 15%. The formulas are in `jfleet/auto_parallel/cost_model.py`. Memory "
+        f"Ratios: {_span(rows, 'memory')}, {_span(rows, 'collective bytes')}, "
+        f"{_span(rows, 'FLOPs')} over {len(rows)} layouts "
+        f"({sum('pp' in r.name for r in rows)} pipelined). Outside a tolerance: "
+        f"{_outliers(rows)}.",
+        "",
+        "The formulas are in `jfleet/auto_parallel/cost_model.py`. Memory "
         "is resident state (parameters, Adam moments, batch) plus the larger of two "
         "temporary peaks: all activations (and ZeRO-3's gathered parameters) between forward "
         "and backward, or the whole local gradient with the reduction's output at the end. "
@@ -255,7 +401,10 @@ def render(rows: list[Row], workload: Workload) -> str:
         "separately), the vocabulary-parallel embedding and head, the gradient reduction "
         "and ZeRO's parameter all-gather. Where ZeRO runs over the sharding axis alone the "
         "prediction is a little high: XLA reduced the embedding's gradient as an all-to-all "
-        "of the token rows instead of an all-reduce of the table.",
+        "of the token rows instead of an all-reduce of the table. FLOPs are the matmuls of "
+        "one step as executed (forward, and the backward's input and weight gradients), each "
+        "divided by the axes that split it; a pipeline's blocks run M + P - 1 ticks of a "
+        "micro-batch each, bubble ticks included.",
         "",
         "Pipelined layouts run to_distributed's FThenB stand-in (`PipelinedBlocks`: GPipe by "
         "autodiff of a `lax.scan` of M + P - 1 ticks inside a `shard_map`). Its bubble ticks "
@@ -263,7 +412,8 @@ def render(rows: list[Row], workload: Workload) -> str:
         "micro-batches' residuals (plus one tick's slice copied for the backward's loop over "
         "the stage's blocks, one block's backward working set and the stage's gradient "
         "accumulators, since a scan's stacked residuals are freed only when its backward "
-        "loop ends) and issues its tensor-parallel all-reduces that many times. The "
+        "loop ends), computes that many micro-batches' matmuls and issues its "
+        "tensor-parallel all-reduces that many times. The "
         "embedding and head run on every stage, so instead of summing their gradients over "
         "`pp` the step all-reduces the stack's output and its input's cotangent over `pp`; "
         "the blocks' gradients leave the `shard_map` summed over `dp x sharding` (one "
@@ -273,8 +423,61 @@ def render(rows: list[Row], workload: Workload) -> str:
         "with the blocks' in one all-reduce and the embedding's with collective-permutes, "
         "without ZeRO's second step over `dp` (less).",
         "",
+        "## NNX-style zoo",
+        "",
+        "Every style of `jfleet.testing.nnx_styles.STYLES` under "
+        + ", ".join(dict.fromkeys(r.name for r in style_rows))
+        + " (the pipeline only for styles with `pipelines=True`; `dropout`'s blocks own RNG "
+        "streams and are not pipelined). KiB and MFLOP per device.",
+        "",
+        "| style | layout | predicted memory | compiled memory | ratio "
+        "| predicted collective bytes | compiled collective bytes | ratio | predicted MFLOP "
+        "| compiled MFLOP | ratio | compiled bytes, by kind |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in style_rows:
+        kinds = ", ".join(f"{k} {v / KiB:.1f}" for k, v in r.measured_kinds.items()) or "-"
+        lines.append(
+            f"| {r.subject} | {r.name} | {r.predicted_memory / KiB:.1f} "
+            f"| {r.measured_memory / KiB:.1f} | {_cell(r, 'memory')} "
+            f"| {r.predicted_bytes / KiB:.1f} | {r.measured_bytes / KiB:.1f} "
+            f"| {_cell(r, 'collective bytes')} | {_flops(r.predicted_flops)} "
+            f"| {_flops(r.measured_flops)} | {_cell(r, 'FLOPs')} | {kinds} |"
+        )
+    lines += [
+        "",
+        f"Ratios: {_span(style_rows, 'memory')}, {_span(style_rows, 'collective bytes')}, "
+        f"{_span(style_rows, 'FLOPs')} over {len(style_rows)} style layouts. "
+        f"{sum(not outside(r) for r in style_rows)} of {len(style_rows)} are within every "
+        f"tolerance. Outside a tolerance: {_outliers(style_rows)}.",
+        "",
+        STYLE_NOTES,
+        "",
     ]
     return "\n".join(lines)
+
+
+#: What the NNX-zoo table shows where the model misses (written from the run recorded; the
+#: sentence listing the misses above it is computed).
+STYLE_NOTES = (
+    "These tiny models show where the cost model is not yet general. (1) Where `mp` 4 does "
+    "not divide 2 kv heads (`einsum_gemma`, `gqa_qknorm`, `gemma_alternating` at dp2 x mp4) "
+    "the plan keeps the kv weights whole and the model counts their projection whole on "
+    "every `mp` device; XLA instead partitions part of the replicated projection's matmuls "
+    "over `mp` and all-gathers the result, so the predicted FLOPs are high (up to 1.145, "
+    "`gemma_alternating`, outside the 10%) and the collective bytes low (the all-gather is "
+    "not predicted). `gqa_qknorm_mqa` (one kv head, also whole) matches: there XLA "
+    "computes the projection whole as predicted. (2) Memory: where checked (`gqa_qknorm`, "
+    "`gemma_alternating`, `linear_general` at dp2 x mp4) the resident state (parameters, "
+    "Adam moments, batch) matches the compiled arguments to a few bytes; the misses are "
+    "the activation term, predicted above the compiled temporaries on most styles, most "
+    "for the grouped-query styles with q/k norms and for Gemma's alternating blocks. (3) "
+    "ZeRO-3 over `dp x sharding` with `mp`: the predicted bytes are 10-21% high on every "
+    "style; TinyLlama at 2 layers and batch 8 x 16 at this layout is 1.22 too (its "
+    "all-gathers match to the byte, its all-reduces are below the predicted gradient "
+    "reduction; measured when this was written), so it is the layout, not the styles. No "
+    "tolerance is loosened for them; they are the cost model's to fix."
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,8 +492,17 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for degrees, stage, microbatches in LAYOUTS:
         rows.append(check(workload, degrees, stage, microbatches))
-        print(f"checked {rows[-1].name} ({rows[-1].compile_seconds:.1f} s)", file=sys.stderr)
-    section = render(rows, workload)
+        row = rows[-1]
+        print(f"checked {row.subject} {row.name} ({row.compile_seconds:.1f} s)", file=sys.stderr)
+    style_rows = []
+    for style in STYLES.values():
+        for degrees, stage, microbatches in style_layouts(style):
+            style_rows.append(check(style, degrees, stage, microbatches))
+            row = style_rows[-1]
+            print(
+                f"checked {row.subject} {row.name} ({row.compile_seconds:.1f} s)", file=sys.stderr
+            )
+    section = render(rows, style_rows, workload)
     print(section)
     if not args.no_write:
         print(f"written to {write_section(SECTION, section)}", file=sys.stderr)

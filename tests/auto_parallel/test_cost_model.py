@@ -23,6 +23,7 @@ from jfleet.auto_parallel import (
 from jfleet.auto_parallel.cost_model import rank
 from jfleet.auto_parallel.layouts import enumerate_layouts
 from jfleet.models.llama import TinyLlama
+from jfleet.testing.nnx_styles import STYLES
 
 #: The check's model at 2 layers and batch 8 (one block a pipeline stage at pp 2).
 SMALL = cost_model_check.Workload(layers=2, batch=8)
@@ -43,12 +44,39 @@ CHECKED = (
     ids=[cost_model_check.layout_id(*layout) for layout in CHECKED],
 )
 def test_predictions_match_the_compiled_step(degrees, stage, microbatches):
-    """to_distributed + the engine's compiled step: memory within 25%, bytes within 15%."""
+    """to_distributed + the engine's compiled step: memory within 25%, bytes within 15%,
+    dot FLOPs (while bodies weighted by their trip counts) within 10%."""
     row = cost_model_check.check(
         SMALL, degrees, stage, microbatches, compiler_options=cost_model_check.FAST_COMPILE
     )
     assert 0.75 <= row.memory_ratio <= 1.25, row
     assert 0.85 <= row.bytes_ratio <= 1.15, row
+    assert 0.90 <= row.flops_ratio <= 1.10, row
+
+
+#: NNX-zoo styles checked at dp2 x mp4 (the benchmark checks every style, more layouts).
+STYLES_CHECKED = ("linear_general", "einsum_gemma", "gqa_qknorm")
+
+#: Ratios a style misses at dp2 x mp4 (batch 8 x 16), not asserted until the cost model
+#: covers them (benchmarks/RESULTS.md, section cost_model_check, says why):
+#: einsum_gemma's collective bytes 0.69 and gqa_qknorm's 0.79 (2 kv heads stay whole at
+#: mp 4; XLA partitions part of their projection over mp and all-gathers it, unpredicted),
+#: gqa_qknorm's memory 1.71 (activations predicted about twice the compiled temporaries).
+MISSES = {"einsum_gemma": {"bytes"}, "gqa_qknorm": {"memory", "bytes"}}
+
+
+@pytest.mark.parametrize("name", STYLES_CHECKED)
+def test_predictions_match_the_compiled_step_on_nnx_styles(name):
+    """Models written in public NNX styles at dp2 x mp4: FLOPs within 10%, memory within
+    25% and collective bytes within 15%, except the misses listed in :data:`MISSES`."""
+    row = cost_model_check.check(
+        STYLES[name], {"dp": 2, "mp": 4}, 0, compiler_options=cost_model_check.FAST_COMPILE
+    )
+    assert 0.90 <= row.flops_ratio <= 1.10, row
+    if "memory" not in MISSES.get(name, ()):
+        assert 0.75 <= row.memory_ratio <= 1.25, row
+    if "bytes" not in MISSES.get(name, ()):
+        assert 0.85 <= row.bytes_ratio <= 1.15, row
 
 
 def _llama(**kw):
