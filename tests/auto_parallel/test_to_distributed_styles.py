@@ -13,6 +13,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import logging
+import math
 
 import jax
 import numpy as np
@@ -84,7 +85,10 @@ def test_every_block_weight_is_split_on_its_heads_or_hidden_dim_and_trains_like_
         ), (path, got)
         if want == P():
             assert "does not divide" in plan._param(path).replicated_why
-    np.testing.assert_allclose(losses, one_device(name), rtol=TOL, atol=TOL)
+    reference = one_device(name)
+    assert reference[0] > math.log(style.vocab) / 2  # an untrained model is near uniform
+    assert reference[-1] < reference[0]  # and the style trains (so equality means something)
+    np.testing.assert_allclose(losses, reference, rtol=TOL, atol=TOL)
 
 
 @pytest.mark.parametrize("name", PIPELINED)
