@@ -308,12 +308,17 @@ def _ring(kind: str, nbytes: float, n: int) -> float:
 
 def _layers_and_norms(patterns: ModelPatterns) -> tuple[int, int]:
     """(layers, norms per layer): the repeated blocks, or one layer of whatever matched."""
+    # norms of the model width (q / k norms over head_dim are part of the attention's)
+    width = (patterns.dims.width,)
+    norms = {
+        p.path.rsplit(".", 1)[0]
+        for p in patterns.params
+        if p.role == "norm" and tuple(p.shape) == width
+    }
     if patterns.blocks:
         first = {p.path.rsplit(".", 1)[0] for p in patterns.params if p.block == 0}
-        norms = {p.path.rsplit(".", 1)[0] for p in patterns.params if p.role == "norm"}
         return len(patterns.blocks), len(first & norms)
     if patterns.attention or patterns.mlp:
-        norms = {p.path.rsplit(".", 1)[0] for p in patterns.params if p.role == "norm"}
         return 1, max(len(norms) - 1, 0)
     return 0, 0
 
@@ -327,6 +332,17 @@ def _split_set(patterns: ModelPatterns, mp: int) -> frozenset[tuple[str, int]]:
         for p in patterns.params
         if p.split_dim is not None and p.spec_for(mp) != P()
     )
+
+
+def _kv_groups(patterns: ModelPatterns, mp: int) -> dict[str, int]:
+    """``{path: gcd(kv heads, mp)}`` for k / v kernels kept whole at ``mp`` (> 1 groups)."""
+    out = {}
+    for p in patterns.params:
+        if p.role in ("k", "v", "kv") and p.kind == "kernel" and p.split_dim is not None:
+            g = math.gcd(p.units, mp)
+            if p.spec_for(mp) == P() and g > 1:
+                out[p.path] = g
+    return out
 
 
 def _split_degrees(patterns: ModelPatterns, mp: int) -> tuple[int, int]:
@@ -370,11 +386,24 @@ def _flops(patterns: ModelPatterns, workload: Workload, layout: Layout) -> tuple
         per = 2 * workload.tokens / data
         return per * inside, 3 * per * inside, 3 * per * (kernels - inside)
     split = _split_set(patterns, layout.mp)
+    grouped = _kv_groups(patterns, layout.mp)
     batch, seq = patterns.traced_tokens or (1, 1)
     scale = workload.tokens / (batch * seq)
     fwd_blocks = step_blocks = step_outside = 0.0
     for d in patterns.dots:
         f = d.flops * scale * (workload.seq_len / seq if d.attention else 1.0) / data
+        if d.param in grouped:
+            # k / v kept whole where mp cuts their kv heads: XLA computes on each rank the
+            # kv heads its q heads need (gcd(kv heads, mp) groups) forward and for the
+            # input's gradient, the weight's whole gradient on every rank
+            g = grouped[d.param]
+            fwd_blocks += f / g if d.block is not None else 0.0
+            step = f / g + f + f / g * (d.grads - 1)
+            if d.block is None:
+                step_outside += step
+            else:
+                step_blocks += step
+            continue
         if d.splits & split:
             f /= layout.mp
         step = f * (1 + d.grads)

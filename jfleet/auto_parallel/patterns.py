@@ -203,6 +203,7 @@ class DotCost:
 
     Attributes:
       flops: forward FLOPs at the traced shape (:attr:`ModelPatterns.traced_tokens`).
+      param: the path of the parameter on one side (a projection), or None.
       block: the decoder block it runs in (None: outside the blocks).
       splits: ``(path, dim)``: a split of that parameter on that dim splits this product.
       grads: operands needing a gradient (the backward pass runs one product per operand).
@@ -211,6 +212,7 @@ class DotCost:
     """
 
     flops: int
+    param: str | None
     block: int | None
     splits: frozenset[tuple[str, int]]
     grads: int
@@ -636,6 +638,7 @@ def match_patterns(
             dots.append(
                 DotCost(
                     flops=d.flops,
+                    param=None if d.param is None else path_str(trace.paths[d.param]),
                     block=block,
                     splits=frozenset((path_str(trace.paths[p]), dim) for p, dim in d.splits),
                     grads=d.grads,

@@ -51,7 +51,7 @@ def test_predictions_match_the_compiled_step(degrees, stage, microbatches):
     )
     assert 0.75 <= row.memory_ratio <= 1.25, row
     assert 0.85 <= row.bytes_ratio <= 1.15, row
-    assert 0.90 <= row.flops_ratio <= 1.10, row
+    assert 0.98 <= row.flops_ratio <= 1.02, row  # measured: 1.000 (the limit is 10%)
 
 
 #: NNX-zoo styles checked at dp2 x mp4 (the benchmark checks every style, more layouts).
@@ -72,7 +72,7 @@ def test_predictions_match_the_compiled_step_on_nnx_styles(name):
     row = cost_model_check.check(
         STYLES[name], {"dp": 2, "mp": 4}, 0, compiler_options=cost_model_check.FAST_COMPILE
     )
-    assert 0.90 <= row.flops_ratio <= 1.10, row
+    assert 0.98 <= row.flops_ratio <= 1.02, row  # measured: 1.000 (the limit is 10%)
     if "memory" not in MISSES.get(name, ()):
         assert 0.75 <= row.memory_ratio <= 1.25, row
     if "bytes" not in MISSES.get(name, ()):
