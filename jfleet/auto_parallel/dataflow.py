@@ -205,8 +205,7 @@ def _merge_tags(outer: frozenset, inner: frozenset) -> frozenset:
 
 
 class _Walk:
-    def __init__(self, n_params: int) -> None:
-        self.n_params = n_params
+    def __init__(self) -> None:
         self.edges: list[Edge] = []
         self.dots: list[Dot] = []
         self.biases: dict[int, set[tuple[int, Tag]]] = {}
@@ -680,7 +679,7 @@ def trace_model(
             "ToDistributedConfig(forward=lambda model, batch: ...) calling it as your "
             "training step does."
         ) from err
-    walk = _Walk(len(pleaves))
+    walk = _Walk()
     n_rest = len(jax.tree_util.tree_leaves(rest))
     args: list[_Val] = []
     for i, shape in enumerate(shapes):
