@@ -210,6 +210,7 @@ class _Walk:
         self.dots: list[Dot] = []
         self.biases: dict[int, set[tuple[int, Tag]]] = {}
         self.contracted: dict[int, set[int]] = {}
+        self.free: dict[int, set[int]] = {}
         self.score_sides: list[tuple[frozenset, frozenset]] = []
         self.value_sides: list[frozenset] = []
         self.gates: list[tuple[frozenset, bool, frozenset, bool]] = []
@@ -424,6 +425,9 @@ class _Walk:
                 for t in av.tags[ad]:
                     if t.param != w.param and not t.inner:
                         self.edges.append(Edge(t.param, t.dim, w.param, w.dim, t.units))
+            for i in wfree:
+                if wv.view[i] is not None:
+                    self.free.setdefault(wv.view[i].param, set()).add(wv.view[i].dim)
             batch_tags = [av.tags[ad] for ad in ab]
             a_tags = [av.tags[i] for i in afree]
             w_tags = [frozenset({wv.view[i]}) if wv.view[i] is not None else _EMPTY for i in wfree]
@@ -593,6 +597,8 @@ class Trace:
       dots: every product of the forward pass (:class:`Dot`).
       biases: ``{bias: {(bias dim, Tag)}}``: parameters added to tagged outputs.
       contracted: ``{param: dims}``: the dims of each projection contracted with activations.
+      free: ``{param: dims}``: the dims of each projection left free (its outputs); a stacked
+        parameter's layer dim (sliced by a scan) is in neither.
       score_sides: per attention-score product, the projections on its two sides.
       value_sides: per attention-value product, the projections on the values' side.
       gates: per gating product, ``(projections, nonlinear, projections, nonlinear)``.
@@ -609,6 +615,7 @@ class Trace:
     dots: tuple[Dot, ...]
     biases: dict[int, frozenset]
     contracted: dict[int, frozenset]
+    free: dict[int, frozenset]
     score_sides: tuple[tuple[frozenset, frozenset], ...]
     value_sides: tuple[frozenset, ...]
     gates: tuple[tuple[frozenset, bool, frozenset, bool], ...]
@@ -699,6 +706,7 @@ def trace_model(
         dots=tuple(walk.dots),
         biases={k: frozenset(v) for k, v in walk.biases.items()},
         contracted={k: frozenset(v) for k, v in walk.contracted.items()},
+        free={k: frozenset(v) for k, v in walk.free.items()},
         score_sides=tuple(walk.score_sides),
         value_sides=tuple(walk.value_sides),
         gates=tuple(walk.gates),

@@ -116,8 +116,8 @@ def pairs(trace: Trace, exclude: set[int]) -> list[Pair]:
 
 
 def free_size(trace: Trace, i: int) -> int:
-    shape = trace.shapes[i]
-    return math.prod(s for d, s in enumerate(shape) if d not in trace.contracted.get(i, ()))
+    """Elements of parameter ``i``'s output per position: the product of its free dims."""
+    return math.prod(trace.shapes[i][d] for d in trace.free.get(i, ()))
 
 
 def contracted_size(trace: Trace, i: int) -> int:

@@ -277,3 +277,33 @@ def test_fused_grouped_query_heads_come_from_the_per_group_reshape():
     )
     assert found.role("attn.wqkv.kernel") == "qkv" and found.role("attn.wo.kernel") == "o"
     assert found.notes == ()
+
+
+class ScannedMLP(nnx.Module):
+    """MaxText-style: every layer's weights stacked ``[layers, ...]`` and run by a scan."""
+
+    def __init__(self, layers: int = 3, width: int = 16, hidden: int = 32):
+        rngs = nnx.Rngs(0)
+        init = nnx.initializers.lecun_normal()
+        self.embed = nnx.Embed(64, width, rngs=rngs)
+        self.up = nnx.Param(init(rngs.params(), (layers, width, hidden)))
+        self.down = nnx.Param(init(rngs.params(), (layers, hidden, width)))
+
+    def __call__(self, tokens):
+        def layer(x, weights):
+            up, down = weights
+            return x + jax.nn.gelu(x @ up) @ down, None
+
+        x, _ = jax.lax.scan(layer, self.embed(tokens), (self.up[...], self.down[...]))
+        return self.embed.attend(x)
+
+
+def test_a_model_scanned_over_stacked_layers_is_paired_past_the_layer_dim():
+    found = match_patterns(shapes(ScannedMLP))
+    assert (found.role("up"), found.spec("up")) == ("up", P(None, None, "mp"))
+    assert (found.role("down"), found.spec("down")) == ("down", P(None, "mp", None))
+    assert (found.mlp, found.dims.hidden) == ("gelu", 32)
+    # every layer's products are counted: 3 trips of two [2 x 8 tokens] x 16 x 32 matmuls,
+    # plus the tied head's 16 x 64
+    per_layer = 2 * (2 * 8) * 16 * 32 * 2
+    assert sum(d.flops for d in found.dots) == 3 * per_layer + 2 * (2 * 8) * 16 * 64

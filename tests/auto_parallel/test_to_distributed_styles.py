@@ -77,6 +77,8 @@ def test_every_block_weight_is_split_on_its_heads_or_hidden_dim_and_trains_like_
     plan = get_plan(model)
     state = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     for path in block_weights(style, plan):
+        (pattern,) = [p for p in style.splits if fnmatch.fnmatch(path, p)]
+        assert plan._param(path).role == style.roles[pattern], path
         want = expected_spec(style, path, 4)
         assert plan.spec(path) == want, (path, plan.spec(path), want)
         key = tuple(int(k) if k.isdigit() else k for k in path.split("."))
