@@ -407,16 +407,20 @@ def _per_sample_args(
         return x
 
     records = []
-    for b in (batch, jax.tree.map(twice, batch)):
-        inputs, fwd = _model_call(b, forward)
+    try:
+        for b in (batch, jax.tree.map(twice, batch)):
+            inputs, fwd = _model_call(b, forward)
 
-        def call(inputs: Any = inputs, fwd: Callable | None = fwd) -> Any:
-            return fwd(model, inputs) if fwd is not None else model(inputs)
+            def call(inputs: Any = inputs, fwd: Callable | None = fwd) -> Any:
+                return fwd(model, inputs) if fwd is not None else model(inputs)
 
-        calls = record_block_calls(model, list(blocks), call)[0].calls
-        if not calls:
-            return None
-        records.append(calls[0].arguments)
+            calls = record_block_calls(model, list(blocks), call)[0].calls
+            if not calls:
+                return None
+            records.append(calls[0].arguments)
+    except Exception as err:  # e.g. a batch of global arrays: leave it to the shapes
+        logger.debug("per-sample block arguments not traced: %s", err)
+        return None
     out: list[int | str] = []
     for a, b in zip(*records, strict=True):
         if a.kind == TREE or a.name != b.name:
