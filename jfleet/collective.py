@@ -1,34 +1,475 @@
-"""Host-level collectives across processes: ``all_reduce``, ``all_gather``, ``barrier``.
+"""Collectives: ``paddle.distributed``'s group collectives and ``fleet.util``'s host ones.
 
-These are Paddle's ``fleet.util`` collectives: they run on the host, between
-*processes*, on small host-local values (a loss for logging, a count of samples, a
-flag). They are not for model tensors; inside a jitted step XLA inserts the device
-collectives, and inside ``shard_map`` use ``jax.lax.psum`` with a mesh axis name.
+``all_reduce``, ``all_gather``, ``broadcast``, ``reduce``, ``scatter``, ``reduce_scatter``
+and ``barrier`` take Paddle's arguments (``group=`` a :class:`~jfleet.topology.Group`,
+``None`` for the world; ``src`` / ``dst`` global ranks; ``op`` a :class:`ReduceOp`).
+JAX arrays cannot change in place, so each *returns* its result (Paddle returns None):
+write ``x = all_reduce(x, group=g)``. A "rank" is a device of the fleet mesh, and a
+call works in two settings:
 
-Values travel as raw bytes, so float64 and int64 survive exactly whatever
-``jax_enable_x64`` says. With one process every function works and returns at once.
+- **Inside** ``jax.shard_map`` over the mesh (the group's axes manual): the value is
+  this device's, and the call is ``lax.psum`` / ``all_gather`` / ``psum_scatter`` over
+  the group's axis names, each device with its own group.
+- **On a global** ``jax.Array`` (the host view): rank ``r``'s tensor is the piece of the
+  array that device ``r`` holds under its ``NamedSharding`` on the fleet mesh (an array
+  not laid out on the mesh, a NumPy array, a number: every rank holds all of it). The
+  call is compiled as a ``shard_map`` over the mesh and returns a global array laid out
+  like the input, device ``r`` holding rank ``r``'s result. A result that differs
+  between the ranks of a group (``reduce``, ``scatter``, ``reduce_scatter``) needs the
+  array split over the group's axes, e.g. one row per rank: shape ``[nranks, ...]``
+  with ``PartitionSpec(group.axis_name)``; rank ``r``'s tensor is then a ``[1, ...]``
+  row.
 
-Example:
-  >>> from jfleet.collective import all_gather, all_reduce
-  >>> all_reduce(3), all_reduce(2.0, "mean"), all_gather(7)  # one process
+Paddle passes ``src`` / ``dst`` as global ranks of the caller's group; in SPMD every
+group of the kind uses the member at that position (``group.get_group_rank(src)``),
+e.g. ``broadcast(x, src=hcg.get_model_parallel_group_src_rank(), group=mp)`` sends from
+``mp`` index 0 in every ``mp`` group.
+
+``fleet.util``'s host-level form stays: ``all_reduce(value, "sum"|"mean"|"max"|"min")``
+(a mode string), ``all_gather(value)`` (one argument), and ``all_reduce`` /
+``all_gather`` of a Python number or NumPy value with no group reduce or gather one
+value per *process* (small host values: a loss to log, a sample count). Values travel
+as raw bytes, so float64 and int64 survive whatever ``jax_enable_x64`` says.
+
+Example (dp2 x mp4 on 8 devices; one row per rank, row ``r`` holds ``r``):
+  >>> import jax, numpy as np
+  >>> from jax.sharding import NamedSharding, PartitionSpec as P
+  >>> from jfleet import fleet
+  >>> from jfleet.collective import all_reduce, broadcast
+  >>> s = fleet.DistributedStrategy()
+  >>> s.hybrid_configs = {"dp_degree": 2, "mp_degree": 4}
+  >>> _ = fleet.init(is_collective=True, strategy=s, log_level="WARNING")
+  >>> hcg = fleet.get_hybrid_communicate_group()
+  >>> world = hcg.mesh.axis_names
+  >>> x = jax.device_put(np.arange(8.0)[:, None], NamedSharding(hcg.mesh, P(world)))
+  >>> mp = hcg.get_model_parallel_group()
+  >>> all_reduce(x, group=mp)[:, 0].tolist()  # 0+1+2+3, then 4+5+6+7
+  [6.0, 6.0, 6.0, 6.0, 22.0, 22.0, 22.0, 22.0]
+  >>> broadcast(x, src=1, group=mp)[:, 0].tolist()
+  [1.0, 1.0, 1.0, 1.0, 5.0, 5.0, 5.0, 5.0]
+  >>> all_reduce(3), all_reduce(2.0, "mean"), all_gather(7)  # host values, one process
   (3, 2.0, [7])
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-__all__ = ["all_gather", "all_reduce", "barrier", "broadcast_one_to_all"]
+from jfleet import _context
+from jfleet._logging import logger
+from jfleet.group_collective import ReduceOp, group_size, manual_axes, run
+from jfleet.topology import Group
+
+__all__ = [
+    "ReduceOp",
+    "all_gather",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "broadcast_one_to_all",
+    "get_rank",
+    "get_world_size",
+    "reduce",
+    "reduce_scatter",
+    "scatter",
+]
 
 _MODES = ("sum", "mean", "max", "min")
 _HEADER_BYTES = 512
+_MISSING: Any = object()
 
 Value = int | float | complex | np.ndarray | np.generic | jax.Array
+
+
+_OP_TO_MODE = {
+    ReduceOp.SUM: "sum",
+    ReduceOp.MAX: "max",
+    ReduceOp.MIN: "min",
+    ReduceOp.PROD: "prod",
+    ReduceOp.AVG: "mean",
+}
+
+
+# ----- arguments ----------------------------------------------------------------------
+
+
+def _check_op(op: Any, fn: str) -> ReduceOp:
+    if isinstance(op, ReduceOp):
+        return op
+    if isinstance(op, (int, np.integer)) and not isinstance(op, bool) and 0 <= op <= 4:
+        return ReduceOp(int(op))
+    raise ValueError(
+        f"{fn}: op={op!r} is not a reduction; pass one of "
+        f"{[f'ReduceOp.{o.name}' for o in ReduceOp]} (or the fleet.util mode strings "
+        f"{_MODES} to all_reduce)."
+    )
+
+
+def _check_group(group: Any, fn: str) -> Group | None:
+    if group is None or isinstance(group, Group):
+        return group
+    raise TypeError(
+        f"{fn}: group={group!r} ({type(group).__name__}) is not a Group; pass one from the "
+        "hybrid group, e.g. fleet.get_hybrid_communicate_group().get_model_parallel_group(), "
+        "or None for every rank."
+    )
+
+
+def _check_list(tensor_list: Any, n: int, fn: str, *, allow_empty: bool) -> list:
+    if not isinstance(tensor_list, (list, tuple)):
+        raise TypeError(
+            f"{fn}: tensor_list={tensor_list!r} ({type(tensor_list).__name__}) is not a list; "
+            f"pass a list of the group's {n} tensors."
+        )
+    if len(tensor_list) != n and not (allow_empty and not tensor_list):
+        raise ValueError(
+            f"{fn}: tensor_list has {len(tensor_list)} entries but the group has {n} ranks; "
+            f"pass {n} tensors, one per rank of the group"
+            + (" (or an empty list)." if allow_empty else ".")
+        )
+    return list(tensor_list)
+
+
+_sync_logged: list[bool] = []
+
+
+def _note_sync(sync_op: Any, fn: str) -> None:
+    if sync_op is not True and not _sync_logged:
+        _sync_logged.append(True)
+        logger.info(
+            "%s(sync_op=%r): ignored; XLA dispatches every collective asynchronously and "
+            "orders it with the computation (jax.block_until_ready waits).",
+            fn,
+            sync_op,
+        )
+
+
+# ----- Paddle's collectives -----------------------------------------------------------------
+
+
+def _is_host_value(value: Any) -> bool:
+    return not isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer)
+
+
+def all_reduce(
+    tensor: Value,
+    op: ReduceOp | str = ReduceOp.SUM,
+    group: Group | None = None,
+    sync_op: bool = True,
+) -> Any:
+    """Reduces ``tensor`` over the ranks of ``group``; every rank gets the result.
+
+    Args:
+      tensor: this rank's tensor (see the module docstring for the two settings).
+      op: a :class:`ReduceOp`; or one of fleet.util's mode strings ``"sum"``,
+        ``"mean"``, ``"max"``, ``"min"``, which reduce one host value per *process*.
+      group: the group; None for every rank.
+      sync_op: accepted; XLA runs collectives asynchronously (logged once).
+
+    Returns:
+      The reduction, laid out like ``tensor``. A Python number or NumPy value with no
+      group (or a mode string) is reduced across processes and comes back as the same
+      kind (an int stays an int except for ``"mean"`` / ``AVG``).
+
+    Raises:
+      ValueError: an unknown ``op`` or mode, a group with a mode string, shapes that
+        differ between processes.
+      TypeError: ``group`` is not a Group; a host value that is not a number or array.
+
+    Example:
+      >>> from jfleet.collective import ReduceOp, all_reduce
+      >>> all_reduce(5, ReduceOp.MAX), all_reduce(5, "max")  # one process
+      (5, 5)
+    """
+    if isinstance(op, str):
+        if op not in _MODES:
+            raise ValueError(
+                f"all_reduce mode={op!r} is not supported; use one of {_MODES} (or a ReduceOp)."
+            )
+        if group is not None:
+            raise ValueError(
+                f"all_reduce: mode={op!r} is fleet.util's per-process form and takes no "
+                f"group (got group {getattr(group, 'name', group)!r}); pass op=ReduceOp."
+                f"{op.upper() if op != 'mean' else 'AVG'} to reduce over a group's ranks."
+            )
+        return _host_reduce(tensor, op, "all_reduce")
+    op = _check_op(op, "all_reduce")
+    group = _check_group(group, "all_reduce")
+    _note_sync(sync_op, "all_reduce")
+    if group is None and _is_host_value(tensor):
+        return _host_reduce(tensor, _OP_TO_MODE[op], "all_reduce")
+    return run("all_reduce", group, tensor, "all_reduce", op=op)
+
+
+def all_gather(
+    tensor_list: Any,
+    tensor: Any = _MISSING,
+    group: Group | None = None,
+    sync_op: bool = True,
+) -> list[Any]:
+    """Every rank's ``tensor``, in group order, on every rank.
+
+    Paddle's form ``all_gather(tensor_list, tensor, group)`` fills ``tensor_list``
+    (empty, or one entry per rank, replaced) and jfleet also returns it. fleet.util's
+    form ``all_gather(value)`` (one argument) gathers one host value per process.
+
+    Args:
+      tensor_list: the list to fill; in the one-argument form, the value.
+      tensor: this rank's tensor.
+      group: the group; None for every rank.
+      sync_op: accepted; XLA runs collectives asynchronously.
+
+    Returns:
+      A list of ``group.nranks`` tensors, each laid out like ``tensor`` (entry ``j``:
+      group member ``j``'s tensor). A number or NumPy value with no group: a list of
+      ``jax.process_count()`` values, converted like the input.
+
+    Raises:
+      TypeError: ``tensor_list`` is not a list, ``group`` is not a Group.
+      ValueError: ``tensor_list`` is neither empty nor one entry per rank.
+
+    Example:
+      >>> from jfleet.collective import all_gather
+      >>> out = []
+      >>> all_gather(out, 1.5), out  # a host value, one process
+      ([1.5], [1.5])
+    """
+    if tensor is _MISSING:
+        gathered = _gather_arrays(_to_numpy(tensor_list, "all_gather"))
+        return [_like_input(tensor_list, g) for g in gathered]
+    group = _check_group(group, "all_gather")
+    _note_sync(sync_op, "all_gather")
+    if group is None and _is_host_value(tensor):
+        n = jax.process_count()
+        _check_list(tensor_list, n, "all_gather", allow_empty=True)
+        result = [_like_input(tensor, g) for g in _gather_arrays(_to_numpy(tensor, "all_gather"))]
+    else:
+        n = group_size(group, "all_gather")
+        _check_list(tensor_list, n, "all_gather", allow_empty=True)
+        result = list(run("all_gather", group, tensor, "all_gather"))
+    if isinstance(tensor_list, list):
+        tensor_list[:] = result
+        return tensor_list
+    return result
+
+
+def broadcast(tensor: Any, src: int, group: Group | None = None, sync_op: bool = True) -> Any:
+    """Rank ``src``'s tensor on every rank of the group.
+
+    Args:
+      tensor: this rank's tensor (only ``src``'s is used).
+      src: a global rank in ``group``; every group of the kind sends from the member at
+        ``src``'s position.
+      group: the group; None for every rank.
+      sync_op: accepted; XLA runs collectives asynchronously.
+
+    Returns:
+      ``src``'s tensor, laid out like ``tensor``.
+
+    Raises:
+      ValueError: ``src`` is not a rank of the group.
+      TypeError: ``group`` is not a Group.
+
+    Example:
+      >>> # inside shard_map over hcg.mesh: x = broadcast(x, src=mp.ranks[0], group=mp)
+    """
+    group = _check_group(group, "broadcast")
+    _note_sync(sync_op, "broadcast")
+    return run("broadcast", group, tensor, "broadcast", rank=src)
+
+
+def reduce(
+    tensor: Any,
+    dst: int,
+    op: ReduceOp = ReduceOp.SUM,
+    group: Group | None = None,
+    sync_op: bool = True,
+) -> Any:
+    """The reduction over the group on rank ``dst``; the other ranks keep their tensor.
+
+    Args:
+      tensor: this rank's tensor; on global arrays, split over the group's axes (the
+        result differs between ranks).
+      dst: a global rank in ``group`` (its position is used in every group).
+      op: a :class:`ReduceOp`.
+      group: the group; None for every rank.
+      sync_op: accepted; XLA runs collectives asynchronously.
+
+    Returns:
+      The reduction at ``dst``'s position, ``tensor`` elsewhere, laid out like ``tensor``.
+
+    Raises:
+      ValueError: ``dst`` not in the group, an unknown ``op``, a global array not split
+        over the group's axes.
+      TypeError: ``group`` is not a Group.
+
+    Example:
+      >>> # inside shard_map: y = reduce(x, dst=dp.ranks[0], group=dp)
+    """
+    op = _check_op(op, "reduce")
+    group = _check_group(group, "reduce")
+    _note_sync(sync_op, "reduce")
+    return run("reduce", group, tensor, "reduce", op=op, rank=dst, what="dst")
+
+
+def scatter(
+    tensor: Any,
+    tensor_list: Sequence[Any] | None = None,
+    src: int = 0,
+    group: Group | None = None,
+    sync_op: bool = True,
+) -> Any:
+    """Group member ``i`` gets entry ``i`` of rank ``src``'s ``tensor_list``.
+
+    Args:
+      tensor: the output buffer: gives the result's shape, dtype and layout (on global
+        arrays split over the group's axes).
+      tensor_list: one tensor per rank of the group, each shaped like ``tensor`` (the
+        rank ``src`` holds is used). Paddle lets other ranks pass None; one SPMD program
+        runs everywhere, so it is required.
+      src: a global rank in ``group``.
+      group: the group; None for every rank.
+      sync_op: accepted; XLA runs collectives asynchronously.
+
+    Returns:
+      This rank's entry, laid out like ``tensor``.
+
+    Raises:
+      ValueError: ``src`` not in the group, a list without one entry per rank or with
+        entries shaped unlike ``tensor``, a global array not split over the group's axes.
+      TypeError: ``group`` is not a Group or ``tensor_list`` not a list.
+
+    Example:
+      >>> # inside shard_map: y = scatter(x, [a, b], src=dp.ranks[0], group=dp)
+    """
+    group = _check_group(group, "scatter")
+    _note_sync(sync_op, "scatter")
+    if tensor_list is None:
+        raise ValueError(
+            "scatter: tensor_list=None; in SPMD one program runs on every rank, so pass the "
+            "list the src rank sends (one tensor per rank of the group) everywhere."
+        )
+    xs = _check_list(tensor_list, group_size(group, "scatter"), "scatter", allow_empty=False)
+    return run("scatter", group, tensor, "scatter", rank=src, extra=xs)
+
+
+def reduce_scatter(
+    tensor: Any,
+    tensor_list: Sequence[Any],
+    op: ReduceOp = ReduceOp.SUM,
+    group: Group | None = None,
+    sync_op: bool = True,
+) -> Any:
+    """Group member ``i`` gets the reduction over the group of every rank's entry ``i``.
+
+    Args:
+      tensor: the output buffer: gives the result's shape, dtype and layout (on global
+        arrays split over the group's axes).
+      tensor_list: this rank's list, one tensor per rank of the group, each shaped like
+        ``tensor``.
+      op: a :class:`ReduceOp`.
+      group: the group; None for every rank.
+      sync_op: accepted; XLA runs collectives asynchronously.
+
+    Returns:
+      This rank's reduced entry, laid out like ``tensor``.
+
+    Raises:
+      ValueError: an unknown ``op``, a list without one entry per rank or with entries
+        shaped unlike ``tensor``, a global array not split over the group's axes.
+      TypeError: ``group`` is not a Group or ``tensor_list`` not a list.
+
+    Example:
+      >>> # inside shard_map: y = reduce_scatter(y, [a, b], group=dp)
+    """
+    op = _check_op(op, "reduce_scatter")
+    group = _check_group(group, "reduce_scatter")
+    _note_sync(sync_op, "reduce_scatter")
+    n = group_size(group, "reduce_scatter")
+    xs = _check_list(tensor_list, n, "reduce_scatter", allow_empty=False)
+    return run("reduce_scatter", group, tensor, "reduce_scatter", op=op, extra=xs)
+
+
+def barrier(group: Group | str | None = None) -> None:
+    """Blocks until every process reaches the barrier.
+
+    SPMD runs one program on every rank and XLA orders its collectives, so a group
+    barrier is a barrier of every process (a no-op with one process, and inside
+    ``shard_map``, logged once). A string is fleet.util's barrier name: every process
+    must use the same one.
+
+    Args:
+      group: a Group, None (every rank), or a barrier name.
+
+    Raises:
+      TypeError: ``group`` is neither a Group, None nor a string.
+      RuntimeError: processes reached barriers of different names.
+
+    Example:
+      >>> from jfleet.collective import barrier
+      >>> barrier()  # one process: returns at once
+    """
+    if isinstance(group, str):
+        name = group
+    else:
+        _check_group(group, "barrier")
+        name = "jfleet_barrier"
+        if manual_axes():
+            logger.info("barrier inside shard_map: nothing to do, XLA orders the collectives")
+            return
+    if jax.process_count() == 1:
+        return
+    try:
+        multihost_utils.sync_global_devices(name)
+    except AssertionError as e:
+        raise RuntimeError(
+            f"barrier({name!r}): processes reached barriers with different names; "
+            "call barrier with the same name on every process."
+        ) from e
+
+
+def get_rank(group: Group | None = None) -> int:
+    """Host view: this process's rank in ``group`` (its global rank with None).
+
+    Before ``fleet.init`` it is the index in ``jax.devices()`` of the first local
+    device. Inside ``shard_map`` use :func:`jfleet.topology.axis_index`.
+
+    Example:
+      >>> from jfleet.collective import get_rank
+      >>> get_rank()  # one process
+      0
+    """
+    group = _check_group(group, "get_rank")
+    if group is not None:
+        return group.rank
+    run = _context.current()
+    if run is not None:
+        return run.hcg.global_rank
+    return jax.devices().index(jax.local_devices()[0])
+
+
+def get_world_size(group: Group | None = None) -> int:
+    """The number of ranks in ``group`` (every device of the run with None).
+
+    Example:
+      >>> from jfleet.collective import get_world_size
+      >>> get_world_size()  # 8 devices
+      8
+    """
+    group = _check_group(group, "get_world_size")
+    if group is not None:
+        return group.nranks
+    run = _context.current()
+    return run.hcg.nranks if run is not None else jax.device_count()
+
+
+# ----- host values, one per process (fleet.util) ------------------------------------------
 
 
 def _to_numpy(value: Any, fn: str) -> np.ndarray:
@@ -84,42 +525,20 @@ def _like_input(value: Any, result: np.ndarray) -> Any:
     return np.asarray(result)
 
 
-def all_reduce(value: Value, mode: str = "sum") -> Any:
-    """Reduces a host-local value over all processes.
-
-    Args:
-      value: this process's value: a Python number, a numpy array or a fully
-        addressable ``jax.Array``; same shape on every process.
-      mode: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
-
-    Returns:
-      The reduction, on every process. A Python number in gives a Python number out
-      (an int stays an int except for ``"mean"``); an array gives a numpy array.
-
-    Raises:
-      ValueError: an unknown ``mode``, a global (multi-process) array, or shapes that
-        differ between processes (raised on every process).
-      TypeError: a value that is not a number or an array.
-
-    Example:
-      >>> from jfleet.collective import all_reduce
-      >>> all_reduce(5, "max")  # one process
-      5
-    """
-    if mode not in _MODES:
-        raise ValueError(f"all_reduce mode={mode!r} is not supported; use one of {_MODES}.")
-    array = _to_numpy(value, "all_reduce")
+def _host_reduce(value: Value, mode: str, fn: str) -> Any:
+    """Reduces one host value per process (``sum|mean|max|min|prod``)."""
+    array = _to_numpy(value, fn)
     gathered = _gather_arrays(array)
     shapes = {(g.shape, g.dtype.str) for g in gathered}
     if len(shapes) > 1:
         described = ", ".join(f"process {i}: {g.shape} {g.dtype}" for i, g in enumerate(gathered))
-        raise ValueError(
-            f"all_reduce needs the same shape and dtype on every process; got {described}."
-        )
+        raise ValueError(f"{fn} needs the same shape and dtype on every process; got {described}.")
     stacked = np.stack(gathered)
+    dtype = None if stacked.dtype == np.bool_ else stacked.dtype
     if mode == "sum":
-        dtype = None if stacked.dtype == np.bool_ else stacked.dtype
         result = stacked.sum(axis=0, dtype=dtype)
+    elif mode == "prod":
+        result = stacked.prod(axis=0, dtype=dtype)
     elif mode == "mean":
         result = stacked.mean(axis=0)
     elif mode == "max":
@@ -127,30 +546,6 @@ def all_reduce(value: Value, mode: str = "sum") -> Any:
     else:
         result = stacked.min(axis=0)
     return _like_input(value, np.asarray(result))
-
-
-def all_gather(value: Value) -> list[Any]:
-    """Every process's value, in process order.
-
-    Args:
-      value: this process's value: a Python number, a numpy array or a fully
-        addressable ``jax.Array``. Shapes and dtypes may differ between processes.
-
-    Returns:
-      A list of ``jax.process_count()`` values; each converted back like the input
-      (Python number -> Python number, array -> numpy array).
-
-    Raises:
-      ValueError: a global (multi-process) array.
-      TypeError: a value that is not a number or an array.
-
-    Example:
-      >>> from jfleet.collective import all_gather
-      >>> all_gather(1.5)  # one process
-      [1.5]
-    """
-    gathered = _gather_arrays(_to_numpy(value, "all_gather"))
-    return [_like_input(value, g) for g in gathered]
 
 
 def broadcast_one_to_all(value: Value, src: int = 0) -> Any:
@@ -176,27 +571,3 @@ def broadcast_one_to_all(value: Value, src: int = 0) -> Any:
     if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < count:
         raise ValueError(f"src={src!r} must be a process index in 0..{count - 1}.")
     return all_gather(value)[src]
-
-
-def barrier(name: str = "jfleet_barrier") -> None:
-    """Blocks until every process reaches a barrier of the same name.
-
-    Args:
-      name: the barrier's name; every process must use the same one.
-
-    Raises:
-      RuntimeError: processes reached barriers of different names.
-
-    Example:
-      >>> from jfleet.collective import barrier
-      >>> barrier()  # one process: returns at once
-    """
-    if jax.process_count() == 1:
-        return
-    try:
-        multihost_utils.sync_global_devices(name)
-    except AssertionError as e:
-        raise RuntimeError(
-            f"barrier({name!r}): processes reached barriers with different names; "
-            "call barrier with the same name on every process."
-        ) from e

@@ -47,6 +47,7 @@ __all__ = [
     "Group",
     "HybridCommunicateGroup",
     "ParallelMode",
+    "ProcessGroup",
     "axis_index",
     "build_hybrid_communicate_group",
 ]
@@ -278,13 +279,68 @@ class Group:
         """Same as ``nranks`` (Paddle's alias)."""
         return self.nranks
 
+    @property
+    def backend(self) -> str:
+        """``"XLA"``: XLA runs every collective (Paddle names its process group's backend,
+        e.g. ``"NCCL"``)."""
+        return "XLA"
+
+    @property
+    def process_group(self) -> ProcessGroup:
+        """A :class:`ProcessGroup` over this group (Paddle's backend process group).
+
+        It answers ``rank()``, ``size()`` and ``name()``; collectives go through
+        :mod:`jfleet.collective` with ``group=``, there being no communicator object.
+        """
+        return ProcessGroup(self)
+
     def is_member(self) -> bool:
-        """Whether this process belongs to the group."""
+        """Whether this process belongs to the group (Paddle also says False for a
+        one-rank group; jfleet says True when the process is in it)."""
         return self.rank >= 0
 
     def get_group_rank(self, rank: int) -> int:
         """The index of global ``rank`` in the group, or -1."""
         return self.ranks.index(rank) if rank in self.ranks else -1
+
+    def get_global_rank(self, group_rank: int) -> int:
+        """The global rank at index ``group_rank`` of the group (inverse of
+        :meth:`get_group_rank`).
+
+        Raises:
+          ValueError: ``group_rank`` is not in ``0..nranks-1``.
+        """
+        if not _is_int(group_rank) or not 0 <= group_rank < self.nranks:
+            raise ValueError(
+                f"group_rank={group_rank!r} is not a rank of group {self.name!r} with "
+                f"{self.nranks} ranks; expected 0 <= group_rank < {self.nranks}."
+            )
+        return self.ranks[int(group_rank)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessGroup:
+    """What ``Group.process_group`` returns: Paddle's process-group queries over a ``Group``.
+
+    Example:
+      >>> pg = Group("mp", (4, 5), rank=1, name="mp").process_group
+      >>> pg.rank(), pg.size(), pg.name()
+      (1, 2, 'XLA')
+    """
+
+    group: Group
+
+    def rank(self) -> int:
+        """This process's index in the group (-1 if it is not a member)."""
+        return self.group.rank
+
+    def size(self) -> int:
+        """The number of ranks in the group."""
+        return self.group.nranks
+
+    def name(self) -> str:
+        """The backend's name, ``"XLA"``."""
+        return self.group.backend
 
 
 def axis_index(axis_name: str | tuple[str, ...]) -> jax.Array:
@@ -623,6 +679,25 @@ class HybridCommunicateGroup:
     def get_pp_mp_parallel_group(self) -> Group:
         """The fused ``(pp, mp)`` group (Paddle requires ``sep`` > 1; jfleet does not)."""
         return self.create_fuse_group([PP, MP])
+
+    # ----- MoE sharding (no such axis) -------------------------------------------------
+
+    def get_moe_sharding_parallel_world_size(self) -> int:
+        """0: no MoE-sharding group, as Paddle's hybrid group without expert parallelism
+        says (its code tests ``> 0``); ``moe_sharding_degree`` other than 1 is refused."""
+        return 0
+
+    def get_moe_sharding_parallel_rank(self) -> int:
+        """0: this process's index in its one-rank MoE-sharding group."""
+        return 0
+
+    def get_moe_sharding_parallel_group(self) -> Group:
+        """This process alone (``axis_name=()``: a collective over it returns its input)."""
+        return Group((), (self.global_rank,), rank=0, id=self.global_rank, name="moe_sharding")
+
+    def get_moe_sharding_parallel_group_src_rank(self) -> int:
+        """Host view: this process's global rank (its MoE-sharding group has one rank)."""
+        return self.global_rank
 
     def get_parallel_mode(self) -> ParallelMode:
         """The mode ``distributed_model`` dispatches on, with Paddle's priority.

@@ -45,7 +45,7 @@ def test_global_array_is_rejected_only_when_not_addressable():
     # Single process: every array is fully addressable, so a sharded one is fine.
     mesh = jax.make_mesh((8,), ("dp",))
     x = jax.device_put(jnp.arange(8.0), jax.NamedSharding(mesh, jax.P("dp")))
-    np.testing.assert_array_equal(all_reduce(x), np.arange(8.0))
+    np.testing.assert_array_equal(all_reduce(x, "sum"), np.arange(8.0))
 
 
 def test_all_gather_and_broadcast_and_barrier():
