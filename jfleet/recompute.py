@@ -8,6 +8,8 @@ are recomputed in the backward pass instead of kept. jfleet takes module paths
 
 Example:
   >>> from flax import nnx
+
+from jfleet._logging import logger
   >>> class Net(nnx.Module):
   ...     def __init__(self):
   ...         self.hidden = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
@@ -16,17 +18,24 @@ Example:
   >>> net = apply_recompute(Net(), ["hidden"])
   >>> type(net.hidden).__name__
   'Linear'
+
+Paddle's functional forms run one call under ``nnx.remat`` instead:
+:func:`recompute` (``fleet.utils.recompute``), :func:`recompute_sequential` and
+:func:`recompute_hybrid`.
 """
 
 from __future__ import annotations
 
+import contextvars
 import fnmatch
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
+
+from jfleet._logging import logger
 
 _POLICIES = {
     "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
@@ -35,14 +44,37 @@ _POLICIES = {
     "offload_dot_with_no_batch_dims": None,  # built on demand (needs memory kinds)
 }
 _REMAT_CLASSES: dict[tuple, type] = {}  # one subclass per (class, setting)
+_IN_RECOMPUTE = contextvars.ContextVar("jfleet_in_recompute", default=False)
+_LOGGED: set[str] = set()
 
 
 def module_paths(model: nnx.Module) -> list[tuple[str, nnx.Module]]:
-    """Every sub-module with its dotted path (``""`` for the model itself)."""
-    out = []
-    for path, module in nnx.iter_modules(model):
-        out.append((".".join(str(p) for p in path), module))
-    return out
+    """Every sub-module with each dotted path it is reachable under (``""``: the model).
+
+    A module held under two attributes (an alias, a tied layer) is listed once per
+    path, so a checkpoint name matches either.
+
+    Example:
+      >>> from flax import nnx
+      >>> class Tied(nnx.Module):
+      ...     def __init__(self):
+      ...         self.embed = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+      ...         self.head = self.embed
+      >>> [p for p, _ in module_paths(Tied())]
+      ['', 'embed', 'head']
+    """
+    return [(".".join(str(p) for p in path), m) for path, m in _walk(model, (), ())]
+
+
+def _walk(node: Any, path: tuple, stack: tuple) -> Iterator[tuple[tuple, nnx.Module]]:
+    if isinstance(node, nnx.Module):
+        yield path, node
+    stack = (*stack, id(node))
+    for key, child in nnx.iter_children(node):
+        if isinstance(child, nnx.Variable) or not nnx.graph.is_graph_node(child):
+            continue
+        if id(child) not in stack:  # a reference back up the tree is not a new path
+            yield from _walk(child, (*path, key), stack)
 
 
 def apply_recompute(
@@ -173,22 +205,32 @@ def _is_dynamic(leaf: Any) -> bool:
     return isinstance(leaf, jax.Array | np.ndarray | nnx.Module | nnx.Variable)
 
 
+def _remat_run(fn: Callable[..., Any], module: Any, args: tuple, kwargs: dict, policy: Any) -> Any:
+    """``fn(module, *args, **kwargs)`` (``fn(*args, **kwargs)`` if ``module`` is None) under
+    ``nnx.remat``: the one remat call behind the class swap and :func:`recompute`."""
+    leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_dynamic)
+    dynamic = [leaf for leaf in leaves if _is_dynamic(leaf)]
+
+    def inner(module: Any, dynamic: list) -> Any:
+        it = iter(dynamic)
+        merged = [next(it) if _is_dynamic(leaf) else leaf for leaf in leaves]
+        a, kw = jax.tree.unflatten(treedef, merged)
+        token = _IN_RECOMPUTE.set(True)
+        try:
+            return fn(*a, **kw) if module is None else fn(module, *a, **kw)
+        finally:
+            _IN_RECOMPUTE.reset(token)
+
+    return nnx.remat(inner, policy=policy)(module, dynamic)
+
+
 def _make_remat_class(
     cls: type, policy: Any, after: Callable[[Any], Any] | None, recompute: bool, tag: str | None
 ) -> type:
     original = cls.__call__
 
     def remat_call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_dynamic)
-        dynamic = [leaf for leaf in leaves if _is_dynamic(leaf)]
-
-        def inner(module: Any, dynamic: list) -> Any:
-            it = iter(dynamic)
-            merged = [next(it) if _is_dynamic(leaf) else leaf for leaf in leaves]
-            a, kw = jax.tree.unflatten(treedef, merged)
-            return original(module, *a, **kw)
-
-        return nnx.remat(inner, policy=policy)(self, dynamic)
+        return _remat_run(original, self, args, kwargs, policy)
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
         y = remat_call(self, *args, **kwargs) if recompute else original(self, *args, **kwargs)
@@ -228,3 +270,206 @@ def _offload_policy():
             f"{jax.default_backend()} backend does not offer; set enable_offload=False."
         )
     return jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+
+
+# ----------------------------------------------------------- Paddle's functional forms
+_PADDLE_NOOPS = {
+    "preserve_rng_state": "JAX recomputes from the same explicit keys (nnx.Rngs counters are "
+    "inputs of the checkpointed call), so the forward randomness is always replayed",
+    "use_reentrant": "it picks one of Paddle's two autograd implementations; jax.checkpoint "
+    "has one",
+    "offload_indices": "inputs are not offloaded one by one; use recompute_configs="
+    "{'enable_offload': True} (a jax.checkpoint offload policy)",
+}
+
+
+def _log_ignored(name: str, value: Any) -> None:
+    if name not in _LOGGED:
+        _LOGGED.add(name)
+        why = _PADDLE_NOOPS[name]
+        logger.info("recompute(%s=%r) has no effect under JAX: %s", name, value, why)
+
+
+def _check_bool(what: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{what}={value!r} ({type(value).__name__}) must be True or False.")
+    return value
+
+
+def recompute(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Paddle's ``fleet.utils.recompute``: ``function(*args, **kwargs)`` under ``nnx.remat``.
+
+    The activations inside ``function`` are not kept for the backward pass; they are
+    recomputed from its inputs (``jax.checkpoint``). ``function`` is an ``nnx.Module``
+    (its parameters and RNG streams cross the boundary as module state, so dropout
+    masks are replayed exactly) or any callable. A closure may read modules it captures;
+    a module whose state changes during the call (dropout RNG counters, batch
+    statistics) must be ``function`` itself or an argument, as NNX state may only
+    change in the transform that owns it. Array and NNX arguments are traced; other
+    arguments (flags, strings) stay Python values.
+
+    Paddle's own keywords are taken out of ``kwargs`` and accepted:
+    ``preserve_rng_state`` (JAX always replays the same keys, so True is what happens
+    anyway), ``use_reentrant`` (Paddle's choice of autograd mechanism) and
+    ``offload_indices`` (use ``recompute_configs['enable_offload']``) have no effect
+    under JAX; the first non-default use of each is logged once at INFO. All other
+    keyword arguments go to ``function``.
+
+    Args:
+      function: the module or callable to run.
+      *args: its positional arguments.
+      **kwargs: its keyword arguments, plus Paddle's keywords above.
+
+    Returns:
+      ``function(*args, **kwargs)``.
+
+    Raises:
+      TypeError: ``function`` is not callable; ``preserve_rng_state`` or
+        ``use_reentrant`` is not a bool; ``offload_indices`` is not a list of ints.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> graphdef, state = nnx.split(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+      >>> loss = lambda state, x: jnp.sum(recompute(nnx.merge(graphdef, state), x))
+      >>> "remat" in str(jax.make_jaxpr(jax.grad(loss))(state, jnp.ones((1, 2))))
+      True
+    """
+    if not callable(function):
+        raise TypeError(
+            f"recompute(function={function!r}): {type(function).__name__} is not callable; "
+            "pass a module (e.g. a decoder layer) or a function."
+        )
+    preserve = _check_bool("preserve_rng_state", kwargs.pop("preserve_rng_state", True))
+    reentrant = _check_bool("use_reentrant", kwargs.pop("use_reentrant", True))
+    offload = kwargs.pop("offload_indices", None)
+    if offload is not None and (
+        not isinstance(offload, list | tuple)
+        or not all(isinstance(i, int) and not isinstance(i, bool) for i in offload)
+    ):
+        raise TypeError(
+            f"offload_indices={offload!r} must be a list of argument indices (int), or None."
+        )
+    if not preserve:
+        _log_ignored("preserve_rng_state", preserve)
+    if not reentrant:
+        _log_ignored("use_reentrant", reentrant)
+    if offload:
+        _log_ignored("offload_indices", offload)
+    if isinstance(function, nnx.Module):
+        call = getattr(type(function), "_jfleet_original", type(function)).__call__
+        return _remat_run(call, function, args, kwargs, None)
+    return _remat_run(function, None, args, kwargs, None)
+
+
+def is_in_recompute() -> bool:
+    """Whether the caller is being traced inside :func:`recompute` (or a remat class call).
+
+    Example:
+      >>> is_in_recompute()
+      False
+    """
+    return _IN_RECOMPUTE.get()
+
+
+_SEQUENTIAL_KEYS = ("segments", "preserve_rng_state")
+_HYBRID_KEYS = ("mp_group", "offload", "partition")
+
+
+def _check_ctx(what: str, ctx: Any, keys: tuple[str, ...]) -> dict:
+    if not isinstance(ctx, dict):
+        raise TypeError(
+            f"{what}(ctx={ctx!r}): ctx must be a dict with keys from {list(keys)}, "
+            f"e.g. {{'{keys[0]}': ...}}."
+        )
+    unknown = sorted(set(ctx) - set(keys))
+    if unknown:
+        raise ValueError(f"{what}: ctx keys {unknown} are unknown; valid keys: {list(keys)}.")
+    return ctx
+
+
+def recompute_sequential(
+    ctx: dict[str, Any], functions: Sequence[Callable[..., Any]] | nnx.Module, *args: Any, **kwargs
+) -> Any:
+    """Paddle's ``recompute_sequential``: a chain of layers in segments, each recomputed.
+
+    ``functions`` (a list of callables, an ``nnx.Sequential`` or an ``nnx.List``) is cut
+    into ``ctx['segments']`` segments of ``len // segments`` layers; every segment but
+    the last runs under :func:`recompute`, the last one (with the remainder) runs
+    normally, as in Paddle (so ``segments=1`` recomputes nothing). The first layer takes
+    ``*args`` / ``**kwargs``, each later one the previous output.
+
+    Args:
+      ctx: ``{'segments': int >= 1 (default 1), 'preserve_rng_state': bool}``.
+      functions: the layers, in order.
+
+    Raises:
+      TypeError: ``ctx`` not a dict, ``functions`` not a sequence of callables.
+      ValueError: an unknown ``ctx`` key, or ``segments`` not an int in
+        ``[1, len(functions)]``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> layers = [nnx.Linear(2, 2, rngs=nnx.Rngs(i)) for i in range(4)]
+      >>> recompute_sequential({"segments": 2}, layers, jnp.ones((1, 2))).shape
+      (1, 2)
+    """
+    ctx = _check_ctx("recompute_sequential", ctx, _SEQUENTIAL_KEYS)
+    if isinstance(functions, nnx.Sequential):
+        functions = list(functions.layers)
+    if (
+        isinstance(functions, str)
+        or not isinstance(functions, Sequence | nnx.List)
+        or not all(callable(f) for f in functions)
+    ):
+        raise TypeError(
+            f"recompute_sequential(functions={functions!r}): expected a list of layers "
+            "(callables), an nnx.Sequential or an nnx.List."
+        )
+    functions = list(functions)
+    segments = ctx.get("segments", 1)
+    if (
+        isinstance(segments, bool)
+        or not isinstance(segments, int)
+        or not (1 <= segments <= max(len(functions), 1))
+    ):
+        raise ValueError(
+            f"recompute_sequential: ctx['segments']={segments!r} must be an int in "
+            f"[1, {len(functions)}] (the number of layers)."
+        )
+    preserve = ctx.get("preserve_rng_state", True)
+    size = len(functions) // segments
+
+    def run(chunk: list, *a: Any, **kw: Any) -> Any:
+        out = chunk[0](*a, **kw)
+        for f in chunk[1:]:
+            out = f(out)
+        return out
+
+    for start in range(0, size * (segments - 1), size):
+        out = recompute(
+            run, functions[start : start + size], *args, preserve_rng_state=preserve, **kwargs
+        )
+        args, kwargs = (out,), {}
+    rest = functions[size * (segments - 1) :]
+    return run(rest, *args, **kwargs) if rest else args[0]
+
+
+def recompute_hybrid(ctx: dict[str, Any], function: Callable[..., Any], *args: Any, **kwargs):
+    """Paddle's ``recompute_hybrid`` (recompute under tensor parallelism): :func:`recompute`.
+
+    ``ctx`` takes Paddle's keys: ``mp_group`` (the compiler knows every array's layout,
+    so no group is needed), ``offload`` and ``partition`` (Paddle splits the kept inputs
+    over mp ranks; an SPMD input keeps the layout it has) are accepted without effect.
+
+    Raises:
+      TypeError / ValueError: ``ctx`` not a dict, or an unknown key.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> recompute_hybrid({"partition": False}, jnp.tanh, jnp.zeros(2)).tolist()
+      [0.0, 0.0]
+    """
+    _check_ctx("recompute_hybrid", ctx, _HYBRID_KEYS)
+    return recompute(function, *args, **kwargs)
