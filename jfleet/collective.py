@@ -123,8 +123,10 @@ def _check_group(group: Any, fn: str) -> Group | None:
 
 def _check_list(tensor_list: Any, n: int, fn: str, *, allow_empty: bool) -> list:
     if not isinstance(tensor_list, (list, tuple)):
+        shape = getattr(tensor_list, "shape", None)
+        given = f"of shape {tuple(shape)}" if shape is not None else f"{tensor_list!r}"
         raise TypeError(
-            f"{fn}: tensor_list={tensor_list!r} ({type(tensor_list).__name__}) is not a list; "
+            f"{fn}: tensor_list is a {type(tensor_list).__name__} {given}, not a list; "
             f"pass a list of the group's {n} tensors."
         )
     if len(tensor_list) != n and not (allow_empty and not tensor_list):

@@ -232,6 +232,29 @@ def test_group_dataclass():
         g.rank = 0  # frozen
 
 
+def test_group_paddle_surface_backend_process_group_global_rank():
+    hcg = _hcg(dp=2, mp=4)
+    dp, mp = hcg.get_data_parallel_group(), hcg.get_model_parallel_group()
+    assert dp.ranks == (0, 4) and mp.ranks == (0, 1, 2, 3)
+    # get_global_rank inverts get_group_rank, position by position.
+    assert [dp.get_global_rank(i) for i in range(2)] == [0, 4]
+    assert [mp.get_group_rank(mp.get_global_rank(i)) for i in range(4)] == [0, 1, 2, 3]
+    assert mp.backend == "XLA" and dp.process_group.name() == "XLA"
+    pg = Group(("pp", "mp"), (4, 5, 6, 7), rank=2, name="pp_mp").process_group
+    assert (pg.rank(), pg.size()) == (2, 4) and pg.group.ranks == (4, 5, 6, 7)
+    assert Group("mp", (4, 5)).process_group.rank() == -1
+
+
+def test_moe_sharding_getters_without_moe_axis():
+    hcg = _hcg(dp=2, mp=4)
+    # Paddle's hybrid group without expert parallelism reports world size 0.
+    assert hcg.get_moe_sharding_parallel_world_size() == 0
+    assert hcg.get_moe_sharding_parallel_rank() == 0
+    g = hcg.get_moe_sharding_parallel_group()
+    assert g.ranks == (hcg.global_rank,) and g.rank == 0 and g.axis_name == ()
+    assert hcg.get_moe_sharding_parallel_group_src_rank() == hcg.global_rank
+
+
 # ----- groups inside shard_map ------------------------------------------------------------
 
 
@@ -397,6 +420,8 @@ def test_build_bad_configs(configs, needle):
         (lambda: _hcg(dp=8, devices=jax.devices()[:1] * 8), "repeat a device"),
         (lambda: _hcg(dp=8).get_axis_rank("tensor"), "'tensor'"),
         (lambda: _hcg(pp=2, mp=4).get_rank_from_stage(2), "pp=2"),
+        (lambda: Group("mp", (0, 1), rank=0, name="mp").get_global_rank(2), "group_rank=2"),
+        (lambda: Group("mp", (0, 1), rank=0, name="mp").get_global_rank(-1), "group_rank=-1"),
     ],
 )
 def test_bad_input_names_the_value(make, needle):
