@@ -17,6 +17,20 @@ from the storage dtype of their params, so jfleet decides per module class:
   :func:`jfleet.optim.master_weights.master_weights` so the optimizer updates fp32
   masters.
 
+Outside a strategy, Paddle's ``paddle.amp`` calls have these equivalents:
+
+- ``with paddle.amp.auto_cast(...)``: ``with auto_cast(model, ...)``. A JAX context
+  manager cannot reach a model it is not given, and NNX layers choose their compute
+  dtype from an attribute, so :func:`auto_cast` takes the model, sets the policy's
+  compute dtypes on enter and restores the previous ones on exit. It never casts
+  parameters (``decorate`` does, for O2), so ``level`` only chooses which of the
+  policy's lists apply. Calls (and ``train_batch``) inside the block compile with the
+  half-precision dtypes; after it the model computes as before.
+- ``paddle.amp.decorate(models, optimizers, level="O2")``: :func:`decorate` casts the
+  parameters of non-black modules to half precision for good (``apply_amp(level="O2")``)
+  and adds fp32 master weights to the optimizers. At O1 it changes nothing, as in Paddle.
+- ``paddle.amp.GradScaler``: :class:`jfleet.grad_scaler.GradScaler`, re-exported here.
+
 Only floating ``nnx.Param`` values are ever cast: integer and boolean variables, batch
 statistics, caches and RNG state are untouched. Casting keeps each array's sharding.
 
@@ -34,7 +48,9 @@ is white (this covers ``ColumnParallelLinear``, ``RowParallelLinear``,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import jax
@@ -42,12 +58,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jfleet._logging import logger
+
 __all__ = [
     "DEFAULT_BLACK_LIST",
     "DEFAULT_WHITE_LIST",
     "AmpPolicy",
+    "GradScaler",
     "apply_amp",
+    "auto_cast",
     "cast_floating",
+    "decorate",
 ]
 
 DEFAULT_WHITE_LIST: frozenset[str] = frozenset(
@@ -173,6 +194,16 @@ class AmpPolicy:
 
     def apply(self, model: nnx.Module) -> nnx.Module:
         """Applies the policy to ``model`` in place and returns it (see :func:`apply_amp`)."""
+        modules, params, _ = self._set_compute_dtypes(model)
+        if self.level == "O2":
+            for path, param in params:
+                if _owner_category(modules, path) != "black":
+                    _cast_param(param, self.compute_dtype)
+        return model
+
+    def _set_compute_dtypes(self, model: nnx.Module) -> tuple[dict, list, list]:
+        """Sets white / black modules' compute ``dtype``; returns the categories by path, the
+        params by path, and ``(module, old dtype)`` for each module changed."""
         if not isinstance(model, nnx.Module):
             raise TypeError(
                 f"model must be an nnx.Module; got {type(model).__name__}. Build the model "
@@ -181,20 +212,18 @@ class AmpPolicy:
         half = self.compute_dtype
         modules: dict[tuple, Category] = {}
         params: list[tuple[tuple, nnx.Param]] = []
+        changed: list[tuple[nnx.Module, Any]] = []
         nodes = list(nnx.iter_graph(model))  # walk first, mutate after
         for path, node in nodes:
             if isinstance(node, nnx.Module):
                 category = self.classify(node)
                 modules[tuple(path)] = category
                 if category != "gray" and hasattr(node, "dtype"):
+                    changed.append((node, node.dtype))
                     node.dtype = half if category == "white" else jnp.dtype(jnp.float32)
             elif isinstance(node, nnx.Param):
                 params.append((tuple(path), node))
-        if self.level == "O2":
-            for path, param in params:
-                if _owner_category(modules, path) != "black":
-                    _cast_param(param, half)
-        return model
+        return modules, params, changed
 
 
 def _owner_category(modules: dict[tuple, Category], path: tuple) -> Category:
@@ -285,3 +314,138 @@ def cast_floating(tree: Any, dtype: Any) -> Any:
         return x
 
     return jax.tree.map(cast, tree)
+
+
+@contextlib.contextmanager
+def auto_cast(
+    model: nnx.Module,
+    enable: bool = True,
+    custom_white_list: list[str] | tuple[str, ...] | set[str] | None = None,
+    custom_black_list: list[str] | tuple[str, ...] | set[str] | None = None,
+    level: str = "O1",
+    dtype: str = "float16",
+) -> Iterator[nnx.Module]:
+    """Paddle's ``paddle.amp.auto_cast`` for one model: half-precision compute inside the block.
+
+    On enter the compute ``dtype`` of white modules becomes ``dtype`` and that of black
+    modules float32 (see :class:`AmpPolicy`); on exit every changed module gets its
+    previous dtype back, even after an exception. Parameters are never cast here.
+
+    Args:
+        model: the model whose modules compute in half precision (Paddle's ``auto_cast``
+            reaches every layer implicitly; in JAX the model is named).
+        enable: ``False`` changes nothing.
+        custom_white_list: module class names to run in half precision.
+        custom_black_list: module class names to keep in fp32.
+        level: ``"O1"`` or ``"O2"`` (validated; parameters are cast by :func:`decorate`).
+        dtype: ``"float16"`` or ``"bfloat16"``.
+
+    Yields:
+        ``model``.
+
+    Raises:
+        ValueError / TypeError: as :class:`AmpPolicy` (naming the bad value).
+
+    Example:
+        >>> layer = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+        >>> with auto_cast(layer, dtype="bfloat16"):
+        ...     inside = layer(jnp.ones((1, 2))).dtype
+        >>> inside, layer(jnp.ones((1, 2))).dtype
+        (dtype(bfloat16), dtype('float32'))
+    """
+    policy = AmpPolicy(
+        dtype=dtype,
+        level=level,
+        custom_white_list=tuple(custom_white_list or ()),
+        custom_black_list=tuple(custom_black_list or ()),
+    )
+    if not isinstance(enable, bool):
+        raise TypeError(f"auto_cast(enable={enable!r}): enable must be True or False.")
+    if not enable:
+        yield model
+        return
+    _, _, changed = policy._set_compute_dtypes(model)
+    try:
+        yield model
+    finally:
+        for module, old in reversed(changed):
+            module.dtype = old
+
+
+def decorate(
+    models: Any,
+    optimizers: Any = None,
+    level: str = "O1",
+    dtype: str = "float16",
+    master_weight: bool | None = None,
+    save_dtype: str | None = None,
+) -> Any:
+    """Paddle's ``paddle.amp.decorate``: at O2, half-precision parameters and fp32 masters.
+
+    ``level="O1"`` returns the arguments unchanged (Paddle's O1 decorate does nothing).
+    ``level="O2"`` applies :func:`apply_amp` at O2 to each model (compute dtypes and the
+    parameters of non-black modules cast to ``dtype``) and, unless
+    ``master_weight=False``, gives each optimizer fp32 master weights
+    (:func:`jfleet.optim.master_weights.master_weights`): an optax transformation is
+    returned wrapped, a distributed optimizer is recompiled with them before its state
+    is made. ``save_dtype`` is accepted and ignored (logged): jfleet does not hook saving;
+    cast with :func:`cast_floating` when saving.
+
+    Returns:
+        ``models`` (same kind: one model or a list) when ``optimizers`` is None, else
+        ``(models, optimizers)``.
+
+    Raises:
+        TypeError: a model is not an ``nnx.Module``, an optimizer is neither an optax
+            transformation nor a distributed optimizer.
+        ValueError: a bad ``level`` / ``dtype``, or a distributed optimizer already bound.
+
+    Example:
+        >>> import optax
+        >>> layer, tx = decorate(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), optax.sgd(0.1), "O2")
+        >>> layer.kernel.dtype
+        dtype('float16')
+    """
+    policy = AmpPolicy(dtype=dtype, level=level)
+    if master_weight is not None and not isinstance(master_weight, bool):
+        raise TypeError(f"decorate(master_weight={master_weight!r}): expected None, True or False.")
+    if save_dtype is not None:
+        logger.info("amp.decorate(save_dtype=%r): ignored, jfleet does not hook saving", save_dtype)
+    many = isinstance(models, list | tuple)
+    model_list = list(models) if many else [models]
+    for model in model_list:
+        if not isinstance(model, nnx.Module):
+            raise TypeError(
+                f"decorate(models=...): {type(model).__name__} is not an nnx.Module; pass the "
+                "model (or a list of models)."
+            )
+    opt_many = isinstance(optimizers, list | tuple) and not hasattr(optimizers, "update")
+    opt_list = [] if optimizers is None else list(optimizers) if opt_many else [optimizers]
+    if policy.level == "O2":
+        for model in model_list:
+            policy.apply(model)
+        if master_weight is not False:
+            opt_list = [_with_master_weights(opt) for opt in opt_list]
+    out_models = type(models)(model_list) if many else model_list[0]
+    if optimizers is None:
+        return out_models
+    return out_models, (type(optimizers)(opt_list) if opt_many else opt_list[0])
+
+
+def _with_master_weights(optimizer: Any) -> Any:
+    from jfleet.distributed_optimizer import DistributedOptimizer
+    from jfleet.optim.master_weights import master_weights
+
+    if isinstance(optimizer, DistributedOptimizer):
+        optimizer.add_master_weights()
+        return optimizer
+    if isinstance(optimizer, nnx.Optimizer) or not hasattr(optimizer, "update"):
+        raise TypeError(
+            f"decorate(optimizers=...): {type(optimizer).__name__} is neither an optax "
+            "GradientTransformation nor a fleet.distributed_optimizer; pass optax.adam(...) "
+            "or the distributed optimizer."
+        )
+    return master_weights(optimizer)
+
+
+from jfleet.grad_scaler import GradScaler as GradScaler  # noqa: E402 (re-export)

@@ -59,6 +59,8 @@ class DistributedModel(nnx.Module):
         batch: Any,
         optimizer: DistributedOptimizer,
         loss_fn: LossFn | None = None,
+        lr_scheduler: Any = None,
+        scaler: Any = None,
     ) -> jax.Array:
         """One training step on ``batch`` through the engine; returns the fp32 loss.
 
@@ -67,18 +69,135 @@ class DistributedModel(nnx.Module):
             (divisible by dp x sharding).
           optimizer: from ``fleet.distributed_optimizer``.
           loss_fn: ``loss_fn(model, batch)`` returning a scalar or ``(loss, aux)``.
+          lr_scheduler: a Paddle-style scheduler (``jfleet.optim.lr``) or an optax
+            schedule; its learning rate is applied (see :func:`run_train_batch`).
+          scaler: a ``jfleet.amp.GradScaler``: fp16 loss scaling for this optimizer.
         """
         if loss_fn is None:
             raise TypeError("train_batch needs loss_fn=loss_fn(model, batch) -> loss.")
         step = cached_step(TrainStep, loss_fn, self.placement)
-        return step(self, optimizer, batch)
+        return run_train_batch(
+            self, step, batch, optimizer, lr_scheduler=lr_scheduler, scaler=scaler
+        )
 
-    def eval_batch(self, batch: Any, loss_fn: LossFn | None = None) -> jax.Array:
-        """The loss on ``batch`` without updating anything."""
+    def eval_batch(
+        self, batch: Any, loss_fn: LossFn | None = None, compute_loss: bool | None = None
+    ) -> Any:
+        """Evaluates ``batch`` without updating anything: the loss, or the model's outputs.
+
+        ``compute_loss=False`` returns the outputs of the model on the batch's inputs
+        (``batch[0]`` of Paddle's ``[inputs, labels]`` pair, else the whole batch);
+        ``compute_loss=True`` returns ``loss_fn(model, batch)``. The default (``None``)
+        is the loss when a ``loss_fn`` is given, else the outputs, which is Paddle 3.x's
+        ``eval_batch(data)`` default (``compute_loss=False``).
+
+        Raises:
+          TypeError: ``compute_loss=True`` without a ``loss_fn``.
+        """
+        if compute_loss is None:
+            compute_loss = loss_fn is not None
+        if not compute_loss:
+            step = cached_step(EvalStep, _forward, self.placement)
+            step(self, batch)
+            return step.last_aux
         if loss_fn is None:
-            raise TypeError("eval_batch needs loss_fn=loss_fn(model, batch) -> loss.")
+            raise TypeError(
+                "eval_batch(compute_loss=True) needs loss_fn=loss_fn(model, batch) -> loss; "
+                "pass one, or compute_loss=False for the model's outputs."
+            )
         step = cached_step(EvalStep, loss_fn, self.placement)
         return step(self, batch)
+
+
+def _forward(model: nnx.Module, batch: Any) -> tuple[float, Any]:
+    """``eval_batch(compute_loss=False)``: the outputs on the batch's inputs, as the aux."""
+    inputs = batch[0] if isinstance(batch, tuple | list) else batch
+    return 0.0, model(inputs)
+
+
+def _scheduler_lr(lr_scheduler: Any, optimizer: DistributedOptimizer) -> float:
+    """The learning rate a scheduler gives now: Paddle's ``last_lr`` / ``scheduler()``, or an
+    optax schedule at the optimizer's update count."""
+    if callable(getattr(lr_scheduler, "step", None)):
+        value = getattr(lr_scheduler, "last_lr", None)
+        return float(lr_scheduler() if value is None else value)
+    count = int(optimizer.step[...]) if optimizer.is_bound else 0
+    return float(lr_scheduler(count))
+
+
+def run_train_batch(
+    model: nnx.Module,
+    step: Any,
+    batch: Any,
+    optimizer: DistributedOptimizer,
+    *,
+    lr_scheduler: Any = None,
+    scaler: Any = None,
+) -> jax.Array:
+    """One ``train_batch`` step: binds the scaler, applies the scheduler's learning rate,
+    runs ``step(model, optimizer, batch)``, then steps the scheduler.
+
+    The one place where ``train_batch`` (this module's and the pipeline's) meets a
+    scaler and a scheduler:
+
+    * ``scaler`` (a ``jfleet.amp.GradScaler``) attaches its loss-scale transform to the
+      optimizer before its state is made (an optimizer created without an fp16
+      strategy); see :meth:`GradScaler.attach`.
+    * ``lr_scheduler``: Paddle semantics, the update of a step applies the scheduler's
+      current learning rate (``last_lr``), then ``lr_scheduler.step()`` is called. A
+      Paddle-style object has ``step()`` and ``last_lr`` (or ``__call__()``); an optax
+      schedule is a callable of the update count (``optax.cosine_decay_schedule(...)``),
+      evaluated at the optimizer's count. The value is written with ``set_lr`` (no
+      recompile), so ``optimizer.get_lr()`` reads back the rate of the next step. The
+      optimizer's learning rate must be readable (``jfleet.optim.hyperparams.adam``).
+
+    Raises:
+      TypeError: ``lr_scheduler`` is neither kind, ``scaler`` not a ``GradScaler``.
+      ValueError: see ``GradScaler.attach`` and ``DistributedOptimizer.set_lr``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from jfleet import fleet
+      >>> from jfleet.engine import TrainStep
+      >>> from jfleet.optim import hyperparams, lr
+      >>> _ = fleet.init(is_collective=True)
+      >>> model = fleet.distributed_model(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
+      >>> opt = fleet.distributed_optimizer(hyperparams.sgd(1.0))
+      >>> sched = lr.StepDecay(0.1, step_size=1, gamma=0.5)
+      >>> step = TrainStep(lambda m, b: jnp.mean(m(b) ** 2), model.placement)
+      >>> _ = run_train_batch(model, step, jnp.ones((8, 4)), opt, lr_scheduler=sched)
+      >>> sched.last_epoch, round(opt.get_lr(), 6)
+      (1, 0.05)
+    """
+    if scaler is not None:
+        from jfleet.grad_scaler import GradScaler
+
+        if not isinstance(scaler, GradScaler):
+            raise TypeError(
+                f"train_batch(scaler={scaler!r}): expected a jfleet.amp.GradScaler (Paddle's "
+                "paddle.amp.GradScaler), e.g. scaler=jfleet.amp.GradScaler()."
+            )
+        scaler.attach(optimizer)
+    if lr_scheduler is not None:
+        if not callable(lr_scheduler) and not callable(getattr(lr_scheduler, "step", None)):
+            raise TypeError(
+                f"train_batch(lr_scheduler={lr_scheduler!r}): expected a Paddle-style "
+                "scheduler with step() (jfleet.optim.lr.StepDecay(...)) or an optax "
+                "schedule (a callable of the step count)."
+            )
+        _set_lr(optimizer, _scheduler_lr(lr_scheduler, optimizer))
+    loss = step(model, optimizer, batch)
+    if lr_scheduler is not None:
+        if callable(getattr(lr_scheduler, "step", None)):
+            lr_scheduler.step()
+        _set_lr(optimizer, _scheduler_lr(lr_scheduler, optimizer))
+    return loss
+
+
+def _set_lr(optimizer: DistributedOptimizer, value: float) -> None:
+    if optimizer.get_lr() != value:
+        optimizer.set_lr(value)
 
 
 def apply_model_settings(model: nnx.Module, strategy: Any) -> nnx.Module:

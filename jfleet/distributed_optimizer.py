@@ -9,33 +9,103 @@ scale the loss for fp16 (use the engine, or multiply the loss by ``opt.loss_scal
 yourself) and does not constrain gradients to the ZeRO-2 layout (the update is
 still correct; only the gradient all-reduce is not turned into a reduce-scatter).
 
+Paddle's optimizer object (``HybridParallelOptimizer``), the functional way:
+
+=============================  ==================================================
+Paddle                          jfleet
+=============================  ==================================================
+``opt.get_lr()``                ``opt.get_lr()``: the lr the next update applies
+``opt.set_lr(v)``               ``opt.set_lr(v)``: written into the state, no recompile
+``loss.backward(); opt.step()`` ``opt.step(model, grads)`` (grads are values in JAX)
+``opt.clear_grad()``            a logged no-op: there are no stored gradients
+``opt.minimize(loss)``          ``opt.minimize(loss_fn, model, batch)``: one engine step
+``opt._inner_opt``              the user's optax optimizer
+``opt.state_dict()``            ``opt.state_dict()`` / ``opt.set_state_dict(d)``
+=============================  ==================================================
+
+``opt.step`` is also ``nnx.Optimizer``'s update counter: a :class:`StepCounter`
+variable (``int(opt.step[...])`` reads it) that is callable as Paddle's ``step``.
+
+The learning rate must be readable for ``get_lr`` / ``set_lr`` / an ``lr_scheduler``:
+build the optimizer with ``optax.inject_hyperparams(optax.adam)(learning_rate=...)``
+or :mod:`jfleet.optim.hyperparams` (``hyperparams.adam(1e-3)``); the learning rate then
+lives in the optimizer state, so changing it never recompiles the step.
+
 Example:
   >>> import optax
   >>> from flax import nnx
   >>> from jfleet import fleet
+  >>> from jfleet.optim import hyperparams
   >>> _ = fleet.init(is_collective=True)
   >>> model = fleet.distributed_model(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
-  >>> opt = fleet.distributed_optimizer(optax.adam(1e-3)).init(model)
-  >>> int(opt.step[...])
-  0
+  >>> opt = fleet.distributed_optimizer(hyperparams.adam(1e-3)).init(model)
+  >>> int(opt.step[...]), round(opt.get_lr(), 6)
+  (0, 0.001)
+  >>> opt.set_lr(5e-4)
+  >>> round(opt.get_lr(), 6)
+  0.0005
 """
 
 from __future__ import annotations
 
+import contextlib
+import numbers
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from flax.nnx.training.optimizer import OptState, to_opt_state
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jfleet.optim.loss_scale import loss_scale_of
+from jfleet import _context
+from jfleet._logging import logger
+from jfleet.optim import hyperparams
+from jfleet.optim.loss_scale import loss_scale_of, scaling_state_of
 from jfleet.placement import Placement, resolve_placement
+
+# What waits for an optimizer's state (set before it is bound): kept off the module so
+# the optimizer's graph definition (the compiled step's key) never changes for it.
+_PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class StepCounter(OptState):
+    """``nnx.Optimizer``'s update counter that is also Paddle's ``opt.step(...)``.
+
+    ``opt.step[...]`` is the number of updates so far (as for any ``nnx.Optimizer``);
+    ``opt.step(model, grads)`` applies ``grads`` (one jitted ``opt.update``), Paddle's
+    ``loss.backward(); opt.step()`` with the gradients as values. Inside your own
+    ``@nnx.jit`` step call ``opt.update(model, grads)`` instead.
+    """
+
+    __slots__ = ("_owner",)
+
+    def __call__(self, model: nnx.Module | None = None, grads: Any = None) -> None:
+        owner = getattr(self, "_owner", None)
+        opt = owner() if owner is not None else None
+        if opt is None or opt.step is not self:
+            raise TypeError(
+                "opt.step(model, grads) runs on the host; inside a jitted function call "
+                "opt.update(model, grads) instead."
+            )
+        if model is None or grads is None:
+            raise TypeError(
+                f"opt.step(model={type(model).__name__}, grads={type(grads).__name__}): JAX "
+                "gradients are values, so pass them: grads = nnx.grad(loss_fn)(model); "
+                "opt.step(model, grads). Or run a whole step with opt.minimize(loss_fn, "
+                "model, batch)."
+            )
+        _apply_update(opt, model, grads)
+
+
+@nnx.jit
+def _apply_update(opt: nnx.Optimizer, model: nnx.Module, grads: Any) -> None:
+    opt.update(model, grads)
 
 
 class DistributedOptimizer(nnx.Optimizer):
@@ -45,7 +115,8 @@ class DistributedOptimizer(nnx.Optimizer):
       tx: the compiled chain (outermost meta-optimizer first).
       applied_meta_list: names of the meta-optimizers the strategy applied, in
         Paddle's naming (``["AMPOptimizer", "GradientMergeOptimizer", ...]``).
-      inner_tx: the optimizer the user gave.
+      inner_tx: the optimizer the user gave (also ``_inner_opt``, Paddle's name).
+      step: the update counter, callable as Paddle's ``step`` (:class:`StepCounter`).
     """
 
     def __init__(
@@ -63,6 +134,8 @@ class DistributedOptimizer(nnx.Optimizer):
         self.graph = None
         self.applied_meta_list = tuple(applied_meta_list)
         self.has_loss_scaling = has_loss_scaling
+        self.loss_scaling_config: tuple | None = None  # from a GradScaler, as sorted items
+        self.master_weights_added = False  # by jfleet.amp.decorate(level="O2")
         self.step = nnx.data(None)
         self.opt_state = nnx.data(None)
         self._param_paths: tuple[str, ...] | None = None
@@ -73,6 +146,11 @@ class DistributedOptimizer(nnx.Optimizer):
         """Whether the state has been made for a model."""
         return self._param_paths is not None
 
+    @property
+    def _inner_opt(self) -> optax.GradientTransformation:
+        """Paddle's name for the wrapped optimizer: the user's optax transformation."""
+        return self.inner_tx
+
     def init(self, model: nnx.Module, placement: Placement | None = None) -> DistributedOptimizer:
         """Makes the optimizer state for ``model`` (once), placed for ``placement``.
 
@@ -80,7 +158,8 @@ class DistributedOptimizer(nnx.Optimizer):
 
         ZeRO stage >= 1 shards every parameter-shaped state leaf (moments,
         accumulated gradients, master weights) over the ZeRO axis; scalars are
-        replicated over the mesh.
+        replicated over the mesh. A learning rate set with :meth:`set_lr` (or loss
+        scaling counters loaded by a ``GradScaler``) before this call are written in.
 
         Raises:
           ValueError: already bound to a model with other parameters.
@@ -113,10 +192,14 @@ class DistributedOptimizer(nnx.Optimizer):
         # (optax and inject_hyperparams can hand out one constant for several leaves).
         taken = {_buffer(x) for x in jax.tree.leaves(nnx.state(model))}
         state = jax.tree.map(lambda x: _own_buffer(on_mesh(x), taken), state)
-        self.step = OptState(jax.device_put(jnp.array(0, dtype=jnp.uint32), replicated))
+        counter = StepCounter(jax.device_put(jnp.array(0, dtype=jnp.uint32), replicated))
+        object.__setattr__(counter, "_owner", weakref.ref(self))
+        self.step = counter
         self.opt_state = nnx.data(state)
         self._param_paths = paths
         self._model = weakref.ref(model)
+        for pending in _PENDING.pop(self, {}).values():
+            pending.write(self)
         return self
 
     def update(self, model: nnx.Module, grads: Any, /, **kwargs: Any) -> optax.Updates:
@@ -134,6 +217,255 @@ class DistributedOptimizer(nnx.Optimizer):
         if not self.has_loss_scaling or not self.is_bound:
             return jnp.asarray(1.0, jnp.float32)
         return loss_scale_of(nnx.as_pure(self.opt_state))
+
+    # ------------------------------------------------------------ Paddle's optimizer API
+    def get_lr(self) -> float:
+        """The learning rate the next update applies (Paddle's ``get_lr``).
+
+        A scheduled learning rate (an optax schedule inside the optimizer) is evaluated
+        at the next update's step count.
+
+        Raises:
+          ValueError: the learning rate is not readable (see the module docstring).
+        """
+        if not self.is_bound:
+            pending = _PENDING.get(self, {}).get("lr")
+            if pending is not None:
+                return pending.value
+            node = self._lr_node(self.tx.init(hyperparams.probe_params(self.tx)))
+        else:
+            node = self._lr_node(self.opt_state)
+        if hyperparams.is_scheduled(node):
+            return hyperparams.scheduled_learning_rate(self.inner_tx, node)
+        return float(hyperparams._pure(node.hyperparams["learning_rate"]))
+
+    def set_lr(self, value: float) -> None:
+        """Sets the learning rate of the next updates, without recompiling the step.
+
+        Before the optimizer is bound to a model the value is kept and written in by
+        :meth:`init`.
+
+        Raises:
+          TypeError / ValueError: ``value`` is not a finite number >= 0.
+          ValueError: the learning rate is not readable, or is an optax schedule (which
+            would overwrite it; Paddle raises for a scheduler too).
+        """
+        if isinstance(value, bool) or not isinstance(value, numbers.Real | np.ndarray | jax.Array):
+            raise TypeError(
+                f"set_lr(value={value!r}): the learning rate must be a number; pass a float "
+                "such as opt.set_lr(1e-3)."
+            )
+        value = float(value)
+        if not np.isfinite(value) or value < 0:
+            raise ValueError(
+                f"set_lr(value={value!r}): the learning rate must be finite and >= 0; pass "
+                "e.g. opt.set_lr(1e-3)."
+            )
+        if not self.is_bound:
+            node = self._lr_node(self.tx.init(hyperparams.probe_params(self.tx)))
+            self._check_not_scheduled(node)
+            _PENDING.setdefault(self, {})["lr"] = _Pending(value, lambda opt: opt.set_lr(value))
+            return
+        node = self._lr_node(self.opt_state)
+        self._check_not_scheduled(node)
+        write_variable(node.hyperparams["learning_rate"], value)
+
+    def clear_grad(self, set_to_zero: bool = True) -> None:
+        """Paddle's ``clear_grad``: a no-op (logged), JAX gradients are values, not stored."""
+        del set_to_zero
+        logger.debug("opt.clear_grad(): no-op, JAX gradients are values and are not stored")
+
+    def minimize(self, loss_fn: Callable[[nnx.Module, Any], Any], model: nnx.Module, batch: Any):
+        """One training step through the engine (Paddle's ``minimize``); returns the loss.
+
+        The functional twin of ``opt.minimize(loss)``: the loss is a function
+        ``loss_fn(model, batch)`` and the step differentiates it. A ``DistributedModel``
+        trains through its ``train_batch``; any other NNX model through the engine under
+        the run's placement.
+        """
+        from jfleet.distributed_model import DistributedModel
+        from jfleet.engine import TrainStep, cached_step
+
+        if isinstance(model, DistributedModel):
+            return model.train_batch(batch, self, loss_fn=loss_fn)
+        return cached_step(TrainStep, loss_fn, None)(model, self, batch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state as numpy arrays keyed by path (``"opt_state/0/mu/kernel"``, ``"step"``),
+        plus ``"learning_rate"`` (a float) when it is readable. Round-trips through
+        :meth:`set_state_dict` exactly.
+
+        Raises:
+          RuntimeError: the optimizer has no state yet (no step and no :meth:`init`).
+        """
+        self._require_bound("state_dict")
+        out = {key: np.asarray(var.get_value()) for key, var in self._flat_state().items()}
+        with contextlib.suppress(ValueError):  # not readable: nothing more to save
+            out["learning_rate"] = self.get_lr()
+        return out
+
+    def set_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Loads what :meth:`state_dict` returned (same keys, same shapes).
+
+        Each array keeps the dtype and the sharding of the state it replaces.
+
+        Raises:
+          RuntimeError: the optimizer has no state yet: call ``opt.init(model)`` first.
+          KeyError: keys missing or unexpected (they are listed).
+          ValueError: an array of another shape.
+        """
+        self._require_bound("set_state_dict")
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"set_state_dict(state_dict={type(state_dict).__name__}): expected the dict "
+                "that opt.state_dict() returned."
+            )
+        flat = self._flat_state()
+        given = set(state_dict) - {"learning_rate"}
+        missing, unexpected = sorted(set(flat) - given), sorted(given - set(flat))
+        if missing or unexpected:
+            raise KeyError(
+                f"set_state_dict: the state dict does not match this optimizer: missing keys "
+                f"{missing[:4]}, unexpected keys {unexpected[:4]}; pass a dict from "
+                "state_dict() of an optimizer built the same way for the same model."
+            )
+        for key, var in flat.items():
+            old = np.shape(var.get_value())
+            if np.shape(state_dict[key]) != old:
+                raise ValueError(
+                    f"set_state_dict: {key!r} has shape {np.shape(state_dict[key])}, this "
+                    f"optimizer's has shape {old}; load a state dict saved for the same model."
+                )
+        for key, var in flat.items():
+            write_variable(var, state_dict[key])
+        if "learning_rate" in state_dict:
+            node = self._lr_node(self.opt_state)
+            if not hyperparams.is_scheduled(node):
+                self.set_lr(state_dict["learning_rate"])
+
+    # ------------------------------------------------------------------ helpers
+    def _lr_node(self, state: Any) -> Any:
+        return hyperparams.learning_rate_state(state, self.inner_tx)
+
+    @staticmethod
+    def _check_not_scheduled(node: Any) -> None:
+        if hyperparams.is_scheduled(node):
+            raise ValueError(
+                "set_lr: the optimizer's learning rate is an optax schedule, which sets it "
+                "at every update (Paddle raises for an LRScheduler too). Build the optimizer "
+                "with a number, e.g. hyperparams.adam(1e-3), and pass the schedule to "
+                "train_batch(lr_scheduler=...)."
+            )
+
+    def _require_bound(self, what: str) -> None:
+        if not self.is_bound:
+            raise RuntimeError(
+                f"opt.{what}(): the optimizer has no state yet; call opt.init(model) first "
+                "(the first train_batch does it too)."
+            )
+
+    def _flat_state(self) -> dict[str, nnx.Variable]:
+        return {
+            "/".join(str(k) for k in path): var for path, var in nnx.to_flat_state(nnx.state(self))
+        }
+
+    def when_bound(self, name: str, write: Callable[[DistributedOptimizer], None]) -> None:
+        """Runs ``write(self)`` now if the state exists, else when :meth:`init` makes it."""
+        if self.is_bound:
+            write(self)
+        else:
+            _PENDING.setdefault(self, {})[name] = _Pending(None, write)
+
+    def attach_loss_scaling(self, config: Mapping[str, Any]) -> None:
+        """Adds fp16 dynamic loss scaling (a ``GradScaler``'s ``config``) to the chain.
+
+        The chain is compiled anew from the user's optimizer and the run's strategy, so
+        the scaling sits where ``strategy.amp`` puts it. Attaching the same config again
+        is a no-op.
+
+        Raises:
+          ValueError: the optimizer already scales the loss another way, or is bound to a
+            model already (its state was made without the scaling).
+        """
+        items = tuple(sorted(config.items()))
+        if self.loss_scaling_config == items:
+            return
+        if self.has_loss_scaling:
+            theirs = "strategy.amp" if self.loss_scaling_config is None else "another GradScaler"
+            raise ValueError(
+                f"this optimizer already has fp16 loss scaling from {theirs}; a GradScaler "
+                f"with {dict(items)} cannot be added too. Use one: pass scaler=None, or build "
+                "the optimizer without it."
+            )
+        if self.is_bound:
+            raise ValueError(
+                "a GradScaler cannot be attached to an optimizer whose state was already made "
+                "without loss scaling; pass the scaler from the first step on (train_batch("
+                "..., scaler=scaler) or fleet.distributed_scaler before training)."
+            )
+        self.loss_scaling_config = items
+        self._recompile()
+
+    def add_master_weights(self) -> None:
+        """Adds fp32 master weights (AMP O2, ``amp.decorate``); before the state is made."""
+        if self.master_weights_added:
+            return
+        if self.is_bound:
+            raise ValueError(
+                "amp.decorate(level='O2') cannot add master weights to an optimizer whose "
+                "state was already made; decorate before the first step."
+            )
+        self.master_weights_added = True
+        self._recompile()
+
+    def _recompile(self) -> None:
+        from jfleet.optim.compiler import compile_strategy
+        from jfleet.strategy import DistributedStrategy
+
+        run = _context.current()
+        strategy = run.strategy if run is not None else DistributedStrategy()
+        scaling = dict(self.loss_scaling_config) if self.loss_scaling_config else None
+        compiled = compile_strategy(
+            self.inner_tx,
+            strategy,
+            loss_scaling=scaling,
+            master_weights=self.master_weights_added,
+        )
+        self.tx = compiled.tx
+        self.applied_meta_list = tuple(
+            dict.fromkeys(self.applied_meta_list + compiled.applied_meta_list)
+        )
+        self.has_loss_scaling = self.has_loss_scaling or scaling is not None
+
+    @property
+    def loss_scaling_state(self) -> Any:
+        """The live ``DynamicLossScalingState`` (fields are writable variables)."""
+        self._require_bound("loss_scaling_state")
+        return scaling_state_of(self.opt_state)
+
+
+class _Pending:
+    """A value waiting for the optimizer's state, and how to write it there."""
+
+    def __init__(self, value: Any, write: Callable[[DistributedOptimizer], None]) -> None:
+        self.value = value
+        self.write = write
+
+
+def write_variable(var: nnx.Variable, value: Any) -> None:
+    """Writes ``value`` into a state variable in place, keeping its dtype and sharding.
+
+    The compiled step is specialised to both, so writing this way never recompiles it.
+
+    Example:
+      >>> var = nnx.Variable(jnp.zeros(2))
+      >>> write_variable(var, [1, 2])
+      >>> var.get_value().tolist()
+      [1.0, 2.0]
+    """
+    old = var.get_value()
+    new = np.asarray(value, dtype=old.dtype)
+    var.set_value(jax.device_put(new, old.sharding) if isinstance(old, jax.Array) else new)
 
 
 def _buffer(x: Any) -> int | None:

@@ -36,6 +36,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import optax
@@ -44,7 +45,7 @@ from jfleet._logging import logger
 from jfleet.optim.gradient_merge import gradient_merge
 from jfleet.optim.lamb_lars import lamb_from, lars_from
 from jfleet.optim.loss_scale import dynamic_loss_scaling
-from jfleet.optim.master_weights import master_weights
+from jfleet.optim.master_weights import master_weights as _master_weights
 
 # Pairs Paddle's meta-optimizer black lists forbid.
 _CONFLICTS = (
@@ -125,12 +126,23 @@ def check_combinations(strategy: Any) -> None:
             )
 
 
-def compile_strategy(tx: optax.GradientTransformation, strategy: Any) -> CompiledChain:
+def compile_strategy(
+    tx: optax.GradientTransformation,
+    strategy: Any,
+    *,
+    loss_scaling: Mapping[str, Any] | None = None,
+    master_weights: bool = False,
+) -> CompiledChain:
     """Builds the one Optax chain a strategy asks for around the user's optimizer.
 
     Args:
       tx: the user's optimizer.
       strategy: a ``DistributedStrategy``.
+      loss_scaling: :func:`~jfleet.optim.loss_scale.dynamic_loss_scaling` keyword
+        arguments from a :class:`jfleet.amp.GradScaler` given outside the strategy; put in
+        the AMP slot (and ``"AMPOptimizer"`` recorded). The strategy must not scale too.
+      master_weights: fp32 master weights from ``jfleet.amp.decorate(level="O2")``, put
+        where O2 puts them (once, if the strategy asks for O2 as well).
 
     Returns:
       A :class:`CompiledChain` (``tx``, ``applied_meta_list`` in META_ORDER, ``amp``).
@@ -163,6 +175,15 @@ def compile_strategy(tx: optax.GradientTransformation, strategy: Any) -> Compile
     if strategy.recompute:
         applied.append("RecomputeOptimizer")
     amp = amp_settings(strategy)
+    if loss_scaling is not None:
+        if amp is not None and amp.loss_scaling:
+            raise ValueError(
+                "a GradScaler was given, but strategy.amp already scales the fp16 loss "
+                f"(amp_configs init_loss_scaling={strategy.amp_configs['init_loss_scaling']}); "
+                "use one of them: pass scaler=None, or set strategy.amp=False."
+            )
+        tx = dynamic_loss_scaling(tx, **loss_scaling)
+        applied.append("AMPOptimizer")
     if amp is not None:
         if amp.loss_scaling:
             cfg = strategy.amp_configs
@@ -177,13 +198,14 @@ def compile_strategy(tx: optax.GradientTransformation, strategy: Any) -> Compile
             )
         else:
             logger.info("AMP with %s: no loss scaling (it has fp32's range)", amp.dtype)
-        applied.append("AMPOptimizer")
+        if "AMPOptimizer" not in applied:
+            applied.append("AMPOptimizer")
     if strategy.gradient_merge:
         cfg = strategy.gradient_merge_configs
         tx = gradient_merge(tx, k_steps=cfg["k_steps"], avg=cfg["avg"])
         applied.append("GradientMergeOptimizer")
-    if amp is not None and amp.level == "O2":
-        tx = master_weights(tx)
+    if master_weights or (amp is not None and amp.level == "O2"):
+        tx = _master_weights(tx)
     if strategy.sharding or strategy.hybrid_configs["sharding_degree"] > 1:
         applied.append("ShardingOptimizer")
     applied.sort(key=META_ORDER.index)

@@ -384,3 +384,90 @@ def inner_hyperparams(
     """
     family = optimizer_family(tx, params)
     return family, _hyperparams_or_raise(tx, family, "jfleet", params)
+
+
+# ---------------------------------------------------------------------- learning rate
+
+
+def _pure(tree: Any) -> Any:
+    """``tree`` with ``nnx`` variables replaced by their values (an optimizer's live state)."""
+    from flax import nnx
+
+    return jax.tree.map(
+        lambda x: x.get_value() if isinstance(x, nnx.Variable) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
+
+
+def learning_rate_state(state: Any, tx: optax.GradientTransformation | None = None) -> Any:
+    """The one ``inject_hyperparams`` state in ``state`` that holds a ``learning_rate``.
+
+    Works on a plain optax state and on an ``nnx.Optimizer``'s live state (whose fields
+    are variables that can be written in place).
+
+    Args:
+        state: an optimizer state tree.
+        tx: the user's optimizer, named in the error's fix.
+
+    Raises:
+        ValueError: no readable learning rate (the fix: ``inject_hyperparams``), or
+            several (e.g. ``optax.multi_transform`` over two injected optimizers).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> node = learning_rate_state(sgd(0.1).init(jnp.zeros(2)))
+        >>> round(float(node.hyperparams["learning_rate"]), 6)
+        0.1
+    """
+    found = [
+        n
+        for n in jax.tree.leaves(state, is_leaf=_has_hyperparams)
+        if _has_hyperparams(n) and "learning_rate" in n.hyperparams
+    ]
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        family = optimizer_family(tx) if tx is not None else "other"
+        raise ValueError(
+            "the optimizer's learning rate is not readable: a plain optax optimizer keeps it "
+            "in a closure, so get_lr / set_lr / an lr_scheduler cannot reach it. Build the "
+            f"optimizer with an injected learning rate, e.g. {readable_fix(family)}."
+        )
+    raise ValueError(
+        f"the optimizer state holds {len(found)} injected learning rates; get_lr / set_lr "
+        "need exactly one. Inject the learning rate into one optimizer only (or call "
+        "set_lr on each optimizer of an optax.multi_transform yourself)."
+    )
+
+
+def is_scheduled(node: Any) -> bool:
+    """Whether the learning rate of an :func:`learning_rate_state` node is a schedule."""
+    return "learning_rate" in node.hyperparams_states
+
+
+def scheduled_learning_rate(tx: optax.GradientTransformation, node: Any) -> float:
+    """The learning rate that the next update of ``tx`` applies, for a scheduled ``node``.
+
+    Runs ``tx`` once on a scalar stand-in parameter whose schedule state is ``node``'s,
+    so the schedule is evaluated by optax itself at the real step count.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> tx = sgd(optax.linear_schedule(1.0, 0.0, 10))
+        >>> state = tx.init(jnp.zeros(2))
+        >>> _, state = tx.update(jnp.ones(2), state)
+        >>> round(scheduled_learning_rate(tx, learning_rate_state(state)), 6)
+        0.9
+    """
+    probe = probe_params(tx)
+    real = _pure(node.hyperparams_states)
+
+    def swap(n: Any) -> Any:
+        if _has_hyperparams(n) and "learning_rate" in n.hyperparams:
+            return n._replace(hyperparams_states=real)
+        return n
+
+    state = jax.tree.map(swap, tx.init(probe), is_leaf=_has_hyperparams)
+    _, new = tx.update(jax.tree.map(jnp.zeros_like, probe), state, probe)
+    return float(learning_rate_state(new).hyperparams["learning_rate"])

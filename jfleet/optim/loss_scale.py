@@ -52,6 +52,7 @@ __all__ = [
     "all_finite",
     "dynamic_loss_scaling",
     "loss_scale_of",
+    "scaling_state_of",
 ]
 
 
@@ -285,28 +286,21 @@ def _unwrap(x: Any) -> Any:
     return x
 
 
-def loss_scale_of(opt_state: Any) -> jax.Array:
-    """Finds the current loss scale in an optimizer state tree.
+def scaling_state_of(opt_state: Any) -> DynamicLossScalingState:
+    """The one :class:`DynamicLossScalingState` in an optimizer state tree.
 
     Searches any nesting (``optax.chain``, ``optax.MultiSteps``, masked or injected
-    states, the state of an ``nnx.Optimizer``) for exactly one
-    :class:`DynamicLossScalingState`.
-
-    Args:
-        opt_state: an optax state tree, or an ``nnx.Optimizer`` (its ``opt_state`` is
-            searched).
-
-    Returns:
-        The float32 scalar ``loss_scale``.
+    states, the state of an ``nnx.Optimizer``, whose fields are then ``nnx`` variables
+    that can be written in place).
 
     Raises:
         ValueError: the tree holds no :class:`DynamicLossScalingState`, or several.
 
     Example:
         >>> import jax.numpy as jnp, optax
-        >>> tx = optax.MultiSteps(dynamic_loss_scaling(optax.adam(1e-3)), 4)
-        >>> float(loss_scale_of(tx.init({"w": jnp.ones(2)})))
-        32768.0
+        >>> state = dynamic_loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+        >>> int(scaling_state_of(state).good_steps)
+        0
     """
     if isinstance(opt_state, nnx.Optimizer):
         opt_state = opt_state.opt_state
@@ -330,4 +324,30 @@ def loss_scale_of(opt_state: Any) -> jax.Array:
             "exactly one. Wrap the optimizer with dynamic_loss_scaling once, outermost "
             "(inside optax.MultiSteps)."
         )
-    return jnp.asarray(_unwrap(found[0].loss_scale))
+    return found[0]
+
+
+def loss_scale_of(opt_state: Any) -> jax.Array:
+    """Finds the current loss scale in an optimizer state tree.
+
+    Searches any nesting (``optax.chain``, ``optax.MultiSteps``, masked or injected
+    states, the state of an ``nnx.Optimizer``) for exactly one
+    :class:`DynamicLossScalingState` (see :func:`scaling_state_of`).
+
+    Args:
+        opt_state: an optax state tree, or an ``nnx.Optimizer`` (its ``opt_state`` is
+            searched).
+
+    Returns:
+        The float32 scalar ``loss_scale``.
+
+    Raises:
+        ValueError: the tree holds no :class:`DynamicLossScalingState`, or several.
+
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> tx = optax.MultiSteps(dynamic_loss_scaling(optax.adam(1e-3)), 4)
+        >>> float(loss_scale_of(tx.init({"w": jnp.ones(2)})))
+        32768.0
+    """
+    return jnp.asarray(_unwrap(scaling_state_of(opt_state).loss_scale))
