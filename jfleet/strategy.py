@@ -315,14 +315,21 @@ class ConfigDict(dict):
         for key in update:
             dict.__setitem__(self, key, _view(stored[key], owner, (*path, key)))
 
+    def __delitem__(self, key: str) -> None:
+        default = _default_at(self._path, key)
+        raise TypeError(
+            f"the keys of {self._where()} are fixed (Paddle's proto fields) and cannot be "
+            f"deleted; to reset {key!r}, set it to its default: section[{key!r}] = {default!r}."
+        )
+
     def _fixed_keys(self, *_: Any) -> Any:
         key = next(iter(self))
         raise TypeError(
             f"the keys of {self._where()} are fixed (Paddle's proto fields) and cannot be "
-            f"removed; set a key to a value instead, e.g. section[{key!r}] = {self[key]!r}."
+            f"removed; set a key instead, e.g. section[{key!r}] = {_default_at(self._path, key)!r}."
         )
 
-    __delitem__ = pop = popitem = clear = _fixed_keys  # type: ignore[assignment]
+    pop = popitem = clear = _fixed_keys  # type: ignore[assignment]
 
     def __copy__(self) -> dict:
         return dict(self)
@@ -341,6 +348,14 @@ def _view(value: Any, owner: DistributedStrategy | None, path: tuple) -> Any:
     if isinstance(value, list):
         return [_view(item, owner, (*path, i)) for i, item in enumerate(value)]
     return value
+
+
+def _default_at(path: tuple, key: str) -> Any:
+    """Paddle's default of ``key`` in the section at ``path`` (list indices skipped)."""
+    spec: Any = SCHEMA
+    for part in path:
+        spec = spec.item if isinstance(spec, ListOf) else spec[part]
+    return _defaults(spec[key])
 
 
 def _merged_at(value: dict, path: tuple, update: dict[str, Any]) -> dict:
