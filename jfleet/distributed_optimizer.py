@@ -419,7 +419,7 @@ class DistributedOptimizer(nnx.Optimizer):
         self._recompile()
 
     def _recompile(self) -> None:
-        from jfleet.optim.compiler import compile_strategy
+        from jfleet.optim.compiler import META_ORDER, compile_strategy
         from jfleet.strategy import DistributedStrategy
 
         run = _context.current()
@@ -432,9 +432,8 @@ class DistributedOptimizer(nnx.Optimizer):
             master_weights=self.master_weights_added,
         )
         self.tx = compiled.tx
-        self.applied_meta_list = tuple(
-            dict.fromkeys(self.applied_meta_list + compiled.applied_meta_list)
-        )
+        applied = {*self.applied_meta_list, *compiled.applied_meta_list}
+        self.applied_meta_list = tuple(sorted(applied, key=META_ORDER.index))
         self.has_loss_scaling = self.has_loss_scaling or scaling is not None
 
     @property

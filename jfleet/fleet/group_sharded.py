@@ -22,6 +22,8 @@ from jfleet import _context, fleet
 from jfleet._logging import logger
 from jfleet.distributed_model import DistributedModel, prepare_model
 from jfleet.distributed_optimizer import DistributedOptimizer
+from jfleet.grad_scaler import GradScaler
+from jfleet.optim.compiler import META_ORDER
 from jfleet.placement import Placement
 from jfleet.topology import DP, SHARDING
 
@@ -50,12 +52,21 @@ def group_sharded_parallel(
     communication knobs (``buffer_max_size``, ``segment_size``, ``sync_comm``,
     ``sync_buffers``) mean nothing under SPMD and are ignored (logged).
 
+    ``scaler`` (a ``jfleet.amp.GradScaler``) attaches its fp16 loss scaling to the
+    optimizer before its state is made, and is returned as the third item (Paddle wraps
+    it for sharded unscaling; under SPMD the finite check is already global).
+    The optimizer's ``applied_meta_list`` then names the ZeRO stage it applied
+    (``"ShardingOptimizer"``, Paddle's ``GroupShardedOptimizerStage2`` /
+    ``GroupShardedStage3`` as ``zero_stage`` on the model's placement), after the
+    meta-optimizers the strategy applied.
+
     Returns:
       ``(model, optimizer, scaler)`` as Paddle does.
 
     Raises:
       ValueError: an unknown level, or offload / exclude_layer, which jfleet does
         not provide.
+      TypeError: ``scaler`` is not a ``GradScaler``.
     """
     if level not in _LEVELS:
         raise ValueError(
@@ -84,8 +95,17 @@ def group_sharded_parallel(
     mesh = fleet.get_hybrid_communicate_group().mesh
     axis = SHARDING if mesh.shape[SHARDING] > 1 else DP
     placement = Placement(mesh=mesh, zero_stage=_LEVELS[level], zero_axis=axis)
+    if scaler is not None and not isinstance(scaler, GradScaler):
+        raise TypeError(
+            f"group_sharded_parallel(scaler={scaler!r}): expected a jfleet.amp.GradScaler "
+            "(Paddle's paddle.amp.GradScaler) or None."
+        )
     if not isinstance(optimizer, DistributedOptimizer):
         optimizer = fleet.distributed_optimizer(optimizer)
+    if scaler is not None:
+        scaler.attach(optimizer)
+    applied = {*optimizer.applied_meta_list, "ShardingOptimizer"}
+    optimizer.applied_meta_list = tuple(sorted(applied, key=META_ORDER.index))
     wrapped = prepare_model(model, None, placement)
     optimizer.init(wrapped, placement)
     return wrapped, optimizer, scaler
