@@ -8,8 +8,10 @@ write ``x = all_reduce(x, group=g)``. A "rank" is a device of the fleet mesh, an
 call works in two settings:
 
 - **Inside** ``jax.shard_map`` over the mesh (the group's axes manual): the value is
-  this device's, and the call is ``lax.psum`` / ``all_gather`` / ``psum_scatter`` over
-  the group's axis names, each device with its own group.
+  this device's, and the call is ``lax.psum`` / ``pmax`` / ``psum_scatter`` over the
+  group's axis names, each device with its own group. Results equal on every member
+  (``all_reduce``, ``all_gather``, ``broadcast``) are typed invariant over the group's
+  axes, so ``out_specs`` may leave those axes out.
 - **On a global** ``jax.Array`` (the host view): rank ``r``'s tensor is the piece of the
   array that device ``r`` holds under its ``NamedSharding`` on the fleet mesh (an array
   not laid out on the mesh, a NumPy array, a number: every rank holds all of it). The

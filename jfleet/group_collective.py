@@ -113,6 +113,23 @@ def _psum(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     return jax.lax.psum(x, axes)
 
 
+def _gather(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """``[n, ...]``: member ``j``'s ``x`` in row ``j``, the same on every member.
+
+    A psum of each member's row in place of ``lax.all_gather``, so that the result is
+    typed invariant over ``axes`` (``out_specs`` may leave them out) and exact.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    n = int(np.prod([mesh.shape[a] for a in axes]))
+    rows = jnp.zeros((n, *x.shape), jnp.int32 if x.dtype == jnp.bool_ else x.dtype)
+    rows = jax.lax.dynamic_update_index_in_dim(rows, x.astype(rows.dtype), _index(axes), 0)
+    return jax.lax.psum(rows, axes).astype(x.dtype)
+
+
+def _index(axes: tuple[str, ...]) -> jax.Array:
+    return jax.lax.axis_index(axes) if axes else jnp.int32(0)
+
+
 def _reduce_all(x: jax.Array, op: ReduceOp, axes: tuple[str, ...]) -> jax.Array:
     if op == ReduceOp.SUM:
         return _psum(x, axes)
@@ -122,35 +139,43 @@ def _reduce_all(x: jax.Array, op: ReduceOp, axes: tuple[str, ...]) -> jax.Array:
         return jax.lax.pmin(x, axes)
     if op == ReduceOp.AVG:
         return jax.lax.pmean(x, axes).astype(x.dtype)
-    return jnp.prod(jax.lax.all_gather(x, axes), axis=0).astype(x.dtype)
+    return jnp.prod(_gather(x, axes), axis=0).astype(x.dtype)
 
 
 def _from(x: jax.Array, index: int, axes: tuple[str, ...]) -> jax.Array:
-    """Every device gets the value of the member at ``index`` of its group."""
-    return jax.lax.all_gather(x, axes)[index]
+    """Every device gets the value of the member at ``index`` of its group (a masked psum,
+    as ``lax.pbroadcast`` is defined; that one has no CPU lowering)."""
+    return _psum(jnp.where(_index(axes) == index, x, jnp.zeros_like(x)), axes)
 
 
 def _mine(stacked: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """Row ``i`` of ``stacked`` on the group's member ``i``."""
-    i = jax.lax.axis_index(axes)
-    return jax.lax.dynamic_index_in_dim(stacked, i, axis=0, keepdims=False)
+    return jax.lax.dynamic_index_in_dim(stacked, _index(axes), axis=0, keepdims=False)
+
+
+def _reduce_scatter(x: jax.Array, xs: tuple, op: ReduceOp, axes: tuple[str, ...]) -> jax.Array:
+    stacked = jnp.stack(xs)
+    if op == ReduceOp.SUM and stacked.dtype != jnp.bool_ and axes:
+        out = jax.lax.psum_scatter(stacked, axes, scatter_dimension=0, tiled=False)
+    else:
+        out = _mine(_reduce_all(stacked, op, axes), axes)
+    return out.astype(x.dtype)
 
 
 def kernel(kind: str, axes: tuple[str, ...], op: ReduceOp, index: int) -> Callable:
-    """The per-device body of collective ``kind`` over ``axes``."""
+    """The per-device body of collective ``kind`` over ``axes`` (called inside shard_map)."""
     if kind == "all_reduce":
         return lambda x: _reduce_all(x, op, axes)
     if kind == "all_gather":
-        return lambda x: tuple(jax.lax.all_gather(x, axes))
+        return lambda x: tuple(_gather(x, axes))
     if kind == "broadcast":
         return lambda x: _from(x, index, axes)
     if kind == "reduce":
-        i_am = lambda: jax.lax.axis_index(axes) == index  # noqa: E731
-        return lambda x: jnp.where(i_am(), _reduce_all(x, op, axes), x)
+        return lambda x: jnp.where(_index(axes) == index, _reduce_all(x, op, axes), x)
     if kind == "scatter":
         return lambda x, *xs: _mine(_from(jnp.stack(xs), index, axes), axes).astype(x.dtype)
     if kind == "reduce_scatter":
-        return lambda x, *xs: _mine(_reduce_all(jnp.stack(xs), op, axes), axes).astype(x.dtype)
+        return lambda x, *xs: _reduce_scatter(x, xs, op, axes)
     raise AssertionError(kind)
 
 

@@ -158,7 +158,8 @@ def test_every_collective_inside_shard_map(hcg):
             "rs_dp_min": reduce_scatter(x, xs[:2], ReduceOp.MIN, group=dp),
         }
 
-    out_specs = {k: row for k in ("sum_mp", "max_dp", "prod_world", "bcast_mp")}
+    out_specs = {k: row for k in ("sum_mp", "max_dp", "bcast_mp")}
+    out_specs["prod_world"] = P()  # equal on every rank, and typed so: no axis needed
     out_specs |= {"reduce_dp": row, "scatter_mp": row, "rs_dp_min": row}
     out_specs["gather_fused"] = P(None, axes)
     f = jax.jit(
@@ -167,7 +168,7 @@ def test_every_collective_inside_shard_map(hcg):
     out = f(_rows(hcg, T), jax.device_put(LISTS, NamedSharding(hcg.mesh, P(None, axes))))
     _close(out["sum_mp"], _ref("all_reduce", MP_GROUPS))
     _close(out["max_dp"], _ref("all_reduce", DP_GROUPS, ReduceOp.MAX))
-    _close(out["prod_world"], _ref("all_reduce", WORLD_GROUPS, ReduceOp.PROD))
+    _close(out["prod_world"], _ref("all_reduce", WORLD_GROUPS, ReduceOp.PROD)[:1])
     _close(out["gather_fused"], _ref("all_gather", MP_DP_GROUPS))
     _close(out["bcast_mp"], _ref("broadcast", MP_GROUPS, pos=1))
     _close(out["reduce_dp"], _ref("reduce", DP_GROUPS, ReduceOp.AVG, 0))
