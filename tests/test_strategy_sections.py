@@ -14,6 +14,7 @@ import re
 import numpy as np
 import pytest
 
+from jfleet import fleet
 from jfleet._strategy_schema import NCCL_SECTIONS, RULES, SCHEMA, ListOf, complete_order
 from jfleet.strategy import (
     ConfigAttributeError,
@@ -124,6 +125,20 @@ def test_issue_statements_write_through_and_read_back():
         section.accumulate_steps == 1
         and _stored(strategy, ("hybrid_configs", "sharding_configs", "accumulate_steps")) == 1
     )
+
+
+def test_fleet_init_sees_item_and_attribute_writes():
+    strategy = DistributedStrategy()
+    strategy.hybrid_configs["mp_degree"] = 4
+    strategy.hybrid_configs.pp_degree = 2
+    strategy.hybrid_configs["order"] = ["pp", "dp", "sharding", "mp"]
+    fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
+    hcg = fleet.get_hybrid_communicate_group()
+    assert hcg.get_model_parallel_world_size() == 4
+    assert hcg.get_pipe_parallel_world_size() == 2
+    assert hcg.get_data_parallel_world_size() == 1
+    names = fleet.get_hybrid_parallel_topology().get_hybrid_group_names()
+    assert list(names) == ["pipe", "data", "sharding", "sep", "model"]
 
 
 def test_unknown_keys_raise_what_paddle_raises_and_write_nothing():
