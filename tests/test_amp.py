@@ -260,3 +260,107 @@ def test_invalid_arguments(kwargs, error, match):
 def test_model_must_be_an_nnx_module():
     with pytest.raises(TypeError, match=r"model must be an nnx.Module; got dict"):
         apply_amp({"w": jnp.ones(2)})
+
+
+# ------------------------------------------------------- auto_cast / decorate (paddle.amp)
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs):
+        self.fc = nnx.Linear(4, 8, rngs=rngs)
+        self.norm = nnx.LayerNorm(8, rngs=rngs)
+        self.out = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.norm(self.fc(x)))
+
+
+def _manual_mlp(model, x, half):
+    """The same forward with the casts written out: Linear in ``half``, LayerNorm in fp32."""
+    fc, norm, out = model.fc, model.norm, model.out
+    h = x.astype(half) @ fc.kernel[...].astype(half) + fc.bias[...].astype(half)
+    h = h.astype(F32)
+    mean = h.mean(-1, keepdims=True)
+    var = ((h - mean) ** 2).mean(-1, keepdims=True)
+    h = (h - mean) / jnp.sqrt(var + norm.epsilon) * norm.scale[...] + norm.bias[...]
+    return h.astype(half) @ out.kernel[...].astype(half) + out.bias[...].astype(half)
+
+
+def test_auto_cast_equals_a_manual_cast_and_restores_on_exit():
+    from jfleet.amp import auto_cast
+
+    model = MLP(nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (3, 4))
+    before = model(x)
+    with auto_cast(model, dtype="bfloat16") as same:
+        assert same is model
+        inside = model(x)
+    want = _manual_mlp(model, x, jnp.bfloat16)
+    assert inside.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(inside, F32), np.asarray(want, F32), rtol=1e-2)
+    assert model.fc.dtype is None and model.norm.dtype is None  # both restored
+    np.testing.assert_array_equal(np.asarray(model(x)), np.asarray(before))
+    with pytest.raises(RuntimeError), auto_cast(model, dtype="float16"):
+        raise RuntimeError("boom")
+    assert model.fc.dtype is None  # restored after an exception too
+    with auto_cast(model, enable=False):
+        assert model.fc.dtype is None
+
+
+def test_decorate_o2_casts_params_and_adds_master_weights():
+    import optax
+
+    from jfleet import fleet
+    from jfleet.amp import decorate
+    from jfleet.optim.master_weights import MasterWeightsState
+
+    model, tx = decorate(MLP(nnx.Rngs(0)), optax.sgd(0.1), level="O2", dtype="float16")
+    assert _param_dtypes(model) == {
+        "fc.kernel": jnp.float16,
+        "fc.bias": jnp.float16,
+        "norm.scale": F32,
+        "norm.bias": F32,
+        "out.kernel": jnp.float16,
+        "out.bias": jnp.float16,
+    }
+    assert isinstance(tx.init(nnx.state(model, nnx.Param)), MasterWeightsState)
+    same = MLP(nnx.Rngs(0))
+    assert decorate(same, level="O1") is same and same.fc.dtype is None  # O1: nothing
+
+    fleet.init(is_collective=True, log_level="WARNING")
+    dist = fleet.distributed_model(MLP(nnx.Rngs(0)))
+    opt = fleet.distributed_optimizer(optax.sgd(0.1))
+    [dist], [opt] = decorate([dist], [opt], level="O2", dtype="bfloat16")
+    opt.init(dist)
+    assert isinstance(opt.opt_state, MasterWeightsState)
+    assert opt.opt_state.master_params["module"]["fc"]["kernel"].get_value().dtype == F32
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda m: _enter(m, level="O3"), ValueError, r"level='O3' is not an AMP level"),
+        (lambda m: _enter(m, dtype="int8"), ValueError, r"dtype='int8' is not a half"),
+        (lambda m: _enter(m, enable="yes"), TypeError, r"auto_cast\(enable='yes'\)"),
+        (lambda m: _enter("model"), TypeError, r"model must be an nnx\.Module; got str"),
+        (lambda m: _decorate(3), TypeError, r"int is not an nnx\.Module"),
+        (lambda m: _decorate(m, optimizers=[5]), TypeError, r"int is neither an optax"),
+        (lambda m: _decorate(m, master_weight="yes"), TypeError, r"master_weight='yes'"),
+    ],
+)
+def test_bad_auto_cast_and_decorate_input(call, error, match):
+    with pytest.raises(error, match=match):
+        call(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+
+
+def _enter(model, **kwargs):
+    from jfleet.amp import auto_cast
+
+    with auto_cast(model, **kwargs):
+        pass
+
+
+def _decorate(models, **kwargs):
+    from jfleet.amp import decorate
+
+    return decorate(models, level="O2", **kwargs)
