@@ -12,15 +12,19 @@ call works in two settings:
   group's axis names, each device with its own group. Results equal on every member
   (``all_reduce``, ``all_gather``, ``broadcast``) are typed invariant over the group's
   axes, so ``out_specs`` may leave those axes out.
-- **On a global** ``jax.Array`` (the host view): rank ``r``'s tensor is the piece of the
-  array that device ``r`` holds under its ``NamedSharding`` on the fleet mesh (an array
-  not laid out on the mesh, a NumPy array, a number: every rank holds all of it). The
-  call is compiled as a ``shard_map`` over the mesh and returns a global array laid out
-  like the input, device ``r`` holding rank ``r``'s result. A result that differs
-  between the ranks of a group (``reduce``, ``scatter``, ``reduce_scatter``) needs the
-  array split over the group's axes, e.g. one row per rank: shape ``[nranks, ...]``
-  with ``PartitionSpec(group.axis_name)``; rank ``r``'s tensor is then a ``[1, ...]``
-  row.
+- **On a global** ``jax.Array`` (the host view): rank ``r``'s tensor is what device
+  ``r`` holds, its piece under the array's ``NamedSharding`` (an array not laid out on
+  a mesh, a NumPy array, a number: every rank holds all of it). The call is compiled
+  as a ``shard_map`` over the mesh (the group's, else the run's) and returns a global
+  array laid out like the input, device ``r`` holding rank ``r``'s result. Where the
+  ranks' results differ (``reduce``, ``scatter``, ``reduce_scatter``) under a layout
+  that replicates over the group's axes, the devices then hold different values under
+  that one layout, as each Paddle rank holds its own tensor: ``np.asarray`` reads the
+  host rank's (this process's first device, ``hcg.global_rank``), as a Paddle script on
+  that rank sees it; collectives and element-wise operations go on per device, and
+  ``x.addressable_shards`` shows every rank's. Before handing such a result to code
+  that assumes one value on every device, split it over the group's axes instead (one
+  row per rank: shape ``[nranks, ...]``, ``PartitionSpec(group.axis_name)``).
 
 Paddle passes ``src`` / ``dst`` as global ranks of the caller's group; in SPMD every
 group of the kind uses the member at that position (``group.get_group_rank(src)``),
@@ -254,7 +258,7 @@ def all_gather(
         _check_list(tensor_list, n, "all_gather", allow_empty=True)
         result = [_like_input(tensor, g) for g in _gather_arrays(_to_numpy(tensor, "all_gather"))]
     else:
-        n = group_size(group, "all_gather")
+        n = group_size(group, tensor, "all_gather")
         _check_list(tensor_list, n, "all_gather", allow_empty=True)
         result = list(run("all_gather", group, tensor, "all_gather"))
     if isinstance(tensor_list, list):
@@ -298,8 +302,7 @@ def reduce(
     """The reduction over the group on rank ``dst``; the other ranks keep their tensor.
 
     Args:
-      tensor: this rank's tensor; on global arrays, split over the group's axes (the
-        result differs between ranks).
+      tensor: this rank's tensor.
       dst: a global rank in ``group`` (its position is used in every group).
       op: a :class:`ReduceOp`.
       group: the group; None for every rank.
@@ -309,8 +312,7 @@ def reduce(
       The reduction at ``dst``'s position, ``tensor`` elsewhere, laid out like ``tensor``.
 
     Raises:
-      ValueError: ``dst`` not in the group, an unknown ``op``, a global array not split
-        over the group's axes.
+      ValueError: ``dst`` not in the group, an unknown ``op``.
       TypeError: ``group`` is not a Group.
 
     Example:
@@ -332,8 +334,7 @@ def scatter(
     """Group member ``i`` gets entry ``i`` of rank ``src``'s ``tensor_list``.
 
     Args:
-      tensor: the output buffer: gives the result's shape, dtype and layout (on global
-        arrays split over the group's axes).
+      tensor: the output buffer: gives the result's shape, dtype and layout.
       tensor_list: one tensor per rank of the group, each shaped like ``tensor`` (the
         rank ``src`` holds is used). Paddle lets other ranks pass None; one SPMD program
         runs everywhere, so it is required.
@@ -345,8 +346,8 @@ def scatter(
       This rank's entry, laid out like ``tensor``.
 
     Raises:
-      ValueError: ``src`` not in the group, a list without one entry per rank or with
-        entries shaped unlike ``tensor``, a global array not split over the group's axes.
+      ValueError: ``src`` not in the group, ``tensor_list`` None, without one entry per
+        rank or with entries whose pieces are shaped unlike ``tensor``'s.
       TypeError: ``group`` is not a Group or ``tensor_list`` not a list.
 
     Example:
@@ -359,7 +360,9 @@ def scatter(
             "scatter: tensor_list=None; in SPMD one program runs on every rank, so pass the "
             "list the src rank sends (one tensor per rank of the group) everywhere."
         )
-    xs = _check_list(tensor_list, group_size(group, "scatter"), "scatter", allow_empty=False)
+    xs = _check_list(
+        tensor_list, group_size(group, tensor, "scatter"), "scatter", allow_empty=False
+    )
     return run("scatter", group, tensor, "scatter", rank=src, extra=xs)
 
 
@@ -373,8 +376,7 @@ def reduce_scatter(
     """Group member ``i`` gets the reduction over the group of every rank's entry ``i``.
 
     Args:
-      tensor: the output buffer: gives the result's shape, dtype and layout (on global
-        arrays split over the group's axes).
+      tensor: the output buffer: gives the result's shape, dtype and layout.
       tensor_list: this rank's list, one tensor per rank of the group, each shaped like
         ``tensor``.
       op: a :class:`ReduceOp`.
@@ -386,7 +388,7 @@ def reduce_scatter(
 
     Raises:
       ValueError: an unknown ``op``, a list without one entry per rank or with entries
-        shaped unlike ``tensor``, a global array not split over the group's axes.
+        whose pieces are shaped unlike ``tensor``'s.
       TypeError: ``group`` is not a Group or ``tensor_list`` not a list.
 
     Example:
@@ -395,7 +397,7 @@ def reduce_scatter(
     op = _check_op(op, "reduce_scatter")
     group = _check_group(group, "reduce_scatter")
     _note_sync(sync_op, "reduce_scatter")
-    n = group_size(group, "reduce_scatter")
+    n = group_size(group, tensor, "reduce_scatter")
     xs = _check_list(tensor_list, n, "reduce_scatter", allow_empty=False)
     return run("reduce_scatter", group, tensor, "reduce_scatter", op=op, extra=xs)
 

@@ -200,16 +200,20 @@ def _spec_on(value: Any, mesh: Mesh, fn: str) -> tuple[jax.Array, P]:
     return value, sharding.spec
 
 
-def _require_split(spec: P, group: Group, mesh: Mesh, shape: tuple, fn: str) -> None:
-    used = {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
-    missing = [a for a in _axes(group) if a not in used and mesh.shape[a] > 1]
-    if missing:
-        raise ValueError(
-            f"{fn}: its result differs between the {group.nranks} ranks of group "
-            f"{group.name!r}, but the output array of shape {shape} (PartitionSpec {spec}) is "
-            f"not split over {missing}; give each rank its own piece, e.g. shape "
-            f"[{group.nranks}, ...] with NamedSharding(hcg.mesh, P({group.axis_name!r}))."
-        )
+def _mesh_for(group: Group | None, tensor: Any, fn: str) -> Mesh:
+    """The group's mesh, else the run's, else the one ``tensor`` is laid out on."""
+    if group is not None and group.mesh is not None:
+        return group.mesh
+    run = _context.current()
+    if run is not None:
+        return run.mesh
+    if isinstance(tensor, jax.Array) and isinstance(tensor.sharding, NamedSharding):
+        return tensor.sharding.mesh
+    raise RuntimeError(
+        f"{fn}: no mesh to run on: the group carries none, fleet.init() was not called and "
+        "the tensor is not laid out on a mesh; take the group from a HybridCommunicateGroup "
+        "or call fleet.init(is_collective=True, strategy=...) first."
+    )
 
 
 @functools.lru_cache(maxsize=256)
@@ -248,7 +252,7 @@ def run(
                     f"{jnp.shape(tensor)}; every entry must have the tensor's shape."
                 )
         return kernel(kind, _axes(inner), op, index)(tensor, *extra)
-    mesh = _context.require(f"{fn} on a global array").mesh
+    mesh = _mesh_for(group, tensor, fn)
     group = _world(mesh) if group is None else group
     index = 0 if rank is None else _position(rank, group, what, fn)
     tensor, spec = _spec_on(tensor, mesh, fn)
@@ -265,16 +269,14 @@ def run(
             )
         arrays.append(t)
         specs.append(s)
-    if kind in ("reduce", "scatter", "reduce_scatter"):
-        _require_split(spec, group, mesh, tensor.shape, fn)
     out = tuple([spec] * group.nranks) if kind == "all_gather" else spec
     return _compiled(kind, mesh, _axes(group), op, index, tuple(specs), out)(*arrays)
 
 
-def group_size(group: Group | None, fn: str) -> int:
+def group_size(group: Group | None, tensor: Any, fn: str) -> int:
+    """The number of ranks of ``group`` (None: of the mesh the call runs on)."""
     if group is not None:
         return group.nranks
-    mesh = jax.sharding.get_abstract_mesh()
     if manual_axes():
-        return mesh.size
-    return _context.require(f"{fn} over every rank").hcg.nranks
+        return jax.sharding.get_abstract_mesh().size
+    return _mesh_for(None, tensor, fn).devices.size

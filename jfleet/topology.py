@@ -255,6 +255,8 @@ class Group:
       rank: this process's index in ``ranks``, or -1 if it is not a member.
       id: which group of its kind this is (its index in the topology's group list).
       name: a label, e.g. ``"mp"`` or ``"check"``.
+      mesh: the mesh the group lives on (set by ``HybridCommunicateGroup``), where
+        :mod:`jfleet.collective` runs on global arrays.
       nranks: ``len(ranks)``.
 
     Example:
@@ -268,6 +270,7 @@ class Group:
     rank: int = -1
     id: int = 0
     name: str | None = None
+    mesh: Mesh | None = dataclasses.field(default=None, compare=False, repr=False)
     nranks: int = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -477,6 +480,7 @@ class HybridCommunicateGroup:
             rank=ranks.index(self.global_rank),
             id=gid,
             name=name,
+            mesh=self._mesh,
         )
 
     def get_axis_rank(self, axis: str | Sequence[str]) -> jax.Array:
@@ -634,8 +638,8 @@ class HybridCommunicateGroup:
         no ``PADDLE_USE_FOUR_DIRECTIONS_P2P`` setting is needed.
         """
         me, nxt, prv = self.global_rank, self.get_p2p_next_rank(), self.get_p2p_prev_rank()
-        fwd = Group(PP, (me, nxt), rank=0, name="p2p_next")
-        bwd = Group(PP, (prv, me), rank=(prv, me).index(me), name="p2p_prev")
+        fwd = Group(PP, (me, nxt), rank=0, name="p2p_next", mesh=self._mesh)
+        bwd = Group(PP, (prv, me), rank=(prv, me).index(me), name="p2p_prev", mesh=self._mesh)
         return fwd, bwd, fwd, bwd
 
     def get_rank_from_stage(self, stage_id: int, **kwargs: int) -> int:
@@ -693,7 +697,8 @@ class HybridCommunicateGroup:
 
     def get_moe_sharding_parallel_group(self) -> Group:
         """This process alone (``axis_name=()``: a collective over it returns its input)."""
-        return Group((), (self.global_rank,), rank=0, id=self.global_rank, name="moe_sharding")
+        me = self.global_rank
+        return Group((), (me,), rank=0, id=me, name="moe_sharding", mesh=self._mesh)
 
     def get_moe_sharding_parallel_group_src_rank(self) -> int:
         """Host view: this process's global rank (its MoE-sharding group has one rank)."""
