@@ -237,7 +237,7 @@ class DistributedOptimizer(nnx.Optimizer):
             node = self._lr_node(self.opt_state)
         if hyperparams.is_scheduled(node):
             return hyperparams.scheduled_learning_rate(self.inner_tx, node)
-        return float(hyperparams._pure(node.hyperparams["learning_rate"]))
+        return float(hyperparams.variable_values(node.hyperparams["learning_rate"]))
 
     def set_lr(self, value: float) -> None:
         """Sets the learning rate of the next updates, without recompiling the step.

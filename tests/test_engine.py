@@ -220,6 +220,9 @@ def test_eval_batch_does_not_update():
     before = jax.tree.map(np.asarray, nnx.state(model.module))
     loss = model.eval_batch(batch, loss_fn=lm_loss)
     np.testing.assert_allclose(float(loss), float(lm_loss(TinyLM(), batch)), rtol=1e-5)
+    # Paddle 3.x's default, compute_loss=False: the outputs on the [inputs, labels] inputs.
+    logits = model.eval_batch((batch["tokens"], batch["labels"]))
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(TinyLM()(batch["tokens"])), **FP32)
     after = jax.tree.map(np.asarray, nnx.state(model.module))
     assert all(
         np.array_equal(a, b)

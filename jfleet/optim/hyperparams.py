@@ -389,8 +389,14 @@ def inner_hyperparams(
 # ---------------------------------------------------------------------- learning rate
 
 
-def _pure(tree: Any) -> Any:
-    """``tree`` with ``nnx`` variables replaced by their values (an optimizer's live state)."""
+def variable_values(tree: Any) -> Any:
+    """``tree`` with ``nnx`` variables replaced by their values (an optimizer's live state).
+
+    Example:
+        >>> from flax import nnx
+        >>> variable_values({"lr": nnx.Variable(0.5)})
+        {'lr': 0.5}
+    """
     from flax import nnx
 
     return jax.tree.map(
@@ -461,7 +467,7 @@ def scheduled_learning_rate(tx: optax.GradientTransformation, node: Any) -> floa
         0.9
     """
     probe = probe_params(tx)
-    real = _pure(node.hyperparams_states)
+    real = variable_values(node.hyperparams_states)
 
     def swap(n: Any) -> Any:
         if _has_hyperparams(n) and "learning_rate" in n.hyperparams:
