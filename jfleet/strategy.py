@@ -19,7 +19,8 @@ Semantics, and where they differ from Paddle on purpose:
   protobuf sections are: ``strategy.hybrid_configs["pp_configs"].delay_scale_loss =
   True`` or ``strategy.amp_configs["init_loss_scaling"] = 1024.0``. (Paddle writes
   through nested sections only; a write to its top-level dict is silently lost.) Lists
-  read from a section are copies: assign a new list to change one.
+  read from a strategy are :class:`ConfigList`: their mutations write through, as
+  Paddle's repeated fields and list attributes do.
 - An unknown setting is a :class:`StrategyKeyError` (``TypeError`` as in Paddle, and
   ``AttributeError``); an unknown key inside a section is a :class:`ConfigKeyError`
   (``KeyError`` and ``ValueError``), on an attribute a :class:`ConfigAttributeError`
@@ -52,7 +53,7 @@ import difflib
 import math
 import numbers
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,7 @@ __all__ = [
     "ConfigAttributeError",
     "ConfigDict",
     "ConfigKeyError",
+    "ConfigList",
     "DistributedStrategy",
     "StrategyKeyError",
 ]
@@ -237,9 +239,9 @@ class ConfigDict(dict):
     v``, ``update``, ``setdefault`` or ``|=`` -- is validated and written through to the
     strategy, and this snapshot follows; nested sections are ``ConfigDict`` too. Keys
     are fixed (they are proto fields): unknown ones raise :class:`ConfigKeyError` (items)
-    or :class:`ConfigAttributeError` (attributes), and keys cannot be deleted. A section
-    taken from a list (``recompute_configs['refined_ops_patterns'][0]``) is a copy: its
-    write error names the list assignment to make instead. Copies and pickles are dicts.
+    or :class:`ConfigAttributeError` (attributes), and keys cannot be deleted. Sections
+    inside a list (``recompute_configs['refined_ops_patterns'][0]``) write through too,
+    and lists are :class:`ConfigList`. Copies and pickles are plain dicts.
 
     Example:
       >>> strategy = DistributedStrategy()
@@ -253,9 +255,7 @@ class ConfigDict(dict):
 
     __slots__ = ("_owner", "_path")
 
-    def __init__(
-        self, values: Mapping[str, Any], owner: DistributedStrategy | None, path: tuple
-    ) -> None:
+    def __init__(self, values: Mapping[str, Any], owner: DistributedStrategy, path: tuple) -> None:
         dict.__init__(self, values)
         object.__setattr__(self, "_owner", owner)
         object.__setattr__(self, "_path", path)
@@ -297,20 +297,6 @@ class ConfigDict(dict):
             if key not in self:
                 raise error(_unknown_key(key, self._where(), self, value))
         owner, path = self._owner, self._path
-        if owner is None:
-            raise TypeError(
-                f"this section is a detached copy; writing {list(update)} changes nothing."
-            )
-        in_list = [i for i, key in enumerate(path) if isinstance(key, int)]
-        if in_list:
-            at = in_list[0]
-            items = owner._get(path[:at])
-            items[path[at]] = _merged_at(items[path[at]], path[at + 1 :], update)
-            raise TypeError(
-                f"this section is item {path[at]} of the list {'.'.join(path[:at])}, so writing "
-                f"it changes only a copy; assign the whole list instead: "
-                f"{_code(path[:at], items)}."
-            )
         stored = owner._assign(path, update)
         for key in update:
             dict.__setitem__(self, key, _view(stored[key], owner, (*path, key)))
@@ -341,12 +327,72 @@ class ConfigDict(dict):
         return dict, (dict(self),)
 
 
-def _view(value: Any, owner: DistributedStrategy | None, path: tuple) -> Any:
+class ConfigList(list):
+    """A list setting read from a strategy: its mutations are checked and written through.
+
+    Paddle's repeated proto fields and its list attributes (``hybrid_parallel_order``,
+    ``sync_param_name``) are live, so ``strategy.recompute_configs["checkpoints"]
+    .append("blocks.0")`` changes the strategy; here too. Every mutating list method is
+    checked as an assignment of the whole new list, and a bad one changes nothing.
+    Copies and pickles are plain lists.
+
+    Example:
+      >>> strategy = DistributedStrategy()
+      >>> strategy.amp_configs["custom_white_list"].append("matmul")
+      >>> strategy.amp_configs["custom_white_list"]
+      ['matmul']
+    """
+
+    __slots__ = ("_owner", "_path")
+
+    def __init__(self, items: Iterable[Any], owner: DistributedStrategy, path: tuple) -> None:
+        list.__init__(self, items)
+        self._owner = owner
+        self._path = path
+
+    def _store(self, new: list) -> None:
+        *parent, key = self._path
+        stored = self._owner._assign(tuple(parent), {key: new})[key]
+        list.__init__(self, _view(stored, self._owner, self._path))
+
+    def __copy__(self) -> list:
+        return list(self)
+
+    def __deepcopy__(self, memo: dict) -> list:
+        return copy.deepcopy(list(self), memo)
+
+    def __reduce__(self) -> tuple:
+        return list, (list(self),)
+
+
+def _write_through(name: str) -> Callable[..., Any]:
+    method = getattr(list, name)
+
+    def mutate(self: ConfigList, *args: Any) -> Any:
+        new = list(self)
+        result = method(new, *args)
+        self._store(new)
+        return self if name in ("__iadd__", "__imul__") else result
+
+    mutate.__name__ = mutate.__qualname__ = name
+    mutate.__doc__ = method.__doc__
+    return mutate
+
+
+for _name in (
+    "append", "extend", "insert", "remove", "pop", "clear", "sort", "reverse",
+    "__setitem__", "__delitem__", "__iadd__", "__imul__",
+):  # fmt: skip
+    setattr(ConfigList, _name, _write_through(_name))
+
+
+def _view(value: Any, owner: DistributedStrategy, path: tuple) -> Any:
     if isinstance(value, dict):
         items = {key: _view(sub, owner, (*path, key)) for key, sub in value.items()}
         return ConfigDict(items, owner, path)
     if isinstance(value, list):
-        return [_view(item, owner, (*path, i)) for i, item in enumerate(value)]
+        items = [_view(item, owner, (*path, i)) for i, item in enumerate(value)]
+        return ConfigList(items, owner, path)
     return value
 
 
@@ -498,12 +544,21 @@ class DistributedStrategy:
             value = value[key]
         return copy.deepcopy(value)
 
-    def _assign(self, path: tuple[str, ...], update: Mapping[str, Any]) -> dict[str, Any]:
+    def _assign(self, path: tuple, update: Mapping[str, Any]) -> dict[str, Any]:
         """Merges ``update`` into the section at ``path`` (checked, all or nothing).
+
+        ``path`` may pass through a list of sections (an int index): the whole list is
+        assigned again with that item changed.
 
         Returns:
           A copy of the section as stored (values normalised).
         """
+        at = next((i for i, key in enumerate(path) if isinstance(key, int)), None)
+        if at is not None:
+            items = self._get(path[:at])
+            items[path[at]] = _merged_at(items[path[at]], path[at + 1 :], update)
+            self._assign(path[: at - 1], {path[at - 1]: items})
+            return self._get(path)
         nested: Any = dict(update)
         for key in reversed(path[1:]):
             nested = {key: nested}

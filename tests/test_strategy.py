@@ -393,21 +393,34 @@ def test_list_value_replaces_the_old_list():
     assert s.amp_configs["custom_white_list"] == ["c"]
 
 
-def test_section_writes_go_through_lists_are_copies():
+def test_section_and_list_writes_go_through():
     s = DistributedStrategy()
     h = s.hybrid_configs
     h["mp_degree"] = 8
     h["mp_configs"]["sync_grad"] = True
     assert s.hybrid_configs["mp_degree"] == 8 and h["mp_degree"] == 8
     assert s.hybrid_configs["mp_configs"]["sync_grad"] is True
-    h["order"].reverse()  # lists are copies
+    h["order"].reverse()
+    assert s.hybrid_parallel_order == ["mp", "sep", "sharding", "pp", "dp"]
     wl = s.amp_configs["custom_white_list"]
     wl.append("x")
+    wl += ["y"]
+    assert s.amp_configs["custom_white_list"] == ["x", "y"] == wl
     order = s.hybrid_parallel_order
-    order.append("zz")
+    with pytest.raises(ValueError, match="'zz' is not an axis"):
+        order.append("zz")
+    assert order == s.hybrid_parallel_order == ["mp", "sep", "sharding", "pp", "dp"]
+    s.sync_param_name.clear()
+    assert s.hybrid_configs["mp_configs"]["sync_param_name"] == []
     expected = DistributedStrategy()
-    expected.hybrid_configs = {"mp_degree": 8, "mp_configs": {"sync_grad": True}}
+    expected.hybrid_configs = {
+        "mp_degree": 8,
+        "mp_configs": {"sync_grad": True, "sync_param_name": []},
+        "order": ["mp", "sep", "sharding", "pp", "dp"],
+    }
+    expected.amp_configs = {"custom_white_list": ["x", "y"]}
     assert s == expected
+    assert type(copy.deepcopy(wl)) is list and type(pickle.loads(pickle.dumps(wl))) is list
 
 
 def test_config_dict_attribute_read_and_write():

@@ -127,6 +127,26 @@ def test_issue_statements_write_through_and_read_back():
     )
 
 
+def test_sections_and_lists_inside_lists_write_through():
+    strategy = DistributedStrategy()
+    strategy.recompute_configs = {"refined_ops_patterns": [{"num": 1}, {"num": 2}]}
+    patterns = strategy.recompute_configs["refined_ops_patterns"]
+    patterns[1].num = 3
+    patterns[0]["main_ops"].append("matmul")
+    with pytest.raises(ValueError, match=r"refined_ops_patterns\[1\]\.num=-3"):
+        patterns[1]["num"] = -3
+    patterns.append({"pre_ops": ["relu"]})
+    with pytest.raises(ConfigKeyError, match=r"'nums' is not a key of .*refined_ops_patterns\[3\]"):
+        patterns.append({"nums": 1})
+    stored = strategy.to_dict()["recompute_configs"]["refined_ops_patterns"]
+    assert [(p["num"], p["main_ops"], p["pre_ops"]) for p in stored] == [
+        (1, ["matmul"], []),
+        (3, [], []),
+        (0, [], ["relu"]),
+    ]
+    assert patterns == stored and patterns[1].num == 3
+
+
 def test_fleet_init_sees_item_and_attribute_writes():
     strategy = DistributedStrategy()
     strategy.hybrid_configs["mp_degree"] = 4
@@ -276,12 +296,6 @@ FIXES = [
         TypeError,
         lambda s, m: setattr(s, "amp_configs", _after_eg(m)),
         lambda s: s.amp_configs["init_loss_scaling"] == 32768.0,
-    ),
-    (
-        "strategy.recompute_configs['refined_ops_patterns'][0]['num'] = 3",
-        TypeError,
-        lambda s, m: exec(_code(m), {"strategy": s}),
-        lambda s: s.recompute_configs["refined_ops_patterns"][0]["num"] == 3,
     ),
     (
         "del strategy.amp_configs['incr_ratio']",
