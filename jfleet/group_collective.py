@@ -184,11 +184,11 @@ def kernel(kind: str, axes: tuple[str, ...], op: ReduceOp, index: int) -> Callab
 
 def _spec_on(value: Any, mesh: Mesh, fn: str) -> tuple[jax.Array, P]:
     """``value`` as a jax array and the ``PartitionSpec`` that gives each rank its piece."""
-    if not isinstance(value, jax.Array):
-        return jnp.asarray(value), P()
-    sharding = value.sharding
-    if not isinstance(sharding, NamedSharding):
-        return value, P()
+    sharding = getattr(value, "sharding", None)
+    if not isinstance(value, jax.Array) or not isinstance(sharding, NamedSharding):
+        # Every rank holds all of it: each process places its own value on its devices.
+        local = np.asarray(value if isinstance(value, jax.Array) else jnp.asarray(value))
+        return jax.make_array_from_process_local_data(NamedSharding(mesh, P()), local), P()
     used = [a for e in sharding.spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
     unknown = [a for a in used if a not in mesh.axis_names]
     if unknown:

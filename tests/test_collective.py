@@ -90,6 +90,23 @@ else:
     raise AssertionError("mismatched shapes were accepted")
 barrier()
 barrier("second")
+
+# Group collectives on global arrays across the two processes (dp2 x mp4: the dp groups
+# span both processes, each mp group lies in one). Each process holds its own tensor.
+import jax.numpy as jnp
+from jfleet.collective import broadcast, reduce
+from jfleet.topology import build_hybrid_communicate_group
+
+hcg = build_hybrid_communicate_group({"dp_degree": 2, "mp_degree": 4})
+assert hcg.global_rank == 4 * rank, hcg.global_rank
+dp, mp = hcg.get_data_parallel_group(), hcg.get_model_parallel_group()
+x = jnp.asarray([rank + 1.0])
+mine = lambda y: np.asarray(y.addressable_data(0)).tolist()
+assert mine(all_reduce(x, group=dp)) == [3.0], mine(all_reduce(x, group=dp))
+assert mine(all_reduce(x, group=mp)) == [4.0 * (rank + 1)]
+assert mine(broadcast(x, src=4, group=dp)) == [2.0]
+assert mine(reduce(x, dst=0, group=dp)) == [3.0 if rank == 0 else 2.0]
+barrier(dp)
 print("CHILD_OK", rank)
 """
 
