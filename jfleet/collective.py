@@ -79,11 +79,13 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_one_to_all",
+    "get_backend",
     "get_rank",
     "get_world_size",
     "reduce",
     "reduce_scatter",
     "scatter",
+    "wait",
 ]
 
 _MODES = ("sum", "mean", "max", "min")
@@ -438,6 +440,32 @@ def barrier(group: Group | str | None = None) -> None:
             f"barrier({name!r}): processes reached barriers with different names; "
             "call barrier with the same name on every process."
         ) from e
+
+
+def wait(tensor: Any, group: Group | None = None, use_calc_stream: bool = True) -> None:
+    """Blocks until ``tensor`` (any pytree of arrays) is computed.
+
+    Paddle syncs a stream with a group's communication; XLA has no separate streams, so
+    waiting for the value is the whole of it (``group`` / ``use_calc_stream`` accepted).
+
+    Example:
+      >>> from jfleet.collective import wait
+      >>> wait(all_reduce(1.0))
+    """
+    _check_group(group, "wait")
+    jax.block_until_ready(tensor)
+
+
+def get_backend(group: Group | None = None) -> str:
+    """``"XLA"``: the backend that runs every group's collectives (Paddle: ``"NCCL"``...).
+
+    Example:
+      >>> from jfleet.collective import get_backend
+      >>> get_backend()
+      'XLA'
+    """
+    group = _check_group(group, "get_backend")
+    return "XLA" if group is None else group.backend
 
 
 def get_rank(group: Group | None = None) -> int:

@@ -21,11 +21,13 @@ from jfleet.collective import (
     all_reduce,
     barrier,
     broadcast,
+    get_backend,
     get_rank,
     get_world_size,
     reduce,
     reduce_scatter,
     scatter,
+    wait,
 )
 from jfleet.topology import DP, MP, CommunicateTopology, HybridCommunicateGroup
 from tests.fleet_setup import init_fleet
@@ -215,6 +217,7 @@ def test_rank_world_size_barrier_and_moe_group(hcg):
     assert get_rank() == 0 and get_world_size() == 8
     assert get_rank(mp) == 0 and get_world_size(mp) == 4
     assert barrier(mp) is None and barrier() is None
+    assert get_backend() == get_backend(mp) == "XLA" and wait(jnp.ones(2), mp) is None
     # The one-rank moe-sharding group: a collective over it returns its input.
     moe = hcg.get_moe_sharding_parallel_group()
     row = P(hcg.mesh.axis_names)
