@@ -11,6 +11,13 @@ As in Paddle, ``jfleet.fleet``'s functions are bound to one process-wide
     hcg = fleet.get_hybrid_communicate_group()
     mesh = hcg.mesh  # one jax.sharding.Mesh with axes (dp, pp, sharding, sep, mp)
 
+The package mirrors Paddle's tree (``paddle.distributed.fleet`` → ``jfleet.fleet``):
+``fleet.utils`` (``recompute``, ``sequence_parallel_utils``, ``hybrid_parallel_util``,
+``mix_precision_utils``), ``fleet.recompute``, ``fleet.layers.mpu`` (``mp_ops``,
+``mp_layers``, ``random``), ``fleet.meta_parallel``, ``fleet.meta_optimizers``,
+``fleet.base.topology``, ``fleet.scaler``; ``fleet.fleet`` is the :class:`Fleet`
+object itself, as in Paddle.
+
 Rank answers are host answers: ``worker_index()`` is this process's index (what
 Paddle calls the trainer id); the coordinate of a device on a mesh axis comes from
 the :class:`~jfleet.topology.HybridCommunicateGroup` getters. The layers are under
@@ -28,8 +35,16 @@ Example:
   4
 """
 
+from jfleet.fleet import base as base
+from jfleet.fleet import layers as layers
+from jfleet.fleet import meta_optimizers as meta_optimizers
 from jfleet.fleet import meta_parallel as meta_parallel
+from jfleet.fleet import recompute as recompute
+from jfleet.fleet import scaler as scaler
+from jfleet.fleet import utils as utils
 from jfleet.fleet.fleet_base import Fleet as Fleet
+from jfleet.fleet.scaler import distributed_scaler as distributed_scaler
+from jfleet.fleet.util_base import UtilBase as UtilBase
 from jfleet.role_maker import PaddleCloudRoleMaker as PaddleCloudRoleMaker
 from jfleet.role_maker import Role as Role
 from jfleet.role_maker import UserDefinedRoleMaker as UserDefinedRoleMaker
@@ -47,10 +62,14 @@ __all__ = [
     "ParallelMode",
     "Role",
     "UserDefinedRoleMaker",
+    "UtilBase",
     "all_reduce",
     "barrier_worker",
+    "base",
     "distributed_model",
     "distributed_optimizer",
+    "distributed_scaler",
+    "fleet",
     "get_hybrid_communicate_group",
     "get_hybrid_parallel_topology",
     "get_loss_scaling",
@@ -58,13 +77,20 @@ __all__ = [
     "is_first_worker",
     "is_server",
     "is_worker",
+    "layers",
     "local_device_ids",
     "local_rank",
+    "meta_optimizers",
     "meta_parallel",
     "node_num",
+    "nranks",
     "rank",
+    "rank_in_node",
+    "recompute",
+    "scaler",
     "server_num",
     "util",
+    "utils",
     "worker_endpoints",
     "worker_index",
     "worker_num",
@@ -73,11 +99,13 @@ __all__ = [
 ]
 
 _fleet = Fleet()
+fleet = _fleet  # Paddle's ``fleet.fleet``: the Fleet object these functions are bound to
 
 init = _fleet.init
 worker_index = _fleet.worker_index
 rank = _fleet.rank
 worker_num = _fleet.worker_num
+nranks = _fleet.worker_num
 world_size = _fleet.world_size
 is_first_worker = _fleet.is_first_worker
 is_worker = _fleet.is_worker
@@ -85,6 +113,7 @@ is_server = _fleet.is_server
 server_num = _fleet.server_num
 node_num = _fleet.node_num
 local_rank = _fleet.local_rank
+rank_in_node = _fleet.local_rank
 local_device_ids = _fleet.local_device_ids
 world_device_ids = _fleet.world_device_ids
 worker_endpoints = _fleet.worker_endpoints

@@ -198,6 +198,9 @@ class Fleet:
         """This process's index among the processes on its host."""
         return self._require_init("local_rank").role_maker.local_rank()
 
+    rank_in_node = local_rank
+    nranks = worker_num
+
     def local_device_ids(self) -> list[int]:
         """Ids of the devices this process drives."""
         self._require_init("local_device_ids")
@@ -336,6 +339,22 @@ class Fleet:
     def strategy(self) -> DistributedStrategy:
         """The strategy given to :meth:`init` (a default one if none was)."""
         return _context.require("fleet.strategy").strategy
+
+    # Paddle code reads these private attributes of its Fleet object (``fleet.fleet``).
+    @property
+    def _hcg(self) -> HybridCommunicateGroup:
+        """Paddle's ``fleet.fleet._hcg``: the hybrid group (``get_hybrid_communicate_group``)."""
+        return self._require_init("_hcg").hcg
+
+    @property
+    def _user_defined_strategy(self) -> DistributedStrategy:
+        """Paddle's ``fleet.fleet._user_defined_strategy``: the strategy in force."""
+        return self._require_init("_user_defined_strategy").strategy
+
+    @property
+    def _is_collective(self) -> bool:
+        """Always True: jfleet runs collective (SPMD) training only."""
+        return True
 
 
 def _noop_reason(name: str) -> str:

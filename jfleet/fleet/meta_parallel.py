@@ -1,6 +1,14 @@
 """Paddle's ``fleet.meta_parallel`` names: tensor-, sequence- and pipeline-parallel layers, RNGs.
 
-Importable as ``jfleet.fleet.meta_parallel`` (Paddle's path); also ``jfleet.fleet.meta_parallel``.
+Importable as ``jfleet.fleet.meta_parallel`` (Paddle's path); also ``jfleet.meta_parallel``.
+
+Paddle's model wrappers ``TensorParallel``, ``ShardingParallel``, ``SegmentParallel``
+and ``DataParallel`` answer ``isinstance`` for what ``fleet.distributed_model`` returns
+(a :class:`~jfleet.distributed_model.DistributedModel`) by the run's parallel mode, as
+Paddle's ``distributed_model`` picks the wrapper (``hcg.get_parallel_mode()``: pipeline,
+then tensor, segment, sharding, data); a pipelined model is a ``PipelineParallel``.
+Calling one, ``TensorParallel(layers, hcg, strategy=...)``, is
+``fleet.distributed_model(layers)``.
 
 Example:
   >>> from jfleet import fleet
@@ -11,8 +19,16 @@ Example:
   >>> layer = fleet.meta_parallel.ColumnParallelLinear(8, 16, rngs=nnx.Rngs(0))
   >>> layer.kernel.sharding.spec
   P(None, 'mp')
+  >>> model = fleet.distributed_model(nnx.Linear(8, 8, rngs=nnx.Rngs(0)))
+  >>> isinstance(model, TensorParallel), isinstance(model, ShardingParallel)
+  (True, False)
 """
 
+from typing import Any
+
+from jfleet import _context
+from jfleet.distributed_model import DistributedModel
+from jfleet.fleet.meta_optimizers._kinds import _Kind
 from jfleet.parallel.cross_entropy import ParallelCrossEntropy as ParallelCrossEntropy
 from jfleet.parallel.cross_entropy import parallel_cross_entropy as parallel_cross_entropy
 from jfleet.parallel.layers import ColumnParallelLinear as ColumnParallelLinear
@@ -50,3 +66,46 @@ from jfleet.parallel.sequence import (
 from jfleet.parallel.sequence import (
     scatter_to_sequence_parallel as scatter_to_sequence_parallel,
 )
+from jfleet.topology import ParallelMode
+
+
+class _ModelKind(metaclass=_Kind):
+    _mode: ParallelMode = ParallelMode.DATA_PARALLEL
+
+    @classmethod
+    def _matches(cls, obj: Any) -> bool:
+        run = _context.current()
+        return (
+            isinstance(obj, DistributedModel)
+            and run is not None
+            and run.hcg.get_parallel_mode() == cls._mode
+        )
+
+    def __new__(cls, layers: Any, hcg: Any = None, strategy: Any = None, **kwargs: Any) -> Any:
+        from jfleet.fleet import fleet  # the facade's Fleet object, at call time
+
+        return fleet.distributed_model(layers)
+
+
+class TensorParallel(_ModelKind):
+    """A distributed model of a run whose parallel mode is tensor parallel (mp > 1, pp 1)."""
+
+    _mode = ParallelMode.TENSOR_PARALLEL
+
+
+class ShardingParallel(_ModelKind):
+    """A distributed model of a run whose parallel mode is sharding (sharding > 1 only)."""
+
+    _mode = ParallelMode.SHARDING_PARALLEL
+
+
+class SegmentParallel(_ModelKind):
+    """A distributed model of a run whose parallel mode is segment (sep) parallel."""
+
+    _mode = ParallelMode.SEGMENT_PARALLEL
+
+
+class DataParallel(_ModelKind):
+    """A distributed model of a pure data-parallel run (Paddle's ``paddle.DataParallel``)."""
+
+    _mode = ParallelMode.DATA_PARALLEL

@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -43,6 +44,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jfleet._logging import logger
+from jfleet.group_collective import manual_axes
 from jfleet.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from jfleet.parallel.mesh_context import constrain, layer_mesh, mp_degree
 from jfleet.topology import DATA_AXES, MP
@@ -94,13 +96,163 @@ all_gather_sequence = gather_from_sequence_parallel
 reduce_scatter_sequence = scatter_to_sequence_parallel
 
 
+# ----- per-device forms: inside a shard_map that is manual over the axis ------------------
+Axis = str | tuple[str, ...]
+
+
+def is_manual(axis: Axis) -> bool:
+    """Whether the caller runs inside a ``shard_map`` that is manual over ``axis``.
+
+    There values are per device and an op over ``axis`` is a collective; elsewhere
+    arrays are global and the same op is a layout change.
+
+    Example:
+      >>> is_manual("mp")
+      False
+    """
+    manual = manual_axes()
+    return all(a in manual for a in (axis if isinstance(axis, tuple) else (axis,)))
+
+
+def _axis_size(axis: Axis) -> int:
+    return lax.psum(1, axis)
+
+
+def _own_piece(x: jax.Array, axis: Axis, dim: int) -> jax.Array:
+    n = _axis_size(axis)
+    if x.shape[dim] % n:
+        raise ValueError(
+            f"split over {axis!r}: dim {dim} of shape {x.shape} is {x.shape[dim]}, not "
+            f"divisible by the group size {n}; pad it to a multiple of {n}."
+        )
+    size = x.shape[dim] // n
+    return lax.dynamic_slice_in_dim(x, lax.axis_index(axis) * size, size, axis=dim)
+
+
+def _axes(axis: Axis) -> tuple[str, ...]:
+    return axis if isinstance(axis, tuple) else (axis,)
+
+
+def _vma(x: Any) -> tuple[str, ...]:
+    """The manual axes ``x`` varies over (empty when the ``shard_map`` does not track them)."""
+    return tuple(sorted(jax.typeof(x).manual_axis_type.varying))
+
+
+def _typed(axis: Axis) -> bool:
+    """Whether the ``shard_map`` tracks which values vary over ``axis`` (``check_vma``)."""
+    return set(_axes(axis)) <= set(_vma(lax.axis_index(axis)))
+
+
+def _varies(x: jax.Array, axis: Axis) -> bool:
+    return set(_axes(axis)) <= set(_vma(x))
+
+
+def _like(r: jax.Array, vma: tuple[str, ...]) -> jax.Array:
+    """``r`` typed as varying over the axes ``vma`` names (a gradient matches its input)."""
+    missing = tuple(a for a in vma if a not in _vma(r))
+    return lax.pcast(r, missing, to="varying") if missing else r
+
+
+def split_over(x: jax.Array, axis: Axis, dim: int) -> jax.Array:
+    """Per device: this rank's piece of ``x`` on ``dim``; backward all-gathers the gradient.
+
+    Paddle's ``_c_split`` / ``ScatterOp``: ``x`` is the same on every rank of the group,
+    so the gradient of the whole is the concatenation of the pieces' gradients. (With
+    ``check_vma`` an invariant ``x`` is cast to varying, whose transpose sums the
+    zero-padded pieces: the same concatenation.)
+    """
+    dim %= x.ndim
+    if _typed(axis) and not _varies(x, axis):
+        return _own_piece(lax.pcast(x, _axes(axis), to="varying"), axis, dim)
+    return _split(x, axis, dim, _vma(x))
+
+
+def concat_over(x: jax.Array, axis: Axis, dim: int) -> jax.Array:
+    """Per device: the group's pieces concatenated on ``dim``; backward keeps this rank's piece.
+
+    Paddle's ``_c_concat`` / ``GatherOp``: the output is the same on every rank, so each
+    rank's gradient is its own slice of the output gradient.
+    """
+    dim %= x.ndim
+    if _typed(axis):
+        # the sum of zero-padded pieces: the same on every rank (typed invariant), and its
+        # transpose is this rank's slice; one all-reduce in place of an all-gather
+        n = _axis_size(axis)
+        shape = (*x.shape[:dim], x.shape[dim] * n, *x.shape[dim + 1 :])
+        start = lax.axis_index(axis) * x.shape[dim]
+        padded = lax.dynamic_update_slice_in_dim(jnp.zeros(shape, x.dtype), x, start, dim)
+        return lax.psum(padded, axis)
+    return _concat(x, axis, dim, _vma(x))
+
+
+def sum_grad_over(x: jax.Array, axis: Axis) -> jax.Array:
+    """Per device: identity forward, gradient summed over ``axis`` (Paddle's ``_c_identity``).
+
+    With ``check_vma`` an invariant ``x`` is cast to varying (its transpose is that sum).
+    """
+    if _typed(axis) and not _varies(x, axis):
+        return lax.pcast(x, _axes(axis), to="varying")
+    return _identity(x, axis, _vma(x))
+
+
+def sum_over(x: jax.Array, axis: Axis) -> jax.Array:
+    """Per device: sum over ``axis`` forward, gradient passed as is (``_mp_allreduce``)."""
+    if _typed(axis):
+        return lax.psum(x, axis)  # typed: its transpose passes the gradient as is
+    return _allreduce(x, axis, _vma(x))
+
+
+def _custom(fwd: Any, bwd: Any) -> Any:
+    """A ``custom_vjp`` op ``f(x, axis, *static, vma)`` whose backward is ``bwd(g, axis,
+    *static)``, its result typed like the input (varying over the axes ``vma`` names)."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+    def op(x, axis, static, vma):
+        return fwd(x, axis, *static)
+
+    op.defvjp(
+        lambda x, axis, static, vma: (fwd(x, axis, *static), None),
+        lambda axis, static, vma, _, g: (_like(bwd(g, axis, *static), vma),),
+    )
+    return lambda x, axis, *rest: op(x, axis, rest[:-1], rest[-1])
+
+
+_split = _custom(_own_piece, lambda g, axis, dim: lax.all_gather(g, axis, axis=dim, tiled=True))
+_concat = _custom(lambda x, axis, dim: lax.all_gather(x, axis, axis=dim, tiled=True), _own_piece)
+_identity = _custom(lambda x, axis: x, lambda g, axis: lax.psum(g, axis))
+_allreduce = _custom(lambda x, axis: lax.psum(x, axis), lambda g, axis: g)
+
+
+def _local_all_gather(x: jax.Array, axis: Axis, dim: int) -> jax.Array:
+    return lax.all_gather(x, axis, axis=dim % x.ndim, tiled=True)
+
+
+def _local_reduce_scatter(x: jax.Array, axis: Axis, dim: int) -> jax.Array:
+    dim %= x.ndim
+    n = _axis_size(axis)
+    if x.shape[dim] % n:
+        raise ValueError(
+            f"reduce_scatter over {axis!r}: dim {dim} of shape {x.shape} is not divisible by "
+            f"the group size {n}; pad it to a multiple of {n}."
+        )
+    return lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
+
+
 class _Op:
-    """Paddle's ``XOp.apply(x)`` spelling of the layout changes above."""
+    """Paddle's ``XOp.apply(x)``: a layout change on global arrays, a collective per device.
+
+    Inside a ``shard_map`` manual over ``mp`` the op is Paddle's: ``x`` is this rank's
+    ``[s/n, b, h]`` (or ``[s, b, h]``) piece and the forward / backward collectives are
+    those of the class docstring.
+    """
 
     fn: Any = None
+    local: Any = None
 
     @classmethod
     def apply(cls, x: jax.Array, *, seq_axis: int = 0, mesh: Mesh | None = None) -> jax.Array:
+        if is_manual(MP):
+            return cls.local(x, MP, seq_axis)
         return cls.fn(x, seq_axis=seq_axis, mesh=mesh)
 
 
@@ -108,24 +260,28 @@ class ScatterOp(_Op):
     """Split the sequence over mp (backward: gather)."""
 
     fn = staticmethod(scatter_to_sequence_parallel)
+    local = staticmethod(split_over)
 
 
 class GatherOp(_Op):
     """Replicate a sequence-split activation (backward: split)."""
 
     fn = staticmethod(gather_from_sequence_parallel)
+    local = staticmethod(concat_over)
 
 
 class AllGatherOp(_Op):
-    """All-gather the sequence (backward: reduce-scatter, chosen by the compiler)."""
+    """All-gather the sequence (backward: reduce-scatter)."""
 
     fn = staticmethod(all_gather_sequence)
+    local = staticmethod(_local_all_gather)
 
 
 class ReduceScatterOp(_Op):
-    """Reduce-scatter to sequence-split (backward: all-gather, chosen by the compiler)."""
+    """Reduce-scatter to sequence-split (backward: all-gather)."""
 
     fn = staticmethod(reduce_scatter_sequence)
+    local = staticmethod(_local_reduce_scatter)
 
 
 def mark_as_sequence_parallel_parameter(parameter: nnx.Variable) -> nnx.Variable:
