@@ -328,14 +328,17 @@ def complete_order(order: list[str]) -> list[str]:
 
     Paddle's ``fleet.init`` builds its topology from the axes ``order`` names, in that
     order (its completeness check never fires: it compares two ``list.sort()`` results,
-    both ``None``). Orders written before Paddle 2.6 have four axes, without ``sep``
-    (PaddleNLP's trainer still falls back to ``["dp", "pp", "sharding", "mp"]`` when
+    both ``None``). Orders written for Paddles without the sep axis have four, without
+    ``sep`` (PaddleNLP's trainer still falls back to ``["dp", "pp", "sharding", "mp"]`` when
     ``HybridCommunicateGroup`` has no ``get_sep_parallel_world_size``); Paddle 3.x's
     default has six, with ``cp`` between ``sep`` and ``mp``. jfleet's mesh always has
     the five axes, so: a missing ``sep`` is put just outside ``mp`` (where Paddle's
     default and PaddleNLP's five-axis orders have it; with ``sep_degree`` 1, as an
-    order without ``sep`` needs in Paddle, its place changes no rank), and ``cp`` is
-    dropped (``cp_degree`` must be 1: jfleet has no context-parallel axis).
+    order without ``sep`` needs in Paddle, its place changes no rank; with a larger
+    ``sep_degree`` Paddle's topology would not match the device count, jfleet's puts
+    ``sep`` there), and ``cp`` is dropped (``cp_degree`` must be 1: jfleet has no
+    context-parallel axis). Other names (``ep``, ``moe_sharding``...) are not mesh axes
+    in jfleet and are refused; their degrees must be 1.
 
     Example:
       >>> complete_order(["dp", "pp", "sharding", "mp"])

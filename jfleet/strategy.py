@@ -34,7 +34,7 @@ Semantics, and where they differ from Paddle on purpose:
   Every error names the field, the value and what is expected, and its suggested fix
   is accepted.
 - ``hybrid_configs['order']`` accepts Paddle's four-axis orders (without ``sep``, as
-  written before Paddle 2.6), five-axis orders and Paddle 3.x's six-axis ones (with
+  written for Paddles without the sep axis), five-axis orders and six-axis ones (with
   ``cp``); it is stored completed to jfleet's five mesh axes, see
   :func:`~jfleet._strategy_schema.complete_order`. Paddle's own check of the order
   never fires; jfleet's names the problem and suggests an order.
