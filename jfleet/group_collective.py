@@ -70,6 +70,7 @@ def _position(rank: Any, group: Group, what: str, fn: str) -> int:
 
 
 def manual_axes() -> tuple[str, ...]:
+    """The mesh axes that are manual here: those of the enclosing ``shard_map``, or ()."""
     return tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
 
 
