@@ -197,3 +197,29 @@ def test_bad_scaler_use():
         model.train_batch({"x": jnp.ones((8, 2))}, first, loss_fn=loss_fn, scaler="fp16")
     with pytest.raises(TypeError, match=r"group_sharded_parallel\(scaler=3\)"):
         group_sharded_parallel(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1), "os", 3)
+
+
+def test_scaler_step_with_grads_of_the_scaled_loss():
+    # Paddle: scaled = scaler.scale(loss); scaled.backward(); scaler.step(opt); scaler.update()
+    fleet.init(is_collective=True, log_level="WARNING")
+    model = fleet.distributed_model(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
+    opt = fleet.distributed_optimizer(optax.sgd(0.5))
+    scaler = GradScaler(init_loss_scaling=64.0, incr_every_n_steps=1)
+    batch = jax.tree.map(jnp.asarray, make_batch(0, poisoned=False))
+    w0 = np.asarray(model.module.kernel[...])
+    grads = nnx.grad(lambda m: scaler.scale(loss_fn(m, batch)))(model)
+    scaler.step(opt, model, grads)
+    scaler.update()
+    plain = nnx.grad(loss_fn)(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), batch)
+    want = w0 - 0.5 * np.asarray(plain["kernel"][...])
+    np.testing.assert_allclose(np.asarray(model.module.kernel[...]), want, rtol=1e-5, atol=1e-6)
+    assert scaler.get_loss_scaling() == 128.0  # one finite step, incr_every_n_steps=1
+
+    poisoned = jax.tree.map(lambda g: g * jnp.inf, grads)
+    scaler.step(opt, model, poisoned)
+    np.testing.assert_array_equal(np.asarray(model.module.kernel[...]), want)  # skipped
+    assert scaler.get_loss_scaling() == 64.0
+    saved = scaler.state_dict()
+    scaler.step(opt, model, grads)
+    scaler.load_state_dict(saved)  # the optimizer has state: written in place
+    assert scaler.state_dict()["scale"] == 64.0 and scaler.state_dict()["decr_count"] == 0
