@@ -24,6 +24,7 @@ AXIS_NAMES = {"dp", "pp", "sharding", "sep", "mp"}
 NOT_AXES = {
     # Paddle's ``strategy.sharding`` switch: a setting's name, not the mesh axis.
     ("jfleet.strategy", "sharding"),
+    ("jfleet._strategy_schema", "sharding"),
 }
 
 
