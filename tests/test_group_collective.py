@@ -7,6 +7,8 @@ its own row, inside ``shard_map`` and as the pieces of a global array (one row p
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +16,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jfleet import fleet
+from jfleet import collective, fleet
 from jfleet.collective import (
     ReduceOp,
     all_gather,
@@ -210,6 +212,16 @@ def test_every_collective_inside_shard_map(hcg):
     _close(out["reduce_dp"], _ref("reduce", DP_GROUPS, ReduceOp.AVG, 0))
     _close(out["scatter_mp"], _ref("scatter", MP_GROUPS, pos=2))
     _close(out["rs_dp_min"], _ref("reduce_scatter", DP_GROUPS, ReduceOp.MIN))
+
+
+def test_sync_op_is_accepted_and_logged_once(hcg, caplog, monkeypatch):
+    monkeypatch.setattr(collective, "_sync_logged", [])
+    x = jnp.asarray(T[0])
+    with caplog.at_level(logging.INFO, logger="jfleet"):
+        _close(all_reduce(x, sync_op=False), 8 * T[0])
+        all_reduce(x, sync_op=False)
+    notes = [r.getMessage() for r in caplog.records if "sync_op" in r.getMessage()]
+    assert len(notes) == 1 and "all_reduce(sync_op=False): ignored" in notes[0]
 
 
 def test_rank_world_size_barrier_and_moe_group(hcg):
