@@ -11,17 +11,17 @@ still correct; only the gradient all-reduce is not turned into a reduce-scatter)
 
 Paddle's optimizer object (``HybridParallelOptimizer``), the functional way:
 
-=============================  ==================================================
-Paddle                          jfleet
-=============================  ==================================================
-``opt.get_lr()``                ``opt.get_lr()``: the lr the next update applies
-``opt.set_lr(v)``               ``opt.set_lr(v)``: written into the state, no recompile
-``loss.backward(); opt.step()`` ``opt.step(model, grads)`` (grads are values in JAX)
-``opt.clear_grad()``            a logged no-op: there are no stored gradients
-``opt.minimize(loss)``          ``opt.minimize(loss_fn, model, batch)``: one engine step
-``opt._inner_opt``              the user's optax optimizer
-``opt.state_dict()``            ``opt.state_dict()`` / ``opt.set_state_dict(d)``
-=============================  ==================================================
+==================================  ===================================================
+Paddle                              jfleet
+==================================  ===================================================
+``opt.get_lr()``                    ``opt.get_lr()``: the lr the next update applies
+``opt.set_lr(v)``                   ``opt.set_lr(v)``: written into the state, no recompile
+``loss.backward(); opt.step()``     ``opt.step(model, grads)`` (grads are values in JAX)
+``opt.clear_grad()``                a logged no-op: there are no stored gradients
+``opt.minimize(loss)``              ``opt.minimize(loss_fn, model, batch)``: one engine step
+``opt._inner_opt``                  the user's optax optimizer
+``opt.state_dict()``                ``opt.state_dict()`` / ``opt.set_state_dict(d)``
+==================================  ===================================================
 
 ``opt.step`` is also ``nnx.Optimizer``'s update counter: a :class:`StepCounter`
 variable (``int(opt.step[...])`` reads it) that is callable as Paddle's ``step``.

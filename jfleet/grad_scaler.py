@@ -9,22 +9,19 @@ gradient and updates the scale by Paddle's rule, all inside the one compiled ste
 
 How Paddle's imperative calls map:
 
-==========================================  ===========================================
-Paddle                                       jfleet
-==========================================  ===========================================
-``scaled = scaler.scale(loss)``              ``model.train_batch(batch, opt, loss_fn,
-``scaled.backward()``                        scaler=scaler)`` does all four in one step;
-``scaler.step(opt)`` / ``scaler.minimize``   or ``scaler.minimize(opt, loss_fn, model,
-``scaler.update()``                          batch)``; or ``scaler.step(opt, model, grads)``
-                                             with grads of ``scaler.scale(loss)``
-``scaler.unscale_(opt)``                     a logged no-op: the transform unscales before
-                                             any clipping in the chain
-``scaler.update()``                          a logged no-op: the scale is updated inside
-                                             the step
-``fleet.distributed_scaler(scaler)``         returns ``scaler``: the finite check is
-                                             already global over the mesh (SPMD arrays)
-``scaler.state_dict()`` / ``load_state_dict`` the same keys as Paddle's
-==========================================  ===========================================
+- ``scaled = scaler.scale(loss); scaled.backward(); scaler.step(opt); scaler.update()``
+  (or ``scaler.minimize(opt, scaled)``): ``model.train_batch(batch, opt, loss_fn,
+  scaler=scaler)`` does all of it in one compiled step; so does
+  ``scaler.minimize(opt, loss_fn, model, batch)``. With gradients you took yourself,
+  ``grads = nnx.grad(lambda m: scaler.scale(loss_fn(m, batch)))(model)`` then
+  ``scaler.step(opt, model, grads)``.
+- ``scaler.update()`` and ``scaler.unscale_(opt)``: logged no-ops. The step updates the
+  scale itself, and unscales the gradients before any clipping in the chain.
+- ``fleet.distributed_scaler(scaler)``: returns ``scaler``; the finite check is already
+  global over the mesh (SPMD arrays), which is what Paddle's wrapper adds.
+- ``scaler.state_dict()`` / ``scaler.load_state_dict(d)``: Paddle's keys.
+- Inside your own jitted step, multiply the loss by ``opt.loss_scale`` (a traced value
+  read from the optimizer state) rather than calling ``scaler.scale``.
 
 Defaults are ``paddle.amp.GradScaler``'s (2**16, x2 every 2000 finite steps, x0.5 on
 every non-finite step), not those of ``strategy.amp_configs``. Where Paddle's eager

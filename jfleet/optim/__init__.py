@@ -6,6 +6,8 @@ Example:
   >>> tx = optim.gradient_merge(optim.dynamic_loss_scaling(optax.adam(1e-3)), k_steps=4)
 """
 
+from jfleet.optim import hyperparams as hyperparams
+from jfleet.optim import lr as lr
 from jfleet.optim.clip import ClipGradByGlobalNorm as ClipGradByGlobalNorm
 from jfleet.optim.clip import ClipGradByNorm as ClipGradByNorm
 from jfleet.optim.clip import ClipGradByValue as ClipGradByValue
