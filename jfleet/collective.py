@@ -41,7 +41,7 @@ Example (dp2 x mp4 on 8 devices; one row per rank, row ``r`` holds ``r``):
   >>> import jax, numpy as np
   >>> from jax.sharding import NamedSharding, PartitionSpec as P
   >>> from jfleet import fleet
-  >>> from jfleet.collective import all_reduce, broadcast
+  >>> from jfleet.collective import all_reduce, broadcast, scatter
   >>> s = fleet.DistributedStrategy()
   >>> s.hybrid_configs = {"dp_degree": 2, "mp_degree": 4}
   >>> _ = fleet.init(is_collective=True, strategy=s, log_level="WARNING")
@@ -49,10 +49,14 @@ Example (dp2 x mp4 on 8 devices; one row per rank, row ``r`` holds ``r``):
   >>> world = hcg.mesh.axis_names
   >>> x = jax.device_put(np.arange(8.0)[:, None], NamedSharding(hcg.mesh, P(world)))
   >>> mp = hcg.get_model_parallel_group()
-  >>> all_reduce(x, group=mp)[:, 0].tolist()  # 0+1+2+3, then 4+5+6+7
+  >>> np.asarray(all_reduce(x, group=mp))[:, 0].tolist()  # 0+1+2+3, then 4+5+6+7
   [6.0, 6.0, 6.0, 6.0, 22.0, 22.0, 22.0, 22.0]
-  >>> broadcast(x, src=1, group=mp)[:, 0].tolist()
+  >>> np.asarray(broadcast(x, src=1, group=mp))[:, 0].tolist()
   [1.0, 1.0, 1.0, 1.0, 5.0, 5.0, 5.0, 5.0]
+  >>> dp = hcg.get_data_parallel_group()  # ranks (0, 4): dp index 0 gets entry 0
+  >>> y = scatter(np.zeros(2), [np.ones(2), np.full(2, 2.0)], src=0, group=dp)
+  >>> np.asarray(y).tolist(), np.asarray(y.addressable_shards[4].data).tolist()  # rank 0, 4
+  ([1.0, 1.0], [2.0, 2.0])
   >>> all_reduce(3), all_reduce(2.0, "mean"), all_gather(7)  # host values, one process
   (3, 2.0, [7])
 """
