@@ -68,8 +68,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
 
 from jfleet import _context
 from jfleet._logging import logger
@@ -86,6 +88,7 @@ __all__ = [
     "get_backend",
     "get_rank",
     "get_world_size",
+    "local_value",
     "reduce",
     "reduce_scatter",
     "scatter",
@@ -470,6 +473,47 @@ def get_backend(group: Group | None = None) -> str:
     """
     group = _check_group(group, "get_backend")
     return "XLA" if group is None else group.backend
+
+
+def local_value(tensor: Any, rank: int | None = None) -> jax.Array:
+    """Rank ``rank``'s tensor: the piece of ``tensor`` that device ``rank`` holds.
+
+    Paddle's ``Tensor._local_value()``. In the host view of this module a rank's tensor
+    is its device's piece, so code that Paddle runs on a rank's own tensor (concatenating
+    an ``all_gather``'s list, say) runs on these pieces.
+
+    Args:
+      tensor: a global array (anything else is returned as an array, every rank's).
+      rank: a global rank, i.e. a position in the array's mesh; default the host rank
+        (this process's first device on the mesh).
+
+    Raises:
+      ValueError: ``rank`` is not a device of the mesh this process holds.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jfleet.collective import local_value
+      >>> local_value(jnp.arange(3)).tolist()
+      [0, 1, 2]
+    """
+    sharding = getattr(tensor, "sharding", None)
+    if not isinstance(tensor, jax.Array) or not isinstance(sharding, NamedSharding):
+        return jnp.asarray(tensor)
+    devices = list(sharding.mesh.devices.flat)
+    mine = {s.device: s for s in tensor.addressable_shards}
+    if rank is None:
+        rank = next(r for r, d in enumerate(devices) if d in mine)
+    if (
+        isinstance(rank, bool)
+        or not isinstance(rank, (int, np.integer))
+        or not (0 <= rank < len(devices) and devices[rank] in mine)
+    ):
+        held = [r for r, d in enumerate(devices) if d in mine]
+        raise ValueError(
+            f"local_value: rank={rank!r} is not a rank whose piece this process holds; "
+            f"pass one of {held} (the mesh has {len(devices)} ranks)."
+        )
+    return jnp.asarray(mine[devices[int(rank)]].data)
 
 
 def get_rank(group: Group | None = None) -> int:

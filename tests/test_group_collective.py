@@ -26,6 +26,7 @@ from jfleet.collective import (
     get_backend,
     get_rank,
     get_world_size,
+    local_value,
     reduce,
     reduce_scatter,
     scatter,
@@ -156,6 +157,9 @@ def test_replicated_buffers_hold_each_ranks_result_as_in_paddle(hcg):
     result = scatter(jnp.zeros(3), [t2, t1], src=dp.ranks[0], group=dp)
     _close(_per_rank(hcg.mesh, result), np.where(dp_index[:, None] == 0, t2, t1))
     _close(result, t2)  # the host reads rank 0's, as Paddle's rank 0 does
+    _close(local_value(result), t2)
+    _close(local_value(result, 5), t1)
+    _close(local_value(_rows(hcg, T), 6), T[6:7])
     result = broadcast(result, src=4, group=dp)  # rank 4: dp index 1 holds t1
     _close(_per_rank(hcg.mesh, result), np.tile(t1, (8, 1)))
     result = reduce(result, dst=0, group=dp)
@@ -315,6 +319,7 @@ def _partial_manual(hcg, fn):
             r"tensor_list\[1\] has shape \(1, 2\) but tensor has \(1, 3\)",
         ),
         (lambda h, x: barrier(3), TypeError, r"group=3 \(int\) is not a Group"),
+        (lambda h, x: local_value(x, 8), ValueError, r"rank=8 is not a rank whose piece"),
     ],
 )
 def test_bad_input_names_the_value(hcg, call, error, match):
