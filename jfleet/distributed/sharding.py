@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from jfleet.distributed_model import DistributedModel
 from jfleet.fleet.group_sharded import group_sharded_parallel as group_sharded_parallel
 
 __all__ = ["group_sharded_parallel", "save_group_sharded_model"]
@@ -33,8 +34,9 @@ def save_group_sharded_model(model: nnx.Module, output: str, optimizer: Any = No
 
     As Paddle, writes ``output/model.pdmodel`` and, with an optimizer,
     ``output/model.pdopt``; here each is a NumPy ``.npz`` archive keyed by path
-    (``"layers/0/kernel"``; the optimizer's keys are its ``state_dict()``'s). Arrays are
-    gathered whole; process 0 writes.
+    (``"layers/0/kernel"``: the wrapped model's own paths, as Paddle saves its inner
+    layer; the optimizer's keys are its ``state_dict()``'s). Arrays are gathered whole;
+    process 0 writes.
 
     Raises:
       TypeError: ``model`` is not an ``nnx.Module``.
@@ -56,9 +58,10 @@ def save_group_sharded_model(model: nnx.Module, output: str, optimizer: Any = No
         raise ValueError(
             f"save_group_sharded_model(output={output!r}) is a file; give a directory."
         )
+    inner = model.module if isinstance(model, DistributedModel) else model  # Paddle: _layer
     params = {
         "/".join(str(k) for k in path): _whole(var.get_value())
-        for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
+        for path, var in nnx.to_flat_state(nnx.state(inner, nnx.Param))
     }
     opt = None if optimizer is None else {k: _whole(v) for k, v in optimizer.state_dict().items()}
     if jax.process_index() != 0:
