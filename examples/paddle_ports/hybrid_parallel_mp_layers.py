@@ -14,12 +14,12 @@ import unittest
 
 import jax
 import jax.numpy as jnp
-import jfleet.distributed as dist
 import numpy as np
 import optax
 import paddle_swap
 from flax import nnx
 
+import jfleet.distributed as dist
 from jfleet import fleet
 
 
@@ -264,7 +264,7 @@ class TestDistTraining(unittest.TestCase):
             np_label = np.random.randint(0, vocab_size, (batch_size, seq_length))
             label = jnp.asarray(np_label, dtype="int64")
 
-            data = paddle_swap.randn([batch_size, seq_length, vocab_size], over_mp=-1)  # PORT: V, not V/mp  # noqa: E501
+            data = paddle_swap.randn([batch_size, seq_length, vocab_size], mp=-1)  # PORT: global V
 
             check_group = dist.new_group(list(range(self.model_parallel_size)))
             integral_data = []

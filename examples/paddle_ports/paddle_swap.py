@@ -50,14 +50,14 @@ def rngs() -> nnx.Rngs:
     return _STATE["rngs"]
 
 
-def randn(shape: Any, dtype: Any = "float32", over_mp: int | None = None) -> jax.Array:
+def randn(shape: Any, dtype: Any = "float32", mp: int | None = None) -> jax.Array:
     """``paddle.randn(shape, dtype)``: standard normal values from the seeded generator.
 
-    ``over_mp=axis`` places the array split over the model-parallel group on ``axis``
+    ``mp=axis`` places the array split over the model-parallel group on ``axis``
     (:func:`shard_over`): the ranks' ``[..., n/mp]`` tensors as one global array.
     """
     value = jnp.asarray(_STATE["gen"].standard_normal(tuple(shape)), dtype)
-    return value if over_mp is None else shard_over(value, over_mp)
+    return value if mp is None else shard_over(value, mp)
 
 
 def parameters(layer: Any) -> list[nnx.Param]:
