@@ -63,6 +63,7 @@ Example (dp2 x mp4 on 8 devices; one row per rank, row ``r`` holds ``r``):
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -89,6 +90,7 @@ __all__ = [
     "get_rank",
     "get_world_size",
     "local_value",
+    "new_group",
     "reduce",
     "reduce_scatter",
     "scatter",
@@ -447,6 +449,73 @@ def barrier(group: Group | str | None = None) -> None:
             f"barrier({name!r}): processes reached barriers with different names; "
             "call barrier with the same name on every process."
         ) from e
+
+
+def new_group(
+    ranks: Sequence[int] | None = None, backend: str | None = None, **kwargs: Any
+) -> Group:
+    """The group of ``ranks``, as the set of mesh axes that joins them (Paddle's new_group).
+
+    Under SPMD a group is a set of mesh axes: ``ranks`` must be the ranks of one group
+    along some axes of the run's mesh (its ``mp`` group, a ``dp`` x ``mp`` group...); in
+    SPMD every other group of that kind exists with it. Ranks are sorted, as in Paddle.
+    ``backend`` and Paddle's other options (``timeout``, ``nccl_config``) are accepted
+    and unused: XLA makes the communicators.
+
+    Args:
+      ranks: global ranks; None for every rank.
+      backend: accepted, unused.
+
+    Returns:
+      A :class:`~jfleet.topology.Group` (``rank`` -1 where this process is not in it).
+
+    Raises:
+      ValueError: a rank out of range or repeated; ranks that no set of mesh axes joins.
+      RuntimeError: no ``fleet.init``.
+
+    Example:
+      >>> from jfleet import fleet
+      >>> from jfleet.collective import new_group
+      >>> _ = fleet.init(is_collective=True, log_level="WARNING")  # dp 8
+      >>> g = new_group([6, 2, 4, 0])
+      Traceback (most recent call last):
+      ...
+      ValueError: new_group: ranks=[6, 2, 4, 0] are not one group along mesh axes ...
+      >>> new_group([0, 1, 2, 3, 4, 5, 6, 7]).axis_name
+      'dp'
+    """
+    hcg = _context.require("new_group").hcg
+    mesh = hcg.mesh
+    grid = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
+    given = list(range(grid.size)) if ranks is None else list(ranks)
+    bad = [r for r in given if isinstance(r, bool) or not isinstance(r, (int, np.integer))]
+    bad += [r for r in given if r not in bad and not 0 <= r < grid.size]
+    if bad or not given or len(set(given)) != len(given):
+        raise ValueError(
+            f"new_group: ranks={given} must be distinct global ranks in 0..{grid.size - 1} "
+            f"(bad: {bad or 'repeated or empty'}); pass each rank of the group once."
+        )
+    want = sorted(int(r) for r in given)
+    coord = np.unravel_index(want[0], grid.shape)
+    split = [i for i, d in enumerate(grid.shape) if d > 1]
+    for k in range(len(split) + 1):
+        for axes in itertools.combinations(split, k):
+            pick = tuple(slice(None) if i in axes else int(c) for i, c in enumerate(coord))
+            if sorted(grid[pick].ravel().tolist()) == want:
+                names = tuple(mesh.axis_names[i] for i in axes)
+                me = hcg.global_rank
+                return Group(
+                    names[0] if len(names) == 1 else names,
+                    tuple(want),
+                    rank=want.index(me) if me in want else -1,
+                    name="new_group",
+                    mesh=mesh,
+                )
+    raise ValueError(
+        f"new_group: ranks={given} are not one group along mesh axes {mesh.axis_names} "
+        f"(shape {tuple(grid.shape)}); under SPMD a group spans whole mesh axes: pass the "
+        "ranks of one, e.g. hcg.get_model_parallel_group().ranks."
+    )
 
 
 def wait(tensor: Any, group: Group | None = None, use_calc_stream: bool = True) -> None:

@@ -27,6 +27,7 @@ from jfleet.collective import (
     get_rank,
     get_world_size,
     local_value,
+    new_group,
     reduce,
     reduce_scatter,
     scatter,
@@ -132,7 +133,7 @@ def test_gather_broadcast_reduce_scatter_on_global_rows(hcg):
     assert out is filled and len(out) == 8
     _close(np.stack([np.asarray(o) for o in out]), _ref("all_gather", MP_DP_GROUPS))
 
-    _close(broadcast(x, src=2, group=mp), _ref("broadcast", MP_GROUPS, pos=2))
+    _close(broadcast(x, src=2, group=new_group([3, 2, 1, 0])), _ref("broadcast", MP_GROUPS, pos=2))
     _close(broadcast(x, src=5, group=None), _ref("broadcast", WORLD_GROUPS, pos=5))
     # dst=4 is dp index 1: every dp group reduces onto its dp=1 member.
     _close(reduce(x, dst=4, op=ReduceOp.MAX, group=dp), _ref("reduce", DP_GROUPS, ReduceOp.MAX, 1))
@@ -216,6 +217,14 @@ def test_every_collective_inside_shard_map(hcg):
     _close(out["reduce_dp"], _ref("reduce", DP_GROUPS, ReduceOp.AVG, 0))
     _close(out["scatter_mp"], _ref("scatter", MP_GROUPS, pos=2))
     _close(out["rs_dp_min"], _ref("reduce_scatter", DP_GROUPS, ReduceOp.MIN))
+
+
+def test_new_group_finds_the_mesh_axes_that_join_the_ranks(hcg):
+    g = new_group([3, 1, 0, 2])
+    assert (g.axis_name, g.ranks, g.rank, g.mesh) == (MP, (0, 1, 2, 3), 0, hcg.mesh)
+    assert (new_group([4, 0]).axis_name, new_group([4, 0]).ranks) == (DP, (0, 4))
+    assert new_group().axis_name == (DP, MP) and new_group().nranks == 8
+    assert (new_group([5]).axis_name, new_group([5]).rank) == ((), -1)
 
 
 def test_sync_op_is_accepted_and_logged_once(hcg, caplog, monkeypatch):
@@ -320,6 +329,9 @@ def _partial_manual(hcg, fn):
         ),
         (lambda h, x: barrier(3), TypeError, r"group=3 \(int\) is not a Group"),
         (lambda h, x: local_value(x, 8), ValueError, r"rank=8 is not a rank whose piece"),
+        (lambda h, x: new_group([0, 2]), ValueError, r"ranks=\[0, 2\] are not one group along"),
+        (lambda h, x: new_group([1, 1]), ValueError, r"ranks=\[1, 1\] must be distinct"),
+        (lambda h, x: new_group([0, 9]), ValueError, r"\(bad: \[9\]\)"),
     ],
 )
 def test_bad_input_names_the_value(hcg, call, error, match):
