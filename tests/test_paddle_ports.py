@@ -92,3 +92,34 @@ def test_every_jfleet_name_in_the_guide_exists():
         except (ImportError, AttributeError) as err:
             missing.append(f"{name} ({err})")
     assert not missing, "names in the guide that do not exist: " + "; ".join(missing)
+
+
+def test_launcher_refuses_more_devices_than_present():
+    with pytest.raises(ValueError, match=r"--devices 9 asks for more devices than the 8 present"):
+        with launch.selected_devices(9):
+            pass
+
+
+def test_launcher_needs_a_device_count_for_an_unknown_script(tmp_path):
+    script = tmp_path / "my_script.py"
+    script.write_text("raise SystemExit(0)\n")
+    with pytest.raises(ValueError, match=r"my_script.py has no device count; pass devices="):
+        launch.run(script)
+    launch.run(script, devices=2)  # a given count runs it
+
+
+def test_launcher_reports_a_failing_script(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text("raise SystemExit(1)\n")
+    with pytest.raises(AssertionError, match=r"fails.py failed \(exit status 1\)"):
+        launch.run(script, devices=2)
+
+
+def test_launcher_gives_fleet_init_its_devices():
+    from jfleet import fleet
+
+    with launch.selected_devices(2):
+        fleet.init(is_collective=True, log_level="WARNING")
+        assert fleet.get_hybrid_communicate_group().mesh.devices.size == 2
+    fleet.init(is_collective=True, log_level="WARNING")
+    assert fleet.get_hybrid_communicate_group().mesh.devices.size == 8

@@ -156,15 +156,14 @@ def softmax_with_cross_entropy(logits: jax.Array, label: jax.Array) -> jax.Array
 def local(x: Any) -> jax.Array:
     """A Paddle rank's own tensor, read on the host: the piece of ``x`` on rank 0's device.
 
-    jfleet's collectives (``jfleet.collective``) treat rank ``r``'s tensor as the piece of
-    a global array that device ``r`` holds; code that Paddle runs on its rank's tensors
+    jfleet's collectives treat rank ``r``'s tensor as the piece of a global array that
+    device ``r`` holds; code that Paddle runs on its rank's tensors
     (``paddle.concat(gathered, axis=1)``) runs on the host's pieces (one process: the host
-    is rank 0).
+    is rank 0). This is ``jfleet.collective.local_value`` (Paddle's ``x._local_value()``).
     """
-    if not isinstance(x, jax.Array):
-        return jnp.asarray(x)
-    first = min(x.addressable_shards, key=lambda s: s.device.id)
-    return jnp.asarray(np.asarray(first.data))
+    from jfleet.collective import local_value
+
+    return jnp.asarray(local_value(x))
 
 
 class Optimizer(nnx.Optimizer):
