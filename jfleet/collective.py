@@ -452,7 +452,10 @@ def barrier(group: Group | str | None = None) -> None:
 
 
 def new_group(
-    ranks: Sequence[int] | None = None, backend: str | None = None, **kwargs: Any
+    ranks: Sequence[int] | None = None,
+    backend: str | None = None,
+    timeout: Any = None,
+    nccl_config: Any = None,
 ) -> Group:
     """The group of ``ranks``, as the set of mesh axes that joins them (Paddle's new_group).
 
@@ -464,7 +467,7 @@ def new_group(
 
     Args:
       ranks: global ranks; None for every rank.
-      backend: accepted, unused.
+      backend: accepted, unused (as ``timeout`` and ``nccl_config``).
 
     Returns:
       A :class:`~jfleet.topology.Group` (``rank`` -1 where this process is not in it).
