@@ -95,9 +95,9 @@ def test_every_jfleet_name_in_the_guide_exists():
 
 
 def test_launcher_refuses_more_devices_than_present():
-    with pytest.raises(ValueError, match=r"--devices 9 asks for more devices than the 8 present"):
-        with launch.selected_devices(9):
-            pass
+    too_many = r"--devices 9 asks for more devices than the 8 present"
+    with pytest.raises(ValueError, match=too_many), launch.selected_devices(9):
+        pass
 
 
 def test_launcher_needs_a_device_count_for_an_unknown_script(tmp_path):
