@@ -16,6 +16,7 @@ import jfleet.distributed as dist
 from jfleet import fleet
 from jfleet.amp import GradScaler
 from jfleet.distributed.sharding import save_group_sharded_model
+from jfleet.fleet import _noop
 from jfleet.fleet import meta_optimizers as mo
 from jfleet.fleet import meta_parallel as mpar
 from jfleet.fleet.base import topology
@@ -28,7 +29,8 @@ def init(**hybrid):
     return fleet.init(is_collective=True, strategy=make_strategy(hybrid), log_level="WARNING")
 
 
-def test_spmd_noops_return_at_once_and_log_once(caplog):
+def test_spmd_noops_return_at_once_and_log_once(caplog, monkeypatch):
+    monkeypatch.setattr(_noop, "_logged", set())  # as in a fresh process
     hcg = init(dp_degree=8)._hcg
     with caplog.at_level("INFO", logger="jfleet"):
         for _ in range(2):

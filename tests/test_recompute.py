@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jfleet import recompute as recompute_module
 from jfleet.recompute import (
     apply_recompute,
     is_in_recompute,
@@ -108,7 +109,8 @@ def value_grad_jaxpr(loss, model, x):
     return f(params, rest, x), str(jax.make_jaxpr(f)(params, rest, x))
 
 
-def test_functional_recompute_equals_the_plain_call_and_checkpoints(caplog):
+def test_functional_recompute_equals_the_plain_call_and_checkpoints(caplog, monkeypatch):
+    monkeypatch.setattr(recompute_module, "_LOGGED", set())  # logged once per process
     x = jnp.arange(12.0).reshape(3, 4) / 10
     plain = lambda m, x: jnp.sum(m(x) ** 2)  # noqa: E731
     as_module = lambda m, x: jnp.sum(recompute(m, x, use_reentrant=False) ** 2)  # noqa: E731
