@@ -33,7 +33,7 @@ import jax
 from flax import nnx
 
 from jfleet.amp import apply_amp
-from jfleet.distributed_optimizer import DistributedOptimizer
+from jfleet.distributed_optimizer import DistributedOptimizer, check_scheduler
 from jfleet.engine import EvalStep, LossFn, TrainStep, cached_step
 from jfleet.optim.compiler import amp_settings
 from jfleet.placement import Placement
@@ -115,16 +115,6 @@ def _forward(model: nnx.Module, batch: Any) -> tuple[float, Any]:
     return 0.0, model(inputs)
 
 
-def _scheduler_lr(lr_scheduler: Any, optimizer: DistributedOptimizer) -> float:
-    """The learning rate a scheduler gives now: Paddle's ``last_lr`` / ``scheduler()``, or an
-    optax schedule at the optimizer's update count."""
-    if callable(getattr(lr_scheduler, "step", None)):
-        value = getattr(lr_scheduler, "last_lr", None)
-        return float(lr_scheduler() if value is None else value)
-    count = int(optimizer.step[...]) if optimizer.is_bound else 0
-    return float(lr_scheduler(count))
-
-
 def run_train_batch(
     model: nnx.Module,
     step: Any,
@@ -147,9 +137,11 @@ def run_train_batch(
       current learning rate (``last_lr``), then ``lr_scheduler.step()`` is called. A
       Paddle-style object has ``step()`` and ``last_lr`` (or ``__call__()``); an optax
       schedule is a callable of the update count (``optax.cosine_decay_schedule(...)``),
-      evaluated at the optimizer's count. The value is written with ``set_lr`` (no
-      recompile), so ``optimizer.get_lr()`` reads back the rate of the next step. The
-      optimizer's learning rate must be readable (``jfleet.optim.hyperparams.adam``).
+      evaluated at the optimizer's count. The value is written into the optimizer
+      state (no recompile), so ``optimizer.get_lr()`` reads back the rate of the next
+      step. The optimizer's learning rate must be readable
+      (``jfleet.optim.hyperparams.adam``). Without ``lr_scheduler``, a scheduler given
+      to ``optimizer.set_lr_scheduler`` is applied (and not stepped: you step it).
 
     Raises:
       TypeError: ``lr_scheduler`` is neither kind, ``scaler`` not a ``GradScaler``.
@@ -180,24 +172,14 @@ def run_train_batch(
             )
         scaler.attach(optimizer)
     if lr_scheduler is not None:
-        if not callable(lr_scheduler) and not callable(getattr(lr_scheduler, "step", None)):
-            raise TypeError(
-                f"train_batch(lr_scheduler={lr_scheduler!r}): expected a Paddle-style "
-                "scheduler with step() (jfleet.optim.lr.StepDecay(...)) or an optax "
-                "schedule (a callable of the step count)."
-            )
-        _set_lr(optimizer, _scheduler_lr(lr_scheduler, optimizer))
+        check_scheduler(lr_scheduler, f"train_batch(lr_scheduler={lr_scheduler!r})")
+    optimizer.apply_lr_scheduler(lr_scheduler)  # also one set with set_lr_scheduler
     loss = step(model, optimizer, batch)
     if lr_scheduler is not None:
         if callable(getattr(lr_scheduler, "step", None)):
             lr_scheduler.step()
-        _set_lr(optimizer, _scheduler_lr(lr_scheduler, optimizer))
+        optimizer.apply_lr_scheduler(lr_scheduler)
     return loss
-
-
-def _set_lr(optimizer: DistributedOptimizer, value: float) -> None:
-    if optimizer.get_lr() != value:
-        optimizer.set_lr(value)
 
 
 def apply_model_settings(model: nnx.Module, strategy: Any) -> nnx.Module:

@@ -74,6 +74,35 @@ from jfleet.placement import Placement, resolve_placement
 _PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+_SCHEDULERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def check_scheduler(scheduler: Any, where: str) -> None:
+    """Raises unless ``scheduler`` is a Paddle-style scheduler or an optax schedule."""
+    if not callable(scheduler) and not callable(getattr(scheduler, "step", None)):
+        raise TypeError(
+            f"{where}: {scheduler!r} is not a learning-rate scheduler; pass a Paddle-style "
+            "scheduler with step() (jfleet.optim.lr.StepDecay(...)) or an optax schedule "
+            "(a callable of the step count)."
+        )
+
+
+def scheduler_lr(scheduler: Any, optimizer: DistributedOptimizer) -> float:
+    """The rate a scheduler gives now: Paddle's ``last_lr`` (or ``scheduler()``) for a
+    Paddle-style scheduler, an optax schedule at the optimizer's update count.
+
+    Example:
+      >>> from jfleet.optim.lr import StepDecay
+      >>> scheduler_lr(StepDecay(0.1, step_size=2), None)
+      0.1
+    """
+    if callable(getattr(scheduler, "step", None)):
+        value = getattr(scheduler, "last_lr", None)
+        return float(scheduler() if value is None else value)
+    bound = optimizer is not None and optimizer.is_bound
+    return float(scheduler(int(optimizer.step[...]) if bound else 0))
+
+
 class StepCounter(OptState):
     """``nnx.Optimizer``'s update counter that is also Paddle's ``opt.step(...)``.
 
@@ -100,6 +129,9 @@ class StepCounter(OptState):
                 "opt.step(model, grads). Or run a whole step with opt.minimize(loss_fn, "
                 "model, batch)."
             )
+        if not opt.is_bound:
+            opt.init(model)
+        opt.apply_lr_scheduler()
         _apply_update(opt, model, grads)
 
 
@@ -222,12 +254,16 @@ class DistributedOptimizer(nnx.Optimizer):
     def get_lr(self) -> float:
         """The learning rate the next update applies (Paddle's ``get_lr``).
 
-        A scheduled learning rate (an optax schedule inside the optimizer) is evaluated
-        at the next update's step count.
+        With a scheduler set by :meth:`set_lr_scheduler`, the scheduler's current rate. A
+        scheduled learning rate (an optax schedule inside the optimizer) is evaluated at
+        the next update's step count.
 
         Raises:
           ValueError: the learning rate is not readable (see the module docstring).
         """
+        scheduler = _SCHEDULERS.get(self)
+        if scheduler is not None:
+            return scheduler_lr(scheduler, self)
         if not self.is_bound:
             pending = _PENDING.get(self, {}).get("lr")
             if pending is not None:
@@ -247,8 +283,9 @@ class DistributedOptimizer(nnx.Optimizer):
 
         Raises:
           TypeError / ValueError: ``value`` is not a finite number >= 0.
-          ValueError: the learning rate is not readable, or is an optax schedule (which
-            would overwrite it; Paddle raises for a scheduler too).
+          ValueError: the learning rate is not readable, is an optax schedule (which
+            would overwrite it), or comes from :meth:`set_lr_scheduler` (Paddle raises
+            for a scheduler too).
         """
         if isinstance(value, bool) or not isinstance(value, numbers.Real | np.ndarray | jax.Array):
             raise TypeError(
@@ -261,10 +298,52 @@ class DistributedOptimizer(nnx.Optimizer):
                 f"set_lr(value={value!r}): the learning rate must be finite and >= 0; pass "
                 "e.g. opt.set_lr(1e-3)."
             )
+        if _SCHEDULERS.get(self) is not None:
+            raise ValueError(
+                f"set_lr(value={value}): the learning rate comes from the scheduler given to "
+                "set_lr_scheduler (Paddle raises here too); step the scheduler instead, or "
+                "call opt.set_lr_scheduler(None) first."
+            )
+        self._write_lr(value)
+
+    def set_lr_scheduler(self, scheduler: Any) -> None:
+        """Paddle's ``set_lr_scheduler``: every update applies ``scheduler``'s current rate.
+
+        As ``paddle.optimizer.Adam(learning_rate=scheduler)``: before each update
+        (``train_batch``, :meth:`minimize`, ``opt.step(model, grads)``) the optimizer
+        writes the scheduler's rate into its state (no recompile); you keep calling
+        ``scheduler.step()``. ``scheduler`` is a Paddle-style scheduler
+        (:mod:`jfleet.optim.lr`), an optax schedule (evaluated at the update count), or
+        ``None`` to go back to :meth:`set_lr`.
+
+        Raises:
+          TypeError: ``scheduler`` is neither kind.
+          ValueError: the learning rate is not readable, or is an optax schedule inside
+            the optimizer already.
+        """
+        if scheduler is None:
+            _SCHEDULERS.pop(self, None)
+            return
+        check_scheduler(scheduler, "set_lr_scheduler(scheduler=...)")
+        state = self.opt_state if self.is_bound else self.tx.init(hyperparams.probe_params(self.tx))
+        self._check_not_scheduled(self._lr_node(state))
+        _SCHEDULERS[self] = scheduler
+
+    def apply_lr_scheduler(self, scheduler: Any = None) -> None:
+        """Writes the rate of ``scheduler`` (default: the one of :meth:`set_lr_scheduler`)
+        into the state, when it differs; what every update path calls first."""
+        scheduler = scheduler if scheduler is not None else _SCHEDULERS.get(self)
+        if scheduler is None:
+            return
+        value = scheduler_lr(scheduler, self)
+        if _SCHEDULERS.get(self) is scheduler or self.get_lr() != value:
+            self._write_lr(value)
+
+    def _write_lr(self, value: float) -> None:
         if not self.is_bound:
             node = self._lr_node(self.tx.init(hyperparams.probe_params(self.tx)))
             self._check_not_scheduled(node)
-            _PENDING.setdefault(self, {})["lr"] = _Pending(value, lambda opt: opt.set_lr(value))
+            _PENDING.setdefault(self, {})["lr"] = _Pending(value, lambda opt: opt._write_lr(value))
             return
         node = self._lr_node(self.opt_state)
         self._check_not_scheduled(node)

@@ -92,12 +92,13 @@ def test_step_minimize_clear_grad_and_state_dict():
     assert opt.get_lr() == pytest.approx(0.05)  # readable before the state exists
     opt.set_lr(0.1)  # kept, written in when the state is made
     ref = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
-    ref_tx = optax.adam(0.1)
+    ref_tx = optax.inject_hyperparams(optax.adam)(learning_rate=0.1)
     ref_params = nnx.state(ref, nnx.Param)
     ref_state = ref_tx.init(ref_params)
 
-    def ref_step(batch):
+    def ref_step(batch, lr=0.1):
         nonlocal ref_params, ref_state
+        ref_state.hyperparams["learning_rate"] = jnp.asarray(lr)
         grads = nnx.grad(loss_fn)(ref, jax.tree.map(jnp.asarray, batch))
         updates, ref_state = ref_tx.update(grads, ref_state, ref_params)
         ref_params = optax.apply_updates(ref_params, updates)
@@ -120,11 +121,25 @@ def test_step_minimize_clear_grad_and_state_dict():
     saved = opt.state_dict()
     assert saved["step"] == 2 and saved["learning_rate"] == pytest.approx(0.1)
     assert any(key.endswith("mu/module/kernel") for key in saved)
-    opt.minimize(loss_fn, model, make_batch(2))  # moves the state on
-    opt.set_state_dict(saved)
-    again = opt.state_dict()
-    assert again.keys() == saved.keys()
+    other = fleet.distributed_optimizer(hyperparams.adam(0.05)).init(model)
+    other.set_state_dict(saved)  # into a fresh optimizer: state, step and rate
+    again = other.state_dict()
+    assert again.keys() == saved.keys() and other.get_lr() == pytest.approx(0.1)
     assert all(np.array_equal(again[k], saved[k]) for k in saved)
+
+    # Paddle: Adam(learning_rate=sched); loss.backward(); opt.step(); sched.step()
+    sched = StepDecay(0.1, step_size=1, gamma=0.5)
+    opt.set_lr_scheduler(sched)
+    with pytest.raises(ValueError, match=r"set_lr\(value=0\.3\).*set_lr_scheduler"):
+        opt.set_lr(0.3)
+    for i in (2, 3):
+        batch = jax.tree.map(jnp.asarray, make_batch(i))
+        opt.step(model, nnx.grad(loss_fn)(model, batch))
+        ref_step(make_batch(i), lr=sched())
+        sched.step()
+        assert opt.get_lr() == sched()
+    assert_trees_close(nnx.state(model.module, nnx.Param), ref_params, **FP32)
+    assert float(opt.opt_state.hyperparams["learning_rate"][...]) == pytest.approx(0.05)
 
 
 # ------------------------------------------------------------------------- bad input
