@@ -35,6 +35,7 @@ DEVICES = {
     "hybrid_parallel_mp_layers.py": 2,
     "hybrid_parallel_pp_embedding.py": 2,
     "hybrid_parallel_shared_weight.py": 2,
+    "hybrid_parallel_pp_transformer.py": 2,
     "hybrid_parallel_mp_model.py": 2,
     "hybrid_parallel_mp_amp.py": 2,
     "hybrid_parallel_communicate_group.py": 2,
