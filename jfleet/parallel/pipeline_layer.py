@@ -1,33 +1,34 @@
-"""Paddle's ``PipelineLayer``, ``LayerDesc`` and ``SharedLayerDesc`` as one stacked NNX module.
+"""Paddle's ``PipelineLayer``, ``LayerDesc`` and ``SharedLayerDesc`` as NNX modules.
 
-A :class:`PipelineLayer` is built from a list of layer descriptions, as in Paddle. The
-longest run of identical consecutive :class:`LayerDesc`\\ s (same class, arguments and
-keyword arguments) is the pipelined **body** (the decoder blocks); the layers before it
-are the **pre** part (embedding), those after it the **post** part (final norm, LM head).
+A :class:`PipelineLayer` is built from a list of layer descriptions, as in Paddle, and
+split into stages by ``seg_method`` exactly as Paddle's ``SegmentLayers``
+(:mod:`jfleet.parallel.segment`: ``"uniform"``, ``"layer:<Regex>"``, explicit bounds).
+Layers are built one by one from one ``nnx.Rngs`` sequence, so a seed builds the same
+parameters whatever ``num_stages`` is. The stages are held in one of two ways:
 
-* The body's ``N`` layers are built one by one with the same ``nnx.Rngs`` sequence as
-  the sequential model (so a seed builds the same parameters whatever ``num_stages``
-  and the other degrees are), then each parameter is stacked to ``[P, N/P, ...]`` with
-  ``out_sharding`` metadata ``('pp', None, *inner)``: stage ``s`` owns row ``s``, and
-  the layer's own tensor-parallel layout (``inner``) is kept.
-* ``__call__`` runs the whole model on one program: pre, the body by ``lax.scan`` over
-  the stacked layers, post. :meth:`PipelineLayer.pipeline_loss` trains it: pre on the
-  whole batch, then the body and post + ``loss_fn`` through
-  :func:`jfleet.parallel.pipeline_schedule.pipeline_loss` (FThenB or 1F1B over the
-  ``pp`` axis). ``fleet.distributed_model`` wraps it in a
-  :class:`~jfleet.parallel.pipeline_parallel.PipelineParallel` for ``train_batch``.
-* :class:`SharedLayerDesc`\\ s with one key share one module (a tied embedding and LM
-  head): one parameter, whose gradient sums both uses.
-* The activation entering the body may be an array or a tuple (any pytree) of arrays,
-  as Paddle's pipelined layers pass ``(hidden, attention_mask, position_ids)``: every body
-  layer takes and returns it, and the post layers get it. Its floating arrays go from
-  stage to stage and are differentiated; its other arrays (integer position ids, boolean
-  masks) reach every stage as per-sample side inputs with their micro-batch and get no
-  gradient, so the body layers must return them unchanged. Stacking, running and the
-  stage function are :mod:`jfleet.parallel.stack`'s, shared with ``to_distributed``.
+* **stacked body**: when a run of identical consecutive :class:`LayerDesc`\\ s (the decoder
+  blocks) falls evenly on the stages, the layers before it on stage 0 (**pre**: the
+  embedding) and those after it on the last stage (**post**: norm, LM head), the run's
+  parameters are stacked to ``[P, N/P, ...]`` with ``out_sharding`` ``('pp', None,
+  *inner)`` (the layer's tensor-parallel layout kept) and each stage is a ``lax.scan``;
+* **stages of different layers** (any other split: four layer types over two stages, an
+  uneven count, a parameter-free stage): :class:`~jfleet.parallel.stages.FlatStages` keeps
+  each stage's parameters as a row of per-dtype ``[P, n]`` buffers sharded on ``pp`` and
+  runs a device's stage by ``lax.switch`` on its ``pp`` index. Stage 0's layers until the
+  activation has the shape the stages exchange run before the pipeline, the last stage's
+  layers after it last has it run in its head.
 
-Every stage must hold the same number of layers (the stages are one stacked array per
-parameter); uneven settings are refused with the settings that would work.
+``__call__`` runs the whole model sequentially; :meth:`PipelineLayer.pipeline_loss` trains
+it through :func:`jfleet.parallel.pipeline_schedule.pipeline_loss` (FThenB or 1F1B over
+``pp``); ``fleet.distributed_model`` wraps it in a
+:class:`~jfleet.parallel.pipeline_parallel.PipelineParallel` for ``train_batch``.
+:class:`SharedLayerDesc`\\ s with one key share one parameter (a tied embedding and LM
+head, even written as two classes), whose gradient sums both uses. The activation may be
+any pytree of arrays, as Paddle's layers pass ``(hidden, attention_mask, position_ids)``:
+its batch-first floating arrays go from stage to stage and are differentiated; its other
+batch-first arrays (integer position ids) reach every stage with their micro-batch and its
+arrays that are not batch first (an ``[L, L]`` mask) whole, neither getting a gradient, so
+layers must return them unchanged (:func:`jfleet.parallel.stack.stage_inputs`).
 
 Example:
   >>> import jax.numpy as jnp
@@ -43,7 +44,6 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,8 +56,9 @@ from jfleet import _context
 from jfleet._logging import logger
 from jfleet.amp import cast_floating
 from jfleet.engine import scalar_loss
-from jfleet.parallel import pipeline_schedule, stack
+from jfleet.parallel import pipeline_schedule, segment, stack
 from jfleet.parallel.mesh_context import layer_mesh
+from jfleet.parallel.stages import FlatStages, Run
 from jfleet.placement import Placement
 from jfleet.topology import PP
 
@@ -181,19 +182,15 @@ class SharedLayerDesc(LayerDesc):
         return f"SharedLayerDesc(key={self.layer_name!r}, {super().__repr__()})"
 
 
-class _Run(nnx.Module):
-    """One entry of the pre / post part: a layer (maybe through ``forward_func``) or a function."""
+_Run = Run  # the entries of ``pre`` / ``post``
 
-    def __init__(self, layer: nnx.Module | None, func: Callable[..., Any] | None) -> None:
-        self.layer = layer
-        self.func = func
 
-    def __call__(self, x: Any) -> Any:
-        if self.layer is None:
-            return self.func(x)
-        if self.func is None:
-            return self.layer(x)
-        return self.func(self.layer, x)
+class _Head(nnx.Module):
+    """What the pipeline's head runs besides the post layers: the tied layers and the loss."""
+
+    def __init__(self, shared: Any, loss: Any) -> None:
+        self.shared = shared
+        self.loss = loss
 
 
 # ------------------------------------------------------------------ the layer
@@ -214,11 +211,10 @@ class PipelineLayer(nnx.Module):
         ``shard_map``: use a plain loss such as optax's cross-entropy on the (possibly
         mp-split) logits; functions that open their own ``shard_map`` on the fleet's mesh
         (``ParallelCrossEntropy``) cannot run there yet.
-      seg_method: which layers form the body: ``"uniform"`` (the longest run of identical
-        consecutive ``LayerDesc``\\ s, split evenly), ``"layer:ClassNameRegex"`` (the
-        layers whose class name matches, case-insensitive), or Paddle's explicit stage
-        boundaries ``[0, b1, ..., len(layers)]`` over the whole list (each stage must get
-        the same number of body layers).
+      seg_method: the stage boundaries, as Paddle: ``"uniform"`` (``n // P`` layers per
+        stage, the remainder to the last stages), ``"layer:ClassNameRegex"`` (balanced by
+        the layers whose class name matches, case-insensitive) or explicit boundaries
+        ``[0, b1, ..., len(layers)]``.
       recompute_interval: ``k > 0`` runs each group of ``k`` layers of a stage under
         ``jax.checkpoint`` (the last group may be shorter).
       recompute_ctx: accepted for Paddle; its process-group settings mean nothing here.
@@ -227,25 +223,28 @@ class PipelineLayer(nnx.Module):
       rngs: the ``nnx.Rngs`` to build with.
 
     Attributes:
-      pre, post: ``nnx.List``\\ s of the layers before / after the body.
-      body: one module of the body's class whose parameters are ``[P, N/P, ...]``.
-      num_stages, num_layers, layers_per_stage: ``P``, ``N`` and ``N/P``.
+      pre, post: ``nnx.List``\\ s of the layers before / after a stacked body (empty
+        with stages of different layers).
+      body: one module of the body's class whose parameters are ``[P, N/P, ...]``, or None.
+      stages: the :class:`~jfleet.parallel.stages.FlatStages` of stages of different
+        layers, or None; ``shared_layers`` then holds the tied layers by key.
+      num_stages, num_layers, layers_per_stage: ``P``, ``N`` and ``N/P`` (the stacked
+        body's; all layers and None with stages of different layers).
       segment_parts: the stage boundaries over ``layers`` (Paddle's attribute).
-      body_range: ``(start, end)``, the body's indices in ``layers``.
+      body_range: ``(start, end)``, the stacked body's indices in ``layers``, or None.
 
     Raises:
-      ValueError: no body, an unknown seg_method or one matching nothing (the message
-        lists the class names), more stages than body layers, stages of unequal size
-        (the message proposes valid settings), or a body layer holding non-``Param``
-        state.
-      TypeError: malformed ``layers`` entries or arguments.
+      ValueError: an unknown seg_method, one matching nothing or a count the stages do
+        not divide (the message lists the class names / valid degrees), more stages than
+        layers, a stage layer holding non-``Param`` state, tied layers of different shapes.
+      TypeError: malformed ``layers`` entries or arguments, a loss class for an instance.
       NotImplementedError: ``num_virtual_pipeline_stages > 1``.
 
     Example:
       >>> import jax.numpy as jnp
       >>> from flax import nnx
       >>> descs = [LayerDesc(nnx.Embed, 16, 4)] + [LayerDesc(nnx.Linear, 4, 4)] * 6
-      >>> model = PipelineLayer(descs, num_stages=3, seed=0)
+      >>> model = PipelineLayer(descs, num_stages=3, seg_method="layer:Linear", seed=0)
       >>> model.num_layers, model.layers_per_stage, model.segment_parts
       (6, 2, (0, 3, 5, 7))
       >>> model(jnp.array([[1, 2, 3]])).shape
@@ -282,25 +281,38 @@ class PipelineLayer(nnx.Module):
             logger.info("PipelineLayer: recompute_ctx means nothing under SPMD and is ignored")
         stages = _resolve_stages(num_stages, topology)
         self.loss_fns = _check_loss_fns(loss_fn)
-        start, end = _find_body(layers, seg_method, stages)
-        count = end - start
+        names = [_entry_name(e) for e in layers]
+        parts = segment.segment_layers(names, stages, seg_method)
         self.num_stages = stages
-        self.num_layers = count
-        self.layers_per_stage = count // stages
         self.recompute_interval = recompute_interval
-        self.body_range = (start, end)
-        self.segment_parts = tuple(
-            [0] + [start + s * self.layers_per_stage for s in range(1, stages)] + [len(layers)]
-        )
+        self.segment_parts = tuple(parts)
 
         rngs = rngs if rngs is not None else nnx.Rngs(seed)
-        shared: dict[Any, tuple[SharedLayerDesc, Any]] = {}
-        pre = [_build_entry(d, rngs, shared) for d in layers[:start]]
-        body = [layers[i].build_layer(rngs) for i in range(start, end)]
-        post = [_build_entry(d, rngs, shared) for d in layers[end:]]
-        self.pre = nnx.List(pre)
-        self.post = nnx.List(post)
-        self.body = stack.stack_layers(body, stages, layers[start].name)
+        shared: dict[Any, list[tuple[SharedLayerDesc, str, Any]]] = {}
+        built = [_build_entry(d, rngs, shared) for d in layers]
+        body = _stacked_body(layers, parts, built)
+        if body is not None:  # identical layers, as many on each stage: one stacked module
+            start, end = body
+            self.num_layers = end - start
+            self.layers_per_stage = self.num_layers // stages
+            self.body_range = (start, end)
+            self.pre = nnx.List([Run(layer, func) for layer, func, _ in built[:start]])
+            self.post = nnx.List([Run(layer, func) for layer, func, _ in built[end:]])
+            layers_ = [layer for layer, _, _ in built[start:end]]
+            self.body = stack.stack_layers(layers_, stages, layers[start].name)
+            self.stages = None
+        else:  # stages of different layers: flat buffers per stage (jfleet.parallel.stages)
+            self.num_layers = len(layers)
+            self.layers_per_stage = None
+            self.body_range = None
+            self.pre, self.post, self.body = nnx.List([]), nnx.List([]), None
+            self.shared_layers = nnx.Dict(
+                {name: layer for entries in shared.values() for _, name, layer in entries}
+            )
+            runs = [Run(None, func, key) if key else Run(layer, func) for layer, func, key in built]
+            self.stages = FlatStages([runs[a:b] for a, b in itertools.pairwise(parts)])
+            self._shared_at = tuple(i for i, (_, _, key) in enumerate(built) if key)
+            _log_flat(self.stages, parts)
         mesh = _context.current_mesh()
         if mesh is not None:
             self.place(mesh)
@@ -338,25 +350,31 @@ class PipelineLayer(nnx.Module):
         return self
 
     def annotate(self, mesh: jax.sharding.Mesh) -> None:
-        """Sets the body parameters' ``out_sharding`` and ``mesh`` metadata for ``mesh``."""
-        stack.annotate_stack(self.body, mesh, self.num_stages)
+        """Sets the stage parameters' ``out_sharding`` and ``mesh`` metadata for ``mesh``."""
+        if self.stages is not None:
+            self.stages.annotate(mesh)
+        else:
+            stack.annotate_stack(self.body, mesh, self.num_stages)
 
     def run_pre(self, inputs: Any) -> Any:
-        """The layers before the body."""
+        """The layers before the stacked body (none with stages of different layers)."""
         for run in self.pre:
             inputs = run(inputs)
         return inputs
 
     def run_body(self, x: Any) -> Any:
-        """The body's ``N`` layers in order, one ``lax.scan`` over the stacked parameters.
+        """The body's layers in order: a ``lax.scan`` over the stacked parameters, or every
+        stage of different layers in turn.
 
         ``x`` is an array or a pytree such as ``(hidden, mask, position_ids)`` that every
         body layer takes and returns.
         """
+        if self.stages is not None:
+            return self.stages(x, self.shared_layers, remat_interval=self.recompute_interval)
         return stack.run_stack(self.body, x, remat_interval=self.recompute_interval)
 
     def run_post(self, x: Any) -> Any:
-        """The layers after the body."""
+        """The layers after the stacked body."""
         for run in self.post:
             x = run(x)
         return x
@@ -378,16 +396,19 @@ class PipelineLayer(nnx.Module):
         num_microbatches: int = 1,
         mesh: jax.sharding.Mesh | None = None,
         loss_fn_idx: int = 0,
-    ) -> jax.Array:
-        """The mean micro-batch loss with the body pipelined over the mesh's ``pp`` axis.
+        micro_losses: bool = False,
+    ) -> Any:
+        """The mean micro-batch loss with the stages pipelined over the mesh's ``pp`` axis.
 
-        Runs the pre layers on the whole batch, then
+        Stacked body: the pre layers run on the whole batch, then
         :func:`~jfleet.parallel.pipeline_schedule.pipeline_loss` with one stage = a scan
-        over the stage's layers and the head = post layers + ``loss_fn``. Differentiate
-        it with ``nnx.grad`` (the engine does): gradients reach every ``nnx.Param``.
-        When the pre layers return a tuple such as ``(hidden, mask, position_ids)``, its
-        non-floating arrays travel to every stage and to the head as per-sample side
-        inputs (see the module docstring).
+        over the stage's layers and the head = post layers + ``loss_fn``. Stages of
+        different layers: the layers of stage 0 until the activation has the shape the
+        stages exchange run first, and those of the last stage after it last has it run in
+        the head (:func:`~jfleet.parallel.stages` buffers). Differentiate it with
+        ``nnx.grad`` (the engine does): gradients reach every ``nnx.Param``, a loss
+        module's included. The activation's integer / boolean leaves and its leaves that
+        are not batch first travel to every stage and to the head (see the module docstring).
 
         Args:
           inputs: the first layer's input, batch first.
@@ -397,14 +418,17 @@ class PipelineLayer(nnx.Module):
             split into ``M`` consecutive micro-batches.
           mesh: the mesh (default: the fleet's); its ``pp`` size must be ``num_stages``.
           loss_fn_idx: which of the loss functions.
+          micro_losses: also return the ``[M]`` micro-batch losses (not differentiated).
 
         Returns:
           The float32 mean over micro-batches (and data-parallel replicas) of
-          ``loss_fn(output, labels)``.
+          ``loss_fn(output, labels)``; with ``micro_losses``, ``(mean, losses)``.
 
         Raises:
           ValueError: no ``loss_fn``, a mesh whose ``pp`` size is not ``num_stages``,
-            and :func:`~jfleet.parallel.pipeline_schedule.pipeline_loss`'s errors.
+            stages exchanging activations of different shapes, a tied layer inside a
+            pipelined stage, and :func:`~jfleet.parallel.pipeline_schedule.pipeline_loss`'s
+            errors.
         """
         loss_fn = self._loss_fn(loss_fn_idx)
         mesh = layer_mesh(mesh)
@@ -414,21 +438,35 @@ class PipelineLayer(nnx.Module):
                 f"the PipelineLayer has num_stages={self.num_stages} but the mesh's {PP!r} axis "
                 f"has size {size}; build it with num_stages={size} (pp_degree)."
             )
-        x = self.run_pre(inputs)
-        split, carried, side, shared = stack.stage_inputs(x)
-        body_def, body_state = nnx.split(self.body)
-        post_def, post_params, post_rest = nnx.split(self.post, nnx.Param, ...)
-        stage_params = nnx.to_pure_dict(body_state)
-        head_params = nnx.to_pure_dict(post_params)
-        stage_fn = stack.stage_function(body_def, split, remat_interval=self.recompute_interval)
+        batch = jax.tree.leaves(inputs)[0].shape[0]
+        if self.stages is not None:
+            x, run_stage, stage_params, rows, post, tied = _flat_parts(self, inputs)
+            split, carried, side, shared = stack.stage_inputs(x, batch=batch)
+
+            def stage_fn(rows: Any, carried: Any, side: Any, shared: Any) -> list:
+                return split.carried_of(run_stage(rows, split.activation_of(carried, side, shared)))
+        else:
+            x = self.run_pre(inputs)
+            split, carried, side, shared = stack.stage_inputs(x, batch=batch)
+            body_def, body_state = nnx.split(self.body)
+            stage_params = nnx.to_pure_dict(body_state)
+            stage_fn = stack.stage_function(body_def, split, remat_interval=self.recompute_interval)
+            rows, tied = {}, self.post
+
+            def post(rows: Any, out: Any, runs: Any) -> Any:
+                for run in runs:
+                    out = run(out)
+                return out
+
+        head_def, head_state, head_rest = nnx.split(_Head(tied, loss_fn), nnx.Param, ...)
+        head_params = (rows, nnx.to_pure_dict(head_state))
+        whole = jax.lax.stop_gradient(shared[: split.num_shared])  # the activation's whole leaves
 
         def head_fn(params: Any, y: list, target: tuple) -> jax.Array:
-            labels, side = target
-            post = nnx.merge(post_def, params, post_rest)
-            out = split.activation_of(y, side)
-            for run in post:
-                out = run(out)
-            return _loss_value(loss_fn, out, labels)
+            (rows, pure), (labels, side) = params, target
+            h = nnx.merge(head_def, pure, head_rest)
+            out = post(rows, split.activation_of(y, side, whole), h.shared)
+            return _loss_value(h.loss, out, labels)
 
         # On CPU half-precision values cross the pipeline in float32 (stack.widened_stage).
         wide = stack.widens_on(mesh)
@@ -447,6 +485,7 @@ class PipelineLayer(nnx.Module):
             mesh=mesh,
             schedule=schedule,
             num_microbatches=num_microbatches,
+            micro_losses=micro_losses,
         )
 
     def _loss_fn(self, idx: int) -> Callable[..., Any]:
@@ -465,9 +504,81 @@ class PipelineLayer(nnx.Module):
 
 # ------------------------------------------------------------------ running helpers
 def _loss_value(loss_fn: Callable[..., Any], output: Any, labels: Any) -> jax.Array:
-    return scalar_loss(
-        loss_fn(cast_floating(output, jnp.float32), labels), "loss_fn(output, labels)"
-    )
+    """The float32 scalar loss; a per-token loss (``ParallelCrossEntropy``'s) is averaged."""
+    loss = loss_fn(cast_floating(output, jnp.float32), labels)
+    loss = jnp.mean(loss) if jnp.ndim(loss) else loss
+    return scalar_loss(loss, "loss_fn(output, labels)")
+
+
+def _signature(x: Any) -> tuple:
+    leaves, treedef = jax.tree.flatten(x)
+    return treedef, tuple((tuple(a.shape), jnp.dtype(a.dtype).name) for a in leaves)
+
+
+def _show(signature: tuple) -> str:
+    return str([f"{dtype}{list(shape)}" for shape, dtype in signature[1]])
+
+
+def _ends(model: PipelineLayer, inputs: Any) -> tuple[int, int]:
+    """``(k, j)``: stage 0's layers ``[0, k)`` run before the pipeline and the last stage's
+    layers ``[j, n)`` in its head; between, the activation has the shape the stages exchange.
+
+    Raises:
+      ValueError: the stages exchange activations of different shapes.
+    """
+    stages, parts, n = model.stages, model.segment_parts, model.num_layers
+    if len(parts) == 2:  # one stage: all of it runs before the (one-stage) pipeline
+        return n, n
+    flat = {k: v[...] for k, v in stages.flat.items()}
+    signatures = []
+
+    def walk(flat: Any, x: Any) -> int:
+        signatures.append(_signature(x))
+        for s in range(stages.num_stages):
+            for run in stages.layers(s, {k: v[s] for k, v in flat.items()}):
+                x = run(x, model.shared_layers)
+                signatures.append(_signature(x))
+        return 0
+
+    jax.eval_shape(walk, flat, inputs)
+    sent = [signatures[b] for b in parts[1:-1]]
+    if any(sig != sent[0] for sig in sent):
+        shown = "; ".join(
+            f"after layer {b - 1}: {_show(sig)}" for b, sig in zip(parts[1:-1], sent, strict=True)
+        )
+        raise ValueError(
+            f"the stages (boundaries seg_method -> {list(parts)}) pass activations of different "
+            f"shapes ({shown}); the pipeline sends one activation shape from stage to stage: "
+            "choose boundaries after layers that return the same shape (seg_method=[0, ...])."
+        )
+    k = next(i for i in range(parts[1] + 1) if signatures[i] == sent[0])
+    j = next(i for i in range(n, parts[-2] - 1, -1) if signatures[i] == sent[0])
+    return k, j
+
+
+def _flat_parts(model: PipelineLayer, inputs: Any) -> tuple:
+    """What :meth:`PipelineLayer.pipeline_loss` needs for stages of different layers:
+    ``(x, run_stage, stage_params, last_rows, post, tied)``."""
+    stages, parts, p = model.stages, model.segment_parts, model.num_stages
+    k, j = _ends(model, inputs)
+    ranges = [(max(a, k) - a, min(b, j) - a) for a, b in itertools.pairwise(parts)]
+    inside = [i for i in model._shared_at if k <= i < j]
+    if inside:
+        raise ValueError(
+            f"layers {inside} are SharedLayerDescs inside pipelined stages (the stages run "
+            f"layers {k} to {j - 1}); jfleet ties layers only at the ends (the embedding and "
+            "the LM head): keep tied layers first and last, or describe them with LayerDesc."
+        )
+    x = stages.run(0, stages.rows(0), inputs, stop=k, shared=model.shared_layers)
+
+    def run_stage(rows: Any, x: Any) -> Any:
+        return stages.switch(rows, x, ranges, remat_interval=model.recompute_interval)
+
+    def post(rows: Any, out: Any, tied: Any) -> Any:
+        return stages.run(p - 1, rows, out, start=j - parts[-2], shared=tied)
+
+    flat = {key: v[...] for key, v in stages.flat.items()}
+    return x, run_stage, flat, stages.rows(p - 1), post, model.shared_layers
 
 
 # ------------------------------------------------------------------ building helpers
@@ -486,6 +597,8 @@ def _entry_name(entry: Any) -> str:
 
 
 def _takes_rngs(fn: Any) -> bool:
+    if isinstance(fn, type) and fn.__init__ is object.__init__:  # a layer without __init__
+        return False
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -525,16 +638,22 @@ def _check_layers(layers: Any) -> list[Any]:
     return layers
 
 
-def _check_loss_fns(loss_fn: Any) -> tuple[Callable[..., Any], ...]:
+def _check_loss_fns(loss_fn: Any) -> nnx.List:
     if loss_fn is None:
-        return ()
+        return nnx.List([])
     fns = tuple(loss_fn) if isinstance(loss_fn, list | tuple) else (loss_fn,)
     bad = [repr(f) for f in fns if not callable(f)]
     if bad or not fns:
         raise TypeError(
             f"loss_fn={loss_fn!r} must be a callable loss_fn(output, labels) (or a list of them)."
         )
-    return fns
+    classes = [f.__name__ for f in fns if isinstance(f, type)]
+    if classes:
+        raise TypeError(
+            f"loss_fn={loss_fn!r} is a class ({', '.join(classes)}); pass an instance, "
+            f"loss_fn={classes[0]}(), whose __call__(output, labels) returns the loss."
+        )
+    return nnx.List(list(fns))
 
 
 def _resolve_stages(num_stages: Any, topology: Any) -> int:
@@ -576,117 +695,75 @@ def _runs(layers: list[Any]) -> list[tuple[int, int]]:
     return runs
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _stacked_body(layers: list[Any], parts: list[int], built: list) -> tuple[int, int] | None:
+    """The run of identical layers that the stages split evenly, or None.
+
+    A run ``(start, end)`` is the stacked body when each stage holds ``c = (end - start) / P``
+    of its layers, the layers before it are on stage 0 and those after it on the last
+    stage (``parts[s] == start + s * c``), and its layers hold parameters.
+    """
+    stages = len(parts) - 1
+    for start, end in sorted(_runs(layers), key=lambda r: (r[0] - r[1], r[0])):
+        count, rest = divmod(end - start, stages)
+        fits = count > 0 and not rest
+        fits = fits and all(parts[s] == start + s * count for s in range(1, stages))
+        if fits and jax.tree.leaves(nnx.state(built[start][0], nnx.Param)):
+            return start, end
+    return None
 
 
-def _find_body(layers: list[Any], seg_method: Any, stages: int) -> tuple[int, int]:
-    """The body's ``(start, end)`` in ``layers``, after checking every stage gets as many."""
-    names = [_entry_name(e) for e in layers]
-    if isinstance(seg_method, str) and seg_method.startswith("layer:"):
-        pattern = seg_method[len("layer:") :]
-        try:
-            regex = re.compile(pattern, re.IGNORECASE)
-        except re.error as err:
-            raise ValueError(f"seg_method={seg_method!r}: bad regular expression ({err}).") from err
-        hits = [i for i, name in enumerate(names) if regex.search(name)]
-        if not hits:
-            raise ValueError(
-                f"seg_method={seg_method!r} matches no layer; the layers' class names are "
-                f"{sorted(set(names))}."
-            )
-        start, end = hits[0], hits[-1] + 1
-        if hits != list(range(start, end)) or not any(r == (start, end) for r in _runs(layers)):
-            raise ValueError(
-                f"seg_method={seg_method!r} matches the layers at {hits} "
-                f"({[names[i] for i in hits]}); the pipelined body must be one run of identical "
-                "consecutive LayerDescs (same class and arguments), with nothing else matching."
-            )
-        parts = None
-    elif isinstance(seg_method, str):
-        if seg_method != "uniform":
-            raise ValueError(
-                f"seg_method={seg_method!r} is not a segmentation method; use 'uniform', "
-                "'layer:ClassNameRegex' or a list of stage boundaries [0, ..., len(layers)]."
-            )
-        runs = _runs(layers)
-        if not runs:
-            raise ValueError(
-                f"layers {names} have no LayerDesc to pipeline; describe the repeated blocks "
-                "with LayerDesc(cls, *args, **kwargs)."
-            )
-        start, end = max(runs, key=lambda r: (r[1] - r[0], -r[0]))
-        parts = None
-    else:
-        start, end = max(_runs(layers) or [(0, 0)], key=lambda r: (r[1] - r[0], -r[0]))
-        parts = _explicit_parts(seg_method, len(layers), stages, start, end)
-
-    count = end - start
-    body = f"{names[start]} layers" if count else "layers"
-    if count < stages:
-        raise ValueError(
-            f"num_stages={stages} is more than the {count} pipelined {body} (the body: "
-            f"layers[{start}:{end}]); use num_stages (pp_degree) in {_divisors(count) or [1]}, "
-            "or more layers."
-        )
-    if parts is None:
-        base, rem = divmod(count, stages)
-        parts = [base] * (stages - rem) + [base + 1] * rem  # Paddle: remainder to the last
-    if len(set(parts)) > 1:
-        lower, upper = count - count % stages, count + stages - count % stages
-        raise ValueError(
-            f"seg_method={seg_method!r} puts {parts} {body} on the {stages} stages; jfleet "
-            f"stacks the stages into one array per parameter and needs the same number on "
-            f"each. Use num_stages (pp_degree) in {_divisors(count)} (those dividing {count}), "
-            f"or a body of {lower or stages} or {upper} layers."
-        )
-    return start, end
-
-
-def _explicit_parts(bounds: Any, n: int, stages: int, start: int, end: int) -> list[int]:
-    """Body layers per stage for Paddle's explicit boundaries ``[0, b1, ..., n]``."""
-    ok = isinstance(bounds, Sequence) and all(
-        isinstance(b, int) and not isinstance(b, bool) for b in bounds
+def _log_flat(stages: FlatStages, parts: list[int]) -> None:
+    logger.info(
+        "PipelineLayer: stages of different layers (boundaries %s) hold %s parameters; each "
+        "device holds the largest stage's %d per dtype buffer",
+        parts,
+        list(stages.sizes),
+        max(stages.sizes or (0,)),
     )
-    if not ok:
-        raise TypeError(
-            f"seg_method={bounds!r} must be 'uniform', 'layer:ClassNameRegex' or a list of ints."
-        )
-    bounds = list(bounds)
-    if (
-        len(bounds) != stages + 1
-        or bounds[0] != 0
-        or bounds[-1] != n
-        or any(b > c for b, c in itertools.pairwise(bounds))
-    ):
-        raise ValueError(
-            f"seg_method={bounds} must be {stages + 1} non-decreasing stage boundaries from 0 "
-            f"to {n} (num_stages={stages}, {n} layers)."
-        )
-    return [max(0, min(b, end) - max(a, start)) for a, b in itertools.pairwise(bounds)]
 
 
-def _build_entry(entry: Any, rngs: nnx.Rngs, shared: dict) -> _Run:
+def _build_entry(entry: Any, rngs: nnx.Rngs, shared: dict) -> tuple[Any, Any, str | None]:
+    """``(layer, func, key)``: the built layer (or None), its function and its tied-layer key.
+
+    The first :class:`SharedLayerDesc` of a key builds the layer; later ones of the same
+    class reuse it; one of another class (Paddle's LM head next to the embedding) builds its
+    own layer whose ``shared_weight_attr`` is the first one's parameter (one shape).
+    """
     if isinstance(entry, SharedLayerDesc):
-        if entry.key in shared:
-            first, layer = shared[entry.key]
-            if first.layer_func is not entry.layer_func:
+        entries = shared.setdefault(entry.key, [])
+        same = [e for e in entries if e[0].layer_func is entry.layer_func]
+        if same:
+            _, name, layer = same[0]
+            return layer, entry.forward_func, name
+        layer = entry.build_layer(rngs)
+        _check_shared_attr(entry, layer)
+        name = str(entry.key) if not entries else f"{entry.key}:{entry.name}"
+        if entries:
+            first, _, first_layer = entries[0]
+            tied = getattr(first_layer, first.shared_weight_attr)
+            own, want = getattr(layer, entry.shared_weight_attr)[...], tied[...]
+            if own.shape != want.shape or own.dtype != want.dtype:
                 raise ValueError(
-                    f"SharedLayerDesc key {entry.key!r} is used with {first.name} and "
-                    f"{entry.name}; descriptions sharing a key must build the same layer."
+                    f"SharedLayerDesc key {entry.key!r}: {entry.name}.{entry.shared_weight_attr} "
+                    f"is {own.dtype}{list(own.shape)} but {first.name}."
+                    f"{first.shared_weight_attr} is {want.dtype}{list(want.shape)}; a "
+                    "tied weight has one shape: build both layers with the same sizes (the LM "
+                    "head's weight as the embedding's [vocab, hidden])."
                 )
-        else:
-            layer = entry.build_layer(rngs)
-            if not hasattr(layer, entry.shared_weight_attr):
-                params = [".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(layer))]
-                raise ValueError(
-                    f"SharedLayerDesc key {entry.key!r}: {entry.name} has no attribute "
-                    f"shared_weight_attr={entry.shared_weight_attr!r}; its parameters: {params}."
-                )
-            shared[entry.key] = (entry, layer)
-        return _Run(layer, entry.forward_func)
+            setattr(layer, entry.shared_weight_attr, tied)
+        entries.append((entry, name, layer))
+        return layer, entry.forward_func, name
     if isinstance(entry, LayerDesc):
-        return _Run(entry.build_layer(rngs), None)
+        return entry.build_layer(rngs), None, None
     if isinstance(entry, nnx.Module):
-        return _Run(entry, None)
-    return _Run(None, entry)
+        return entry, None, None
+    return None, entry, None
+
+
+def _check_shared_attr(entry: SharedLayerDesc, layer: Any) -> None:
+    if not hasattr(layer, entry.shared_weight_attr):
+        params = [".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(layer))]
+        raise ValueError(
+            f"SharedLayerDesc key {entry.key!r}: {entry.name} has no attribute "
+            f"shared_weight_attr={entry.shared_weight_attr!r}; its parameters: {params}."
+        )

@@ -10,9 +10,9 @@ The strategy's ``pipeline_configs`` choose the schedule (``schedule_mode``: ``"1
 of ``micro_batch_size`` rows per data-parallel replica, so a batch has
 ``micro_batch_size x accumulate_steps x (dp x sharding)`` rows.
 
-Learning-rate schedules: an optax schedule belongs in the optimizer
-(``optax.adam(optax.cosine_decay_schedule(...))``); ``train_batch(lr_scheduler=...)``
-takes an object with Paddle's ``step()`` method and calls it after each step.
+``train_batch(lr_scheduler=..., scaler=...)`` binds a ``GradScaler`` and applies a
+scheduler's learning rate as every ``train_batch`` does
+(:func:`jfleet.distributed_model.run_train_batch`).
 
 Example:
   >>> import jax.numpy as jnp, optax
@@ -41,7 +41,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jfleet.distributed_model import DistributedModel, prepare_model
+from jfleet.distributed_model import DistributedModel, prepare_model, run_train_batch
 from jfleet.distributed_optimizer import DistributedOptimizer
 from jfleet.engine import EvalStep, TrainStep, cached_step
 from jfleet.parallel.pipeline_layer import PipelineLayer
@@ -139,60 +139,42 @@ class PipelineParallel(DistributedModel):
             other key (the inputs, e.g. ``"tokens"``). Batch first; ``micro_batch_size x
             accumulate_steps x (dp x sharding)`` rows.
           optimizer: from ``fleet.distributed_optimizer``.
-          lr_scheduler: None, or an object with ``step()`` (Paddle's LRScheduler), called
-            after the step. Optax schedules go into the optimizer instead.
-          scaler: must be None: fp16 loss scaling comes from ``strategy.amp``.
+          lr_scheduler: a Paddle-style scheduler or an optax schedule whose learning rate
+            the step applies (:func:`~jfleet.distributed_model.run_train_batch`).
+          scaler: a ``jfleet.amp.GradScaler`` (fp16 loss scaling), or None.
           loss_fn_idx: which of the PipelineLayer's loss functions.
-          return_micro_batch_loss: must be False (per-micro-batch losses are not
-            returned yet).
+          return_micro_batch_loss: return each micro-batch's loss (``[accumulate_steps]``,
+            the mean over data-parallel replicas) instead of their mean.
 
         Returns:
-          The float32 mean loss (replicated).
+          The float32 mean loss (replicated), or the micro-batch losses.
 
         Raises:
           ValueError: a batch that is not ``micro_batch_size x accumulate_steps`` per
-            replica (the message has the numbers), a ``scaler``, malformed ``data``.
-          TypeError: an ``lr_scheduler`` without ``step()``.
-          NotImplementedError: ``return_micro_batch_loss=True``.
+            replica (the message has the numbers), malformed ``data``.
+          TypeError: a ``scaler`` or ``lr_scheduler`` of the wrong kind.
         """
-        if scaler is not None:
-            raise ValueError(
-                f"train_batch(scaler={scaler!r}): jfleet takes loss scaling from the strategy "
-                "(strategy.amp=True with amp_configs; the scale lives in the distributed "
-                "optimizer); pass scaler=None."
-            )
-        if return_micro_batch_loss:
-            raise NotImplementedError(
-                "train_batch(return_micro_batch_loss=True) is not available in jfleet yet; the "
-                "pipeline returns the mean loss over micro-batches."
-            )
-        if lr_scheduler is not None and not callable(getattr(lr_scheduler, "step", None)):
-            raise TypeError(
-                f"lr_scheduler={lr_scheduler!r} has no step() method. Paddle-style schedulers "
-                "(with step()) are stepped after each batch; an optax schedule belongs in the "
-                "optimizer: fleet.distributed_optimizer(optax.adam(schedule))."
-            )
         self.module._loss_fn(loss_fn_idx)
         batch = self._checked(data)
-        loss = cached_step(TrainStep, _PipelineObjective(loss_fn_idx), self.placement)(
-            self, optimizer, batch
+        micro = bool(return_micro_batch_loss)
+        step = cached_step(TrainStep, _PipelineObjective(loss_fn_idx, micro), self.placement)
+        loss = run_train_batch(
+            self, step, batch, optimizer, lr_scheduler=lr_scheduler, scaler=scaler
         )
-        if lr_scheduler is not None:
-            lr_scheduler.step()
-        return loss
+        return step.last_aux if micro else loss
 
-    def eval_batch(self, data: Any, compute_loss: bool = True, loss_fn_idx: int = 0) -> Any:
-        """The mean loss on ``data`` (pipelined, forward only), or the model's output.
+    def eval_batch(self, data: Any, compute_loss: bool = False, loss_fn_idx: int = 0) -> Any:
+        """The model's output on ``data`` (Paddle 3.x's default), or the mean loss.
 
         Args:
           data: as for :meth:`train_batch`.
-          compute_loss: True: the mean loss over micro-batches (the schedule's forward
-            loop over ``pp``); False: the last layer's output for every row (the model run
-            sequentially, the compiler moving the stage weights).
+          compute_loss: False: the last layer's output for every row (the model run
+            sequentially, the compiler moving the stage weights); True: the mean loss
+            over micro-batches (the schedule's forward loop over ``pp``).
           loss_fn_idx: which of the loss functions.
 
         Returns:
-          A float32 scalar, or the outputs.
+          The outputs, or a float32 scalar.
         """
         batch = self._checked(data, check_rows=compute_loss)
         if compute_loss:
@@ -263,7 +245,9 @@ def split_data(data: Any) -> tuple[Any, Any]:
 
 
 # ------------------------------------------------------------------ engine steps
-def _pipeline_objective(model: PipelineParallel, batch: Any, *, loss_fn_idx: int) -> jax.Array:
+def _pipeline_objective(
+    model: PipelineParallel, batch: Any, *, loss_fn_idx: int, micro: bool = False
+) -> Any:
     inputs, labels = batch
     return model.module.pipeline_loss(
         inputs,
@@ -272,6 +256,7 @@ def _pipeline_objective(model: PipelineParallel, batch: Any, *, loss_fn_idx: int
         num_microbatches=model.accumulate_steps,
         mesh=model.placement.mesh,
         loss_fn_idx=loss_fn_idx,
+        micro_losses=micro,
     )
 
 
@@ -281,12 +266,14 @@ def _outputs(model: PipelineParallel, batch: Any) -> tuple[jax.Array, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class _PipelineObjective:
-    """The engine's loss function for loss function ``loss_fn_idx``; equal ones share a step."""
+    """The engine's loss function for loss function ``loss_fn_idx`` (with ``micro``: ``(loss,
+    micro-batch losses)``); equal ones share a step."""
 
     loss_fn_idx: int
+    micro: bool = False
 
-    def __call__(self, model: PipelineParallel, batch: Any) -> jax.Array:
-        return _pipeline_objective(model, batch, loss_fn_idx=self.loss_fn_idx)
+    def __call__(self, model: PipelineParallel, batch: Any) -> Any:
+        return _pipeline_objective(model, batch, loss_fn_idx=self.loss_fn_idx, micro=self.micro)
 
 
 # ------------------------------------------------------------------ fleet entry

@@ -176,7 +176,8 @@ def pipeline_loss(
     pp_axis: str = PP,
     data_axes: tuple[str, ...] = DATA_AXES,
     remat: bool = False,
-) -> jax.Array:
+    micro_losses: bool = False,
+) -> Any:
     """The mean loss of a pipelined stack of stages, differentiable in all its arrays.
 
     Args:
@@ -209,9 +210,11 @@ def pipeline_loss(
       remat: FThenB only: keep only each stage's input per micro-batch and recompute the
         stage in the backward pass (``jax.checkpoint``). 1F1B always recomputes each
         stage from its stashed input, so the flag changes nothing there.
+      micro_losses: also return each micro-batch's loss (mean over replicas; no gradient).
 
     Returns:
-      The fp32 mean of ``head_fn`` over micro-batches and data-parallel replicas.
+      The fp32 mean of ``head_fn`` over micro-batches and data-parallel replicas; with
+      ``micro_losses``, ``(mean, losses[M])``.
 
     Raises:
       ValueError: an unknown schedule, ``num_microbatches < 1``, a mesh without
@@ -241,7 +244,8 @@ def pipeline_loss(
         data_axes=data_axes,
         remat=remat,
     )
-    return _differentiable(spec)(stage_params, head_params, inputs, targets, side, shared)
+    out = _differentiable(spec)(stage_params, head_params, inputs, targets, side, shared)
+    return out if micro_losses else out[0]
 
 
 def pipeline_forward(
@@ -454,6 +458,7 @@ def _differentiable(spec: _Pipeline) -> Callable[..., jax.Array]:
 
     def bwd(grads, g):
         d_stage, d_head, d_inputs = grads
+        g = g[0]  # the micro-batch losses are reported, not differentiated
         if isinstance(g, SymbolicZero):
             return (None,) * 6
 
@@ -475,7 +480,7 @@ def _sharded(spec: _Pipeline, *, forward_only: bool, with_dx: bool) -> Callable:
     """The jitted ``shard_map`` computing the loss (and, unless forward_only, the grads)."""
     pp, data = spec.pp_axis, spec.data_axes
     batch_spec = P(data) if data else P()
-    loss_out = P()
+    loss_out = (P(), P())
     if forward_only:
         out_specs: Any = loss_out
     else:
@@ -587,10 +592,10 @@ def _local_step(
     _check_head(spec, head, _take(x_mb, 0), _take(t_mb, 0))
 
     if forward_only:
-        total = _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage, skip_bubbles=True)
-        return lax.psum(total, axes) * scale
+        losses = _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage, skip_bubbles=True)
+        return _reduced(spec, losses, scale)
     run = _fthenb if spec.schedule == "FThenB" else _one_f_one_b
-    total, (d_stage, d_head, d_x) = run(spec, call, params, head, x_mb, t_mb, stage, with_dx)
+    losses, (d_stage, d_head, d_x) = run(spec, call, params, head, x_mb, t_mb, stage, with_dx)
 
     def finish(tree, over, like):
         tree = lax.psum(tree, over) if over else tree
@@ -600,7 +605,13 @@ def _local_step(
     d_head = finish(d_head, axes, head_params)
     if with_dx:
         d_x = _unsplit(finish(d_x, (spec.pp_axis,), x_mb))
-    return lax.psum(total, axes) * scale, (d_stage, d_head, d_x if with_dx else None)
+    return _reduced(spec, losses, scale), (d_stage, d_head, d_x if with_dx else None)
+
+
+def _reduced(spec: _Pipeline, losses: jax.Array, scale: float) -> tuple[jax.Array, jax.Array]:
+    """The mean loss and the per-micro-batch losses (mean over replicas) from this device's."""
+    axes = spec.manual_axes
+    return lax.psum(jnp.sum(losses), axes) * scale, lax.psum(losses, axes) / spec.data_size
 
 
 def _shift(tree: Any, spec: _Pipeline, direction: int) -> Any:
@@ -659,7 +670,7 @@ def _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage, *, skip_bubbles)
     """The forward GPipe loop, then the head on the last stage.
 
     ``call(params, x, i)`` runs this device's stage on micro-batch ``i``. Returns this
-    device's sum of head losses (zero off the last stage).
+    device's head loss per micro-batch ``[M]`` (zeros off the last stage).
     """
     p, axes = spec.num_stages, spec.manual_axes
     call = jax.checkpoint(call) if spec.remat else call
@@ -671,22 +682,22 @@ def _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage, *, skip_bubbles)
         def one(yt):
             return jnp.asarray(spec.head_fn(head, *yt), jnp.float32)
 
-        return _vary(jnp.sum(lax.map(one, (outs, t_mb))), axes)
+        return _vary(lax.map(one, (outs, t_mb)), axes)
 
-    return lax.cond(stage == p - 1, heads, lambda: _vary(jnp.zeros((), jnp.float32), axes))
+    zeros = jnp.zeros((spec.num_microbatches,), jnp.float32)
+    return lax.cond(stage == p - 1, heads, lambda: _vary(zeros, axes))
 
 
 def _fthenb(spec, call, params, head, x_mb, t_mb, stage, with_dx):
     """GPipe: differentiate the forward loop; its transpose is the backward loop."""
 
     def local(params, head, x_mb):
-        return _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage, skip_bubbles=False)
+        losses = _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage, skip_bubbles=False)
+        return jnp.sum(losses), losses
 
-    if with_dx:
-        total, grads = jax.value_and_grad(local, argnums=(0, 1, 2))(params, head, x_mb)
-        return total, grads
-    total, (d_stage, d_head) = jax.value_and_grad(local, argnums=(0, 1))(params, head, x_mb)
-    return total, (d_stage, d_head, None)
+    argnums = (0, 1, 2) if with_dx else (0, 1)
+    (_, losses), grads = jax.value_and_grad(local, argnums, has_aux=True)(params, head, x_mb)
+    return losses, grads if with_dx else (*grads, None)
 
 
 def _one_f_one_b(spec, call, params, head, x_mb, t_mb, stage, with_dx):
@@ -721,7 +732,7 @@ def _one_f_one_b(spec, call, params, head, x_mb, t_mb, stage, with_dx):
         return (zero_loss, _zeros(params), _zeros(head), _zeros(act))
 
     def tick(carry, t):
-        received_x, received_g, stash, d_stage, d_head, d_x_all, total = carry
+        received_x, received_g, stash, d_stage, d_head, d_x_all, losses = carry
         f, b = t - stage, t - 2 * (p - 1) + stage
         f_valid, b_valid = (f >= 0) & (f < m), (b >= 0) & (b < m)
         fi, bi = jnp.clip(f, 0, m - 1), jnp.clip(b, 0, m - 1)
@@ -750,7 +761,7 @@ def _one_f_one_b(spec, call, params, head, x_mb, t_mb, stage, with_dx):
             d_stage,
             d_head,
             d_x_all,
-            total + loss,
+            losses.at[fi].add(loss),  # the loss is zero but on the last stage
         )
         return carry, None
 
@@ -761,9 +772,9 @@ def _one_f_one_b(spec, call, params, head, x_mb, t_mb, stage, with_dx):
         jax.tree.map(lambda a: jnp.zeros_like(a, dtype=_acc_dtype(a)), params),
         jax.tree.map(lambda a: jnp.zeros_like(a, dtype=_acc_dtype(a)), head),
         _zeros(x_mb) if with_dx else None,
-        zero_loss,
+        jnp.zeros((m,), jnp.float32),
     )
     init = _vary(init, axes)
     carry, _ = lax.scan(tick, init, jnp.arange(m + 2 * (p - 1)))
-    _, _, _, d_stage, d_head, d_x_all, total = carry
-    return total, (d_stage, d_head, d_x_all)
+    _, _, _, d_stage, d_head, d_x_all, losses = carry
+    return losses, (d_stage, d_head, d_x_all)

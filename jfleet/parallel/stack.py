@@ -58,6 +58,7 @@ from jfleet.parallel.alike import block_period, first_difference, first_mismatch
 from jfleet.topology import PP
 
 __all__ = [
+    "CARRIED",
     "SHARED",
     "SIDE",
     "STATIC",
@@ -80,6 +81,8 @@ __all__ = [
     "widens_on",
 ]
 
+CARRIED = "carried"
+"""Kind of an activation leaf passed from stage to stage and differentiated."""
 SIDE = "side"
 """Kind of a per-sample stage input: split into micro-batches with the activation."""
 SHARED = "shared"
@@ -384,7 +387,8 @@ class StageInputs:
 
     Attributes:
       activation: the treedef of the activation passed from layer to layer.
-      floating: per activation leaf, whether it is carried (floating) or a side input.
+      act_kinds: per activation leaf, :data:`CARRIED` (floating, batch first), :data:`SIDE`
+        (batch first, not floating) or :data:`SHARED` (not batch first: an ``[L, L]`` mask).
       arguments: the treedef of ``(args, kwargs)``, the layers' further arguments.
       leaves: the argument leaves; the arrays among them are replaced by None (their
         values come back as side / shared inputs).
@@ -392,20 +396,41 @@ class StageInputs:
     """
 
     activation: Any
-    floating: tuple[bool, ...]
+    act_kinds: tuple[str, ...]
     arguments: Any
     leaves: tuple
     kinds: tuple[str, ...]
 
     @property
+    def floating(self) -> tuple[bool, ...]:
+        """Per activation leaf, whether it is carried from stage to stage."""
+        return tuple(k == CARRIED for k in self.act_kinds)
+
+    @property
     def num_side(self) -> int:
         """How many side inputs come from the activation (they come first)."""
-        return sum(not f for f in self.floating)
+        return self.act_kinds.count(SIDE)
 
-    def activation_of(self, carried: Sequence[Any], side: Sequence[Any]) -> Any:
-        """The activation rebuilt from its carried leaves and the first side inputs."""
-        carried, side = iter(carried), iter(side)
-        leaves = [next(carried) if f else next(side) for f in self.floating]
+    @property
+    def num_shared(self) -> int:
+        """How many shared inputs come from the activation (they come first)."""
+        return self.act_kinds.count(SHARED)
+
+    def activation_of(
+        self, carried: Sequence[Any], side: Sequence[Any], shared: Sequence[Any] = ()
+    ) -> Any:
+        """The activation rebuilt from its carried leaves and the first side / shared inputs.
+
+        Raises:
+          ValueError: the activation has shared leaves and ``shared`` lacks them.
+        """
+        if len(shared) < self.num_shared:
+            raise ValueError(
+                f"the activation has {self.num_shared} leaves that are not batch first (whole "
+                f"arrays every micro-batch gets); activation_of got {len(shared)} shared inputs."
+            )
+        parts = {CARRIED: iter(carried), SIDE: iter(side), SHARED: iter(shared)}
+        leaves = [next(parts[k]) for k in self.act_kinds]
         return jax.tree.unflatten(self.activation, leaves)
 
     def carried_of(self, y: Any) -> list:
@@ -421,12 +446,13 @@ class StageInputs:
                 f"(it is passed to the next layer); they take {self.activation} and return "
                 f"{treedef}."
             )
-        return [leaf for leaf, f in zip(leaves, self.floating, strict=True) if f]
+        return [leaf for leaf, k in zip(leaves, self.act_kinds, strict=True) if k == CARRIED]
 
     def arguments_of(self, side: Sequence[Any], shared: Sequence[Any]) -> tuple[tuple, dict]:
-        """The layers' ``(args, kwargs)`` from the side inputs (after the activation's) and
-        the shared inputs."""
-        side, shared = iter(list(side)[self.num_side :]), iter(shared)
+        """The layers' ``(args, kwargs)`` from the side and shared inputs (after the
+        activation's own)."""
+        side = iter(list(side)[self.num_side :])
+        shared = iter(list(shared)[self.num_shared :])
         merged = [
             next(side) if k == SIDE else next(shared) if k == SHARED else leaf
             for leaf, k in zip(self.leaves, self.kinds, strict=True)
@@ -439,57 +465,78 @@ def stage_inputs(
     args: tuple = (),
     kwargs: dict | None = None,
     per_sample: Sequence[int | str] | None = None,
+    *,
+    batch: int | None = None,
 ) -> tuple[StageInputs, list, list, list]:
     """Splits a stack's inputs into the carried activation, side and shared inputs.
 
     The activation ``x`` (an array or a pytree such as ``(hidden, mask, position_ids)``):
-    its floating leaves are **carried** (passed between stages, differentiated), its other
-    leaves (integer ids, boolean masks) become **side** inputs. The layers' further
-    arguments ``args`` / ``kwargs``: with ``per_sample`` (argument positions after the
-    activation, or keyword names) the arrays of those arguments are side inputs and every
-    other array is **shared**; without it an array whose leading dimension is the batch
-    size is a side input. Leaves that are not arrays (``deterministic=True``) are static.
+    its batch-first floating leaves are **carried** (passed between stages, differentiated),
+    its other batch-first leaves (integer ids, boolean masks) are **side** inputs (split
+    into micro-batches), and its leaves that are not batch first (an ``[L, L]`` mask, a
+    small table) are **shared** (whole with every micro-batch); neither kind gets a
+    gradient. The layers' further arguments ``args`` / ``kwargs``: with ``per_sample``
+    (argument positions after the activation, or keyword names) the arrays of those
+    arguments are side inputs and every other array is **shared**; without it an array
+    whose leading dimension is the batch size is a side input. Leaves that are not arrays
+    (``deterministic=True``) are static.
 
     Args:
-      x: the activation entering the stack, batch first.
+      x: the activation entering the stack.
       args: further positional arguments of every layer.
       kwargs: keyword arguments of every layer.
       per_sample: which arguments hold one row per sample, or None (decided by shape).
+      batch: the batch size (default: the leading dimension of ``x``'s first floating leaf).
 
     Returns:
       ``(inputs, carried, side, shared)``: the split (for :func:`stage_function` and to
-      rebuild the output), the carried leaves, the side arrays (the activation's first),
-      the shared arrays.
+      rebuild the output), the carried leaves, the side arrays and the shared arrays (the
+      activation's first in both).
 
     Raises:
-      ValueError: ``x`` has no floating leaf; or, without ``per_sample``, an argument whose
-        leading dimension is the batch size and also another dimension of the activation
-        (it could be a per-sample array or a sequence-indexed table).
+      ValueError: ``x`` has a leaf that is not an array or no batch-first floating leaf;
+        or, without ``per_sample``, an argument whose leading dimension is the batch size
+        and also another dimension of the activation (it could be a per-sample array or a
+        sequence-indexed table).
 
     Example:
       >>> import jax.numpy as jnp
-      >>> hidden, ids = jnp.ones((4, 3, 2)), jnp.zeros((4, 3), int)
+      >>> hidden, ids, causal = jnp.ones((4, 3, 2)), jnp.zeros((4, 3), int), jnp.ones((3, 3))
       >>> table = jnp.ones((3, 2))
-      >>> inputs, carried, side, shared = stage_inputs((hidden, ids), (table,), {"flag": True})
-      >>> len(carried), len(side), len(shared), inputs.kinds
-      (1, 1, 1, ('shared', 'static'))
+      >>> inputs, carried, side, shared = stage_inputs(
+      ...     (hidden, ids, causal), (table,), {"flag": True})
+      >>> inputs.act_kinds, len(carried), len(side), len(shared), inputs.kinds
+      (('carried', 'side', 'shared'), 1, 1, 2, ('shared', 'static'))
     """
     kwargs = kwargs or {}
     x_leaves, activation = jax.tree.flatten(x)
-    floating = tuple(_is_array(a) and _floating(a) for a in x_leaves)
     bad = [f"{type(a).__name__}" for a in x_leaves if not _is_array(a)]
-    if bad or not any(floating):
+    floats = [a for a in x_leaves if _is_array(a) and _floating(a) and a.ndim]
+    if batch is None and floats:
+        batch = floats[0].shape[0]
+    act_kinds = tuple(
+        SHARED
+        if not _is_array(a) or a.ndim < 1 or a.shape[0] != batch
+        else CARRIED
+        if _floating(a)
+        else SIDE
+        for a in x_leaves
+    )
+    if bad or CARRIED not in act_kinds:
         got = jax.tree.map(lambda a: f"{getattr(a, 'dtype', type(a).__name__)}", x)
+        shapes = jax.tree.map(lambda a: tuple(getattr(a, "shape", ())), x)
         raise ValueError(
-            f"the activation entering the pipelined layers is {got}; it must be an array or "
-            "a pytree of arrays with at least one floating array (the hidden state) passed "
-            "from layer to layer; integer ids and boolean masks may travel with it."
+            f"the activation entering the pipelined layers is {got} of shapes {shapes} (batch "
+            f"{batch}); it must be an array or a pytree of arrays with at least one floating "
+            "array whose leading dimension is the batch (the hidden state) passed from layer "
+            "to layer; integer ids, masks and tables may travel with it."
         )
-    first = next(a for a, f in zip(x_leaves, floating, strict=True) if f)
-    carried = [a for a, f in zip(x_leaves, floating, strict=True) if f]
-    side = [a for a, f in zip(x_leaves, floating, strict=True) if not f]
+    first = next(a for a, k in zip(x_leaves, act_kinds, strict=True) if k == CARRIED)
+    pick = {kind: [a for a, k in zip(x_leaves, act_kinds, strict=True) if k == kind]
+            for kind in (CARRIED, SIDE, SHARED)}  # fmt: skip
+    carried, side, shared = pick[CARRIED], pick[SIDE], pick[SHARED]
     per_sample = None if per_sample is None else tuple(per_sample)
-    leaves, kinds, shared = [], [], []
+    leaves, kinds = [], []
     named = [*enumerate(args), *sorted(kwargs.items())]  # jax.tree.flatten's order
     for key, value in named:
         for path, leaf in jax.tree_util.tree_leaves_with_path(value):
@@ -501,7 +548,7 @@ def stage_inputs(
             elif kind == SHARED:
                 shared.append(leaf)
     arguments = jax.tree.structure((tuple(args), kwargs))
-    inputs = StageInputs(activation, floating, arguments, tuple(leaves), tuple(kinds))
+    inputs = StageInputs(activation, act_kinds, arguments, tuple(leaves), tuple(kinds))
     return inputs, carried, side, shared
 
 
@@ -551,7 +598,7 @@ def stage_function(
     """
 
     def stage_fn(params: Any, carried: Any, side: Any, shared: Any) -> list:
-        x = inputs.activation_of(carried, side)
+        x = inputs.activation_of(carried, side, shared)
         args, kwargs = inputs.arguments_of(side, shared)
         y = run_layers(
             graphdef, params, x, args, kwargs, remat_interval=remat_interval, after=after

@@ -84,7 +84,7 @@ def assert_close(got, want, **tol):
 def test_same_seed_builds_tinygpt_whatever_the_stages_and_mp():
     want = nnx.state(TinyGPT(VOCAB, WIDTH, HEADS, BLOCKS, HIDDEN, seed=0), nnx.Param)
     for stages in (1, 2, 4):
-        model = PipelineLayer(gpt_descs(), num_stages=stages, seed=0)
+        model = PipelineLayer(gpt_descs(), num_stages=stages, seg_method="layer:GPTBlock", seed=0)
         assert model.body.attn.qkv.kernel.shape == (stages, BLOCKS // stages, WIDTH, 3 * WIDTH)
         assert_close(as_tinygpt(nnx.state(model, nnx.Param)), want, rtol=0, atol=0)
     init(dp_degree=2, pp_degree=2, mp_degree=2)
@@ -283,7 +283,12 @@ def test_stages_pass_a_mask_and_position_ids_like_paddle_with_both_schedules():
     init(dp_degree=2, pp_degree=2, mp_degree=2)
     head = LayerDesc(ColumnParallelLinear, WIDTH, VOCAB, has_bias=False, gather_output=False)
     descs = [LayerDesc(Inputs), *[LayerDesc(MaskedBlock)] * 4, hidden]
-    model = PipelineLayer([*descs, LayerDesc(nnx.LayerNorm, WIDTH), head], loss_fn=ce, seed=0)
+    model = PipelineLayer(
+        [*descs, LayerDesc(nnx.LayerNorm, WIDTH), head],
+        loss_fn=ce,
+        seg_method="layer:MaskedBlock",
+        seed=0,
+    )
     assert (model.num_stages, model.layers_per_stage, len(model.post)) == (2, 2, 3)
 
     k = jax.random.split(jax.random.key(3), 3)
@@ -329,24 +334,20 @@ def _bad(**kw):
             ValueError,
             r"'layer:Decoder' matches no layer.*\['Embed', 'GPTBlock', 'LayerNorm', 'Linear'\]",
         ),
-        (_bad(num_stages=8), ValueError, r"num_stages=8 is more than the 4 pipelined GPTBlock"),
+        (_bad(num_stages=8), ValueError, r"num_stages=8 is more than the 7 layers"),
         (
-            _bad(layers=gpt_descs(blocks=5)),
+            _bad(layers=gpt_descs(blocks=5), seg_method="layer:GPTBlock"),
             ValueError,
-            r"puts \[2, 3\] GPTBlock layers on the 2 stages.*num_stages \(pp_degree\) in \[1, 5\]"
-            r".*a body of 4 or 6 layers",
+            r"'layer:GPTBlock' matches 5 layers \(\['GPTBlock'\]\), which the 2 stages do not "
+            r"divide; use num_stages \(pp_degree\) in \[1, 5\]",
         ),
-        (
-            _bad(seg_method=[0, 2, 7]),
-            ValueError,
-            r"seg_method=\[0, 2, 7\] puts \[1, 3\] GPTBlock layers",
-        ),
+        (_bad(seg_method=[0, 1.5, 7]), TypeError, r"seg_method=\[0, 1.5, 7\] must be 'uniform'"),
         (_bad(seg_method=[0, 7]), ValueError, r"3 non-decreasing stage boundaries from 0 to 7"),
         (_bad(seg_method="even"), ValueError, r"seg_method='even' is not a segmentation method"),
         (
             _bad(seg_method="layer:^(embed|gptblock)$"),
             ValueError,
-            r"matches the layers at \[0, 1, 2, 3, 4\] \(\['Embed', 'GPTBlock',.*one run of",
+            r"matches 5 layers \(\['Embed', 'GPTBlock'\]\), which the 2 stages do not divide",
         ),
         (
             _bad(num_virtual_pipeline_stages=2),
@@ -363,7 +364,7 @@ def _bad(**kw):
             ValueError,
             r"no attribute shared_weight_attr='weight'; its parameters: \['embedding'\]",
         ),
-        (_bad(layers=[lambda x: x]), ValueError, r"have no LayerDesc to pipeline"),
+        (_bad(layers=[lambda x: x]), ValueError, r"num_stages=2 is more than the 1 layers"),
         (_bad(layers=["embed"]), TypeError, r"these are not: 0: 'embed'"),
         (_bad(recompute_interval=-1), ValueError, r"recompute_interval=-1"),
     ],

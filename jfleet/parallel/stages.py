@@ -1,0 +1,208 @@
+"""Pipeline stages that hold different layers: per-dtype flat buffers, one row per stage.
+
+When the stages of a :class:`~jfleet.parallel.pipeline_layer.PipelineLayer` are not the
+same stacked layers (stage 0 = embedding + 2 blocks and stage 1 = 3 blocks + norm +
+head; four different layer types; a parameter-free stage), :class:`FlatStages` holds them:
+
+* each stage's layers (an ``nnx.List`` of :class:`Run`\\ s) are split into a graph
+  definition and parameters; the parameters are raveled and concatenated per dtype, padded
+  with zeros to the largest stage and stacked to one ``[P, n]`` ``nnx.Param`` per dtype,
+  sharded on ``pp``: a device holds its own stage's row (the largest stage's size);
+* :meth:`FlatStages.run` rebuilds stage ``s``'s layers from its row (static slices and
+  reshapes: gradients flow back into the row) and runs a range of them, optionally under
+  ``jax.checkpoint`` every ``k`` layers; inside the pipeline's ``shard_map`` each device
+  picks its stage with ``lax.switch`` on its ``pp`` index (:meth:`FlatStages.switch`).
+
+Tied layers (:class:`~jfleet.parallel.pipeline_layer.SharedLayerDesc`) stay out of the
+buffers: a :class:`Run` names them by key and gets the module from the caller.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> stages = FlatStages([[Run(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))],
+  ...                      [Run(nnx.LayerNorm(3, rngs=nnx.Rngs(1))), Run(None, jnp.tanh)]])
+  >>> stages.flat["float32"].shape  # Linear: 6 + 3; LayerNorm: 3 + 3, padded to 9
+  (2, 9)
+  >>> stages(jnp.ones((4, 2))).shape
+  (4, 3)
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from jfleet.topology import PP
+
+__all__ = ["FlatStages", "Run"]
+
+
+class Run(nnx.Module):
+    """One layer of a pipeline: a module (maybe through ``func(layer, x)``), a function, or a
+    tied layer named by ``key``.
+
+    Args:
+      layer: the module, or None.
+      func: ``func(x)`` without a module, ``func(layer, x)`` with one, or None.
+      key: the tied layer's key (the module is passed to ``__call__``), or None.
+    """
+
+    def __init__(
+        self, layer: nnx.Module | None, func: Callable[..., Any] | None = None, key: Any = None
+    ) -> None:
+        self.layer = layer
+        self.func = func
+        self.key = key
+
+    def __call__(self, x: Any, shared: Mapping[str, nnx.Module] | None = None) -> Any:
+        layer = self.layer if self.key is None else shared[self.key]
+        if layer is None:
+            return self.func(x)
+        if self.func is None:
+            return layer(x)
+        return self.func(layer, x)
+
+
+def _dtype_key(dtype: Any) -> str:
+    return jnp.dtype(dtype).name
+
+
+class FlatStages(nnx.Module):
+    """``P`` stages of different layers, their parameters in ``[P, n]`` buffers per dtype.
+
+    Args:
+      stages: per stage, its :class:`Run`\\ s in order (a stage may be empty).
+
+    Attributes:
+      flat: ``nnx.Dict`` from dtype name to the ``[P, n]`` ``nnx.Param`` buffer.
+      num_stages: ``P``.
+      sizes: per stage, its number of parameters (before padding).
+
+    Raises:
+      ValueError: a stage layer holding state other than ``nnx.Param``.
+    """
+
+    def __init__(self, stages: Sequence[Sequence[Run]]) -> None:
+        recipes, rows, sizes = [], [], []
+        for s, runs in enumerate(stages):
+            modules = nnx.List(list(runs))
+            other = nnx.state(modules, nnx.Not(nnx.Param))
+            if jax.tree.leaves(other):
+                kinds = sorted({type(v).__name__ for _, v in nnx.to_flat_state(other)})
+                raise ValueError(
+                    f"pipeline stage {s} holds state other than nnx.Param ({kinds}); pipelined "
+                    "layers may only hold parameters (no batch statistics, caches or RNG "
+                    "streams: build dropout without rngs)."
+                )
+            graphdef, state = nnx.split(modules)
+            leaves, treedef = jax.tree.flatten(nnx.to_pure_dict(state))
+            offsets: dict[str, int] = collections.defaultdict(int)
+            parts: dict[str, list] = collections.defaultdict(list)
+            slots = []
+            for leaf in leaves:
+                key = _dtype_key(leaf.dtype)
+                slots.append((key, offsets[key], int(leaf.size), tuple(leaf.shape)))
+                offsets[key] += int(leaf.size)
+                parts[key].append(jnp.ravel(leaf))
+            recipes.append((graphdef, treedef, tuple(slots)))
+            rows.append({k: jnp.concatenate(v) for k, v in parts.items()})
+            sizes.append(sum(int(leaf.size) for leaf in leaves))
+        widths = {k: max(r[k].size for r in rows if k in r) for r in rows for k in r}
+        flat = {}
+        for key, width in sorted(widths.items()):
+            padded = [
+                jnp.pad(r[key], (0, width - r[key].size)) if key in r else jnp.zeros(width, key)
+                for r in rows
+            ]
+            flat[key] = nnx.Param(jnp.stack(padded))
+        self.flat = nnx.Dict(flat)
+        self.num_stages = len(recipes)
+        self.sizes = tuple(sizes)
+        self.lengths = tuple(len(r) for r in stages)
+        self._recipes = tuple(recipes)
+
+    def annotate(self, mesh: jax.sharding.Mesh) -> None:
+        """Sets the buffers' ``out_sharding`` to ``(pp, None)`` (when the mesh's ``pp`` size is
+        the stage count) and their ``mesh``."""
+        stage_axis = PP if mesh.shape.get(PP, 1) == self.num_stages else None
+        for var in self.flat.values():
+            var.set_metadata(out_sharding=(stage_axis, None), mesh=mesh)
+
+    def rows(self, s: int) -> dict[str, jax.Array]:
+        """Stage ``s``'s buffers ``{dtype: [n]}`` (slices of the ``[P, n]`` parameters)."""
+        return {k: v[...][s] for k, v in self.flat.items()}
+
+    def layers(self, s: int, rows: Mapping[str, jax.Array]) -> nnx.List:
+        """Stage ``s``'s :class:`Run`\\ s rebuilt from its buffers ``rows``."""
+        graphdef, treedef, slots = self._recipes[s]
+        leaves = [rows[k][o : o + n].reshape(shape) for k, o, n, shape in slots]
+        return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+    def run(
+        self,
+        s: int,
+        rows: Mapping[str, jax.Array],
+        x: Any,
+        *,
+        start: int = 0,
+        stop: int | None = None,
+        shared: Mapping[str, nnx.Module] | None = None,
+        remat_interval: int = 0,
+    ) -> Any:
+        """Stage ``s``'s layers ``start:stop`` on ``x``, from its buffers ``rows``.
+
+        With ``remat_interval = k > 0`` each group of ``k`` layers that holds parameters
+        runs under ``jax.checkpoint`` (Paddle's recompute of a stage's layers).
+        """
+        stop = self.lengths[s] if stop is None else stop
+        order = list(range(start, stop))
+        groups = [order] if remat_interval <= 0 else [
+            order[i : i + remat_interval] for i in range(0, len(order), remat_interval)
+        ]  # fmt: skip
+        sized = self._sized(s)
+        for group in groups:
+
+            def chunk(rows: Any, x: Any, group: list = group) -> Any:
+                layers = self.layers(s, rows)
+                for i in group:
+                    x = layers[i](x, shared)
+                return x
+
+            needs = remat_interval > 0 and any(sized[i] for i in group)
+            x = jax.checkpoint(chunk)(rows, x) if needs else chunk(rows, x)
+        return x
+
+    def switch(self, rows: Mapping[str, jax.Array], x: Any, ranges: Sequence[tuple[int, int]],
+               *, remat_interval: int = 0, axis: str = PP) -> Any:  # fmt: skip
+        """Inside a ``shard_map`` over ``axis``: this device's stage on ``x`` (``lax.switch``).
+
+        ``ranges[s]`` is the ``(start, stop)`` of stage ``s``'s layers to run.
+        """
+        branches = [
+            (lambda rows, x, s=s: self.run(
+                s, rows, x, start=ranges[s][0], stop=ranges[s][1], remat_interval=remat_interval))
+            for s in range(self.num_stages)
+        ]  # fmt: skip
+        return lax.switch(lax.axis_index(axis), branches, rows, x)
+
+    def __call__(
+        self, x: Any, shared: Mapping[str, nnx.Module] | None = None, *, remat_interval: int = 0
+    ) -> Any:
+        """Every stage in order, on one program (the sequential model)."""
+        for s in range(self.num_stages):
+            x = self.run(s, self.rows(s), x, shared=shared, remat_interval=remat_interval)
+        return x
+
+    def _sized(self, s: int) -> list[bool]:
+        """Per layer of stage ``s``, whether it holds parameters."""
+        _, treedef, slots = self._recipes[s]
+        leaves = [np.zeros((), np.int8)] * len(slots)
+        pure = jax.tree.unflatten(treedef, leaves)
+        return [bool(jax.tree.leaves(pure.get(i, {}))) for i in range(self.lengths[s])]
