@@ -36,8 +36,6 @@ DEVICES = {
     "hybrid_parallel_pp_embedding.py": 2,
     "hybrid_parallel_shared_weight.py": 2,
     "hybrid_parallel_pp_transformer.py": 2,
-    "hybrid_parallel_mp_model.py": 2,
-    "hybrid_parallel_mp_amp.py": 2,
     "hybrid_parallel_communicate_group.py": 2,
     "dygraph_group_sharded_api_eager.py": 2,
 }
