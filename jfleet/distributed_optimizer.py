@@ -81,9 +81,9 @@ def check_scheduler(scheduler: Any, where: str) -> None:
     """Raises unless ``scheduler`` is a Paddle-style scheduler or an optax schedule."""
     if not callable(scheduler) and not callable(getattr(scheduler, "step", None)):
         raise TypeError(
-            f"{where}: {scheduler!r} is not a learning-rate scheduler; pass a Paddle-style "
-            "scheduler with step() (jfleet.optim.lr.StepDecay(...)) or an optax schedule "
-            "(a callable of the step count)."
+            f"{where}: expected a Paddle-style scheduler with step() "
+            "(jfleet.optim.lr.StepDecay(...)) or an optax schedule (a callable of the step "
+            f"count); {type(scheduler).__name__} is neither."
         )
 
 
@@ -324,7 +324,7 @@ class DistributedOptimizer(nnx.Optimizer):
         if scheduler is None:
             _SCHEDULERS.pop(self, None)
             return
-        check_scheduler(scheduler, "set_lr_scheduler(scheduler=...)")
+        check_scheduler(scheduler, f"set_lr_scheduler(scheduler={scheduler!r})")
         state = self.opt_state if self.is_bound else self.tx.init(hyperparams.probe_params(self.tx))
         self._check_not_scheduled(self._lr_node(state))
         _SCHEDULERS[self] = scheduler
