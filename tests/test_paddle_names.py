@@ -77,6 +77,7 @@ PADDLE_NAMES = [
         "unwrap_optimizer",
     ),
     *names(MIX, "MixPrecisionLayer", "MixPrecisionOptimizer", "MixPrecisionScaler"),
+    *names(f"{FLEET}.utils.log_util", "logger", "set_log_level"),
     # fleet.layers.mpu
     *names(
         f"{MPU}.mp_ops",
