@@ -2,7 +2,8 @@
 # (PaddlePaddle/Paddle at commit 1ddbb66254668b7dc5b324073527b25589504ac4), which Paddle
 # runs on 2 GPUs (pp 2); run it with `python examples/paddle_ports/launch.py --devices 2 <this>`.
 # Framework swap: paddle tensors -> jax arrays, paddle.nn.Layer -> nnx.Module (forward ->
-# __call__, Flax parameter names), loss.backward() + optimizer.step() -> nnx.value_and_grad +
+# __call__, Flax parameter names, rngs= in Flax's layer signature, defaulting to the seeded
+# paddle_swap.rngs()), loss.backward() + optimizer.step() -> nnx.value_and_grad +
 # optax via nnx.Optimizer, paddle.optimizer.lr -> jfleet.optim.lr, paddle.seed / parameters /
 # set_value / create_parameter / softmax_with_cross_entropy -> paddle_swap. One process holds
 # every stage, so the host sees all of the pipeline's parameters. Other changed lines end in
@@ -14,13 +15,13 @@ import random
 import unittest
 
 import jax.numpy as jnp
-import jfleet.distributed as dist
 import numpy as np
 import optax
 import paddle_swap
 from flax import nnx
 from flax.nnx import Module as Layer
 
+import jfleet.distributed as dist
 from jfleet import fleet
 from jfleet.fleet.meta_parallel import (
     LayerDesc,
@@ -70,9 +71,10 @@ class SimpleNet(Layer):
 
 
 class EmbeddingPipe(Layer):
-    def __init__(self):
+    def __init__(self, rngs=None):
         super().__init__()
-        self.word_embeddings = nnx.Embed(vocab_size, hidden_size, rngs=paddle_swap.rngs())
+        rngs = rngs or paddle_swap.rngs()
+        self.word_embeddings = nnx.Embed(vocab_size, hidden_size, rngs=rngs)
 
     @property
     def embedding_weight(self):
@@ -85,9 +87,12 @@ class EmbeddingPipe(Layer):
 
 
 class MatmulNet(Layer):
-    def __init__(self):
+    def __init__(self, rngs=None):
         super().__init__()
-        self.softmax_weight = paddle_swap.create_parameter(shape=[hidden_size, vocab_size])
+        rngs = rngs or paddle_swap.rngs()
+        self.softmax_weight = paddle_swap.create_parameter(
+            shape=[hidden_size, vocab_size], rngs=rngs
+        )
 
     def __call__(self, args):
         x1, x2 = args
@@ -97,9 +102,10 @@ class MatmulNet(Layer):
 
 
 class BiasNet(Layer):
-    def __init__(self):
+    def __init__(self, rngs=None):
         super().__init__()
-        self.softmax_bias = paddle_swap.create_parameter(shape=[vocab_size])
+        rngs = rngs or paddle_swap.rngs()
+        self.softmax_bias = paddle_swap.create_parameter(shape=[vocab_size], rngs=rngs)
 
     def __call__(self, args):
         fc, x2 = args

@@ -132,17 +132,21 @@ def shard_over(value: Any, axis: int = -1, group: Any = None) -> jax.Array:
     return jax.device_put(value, NamedSharding(hcg.mesh, P(*spec)))
 
 
-def create_parameter(shape: Any, is_bias: bool = False, dtype: Any = "float32") -> nnx.Param:
+def create_parameter(
+    shape: Any, is_bias: bool = False, dtype: Any = "float32", rngs: nnx.Rngs | None = None
+) -> nnx.Param:
     """``layer.create_parameter(shape, is_bias=...)``: Xavier-uniform weights, zero biases.
 
-    As Paddle's Xavier initialiser, a 1-D weight uses its size as both fans.
+    As Paddle's Xavier initialiser, a 1-D weight uses its size as both fans. The key comes
+    from ``rngs`` (a layer's own), else from :func:`rngs`.
     """
     if is_bias:
         return nnx.Param(jnp.zeros(tuple(shape), dtype))
     shape = tuple(shape)
     fan_in, fan_out = (shape[0], shape[0]) if len(shape) == 1 else (shape[0], shape[1])
     limit = float(np.sqrt(6.0 / (fan_in + fan_out)))
-    return nnx.Param(jax.random.uniform(rngs().params(), shape, dtype, -limit, limit))
+    key = (rngs or _STATE["rngs"]).params()
+    return nnx.Param(jax.random.uniform(key, shape, dtype, -limit, limit))
 
 
 def softmax_with_cross_entropy(logits: jax.Array, label: jax.Array) -> jax.Array:
