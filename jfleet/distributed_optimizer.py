@@ -358,16 +358,20 @@ class DistributedOptimizer(nnx.Optimizer):
         """One training step through the engine (Paddle's ``minimize``); returns the loss.
 
         The functional twin of ``opt.minimize(loss)``: the loss is a function
-        ``loss_fn(model, batch)`` and the step differentiates it. A ``DistributedModel``
-        trains through its ``train_batch``; any other NNX model through the engine under
-        the run's placement.
-        """
-        from jfleet.distributed_model import DistributedModel
-        from jfleet.engine import TrainStep, cached_step
+        ``loss_fn(model, batch)`` and the step differentiates it; the model is the one
+        ``fleet.distributed_model`` returned (its ``train_batch`` runs the step).
 
-        if isinstance(model, DistributedModel):
-            return model.train_batch(batch, self, loss_fn=loss_fn)
-        return cached_step(TrainStep, loss_fn, None)(model, self, batch)
+        Raises:
+          TypeError: ``model`` has no ``train_batch(batch, optimizer, loss_fn=...)``.
+        """
+        train_batch = getattr(model, "train_batch", None)
+        if train_batch is None or not hasattr(model, "placement"):
+            raise TypeError(
+                f"opt.minimize(loss_fn, model={type(model).__name__}, batch): the model must "
+                "come from fleet.distributed_model(...); for a plain NNX model use "
+                "jfleet.make_train_step(loss_fn)(model, opt, batch)."
+            )
+        return train_batch(batch, self, loss_fn=loss_fn)
 
     def state_dict(self) -> dict[str, Any]:
         """The state as numpy arrays keyed by path (``"opt_state/0/mu/kernel"``, ``"step"``),

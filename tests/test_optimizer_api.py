@@ -166,6 +166,8 @@ def test_bad_optimizer_api_use():
     opt.init(model)
     with pytest.raises(TypeError, match=r"opt\.step\(model=DistributedModel, grads=NoneType\)"):
         opt.step(model)
+    with pytest.raises(TypeError, match=r"model=Linear, batch\).*make_train_step"):
+        opt.minimize(loss_fn, model.module, make_batch(0))
     saved = opt.state_dict()
     with pytest.raises(KeyError, match=r"missing keys \['step'\]"):
         opt.set_state_dict({k: v for k, v in saved.items() if k != "step"})
