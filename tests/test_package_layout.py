@@ -15,9 +15,17 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "jfleet"
 FACADE = "jfleet.fleet"
-#: Modules that may import the facade: the facade's own package, and to_distributed,
+#: Modules that may import the facade: the facade's own package, ``jfleet.distributed``
+#: (Paddle's ``paddle.distributed`` path, which holds ``fleet``), and to_distributed,
 #: which starts a run with ``fleet.init``.
-MAY_IMPORT_FACADE = ("jfleet.fleet", "jfleet.auto_parallel.to_distributed", "jfleet")
+MAY_IMPORT_FACADE = (
+    "jfleet.fleet",
+    "jfleet.auto_parallel.to_distributed",
+    "jfleet",
+    # Paddle's ``paddle.distributed`` facade: re-exports ``fleet`` and group_sharded.
+    "jfleet.distributed",
+    "jfleet.distributed.sharding",
+)
 AXIS_MODULE = "jfleet.topology"
 AXIS_NAMES = {"dp", "pp", "sharding", "sep", "mp"}
 #: String constants equal to an axis name that are not axis names.
@@ -25,6 +33,11 @@ NOT_AXES = {
     # Paddle's ``strategy.sharding`` switch: a setting's name, not the mesh axis.
     ("jfleet.strategy", "sharding"),
     ("jfleet._strategy_schema", "sharding"),
+    # ``getattr(x, "sharding")``: a jax.Array's attribute.
+    ("jfleet.collective", "sharding"),
+    ("jfleet.group_collective", "sharding"),
+    # ``jfleet.distributed.sharding``: Paddle's ``paddle.distributed.sharding`` module.
+    ("jfleet.distributed", "sharding"),
 }
 
 
