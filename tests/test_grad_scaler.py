@@ -119,6 +119,13 @@ def test_fp16_scaler_skips_inf_steps_and_follows_paddles_rule():
     restored = scaler2.state_dict()
     assert restored.keys() == state.keys()
     assert all(np.array_equal(restored[k], state[k]) for k in state)
+    # Loaded after attaching, before the state exists: the chain is compiled anew.
+    scaler3 = GradScaler(init_loss_scaling=2.0)
+    opt3 = fleet.distributed_optimizer(hyperparams.momentum(0.1))
+    scaler3.attach(opt3)
+    scaler3.load_state_dict({**state, "incr_every_n_steps": 5})
+    opt3.init(fleet.distributed_model(nnx.Linear(4, 2, rngs=nnx.Rngs(0))))
+    assert scaler3.state_dict() == {**restored, "incr_every_n_steps": 5}
 
 
 def test_group_sharded_parallel_takes_a_scaler_and_lists_sharding():
