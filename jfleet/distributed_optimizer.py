@@ -72,8 +72,7 @@ from jfleet.placement import Placement, resolve_placement
 # What waits for an optimizer's state (set before it is bound): kept off the module so
 # the optimizer's graph definition (the compiled step's key) never changes for it.
 _PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
+# The scheduler of each optimizer's set_lr_scheduler, kept off the module for the same reason.
 _SCHEDULERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -87,7 +86,7 @@ def check_scheduler(scheduler: Any, where: str) -> None:
         )
 
 
-def scheduler_lr(scheduler: Any, optimizer: DistributedOptimizer) -> float:
+def scheduler_lr(scheduler: Any, optimizer: DistributedOptimizer | None) -> float:
     """The rate a scheduler gives now: Paddle's ``last_lr`` (or ``scheduler()``) for a
     Paddle-style scheduler, an optax schedule at the optimizer's update count.
 
