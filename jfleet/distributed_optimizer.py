@@ -87,8 +87,8 @@ def check_scheduler(scheduler: Any, where: str) -> None:
 
 
 def scheduler_lr(scheduler: Any, optimizer: DistributedOptimizer | None) -> float:
-    """The rate a scheduler gives now: Paddle's ``last_lr`` (or ``scheduler()``) for a
-    Paddle-style scheduler, an optax schedule at the optimizer's update count.
+    """The rate a scheduler gives now: Paddle's ``last_lr`` (else ``scheduler()``, else
+    ``get_lr()``) for a Paddle-style scheduler, an optax schedule at the update count.
 
     Example:
       >>> from jfleet.optim.lr import StepDecay
@@ -97,7 +97,9 @@ def scheduler_lr(scheduler: Any, optimizer: DistributedOptimizer | None) -> floa
     """
     if callable(getattr(scheduler, "step", None)):
         value = getattr(scheduler, "last_lr", None)
-        return float(scheduler() if value is None else value)
+        if value is None:
+            value = scheduler() if callable(scheduler) else scheduler.get_lr()
+        return float(value)
     bound = optimizer is not None and optimizer.is_bound
     return float(scheduler(int(optimizer.step[...]) if bound else 0))
 
