@@ -120,8 +120,9 @@ class StepCounter(OptState):
         opt = owner() if owner is not None else None
         if opt is None or opt.step is not self:
             raise TypeError(
-                "opt.step(model, grads) runs on the host; inside a jitted function call "
-                "opt.update(model, grads) instead."
+                "opt.step(model, grads) runs on the host, on the optimizer that "
+                "fleet.distributed_optimizer returned; inside a jitted function (or on a copy "
+                "of the optimizer) call opt.update(model, grads) instead."
             )
         if model is None or grads is None:
             raise TypeError(
