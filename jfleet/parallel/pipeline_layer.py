@@ -58,7 +58,7 @@ from jfleet.amp import cast_floating
 from jfleet.engine import scalar_loss
 from jfleet.parallel import pipeline_schedule, segment, stack
 from jfleet.parallel.mesh_context import layer_mesh
-from jfleet.parallel.stages import FlatStages, Run
+from jfleet.parallel.stages import FlatStages, ParamView, Run, params_in_order
 from jfleet.placement import Placement
 from jfleet.topology import PP
 
@@ -300,6 +300,7 @@ class PipelineLayer(nnx.Module):
             self.post = nnx.List([Run(layer, func) for layer, func, _ in built[end:]])
             layers_ = [layer for layer, _, _ in built[start:end]]
             self.body = stack.stack_layers(layers_, stages, layers[start].name)
+            self._body_order = tuple(path for path, _ in params_in_order(layers_[0]))
             self.stages = None
         else:  # stages of different layers: flat buffers per stage (jfleet.parallel.stages)
             self.num_layers = len(layers)
@@ -322,6 +323,30 @@ class PipelineLayer(nnx.Module):
     def loss_fn(self) -> Callable[..., Any] | None:
         """The (first) loss function, or None."""
         return self.loss_fns[0] if self.loss_fns else None
+
+    def parameters(self) -> list[Any]:
+        """Paddle's ``parameters()``: every parameter once, in Paddle's order (the loss
+        module's, the tied layers', then layer by layer in attribute order).
+
+        Parameters held in a stacked body or a stage buffer come as
+        :class:`~jfleet.parallel.stages.ParamView`\\ s (``view[...]`` reads,
+        ``view.set_value(v)`` writes); the others as their ``nnx.Param``.
+        """
+        out: list[Any] = []
+        for loss in self.loss_fns:
+            out += [v for _, v in params_in_order(loss)]
+        if self.stages is not None:
+            out += [v for _, v in params_in_order(self.shared_layers)]
+            for s in range(self.num_stages):
+                out += self.stages.parameters(s)
+        else:
+            out += [v for _, v in params_in_order(self.pre)]
+            body = [functools.reduce(_attr, path, self.body) for path in self._body_order]
+            for s, j in itertools.product(range(self.num_stages), range(self.layers_per_stage)):
+                out += [ParamView(v, (s, j), v.shape[2:]) for v in body]
+            out += [v for _, v in params_in_order(self.post)]
+        seen: set[int] = set()
+        return [v for v in out if not (id(v) in seen or seen.add(id(v)))]
 
     def get_num_virtual_stages(self) -> int:
         """1: no interleaved stages (Paddle's method)."""
@@ -440,14 +465,16 @@ class PipelineLayer(nnx.Module):
             )
         batch = jax.tree.leaves(inputs)[0].shape[0]
         if self.stages is not None:
-            x, run_stage, stage_params, rows, post, tied = _flat_parts(self, inputs)
-            split, carried, side, shared = stack.stage_inputs(x, batch=batch)
+            x, run_stage, stage_params, rows, post, tied, pre = _flat_parts(self, inputs)
+            first = _batch_first(pre, inputs)
+            split, carried, side, shared = stack.stage_inputs(x, batch=batch, batch_first=first)
 
             def stage_fn(rows: Any, carried: Any, side: Any, shared: Any) -> list:
                 return split.carried_of(run_stage(rows, split.activation_of(carried, side, shared)))
         else:
             x = self.run_pre(inputs)
-            split, carried, side, shared = stack.stage_inputs(x, batch=batch)
+            first = _batch_first(self.run_pre, inputs)
+            split, carried, side, shared = stack.stage_inputs(x, batch=batch, batch_first=first)
             body_def, body_state = nnx.split(self.body)
             stage_params = nnx.to_pure_dict(body_state)
             stage_fn = stack.stage_function(body_def, split, remat_interval=self.recompute_interval)
@@ -510,6 +537,25 @@ def _loss_value(loss_fn: Callable[..., Any], output: Any, labels: Any) -> jax.Ar
     return scalar_loss(loss, "loss_fn(output, labels)")
 
 
+def _batch_first(pre: Callable[[Any], Any], inputs: Any) -> list[bool] | None:
+    """Per leaf of ``pre(inputs)``, whether it has one row per sample: its leading dimension
+    follows the batch when ``pre`` is traced with twice the batch (an ``[L, L]`` mask does
+    not, even when ``L`` is the batch size). None when ``pre`` cannot be traced so."""
+    leaves = jax.tree.leaves(inputs)
+    batch = leaves[0].shape[0]
+    twice = jax.tree.map(lambda a: jax.ShapeDtypeStruct((2 * batch, *a.shape[1:]), a.dtype), inputs)
+    try:
+        at_one, at_two = jax.eval_shape(pre, inputs), jax.eval_shape(pre, twice)
+    except Exception:  # a pre part tied to the batch size: decided by shape instead
+        return None
+    pairs = zip(jax.tree.leaves(at_one), jax.tree.leaves(at_two), strict=True)
+    return [bool(a.shape) and (a.shape[0], b.shape[0]) == (batch, 2 * batch) for a, b in pairs]
+
+
+def _attr(node: Any, name: str) -> Any:
+    return node[int(name)] if isinstance(node, nnx.List | list | tuple) else getattr(node, name)
+
+
 def _signature(x: Any) -> tuple:
     leaves, treedef = jax.tree.flatten(x)
     return treedef, tuple((tuple(a.shape), jnp.dtype(a.dtype).name) for a in leaves)
@@ -558,7 +604,7 @@ def _ends(model: PipelineLayer, inputs: Any) -> tuple[int, int]:
 
 def _flat_parts(model: PipelineLayer, inputs: Any) -> tuple:
     """What :meth:`PipelineLayer.pipeline_loss` needs for stages of different layers:
-    ``(x, run_stage, stage_params, last_rows, post, tied)``."""
+    ``(x, run_stage, stage_params, last_rows, post, tied, pre)``."""
     stages, parts, p = model.stages, model.segment_parts, model.num_stages
     k, j = _ends(model, inputs)
     ranges = [(max(a, k) - a, min(b, j) - a) for a, b in itertools.pairwise(parts)]
@@ -569,7 +615,9 @@ def _flat_parts(model: PipelineLayer, inputs: Any) -> tuple:
             f"layers {k} to {j - 1}); jfleet ties layers only at the ends (the embedding and "
             "the LM head): keep tied layers first and last, or describe them with LayerDesc."
         )
-    x = stages.run(0, stages.rows(0), inputs, stop=k, shared=model.shared_layers)
+
+    def pre(inputs: Any) -> Any:
+        return stages.run(0, stages.rows(0), inputs, stop=k, shared=model.shared_layers)
 
     def run_stage(rows: Any, x: Any) -> Any:
         return stages.switch(rows, x, ranges, remat_interval=model.recompute_interval)
@@ -578,7 +626,7 @@ def _flat_parts(model: PipelineLayer, inputs: Any) -> tuple:
         return stages.run(p - 1, rows, out, start=j - parts[-2], shared=tied)
 
     flat = {key: v[...] for key, v in stages.flat.items()}
-    return x, run_stage, flat, stages.rows(p - 1), post, model.shared_layers
+    return pre(inputs), run_stage, flat, stages.rows(p - 1), post, model.shared_layers, pre
 
 
 # ------------------------------------------------------------------ building helpers

@@ -118,6 +118,10 @@ class PipelineParallel(DistributedModel):
         self.accumulate_steps = accumulate_steps
         self.schedule = resolve_schedule(schedule)
 
+    def parameters(self) -> list[Any]:
+        """The PipelineLayer's ``parameters()`` (Paddle's order; stage-held ones as views)."""
+        return self.module.parameters()
+
     @property
     def num_stages(self) -> int:
         """The pipeline stages (the ``pp`` degree)."""

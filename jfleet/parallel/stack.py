@@ -467,6 +467,7 @@ def stage_inputs(
     per_sample: Sequence[int | str] | None = None,
     *,
     batch: int | None = None,
+    batch_first: Sequence[bool] | None = None,
 ) -> tuple[StageInputs, list, list, list]:
     """Splits a stack's inputs into the carried activation, side and shared inputs.
 
@@ -487,6 +488,9 @@ def stage_inputs(
       kwargs: keyword arguments of every layer.
       per_sample: which arguments hold one row per sample, or None (decided by shape).
       batch: the batch size (default: the leading dimension of ``x``'s first floating leaf).
+      batch_first: per leaf of ``x``, whether it holds one row per sample (when known, e.g.
+        by tracing with another batch size: an ``[L, L]`` mask with ``L`` the batch size);
+        default: a leaf whose leading dimension is ``batch``.
 
     Returns:
       ``(inputs, carried, side, shared)``: the split (for :func:`stage_function` and to
@@ -514,13 +518,11 @@ def stage_inputs(
     floats = [a for a in x_leaves if _is_array(a) and _floating(a) and a.ndim]
     if batch is None and floats:
         batch = floats[0].shape[0]
+    if batch_first is None:
+        batch_first = [_is_array(a) and a.ndim > 0 and a.shape[0] == batch for a in x_leaves]
     act_kinds = tuple(
-        SHARED
-        if not _is_array(a) or a.ndim < 1 or a.shape[0] != batch
-        else CARRIED
-        if _floating(a)
-        else SIDE
-        for a in x_leaves
+        SHARED if not (_is_array(a) and first) else CARRIED if _floating(a) else SIDE
+        for a, first in zip(x_leaves, batch_first, strict=True)
     )
     if bad or CARRIED not in act_kinds:
         got = jax.tree.map(lambda a: f"{getattr(a, 'dtype', type(a).__name__)}", x)

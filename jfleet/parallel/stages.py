@@ -41,7 +41,86 @@ from jax import lax
 
 from jfleet.topology import PP
 
-__all__ = ["FlatStages", "Run"]
+__all__ = ["FlatStages", "ParamView", "Run", "params_in_order"]
+
+
+def params_in_order(node: Any, path: tuple = ()) -> list[tuple[tuple, nnx.Param]]:
+    """``(path, param)`` of a module's parameters in attribute order (Paddle's
+    ``parameters()`` order; ``nnx`` sorts attribute names), each once.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> class Net(nnx.Module):
+      ...     def __init__(self):
+      ...         self.w, self.b = nnx.Param(jnp.ones(2)), nnx.Param(jnp.zeros(1))
+      >>> [p for p, _ in params_in_order(Net())]
+      [('w',), ('b',)]
+    """
+    out, seen = [], set()
+
+    def walk(value: Any, path: tuple) -> None:
+        if id(value) in seen:
+            return
+        if isinstance(value, nnx.Param):
+            seen.add(id(value))
+            out.append((path, value))
+        elif isinstance(value, nnx.Module):
+            seen.add(id(value))
+            for name, item in vars(value).items():
+                if not name.startswith(("_pytree__", "_object__")):
+                    walk(item, (*path, name))
+        elif isinstance(value, list | tuple):
+            for i, item in enumerate(value):
+                walk(item, (*path, str(i)))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, (*path, str(key)))
+
+    walk(node, path)
+    return out
+
+
+class ParamView:
+    """One layer's parameter inside a stacked or flat stage buffer (``parameters()``'s items).
+
+    ``view[...]`` reads it, ``view.set_value(value)`` writes it in place (Paddle's
+    ``param.set_value``), keeping the buffer's sharding.
+
+    Args:
+      var: the buffer's ``nnx.Param``.
+      index: where the parameter is in the buffer (ints and slices).
+      shape: the parameter's shape.
+    """
+
+    def __init__(self, var: nnx.Param, index: tuple, shape: tuple[int, ...]) -> None:
+        self.var, self.index, self.shape = var, index, tuple(shape)
+
+    @property
+    def dtype(self) -> Any:
+        return self.var[...].dtype
+
+    def __getitem__(self, key: Any) -> jax.Array:
+        return self.var[...][self.index].reshape(self.shape)[key]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return np.asarray(self[...], dtype=dtype)
+
+    def numpy(self) -> np.ndarray:
+        return np.asarray(self)
+
+    def set_value(self, value: Any) -> None:
+        """Writes ``value`` (of the parameter's size) into the buffer."""
+        old = self.var[...]
+        part = jnp.asarray(value, old.dtype)
+        if part.size != int(np.prod(self.shape)):
+            raise ValueError(
+                f"set_value got shape {part.shape} for a parameter of shape {self.shape}."
+            )
+        new = old.at[self.index].set(part.reshape(old[self.index].shape))
+        self.var[...] = jax.device_put(new, old.sharding)
+
+    def __repr__(self) -> str:
+        return f"ParamView({self.dtype}{list(self.shape)})"
 
 
 class Run(nnx.Module):
@@ -70,6 +149,10 @@ class Run(nnx.Module):
         return self.func(layer, x)
 
 
+def _path_key(path: tuple) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", k)) for k in path)
+
+
 def _dtype_key(dtype: Any) -> str:
     return jnp.dtype(dtype).name
 
@@ -90,7 +173,7 @@ class FlatStages(nnx.Module):
     """
 
     def __init__(self, stages: Sequence[Sequence[Run]]) -> None:
-        recipes, rows, sizes = [], [], []
+        recipes, rows, sizes, orders = [], [], [], []
         for s, runs in enumerate(stages):
             modules = nnx.List(list(runs))
             other = nnx.state(modules, nnx.Not(nnx.Param))
@@ -102,7 +185,10 @@ class FlatStages(nnx.Module):
                     "streams: build dropout without rngs)."
                 )
             graphdef, state = nnx.split(modules)
-            leaves, treedef = jax.tree.flatten(nnx.to_pure_dict(state))
+            paths, treedef = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))
+            leaves = [leaf for _, leaf in paths]
+            where = {_path_key(path): i for i, (path, _) in enumerate(paths)}
+            orders.append(tuple(where[path] for path, _ in params_in_order(modules)))
             offsets: dict[str, int] = collections.defaultdict(int)
             parts: dict[str, list] = collections.defaultdict(list)
             slots = []
@@ -127,6 +213,17 @@ class FlatStages(nnx.Module):
         self.sizes = tuple(sizes)
         self.lengths = tuple(len(r) for r in stages)
         self._recipes = tuple(recipes)
+        self._orders = tuple(orders)  # per stage, its slots in attribute (Paddle's) order
+
+    def parameters(self, s: int) -> list[ParamView]:
+        """Stage ``s``'s parameters as views into its buffer row, layer by layer in
+        attribute order (tied layers, held outside, excluded)."""
+        slots = self._recipes[s][2]
+        views = []
+        for i in self._orders[s]:
+            key, offset, size, shape = slots[i]
+            views.append(ParamView(self.flat[key], (s, slice(offset, offset + size)), shape))
+        return views
 
     def annotate(self, mesh: jax.sharding.Mesh) -> None:
         """Sets the buffers' ``out_sharding`` to ``(pp, None)`` (when the mesh's ``pp`` size is

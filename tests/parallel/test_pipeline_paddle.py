@@ -421,3 +421,24 @@ def test_parameter_free_stage_trains_and_bad_splits_are_refused():
     )
     with pytest.raises(ValueError, match=r"layers \[1, 3\] are SharedLayerDescs inside"):
         tied_inside.pipeline_loss(x, x)
+
+
+def test_parameters_in_paddle_order_read_and_written_through_views():
+    flat = PipelineLayer(
+        [LayerDesc(nnx.Linear, 2, 3), jnp.tanh, LayerDesc(nnx.LayerNorm, 3)], num_stages=2
+    )
+    params = flat.parameters()
+    assert [p.shape for p in params] == [(2, 3), (3,), (3,), (3,)]  # kernel, bias, scale, bias
+    params[0].set_value(np.arange(6.0).reshape(2, 3))
+    kernel = flat.stages.layers(0, flat.stages.rows(0))[0].layer.kernel[...]
+    np.testing.assert_array_equal(kernel, np.arange(6.0).reshape(2, 3))
+    np.testing.assert_array_equal(params[0][...], kernel)
+    with pytest.raises(ValueError, match=r"set_value got shape \(2,\) for a parameter of shape"):
+        params[0].set_value(np.ones(2))
+
+    stacked = PipelineLayer([LayerDesc(nnx.Linear, 2, 2)] * 4, num_stages=2)
+    params = stacked.parameters()
+    assert [p.shape for p in params] == [(2, 2), (2,)] * 4
+    params[3].set_value(np.full(2, 7.0))  # layer 1's bias: stage 0, its second layer
+    np.testing.assert_array_equal(stacked.body.bias[...][0, 1], [7.0, 7.0])
+    assert float(jnp.abs(stacked.body.bias[...][1]).sum()) == 0.0
