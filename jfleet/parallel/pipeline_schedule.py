@@ -682,7 +682,9 @@ def _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage, *, skip_bubbles)
         def one(yt):
             return jnp.asarray(spec.head_fn(head, *yt), jnp.float32)
 
-        return _vary(lax.map(one, (outs, t_mb)), axes)
+        # vmap, not lax.map: a loss that opens its own shard_map over mp (ParallelCrossEntropy)
+        # does not lower inside a differentiated scan here
+        return _vary(jax.vmap(one)((outs, t_mb)), axes)
 
     zeros = jnp.zeros((spec.num_microbatches,), jnp.float32)
     return lax.cond(stage == p - 1, heads, lambda: _vary(zeros, axes))

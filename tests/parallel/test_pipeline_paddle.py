@@ -272,9 +272,7 @@ def test_each_device_holds_only_its_stage(one_f_one_b):
 
 
 def test_fthenb_with_parallel_cross_entropy_micro_losses_and_outputs_like_one_device():
-    # mp 1: ParallelCrossEntropy's own shard_map over mp > 1 does not lower inside the
-    # pipeline's shard_map yet (jfleet/parallel/cross_entropy.py)
-    losses, layer, per_micro, outputs = run("FThenB", ParallelCrossEntropy, mp=1, micro=True)
+    losses, layer, per_micro, outputs = run("FThenB", ParallelCrossEntropy, micro=True)
 
     def per_token(logits, labels):
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
@@ -283,14 +281,14 @@ def test_fthenb_with_parallel_cross_entropy_micro_losses_and_outputs_like_one_de
     np.testing.assert_allclose(losses, want_losses, **FP32)
     assert_same_layers(layer, ref)
     np.testing.assert_allclose(outputs, ref(batches()[1][0]), **FP32)  # eval_batch: outputs
-    # micro-batch i of the last step: row i of each of the dp 4 replicas' 2 rows
+    # micro-batch i of the last step: rows 2i, 2i + 1 of each of the dp 2 replicas' 4 rows
     start = Sequential(per_token)
     train_one_device(
         start, optax.sgd(0.5), batches()[:1], lambda m, b: m.loss(m(b[0]), b[1]).mean()
     )
     tokens, labels = batches()[1]
     rows = np.asarray(per_token(start(tokens), labels).mean(axis=1))
-    np.testing.assert_allclose(per_micro, rows.reshape(4, 2).mean(axis=0), **FP32)
+    np.testing.assert_allclose(per_micro, rows.reshape(2, 2, 2).mean(axis=(0, 2)), **FP32)
 
 
 def test_recompute_interval_checkpoints_stage_layers_same_values():
