@@ -262,7 +262,7 @@ class TestDistTraining(unittest.TestCase):
 
         for _ in range(5):
             np_label = np.random.randint(0, vocab_size, (batch_size, seq_length))
-            label = jnp.asarray(np_label, dtype="int64")
+            label = jnp.asarray(np_label)
 
             data = paddle_swap.randn([batch_size, seq_length, vocab_size], mp=-1)  # PORT: global V
 
