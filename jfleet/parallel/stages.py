@@ -13,8 +13,11 @@ head; four different layer types; a parameter-free stage), :class:`FlatStages` h
   ``jax.checkpoint`` every ``k`` layers; inside the pipeline's ``shard_map`` each device
   picks its stage with ``lax.switch`` on its ``pp`` index (:meth:`FlatStages.switch`).
 
-Tied layers (:class:`~jfleet.parallel.pipeline_layer.SharedLayerDesc`) stay out of the
-buffers: a :class:`Run` names them by key and gets the module from the caller.
+The layers themselves stay in the model as ``templates`` whose parameters are
+:class:`Slot` placeholders, so settings applied to the model after it is built (AMP
+compute dtypes, recompute flags) reach them. Tied layers
+(:class:`~jfleet.parallel.pipeline_layer.SharedLayerDesc`) stay out of the buffers: a
+:class:`Run` names them by key and gets the module from the caller.
 
 Example:
   >>> import jax.numpy as jnp
@@ -41,7 +44,7 @@ from jax import lax
 
 from jfleet.topology import PP
 
-__all__ = ["FlatStages", "ParamView", "Run", "params_in_order"]
+__all__ = ["FlatStages", "ParamView", "Run", "Slot", "params_in_order"]
 
 
 def params_in_order(node: Any, path: tuple = ()) -> list[tuple[tuple, nnx.Param]]:
@@ -149,6 +152,18 @@ class Run(nnx.Module):
         return self.func(layer, x)
 
 
+class Slot(nnx.Variable):
+    """Where a stage layer's parameter lives in its stage's buffer (a placeholder)."""
+
+
+def _is_var(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _slot(var: nnx.Variable) -> Slot:
+    return Slot(jnp.zeros((), jnp.int8))
+
+
 def _path_key(path: tuple) -> tuple[str, ...]:
     return tuple(str(getattr(k, "key", k)) for k in path)
 
@@ -173,7 +188,7 @@ class FlatStages(nnx.Module):
     """
 
     def __init__(self, stages: Sequence[Sequence[Run]]) -> None:
-        recipes, rows, sizes, orders = [], [], [], []
+        recipes, rows, sizes, orders, templates = [], [], [], [], []
         for s, runs in enumerate(stages):
             modules = nnx.List(list(runs))
             other = nnx.state(modules, nnx.Not(nnx.Param))
@@ -197,7 +212,8 @@ class FlatStages(nnx.Module):
                 slots.append((key, offsets[key], int(leaf.size), tuple(leaf.shape)))
                 offsets[key] += int(leaf.size)
                 parts[key].append(jnp.ravel(leaf))
-            recipes.append((graphdef, treedef, tuple(slots)))
+            recipes.append((treedef, tuple(slots)))
+            templates.append(nnx.merge(graphdef, jax.tree.map(_slot, state, is_leaf=_is_var)))
             rows.append({k: jnp.concatenate(v) for k, v in parts.items()})
             sizes.append(sum(int(leaf.size) for leaf in leaves))
         widths = {k: max(r[k].size for r in rows if k in r) for r in rows for k in r}
@@ -213,12 +229,15 @@ class FlatStages(nnx.Module):
         self.sizes = tuple(sizes)
         self.lengths = tuple(len(r) for r in stages)
         self._recipes = tuple(recipes)
+        # the stages' layers with placeholders for their parameters: settings applied to the
+        # model later (AMP compute dtypes, recompute) reach them
+        self.templates = nnx.List(templates)
         self._orders = tuple(orders)  # per stage, its slots in attribute (Paddle's) order
 
     def parameters(self, s: int) -> list[ParamView]:
         """Stage ``s``'s parameters as views into its buffer row, layer by layer in
         attribute order (tied layers, held outside, excluded)."""
-        slots = self._recipes[s][2]
+        slots = self._recipes[s][1]
         views = []
         for i in self._orders[s]:
             key, offset, size, shape = slots[i]
@@ -238,7 +257,8 @@ class FlatStages(nnx.Module):
 
     def layers(self, s: int, rows: Mapping[str, jax.Array]) -> nnx.List:
         """Stage ``s``'s :class:`Run`\\ s rebuilt from its buffers ``rows``."""
-        graphdef, treedef, slots = self._recipes[s]
+        treedef, slots = self._recipes[s]
+        graphdef = nnx.graphdef(self.templates[s])
         leaves = [rows[k][o : o + n].reshape(shape) for k, o, n, shape in slots]
         return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
@@ -299,7 +319,7 @@ class FlatStages(nnx.Module):
 
     def _sized(self, s: int) -> list[bool]:
         """Per layer of stage ``s``, whether it holds parameters."""
-        _, treedef, slots = self._recipes[s]
+        treedef, slots = self._recipes[s]
         leaves = [np.zeros((), np.int8)] * len(slots)
         pure = jax.tree.unflatten(treedef, leaves)
         return [bool(jax.tree.leaves(pure.get(i, {}))) for i in range(self.lengths[s])]

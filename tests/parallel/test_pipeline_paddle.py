@@ -22,6 +22,7 @@ import pytest
 from flax import nnx
 
 from jfleet import fleet
+from jfleet.amp import apply_amp
 from jfleet.fleet.meta_parallel import ParallelCrossEntropy
 from jfleet.parallel import segment, stack
 from jfleet.parallel.pipeline_layer import LayerDesc, PipelineLayer, SharedLayerDesc
@@ -231,7 +232,7 @@ def assert_same_layers(layer: PipelineLayer, ref: Sequential) -> None:
     if isinstance(ref.loss, nnx.Module):
         pairs.append((layer.loss_fns[0], ref.loss))
     for got, want in pairs:
-        chex_close(nnx.state(got, nnx.Param), nnx.state(want, nnx.Param))
+        chex_close(nnx.state(got), nnx.state(want))  # stage layers hold stages.Slot views
 
 
 def chex_close(got, want) -> None:
@@ -440,3 +441,13 @@ def test_parameters_in_paddle_order_read_and_written_through_views():
     params[3].set_value(np.full(2, 7.0))  # layer 1's bias: stage 0, its second layer
     np.testing.assert_array_equal(stacked.body.bias[...][0, 1], [7.0, 7.0])
     assert float(jnp.abs(stacked.body.bias[...][1]).sum()) == 0.0
+
+
+def test_amp_settings_reach_the_layers_of_flat_stages():
+    model = LlamaLikePipe(CriterionPipe(), num_stages=2, seed=0)
+    apply_amp(model, dtype="bfloat16", level="O1")  # what fleet.distributed_model applies
+    gate = model.stages.layers(1, model.stages.rows(1))[2].layer.gate
+    assert gate.dtype == jnp.bfloat16  # a white-listed Linear in stage 1 computes in bf16
+    assert gate.kernel[...].dtype == jnp.float32  # O1: parameters stay fp32
+    norm = model.stages.layers(1, model.stages.rows(1))[1].layer.norm
+    assert norm.dtype in (None, jnp.float32)  # black-listed: fp32
