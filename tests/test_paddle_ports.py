@@ -9,8 +9,8 @@ script, and docs/porting_from_paddle.md lists each of them.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,9 +18,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PORTS = REPO / "examples" / "paddle_ports"
 GUIDE = REPO / "docs" / "porting_from_paddle.md"
-sys.path.insert(0, str(PORTS))
 
-import launch  # noqa: E402
+_spec = importlib.util.spec_from_file_location("paddle_ports_launch", PORTS / "launch.py")
+launch = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(launch)
 
 #: A changed line: code, then a trailing ``# PORT: why`` comment.
 PORT_LINE = re.compile(r"^\s*[^#\s].*#\s*PORT:\s*\S")
