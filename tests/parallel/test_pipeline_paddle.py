@@ -240,25 +240,39 @@ def chex_close(got, want) -> None:
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), **FP32)
 
 
+def micro_losses_of_step_two(loss) -> np.ndarray:
+    """The second step's micro-batch losses on one device: micro-batch i is rows 2i, 2i + 1
+    of each of the dp 2 replicas' 4 rows, its loss the mean over the replicas."""
+    start = Sequential(loss)
+    train_one_device(
+        start, optax.sgd(0.5), batches()[:1], lambda m, b: m.loss(m(b[0]), b[1]).mean()
+    )
+    tokens, labels = batches()[1]
+    rows = [start.loss(start(tokens[r : r + 1]), labels[r : r + 1]).mean() for r in range(BATCH)]
+    return np.asarray(rows).reshape(2, 2, 2).mean(axis=(0, 2))
+
+
 @pytest.fixture(scope="module")
 def one_f_one_b():
-    return run("1F1B", CriterionPipe), reference(CriterionPipe())
+    return run("1F1B", CriterionPipe, micro=True), reference(CriterionPipe())
 
 
 # ------------------------------------------------------------------ tests
 def test_different_layers_per_stage_train_like_one_device_1f1b(one_f_one_b):
-    (losses, layer), (want_losses, ref) = one_f_one_b
+    (losses, layer, per_micro, outputs), (want_losses, ref) = one_f_one_b
     assert layer.segment_parts == (0, 3, 7) and layer.body is None
     np.testing.assert_allclose(losses, want_losses, **FP32)
     assert_same_layers(layer, ref)
     assert float(layer.loss_fns[0].temperature[...]) != 1.0  # the loss module trained
+    np.testing.assert_allclose(per_micro, micro_losses_of_step_two(CriterionPipe()), **FP32)
+    np.testing.assert_allclose(outputs, ref(batches()[1][0]), **FP32)  # eval_batch: outputs
     # the tied weight is one parameter: the head's is the embedding's
     tied = layer.shared_layers["embed:LMHeadPipe"].embedding_weight
     assert tied is layer.shared_layers["embed"].embedding_weight
 
 
 def test_each_device_holds_only_its_stage(one_f_one_b):
-    (_, layer), _ = one_f_one_b
+    (_, layer, _, _), _ = one_f_one_b
     stages = layer.stages
     # stage 0: Mix (W*W + W) + Scale (2W); stage 1: Norm (2W) + Gate (W*W + W)
     share = W * W + 3 * W
@@ -282,14 +296,7 @@ def test_fthenb_with_parallel_cross_entropy_micro_losses_and_outputs_like_one_de
     np.testing.assert_allclose(losses, want_losses, **FP32)
     assert_same_layers(layer, ref)
     np.testing.assert_allclose(outputs, ref(batches()[1][0]), **FP32)  # eval_batch: outputs
-    # micro-batch i of the last step: rows 2i, 2i + 1 of each of the dp 2 replicas' 4 rows
-    start = Sequential(per_token)
-    train_one_device(
-        start, optax.sgd(0.5), batches()[:1], lambda m, b: m.loss(m(b[0]), b[1]).mean()
-    )
-    tokens, labels = batches()[1]
-    rows = np.asarray(per_token(start(tokens), labels).mean(axis=1))
-    np.testing.assert_allclose(per_micro, rows.reshape(2, 2, 2).mean(axis=(0, 2)), **FP32)
+    np.testing.assert_allclose(per_micro, micro_losses_of_step_two(per_token), **FP32)
 
 
 def test_recompute_interval_checkpoints_stage_layers_same_values():
