@@ -465,15 +465,19 @@ class PipelineLayer(nnx.Module):
             )
         batch = jax.tree.leaves(inputs)[0].shape[0]
         if self.stages is not None:
-            x, run_stage, stage_params, rows, post, tied, pre = _flat_parts(self, inputs)
-            first = _batch_first(pre, inputs)
+            parts = self.stages.pipeline_parts(
+                self.segment_parts, inputs, self.shared_layers, self._shared_at,
+                remat_interval=self.recompute_interval,
+            )  # fmt: skip
+            x, run_stage, stage_params, rows, post, tied, pre = parts
+            first = stack.batch_first_leaves(pre, inputs)
             split, carried, side, shared = stack.stage_inputs(x, batch=batch, batch_first=first)
 
             def stage_fn(rows: Any, carried: Any, side: Any, shared: Any) -> list:
                 return split.carried_of(run_stage(rows, split.activation_of(carried, side, shared)))
         else:
             x = self.run_pre(inputs)
-            first = _batch_first(self.run_pre, inputs)
+            first = stack.batch_first_leaves(self.run_pre, inputs)
             split, carried, side, shared = stack.stage_inputs(x, batch=batch, batch_first=first)
             body_def, body_state = nnx.split(self.body)
             stage_params = nnx.to_pure_dict(body_state)
@@ -537,96 +541,8 @@ def _loss_value(loss_fn: Callable[..., Any], output: Any, labels: Any) -> jax.Ar
     return scalar_loss(loss, "loss_fn(output, labels)")
 
 
-def _batch_first(pre: Callable[[Any], Any], inputs: Any) -> list[bool] | None:
-    """Per leaf of ``pre(inputs)``, whether it has one row per sample: its leading dimension
-    follows the batch when ``pre`` is traced with twice the batch (an ``[L, L]`` mask does
-    not, even when ``L`` is the batch size). None when ``pre`` cannot be traced so."""
-    leaves = jax.tree.leaves(inputs)
-    batch = leaves[0].shape[0]
-    twice = jax.tree.map(lambda a: jax.ShapeDtypeStruct((2 * batch, *a.shape[1:]), a.dtype), inputs)
-    try:
-        at_one, at_two = jax.eval_shape(pre, inputs), jax.eval_shape(pre, twice)
-    except Exception:  # a pre part tied to the batch size: decided by shape instead
-        return None
-    pairs = zip(jax.tree.leaves(at_one), jax.tree.leaves(at_two), strict=True)
-    return [bool(a.shape) and (a.shape[0], b.shape[0]) == (batch, 2 * batch) for a, b in pairs]
-
-
 def _attr(node: Any, name: str) -> Any:
     return node[int(name)] if isinstance(node, nnx.List | list | tuple) else getattr(node, name)
-
-
-def _signature(x: Any) -> tuple:
-    leaves, treedef = jax.tree.flatten(x)
-    return treedef, tuple((tuple(a.shape), jnp.dtype(a.dtype).name) for a in leaves)
-
-
-def _show(signature: tuple) -> str:
-    return str([f"{dtype}{list(shape)}" for shape, dtype in signature[1]])
-
-
-def _ends(model: PipelineLayer, inputs: Any) -> tuple[int, int]:
-    """``(k, j)``: stage 0's layers ``[0, k)`` run before the pipeline and the last stage's
-    layers ``[j, n)`` in its head; between, the activation has the shape the stages exchange.
-
-    Raises:
-      ValueError: the stages exchange activations of different shapes.
-    """
-    stages, parts, n = model.stages, model.segment_parts, model.num_layers
-    if len(parts) == 2:  # one stage: all of it runs before the (one-stage) pipeline
-        return n, n
-    flat = {k: v[...] for k, v in stages.flat.items()}
-    signatures = []
-
-    def walk(flat: Any, x: Any) -> int:
-        signatures.append(_signature(x))
-        for s in range(stages.num_stages):
-            for run in stages.layers(s, {k: v[s] for k, v in flat.items()}):
-                x = run(x, model.shared_layers)
-                signatures.append(_signature(x))
-        return 0
-
-    jax.eval_shape(walk, flat, inputs)
-    sent = [signatures[b] for b in parts[1:-1]]
-    if any(sig != sent[0] for sig in sent):
-        shown = "; ".join(
-            f"after layer {b - 1}: {_show(sig)}" for b, sig in zip(parts[1:-1], sent, strict=True)
-        )
-        raise ValueError(
-            f"the stages (boundaries seg_method -> {list(parts)}) pass activations of different "
-            f"shapes ({shown}); the pipeline sends one activation shape from stage to stage: "
-            "choose boundaries after layers that return the same shape (seg_method=[0, ...])."
-        )
-    k = next(i for i in range(parts[1] + 1) if signatures[i] == sent[0])
-    j = next(i for i in range(n, parts[-2] - 1, -1) if signatures[i] == sent[0])
-    return k, j
-
-
-def _flat_parts(model: PipelineLayer, inputs: Any) -> tuple:
-    """What :meth:`PipelineLayer.pipeline_loss` needs for stages of different layers:
-    ``(x, run_stage, stage_params, last_rows, post, tied, pre)``."""
-    stages, parts, p = model.stages, model.segment_parts, model.num_stages
-    k, j = _ends(model, inputs)
-    ranges = [(max(a, k) - a, min(b, j) - a) for a, b in itertools.pairwise(parts)]
-    inside = [i for i in model._shared_at if k <= i < j]
-    if inside:
-        raise ValueError(
-            f"layers {inside} are SharedLayerDescs inside pipelined stages (the stages run "
-            f"layers {k} to {j - 1}); jfleet ties layers only at the ends (the embedding and "
-            "the LM head): keep tied layers first and last, or describe them with LayerDesc."
-        )
-
-    def pre(inputs: Any) -> Any:
-        return stages.run(0, stages.rows(0), inputs, stop=k, shared=model.shared_layers)
-
-    def run_stage(rows: Any, x: Any) -> Any:
-        return stages.switch(rows, x, ranges, remat_interval=model.recompute_interval)
-
-    def post(rows: Any, out: Any, tied: Any) -> Any:
-        return stages.run(p - 1, rows, out, start=j - parts[-2], shared=tied)
-
-    flat = {key: v[...] for key, v in stages.flat.items()}
-    return pre(inputs), run_stage, flat, stages.rows(p - 1), post, model.shared_layers, pre
 
 
 # ------------------------------------------------------------------ building helpers

@@ -66,6 +66,7 @@ __all__ = [
     "StageInputs",
     "SuperBlock",
     "annotate_stack",
+    "batch_first_leaves",
     "block_period",
     "first_difference",
     "first_mismatch",
@@ -572,6 +573,26 @@ def _kind(key: Any, path: Any, leaf: Any, x: jax.Array, per_sample: tuple | None
             "'mask', ...)) (positions after the activation, or keyword names)."
         )
     return SIDE
+
+
+def batch_first_leaves(fn: Callable[[Any], Any], inputs: Any) -> list[bool] | None:
+    """Per leaf of ``fn(inputs)``, whether it holds one row per sample: its leading dimension
+    follows the batch when ``fn`` is traced with twice the batch (an ``[L, L]`` mask does
+    not, even when ``L`` is the batch size). None when ``fn`` cannot be traced so.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> batch_first_leaves(lambda x: (x * 2, jnp.ones((4, 4))), jnp.ones((4, 3)))
+      [True, False]
+    """
+    batch = jax.tree.leaves(inputs)[0].shape[0]
+    twice = jax.tree.map(lambda a: jax.ShapeDtypeStruct((2 * batch, *a.shape[1:]), a.dtype), inputs)
+    try:
+        at_one, at_two = jax.eval_shape(fn, inputs), jax.eval_shape(fn, twice)
+    except Exception:  # a function tied to the batch size: decided by shape instead
+        return None
+    pairs = zip(jax.tree.leaves(at_one), jax.tree.leaves(at_two), strict=True)
+    return [bool(a.shape) and (a.shape[0], b.shape[0]) == (batch, 2 * batch) for a, b in pairs]
 
 
 def stage_function(

@@ -33,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -162,6 +163,15 @@ def _is_var(x: Any) -> bool:
 
 def _slot(var: nnx.Variable) -> Slot:
     return Slot(jnp.zeros((), jnp.int8))
+
+
+def _signature(x: Any) -> tuple:
+    leaves, treedef = jax.tree.flatten(x)
+    return treedef, tuple((tuple(a.shape), jnp.dtype(a.dtype).name) for a in leaves)
+
+
+def _show(signature: tuple) -> str:
+    return str([f"{dtype}{list(shape)}" for shape, dtype in signature[1]])
 
 
 def _path_key(path: tuple) -> tuple[str, ...]:
@@ -316,6 +326,86 @@ class FlatStages(nnx.Module):
         for s in range(self.num_stages):
             x = self.run(s, self.rows(s), x, shared=shared, remat_interval=remat_interval)
         return x
+
+    def ends(self, parts: Sequence[int], inputs: Any, shared: Any = None) -> tuple[int, int]:
+        """``(k, j)``: stage 0's layers ``[0, k)`` run before the pipeline and the last stage's
+        layers ``[j, n)`` in its head (global indices over the stages' ``parts``); between,
+        the activation has the shape the stages exchange.
+
+        Raises:
+          ValueError: the stages exchange activations of different shapes.
+        """
+        n = parts[-1]
+        if len(parts) == 2:  # one stage: all of it runs before the (one-stage) pipeline
+            return n, n
+        signatures = []
+
+        def walk(flat: Any, x: Any) -> int:
+            signatures.append(_signature(x))
+            for s in range(self.num_stages):
+                for run in self.layers(s, {k: v[s] for k, v in flat.items()}):
+                    x = run(x, shared)
+                    signatures.append(_signature(x))
+            return 0
+
+        jax.eval_shape(walk, {k: v[...] for k, v in self.flat.items()}, inputs)
+        sent = [signatures[b] for b in parts[1:-1]]
+        if any(sig != sent[0] for sig in sent):
+            shown = "; ".join(
+                f"after layer {b - 1}: {_show(sig)}"
+                for b, sig in zip(parts[1:-1], sent, strict=True)
+            )
+            raise ValueError(
+                f"the stages (boundaries seg_method -> {list(parts)}) pass activations of "
+                f"different shapes ({shown}); the pipeline sends one activation shape from "
+                "stage to stage: choose boundaries after layers that return the same shape "
+                "(seg_method=[0, ...])."
+            )
+        k = next(i for i in range(parts[1] + 1) if signatures[i] == sent[0])
+        j = next(i for i in range(n, parts[-2] - 1, -1) if signatures[i] == sent[0])
+        return k, j
+
+    def pipeline_parts(
+        self,
+        parts: Sequence[int],
+        inputs: Any,
+        shared: Any,
+        shared_at: Sequence[int] = (),
+        *,
+        remat_interval: int = 0,
+    ) -> tuple:
+        """What a pipelined loss needs: ``(x, run_stage, stage_params, last_rows, post,
+        tied, pre)``: the activation after :meth:`ends`' first layers (``pre(inputs)``),
+        the stage function ``run_stage(rows, x)`` (:meth:`switch`), the ``[P, n]``
+        buffers, the last stage's rows and ``post(rows, out, tied)`` for its head.
+
+        Raises:
+          ValueError: a tied layer (index in ``shared_at``) inside the pipelined layers;
+            :meth:`ends`' errors.
+        """
+        k, j = self.ends(parts, inputs, shared)
+        p = self.num_stages
+        ranges = [(max(a, k) - a, min(b, j) - a) for a, b in itertools.pairwise(parts)]
+        inside = [i for i in shared_at if k <= i < j]
+        if inside:
+            raise ValueError(
+                f"layers {inside} are SharedLayerDescs inside pipelined stages (the stages run "
+                f"layers {k} to {j - 1}); jfleet ties layers only at the ends (the embedding "
+                "and the LM head): keep tied layers first and last, or describe them with "
+                "LayerDesc."
+            )
+
+        def pre(inputs: Any) -> Any:
+            return self.run(0, self.rows(0), inputs, stop=k, shared=shared)
+
+        def run_stage(rows: Any, x: Any) -> Any:
+            return self.switch(rows, x, ranges, remat_interval=remat_interval)
+
+        def post(rows: Any, out: Any, tied: Any) -> Any:
+            return self.run(p - 1, rows, out, start=j - parts[-2], shared=tied)
+
+        flat = {key: v[...] for key, v in self.flat.items()}
+        return pre(inputs), run_stage, flat, self.rows(p - 1), post, shared, pre
 
     def _sized(self, s: int) -> list[bool]:
         """Per layer of stage ``s``, whether it holds parameters."""
