@@ -60,7 +60,7 @@ from jfleet.parallel import pipeline_schedule, segment, stack
 from jfleet.parallel.mesh_context import layer_mesh
 from jfleet.parallel.stages import FlatStages, ParamView, Run, params_in_order
 from jfleet.placement import Placement
-from jfleet.topology import PP
+from jfleet.topology import MP, PP
 
 __all__ = ["LayerDesc", "PipelineLayer", "SharedLayerDesc"]
 
@@ -454,6 +454,8 @@ class PipelineLayer(nnx.Module):
             stages exchanging activations of different shapes, a tied layer inside a
             pipelined stage, and :func:`~jfleet.parallel.pipeline_schedule.pipeline_loss`'s
             errors.
+          NotImplementedError: stages of different layers running tensor-parallel layers at
+            ``mp > 1`` (split identical blocks evenly instead).
         """
         loss_fn = self._loss_fn(loss_fn_idx)
         mesh = layer_mesh(mesh)
@@ -467,7 +469,7 @@ class PipelineLayer(nnx.Module):
         if self.stages is not None:
             parts = self.stages.pipeline_parts(
                 self.segment_parts, inputs, self.shared_layers, self._shared_at,
-                remat_interval=self.recompute_interval,
+                remat_interval=self.recompute_interval, tensor_parallel=mesh.shape.get(MP, 1),
             )  # fmt: skip
             x, run_stage, stage_params, rows, post, tied, pre = parts
             first = stack.batch_first_leaves(pre, inputs)

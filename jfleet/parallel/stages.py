@@ -192,13 +192,15 @@ class FlatStages(nnx.Module):
       flat: ``nnx.Dict`` from dtype name to the ``[P, n]`` ``nnx.Param`` buffer.
       num_stages: ``P``.
       sizes: per stage, its number of parameters (before padding).
+      sharded: ``(stage, layer, path)`` of the parameters with a tensor-parallel layout
+        (``out_sharding``), which the buffers do not keep.
 
     Raises:
       ValueError: a stage layer holding state other than ``nnx.Param``.
     """
 
     def __init__(self, stages: Sequence[Sequence[Run]]) -> None:
-        recipes, rows, sizes, orders, templates = [], [], [], [], []
+        recipes, rows, sizes, orders, templates, sharded = [], [], [], [], [], []
         for s, runs in enumerate(stages):
             modules = nnx.List(list(runs))
             other = nnx.state(modules, nnx.Not(nnx.Param))
@@ -210,6 +212,11 @@ class FlatStages(nnx.Module):
                     "streams: build dropout without rngs)."
                 )
             graphdef, state = nnx.split(modules)
+            sharded += [
+                (s, int(path[0]), ".".join(map(str, path[2:])))
+                for path, var in nnx.to_flat_state(state)
+                if any(var.get_metadata("out_sharding", None) or ())
+            ]
             paths, treedef = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))
             leaves = [leaf for _, leaf in paths]
             where = {_path_key(path): i for i, (path, _) in enumerate(paths)}
@@ -243,6 +250,7 @@ class FlatStages(nnx.Module):
         # model later (AMP compute dtypes, recompute) reach them
         self.templates = nnx.List(templates)
         self._orders = tuple(orders)  # per stage, its slots in attribute (Paddle's) order
+        self.sharded = tuple(sharded)  # tensor-parallel parameters (laid out on mesh axes)
 
     def parameters(self, s: int) -> list[ParamView]:
         """Stage ``s``'s parameters as views into its buffer row, layer by layer in
@@ -373,6 +381,7 @@ class FlatStages(nnx.Module):
         shared_at: Sequence[int] = (),
         *,
         remat_interval: int = 0,
+        tensor_parallel: int = 1,
     ) -> tuple:
         """What a pipelined loss needs: ``(x, run_stage, stage_params, last_rows, post,
         tied, pre)``: the activation after :meth:`ends`' first layers (``pre(inputs)``),
@@ -382,8 +391,21 @@ class FlatStages(nnx.Module):
         Raises:
           ValueError: a tied layer (index in ``shared_at``) inside the pipelined layers;
             :meth:`ends`' errors.
+          NotImplementedError: tensor-parallel layers inside the pipelined layers with
+            ``tensor_parallel`` (the mp degree) > 1.
         """
         k, j = self.ends(parts, inputs, shared)
+        inside = [f"layer {parts[s] + i}: {path}" for s, i, path in self.sharded
+                  if k <= parts[s] + i < j]  # fmt: skip
+        if inside and tensor_parallel > 1:
+            raise NotImplementedError(
+                f"stages of different layers (boundaries {list(parts)}) run tensor-parallel "
+                f"parameters ({'; '.join(inside[:2])}, ...) at mp={tensor_parallel}: each "
+                "device runs its own stage's branch, and the collectives of one stage's "
+                "branch would wait for the other stages. Split identical blocks evenly "
+                "(seg_method='layer:BlockName': the stacked body keeps their layout) or use "
+                "mp_degree=1."
+            )
         p = self.num_stages
         ranges = [(max(a, k) - a, min(b, j) - a) for a, b in itertools.pairwise(parts)]
         inside = [i for i in shared_at if k <= i < j]

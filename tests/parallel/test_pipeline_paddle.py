@@ -23,7 +23,7 @@ from flax import nnx
 
 from jfleet import fleet
 from jfleet.amp import apply_amp
-from jfleet.fleet.meta_parallel import ParallelCrossEntropy
+from jfleet.fleet.meta_parallel import ColumnParallelLinear, ParallelCrossEntropy
 from jfleet.parallel import segment, stack
 from jfleet.parallel.pipeline_layer import LayerDesc, PipelineLayer, SharedLayerDesc
 from jfleet.parallel.stages import FlatStages, Run
@@ -458,3 +458,17 @@ def test_amp_settings_reach_the_layers_of_flat_stages():
     assert gate.kernel[...].dtype == jnp.float32  # O1: parameters stay fp32
     norm = model.stages.layers(1, model.stages.rows(1))[1].layer.norm
     assert norm.dtype in (None, jnp.float32)  # black-listed: fp32
+
+
+def test_tensor_parallel_layers_in_stages_of_different_layers_are_refused_at_mp2():
+    strategy = make_strategy({"dp_degree": 2, "pp_degree": 2, "mp_degree": 2})
+    fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
+    column = LayerDesc(ColumnParallelLinear, 4, 4, gather_output=True)
+    model = PipelineLayer(
+        [LayerDesc(nnx.Linear, 4, 4), column, LayerDesc(nnx.Linear, 4, 4)],
+        loss_fn=lambda out, y: jnp.mean((out - y) ** 2),
+    )
+    assert model.segment_parts == (0, 1, 3) and model.stages.sharded[0][:2] == (1, 0)
+    x = jnp.ones((8, 4))
+    with pytest.raises(NotImplementedError, match=r"run tensor-parallel parameters \(layer 1: "):
+        model.pipeline_loss(x, x, num_microbatches=2)
