@@ -313,7 +313,7 @@ class PipelineLayer(nnx.Module):
             runs = [Run(None, func, key) if key else Run(layer, func) for layer, func, key in built]
             self.stages = FlatStages([runs[a:b] for a, b in itertools.pairwise(parts)])
             self._shared_at = tuple(i for i, (_, _, key) in enumerate(built) if key)
-            _log_flat(self.stages, parts)
+            _log_flat(self.stages, parts, layers)
         mesh = _context.current_mesh()
         if mesh is not None:
             self.place(mesh)
@@ -678,13 +678,24 @@ def _stacked_body(layers: list[Any], parts: list[int], built: list) -> tuple[int
     return None
 
 
-def _log_flat(stages: FlatStages, parts: list[int]) -> None:
+def _log_flat(stages: FlatStages, parts: list[int], layers: list[Any]) -> None:
+    """Says how the stages are held, and which ``seg_method`` would stack identical blocks."""
+    hint = ""
+    runs = [(a, b) for a, b in _runs(layers) if b - a >= stages.num_stages]
+    if runs:
+        a, b = max(runs, key=lambda r: r[1] - r[0])
+        if (b - a) % stages.num_stages == 0:
+            hint = (
+                f"; seg_method='layer:^{layers[a].name}$' would split its {b - a} identical "
+                f"{layers[a].name} layers evenly into one stacked body"
+            )
     logger.info(
         "PipelineLayer: stages of different layers (boundaries %s) hold %s parameters; each "
-        "device holds the largest stage's %d per dtype buffer",
+        "device holds the largest stage's %d per dtype buffer%s",
         parts,
         list(stages.sizes),
         max(stages.sizes or (0,)),
+        hint,
     )
 
 
