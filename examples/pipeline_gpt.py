@@ -131,7 +131,11 @@ def train(args: argparse.Namespace, schedule: str) -> list[float]:
     # parallel layers are created on the fleet's mesh
     from jfleet.fleet.meta_parallel import PipelineLayer
 
-    layer = PipelineLayer(gpt_layers(args), loss_fn=cross_entropy, seed=0)
+    # seg_method by block class, as PaddleNLP's pipes do: the blocks split evenly over the
+    # stages (the embedding on the first, norm and head on the last), so they are stacked.
+    layer = PipelineLayer(
+        gpt_layers(args), loss_fn=cross_entropy, seed=0, seg_method="layer:GPTBlock"
+    )
     model = fleet.distributed_model(layer)
     optimizer = fleet.distributed_optimizer(optax.adam(args.lr))
     qkv = layer.body.attn.qkv.kernel[...]

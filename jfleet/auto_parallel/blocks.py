@@ -193,7 +193,7 @@ class PipelinedBlocks(nnx.Module):
             mesh=self.mesh,
             num_microbatches=self.num_microbatches,
         )
-        return inputs.activation_of(stack.narrow(y, carried), side)
+        return inputs.activation_of(stack.narrow(y, carried), side, shared)
 
 
 def module_at(root: nnx.Module, path: str) -> Any:
