@@ -17,7 +17,6 @@ jfleet's own names). Each function names the Paddle call it stands for:
 Example:
   >>> import paddle_swap
   >>> from flax import nnx
-from flax.nnx.training.optimizer import OptState
   >>> paddle_swap.seed(0)
   >>> layer = nnx.Linear(2, 3, rngs=paddle_swap.rngs())
   >>> [p.shape for p in paddle_swap.parameters(layer)]

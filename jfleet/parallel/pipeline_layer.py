@@ -565,8 +565,10 @@ def _entry_name(entry: Any) -> str:
 def _takes_rngs(fn: Any) -> bool:
     if isinstance(fn, type) and fn.__init__ is object.__init__:  # a layer without __init__
         return False
+    # an nnx.Module class's own signature is its metaclass's (*args, **kwargs): read __init__
+    target = fn.__init__ if isinstance(fn, type) else fn
     try:
-        params = inspect.signature(fn).parameters
+        params = inspect.signature(target).parameters
     except (TypeError, ValueError):
         return True
     return "rngs" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())

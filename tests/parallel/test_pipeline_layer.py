@@ -383,3 +383,19 @@ def test_pipeline_loss_needs_a_loss_fn_and_a_matching_mesh():
     model = PipelineLayer(gpt_descs(), num_stages=4, loss_fn=ce)
     with pytest.raises(ValueError, match=r"num_stages=4 but the mesh's 'pp' axis has size 2"):
         model.pipeline_loss(tokens, tokens)
+
+
+def test_layer_desc_gives_rngs_only_to_layers_whose_init_takes_it():
+    """An nnx.Module class's signature is (*args, **kwargs); its __init__ decides."""
+
+    class Scale(nnx.Module):  # Paddle-style layer: no rngs argument
+        def __init__(self, n):
+            self.w = nnx.Param(jnp.full((n,), 2.0))
+
+        def __call__(self, x):
+            return x * self.w
+
+    assert LayerDesc(Scale, 3).build_layer(nnx.Rngs(0)).w.shape == (3,)
+    with_rngs = LayerDesc(nnx.Linear, 3, 2).build_layer(nnx.Rngs(1))
+    expected = nnx.Linear(3, 2, rngs=nnx.Rngs(1))
+    np.testing.assert_array_equal(with_rngs.kernel[...], expected.kernel[...])
