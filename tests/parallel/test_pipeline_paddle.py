@@ -23,9 +23,11 @@ from flax import nnx
 
 from jfleet import fleet
 from jfleet.amp import apply_amp
+from jfleet.engine import TrainStep, cached_step
 from jfleet.fleet.meta_parallel import ColumnParallelLinear, ParallelCrossEntropy
 from jfleet.parallel import segment, stack
 from jfleet.parallel.pipeline_layer import LayerDesc, PipelineLayer, SharedLayerDesc
+from jfleet.parallel.pipeline_parallel import _PipelineObjective
 from jfleet.parallel.stages import FlatStages, Run
 from jfleet.testing import make_strategy, train_one_device
 
@@ -197,6 +199,10 @@ def reference(loss) -> tuple:
     return losses, model
 
 
+#: The PipelineParallel and optimizer of the last :func:`run` (for the memory test).
+LAST_RUN: list = []
+
+
 def run(schedule: str, loss, mp: int = 2, micro: bool = False):
     """Two train_batch steps at dp x pp 2 x mp (2 micro-batches of 8 / 2 / dp rows each)."""
     dp = 8 // (2 * mp)
@@ -208,6 +214,7 @@ def run(schedule: str, loss, mp: int = 2, micro: bool = False):
     layer = LlamaLikePipe(loss(), seed=0)
     model = fleet.distributed_model(layer)
     opt = fleet.distributed_optimizer(optax.sgd(0.5))
+    LAST_RUN[:] = [model, opt]
     first, last = batches()
     losses = [float(model.train_batch(first, opt))]
     if micro:  # the last step's micro-batch losses, and the trained model's outputs
@@ -254,12 +261,14 @@ def micro_losses_of_step_two(loss) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def one_f_one_b():
-    return run("1F1B", CriterionPipe, micro=True), reference(CriterionPipe())
+    result = run("1F1B", CriterionPipe, micro=True)
+    model, opt = LAST_RUN  # the trained PipelineParallel and its optimizer
+    return result, reference(CriterionPipe()), (model, opt)
 
 
 # ------------------------------------------------------------------ tests
 def test_different_layers_per_stage_train_like_one_device_1f1b(one_f_one_b):
-    (losses, layer, per_micro, outputs), (want_losses, ref) = one_f_one_b
+    (losses, layer, per_micro, outputs), (want_losses, ref), _ = one_f_one_b
     assert layer.segment_parts == (0, 3, 7) and layer.body is None
     np.testing.assert_allclose(losses, want_losses, **FP32)
     assert_same_layers(layer, ref)
@@ -272,7 +281,7 @@ def test_different_layers_per_stage_train_like_one_device_1f1b(one_f_one_b):
 
 
 def test_each_device_holds_only_its_stage(one_f_one_b):
-    (_, layer, _, _), _ = one_f_one_b
+    (_, layer, _, _), _, (model, opt) = one_f_one_b
     stages = layer.stages
     # stage 0: Mix (W*W + W) + Scale (2W); stage 1: Norm (2W) + Gate (W*W + W)
     share = W * W + 3 * W
@@ -282,8 +291,19 @@ def test_each_device_holds_only_its_stage(one_f_one_b):
     assert {s.data.shape for s in flat.addressable_shards} == {(1, share)}
     rows = [s.index[0].start or 0 for s in flat.addressable_shards]
     assert sorted(rows) == [0] * 4 + [1] * 4  # 4 devices (dp x mp) per stage
-    compiled = jax.jit(lambda a: a * 2).lower(flat).compile()
-    assert compiled.memory_analysis().argument_size_in_bytes == share * 4
+    # The compiled training step's arguments on one device: its stage's row (share floats),
+    # what every device holds (the tied embedding and head bias, the loss module's
+    # temperature, the stage templates' one-byte placeholders), the optimizer's step counter
+    # and the device's rows of the batch (tokens and labels, split over dp 2): not the other
+    # stage's parameters.
+    batch = model.placement.shard_batch(batches()[0])
+    step = cached_step(TrainStep, _PipelineObjective(0, False), model.placement)
+    compiled = step.lower(model, opt, batch).compile()
+    everywhere = V * W + V + 1  # embedding_weight, the head's bias, temperature
+    placeholders = sum(x.nbytes for x in jax.tree.leaves(nnx.state(stages.templates)))
+    batch_bytes = 2 * BATCH * L * 4 // 2
+    expected = 4 * (share + everywhere) + placeholders + 4 + batch_bytes
+    assert compiled.memory_analysis().argument_size_in_bytes == expected
 
 
 def test_fthenb_with_parallel_cross_entropy_micro_losses_and_outputs_like_one_device():
