@@ -196,9 +196,23 @@ class AmpPolicy:
         """Applies the policy to ``model`` in place and returns it (see :func:`apply_amp`)."""
         modules, params, _ = self._set_compute_dtypes(model)
         if self.level == "O2":
+            # A module holding other layers' parameters in buffers (pipeline stages of
+            # different layers) casts them itself, layer by layer.
+            holders = [
+                (tuple(path), node)
+                for path, node in nnx.iter_graph(model)
+                if callable(getattr(node, "cast_held_params", None))
+            ]
             for path, param in params:
+                if any(path[: len(at)] == at for at, _ in holders):
+                    continue
                 if _owner_category(modules, path) != "black":
                     _cast_param(param, self.compute_dtype)
+            for at, holder in holders:
+                holder.cast_held_params(
+                    self.compute_dtype,
+                    keep=lambda p, at=at: _owner_category(modules, at + p) == "black",
+                )
         return model
 
     def _set_compute_dtypes(self, model: nnx.Module) -> tuple[dict, list, list]:

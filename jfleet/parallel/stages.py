@@ -182,6 +182,19 @@ def _dtype_key(dtype: Any) -> str:
     return jnp.dtype(dtype).name
 
 
+def _stacked(rows: Sequence[Mapping[str, jax.Array]]) -> dict[str, nnx.Param]:
+    """Per dtype, the stages' rows padded with zeros to the longest and stacked ``[P, n]``."""
+    widths = {k: max(r[k].size for r in rows if k in r) for r in rows for k in r}
+    flat = {}
+    for key, width in sorted(widths.items()):
+        padded = [
+            jnp.pad(r[key], (0, width - r[key].size)) if key in r else jnp.zeros(width, key)
+            for r in rows
+        ]
+        flat[key] = nnx.Param(jnp.stack(padded))
+    return flat
+
+
 class FlatStages(nnx.Module):
     """``P`` stages of different layers, their parameters in ``[P, n]`` buffers per dtype.
 
@@ -201,6 +214,7 @@ class FlatStages(nnx.Module):
 
     def __init__(self, stages: Sequence[Sequence[Run]]) -> None:
         recipes, rows, sizes, orders, templates, sharded = [], [], [], [], [], []
+        slot_paths = []
         for s, runs in enumerate(stages):
             modules = nnx.List(list(runs))
             other = nnx.state(modules, nnx.Not(nnx.Param))
@@ -219,6 +233,7 @@ class FlatStages(nnx.Module):
             ]
             paths, treedef = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))
             leaves = [leaf for _, leaf in paths]
+            slot_paths.append(tuple(tuple(getattr(k, "key", k) for k in p) for p, _ in paths))
             where = {_path_key(path): i for i, (path, _) in enumerate(paths)}
             orders.append(tuple(where[path] for path, _ in params_in_order(modules)))
             offsets: dict[str, int] = collections.defaultdict(int)
@@ -233,15 +248,8 @@ class FlatStages(nnx.Module):
             templates.append(nnx.merge(graphdef, jax.tree.map(_slot, state, is_leaf=_is_var)))
             rows.append({k: jnp.concatenate(v) for k, v in parts.items()})
             sizes.append(sum(int(leaf.size) for leaf in leaves))
-        widths = {k: max(r[k].size for r in rows if k in r) for r in rows for k in r}
-        flat = {}
-        for key, width in sorted(widths.items()):
-            padded = [
-                jnp.pad(r[key], (0, width - r[key].size)) if key in r else jnp.zeros(width, key)
-                for r in rows
-            ]
-            flat[key] = nnx.Param(jnp.stack(padded))
-        self.flat = nnx.Dict(flat)
+        self.flat = nnx.Dict(_stacked(rows))
+        self._slot_paths = tuple(slot_paths)  # per stage, each slot's path in its layers
         self.num_stages = len(recipes)
         self.sizes = tuple(sizes)
         self.lengths = tuple(len(r) for r in stages)
@@ -251,6 +259,42 @@ class FlatStages(nnx.Module):
         self.templates = nnx.List(templates)
         self._orders = tuple(orders)  # per stage, its slots in attribute (Paddle's) order
         self.sharded = tuple(sharded)  # tensor-parallel parameters (laid out on mesh axes)
+
+    def cast_held_params(self, dtype: Any, keep: Callable[[tuple], bool]) -> None:
+        """AMP O2 on the stage layers: casts each floating parameter to ``dtype`` unless
+        ``keep(path)`` (its path under this module: ``("templates", s, layer, ...)``, e.g. a
+        norm's), regrouping the buffers by the new dtypes.
+
+        :class:`jfleet.amp.AmpPolicy` calls this instead of casting the buffers whole, so a
+        norm layer on a stage keeps fp32 parameters as it does unpipelined.
+        """
+        meta = {}  # the buffers' layout (set by annotate), the same on each
+        for var in self.flat.values():
+            held = var.get_metadata()
+            meta = {k: held[k] for k in ("out_sharding", "mesh") if k in held}
+        half = jnp.dtype(dtype)
+        recipes, rows = [], []
+        for s, (treedef, slots) in enumerate(self._recipes):
+            old = self.rows(s)
+            offsets: dict[str, int] = collections.defaultdict(int)
+            parts: dict[str, list] = collections.defaultdict(list)
+            new_slots = []
+            for (key, offset, size, shape), path in zip(slots, self._slot_paths[s], strict=True):
+                leaf = old[key][offset : offset + size]
+                if jnp.issubdtype(leaf.dtype, jnp.floating) and not keep(("templates", s, *path)):
+                    leaf = leaf.astype(half)
+                new_key = _dtype_key(leaf.dtype)
+                new_slots.append((new_key, offsets[new_key], size, shape))
+                offsets[new_key] += size
+                parts[new_key].append(leaf)
+            recipes.append((treedef, tuple(new_slots)))
+            rows.append({k: jnp.concatenate(v) for k, v in parts.items()})
+        self._recipes = tuple(recipes)
+        flat = _stacked(rows)
+        for var in flat.values():
+            if meta:
+                var.set_metadata(**meta)
+        self.flat = nnx.Dict(flat)
 
     def parameters(self, s: int) -> list[ParamView]:
         """Stage ``s``'s parameters as views into its buffer row, layer by layer in

@@ -480,6 +480,45 @@ def test_amp_settings_reach_the_layers_of_flat_stages():
     assert norm.dtype in (None, jnp.float32)  # black-listed: fp32
 
 
+def test_zero3_shards_the_stage_buffers_and_trains_like_one_device():
+    """ZeRO-3 over sharding 2 at pp 2 x mp 2: each stage's row is split over the sharding
+    axis too, and two Adam steps equal one device."""
+    configs = {"micro_batch_size": BATCH // 4, "accumulate_steps": 2, "schedule_mode": "1F1B"}
+    hybrid = {"dp_degree": 1, "pp_degree": 2, "sharding_degree": 2, "mp_degree": 2}
+    strategy = make_strategy(hybrid, pipeline_configs=configs, sharding_configs={"stage": 3})
+    fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
+    layer = LlamaLikePipe(CriterionPipe(), seed=0)
+    model = fleet.distributed_model(layer)
+    opt = fleet.distributed_optimizer(optax.adam(0.05))
+    losses = [float(model.train_batch(b, opt)) for b in batches()]
+    flat = layer.stages.flat["float32"][...]
+    assert {s.data.shape for s in flat.addressable_shards} == {(1, flat.shape[1] // 2)}
+    ref = Sequential(CriterionPipe())
+    want, _ = train_one_device(
+        ref, optax.adam(0.05), batches(), lambda m, b: m.loss(m(b[0]), b[1]).mean()
+    )
+    np.testing.assert_allclose(losses, want, **FP32)
+    assert_same_layers(layer, ref)
+
+
+def test_amp_o2_casts_flat_stage_layers_as_unpipelined_ones():
+    """O2 casts a stage's Linear to half and keeps its LayerNorm fp32, as without a pipeline
+    (the buffers regroup by dtype); values are the fp32 ones cast."""
+    model = LlamaLikePipe(CriterionPipe(), num_stages=2, seed=0)
+    before = model.stages.layers(1, model.stages.rows(1))
+    norm_scale, gate_kernel = before[1].layer.norm.scale[...], before[2].layer.gate.kernel[...]
+    apply_amp(model, dtype="bfloat16", level="O2")
+    assert sorted(model.stages.flat) == ["bfloat16", "float32"]
+    after = model.stages.layers(1, model.stages.rows(1))
+    np.testing.assert_array_equal(after[1].layer.norm.scale[...], norm_scale)  # fp32 kept
+    assert after[1].layer.norm.scale[...].dtype == jnp.float32
+    assert after[2].layer.gate.kernel[...].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(after[2].layer.gate.kernel[...], gate_kernel.astype(jnp.bfloat16))
+    reference = Sequential(CriterionPipe())
+    apply_amp(reference, dtype="bfloat16", level="O2")
+    assert reference.tail[0].norm.scale[...].dtype == jnp.float32  # the same rule unpipelined
+
+
 def test_tensor_parallel_layers_in_stages_of_different_layers_are_refused_at_mp2():
     strategy = make_strategy({"dp_degree": 2, "pp_degree": 2, "mp_degree": 2})
     fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
