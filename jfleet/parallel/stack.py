@@ -129,6 +129,27 @@ def _steps(module: nnx.Module) -> Iterator[nnx.Module]:
 
 
 # ------------------------------------------------------------------ stacking
+
+
+def check_params_only(module: Any, what: str, fix: str = "") -> None:
+    """Raises when ``module`` holds state other than ``nnx.Param`` (pipelined layers may not).
+
+    Raises:
+      ValueError: naming ``what``, the state kinds found and the fix.
+
+    Example:
+      >>> check_params_only(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), "a stage")
+    """
+    other = nnx.state(module, nnx.Not(nnx.Param))
+    if jax.tree.leaves(other):
+        kinds = sorted({type(v).__name__ for _, v in nnx.to_flat_state(other)})
+        raise ValueError(
+            f"{what} hold state other than nnx.Param ({kinds}); pipelined layers may only "
+            "hold parameters (no batch statistics, caches or RNG streams: build dropout "
+            f"without rngs{', ' + fix if fix else ''})."
+        )
+
+
 def stack_layers(
     layers: Sequence[nnx.Module],
     num_stages: int,
@@ -206,15 +227,11 @@ def stack_layers(
             f"evenly; use a stage count dividing {units}."
         )
     for layer in layers[:period]:
-        other = nnx.state(layer, nnx.Not(nnx.Param))
-        if jax.tree.leaves(other):
-            kinds = sorted({type(v).__name__ for _, v in nnx.to_flat_state(other)})
-            raise ValueError(
-                f"the pipelined body's {name} layers hold state other than nnx.Param ({kinds}); "
-                "pipelined layers may only hold parameters (no batch statistics, caches or RNG "
-                "streams: build dropout without rngs, or keep such layers in the pre / post "
-                "part)."
-            )
+        check_params_only(
+            layer,
+            f"the pipelined body's {name} layers",
+            "or keep such layers in the pre / post part",
+        )
     mismatch = first_mismatch(layers, period)
     if mismatch:
         raise ValueError(_unlike_message(layers, mismatch, period, name))

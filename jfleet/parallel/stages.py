@@ -43,6 +43,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from jfleet.parallel.stack import check_params_only
 from jfleet.topology import PP
 
 __all__ = ["FlatStages", "ParamView", "Run", "Slot", "params_in_order"]
@@ -217,14 +218,7 @@ class FlatStages(nnx.Module):
         slot_paths = []
         for s, runs in enumerate(stages):
             modules = nnx.List(list(runs))
-            other = nnx.state(modules, nnx.Not(nnx.Param))
-            if jax.tree.leaves(other):
-                kinds = sorted({type(v).__name__ for _, v in nnx.to_flat_state(other)})
-                raise ValueError(
-                    f"pipeline stage {s} holds state other than nnx.Param ({kinds}); pipelined "
-                    "layers may only hold parameters (no batch statistics, caches or RNG "
-                    "streams: build dropout without rngs)."
-                )
+            check_params_only(modules, f"pipeline stage {s}'s layers")
             graphdef, state = nnx.split(modules)
             sharded += [
                 (s, int(path[0]), ".".join(map(str, path[2:])))

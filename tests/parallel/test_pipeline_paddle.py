@@ -382,7 +382,7 @@ def _head_of_other_shape():
         (
             lambda: FlatStages([[Run(nnx.BatchNorm(2, rngs=nnx.Rngs(0)))]]),
             ValueError,
-            r"pipeline stage 0 holds state other than nnx.Param \(\['BatchStat'\]\)",
+            r"pipeline stage 0's layers hold state other than nnx.Param \(\['BatchStat'\]\)",
         ),
         (
             lambda: stack.stage_inputs((jnp.ones((3, 3)), jnp.ones((4, 2), int)), batch=4),
