@@ -439,25 +439,49 @@ def decorate(
         for model in model_list:
             policy.apply(model)
         if master_weight is not False:
-            opt_list = [_with_master_weights(opt) for opt in opt_list]
+            owners = _owners(model_list, opt_list)
+            opt_list = [_with_master_weights(o, m) for o, m in zip(opt_list, owners, strict=True)]
     out_models = type(models)(model_list) if many else model_list[0]
     if optimizers is None:
         return out_models
     return out_models, (type(optimizers)(opt_list) if opt_many else opt_list[0])
 
 
-def _with_master_weights(optimizer: Any) -> Any:
+def _owners(models: list, optimizers: list) -> list:
+    """The model each optimizer updates: paired by position, or the one model for all."""
+    if len(models) == len(optimizers):
+        return models
+    if len(models) == 1:
+        return models * len(optimizers)
+    raise ValueError(
+        f"decorate got {len(models)} models and {len(optimizers)} optimizers; pass one "
+        "optimizer per model (paired by position) or a single model."
+    )
+
+
+def _with_master_weights(optimizer: Any, model: nnx.Module) -> Any:
     from jfleet.distributed_optimizer import DistributedOptimizer
     from jfleet.optim.master_weights import master_weights
 
     if isinstance(optimizer, DistributedOptimizer):
         optimizer.add_master_weights()
         return optimizer
-    if isinstance(optimizer, nnx.Optimizer) or not hasattr(optimizer, "update"):
+    if isinstance(optimizer, nnx.Optimizer):
+        # Its state was made for the fp32 parameters: a new optimizer over the cast model,
+        # as Paddle's decorate runs before training (a trained state would be lost).
+        if int(optimizer.step[...]) != 0:
+            raise ValueError(
+                f"decorate(optimizers=...): this nnx.Optimizer has taken "
+                f"{int(optimizer.step[...])} steps; its state would be lost. Decorate before "
+                "training, as in Paddle."
+            )
+        return nnx.Optimizer(model, master_weights(optimizer.tx), wrt=optimizer.wrt)
+    if not hasattr(optimizer, "update"):
         raise TypeError(
             f"decorate(optimizers=...): {type(optimizer).__name__} is neither an optax "
-            "GradientTransformation nor a fleet.distributed_optimizer; pass optax.adam(...) "
-            "or the distributed optimizer."
+            "GradientTransformation, an nnx.Optimizer nor a fleet.distributed_optimizer; "
+            "pass optax.adam(...), nnx.Optimizer(model, tx, wrt=nnx.Param) or the "
+            "distributed optimizer."
         )
     return master_weights(optimizer)
 

@@ -5,6 +5,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
@@ -336,6 +337,29 @@ def test_decorate_o2_casts_params_and_adds_master_weights():
     assert opt.opt_state.master_params["module"]["fc"]["kernel"].get_value().dtype == F32
 
 
+def test_decorate_o2_gives_an_nnx_optimizer_master_weights():
+    """Paddle's decorate(model, optimizer) with the optimizer already bound to the model:
+    a new nnx.Optimizer over the cast parameters, whose step updates fp32 masters."""
+    import optax
+
+    from jfleet.amp import decorate
+    from jfleet.optim.master_weights import MasterWeightsState
+
+    model = MLP(nnx.Rngs(0))
+    kernel = np.asarray(model.fc.kernel[...])  # fp32, before decorate
+    opt = nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
+    model, opt = decorate(model, opt, level="O2", dtype="bfloat16")
+    assert isinstance(opt, nnx.Optimizer) and isinstance(opt.opt_state, MasterWeightsState)
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 1e-3, p.dtype), nnx.state(model, nnx.Param))
+    opt.update(model, grads)
+    masters = opt.opt_state.master_params["fc"]["kernel"].get_value()
+    want = jnp.asarray(kernel).astype(jnp.bfloat16).astype(F32) - 0.5 * jnp.float32(
+        jnp.bfloat16(1e-3)
+    )
+    np.testing.assert_allclose(masters, want, rtol=1e-6)  # updated in fp32, not in bf16
+    assert model.fc.kernel[...].dtype == jnp.bfloat16
+
+
 @pytest.mark.parametrize(
     ("call", "error", "match"),
     [
@@ -346,11 +370,23 @@ def test_decorate_o2_casts_params_and_adds_master_weights():
         (lambda m: _decorate(3), TypeError, r"int is not an nnx\.Module"),
         (lambda m: _decorate(m, optimizers=[5]), TypeError, r"int is neither an optax"),
         (lambda m: _decorate(m, master_weight="yes"), TypeError, r"master_weight='yes'"),
+        (
+            lambda m: _decorate([m, m], optimizers=[optax.sgd(1.0)] * 3),
+            ValueError,
+            r"got 2 models and 3 optimizers",
+        ),
+        (lambda m: _decorate(m, optimizers=_trained(m)), ValueError, r"has taken 1 steps"),
     ],
 )
 def test_bad_auto_cast_and_decorate_input(call, error, match):
     with pytest.raises(error, match=match):
         call(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+
+
+def _trained(model):
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    opt.update(model, jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param)))
+    return opt
 
 
 def _enter(model, **kwargs):
