@@ -18,7 +18,7 @@ from jfleet.inference import load_inference_model, save_inference_model
 from jfleet.models.llama import TinyLlama
 from jfleet.models.parallel_gpt import TinyGPT
 from tests.fleet_setup import init_fleet
-from tests.subprocess_util import run_python
+from tests.subprocess_util import paddle_launch_envs, run_many, run_python
 
 VOCAB = 32
 
@@ -193,3 +193,40 @@ def test_a_model_or_inputs_of_the_wrong_kind_are_clear_errors(tmp_path):
         save_inference_model(tmp_path, model, np.ones((1, 2), np.float32))
     with pytest.raises(TypeError, match=r"example_inputs\[0\] is a str; expected an array"):
         save_inference_model(tmp_path, model, ("tokens",))
+
+
+MULTIPROCESS_CHILD = """
+import jax
+jax.config.update("jax_num_cpu_devices", 4)
+import numpy as np
+from jfleet import fleet
+from jfleet.inference import save_inference_model
+from jfleet.models.parallel_gpt import TinyGPT
+
+strategy = fleet.DistributedStrategy()
+strategy.hybrid_configs = {{"dp_degree": 2, "mp_degree": 4}}
+fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
+model = fleet.distributed_model(
+    TinyGPT(vocab={vocab}, width=16, heads=2, layers=1, tensor_parallel=True, seed=2)
+)
+kernel = model.module.blocks[0].attn.qkv.kernel[...]
+assert jax.process_count() == 2 and not kernel.is_fully_addressable
+x = (np.arange(32, dtype=np.int32).reshape(4, 8) * 7) % {vocab}
+save_inference_model({dirname!r}, model, (x,))
+print("SAVED", jax.process_index(), flush=True)
+"""
+
+
+def test_two_processes_gather_their_shards_and_process_0_writes(tmp_path):
+    dirname = str(tmp_path / "artefact")
+    code = MULTIPROCESS_CHILD.format(vocab=VOCAB, dirname=dirname)
+    results = run_many([code, code], envs=paddle_launch_envs(2, heartbeat=20), timeout=180)
+    for rank, result in enumerate(results):
+        assert result.returncode == 0 and f"SAVED {rank}" in result.stdout, result.stderr[-4000:]
+    # the same initial values as the plain model on one device (seeded per parameter)
+    plain = TinyGPT(vocab=VOCAB, width=16, heads=2, layers=1, seed=2)
+    loaded = load_inference_model(dirname)
+    want = nnx.jit(lambda m, x: m(x))(plain, tokens(3))
+    np.testing.assert_allclose(
+        np.asarray(loaded(tokens(3))), np.asarray(want), rtol=1e-5, atol=2e-6
+    )
