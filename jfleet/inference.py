@@ -81,12 +81,14 @@ def save_inference_model(
         signature, except the leading (batch) dimension, exported as the symbolic
         ``"b"`` when the forward allows it (else fixed, with a logged note).
       forward: ``forward(model, *inputs)`` returning arrays; default ``model(*inputs)``.
-      platforms: platforms to lower for; default the current backend plus ``"cpu"``.
+      platforms: platforms to lower for (jax.export's names: ``"cpu"``, ``"cuda"``,
+        ``"rocm"``, ``"tpu"``); default the current backend plus ``"cpu"``, so a model
+        exported on a GPU also runs on CPU.
 
     Raises:
       TypeError: ``model`` is not an NNX module, or an input is not an array.
-      ValueError: the forward cannot be exported (side effects on traced values,
-        non-array outputs); jax's error is chained.
+      ValueError: an unknown platform, or a forward that cannot be exported (side
+        effects on traced values, non-array outputs); jax's error is chained.
 
     Example:
       >>> import tempfile, numpy as np
@@ -112,10 +114,11 @@ def save_inference_model(
                 f"example_inputs[{i}] is a {type(x).__name__}; expected an array "
                 "(numpy or jax); convert it with np.asarray."
             )
-    forward = forward or (lambda m, *xs: m(*xs))
-    graphdef, names, flat, treedef = _host_copy(module)
     if platforms is None:
         platforms = list(dict.fromkeys([jax.default_backend(), "cpu"]))
+    platforms = _check_platforms(platforms)
+    forward = forward or (lambda m, *xs: m(*xs))
+    graphdef, names, flat, treedef = _host_copy(module)
 
     def fn(params: list, *xs: Any) -> Any:
         return forward(nnx.merge(graphdef, jax.tree.unflatten(treedef, params)), *xs)
@@ -125,9 +128,12 @@ def save_inference_model(
     os.makedirs(dirname, exist_ok=True)
     if jax.process_index() != 0:
         return
+    # each file is written under a temporary name and moved into place, the manifest last:
+    # a crash leaves whole files, and a manifest that disagrees with them is refused on load
     params_path = os.path.join(dirname, PARAMS)
-    np.savez(params_path, **dict(zip(names, flat, strict=True)))
-    with open(os.path.join(dirname, FORWARD), "wb") as f:
+    with open(params_path + ".tmp", "wb") as f:
+        np.savez(f, **dict(zip(names, flat, strict=True)))
+    with open(os.path.join(dirname, FORWARD) + ".tmp", "wb") as f:
         f.write(exported.serialize())
     manifest = {
         "format_version": FORMAT_VERSION,
@@ -138,12 +144,14 @@ def save_inference_model(
             {"path": n, "shape": list(p.shape), "dtype": str(p.dtype)}
             for n, p in zip(names, flat, strict=True)
         ],
-        "params_sha256": _sha256(params_path),
+        "params_sha256": _sha256(params_path + ".tmp"),
         "platforms": list(exported.platforms),
         "versions": {"jfleet": _jfleet_version(), "jax": jax.__version__},
     }
-    with open(os.path.join(dirname, MANIFEST), "w") as f:
+    with open(os.path.join(dirname, MANIFEST) + ".tmp", "w") as f:
         json.dump(manifest, f, indent=1)
+    for name in (PARAMS, FORWARD, MANIFEST):
+        os.replace(os.path.join(dirname, name) + ".tmp", os.path.join(dirname, name))
 
 
 class InferenceModel:
@@ -207,8 +215,8 @@ def load_inference_model(dirname: str | os.PathLike) -> InferenceModel:
 
     Raises:
       FileNotFoundError: ``dirname`` or one of its files is missing.
-      ValueError: another format version, or a parameter file that does not match
-        its manifest (truncated, corrupted, edited).
+      ValueError: another format version, an artefact not exported for this backend,
+        or a parameter file that does not match its manifest (truncated, corrupted).
 
     Example:
       >>> import tempfile, numpy as np
@@ -238,6 +246,13 @@ def load_inference_model(dirname: str | os.PathLike) -> InferenceModel:
             f"reads format_version={FORMAT_VERSION}; re-export the model with this jfleet "
             "(or load it with the jfleet that wrote it)."
         )
+    backend = jax.default_backend()
+    if backend not in manifest["platforms"]:
+        raise ValueError(
+            f"{dirname!r} was exported for platforms {manifest['platforms']}; this process runs "
+            f"on {backend!r}; re-export it with save_inference_model(..., "
+            f"platforms=[..., {backend!r}])."
+        )
     params = _load_params(dirname, manifest)
     with open(os.path.join(dirname, FORWARD), "rb") as f:
         exported = jax.export.deserialize(bytearray(f.read()))
@@ -264,6 +279,18 @@ def _host_copy(module: nnx.Module) -> tuple[Any, list[str], list[np.ndarray], An
     leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
     names = [_path_name(path) for path, _ in leaves]
     return graphdef, names, [x for _, x in leaves], treedef
+
+
+def _check_platforms(platforms: Sequence[str]) -> list[str]:
+    known = ("cpu", "cuda", "rocm", "tpu")
+    given = [platforms] if isinstance(platforms, str) else list(platforms)
+    bad = [p for p in given if p not in known]
+    if bad or not given:
+        raise ValueError(
+            f"platforms={platforms!r}: expected a non-empty list from {known} (jax.export's "
+            "names; 'cuda', not 'gpu'); e.g. platforms=['cuda', 'cpu']."
+        )
+    return list(dict.fromkeys(given))
 
 
 def _gather(x: Any) -> Any:

@@ -32,7 +32,8 @@ def llama(tmp_path_factory):
     """A small TinyLlama, its artefact directory, and the live model's jitted logits."""
     model = TinyLlama(vocab=VOCAB, width=16, heads=2, layers=1, seed=1)
     dirname = str(tmp_path_factory.mktemp("llama"))
-    save_inference_model(dirname, model, (tokens(2),))
+    # exported for a GPU as well, as on a GPU machine by default: it still runs here on CPU
+    save_inference_model(dirname, model, (tokens(2),), platforms=("cuda", "cpu"))
     live = nnx.jit(lambda m, x: m(x))
     want = {b: np.asarray(live(model, tokens(b))) for b in (2, 3)}
     return dirname, want
@@ -55,6 +56,8 @@ def test_llama_artefact_equals_the_live_model_at_two_batch_sizes(llama):
         exported = jax.export.deserialize(bytearray(f.read()))
     assert len(exported.in_avals) == len(paths) + 1
     assert manifest["versions"]["jax"] == jax.__version__
+    assert manifest["platforms"] == list(exported.platforms) == ["cuda", "cpu"]
+    assert sorted(os.listdir(dirname)) == ["forward.jaxexport", "manifest.json", "params.npz"]
 
 
 def test_tensor_parallel_distributed_model_exports_to_one_device(tmp_path):
@@ -183,6 +186,19 @@ def test_a_forward_that_cannot_be_exported_says_what_to_do(tmp_path, forward):
     ):
         save_inference_model(tmp_path, model, (np.ones((2, 2), np.float32),), forward=forward)
     assert not (tmp_path / "manifest.json").exists()
+
+
+def test_unknown_platforms_and_an_artefact_for_another_backend_are_clear_errors(tmp_path):
+    model, x = nnx.Linear(2, 3, rngs=nnx.Rngs(0)), np.ones((1, 2), np.float32)
+    with pytest.raises(ValueError, match=r"platforms=\['gpu'\]: expected .* 'cuda', not 'gpu'"):
+        save_inference_model(tmp_path, model, (x,), platforms=["gpu"])
+    save_inference_model(tmp_path, model, (x,), platforms=["tpu"])  # lowered, never run here
+    with pytest.raises(
+        ValueError,
+        match=r"exported for platforms \['tpu'\]; .* on 'cpu'; "
+        r"re-export it .*platforms=\[\.\.\., 'cpu'\]",
+    ):
+        load_inference_model(tmp_path)
 
 
 def test_a_model_or_inputs_of_the_wrong_kind_are_clear_errors(tmp_path):
