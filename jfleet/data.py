@@ -66,14 +66,45 @@ class ShardedLoader:
         self.loader = loader
         self.placement = placement
         self._first = first
+        self._position = 0
+        self._skip = 0
 
     def __iter__(self) -> Iterator[Any]:
         source = iter(self.loader)
         if source is self.loader:  # a one-shot iterator: keep the peeked batch
             first, self._first = self._first, None
             source = source if first is None else itertools.chain([first], source)
+        skip, self._skip = self._skip, 0
+        self._position = skip
+        source = itertools.islice(source, skip, None)  # resuming: the batches already seen
         for batch in source:
+            self._position += 1
             yield self.placement.shard_batch(batch)
+
+    def state(self) -> dict[str, int]:
+        """The data position: ``{"batches": n}``, the batches of this pass already yielded.
+
+        Example:
+          >>> import jax, numpy as np
+          >>> from jfleet.placement import Placement
+          >>> mesh = jax.make_mesh((4, 2), ("dp", "sharding"))
+          >>> loader = ShardedLoader([np.full((8, 1), i) for i in range(3)], Placement(mesh))
+          >>> _ = next(iter(loader)); loader.state()
+          {'batches': 1}
+          >>> loader.restore({"batches": 2}); int(np.asarray(next(iter(loader)))[0, 0])
+          2
+        """
+        return {"batches": self._position}
+
+    def restore(self, state: dict[str, int]) -> None:
+        """Resumes at ``state`` (from :meth:`state`): the next pass skips the batches seen."""
+        batches = state.get("batches") if isinstance(state, dict) else None
+        if not isinstance(batches, int) or batches < 0:
+            raise ValueError(
+                f"ShardedLoader.restore(state={state!r}): expected {{'batches': n}} with an "
+                "int n >= 0, as ShardedLoader.state() returns."
+            )
+        self._skip = self._position = batches
 
     def __len__(self) -> int:
         return len(self.loader)  # TypeError for loaders without a length, as for the original

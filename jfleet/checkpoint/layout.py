@@ -1,0 +1,213 @@
+"""The one logical layout on disk: every leaf under the model's own per-layer path.
+
+A running model may hold its layers stacked for a pipeline (``to_distributed``'s
+:class:`~jfleet.auto_parallel.blocks.PipelinedBlocks`: ``layers.body.mlp.up_proj.kernel``
+of shape ``[pp, L/pp, ...]``; :class:`~jfleet.parallel.pipeline_layer.PipelineLayer`'s
+``body`` with its ``pre`` / ``post`` layers) or be wrapped in a
+:class:`~jfleet.distributed_model.DistributedModel` (``module.`` prefix). On disk each leaf
+is stored under the path of the plain model, one leaf per layer
+(``layers.3.mlp.up_proj.kernel``), whatever the mesh, ZeRO stage or pipeline: a
+``PipelineLayer``'s layers are ``layers.<i>`` in its layer list. Optimizer state mirrors
+the parameters (``opt_state.0.mu.<param path>``) and is mapped the same way.
+
+:func:`logical_leaves` maps a running object's state to ``{logical path: leaf}`` (arrays
+on save, ``jax.ShapeDtypeStruct`` targets with their shardings on restore);
+:func:`running_values` assembles restored logical arrays back into the running layout
+(stacking per-layer arrays device-side into the running sharding).
+
+Example:
+  >>> from flax import nnx
+  >>> from jfleet.parallel.pipeline_layer import LayerDesc, PipelineLayer
+  >>> model = PipelineLayer([LayerDesc(nnx.Linear, 2, 2)] * 4, num_stages=2)
+  >>> sorted(logical_leaves(model, model))[:2]
+  ['layers.0.bias', 'layers.0.kernel']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jfleet.auto_parallel.blocks import PipelinedBlocks
+from jfleet.distributed_model import DistributedModel
+from jfleet.parallel.pipeline_layer import PipelineLayer
+
+__all__ = ["logical_leaves", "running_values", "state_leaves"]
+
+Path = tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stack:
+    """A stacked body at ``at`` whose unit ``(s, k)`` holds layers ``first + (s*K+k)*p + i``."""
+
+    at: Path
+    to: Path
+    first: int
+    period: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rename:
+    """Leaves under ``at`` live under ``to`` on disk."""
+
+    at: Path
+    to: Path
+
+
+def _rules(model: nnx.Module) -> list[_Stack | _Rename]:
+    """How the model's running paths map to logical ones (paths relative to the model)."""
+    rules: list[_Stack | _Rename] = []
+    for path, node in nnx.iter_graph(model):
+        path = tuple(path)
+        if isinstance(node, PipelinedBlocks):
+            rules.append(_Stack((*path, "body"), path, 0, node.period))
+        elif isinstance(node, PipelineLayer):
+            if node.body is None:
+                raise NotImplementedError(
+                    f"{'.'.join(map(str, path)) or 'the model'} is a PipelineLayer with stages "
+                    "of different layers (flat per-stage buffers): checkpoints cannot map "
+                    "those to per-layer leaves yet; build it with identical body layers "
+                    "(a stacked body) to checkpoint it."
+                )
+            start, end = node.body_range
+            rules.append(_Stack((*path, "body"), (*path, "layers"), start, 1))
+            for i in range(len(node.pre)):
+                rules.append(_Rename((*path, "pre", i, "layer"), (*path, "layers", i)))
+            for j in range(len(node.post)):
+                rules.append(_Rename((*path, "post", j, "layer"), (*path, "layers", end + j)))
+    return rules
+
+
+def _rule_for(rules: list, path: Path) -> tuple[Any, Path] | None:
+    for rule in rules:
+        if path[: len(rule.at)] == rule.at:
+            return rule, path[len(rule.at) :]
+    return None
+
+
+def state_leaves(obj: nnx.Module) -> dict[Path, nnx.Variable]:
+    """The checkpointed variables of ``obj`` by path (every variable but RNG state)."""
+    state = nnx.state(obj, nnx.Not(nnx.RngState))
+    return {tuple(p): v for p, v in nnx.to_flat_state(state)}
+
+
+def _inner(model: nnx.Module) -> tuple[nnx.Module, Path]:
+    if isinstance(model, DistributedModel):
+        return model.module, ("module",)
+    return model, ()
+
+
+def _split(path: Path, model_paths: set[Path], wrapper: Path) -> tuple[Path, Path]:
+    """``(prefix, model path)``: the longest suffix of ``path`` that is a model path."""
+    for n in range(len(path), 0, -1):
+        if path[-n:] in model_paths:
+            prefix = path[:-n]
+            if wrapper and prefix[-len(wrapper) :] == wrapper:
+                prefix = prefix[: -len(wrapper)]
+            return prefix, path[-n:]
+    return path, ()
+
+
+def _key(path: Path) -> str:
+    return ".".join(str(k) for k in path)
+
+
+def _per_layer_sharding(sharding: Any, ndim: int) -> Any:
+    if isinstance(sharding, NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+        return NamedSharding(sharding.mesh, P(*spec[2:]))
+    return sharding
+
+
+def _expand(
+    rules: list, prefix: Path, mpath: Path, leaf: Any, abstract: bool
+) -> list[tuple[str, Any, tuple]]:
+    """``[(logical key, leaf, (s, k, i) or ())]`` of one running leaf."""
+    found = _rule_for(rules, mpath)
+    if found is None:
+        return [(_key(prefix + mpath), leaf, ())]
+    rule, rest = found
+    if isinstance(rule, _Rename):
+        return [(_key(prefix + rule.to + rest), leaf, ())]
+    period, inner = rule.period, rest
+    subs = [None]
+    if period > 1:  # a SuperBlock: body.layers.<i>.<rest>
+        subs, inner = [rest[1]], rest[2:]
+    stages, per_stage = leaf.shape[0], leaf.shape[1]
+    sharding = _per_layer_sharding(leaf.sharding, leaf.ndim)
+    units = [(s, k) for s in range(stages) for k in range(per_stage)]
+    if abstract:
+        parts = [jax.ShapeDtypeStruct(leaf.shape[2:], leaf.dtype, sharding=sharding)] * len(units)
+    else:
+        parts = _unstack(len(units), sharding)(leaf)
+    out = []
+    for (s, k), part in zip(units, parts, strict=True):
+        for i in subs:
+            index = rule.first + (s * per_stage + k) * period + (i or 0)
+            out.append((_key(prefix + rule.to + (index,) + inner), part, (s, k)))
+    return out
+
+
+def logical_leaves(model: nnx.Module, obj: nnx.Module, *, abstract: bool = False) -> dict:
+    """``{logical path: leaf}`` of ``obj`` (the model itself or its optimizer).
+
+    With ``abstract`` the leaves are ``jax.ShapeDtypeStruct`` s carrying the sharding each
+    logical leaf gets on the running mesh (what Orbax restores into).
+    """
+    return {k: v for k, v, _ in _entries(model, obj, abstract)}
+
+
+def _entries(model: nnx.Module, obj: nnx.Module, abstract: bool) -> list[tuple[str, Any, Path]]:
+    inner, wrapper = _inner(model)
+    rules = _rules(inner)
+    model_paths = set(state_leaves(inner))
+    out = []
+    for path, var in state_leaves(obj).items():
+        value = var.get_value()
+        if abstract:
+            value = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=value.sharding)
+        prefix, mpath = _split(path, model_paths, wrapper)
+        for key, leaf, _ in _expand(rules, prefix, mpath, value, abstract):
+            out.append((key, leaf, path))
+    return out
+
+
+def running_values(model: nnx.Module, obj: nnx.Module, restored: dict) -> None:
+    """Writes restored logical arrays into ``obj``'s variables in place (stacking as needed)."""
+    groups: dict[Path, list[str]] = {}
+    for key, _, path in _entries(model, obj, abstract=True):
+        groups.setdefault(path, []).append(key)
+    for path, var in state_leaves(obj).items():
+        keys = groups[path]
+        old = var.get_value()
+        if len(keys) == 1 and restored[keys[0]].shape == old.shape:
+            var.set_value(restored[keys[0]])
+            continue
+        parts = [restored[k] for k in keys]
+        var.set_value(_stack(old.shape, old.sharding)(*parts))
+
+
+def _unstack(count: int, sharding: Any) -> Any:
+    """A jitted splitter of a ``[P, K, ...]`` array into its ``P*K`` units, each in ``sharding``."""
+
+    def unstack(x: jax.Array) -> list[jax.Array]:
+        flat = x.reshape((count, *x.shape[2:]))
+        return [flat[u] for u in range(count)]
+
+    return jax.jit(unstack, out_shardings=[sharding] * count)
+
+
+def _stack(shape: tuple, sharding: Any) -> Any:
+    """A jitted stacker of per-layer arrays into ``shape`` with the running ``sharding``."""
+
+    def stack(*parts: jax.Array) -> jax.Array:
+        return jnp.stack(parts).reshape(shape)
+
+    return jax.jit(stack, out_shardings=sharding)

@@ -1,0 +1,278 @@
+"""``CheckpointManager``: save and resume a run (model, optimizer, data position) on Orbax.
+
+Each step's checkpoint is an ``orbax.checkpoint`` composite of three items: ``state`` (the
+model's and the optimizer's arrays in the one logical layout of
+:mod:`jfleet.checkpoint.layout`), ``loader`` (the data position, JSON) and ``meta`` (what
+produced it: mesh shape, fleet strategy, ``to_distributed`` plan, ``extra``; JSON). Orbax
+writes atomically (a temporary directory renamed when complete) and asynchronously;
+restore reads every array straight into its sharding on the running mesh, then stacks
+per-layer arrays into a pipeline's running layout. Nothing is pickled. Random-number
+state (``nnx.RngState``) is not saved.
+
+Example:
+  >>> import tempfile, optax
+  >>> from flax import nnx
+  >>> model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+  >>> opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+  >>> with CheckpointManager(tempfile.mkdtemp(), async_save=False) as mngr:
+  ...     mngr.save(3, model, opt, extra={"note": "hi"})
+  ...     fresh = nnx.Linear(2, 2, rngs=nnx.Rngs(1))
+  ...     meta = mngr.restore(model=fresh, optimizer=nnx.Optimizer(fresh, optax.adam(1e-2),
+  ...                                                              wrt=nnx.Param))
+  True
+  >>> meta["step"], meta["extra"], bool((fresh.kernel[...] == model.kernel[...]).all())
+  (3, {'note': 'hi'}, True)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from jfleet import _context
+from jfleet._logging import logger
+from jfleet.checkpoint import layout
+
+__all__ = ["CheckpointManager"]
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """``{"a.b": x}`` -> ``{"a": {"b": x}}`` (Orbax's tree; keys stay strings)."""
+    tree: dict[str, Any] = {}
+    for key, value in flat.items():
+        *heads, last = key.split(".")
+        node = tree
+        for head in heads:
+            node = node.setdefault(head, {})
+        node[last] = value
+    return tree
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def _description(model: nnx.Module, step: int, extra: Any) -> dict[str, Any]:
+    mesh = _context.current_mesh()
+    if mesh is None:
+        leaves = [v.get_value() for v in layout.state_leaves(model).values()]
+        meshes = [getattr(x.sharding, "mesh", None) for x in leaves if hasattr(x, "sharding")]
+        mesh = next((m for m in meshes if m is not None), None)
+    run = _context.current()
+    plan = None
+    try:
+        from jfleet.auto_parallel import get_plan
+
+        plan = get_plan(model).to_dict()
+    except ValueError:
+        pass
+    return {
+        "step": step,
+        "mesh_shape": None if mesh is None else {str(k): int(v) for k, v in mesh.shape.items()},
+        "strategy": None if run is None else run.strategy.to_dict(),
+        "plan": plan,
+        "extra": extra,
+    }
+
+
+class CheckpointManager:
+    """Saves and restores training state in a directory of step checkpoints (Orbax).
+
+    Args:
+      directory: where the checkpoints live (created if missing).
+      max_to_keep: keep only the newest ``n`` checkpoints (None: keep all).
+      save_interval_steps: :meth:`save` writes only on steps that are multiples of it
+        (step 0 included; others return False).
+      async_save: write in the background (:meth:`save` returns while files are written;
+        :meth:`wait_until_finished` waits).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        max_to_keep: int | None = None,
+        save_interval_steps: int = 1,
+        async_save: bool = True,
+    ) -> None:
+        if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
+            raise ValueError(
+                f"save_interval_steps={save_interval_steps!r}: expected an int >= 1 "
+                "(1: save every step passed to save)."
+            )
+        if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
+            raise ValueError(
+                f"max_to_keep={max_to_keep!r}: expected None (keep all) or an int >= 1."
+            )
+        self.save_interval_steps = save_interval_steps
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            enable_async_checkpointing=async_save,
+        )
+        handlers = {
+            "state": ocp.StandardCheckpointHandler(),
+            "loader": ocp.JsonCheckpointHandler(),
+            "meta": ocp.JsonCheckpointHandler(),
+        }
+        self._mngr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+    def save(
+        self,
+        step: int,
+        model: nnx.Module,
+        optimizer: nnx.Optimizer,
+        *,
+        loader: Any = None,
+        extra: Any = None,
+    ) -> bool:
+        """Saves model, optimizer, ``loader``'s position and ``extra`` (JSON) at ``step``.
+
+        Returns:
+          Whether a checkpoint was started (False off the save interval).
+        """
+        if step % self.save_interval_steps:
+            return False
+        state = {
+            "model": _nest(layout.logical_leaves(model, model)),
+            "optimizer": _nest(layout.logical_leaves(model, optimizer)),
+        }
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            loader=ocp.args.JsonSave(None if loader is None else loader.state()),
+            meta=ocp.args.JsonSave(_description(model, int(step), extra)),
+        )
+        saved = self._mngr.save(int(step), args=args)
+        if saved:
+            logger.info("checkpoint: saving step %d to %s", step, self.directory)
+        return saved
+
+    def restore(
+        self,
+        step: int | None = None,
+        *,
+        model: nnx.Module,
+        optimizer: nnx.Optimizer,
+        loader: Any = None,
+    ) -> dict[str, Any]:
+        """Restores ``step`` (default: the latest) into ``model`` / ``optimizer`` in place.
+
+        The objects may live on another mesh, ZeRO stage or pipeline layout than the
+        saver's: each array is read into the sharding the running objects give it.
+
+        Returns:
+          The checkpoint's description: ``step``, ``mesh_shape``, ``strategy``, ``plan``,
+          ``extra``.
+
+        Raises:
+          FileNotFoundError: no checkpoint (at ``step``) in the directory.
+          ValueError: the checkpoint was written by another model (the first differing leaf
+            is named) or a file is damaged.
+        """
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise FileNotFoundError(
+                    f"no checkpoint in {self.directory}: save one first, or pass the "
+                    "directory the run saved to."
+                )
+            step = steps[-1]
+        elif step not in steps:
+            raise FileNotFoundError(
+                f"no checkpoint at step {step} in {self.directory}; its steps are {steps}."
+            )
+        where = self.directory / str(step)
+        target = {
+            "model": layout.logical_leaves(model, model, abstract=True),
+            "optimizer": layout.logical_leaves(model, optimizer, abstract=True),
+        }
+        self._check(where, step, target)
+        args = ocp.args.Composite(
+            state=ocp.args.StandardRestore({k: _nest(v) for k, v in target.items()}),
+            loader=ocp.args.JsonRestore(),
+            meta=ocp.args.JsonRestore(),
+        )
+        try:
+            got = self._mngr.restore(step, args=args)
+        except Exception as error:  # Orbax / tensorstore errors on damaged files
+            raise ValueError(
+                f"checkpoint {where} could not be read ({type(error).__name__}: {error}); a "
+                "file is damaged or truncated: restore another step (all_steps())."
+            ) from error
+        layout.running_values(model, model, _flatten(got.state["model"]))
+        layout.running_values(model, optimizer, _flatten(got.state["optimizer"]))
+        if loader is not None:
+            if got.loader is None:
+                raise ValueError(
+                    f"checkpoint {where} holds no data position: it was saved without "
+                    "loader=; restore without loader= (the loader starts from its first batch)."
+                )
+            loader.restore(got.loader)
+        return dict(got.meta)
+
+    def _check(self, where: Path, step: int, target: dict[str, dict]) -> None:
+        """Refuses a checkpoint whose leaves differ from the running objects' (first named)."""
+        try:
+            meta = self._mngr.item_metadata(step)["state"]
+        except Exception as error:
+            raise ValueError(
+                f"checkpoint {where} could not be read ({type(error).__name__}: {error}); a "
+                "file is damaged or truncated, or it is not a jfleet checkpoint: restore "
+                "another step (all_steps())."
+            ) from error
+        for part, want in target.items():
+            stored = _flatten(dict(meta.get(part, {}) if hasattr(meta, "get") else {}))
+            for key in sorted(want):
+                if key not in stored:
+                    raise ValueError(
+                        f"checkpoint {where} was written by another model: {part} leaf {key!r} "
+                        f"of the running {part} is not in it (it has e.g. "
+                        f"{sorted(set(stored) - set(want))[:3]}); restore into the model that "
+                        "saved it."
+                    )
+                have, need = tuple(stored[key].shape), tuple(want[key].shape)
+                if have != need:
+                    raise ValueError(
+                        f"checkpoint {where} was written by another model: {part} leaf {key!r} "
+                        f"has shape {have} there but {need} in the running {part}; restore "
+                        "into the model that saved it."
+                    )
+            for key in sorted(set(stored) - set(want)):
+                raise ValueError(
+                    f"checkpoint {where} was written by another model: its {part} leaf "
+                    f"{key!r} is not in the running {part}; restore into the model that "
+                    "saved it."
+                )
+
+    def all_steps(self) -> list[int]:
+        """The steps with a complete checkpoint, oldest first (partial writes are ignored)."""
+        self._mngr.reload()
+        return sorted(self._mngr.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step, or None."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def wait_until_finished(self) -> None:
+        """Blocks until background saves are written."""
+        self._mngr.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for background saves and releases the manager."""
+        self._mngr.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,139 @@
+"""jfleet.checkpoint: a resumed run equals the uninterrupted one, on the same mesh and others."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jfleet.auto_parallel import ToDistributedConfig
+from jfleet.auto_parallel.to_distributed import to_distributed
+from jfleet.checkpoint import CheckpointManager
+from jfleet.engine import make_train_step
+from jfleet.models import lm_batches, lm_loss
+from jfleet.models.llama import TinyLlama
+
+STEPS, SAVE_AT = 6, 3
+PIPELINE = {"dp": 2, "pp": 2, "mp": 2}
+
+
+def llama() -> TinyLlama:
+    return TinyLlama(vocab=64, width=32, heads=8, kv_heads=4, layers=4)
+
+
+def build(mesh: dict, **config):
+    return to_distributed(
+        llama(),
+        optax.adam(1e-2),
+        lm_batches(STEPS, batch=16),
+        config=ToDistributedConfig(force_mesh=mesh, **config),
+    )
+
+
+def train(model, opt, batches) -> list[float]:
+    step = make_train_step(lm_loss)
+    return [float(step(model, opt, b)) for b in batches]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """6 steps at dp2 x pp2 x mp2, saved (async) after step 3: losses, directory."""
+    directory = tmp_path_factory.mktemp("ckpt")
+    model, opt, loader = build(PIPELINE)
+    batches = iter(loader)
+    losses = train(model, opt, itertools.islice(batches, SAVE_AT))
+    with CheckpointManager(directory, max_to_keep=2) as mngr:
+        assert mngr.save(SAVE_AT, model, opt, loader=loader, extra={"losses": losses})
+        losses += train(model, opt, batches)
+    return losses, directory
+
+
+def resumed(reference, mesh: dict, **config) -> tuple[list[float], dict, object]:
+    directory = reference[1]
+    model, opt, loader = build(mesh, **config)
+    with CheckpointManager(directory) as mngr:
+        meta = mngr.restore(model=model, optimizer=opt, loader=loader)
+    return train(model, opt, loader), meta, (model, opt)
+
+
+def test_resume_on_the_same_mesh_is_bit_exact_and_continues_the_data(reference):
+    losses, directory = reference
+    got, meta, (_, opt) = resumed(reference, PIPELINE)
+    assert got == losses[SAVE_AT:]  # bit for bit; the loader gave batches 3, 4, 5
+    assert meta["step"] == SAVE_AT and meta["extra"] == {"losses": losses[:SAVE_AT]}
+    assert meta["mesh_shape"] == {"dp": 2, "pp": 2, "sharding": 1, "sep": 1, "mp": 2}
+    assert meta["plan"]["mesh"]["pp"] == 2
+    assert int(opt.step[...]) == STEPS
+    # on disk: the plain model's per-layer paths, no stacked [pp, L/pp, ...] leaf
+    names = {p.name for p in (directory / str(SAVE_AT) / "state").iterdir()}
+    assert "_METADATA" in names
+    with CheckpointManager(directory) as mngr:
+        stored = mngr._mngr.item_metadata(SAVE_AT)["state"]
+    layer = stored["model"]["layers"]["3"]["mlp"]["up_proj"]["kernel"]
+    assert tuple(layer.shape) == (32, 64) and "body" not in stored["model"]["layers"]
+    assert tuple(
+        stored["optimizer"]["opt_state"]["0"]["mu"]["layers"]["3"]["mlp"]["up_proj"]["kernel"].shape
+    ) == (32, 64)
+
+
+@pytest.mark.parametrize(
+    "mesh", [{"dp": 8}, {"dp": 2, "pp": 4}, {"dp": 2, "mp": 4}], ids=["dp8", "pp4", "dp2-mp4"]
+)
+def test_resume_on_another_mesh_matches(reference, mesh):
+    losses, _ = reference
+    got, _, (model, _) = resumed(reference, mesh)
+    np.testing.assert_allclose(got, losses[SAVE_AT:], rtol=0, atol=1e-5)
+    if mesh.get("pp", 1) > 1:  # restacked into this mesh's [pp, L/pp, ...]
+        kernel = model.layers.body.mlp.up_proj.kernel[...]
+        assert kernel.shape[:2] == (4, 1) and kernel.sharding.spec[0] == "pp"
+
+
+# ---------------------------------------------------------------- cheap objects, bad input
+def linear(seed: int = 0, width: int = 2):
+    model = nnx.Linear(width, 2, rngs=nnx.Rngs(seed))
+    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+
+def test_interval_max_to_keep_and_steps(tmp_path):
+    model, opt = linear()
+    with CheckpointManager(tmp_path, max_to_keep=2, save_interval_steps=2) as mngr:
+        saved = [mngr.save(s, model, opt) for s in range(1, 7)]
+        mngr.wait_until_finished()
+        assert saved == [False, True, False, True, False, True]
+        assert mngr.all_steps() == [4, 6] and mngr.latest_step() == 6
+    (tmp_path / "8.orbax-checkpoint-tmp-123").mkdir()  # a partial write
+    with CheckpointManager(tmp_path) as again:
+        assert again.latest_step() == 6
+
+
+def test_bad_inputs_are_clear_errors(tmp_path):
+    model, opt = linear()
+    with pytest.raises(ValueError, match=r"save_interval_steps=0: expected an int >= 1"):
+        CheckpointManager(tmp_path, save_interval_steps=0)
+    with pytest.raises(ValueError, match=r"max_to_keep=0: expected None"):
+        CheckpointManager(tmp_path, max_to_keep=0)
+    with (
+        CheckpointManager(tmp_path / "empty") as empty,
+        pytest.raises(FileNotFoundError, match=r"no checkpoint in .*empty"),
+    ):
+        empty.restore(model=model, optimizer=opt)
+    mngr = CheckpointManager(tmp_path / "run", async_save=False)
+    mngr.save(1, model, opt)
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint at step 5 in .*run; its steps"):
+        mngr.restore(5, model=model, optimizer=opt)
+    wide, wide_opt = linear(width=3)
+    with pytest.raises(ValueError, match=r"another model: model leaf 'kernel' has shape \(2, 2\)"):
+        mngr.restore(model=wide, optimizer=wide_opt)
+    other = nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"another model: model leaf 'layers.0.bias'"):
+        mngr.restore(model=other, optimizer=nnx.Optimizer(other, optax.adam(1e-2), wrt=nnx.Param))
+    with pytest.raises(ValueError, match=r"holds no data position: it was saved without loader"):
+        mngr.restore(model=model, optimizer=opt, loader=object())
+    for data in (tmp_path / "run" / "1" / "state" / "d").iterdir():  # truncate the array data
+        data.write_bytes(data.read_bytes()[:3])
+    with pytest.raises(ValueError, match=r"run/1 could not be read .*damaged or truncated"):
+        mngr.restore(model=model, optimizer=opt)
+    mngr.close()
