@@ -87,8 +87,9 @@ def save_inference_model(
 
     Raises:
       TypeError: ``model`` is not an NNX module, or an input is not an array.
-      ValueError: an unknown platform, or a forward that cannot be exported (side
-        effects on traced values, non-array outputs); jax's error is chained.
+      ValueError: an unknown platform, a forward that cannot be exported (side effects
+        on traced values, non-array outputs; jax's error is chained), or one that pins
+        values to a multi-device mesh other than its layers'.
 
     Example:
       >>> import tempfile, numpy as np
@@ -125,6 +126,13 @@ def save_inference_model(
 
     param_specs = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in flat]
     exported = _export(fn, param_specs, inputs, platforms)
+    if exported.nr_devices != 1:
+        raise ValueError(
+            f"save_inference_model: the forward uses {exported.nr_devices} devices (it pins "
+            "values to a mesh of its own, not the model's layers' mesh); the artefact runs on "
+            "one device: remove the sharding constraints from forward=..., or build them on "
+            "the layers' mesh attribute."
+        )
     os.makedirs(dirname, exist_ok=True)
     if jax.process_index() != 0:
         return

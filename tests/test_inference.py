@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jfleet import fleet
@@ -199,6 +200,17 @@ def test_unknown_platforms_and_an_artefact_for_another_backend_are_clear_errors(
         r"re-export it .*platforms=\[\.\.\., 'cpu'\]",
     ):
         load_inference_model(tmp_path)
+
+
+def test_a_forward_pinned_to_a_mesh_of_its_own_is_refused(tmp_path):
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    mesh = jax.make_mesh((8,), ("x",), (jax.sharding.AxisType.Auto,), devices=jax.devices()[:8])
+
+    def forward(m, x):
+        return jax.lax.with_sharding_constraint(m(x), NamedSharding(mesh, P("x")))
+
+    with pytest.raises(ValueError, match=r"the forward uses 8 devices .* remove the sharding"):
+        save_inference_model(tmp_path, model, (np.ones((8, 2), np.float32),), forward=forward)
 
 
 def test_a_model_or_inputs_of_the_wrong_kind_are_clear_errors(tmp_path):
