@@ -119,9 +119,13 @@ def save_inference_model(
         platforms = list(dict.fromkeys([jax.default_backend(), "cpu"]))
     platforms = _check_platforms(platforms)
     forward = forward or (lambda m, *xs: m(*xs))
-    graphdef, names, flat, treedef = _host_copy(module)
+    graphdef, names, flat, treedef, keys = _host_copy(module)
 
     def fn(params: list, *xs: Any) -> Any:
+        params = [
+            jax.random.wrap_key_data(p, impl=keys[i]) if i in keys else p
+            for i, p in enumerate(params)
+        ]
         return forward(nnx.merge(graphdef, jax.tree.unflatten(treedef, params)), *xs)
 
     param_specs = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in flat]
@@ -267,10 +271,11 @@ def load_inference_model(dirname: str | os.PathLike) -> InferenceModel:
     return InferenceModel(dirname, exported, params, manifest)
 
 
-def _host_copy(module: nnx.Module) -> tuple[Any, list[str], list[np.ndarray], Any]:
+def _host_copy(module: nnx.Module) -> tuple[Any, list[str], list[np.ndarray], Any, dict]:
     """A copy of ``module`` on host arrays, its layers re-pointed to a one-device mesh.
 
-    Returns the copy's graphdef, the parameter paths, the host arrays and their treedef.
+    Returns the copy's graphdef, the state's paths, host arrays (a PRNG key as its key
+    data) and treedef, and the PRNG implementation of each key leaf by its index.
     """
     graphdef, state = nnx.split(module)
     state = jax.tree.map(_gather, state)
@@ -286,7 +291,15 @@ def _host_copy(module: nnx.Module) -> tuple[Any, list[str], list[np.ndarray], An
     graphdef, state = nnx.split(copy)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
     names = [_path_name(path) for path, _ in leaves]
-    return graphdef, names, [x for _, x in leaves], treedef
+    keys = {i: jax.random.key_impl(x) for i, (_, x) in enumerate(leaves) if _is_key(x)}
+    flat = [
+        np.asarray(jax.random.key_data(x)) if i in keys else x for i, (_, x) in enumerate(leaves)
+    ]
+    return graphdef, names, flat, treedef, keys
+
+
+def _is_key(x: Any) -> bool:
+    return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
 
 
 def _check_platforms(platforms: Sequence[str]) -> list[str]:
@@ -302,7 +315,14 @@ def _check_platforms(platforms: Sequence[str]) -> list[str]:
 
 
 def _gather(x: Any) -> Any:
-    """A host copy of one array, from every process when it spans processes."""
+    """A host copy of one array, from every process when it spans processes.
+
+    A PRNG key array stays a key array (its key data gathered and wrapped again).
+    """
+    if _is_key(x):
+        return jax.random.wrap_key_data(
+            _gather(jax.random.key_data(x)), impl=jax.random.key_impl(x)
+        )
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)

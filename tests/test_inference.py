@@ -121,6 +121,28 @@ def test_a_batch_the_forward_cannot_leave_symbolic_is_fixed_with_a_note(tmp_path
         loaded(np.ones((3, 2), np.float32))
 
 
+class NormedDropout(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.linear = nnx.Linear(2, 3, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+        self.norm = nnx.BatchNorm(3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.norm(self.dropout(self.linear(x)))
+
+
+def test_statistics_and_prng_keys_travel_with_the_parameters(tmp_path):
+    model = NormedDropout(nnx.Rngs(3))
+    model.norm.mean[...] = np.array([0.5, -1.0, 2.0], np.float32)  # not the initial zeros
+    model.eval()
+    x = np.arange(8, dtype=np.float32).reshape(4, 2)
+    save_inference_model(tmp_path, model, (x,))
+    loaded = load_inference_model(tmp_path)
+    paths = [p["path"] for p in loaded.manifest["params"]]
+    assert "norm.mean" in paths and "dropout.rngs.key" in paths  # the key as its uint32 data
+    np.testing.assert_allclose(np.asarray(loaded(x)), np.asarray(model(x)), rtol=1e-6)
+
+
 def copy_of(dirname, tmp_path):
     target = tmp_path / "copy"
     shutil.copytree(dirname, target)
