@@ -11,12 +11,12 @@ and writes three files into a directory:
   dtypes, the parameter file's SHA-256, jfleet and jax versions.
 
 :func:`load_inference_model` needs none of the model's Python classes: it returns an
-:class:`InferenceModel`, a callable over the local devices.
+:class:`InferenceModel`, a callable that runs on this process's first local device.
 
 The forward is traced on a one-device mesh with the model's axis names (parallel layers
 are re-pointed from the fleet's mesh to it on a private copy of the model), so the
-artefact runs on any number of devices, one device at a time, on every platform it was
-exported for.
+artefact needs one device, whatever mesh trained the model, on every platform it was
+exported for (a one-device program: data-parallel serving is the caller's loop).
 
 Paddle mapping: Paddle's ``fleet.save_inference_model(dirname, feeded_var_names,
 target_vars, executor)`` saves a static program; here the program is the traced
