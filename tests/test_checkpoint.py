@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import itertools
 
+import jax
 import numpy as np
 import optax
 import pytest
 from flax import nnx
 
+from jfleet import fleet
 from jfleet.auto_parallel import ToDistributedConfig
 from jfleet.auto_parallel.to_distributed import to_distributed
 from jfleet.checkpoint import CheckpointManager
 from jfleet.engine import make_train_step
-from jfleet.models import lm_batches, lm_loss
+from jfleet.models import TinyLM, lm_batches, lm_loss
 from jfleet.models.llama import TinyLlama
+from jfleet.testing import assert_trees_close, make_strategy
 
 STEPS, SAVE_AT = 6, 3
 PIPELINE = {"dp": 2, "pp": 2, "mp": 2}
@@ -137,3 +140,66 @@ def test_bad_inputs_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match=r"run/1 could not be read .*damaged or truncated"):
         mngr.restore(model=model, optimizer=opt)
     mngr.close()
+
+
+# ---------------------------------------------------------------- Fleet runs (TinyLM)
+def fleet_losses(strategy, batches, directory, *, restore=False):
+    """Trains a fresh Fleet TinyLM on ``batches``, saving after SAVE_AT steps (or restoring
+    first): the losses and the optimizer state at the checkpoint (saved or just restored)."""
+    fleet._reset()
+    fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
+    model = fleet.distributed_model(TinyLM())
+    opt = fleet.distributed_optimizer(optax.adam(1e-2))
+    losses, state = [], None
+    with CheckpointManager(directory, async_save=False) as mngr:
+        for i, batch in enumerate([None, *batches] if restore else batches):
+            if (i == 0) if restore else (i == SAVE_AT):
+                if restore:
+                    mngr.restore(model=model, optimizer=opt)
+                else:
+                    mngr.save(SAVE_AT, model, opt)
+                state = jax.tree.map(np.asarray, nnx.state(opt))
+                scale = fleet.get_loss_scaling() if opt.has_loss_scaling else None
+            if batch is not None:
+                losses.append(float(model.train_batch(batch, opt, loss_fn=lm_loss)))
+    return losses, state, scale
+
+
+FP16_O2 = {
+    "amp": True,
+    "amp_configs": {
+        "use_pure_fp16": True,
+        "init_loss_scaling": 1024.0,
+        "incr_every_n_steps": 2,
+        "decr_every_n_nan_or_inf": 3,
+    },
+}
+MOVES = {
+    "zero3-sharding8-to-zero1-dp2xsharding4": (
+        make_strategy({"sharding_degree": 8}, sharding_configs={"stage": 3}),
+        make_strategy({"dp_degree": 2, "sharding_degree": 4}, sharding_configs={"stage": 1}),
+    ),
+    "fp16-o2-loss-scale": (make_strategy({"dp_degree": 8}, **FP16_O2),) * 2,
+    "gradient-merge-k4-mid-accumulation": (
+        make_strategy({"dp_degree": 8}, gradient_merge=True, gradient_merge_configs={"k_steps": 4}),
+    )
+    * 2,
+}
+
+
+@pytest.mark.parametrize("move", list(MOVES))
+def test_fleet_resume_equals_the_uninterrupted_run(move, tmp_path):
+    save_with, restore_with = MOVES[move]
+    batches = lm_batches(STEPS)
+    want, saved, scale = fleet_losses(save_with, batches, tmp_path)
+    got, restored, restored_scale = fleet_losses(
+        restore_with, batches[SAVE_AT:], tmp_path, restore=True
+    )
+    # the whole optimizer state (moments, loss scale and counters, accumulator, step)
+    assert_trees_close(restored, saved, rtol=0, atol=0)
+    if move.startswith("fp16"):  # 1024 doubled after 2 good steps; step 3 counted once
+        assert scale == restored_scale == 2048.0
+    if save_with is restore_with:
+        assert got == want[SAVE_AT:]
+    else:
+        np.testing.assert_allclose(got, want[SAVE_AT:], rtol=0, atol=1e-5)

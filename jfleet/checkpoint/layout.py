@@ -93,9 +93,17 @@ def _rule_for(rules: list, path: Path) -> tuple[Any, Path] | None:
 
 
 def state_leaves(obj: nnx.Module) -> dict[Path, nnx.Variable]:
-    """The checkpointed variables of ``obj`` by path (every variable but RNG state)."""
+    """The checkpointed variables of ``obj`` by path: every array variable but RNG state.
+
+    Placeholders without data (optax's ``MaskedNode`` of parameters a transform skips)
+    are left out.
+    """
     state = nnx.state(obj, nnx.Not(nnx.RngState))
-    return {tuple(p): v for p, v in nnx.to_flat_state(state)}
+    return {
+        tuple(p): v
+        for p, v in nnx.to_flat_state(state)
+        if hasattr(v.get_value(), "shape") and hasattr(v.get_value(), "dtype")
+    }
 
 
 def _inner(model: nnx.Module) -> tuple[nnx.Module, Path]:

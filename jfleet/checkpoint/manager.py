@@ -84,6 +84,12 @@ def _description(model: nnx.Module, step: int, extra: Any) -> dict[str, Any]:
     }
 
 
+def _bind(model: nnx.Module, optimizer: nnx.Optimizer) -> None:
+    """Makes a ``DistributedOptimizer``'s state if no step has made it yet."""
+    if getattr(optimizer, "is_bound", True) is False:
+        optimizer.init(model)
+
+
 class CheckpointManager:
     """Saves and restores training state in a directory of step checkpoints (Orbax).
 
@@ -142,6 +148,7 @@ class CheckpointManager:
         """
         if step % self.save_interval_steps:
             return False
+        _bind(model, optimizer)
         state = {
             "model": _nest(layout.logical_leaves(model, model)),
             "optimizer": _nest(layout.logical_leaves(model, optimizer)),
@@ -191,6 +198,7 @@ class CheckpointManager:
                 f"no checkpoint at step {step} in {self.directory}; its steps are {steps}."
             )
         where = self.directory / str(step)
+        _bind(model, optimizer)
         target = {
             "model": layout.logical_leaves(model, model, abstract=True),
             "optimizer": layout.logical_leaves(model, optimizer, abstract=True),
