@@ -45,6 +45,8 @@ from jfleet.fleet import utils as utils
 from jfleet.fleet.fleet_base import Fleet as Fleet
 from jfleet.fleet.scaler import distributed_scaler as distributed_scaler
 from jfleet.fleet.util_base import UtilBase as UtilBase
+from jfleet.inference import load_inference_model as load_inference_model
+from jfleet.inference import save_inference_model as save_inference_model
 from jfleet.role_maker import PaddleCloudRoleMaker as PaddleCloudRoleMaker
 from jfleet.role_maker import Role as Role
 from jfleet.role_maker import UserDefinedRoleMaker as UserDefinedRoleMaker
@@ -78,6 +80,7 @@ __all__ = [
     "is_server",
     "is_worker",
     "layers",
+    "load_inference_model",
     "local_device_ids",
     "local_rank",
     "meta_optimizers",
@@ -87,6 +90,7 @@ __all__ = [
     "rank",
     "rank_in_node",
     "recompute",
+    "save_inference_model",
     "scaler",
     "server_num",
     "util",
