@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -17,6 +18,7 @@ from jfleet.checkpoint import CheckpointManager
 from jfleet.engine import make_train_step
 from jfleet.models import TinyLM, lm_batches, lm_loss
 from jfleet.models.llama import TinyLlama
+from jfleet.parallel.pipeline_layer import LayerDesc, PipelineLayer
 from jfleet.testing import assert_trees_close, make_strategy
 
 STEPS, SAVE_AT = 6, 3
@@ -203,3 +205,69 @@ def test_fleet_resume_equals_the_uninterrupted_run(move, tmp_path):
         assert got == want[SAVE_AT:]
     else:
         np.testing.assert_allclose(got, want[SAVE_AT:], rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------- PipelineLayer -> plain model
+class Dense(nnx.Module):
+    def __init__(self, width: int, *, rngs: nnx.Rngs) -> None:
+        self.linear = nnx.Linear(width, width, rngs=rngs)
+
+    def __call__(self, x):
+        return jnp.tanh(self.linear(x))
+
+
+def mse(out, y):
+    return jnp.mean((out - y) ** 2)
+
+
+DESCS = [LayerDesc(nnx.Linear, 4, 8)] + [LayerDesc(Dense, 8)] * 4 + [LayerDesc(nnx.Linear, 8, 4)]
+
+
+class Plain(nnx.Module):
+    """The same layer list as ``DESCS``, run in order: no pipeline."""
+
+    def __init__(self, seed: int) -> None:
+        self.layers = nnx.List([d.build_layer(nnx.Rngs(seed)) for d in DESCS])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_pipeline_layer_resumes_as_the_plain_model_of_its_layers(tmp_path):
+    rng = np.random.default_rng(0)
+    data = [(rng.normal(size=(16, 4)).astype("f4"),) * 2 for _ in range(STEPS)]
+    strategy = make_strategy(
+        {"dp_degree": 4, "pp_degree": 2},
+        pipeline_configs={"micro_batch_size": 2, "accumulate_steps": 2},
+    )
+    fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
+    layer = PipelineLayer(DESCS, loss_fn=mse, seg_method="layer:Dense", seed=0)
+    model = fleet.distributed_model(layer)
+    opt = fleet.distributed_optimizer(optax.adam(1e-2))
+    want = []
+    with CheckpointManager(tmp_path, async_save=False) as mngr:
+        for i, batch in enumerate(data):
+            if i == SAVE_AT:
+                mngr.save(SAVE_AT, model, opt)
+                stacked = np.asarray(layer.body.linear.kernel[...])  # [2 stages, 2, 8, 8]
+            want.append(float(model.train_batch(batch, opt)))
+        fleet._reset()
+        plain = Plain(seed=1)  # other values: the restore must overwrite them all
+        plain_opt = nnx.Optimizer(plain, optax.adam(1e-2), wrt=nnx.Param)
+        mngr.restore(model=plain, optimizer=plain_opt)
+        stored = mngr._mngr.item_metadata(SAVE_AT)["state"]["model"]
+    assert sorted(stored["layers"]) == [str(i) for i in range(6)]
+    np.testing.assert_array_equal(  # body layer 3 (stage 1, row 0 of the stack)
+        plain.layers[3].linear.kernel[...], stacked[1, 0]
+    )
+
+    @nnx.jit
+    def step(m, o, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: mse(m(x), y))(m)
+        o.update(m, grads)
+        return loss
+
+    got = [float(step(plain, plain_opt, *batch)) for batch in data[SAVE_AT:]]
+    np.testing.assert_allclose(got, want[SAVE_AT:], rtol=0, atol=1e-5)
