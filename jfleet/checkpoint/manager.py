@@ -30,6 +30,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -65,7 +66,7 @@ def _description(model: nnx.Module, step: int, extra: Any) -> dict[str, Any]:
     mesh = _context.current_mesh()
     if mesh is None:
         leaves = [v.get_value() for v in layout.state_leaves(model).values()]
-        meshes = [getattr(x.sharding, "mesh", None) for x in leaves if hasattr(x, "sharding")]
+        meshes = [getattr(x.sharding, "mesh", None) for x in leaves if isinstance(x, jax.Array)]
         mesh = next((m for m in meshes if m is not None), None)
     run = _context.current()
     plan = None
@@ -149,6 +150,11 @@ class CheckpointManager:
         if step % self.save_interval_steps:
             return False
         _bind(model, optimizer)
+        if jax.tree.leaves(nnx.state(model, nnx.RngState)):
+            logger.info(
+                "checkpoint: the model's random-number state (nnx.RngState) is not saved; "
+                "a resumed run draws dropout masks from its own fresh RNG state"
+            )
         state = {
             "model": _nest(layout.logical_leaves(model, model)),
             "optimizer": _nest(layout.logical_leaves(model, optimizer)),
