@@ -175,13 +175,15 @@ def logical_leaves(model: nnx.Module, obj: nnx.Module, *, abstract: bool = False
 def _entries(model: nnx.Module, obj: nnx.Module, abstract: bool) -> list[tuple[str, Any, Path]]:
     inner, wrapper = _inner(model)
     rules = _rules(inner)
-    model_paths = set(state_leaves(inner))
+    shapes = {p: v.get_value().shape for p, v in state_leaves(inner).items()}
     out = []
     for path, var in state_leaves(obj).items():
         value = var.get_value()
         if abstract:
             value = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=value.sharding)
-        prefix, mpath = _split(path, model_paths, wrapper)
+        prefix, mpath = _split(path, set(shapes), wrapper)
+        if mpath and shapes[mpath] != value.shape:  # not parameter-shaped: no per-layer split
+            prefix, mpath = path, ()
         for key, leaf, _ in _expand(rules, prefix, mpath, value, abstract):
             out.append((key, leaf, path))
     return out
