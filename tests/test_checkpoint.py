@@ -52,17 +52,28 @@ def train(model, opt, batches) -> list[float]:
     return [float(step(model, opt, b)) for b in batches]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """6 steps at dp2 x pp2 x mp2, saved (async) after step 3: losses, directory."""
+def saved_run(tmp_path_factory, mesh: dict) -> tuple[list[float], object]:
+    """6 steps on ``mesh``, saved (async) after step 3: losses, directory."""
     directory = tmp_path_factory.mktemp("ckpt")
-    model, opt, loader = build(PIPELINE)
+    model, opt, loader = build(mesh)
     batches = iter(loader)
     losses = train(model, opt, itertools.islice(batches, SAVE_AT))
     with CheckpointManager(directory, max_to_keep=2) as mngr:
         assert mngr.save(SAVE_AT, model, opt, loader=loader, extra={"losses": losses})
         losses += train(model, opt, batches)
     return losses, directory
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The dp2 x pp2 x mp2 run (pipelined blocks), saved after step 3."""
+    return saved_run(tmp_path_factory, PIPELINE)
+
+
+@pytest.fixture(scope="module")
+def reference_dp8(tmp_path_factory):
+    """The dp8 run, saved after step 3."""
+    return saved_run(tmp_path_factory, {"dp": 8})
 
 
 def resumed(reference, mesh: dict, **config) -> tuple[list[float], dict, object]:
@@ -94,15 +105,21 @@ def test_resume_on_the_same_mesh_is_bit_exact_and_continues_the_data(reference):
 
 
 @pytest.mark.parametrize(
-    "mesh", [{"dp": 8}, {"dp": 2, "pp": 4}, {"dp": 2, "mp": 4}], ids=["dp8", "pp4", "dp2-mp4"]
+    ("source", "mesh"),
+    [
+        ("reference", {"dp": 8}),
+        ("reference", {"dp": 2, "pp": 4}),
+        ("reference_dp8", {"dp": 2, "mp": 4}),
+    ],
+    ids=["dp2-pp2-mp2-to-dp8", "pp2-to-pp4", "dp8-to-dp2-mp4"],
 )
-def test_resume_on_another_mesh_matches(reference, mesh):
-    losses, _ = reference
-    got, _, (model, _) = resumed(reference, mesh)
-    np.testing.assert_allclose(got, losses[SAVE_AT:], rtol=0, atol=1e-5)
+def test_resume_on_another_mesh_matches(request, source, mesh):
+    run = request.getfixturevalue(source)
+    got, _, (model, _) = resumed(run, mesh)
+    np.testing.assert_allclose(got, run[0][SAVE_AT:], rtol=0, atol=1e-5)
     if mesh.get("pp", 1) > 1:  # restacked into this mesh's [pp, L/pp, ...]
         kernel = model.layers.body.mlp.up_proj.kernel[...]
-        assert kernel.shape[:2] == (4, 1) and kernel.sharding.spec[0] == "pp"
+        assert kernel.shape[:2] == (4, 1) and kernel.sharding.spec[0] == PP
 
 
 # ---------------------------------------------------------------- cheap objects, bad input
