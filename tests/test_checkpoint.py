@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import signal
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ from jfleet.parallel.pipeline_layer import LayerDesc, PipelineLayer
 from jfleet.placement import Placement
 from jfleet.testing import assert_trees_close, make_strategy
 from jfleet.topology import DP, PP, SHARDING
+from tests.subprocess_util import run_python
 
 # A failed tensorstore read (the truncated-file case) leaves callbacks that report to Orbax's
 # closed event loop later, during whichever test runs then: harmless, not ours.
@@ -343,3 +345,30 @@ def test_unsupported_layouts_and_positions_are_clear_errors():
     loader = ShardedLoader([np.zeros((8, 1))], Placement(jax.make_mesh((4, 2), (DP, SHARDING))))
     with pytest.raises(ValueError, match=r"restore\(state=\{'batches': -1\}\): expected"):
         loader.restore({"batches": -1})
+
+
+# ---------------------------------------------------------------- kill -9 during an async save
+def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
+    code = f"""
+        import os, signal, optax
+        from flax import nnx
+        from jfleet.checkpoint import CheckpointManager
+        model = nnx.Linear(2048, 2048, rngs=nnx.Rngs(0))  # 16 MiB, 48 with Adam's moments
+        opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        mngr = CheckpointManager({str(tmp_path)!r})
+        mngr.save(1, model, opt)
+        mngr.wait_until_finished()
+        model.kernel[...] = model.kernel[...] + 1
+        mngr.save(2, model, opt)  # returns while the files are written
+        os.kill(os.getpid(), signal.SIGKILL)
+    """
+    child = run_python(code, timeout=120)
+    assert child.returncode == -signal.SIGKILL, child.stderr.decode()[-2000:]
+    assert any(p.name.startswith("2.orbax-checkpoint-tmp") for p in tmp_path.iterdir())  # partial
+    model = nnx.Linear(2048, 2048, rngs=nnx.Rngs(1))
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    with CheckpointManager(tmp_path) as mngr:
+        assert mngr.latest_step() == 1 and mngr.all_steps() == [1]
+        mngr.restore(model=model, optimizer=opt)
+    want = nnx.Linear(2048, 2048, rngs=nnx.Rngs(0)).kernel[...]
+    np.testing.assert_array_equal(model.kernel[...], want)
