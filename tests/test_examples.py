@@ -179,3 +179,24 @@ def test_llama_to_distributed_rejects_an_unknown_mesh_axis():
     proc = run_example("llama_to_distributed.py", "--mesh", "dp=2,tp=4")
     assert proc.returncode == 2, proc.stderr  # argparse's usage error, before any training
     assert "'tp=4'" in proc.stderr and "dp, pp, sharding, sep, mp" in proc.stderr, proc.stderr
+
+
+def test_resume_on_another_mesh_continues_the_uninterrupted_curve(tmp_path):
+    args = ["--steps", "4", "--save-at", "2", "--check", "--dir", str(tmp_path)]
+    out = check_ok(run_example("resume.py", *args))  # dp2 x pp2 x mp2, resumed on dp8
+    assert "restored step 2 (saved on {'dp': 2, 'pp': 2, 'sharding': 1, 'sep': 1, 'mp': 2})" in out
+    assert "onto dp=8; next batch: 2" in out, out  # the loader skips the two batches seen
+    rows = re.findall(r"^\s+(\d)\s+(\d+\.\d+)\s+(\d+\.\d+)", out, re.M)
+    assert [int(s) for s, _, _ in rows] == [1, 2, 3, 4], out
+    whole, resumed = ([float(r[i]) for r in rows] for i in (1, 2))
+    assert resumed[:2] == whole[:2], out  # the saved losses, handed over in the checkpoint
+    assert max(abs(a - b) for a, b in zip(whole[2:], resumed[2:], strict=True)) <= 1e-5, out
+    assert whole[3] < whole[0], out  # it trained
+    assert "check passed" in out, out
+    assert (tmp_path / "2" / "state").is_dir(), sorted(p.name for p in tmp_path.iterdir())
+
+
+def test_resume_rejects_a_save_step_outside_the_run():
+    proc = run_example("resume.py", "--steps", "4", "--save-at", "4")
+    assert proc.returncode == 2, proc.stderr  # argparse's usage error, before any training
+    assert "--save-at=4 with --steps=4" in proc.stderr and "1 <= --save-at < --steps" in proc.stderr
