@@ -11,7 +11,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jfleet import fleet
 from jfleet.auto_parallel import ToDistributedConfig
@@ -25,7 +26,7 @@ from jfleet.models.llama import TinyLlama
 from jfleet.parallel.pipeline_layer import LayerDesc, PipelineLayer
 from jfleet.placement import Placement
 from jfleet.testing import assert_trees_close, make_strategy
-from jfleet.topology import DP, PP, SHARDING
+from jfleet.topology import DP, MP, PP, SHARDING
 from tests.subprocess_util import run_python
 
 # A failed tensorstore read (the truncated-file case) leaves callbacks that report to Orbax's
@@ -372,3 +373,60 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
         mngr.restore(model=model, optimizer=opt)
     want = nnx.Linear(2048, 2048, rngs=nnx.Rngs(0)).kernel[...]
     np.testing.assert_array_equal(model.kernel[...], want)
+
+
+# ---------------------------------------------------------------- colliding saves, unfit meshes
+def test_colliding_saves_foreign_files_and_in_flight_restores(tmp_path):
+    model, opt = linear()
+    with pytest.raises(NotADirectoryError, match=r"afile is a file: expected a directory"):
+        (tmp_path / "afile").write_text("x")
+        CheckpointManager(tmp_path / "afile")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "notes.txt").write_text("not a checkpoint")  # ignored
+    (run / "9").mkdir()  # named like a step, not a checkpoint
+    (run / "8.orbax-checkpoint-tmp-1").mkdir()  # another process's unfinished save of step 8
+    with (
+        CheckpointManager(run) as mngr,
+        pytest.raises(ValueError, match=r"run/9 is named like a step but is not a checkpoint"),
+    ):
+        mngr.save(2, model, opt)
+    (run / "9").rmdir()
+    with CheckpointManager(run) as mngr:
+        assert mngr.save(2, model, opt)  # async: in flight
+        with pytest.raises(ValueError, match=r"step 2 already has a checkpoint in .*being saved"):
+            mngr.save(2, model, opt)
+        fresh, fresh_opt = linear(seed=1)
+        assert mngr.restore(2, model=fresh, optimizer=fresh_opt)["step"] == 2  # waits for it
+        np.testing.assert_array_equal(fresh.kernel[...], model.kernel[...])
+        assert mngr.all_steps() == [2]
+        with pytest.raises(ValueError, match=r"step 2 already has a checkpoint in .*steps \[2\]"):
+            mngr.save(2, model, opt)
+        with pytest.raises(ValueError, match=r"step 1 is before the latest checkpoint's step 2"):
+            mngr.save(1, model, opt)
+        with pytest.raises(
+            FileNotFoundError, match=r"8.orbax-checkpoint-tmp-1 is a save of it not"
+        ):
+            mngr.restore(8, model=model, optimizer=opt)
+    assert sorted(p.name for p in run.iterdir()) == [
+        "2",
+        "8.orbax-checkpoint-tmp-1",
+        "notes.txt",
+    ]
+
+
+def test_a_mesh_that_does_not_divide_a_stored_shape_is_named(tmp_path):
+    saved = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    with CheckpointManager(tmp_path, async_save=False) as mngr:
+        mngr.save(1, saved, nnx.Optimizer(saved, optax.adam(1e-2), wrt=nnx.Param))
+        mesh = jax.make_mesh((4, 2), (MP, DP), axis_types=(AxisType.Explicit,) * 2)
+        wide = nnx.Linear(2, 4, rngs=nnx.Rngs(0))  # width 4: what mp4 can split
+        for var, spec in ((wide.kernel, P(None, MP)), (wide.bias, P(MP))):
+            var.set_value(jax.device_put(var.get_value(), NamedSharding(mesh, spec)))
+        opt = nnx.Optimizer(wide, optax.adam(1e-2), wrt=nnx.Param)
+        with pytest.raises(
+            ValueError,
+            match=r"model leaf 'bias' has logical shape \(3,\), whose dimension 0 \(3\) the "
+            r"running mesh axis 'mp' \(size 4\) does not divide; restore on a mesh whose 'mp'",
+        ):
+            mngr.restore(model=wide, optimizer=opt)

@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -33,12 +34,15 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from jfleet import _context
 from jfleet._logging import logger
 from jfleet.checkpoint import layout
 
 __all__ = ["CheckpointManager"]
+
+_FINISHED = "_CHECKPOINT_METADATA"  # Orbax writes it into a step's directory on commit
 
 
 def _nest(flat: dict[str, Any]) -> dict[str, Any]:
@@ -85,6 +89,22 @@ def _description(model: nnx.Module, step: int, extra: Any) -> dict[str, Any]:
     }
 
 
+def _misfit(shape: tuple, sharding: Any) -> tuple[int, str, int] | None:
+    """``(dim, axes, size)`` of the first dimension of ``shape`` that ``sharding``'s mesh axes
+    do not divide, or None (also for shardings without named axes)."""
+    if not isinstance(sharding, NamedSharding):
+        return None
+    mesh_shape = dict(sharding.mesh.shape)
+    for dim, axes in enumerate(tuple(sharding.spec)[: len(shape)]):
+        if axes is None:
+            continue
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        size = math.prod(mesh_shape[a] for a in axes)
+        if shape[dim] % size:
+            return dim, "x".join(axes), size
+    return None
+
+
 def _bind(model: nnx.Module, optimizer: nnx.Optimizer) -> None:
     """Makes a ``DistributedOptimizer``'s state if no step has made it yet."""
     if getattr(optimizer, "is_bound", True) is False:
@@ -122,6 +142,12 @@ class CheckpointManager:
             )
         self.save_interval_steps = save_interval_steps
         self.directory = Path(directory).absolute()
+        if self.directory.exists() and not self.directory.is_dir():
+            raise NotADirectoryError(
+                f"checkpoint directory {self.directory} is a file: expected a directory (or a "
+                "path that does not exist yet); pass another path."
+            )
+        self._started: set[int] = set()  # steps this manager saved (some maybe in flight)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             enable_async_checkpointing=async_save,
@@ -146,9 +172,14 @@ class CheckpointManager:
 
         Returns:
           Whether a checkpoint was started (False off the save interval).
+
+        Raises:
+          ValueError: ``step`` already has a checkpoint (saved or being saved), is not after
+            the latest one, or its directory is taken by something that is not a checkpoint.
         """
         if step % self.save_interval_steps:
             return False
+        self._check_new(int(step))
         _bind(model, optimizer)
         if jax.tree.leaves(nnx.state(model, nnx.RngState)):
             logger.info(
@@ -165,6 +196,7 @@ class CheckpointManager:
             meta=ocp.args.JsonSave(_description(model, int(step), extra)),
         )
         saved = self._mngr.save(int(step), args=args)
+        self._started.add(int(step))
         if saved:
             logger.info("checkpoint: saving step %d to %s", step, self.directory)
         return saved
@@ -189,8 +221,10 @@ class CheckpointManager:
         Raises:
           FileNotFoundError: no checkpoint (at ``step``) in the directory.
           ValueError: the checkpoint was written by another model (the first differing leaf
-            is named) or a file is damaged.
+            is named), the running mesh does not divide a stored leaf's shape (the leaf and
+            the axis are named) or a file is damaged.
         """
+        self._mngr.wait_until_finished()  # this manager's own save of the step may be in flight
         steps = self.all_steps()
         if step is None:
             if not steps:
@@ -200,8 +234,15 @@ class CheckpointManager:
                 )
             step = steps[-1]
         elif step not in steps:
+            partial = sorted(self.directory.glob(f"{step}.orbax-checkpoint-tmp*"))
+            detail = (
+                f" ({partial[0].name} is a save of it not finished: being written by another "
+                "process, or killed midway; wait for the saver's wait_until_finished())"
+                if partial
+                else ""
+            )
             raise FileNotFoundError(
-                f"no checkpoint at step {step} in {self.directory}; its steps are {steps}."
+                f"no checkpoint at step {step} in {self.directory}{detail}; its steps are {steps}."
             )
         where = self.directory / str(step)
         _bind(model, optimizer)
@@ -254,6 +295,15 @@ class CheckpointManager:
                         "saved it."
                     )
                 have, need = tuple(stored[key].shape), tuple(want[key].shape)
+                misfit = _misfit(have, getattr(want[key], "sharding", None))
+                if have != need and misfit is not None:
+                    dim, axes, size = misfit
+                    raise ValueError(
+                        f"checkpoint {where}: {part} leaf {key!r} has logical shape {have}, "
+                        f"whose dimension {dim} ({have[dim]}) the running mesh axis {axes!r} "
+                        f"(size {size}) does not divide; restore on a mesh whose {axes!r} "
+                        f"degree divides {have[dim]}."
+                    )
                 if have != need:
                     raise ValueError(
                         f"checkpoint {where} was written by another model: {part} leaf {key!r} "
@@ -267,10 +317,53 @@ class CheckpointManager:
                     "saved it."
                 )
 
+    def _check_new(self, step: int) -> None:
+        """Refuses a save Orbax would skip silently or fail on midway."""
+        # a listing of the directory: reloading Orbax's manager here would lose its
+        # bookkeeping of in-flight saves (max_to_keep would keep one too many)
+        names = os.listdir(self.directory) if self.directory.is_dir() else []
+        steps = sorted(
+            int(n) for n in names if n.isdigit() and (self.directory / n / _FINISHED).is_file()
+        )
+        if step in steps or step in self._started:
+            raise ValueError(
+                f"step {step} already has a checkpoint in {self.directory} (saved or being "
+                f"saved; steps {steps}): save under a new step, or delete "
+                f"{self.directory / str(step)} first."
+            )
+        if steps and step < steps[-1]:
+            raise ValueError(
+                f"step {step} is before the latest checkpoint's step {steps[-1]} in "
+                f"{self.directory}: steps must increase; save into another directory, or "
+                "delete the later steps first."
+            )
+        foreign = sorted(
+            int(n) for n in names if n.isdigit() and int(n) not in steps and int(n) != step
+        ) + ([step] if (self.directory / str(step)).exists() else [])
+        if foreign:
+            raise ValueError(
+                f"{self.directory / str(foreign[0])} is named like a step but is not a "
+                f"checkpoint (no {_FINISHED} in it; Orbax would skip saves up to its step): "
+                "move it away, or save into another directory."
+            )
+
     def all_steps(self) -> list[int]:
-        """The steps with a complete checkpoint, oldest first (partial writes are ignored)."""
+        """The steps with a complete checkpoint, oldest first.
+
+        Partial writes and directories named like a step that are not checkpoints (no
+        ``_CHECKPOINT_METADATA``) are ignored.
+        """
         self._mngr.reload()
-        return sorted(self._mngr.all_steps())
+        steps = sorted(self._mngr.all_steps())
+        done = [s for s in steps if (self.directory / str(s) / _FINISHED).is_file()]
+        if len(done) < len(steps):
+            logger.warning(
+                "checkpoint: ignoring %s in %s: named like steps but not checkpoints (no %s)",
+                sorted(set(steps) - set(done)),
+                self.directory,
+                _FINISHED,
+            )
+        return done
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None."""
