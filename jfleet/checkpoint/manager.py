@@ -7,7 +7,11 @@ produced it: mesh shape, fleet strategy, ``to_distributed`` plan, ``extra``; JSO
 writes atomically (a temporary directory renamed when complete) and asynchronously;
 restore reads every array straight into its sharding on the running mesh, then stacks
 per-layer arrays into a pipeline's running layout. Nothing is pickled. Random-number
-state (``nnx.RngState``) is not saved.
+state (``nnx.RngState``) is not saved. Steps only increase: saving a step that exists
+(or is being saved) or one before the latest is an error, as is a directory named like
+a step that is not a checkpoint; :meth:`~CheckpointManager.restore` first waits for the
+manager's own saves in flight. In a multi-process run every process writes its shards
+(``ocdbt.process_<i>``) and any process count restores them.
 
 Example:
   >>> import tempfile, optax
