@@ -2,8 +2,9 @@
 
 The collectives are :mod:`jfleet.collective`'s (group collectives inside ``shard_map``
 and on global arrays); ``fleet`` is :mod:`jfleet.fleet`; ``dist.sharding`` holds
-``group_sharded_parallel`` and ``save_group_sharded_model``. Groups are mesh axes:
-:func:`new_group` finds the axes whose groups are the ranks given
+``group_sharded_parallel`` and ``save_group_sharded_model``; ``save_state_dict`` /
+``load_state_dict`` are :mod:`jfleet.checkpoint.state_dict`'s (sharded, Orbax). Groups
+are mesh axes: :func:`new_group` finds the axes whose groups are the ranks given
 (:func:`jfleet.collective.new_group`).
 
 Example:
@@ -16,6 +17,8 @@ Example:
 from __future__ import annotations
 
 from jfleet import _context, fleet
+from jfleet.checkpoint.state_dict import load_state_dict as load_state_dict
+from jfleet.checkpoint.state_dict import save_state_dict as save_state_dict
 from jfleet.collective import ReduceOp as ReduceOp
 from jfleet.collective import all_gather as all_gather
 from jfleet.collective import all_reduce as all_reduce
@@ -44,10 +47,12 @@ __all__ = [
     "get_world_size",
     "init_parallel_env",
     "is_initialized",
+    "load_state_dict",
     "local_value",
     "new_group",
     "reduce",
     "reduce_scatter",
+    "save_state_dict",
     "scatter",
     "sharding",
     "wait",

@@ -11,32 +11,35 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import jax
-import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 
-from jfleet.distributed_model import DistributedModel
+from jfleet.checkpoint.state_dict import load_model, save_model
 from jfleet.fleet.group_sharded import group_sharded_parallel as group_sharded_parallel
 
-__all__ = ["group_sharded_parallel", "save_group_sharded_model"]
+__all__ = ["group_sharded_parallel", "load_group_sharded_model", "save_group_sharded_model"]
+
+MODEL, OPT = "model.pdmodel", "model.pdopt"
 
 
-def _whole(x: Any) -> np.ndarray:
-    """The full value of a (possibly multi-process) array on every process."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(x)
+def _paths(fn: str, model: Any, output: str | os.PathLike) -> tuple[str, str]:
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            f"{fn}(model={type(model).__name__}): expected the nnx.Module that "
+            "group_sharded_parallel returned."
+        )
+    if os.path.isfile(output):
+        raise ValueError(f"{fn}(output={str(output)!r}) is a file; give a directory.")
+    return os.path.join(output, MODEL), os.path.join(output, OPT)
 
 
 def save_group_sharded_model(model: nnx.Module, output: str, optimizer: Any = None) -> None:
-    """Saves the whole parameters (and optimizer state) of a group-sharded model.
+    """Saves a group-sharded model (and its optimizer's state) into directory ``output``.
 
-    As Paddle, writes ``output/model.pdmodel`` and, with an optimizer,
-    ``output/model.pdopt``; here each is a NumPy ``.npz`` archive keyed by path
-    (``"layers/0/kernel"``: the wrapped model's own paths, as Paddle saves its inner
-    layer; the optimizer's keys are its ``state_dict()``'s). Arrays are gathered whole;
-    process 0 writes.
+    As Paddle, writes ``output/model.pdmodel`` and, with an optimizer, ``output/model.pdopt``;
+    here each is a directory of :func:`jfleet.checkpoint.state_dict.save_model` (Orbax: every
+    process writes its own shards; keys in the logical per-layer layout, the wrapped model's
+    own paths, as Paddle saves its inner layer). Read back with
+    :func:`load_group_sharded_model` onto any mesh or ZeRO level (Paddle: ``paddle.load``).
 
     Raises:
       TypeError: ``model`` is not an ``nnx.Module``.
@@ -46,29 +49,23 @@ def save_group_sharded_model(model: nnx.Module, output: str, optimizer: Any = No
       >>> import tempfile
       >>> out = tempfile.mkdtemp()
       >>> save_group_sharded_model(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), out)
-      >>> sorted(np.load(os.path.join(out, "model.pdmodel")).files)
-      ['bias', 'kernel']
+      >>> sorted(os.listdir(out))
+      ['model.pdmodel']
     """
-    if not isinstance(model, nnx.Module):
-        raise TypeError(
-            f"save_group_sharded_model(model={type(model).__name__}): expected the "
-            "nnx.Module that group_sharded_parallel returned."
-        )
-    if os.path.isfile(output):
-        raise ValueError(
-            f"save_group_sharded_model(output={output!r}) is a file; give a directory."
-        )
-    inner = model.module if isinstance(model, DistributedModel) else model  # Paddle: _layer
-    params = {
-        "/".join(str(k) for k in path): _whole(var.get_value())
-        for path, var in nnx.to_flat_state(nnx.state(inner, nnx.Param))
-    }
-    opt = None if optimizer is None else {k: _whole(v) for k, v in optimizer.state_dict().items()}
-    if jax.process_index() != 0:
-        return
-    os.makedirs(output, exist_ok=True)
-    with open(os.path.join(output, "model.pdmodel"), "wb") as f:
-        np.savez(f, **params)
-    if opt is not None:
-        with open(os.path.join(output, "model.pdopt"), "wb") as f:
-            np.savez(f, **opt)
+    model_path, opt_path = _paths("save_group_sharded_model", model, output)
+    save_model(model_path, model, optimizer, optimizer_path=opt_path)
+
+
+def load_group_sharded_model(model: nnx.Module, output: str, optimizer: Any = None) -> None:
+    """Loads :func:`save_group_sharded_model`'s ``output`` into ``model`` (and ``optimizer``).
+
+    Not in Paddle (which reads the files with ``paddle.load`` and ``set_state_dict``): the
+    arrays are read in place into the running objects' shardings, whatever mesh or ZeRO
+    level saved them.
+
+    Raises:
+      TypeError / ValueError: as :func:`save_group_sharded_model`; a parameter (or the
+        optimizer's state) missing from ``output``. FileNotFoundError: nothing saved there.
+    """
+    model_path, opt_path = _paths("load_group_sharded_model", model, output)
+    load_model(model_path, model, optimizer, optimizer_path=opt_path)

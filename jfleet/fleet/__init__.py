@@ -81,6 +81,7 @@ __all__ = [
     "is_worker",
     "layers",
     "load_inference_model",
+    "load_model",
     "local_device_ids",
     "local_rank",
     "meta_optimizers",
@@ -90,7 +91,10 @@ __all__ = [
     "rank",
     "rank_in_node",
     "recompute",
+    "save",
+    "save_dense_params",
     "save_inference_model",
+    "save_persistables",
     "scaler",
     "server_num",
     "util",
@@ -128,6 +132,10 @@ get_hybrid_parallel_topology = _fleet.get_hybrid_parallel_topology
 distributed_optimizer = _fleet.distributed_optimizer
 distributed_model = _fleet.distributed_model
 get_loss_scaling = _fleet.get_loss_scaling
+save = _fleet.save
+save_persistables = _fleet.save_persistables
+save_dense_params = _fleet.save_dense_params
+load_model = _fleet.load_model
 _get_applied_meta_list = _fleet._get_applied_meta_list
 util = _fleet.util
 _reset = _fleet._reset

@@ -20,6 +20,7 @@ import jax
 import optax
 from flax import nnx
 
+import jfleet.checkpoint.state_dict as _state_dict
 from jfleet import _context, collective
 from jfleet._logging import logger, set_log_level
 from jfleet.distributed_model import DistributedModel, prepare_model
@@ -65,6 +66,7 @@ class Fleet:
         set_init_mode("replicable")
         _context.clear()
         self._optimizer: DistributedOptimizer | None = None
+        self._model: nnx.Module | None = None
 
     def _require_init(self, what: str) -> _context.Run:
         return _context.require(f"fleet.{what}()")
@@ -315,8 +317,141 @@ class Fleet:
         run = self._require_init("distributed_model")
         placement = Placement.from_fleet()
         if run.hcg.get_pipe_parallel_world_size() > 1 or isinstance(model, PipelineLayer):
-            return pipeline_model(model, run.strategy, placement)
-        return prepare_model(model, run.strategy, placement)
+            self._model = pipeline_model(model, run.strategy, placement)
+        else:
+            self._model = prepare_model(model, run.strategy, placement)
+        return self._model
+
+    # ---------------------------------------------------------- checkpoints
+    def _objects(self, what: str, model: Any, optimizer: Any) -> tuple[nnx.Module, Any]:
+        """``model`` / ``optimizer``, or the last distributed ones when ``model`` is None."""
+        if model is not None:
+            return model, optimizer
+        if self._model is None:
+            raise ValueError(
+                f"fleet.{what}: model=None and no model was wrapped by fleet.distributed_model; "
+                "pass model= (and optimizer=)."
+            )
+        return self._model, self._optimizer if optimizer is None else optimizer
+
+    def save(
+        self,
+        dirname: str,
+        feed: Sequence[Any] | None = None,
+        fetch: Any = None,
+        *,
+        model: nnx.Module | None = None,
+        optimizer: Any = None,
+        **configs: Any,
+    ) -> None:
+        """Paddle's ``fleet.save``: the persistables, or an inference model with ``feed``.
+
+        Without ``feed`` / ``fetch``: :meth:`save_persistables` (``configs["mode"]``, 0).
+        With ``feed`` (example inputs: arrays) and optionally ``fetch`` (a
+        ``forward(model, *inputs)`` callable; Paddle's output variables):
+        :func:`jfleet.inference.save_inference_model`. ``model`` / ``optimizer`` default to
+        the last ``fleet.distributed_model`` / ``fleet.distributed_optimizer`` (Paddle uses
+        its programs).
+
+        Raises:
+          ValueError: ``fetch`` without ``feed``; a ``configs`` key other than ``mode``.
+        """
+        unknown = sorted(set(configs) - {"mode"})
+        if unknown:
+            raise ValueError(
+                f"fleet.save: configs {unknown} are not understood; expected only mode= "
+                "(0: save everything)."
+            )
+        model, optimizer = self._objects("save", model, optimizer)
+        if feed is None and fetch is None:
+            self.save_persistables(
+                None, dirname, mode=configs.get("mode", 0), model=model, optimizer=optimizer
+            )
+            return
+        if feed is None:
+            raise ValueError(
+                f"fleet.save: fetch={fetch!r} without feed; pass feed= (example inputs) to save "
+                "an inference model, or neither to save the persistables."
+            )
+        from jfleet.inference import save_inference_model
+
+        save_inference_model(dirname, model, list(feed), forward=fetch)
+
+    def save_persistables(
+        self,
+        executor: Any,
+        dirname: str,
+        main_program: Any = None,
+        mode: int = 0,
+        *,
+        model: nnx.Module | None = None,
+        optimizer: Any = None,
+    ) -> None:
+        """Saves the model's variables and the optimizer's state into directory ``dirname``.
+
+        A state dict of :func:`jfleet.checkpoint.state_dict.save_model` (Orbax; every
+        process writes its shards; the logical per-layer layout, so :meth:`load_model`
+        restores onto any mesh). ``executor`` / ``main_program`` mean nothing without static
+        programs and are ignored (logged). ``model`` / ``optimizer``: see :meth:`save`.
+
+        Raises:
+          ValueError: ``mode`` is not 0 (Paddle's 1 / 2 save parameter-server tables).
+        """
+        _check_mode("save_persistables", mode)
+        _ignore_static("save_persistables", executor=executor, main_program=main_program)
+        model, optimizer = self._objects("save_persistables", model, optimizer)
+        _state_dict.save_model(dirname, model, optimizer)
+
+    def save_dense_params(
+        self,
+        executor: Any,
+        dirname: str,
+        scope: Any = None,
+        program: Any = None,
+        var_names: Sequence[str] | None = None,
+        *,
+        model: nnx.Module | None = None,
+    ) -> None:
+        """Saves the model's parameters (``nnx.Param`` s) only into directory ``dirname``.
+
+        ``executor`` / ``scope`` / ``program`` / ``var_names`` are ignored (logged): every
+        parameter is saved. :meth:`load_model` reads it (other variables keep their values).
+        """
+        _ignore_static(
+            "save_dense_params",
+            executor=executor,
+            scope=scope,
+            program=program,
+            var_names=var_names,
+        )
+        model, _ = self._objects("save_dense_params", model, None)
+        _state_dict.save_model(dirname, model, params_only=True)
+
+    def load_model(
+        self,
+        path: str,
+        mode: int = 0,
+        *,
+        model: nnx.Module | None = None,
+        optimizer: Any = None,
+    ) -> None:
+        """Loads :meth:`save` / :meth:`save_persistables` / :meth:`save_dense_params` output.
+
+        Into ``model`` / ``optimizer`` in place (default: the last distributed ones; the
+        optimizer's state is read when the directory holds it), each array read into the
+        running sharding whatever mesh saved it.
+
+        Raises:
+          ValueError: ``mode`` is not 0; a parameter is missing from ``path``.
+          FileNotFoundError: nothing saved at ``path``.
+        """
+        _check_mode("load_model", mode)
+        defaulted = model is None and optimizer is None
+        model, optimizer = self._objects("load_model", model, optimizer)
+        names = _state_dict.saved_names(path) if defaulted and optimizer is not None else []
+        if names and not any(n.startswith("optimizer.") for n in names):
+            optimizer = None  # saved without one: the model alone
+        _state_dict.load_model(path, model, optimizer)
 
     def get_loss_scaling(self) -> float:
         """The current fp16 loss scale of the last distributed optimizer."""
@@ -355,6 +490,20 @@ class Fleet:
     def _is_collective(self) -> bool:
         """Always True: jfleet runs collective (SPMD) training only."""
         return True
+
+
+def _check_mode(what: str, mode: Any) -> None:
+    if mode != 0:
+        raise ValueError(
+            f"fleet.{what}(mode={mode!r}): only mode=0 (everything) exists here; Paddle's "
+            "other modes are parameter-server table increments."
+        )
+
+
+def _ignore_static(what: str, **given: Any) -> None:
+    for name, value in given.items():
+        if value is not None:
+            logger.info("fleet.%s: %s is ignored (no static programs under JAX)", what, name)
 
 
 def _noop_reason(name: str) -> str:
