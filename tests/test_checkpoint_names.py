@@ -61,9 +61,16 @@ def test_state_dict_saved_on_one_mesh_loads_into_another_mesh_in_place(tmp_path)
     }
     dist.save_state_dict(saved, tmp_path / "sd", coordinator_rank=0)
     target_sharding = NamedSharding(mesh24, P(None, ("b", "c")))
-    target = {"layer.w": jax.device_put(np.zeros((8, 8), np.float32), target_sharding)}
-    dist.load_state_dict(target, tmp_path / "sd")
+    target = {
+        "layer.w": jax.device_put(np.zeros((8, 8), np.float32), target_sharding),
+        "host": np.zeros(3, np.int64),
+    }
+    dist.load_state_dict(target, tmp_path / "sd")  # "layer.step" is not asked for
     np.testing.assert_array_equal(target["layer.w"], w)
+    np.testing.assert_array_equal(target["host"], [0, 1, 2])
+    dist.save_state_dict({"host": np.arange(3) * 2}, tmp_path / "sd")  # replaces the directory
+    with pytest.raises(ValueError, match=r"'layer.w' is not in the state dict"):
+        dist.load_state_dict(target, tmp_path / "sd")
     assert target["layer.w"].sharding == target_sharding  # read into the target's placement
     # nnx.Variables are set in place: Paddle's model.state_dict() round trip
     model = linear(1)

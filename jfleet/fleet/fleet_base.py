@@ -355,6 +355,16 @@ class Fleet:
 
         Raises:
           ValueError: ``fetch`` without ``feed``; a ``configs`` key other than ``mode``.
+
+        Example:
+          >>> import tempfile
+          >>> from jfleet import fleet
+          >>> model, path = nnx.Linear(2, 2, rngs=nnx.Rngs(0)), tempfile.mkdtemp()
+          >>> fleet.save(path, model=model)
+          >>> fresh = nnx.Linear(2, 2, rngs=nnx.Rngs(1))
+          >>> fleet.load_model(path, model=fresh)
+          >>> bool((fresh.kernel[...] == model.kernel[...]).all())
+          True
         """
         unknown = sorted(set(configs) - {"mode"})
         if unknown:
