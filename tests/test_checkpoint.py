@@ -176,7 +176,8 @@ def test_bad_inputs_are_clear_errors(tmp_path):
 # ---------------------------------------------------------------- Fleet runs (TinyLM)
 def fleet_losses(strategy, batches, directory, *, restore=False):
     """Trains a fresh Fleet TinyLM on ``batches``, saving after SAVE_AT steps (or restoring
-    first): the losses and the optimizer state at the checkpoint (saved or just restored)."""
+    first): the losses, the model's and optimizer's states at the checkpoint (saved or just
+    restored) and the loss scale."""
     fleet._reset()
     fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
     model = fleet.distributed_model(TinyLM())
@@ -189,7 +190,7 @@ def fleet_losses(strategy, batches, directory, *, restore=False):
                     mngr.restore(model=model, optimizer=opt)
                 else:
                     mngr.save(SAVE_AT, model, opt)
-                state = jax.tree.map(np.asarray, nnx.state(opt))
+                state = jax.tree.map(np.asarray, (nnx.state(model), nnx.state(opt)))
                 scale = fleet.get_loss_scaling() if opt.has_loss_scaling else None
             if batch is not None:
                 losses.append(float(model.train_batch(batch, opt, loss_fn=lm_loss)))
@@ -226,7 +227,8 @@ def test_fleet_resume_equals_the_uninterrupted_run(move, tmp_path):
     got, restored, restored_scale = fleet_losses(
         restore_with, batches[SAVE_AT:], tmp_path, restore=True
     )
-    # the whole optimizer state (moments, loss scale and counters, accumulator, step)
+    # parameters and the whole optimizer state (moments, loss scale and counters,
+    # accumulator, step)
     assert_trees_close(restored, saved, rtol=0, atol=0)
     if move.startswith("fp16"):  # 1024 doubled after 2 good steps; step 3 counted once
         assert scale == restored_scale == 2048.0

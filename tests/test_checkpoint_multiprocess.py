@@ -11,6 +11,9 @@ hold one shard file set per process.
 
 from __future__ import annotations
 
+import hashlib
+
+import jax
 import numpy as np
 
 from jfleet.models import lm_batches
@@ -19,6 +22,16 @@ from tests.subprocess_util import paddle_launch_envs, run_many
 from tests.test_checkpoint import SAVE_AT, STEPS, fleet_losses
 
 HYBRID, STAGE = {"sharding_degree": 8}, 3
+
+
+def fingerprint(tree) -> str:
+    """A digest of every leaf's bytes, shape and dtype (equal only for bit-equal trees)."""
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(tree):
+        leaf = np.asarray(leaf)
+        digest.update(f"{leaf.shape}{leaf.dtype}".encode() + leaf.tobytes())
+    return digest.hexdigest()
+
 
 CHILD = """
 import os, itertools
@@ -29,6 +42,12 @@ from jfleet import fleet
 from jfleet.checkpoint import CheckpointManager
 from jfleet.models import TinyLM, lm_batches, lm_loss
 from jfleet.testing import make_strategy
+from flax import nnx
+from jax.experimental.multihost_utils import process_allgather
+from tests.test_checkpoint_multiprocess import fingerprint
+
+def state(model, opt):  # the global arrays, gathered from both processes
+    return fingerprint(process_allgather((nnx.state(model), nnx.state(opt)), tiled=True))
 
 rank = int(os.environ["PADDLE_TRAINER_ID"])
 strategy = make_strategy({hybrid}, sharding_configs={{"stage": {stage}}})
@@ -46,27 +65,29 @@ with CheckpointManager({mine!r}) as mngr:  # async: returns while both processes
     for i, batch in enumerate(batches):
         if i == {save_at}:
             assert mngr.save({save_at}, model, opt)
+            print("SAVED", rank, state(model, opt), flush=True)
         print("LOSS", rank, repr(float(model.train_batch(batch, opt, loss_fn=lm_loss))), flush=True)
 model, opt = fresh()
 with CheckpointManager({theirs!r}) as mngr:
     assert mngr.restore(model=model, optimizer=opt)["step"] == {save_at}
+print("RESTORED", rank, state(model, opt), flush=True)
 for batch in batches[{save_at}:]:
     print("RESUMED", rank, repr(float(model.train_batch(batch, opt, loss_fn=lm_loss))), flush=True)
 print("CHILD_OK", rank, flush=True)
 """
 
 
-def parse(stdout: str, tag: str, rank: int) -> list[float]:
-    return [
-        float(line.split()[2]) for line in stdout.splitlines() if line.startswith(f"{tag} {rank} ")
-    ]
+def parse(stdout: str, tag: str, rank: int, kind: type = float) -> list:
+    """The values a child printed as ``<tag> <rank> <value>`` lines."""
+    lines = [line.split() for line in stdout.splitlines()]
+    return [kind(w[2]) for w in lines if w[:2] == [tag, str(rank)]]
 
 
 def test_two_processes_save_one_restores_and_the_reverse(tmp_path):
     one, two = tmp_path / "one_process", tmp_path / "two_processes"
     strategy = make_strategy(HYBRID, sharding_configs={"stage": STAGE})
     batches = lm_batches(STEPS)
-    want, _, _ = fleet_losses(strategy, batches, one)  # 1 process: 6 steps, saved at 3
+    want, saved_one, _ = fleet_losses(strategy, batches, one)  # 1 process: 6 steps, saved at 3
     code = CHILD.format(
         hybrid=HYBRID, stage=STAGE, steps=STEPS, save_at=SAVE_AT, mine=str(two), theirs=str(one)
     )
@@ -80,10 +101,14 @@ def test_two_processes_save_one_restores_and_the_reverse(tmp_path):
     # each process wrote its own shards of the 2-process checkpoint
     state = {p.name for p in (two / str(SAVE_AT) / "state").iterdir()}
     assert {"ocdbt.process_0", "ocdbt.process_1"} <= state, state
-    # 1 -> 2: the 2 processes resume from the 1-process checkpoint
+    # 1 -> 2: the 2 processes resume from the 1-process checkpoint, bit for bit
+    for rank, result in enumerate(results):
+        assert parse(result.stdout, "RESTORED", rank, str) == [fingerprint(saved_one)]
     resumed_two = parse(results[0].stdout, "RESUMED", 0)
     assert resumed_two == parse(results[1].stdout, "RESUMED", 1)
     np.testing.assert_allclose(resumed_two, two_losses[SAVE_AT:], rtol=0, atol=1e-5)
     # 2 -> 1: this process resumes from the 2-process checkpoint
-    resumed_one, _, _ = fleet_losses(strategy, batches[SAVE_AT:], two, restore=True)
+    resumed_one, restored_one, _ = fleet_losses(strategy, batches[SAVE_AT:], two, restore=True)
+    for rank, result in enumerate(results):  # bit for bit
+        assert parse(result.stdout, "SAVED", rank, str) == [fingerprint(restored_one)]
     np.testing.assert_allclose(resumed_one, want[SAVE_AT:], rtol=0, atol=1e-5)
