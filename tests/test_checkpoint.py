@@ -428,7 +428,8 @@ def test_a_mesh_that_does_not_divide_a_stored_shape_is_named(tmp_path):
         opt = nnx.Optimizer(wide, optax.adam(1e-2), wrt=nnx.Param)
         with pytest.raises(
             ValueError,
-            match=r"model leaf 'bias' has logical shape \(3,\), whose dimension 0 \(3\) the "
-            r"running mesh axis 'mp' \(size 4\) does not divide; restore on a mesh whose 'mp'",
+            match=r"model leaf 'bias' has logical shape \(3,\) \(the running model's: \(4,\)\), "
+            r"whose dimension 0 \(3\) the running mesh axis 'mp' \(size 4\) does not divide; "
+            r"restore on a mesh whose 'mp' degree divides 3",
         ):
             mngr.restore(model=wide, optimizer=opt)

@@ -303,10 +303,11 @@ class CheckpointManager:
                 if have != need and misfit is not None:
                     dim, axes, size = misfit
                     raise ValueError(
-                        f"checkpoint {where}: {part} leaf {key!r} has logical shape {have}, "
-                        f"whose dimension {dim} ({have[dim]}) the running mesh axis {axes!r} "
-                        f"(size {size}) does not divide; restore on a mesh whose {axes!r} "
-                        f"degree divides {have[dim]}."
+                        f"checkpoint {where}: {part} leaf {key!r} has logical shape {have} "
+                        f"(the running {part}'s: {need}), whose dimension {dim} ({have[dim]}) "
+                        f"the running mesh axis {axes!r} (size {size}) does not divide; "
+                        f"restore on a mesh whose {axes!r} degree divides {have[dim]}, into "
+                        "the model built for that mesh."
                     )
                 if have != need:
                     raise ValueError(
