@@ -19,6 +19,7 @@ from jfleet.distributed.sharding import (
     load_group_sharded_model,
     save_group_sharded_model,
 )
+from jfleet.parallel.pipeline_layer import LayerDesc, PipelineLayer
 from tests.fleet_setup import init_fleet
 
 # A failed tensorstore read can report to Orbax's closed event loop later: harmless.
@@ -219,3 +220,27 @@ def _dense_into_optimizer(tmp_path) -> None:
 def test_bad_arguments_name_the_value(tmp_path, call, error, match):
     with pytest.raises(error, match=match):
         call(tmp_path)
+
+
+class Stack(nnx.Module):
+    """The plain model behind a four-layer PipelineLayer: ``layers.<i>``."""
+
+    def __init__(self) -> None:
+        self.layers = nnx.List([nnx.Linear(4, 4, rngs=nnx.Rngs(9)) for _ in range(4)])
+
+
+def test_fleet_save_of_a_pipeline_loads_into_the_plain_model(tmp_path):
+    init_fleet({"dp_degree": 2, "pp_degree": 2, "mp_degree": 2})
+    model = fleet.distributed_model(PipelineLayer([LayerDesc(nnx.Linear, 4, 4)] * 4, num_stages=2))
+    kernels = {}
+    for path, var in layout.state_leaves(model).items():
+        old = var.get_value()
+        var.set_value(jax.device_put(counted(old.shape, old.dtype), old.sharding))
+        if path[-1] == "kernel":
+            kernels = counted(old.shape, old.dtype).reshape(4, 4, 4)  # [pp, L/pp] -> layer
+    fleet.save(str(tmp_path / "pp"), model=model)
+    fleet._reset()
+    plain = Stack()
+    fleet.load_model(str(tmp_path / "pp"), model=plain)
+    for i in range(4):
+        np.testing.assert_array_equal(plain.layers[i].kernel[...], kernels[i])
