@@ -14,6 +14,7 @@ from jfleet import fleet as fleet
 from jfleet.auto_parallel import ToDistributedConfig as ToDistributedConfig
 from jfleet.auto_parallel import to_distributed as to_distributed
 from jfleet.data import ShardedLoader as ShardedLoader
+from jfleet.distributed.sharding import save_group_sharded_model as save_group_sharded_model
 from jfleet.distributed_model import DistributedModel as DistributedModel
 from jfleet.distributed_optimizer import DistributedOptimizer as DistributedOptimizer
 from jfleet.engine import make_eval_step as make_eval_step

@@ -417,7 +417,18 @@ def test_functions_before_init_raise(name, call):
 
 def test_every_public_function_is_covered_before_init():
     """Each public function of the module that needs a fleet is in BEFORE_INIT."""
-    exempt = {"init", "util", "distributed_scaler"}  # the scaler needs no fleet
+    # the scaler needs no fleet; the save / load names work without one given model=
+    exempt = {
+        "init",
+        "util",
+        "distributed_scaler",
+        "save",
+        "save_persistables",
+        "save_dense_params",
+        "load_model",
+        "save_inference_model",
+        "load_inference_model",
+    }
     names = {
         n
         for n in fleet_module.__all__

@@ -15,7 +15,7 @@ from flax import nnx
 import jfleet.distributed as dist
 from jfleet import fleet
 from jfleet.amp import GradScaler
-from jfleet.distributed.sharding import save_group_sharded_model
+from jfleet.distributed.sharding import load_group_sharded_model, save_group_sharded_model
 from jfleet.fleet import _noop
 from jfleet.fleet import meta_optimizers as mo
 from jfleet.fleet import meta_parallel as mpar
@@ -126,18 +126,20 @@ def test_mix_precision_optimizer_updates_fp32_masters_of_half_params():
     assert mpu.MixPrecisionScaler(scaler) is scaler
 
 
-def test_save_group_sharded_model_writes_the_whole_arrays(tmp_path):
+def test_save_group_sharded_model_writes_the_inner_models_paths(tmp_path):
     init(dp_degree=2, sharding_degree=4)
     model = fleet.distributed_model(nnx.Linear(8, 4, rngs=nnx.Rngs(0)))
     opt = fleet.distributed_optimizer(optax.adam(0.1))
     opt.init(model)
     save_group_sharded_model(model, str(tmp_path / "out"), optimizer=opt)
-    saved = np.load(tmp_path / "out" / "model.pdmodel")
-    assert sorted(saved.files) == ["bias", "kernel"]  # the inner model's paths, as Paddle
-    np.testing.assert_array_equal(saved["kernel"], nnx.Linear(8, 4, rngs=nnx.Rngs(0)).kernel[...])
-    assert os.path.exists(tmp_path / "out" / "model.pdopt")
-    with pytest.raises(ValueError, match=r"model.pdmodel'\) is a file; give a directory"):
-        save_group_sharded_model(model, str(tmp_path / "out" / "model.pdmodel"))
+    assert os.path.isdir(tmp_path / "out" / "model.pdmodel")
+    assert os.path.isdir(tmp_path / "out" / "model.pdopt")
+    other = nnx.Linear(8, 4, rngs=nnx.Rngs(1))  # other values; loaded back from the files
+    load_group_sharded_model(other, str(tmp_path / "out"))
+    np.testing.assert_array_equal(other.kernel[...], nnx.Linear(8, 4, rngs=nnx.Rngs(0)).kernel[...])
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match=r"a_file'\) is a file; give a directory"):
+        save_group_sharded_model(model, str(tmp_path / "a_file"))
 
 
 @pytest.mark.parametrize(

@@ -221,6 +221,17 @@ PADDLE_NAMES = [
         "sharding",
     ),
     *names("paddle.distributed.sharding", "group_sharded_parallel", "save_group_sharded_model"),
+    # checkpoints (issue 13): Paddle's sharded state dicts and Fleet's save / load names
+    *names("paddle.distributed", "save_state_dict", "load_state_dict"),
+    *names(
+        FLEET,
+        "save",
+        "load_model",
+        "save_persistables",
+        "save_dense_params",
+        "save_inference_model",
+        "load_inference_model",
+    ),
     # paddle.amp
     *names("paddle.amp", "GradScaler", "auto_cast", "decorate"),
     *(
