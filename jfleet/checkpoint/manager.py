@@ -343,13 +343,18 @@ class CheckpointManager:
                 "delete the later steps first."
             )
         foreign = sorted(
-            int(n) for n in names if n.isdigit() and int(n) not in steps and int(n) != step
-        ) + ([step] if (self.directory / str(step)).exists() else [])
+            int(n)
+            for n in names
+            if n.isdigit()
+            and int(n) not in steps
+            and int(n) not in self._started  # ours: being committed or deleted
+        )
         if foreign:
             raise ValueError(
                 f"{self.directory / str(foreign[0])} is named like a step but is not a "
-                f"checkpoint (no {_FINISHED} in it; Orbax would skip saves up to its step): "
-                "move it away, or save into another directory."
+                f"checkpoint (no {_FINISHED} in it; Orbax would skip saves up to its step, "
+                "or delete it under max_to_keep): move it away, or save into another "
+                "directory."
             )
 
     def all_steps(self) -> list[int]:
