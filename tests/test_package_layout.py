@@ -36,6 +36,7 @@ NOT_AXES = {
     # ``getattr(x, "sharding")``: a jax.Array's attribute.
     ("jfleet.collective", "sharding"),
     ("jfleet.group_collective", "sharding"),
+    ("jfleet.checkpoint.manager", "sharding"),
     # ``jfleet.distributed.sharding``: Paddle's ``paddle.distributed.sharding`` module.
     ("jfleet.distributed", "sharding"),
 }

@@ -221,3 +221,35 @@ def _stack(shape: tuple, sharding: Any) -> Any:
         return jnp.stack(parts).reshape(shape)
 
     return jax.jit(stack, out_shardings=sharding)
+
+
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """``{"a.b": x}`` -> ``{"a": {"b": x}}``: the nested tree Orbax stores (keys stay strings).
+
+    Example:
+      >>> nest({"a.b": 1, "a.c": 2})
+      {'a': {'b': 1, 'c': 2}}
+    """
+    tree: dict[str, Any] = {}
+    for key, value in flat.items():
+        *heads, last = key.split(".")
+        node = tree
+        for head in heads:
+            node = node.setdefault(head, {})
+        node[last] = value
+    return tree
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """The inverse of :func:`nest`: ``{"a": {"b": x}}`` -> ``{"a.b": x}``.
+
+    Example:
+      >>> flatten({"a": {"b": 1, "c": 2}})
+      {'a.b': 1, 'a.c': 2}
+    """
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: tree}

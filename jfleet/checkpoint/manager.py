@@ -49,27 +49,6 @@ __all__ = ["CheckpointManager"]
 _FINISHED = "_CHECKPOINT_METADATA"  # Orbax writes it into a step's directory on commit
 
 
-def _nest(flat: dict[str, Any]) -> dict[str, Any]:
-    """``{"a.b": x}`` -> ``{"a": {"b": x}}`` (Orbax's tree; keys stay strings)."""
-    tree: dict[str, Any] = {}
-    for key, value in flat.items():
-        *heads, last = key.split(".")
-        node = tree
-        for head in heads:
-            node = node.setdefault(head, {})
-        node[last] = value
-    return tree
-
-
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        out: dict[str, Any] = {}
-        for key, value in tree.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: tree}
-
-
 def _description(model: nnx.Module, step: int, extra: Any) -> dict[str, Any]:
     mesh = _context.current_mesh()
     if mesh is None:
@@ -191,8 +170,8 @@ class CheckpointManager:
                 "a resumed run draws dropout masks from its own fresh RNG state"
             )
         state = {
-            "model": _nest(layout.logical_leaves(model, model)),
-            "optimizer": _nest(layout.logical_leaves(model, optimizer)),
+            "model": layout.nest(layout.logical_leaves(model, model)),
+            "optimizer": layout.nest(layout.logical_leaves(model, optimizer)),
         }
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),
@@ -256,7 +235,7 @@ class CheckpointManager:
         }
         self._check(where, step, target)
         args = ocp.args.Composite(
-            state=ocp.args.StandardRestore({k: _nest(v) for k, v in target.items()}),
+            state=ocp.args.StandardRestore({k: layout.nest(v) for k, v in target.items()}),
             loader=ocp.args.JsonRestore(),
             meta=ocp.args.JsonRestore(),
         )
@@ -267,8 +246,8 @@ class CheckpointManager:
                 f"checkpoint {where} could not be read ({type(error).__name__}: {error}); a "
                 "file is damaged or truncated: restore another step (all_steps())."
             ) from error
-        layout.running_values(model, model, _flatten(got.state["model"]))
-        layout.running_values(model, optimizer, _flatten(got.state["optimizer"]))
+        layout.running_values(model, model, layout.flatten(got.state["model"]))
+        layout.running_values(model, optimizer, layout.flatten(got.state["optimizer"]))
         if loader is not None:
             if got.loader is None:
                 raise ValueError(
@@ -289,7 +268,7 @@ class CheckpointManager:
                 "another step (all_steps())."
             ) from error
         for part, want in target.items():
-            stored = _flatten(dict(meta.get(part, {}) if hasattr(meta, "get") else {}))
+            stored = layout.flatten(dict(meta.get(part, {}) if hasattr(meta, "get") else {}))
             for key in sorted(want):
                 if key not in stored:
                     raise ValueError(

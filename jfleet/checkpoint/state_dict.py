@@ -39,29 +39,6 @@ from jfleet.checkpoint import layout
 __all__ = ["load_model", "load_state_dict", "save_model", "save_state_dict", "saved_names"]
 
 
-# Not imported from manager.py: it imports jfleet.auto_parallel, which imports jfleet.fleet,
-# whose fleet.save uses this module (an import cycle).
-def _nest(flat: dict[str, Any]) -> dict[str, Any]:
-    """``{"a.b": x}`` -> ``{"a": {"b": x}}`` (Orbax's tree)."""
-    tree: dict[str, Any] = {}
-    for key, value in flat.items():
-        *heads, last = key.split(".")
-        node = tree
-        for head in heads:
-            node = node.setdefault(head, {})
-        node[last] = value
-    return tree
-
-
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        out: dict[str, Any] = {}
-        for key, value in tree.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: tree}
-
-
 def _ignored(what: str, value: Any, why: str) -> None:
     logger.info("%s=%r is ignored: %s", what, value, why)
 
@@ -135,7 +112,7 @@ def save_state_dict(
     if where.is_file():
         raise ValueError(f"save_state_dict(path={str(path)!r}) is a file; give a directory.")
     with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(where, _nest(arrays), force=True)
+        checkpointer.save(where, layout.nest(arrays), force=True)
         checkpointer.wait_until_finished()
 
 
@@ -152,7 +129,7 @@ def _stored(where: Path, fn: str) -> dict[str, Any]:
             f"{fn}: {str(where)!r} could not be read as a state dict ({type(error).__name__}: "
             f"{error}); pass a directory save_state_dict wrote."
         ) from error
-    return _flatten(dict(meta))
+    return layout.flatten(dict(meta))
 
 
 def saved_names(path: str | os.PathLike) -> list[str]:
@@ -184,12 +161,12 @@ def _read(where: Path, targets: dict[str, Any], fn: str) -> dict[str, Any]:
         else jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
         for k, v in targets.items()
     }
-    item = _nest(abstract)
+    item = layout.nest(abstract)
     args = ocp.args.PyTreeRestore(
         item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True
     )
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
-        return _flatten(checkpointer.restore(where, args=args))
+        return layout.flatten(checkpointer.restore(where, args=args))
 
 
 def load_state_dict(
