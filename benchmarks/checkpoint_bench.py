@@ -1,0 +1,266 @@
+"""Checkpoint cost: save and restore time, bytes on disk, and async save's step slowdown.
+
+Run from the repository root (8 emulated CPU devices; about four minutes on 2 cores)::
+
+    python benchmarks/checkpoint_bench.py             # prints the table, writes RESULTS.md
+    python benchmarks/checkpoint_bench.py --no-write  # print only
+
+For two sizes of ``jfleet.models.llama.TinyLlama`` (the size of ``examples/resume.py`` and
+a wider, deeper one) with ``optax.adam``, trained and saved on the example's mesh
+(dp2 x pp2 x mp2, pipelined) and restored onto dp8, and the reverse, it measures with
+``jfleet.checkpoint.CheckpointManager``:
+
+* bytes on disk of one checkpoint (model + Adam state + loader position + description);
+* a synchronous save (``async_save=False``: ``save`` returns when the files are written);
+* an async save: the time ``save`` blocks the caller (device-to-host copy), and the training
+  steps run while its files are written, as the ratio of their median time to the median
+  of steps without a save in flight, measured alternately in the same process;
+* restore in place onto the same mesh, and onto the other (a fresh ``to_distributed`` model).
+
+Times are medians of ``--repeats`` runs. The 8 emulated devices and Orbax's writer threads
+share the machine's cores, so the slowdown ratio is an upper bound of what an accelerator
+sees (where the step runs on the device, not on the cores that write) and the absolute
+times are those of this machine only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import jax
+
+# Raises only when backends already started with another count (a harness chose its own).
+with contextlib.suppress(RuntimeError):
+    jax.config.update("jax_num_cpu_devices", 8)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import flax
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from benchmarks.results_file import write_section
+from jfleet import ToDistributedConfig, make_train_step, to_distributed
+from jfleet.checkpoint import CheckpointManager
+from jfleet.models import lm_loss, stride_batches
+from jfleet.models.llama import TinyLlama
+
+SECTION = "checkpoint_bench"
+PIPELINED = {"dp": 2, "pp": 2, "mp": 2}  # examples/resume.py's mesh
+FLAT = {"dp": 8}
+#: (the mesh that trains and saves, the other mesh it is also restored onto)
+MOVES = ((PIPELINED, FLAT), (FLAT, PIPELINED))
+MiB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    name: str
+    vocab: int
+    width: int
+    layers: int
+
+    def model(self) -> TinyLlama:
+        return TinyLlama(
+            vocab=self.vocab, width=self.width, heads=8, kv_heads=4, layers=self.layers, seed=0
+        )
+
+    def describe(self) -> str:
+        return (
+            f"`TinyLlama(vocab={self.vocab}, width={self.width}, heads=8, kv_heads=4, "
+            f"layers={self.layers})`"
+        )
+
+
+SIZES = (Size("example", 64, 64, 4), Size("wide", 512, 256, 8))
+
+
+def mesh_name(mesh: dict[str, int]) -> str:
+    return " x ".join(f"{k}{v}" for k, v in mesh.items())
+
+
+@dataclasses.dataclass
+class Row:
+    size: Size
+    mesh: dict[str, int]
+    other: dict[str, int]
+    params: int
+    disk_bytes: int
+    save_s: float  # synchronous save, files written
+    async_block_s: float  # what an async save blocks the caller for
+    step_s: float  # median step without a save in flight
+    saving_step_s: float  # median step while an async save writes
+    saving_steps: int  # steps measured while saving (all repeats)
+    restore_same_s: float
+    restore_other_s: float
+
+    @property
+    def slowdown(self) -> float:
+        return self.saving_step_s / self.step_s
+
+
+def disk_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def timed(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def build(size: Size, mesh: dict[str, int], steps: int) -> tuple[Any, Any, Any]:
+    return to_distributed(
+        size.model(),
+        optax.adam(1e-3),
+        stride_batches(steps, vocab=size.vocab),
+        config=ToDistributedConfig(force_mesh=mesh),
+    )
+
+
+def measure(size: Size, mesh: dict, other: dict, repeats: int, window: int, root: Path) -> Row:
+    """One size trained and saved on ``mesh``, restored onto it and onto ``other``."""
+    steps = 2 + repeats * (3 * window + 8)
+    model, opt, loader = build(size, mesh, steps)
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    batches = iter(loader)
+    step = make_train_step(lm_loss)
+
+    def one_step() -> float:
+        return timed(lambda: float(step(model, opt, next(batches))))
+
+    one_step(), one_step()  # compile, warm up
+
+    with CheckpointManager(root / "sync", async_save=False) as mngr:
+        save = [timed(lambda r=r: mngr.save(r, model, opt, loader=loader)) for r in range(repeats)]
+    on_disk = disk_bytes(root / "sync" / "0")
+
+    base: list[float] = []
+    saving: list[float] = []
+    block: list[float] = []
+    with CheckpointManager(root / "async") as mngr:
+        orbax_mngr: ocp.CheckpointManager = mngr._mngr  # is_saving_in_progress: Orbax's
+        for r in range(repeats):
+            base += [one_step() for _ in range(window)]
+            block.append(timed(lambda r=r: mngr.save(r, model, opt, loader=loader)))
+            for _ in range(window + 8):  # steps while the files are written
+                if not orbax_mngr.is_saving_in_progress():
+                    break
+                saving.append(one_step())
+            mngr.wait_until_finished()
+            base += [one_step() for _ in range(window)]
+
+    with CheckpointManager(root / "sync") as mngr:
+        same = [timed(lambda: mngr.restore(model=model, optimizer=opt)) for _ in range(repeats)]
+        model, opt, _ = build(size, other, steps)  # a fresh run on another mesh
+        moved = [timed(lambda: mngr.restore(model=model, optimizer=opt)) for _ in range(repeats)]
+    return Row(
+        size=size,
+        mesh=mesh,
+        other=other,
+        params=params,
+        disk_bytes=on_disk,
+        save_s=statistics.median(save),
+        async_block_s=statistics.median(block),
+        step_s=statistics.median(base),
+        saving_step_s=statistics.median(saving) if saving else float("nan"),
+        saving_steps=len(saving),
+        restore_same_s=statistics.median(same),
+        restore_other_s=statistics.median(moved),
+    )
+
+
+def render(rows: list[Row], repeats: int, command: str) -> str:
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        "# Checkpoints: save and restore time, bytes on disk, async save's step slowdown",
+        "",
+        f"- command: `{command}`",
+        f"- date: {date}",
+        f"- versions: jax {jax.__version__}, flax {flax.__version__}, optax {optax.__version__}, "
+        f"orbax-checkpoint {ocp.__version__}, Python {platform.python_version()}",
+        f"- machine: {platform.machine()}, nproc {os.cpu_count()}, {jax.device_count()} "
+        f"emulated {jax.devices()[0].platform.upper()} devices",
+        f"- models: {'; '.join(f'{s.name}: {s.describe()}' for s in SIZES)}; "
+        f"fp32, `optax.adam`, batch 16 x 8 tokens, placed by `to_distributed` "
+        "(`force_mesh`) on the saving mesh; on a pipelined mesh the decoder layers run "
+        "stacked `[pp, layers/pp, ...]` and are stored per layer (unstacked on save, "
+        "restacked on restore)",
+        "- a checkpoint: parameters + Adam moments and count + the loader position + the run's "
+        "description (`CheckpointManager.save(step, model, opt, loader=loader)`)",
+        f"- times: medians of {repeats} runs; save (sync): `async_save=False`, until the files "
+        "are written; async save blocks: the time `save` holds the caller with "
+        "`async_save=True`; restore: `restore(model=..., optimizer=...)` in place, onto the "
+        "saving mesh and onto the other mesh (a fresh `to_distributed` model)",
+        "- step slowdown while saving: the median training step while an async save's files "
+        "are being written over the median step without a save, alternated in the same "
+        "process. The 8 emulated devices and Orbax's writer threads share the cores, so this "
+        "is an upper bound of what an accelerator sees; within one run step times vary by "
+        "1.1-2x, so only ratios well above that mean anything",
+        "",
+        "| model | parameters | saving mesh | on disk (MiB) | save, sync (s) "
+        "| async save blocks (s) | step (s) | step while saving / step "
+        "| steps measured while saving | restore, same mesh (s) | restore, other mesh (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.size.name} | {r.params:,} | {mesh_name(r.mesh)} | {r.disk_bytes / MiB:.2f} "
+            f"| {r.save_s:.3f} | {r.async_block_s:.3f} | {r.step_s:.4f} | {r.slowdown:.2f} "
+            f"| {r.saving_steps} | {r.restore_same_s:.3f} | {r.restore_other_s:.3f} "
+            f"({mesh_name(r.other)}) |"
+        )
+    lines += [
+        "",
+        "On disk: 3 x 4 bytes per parameter (fp32 weights and two Adam moments) plus Orbax's "
+        "metadata: "
+        + "; ".join(
+            f"{r.size.name} {r.disk_bytes / (12 * r.params):.2f} x 12 bytes per parameter"
+            for r in rows
+            if r.mesh is MOVES[0][0]
+        )
+        + ".",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per time (median)")
+    parser.add_argument("--window", type=int, default=4, help="steps without saving per run")
+    args = parser.parse_args(argv)
+    root = Path(tempfile.mkdtemp(prefix="jfleet-ckpt-bench-"))
+    try:
+        rows = [
+            measure(size, mesh, other, args.repeats, args.window, root / f"{size.name}{i}")
+            for size in SIZES
+            for i, (mesh, other) in enumerate(MOVES)
+        ]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    section = render(rows, args.repeats, "python benchmarks/checkpoint_bench.py")
+    print(section)
+    if not args.no_write:
+        print(f"written to {write_section(SECTION, section)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
