@@ -141,7 +141,7 @@ def resume(args: argparse.Namespace) -> list[float]:
         meta = mngr.restore(model=model, optimizer=opt, loader=loader)
     print(
         f"restored step {meta['step']} (saved on {meta['mesh_shape']}) onto "
-        f"{mesh_text(args.resume_mesh)}; next batch: {loader.state()['batches']}",
+        f"{mesh_text(args.resume_mesh)}; batches seen: {loader.state()['batches']}",
         flush=True,
     )
     step = make_train_step(lm_loss)

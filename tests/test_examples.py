@@ -185,7 +185,7 @@ def test_resume_on_another_mesh_continues_the_uninterrupted_curve(tmp_path):
     args = ["--steps", "4", "--save-at", "2", "--check", "--dir", str(tmp_path)]
     out = check_ok(run_example("resume.py", *args))  # dp2 x pp2 x mp2, resumed on dp8
     assert "restored step 2 (saved on {'dp': 2, 'pp': 2, 'sharding': 1, 'sep': 1, 'mp': 2})" in out
-    assert "onto dp=8; next batch: 2" in out, out  # the loader skips the two batches seen
+    assert "onto dp=8; batches seen: 2" in out, out  # the loader skips them
     rows = re.findall(r"^\s+(\d)\s+(\d+\.\d+)\s+(\d+\.\d+)", out, re.M)
     assert [int(s) for s, _, _ in rows] == [1, 2, 3, 4], out
     whole, resumed = ([float(r[i]) for r in rows] for i in (1, 2))
