@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -204,6 +205,7 @@ def running_values(model: nnx.Module, obj: nnx.Module, restored: dict) -> None:
         var.set_value(_stack(old.shape, old.sharding)(*parts))
 
 
+@functools.lru_cache(maxsize=256)
 def _unstack(count: int, sharding: Any) -> Any:
     """A jitted splitter of a ``[P, K, ...]`` array into its ``P*K`` units, each in ``sharding``."""
 
@@ -214,6 +216,7 @@ def _unstack(count: int, sharding: Any) -> Any:
     return jax.jit(unstack, out_shardings=[sharding] * count)
 
 
+@functools.lru_cache(maxsize=256)
 def _stack(shape: tuple, sharding: Any) -> Any:
     """A jitted stacker of per-layer arrays into ``shape`` with the running ``sharding``."""
 
