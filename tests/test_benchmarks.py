@@ -312,3 +312,19 @@ def test_tensor_parallel_report_replaces_only_its_section(tp_rows, tmp_path):
     text = results.read_text()
     assert text.startswith("# ZeRO\n\nzero table\n") and "<!-- pipeline_memory: end -->" in text
     assert text.count(tensor_parallel.BEGIN) == 1 and "Korthikanti" not in text
+
+
+def test_checkpoint_bench_renders_its_table():
+    """The checkpoint benchmark's table and findings, from made-up rows (nothing compiled)."""
+    from benchmarks import checkpoint_bench as cb
+
+    rows = [
+        cb.Row(
+            s, m, o, 1000, 12000 + i, 1.0 + 2 * (m is cb.PIPELINED), 0.5, 0.01, 0.02, 5, 0.3, 0.4
+        )
+        for i, s in enumerate(cb.SIZES)
+        for m, o in cb.MOVES
+    ]
+    text = cb.render(rows, 3, "cmd")
+    assert text.count("| example |") == 2 and "| 2.00 |" in text and "(dp8) |" in text
+    assert "_unstack" in text  # the pipelined saves were 3x slower: the finding names why
