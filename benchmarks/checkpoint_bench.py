@@ -253,8 +253,8 @@ def findings(rows: list[Row]) -> list[str]:
             + (
                 " The difference is jfleet's mapping of the stacked `[pp, layers/pp, ...]` "
                 "leaves to and from per-layer arrays (`jfleet.checkpoint.layout._unstack` / "
-                "`_stack`: a new `jax.jit` per stacked leaf on every save and restore, so "
-                "compiled each time), not Orbax's writing."
+                "`_stack`, jitted per leaf shape and sharding and cached after the first "
+                "call), not Orbax's writing."
                 if slow
                 else ""
             )
