@@ -44,9 +44,10 @@ from jfleet import ToDistributedConfig, make_train_step, to_distributed
 from jfleet.auto_parallel import get_plan
 from jfleet.models import lm_loss, stride_batches
 from jfleet.models.llama import TinyLlama
+from jfleet.topology import AXIS_NAMES
 
 VOCAB = 64
-AXES = ("dp", "pp", "sharding", "sep", "mp")
+AXES = AXIS_NAMES  # jfleet.topology's axis names, outermost first
 TOLERANCE = 1e-4
 
 

@@ -37,6 +37,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import jax
 import optax
+from llama_to_distributed import parse_mesh  # the same --mesh syntax (examples/ is on the path)
 from tqdm import tqdm
 
 from jfleet import ToDistributedConfig, make_train_step, to_distributed
@@ -45,23 +46,8 @@ from jfleet.models import lm_loss, stride_batches
 from jfleet.models.llama import TinyLlama
 
 VOCAB = 64
-AXES = ("dp", "pp", "sharding", "sep", "mp")
 TOLERANCE = 1e-5
 RESUMED = "resumed losses: "  # the line the resuming process hands its losses back on
-
-
-def parse_mesh(text: str) -> dict[str, int]:
-    """``"dp=2,pp=2,mp=2"`` -> ``{"dp": 2, "pp": 2, "mp": 2}`` (argparse type)."""
-    mesh: dict[str, int] = {}
-    for item in text.split(","):
-        axis, sep, degree = item.strip().partition("=")
-        if not sep or axis not in AXES or not degree.isdigit() or int(degree) < 1:
-            raise argparse.ArgumentTypeError(
-                f"{item!r} in {text!r}: expected axis=degree with axis one of {', '.join(AXES)} "
-                "and degree a positive int, e.g. dp=2,pp=2,mp=2"
-            )
-        mesh[axis] = int(degree)
-    return mesh
 
 
 def mesh_text(mesh: dict[str, int]) -> str:
