@@ -155,7 +155,7 @@ def _expand(
     if abstract:
         parts = [jax.ShapeDtypeStruct(leaf.shape[2:], leaf.dtype, sharding=sharding)] * len(units)
     else:
-        parts = _unstack(len(units), sharding)(leaf)
+        parts = _settled(_unstack(len(units), sharding)(_settled(leaf)))
     out = []
     for (s, k), part in zip(units, parts, strict=True):
         for i in subs:
@@ -201,8 +201,16 @@ def running_values(model: nnx.Module, obj: nnx.Module, restored: dict) -> None:
         if len(keys) == 1 and restored[keys[0]].shape == old.shape:
             var.set_value(restored[keys[0]])
             continue
-        parts = [restored[k] for k in keys]
-        var.set_value(_stack(old.shape, old.sharding)(*parts))
+        parts = _settled([restored[k] for k in keys])
+        var.set_value(_settled(_stack(old.shape, old.sharding)(*parts)))
+
+
+def _settled(x: Any) -> Any:
+    """``x`` once computed. The (un)stacking programs move data between devices with
+    collectives; on XLA:CPU's emulated devices two such programs in flight at once (the
+    training step still running, or the previous leaf's) can starve the shared thread pool
+    and deadlock in a rendezvous, so each runs alone. Checkpointing is off the hot path."""
+    return jax.block_until_ready(x)
 
 
 @functools.lru_cache(maxsize=256)
