@@ -1,8 +1,9 @@
 """The schema of ``DistributedStrategy``: every setting, its default, its range, its SPMD status.
 
 Private to :mod:`jfleet.strategy`, which validates and stores values against it. Names
-and defaults are Paddle 3.3's ``distributed_strategy.proto``; a setting's type is its
-default's type. Three tables hang off the schema, all keyed by dotted path:
+and defaults are Paddle 3.3's ``distributed_strategy.proto``, plus jfleet's own keys
+(``nonfinite``, ``amp_configs['dtype']``); a setting's type is its default's type. Three
+tables hang off the schema, all keyed by dotted path:
 
 - ``RULES``: the value check of every numeric field (and of the enumerated strings),
   with Paddle's ranges; ``tests/test_strategy_sections.py`` checks that no int or float
@@ -19,6 +20,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from jfleet.nonfinite import MODES as NONFINITE_MODES
 from jfleet.topology import DEFAULT_ORDER, MP, SEP
 
 
@@ -60,6 +62,7 @@ SCHEMA: dict[str, Any] = {
     "calc_comm_same_stream": False, "asp": False, "fuse_grad_merge": False, "semi_auto": False,
     "adam_d2sum": False, "auto_search": False, "heter_ccl_mode": False, "is_fl_ps_mode": False,
     "with_coordinator": False, "qat": False, "split_data": True,
+    "nonfinite": "warn",  # jfleet setting: the engine's non-finite guard (jfleet.nonfinite)
     "recompute_configs": {
         "checkpoints": ListOf(str), "enable_offload": False, "checkpoint_shape": ListOf(int),
         "enable_tuning": False,
@@ -380,6 +383,11 @@ RULES: dict[str, Rule] = {
     "fuse_grad_size_in_MB": _GT0, "fuse_grad_size_in_num": _GE1,
     "fuse_grad_size_in_TFLOPS": _GT0, "conv_workspace_size_limit": _GT0,
     "last_comm_group_size_MB": _GT0,  # Paddle's setter: ValueError unless > 0
+    "nonfinite": (
+        (lambda v: v in NONFINITE_MODES),
+        "one of 'warn' (log once, keep the update), 'skip' (drop the update) or 'raise' "
+        "(drop it and raise NonFiniteError)",
+    ),
     "recompute_configs.checkpoint_shape": _SHAPE,
     "recompute_configs.refined_ops_patterns.num": _GE_M1,
     "amp_configs.dtype": ((lambda v: v in ("float16", "bfloat16")), "'float16' or 'bfloat16'"),

@@ -16,7 +16,16 @@ What the engine adds over a hand-written ``nnx.jit`` step:
   * ZeRO-2/3: gradients are constrained to the ZeRO layout, so each device keeps
     only its shard (GPU/TPU compilers emit a reduce-scatter; XLA's CPU compiler an
     all-reduce followed by a slice — ``benchmarks/RESULTS.md``);
-  * the loss is computed and returned in fp32.
+  * the loss is computed and returned in fp32;
+  * the non-finite guard: an inf / nan loss or gradient is warned about, skipped or
+    raised on (``nonfinite``, :mod:`jfleet.nonfinite`);
+  * no lost state: dispatching the step and installing its outputs is an
+    :class:`jfleet.interrupts.atomic` section, so a SIGINT / SIGTERM arriving meanwhile
+    is delivered once the new state is installed; an error after the inputs were
+    donated says that the state was lost (:class:`StepStateLostError`). With
+    ``jax_debug_nans`` or ``jax_debug_infs`` on, nothing is donated (JAX re-runs a
+    failing step op by op on its inputs, which donation would have deleted);
+  * the watchdog's hooks (:mod:`jfleet.watchdog`) at every step's start and dispatch.
 
 Example:
   >>> import jax.numpy as jnp, optax
@@ -40,7 +49,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jfleet import _context, interrupts, watchdog
 from jfleet.distributed_optimizer import DistributedOptimizer
+from jfleet.nonfinite import Guard, check_mode, leaf_names
+from jfleet.optim.loss_scale import finite_flags, floating_leaves
 from jfleet.placement import Placement, resolve_placement
 
 LossFn = Callable[[nnx.Module, Any], Any]
@@ -57,6 +69,26 @@ def _split_loss(out: Any) -> tuple[jax.Array, Any]:
     else:
         loss, aux = out, None
     return scalar_loss(loss, "loss_fn"), aux
+
+
+class StepStateLostError(RuntimeError):
+    """A train step failed after its inputs were donated: the model / optimizer state is gone."""
+
+
+def _raise_if_lost(state: Any, err: BaseException) -> None:
+    """Raises :class:`StepStateLostError` from ``err`` if an array of ``state`` is deleted."""
+    deleted = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array) and x.is_deleted()]
+    if deleted:
+        raise StepStateLostError(
+            f"the train step failed ({type(err).__name__}: {err}) after donating the model's "
+            f"and the optimizer's buffers to it: {len(deleted)} of their arrays are deleted "
+            "and the step produced no new state, so the model and optimizer can no longer "
+            "be used. Restore them from a checkpoint (jfleet.checkpoint) and resume."
+        ) from err
+
+
+def _debugging_floats() -> tuple[bool, bool]:
+    return bool(jax.config.jax_debug_nans), bool(jax.config.jax_debug_infs)
 
 
 def scalar_loss(loss: Any, what: str) -> jax.Array:
@@ -151,12 +183,19 @@ class _CompileCache:
 class _Step:
     """What the train and eval steps share: the loss function, the placement, the compile cache."""
 
-    def __init__(self, loss_fn: LossFn, placement: Placement | None = None) -> None:
+    def __init__(
+        self, loss_fn: LossFn, placement: Placement | None = None, nonfinite: str | None = None
+    ) -> None:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn={loss_fn!r} is not callable; pass loss_fn(model, batch).")
+        if nonfinite is not None:
+            check_mode(nonfinite, "nonfinite")
         self.loss_fn = loss_fn
         self._placement = placement
+        self._nonfinite = nonfinite
         self._cache = _CompileCache()
+        self._guard = Guard()
+        self._leaf_names: dict[int, list[str]] = {}  # id(compiled step) -> guarded leaves
         self.last_aux: Any = None
 
 
@@ -169,22 +208,49 @@ class TrainStep(_Step):
     not: a config holding a list is fine), the placement, and the shapes, dtypes and
     shardings of the state and batch arrays. The aux value of a ``(loss, aux)`` loss
     function of the last call is in ``last_aux``.
+
+    ``nonfinite`` (``"warn"``, ``"skip"``, ``"raise"``; default: the strategy's, else
+    ``"warn"``) is the non-finite guard (:mod:`jfleet.nonfinite`); ``nonfinite_steps``
+    counts the non-finite steps seen. Dispatch and install are atomic
+    (:class:`jfleet.interrupts.atomic`): an interrupt leaves the old or the new state.
     """
+
+    @property
+    def nonfinite(self) -> str:
+        """The guard's mode for the next call: the one given, else the strategy's, else warn."""
+        if self._nonfinite is not None:
+            return self._nonfinite
+        run = _context.current()
+        return run.strategy.nonfinite if run is not None else "warn"
+
+    @property
+    def nonfinite_steps(self) -> int:
+        """How many steps had a non-finite loss or gradient (waits for the pending steps)."""
+        return self._guard.count
 
     def lower(self, model: nnx.Module, optimizer: DistributedOptimizer, batch: Any):
         """The lowered step for these arguments (for HLO and memory inspection)."""
-        fn, args = self._prepare(model, optimizer, batch)
+        fn, args = self._prepare(model, optimizer, batch, self.nonfinite)
         return fn.lower(*args)
 
     def __call__(self, model: nnx.Module, optimizer: DistributedOptimizer, batch: Any) -> jax.Array:
-        fn, args = self._prepare(model, optimizer, batch)
-        model_state, opt_state, loss, aux = fn(*args)
-        nnx.update(model, model_state)
-        nnx.update(optimizer, opt_state)
-        self.last_aux = aux
+        watchdog.step_started("train")
+        mode = self.nonfinite
+        fn, args = self._prepare(model, optimizer, batch, mode)
+        with interrupts.atomic():  # old state or new state, never donated buffers
+            try:
+                model_state, opt_state, loss, aux, flags = fn(*args)
+            except Exception as err:
+                _raise_if_lost(args[:2], err)
+                raise
+            nnx.update(model, model_state)
+            nnx.update(optimizer, opt_state)
+            self.last_aux = aux
+        watchdog.step_dispatched("train", loss)
+        self._guard.record(mode, flags, self._leaf_names[id(fn)])
         return loss
 
-    def _prepare(self, model, optimizer, batch):
+    def _prepare(self, model, optimizer, batch, mode):
         if not isinstance(optimizer, DistributedOptimizer):
             raise TypeError(
                 f"optimizer={type(optimizer).__name__} is not a DistributedOptimizer; wrap it "
@@ -198,8 +264,9 @@ class TrainStep(_Step):
         # What the program is specialised to: the placement (ZeRO stage and mesh), both
         # graph definitions (structure and static attributes), the batch's structure,
         # and the shape, dtype and sharding of every state and batch array (the jit's in
-        # and out shardings are fixed when it is built). See _CompileCache for keys
-        # that are not hashable.
+        # and out shardings are fixed when it is built), the non-finite mode and JAX's
+        # debug_nans / debug_infs flags (no donation under them). See _CompileCache for
+        # keys that are not hashable.
         key = (
             placement,
             model_def,
@@ -208,19 +275,22 @@ class TrainStep(_Step):
             _leaf_specs(model_state),
             _leaf_specs(opt_state),
             _leaf_specs(batch),
+            mode,
+            _debugging_floats(),
         )
 
         def build(key):
             _, model_def, opt_def, *_ = key
             return self._build(
-                placement, model_def, model_state, opt_def, opt_state, batch, optimizer
+                placement, model_def, model_state, opt_def, opt_state, batch, optimizer, mode
             )
 
         fn = self._cache.get_or_build(key, build)
         return fn, (model_state, opt_state, batch)
 
-    def _build(self, placement, model_def, model_state, opt_def, opt_state, batch, optimizer):
+    def _build(self, placement, model_def, model_state, opt_def, opt_state, batch, optimizer, mode):
         loss_fn = self.loss_fn
+        names: list[str] = []
         wrt = optimizer.wrt
         scaled = optimizer.has_loss_scaling
         grad_shardings = gathered = None
@@ -254,21 +324,37 @@ class TrainStep(_Step):
             )
             if grad_shardings is not None:
                 grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+            # The guard: with loss scaling the scaler skips overflowing steps itself (and
+            # lowers the scale), so only the loss is checked; else the loss and gradients.
+            checked = (loss,) if scaled else (loss, grads)
+            flags = finite_flags(checked)
+            names[:] = leaf_names([path for path, _ in floating_leaves(checked)])
+            old = jax.tree.leaves((model_state, opt_state))
             opt.update(model, grads)
-            return nnx.state(model), nnx.state(opt), loss, aux
+            new_state = (nnx.state(model), nnx.state(opt))
+            if mode != "warn" and not scaled:  # drop the update: old state, bit for bit
+                finite = jnp.all(flags)
+                leaves, treedef = jax.tree.flatten(new_state)
+                kept = [jnp.where(finite, n, o) for n, o in zip(leaves, old, strict=True)]
+                new_state = jax.tree.unflatten(treedef, kept)
+            return *new_state, loss, aux, flags
 
-        return jax.jit(
+        donate = () if any(_debugging_floats()) else (0, 1)
+        fn = jax.jit(
             step,
             in_shardings=(model_sh, opt_sh, batch_sh),
-            out_shardings=(model_sh, opt_sh, replicated, None),
-            donate_argnums=(0, 1),
+            out_shardings=(model_sh, opt_sh, replicated, None, replicated),
+            donate_argnums=donate,
         )
+        self._leaf_names[id(fn)] = names  # filled when the step is traced
+        return fn
 
 
 class EvalStep(_Step):
     """One jitted evaluation step ``step(model, batch) -> loss`` (no update)."""
 
     def __call__(self, model: nnx.Module, batch: Any) -> jax.Array:
+        watchdog.step_started("eval")
         batch = resolve_placement(self._placement, model).shard_batch(batch)
         model_def, model_state = nnx.split(model)
         key = (model_def, jax.tree.structure(batch))
@@ -285,6 +371,7 @@ class EvalStep(_Step):
         fn = self._cache.get_or_build(key, build)
         loss, aux = fn(model_state, batch)
         self.last_aux = aux
+        watchdog.step_dispatched("eval", loss)
         return loss
 
 
@@ -309,19 +396,27 @@ def cached_step(cls: type[_Step], loss_fn: LossFn, placement: Placement | None) 
     return per_fn[placement]
 
 
-def make_train_step(loss_fn: LossFn, *, placement: Placement | None = None) -> TrainStep:
+def make_train_step(
+    loss_fn: LossFn, *, placement: Placement | None = None, nonfinite: str | None = None
+) -> TrainStep:
     """The engine's train step as a function ``step(model, optimizer, batch) -> loss``.
 
     Args:
       loss_fn: ``loss_fn(model, batch)`` returning a scalar loss or ``(loss, aux)``.
       placement: where the arrays live; default: the model's (a ``DistributedModel``),
         else the one ``fleet.init`` set up.
+      nonfinite: what a step with an inf / nan loss or gradient does: ``"warn"``,
+        ``"skip"`` or ``"raise"`` (:mod:`jfleet.nonfinite`); default: the strategy's
+        ``nonfinite`` (``"warn"`` without ``fleet.init``).
 
     Returns:
       A :class:`TrainStep`. ``optimizer`` must come from
       ``fleet.distributed_optimizer``; it is bound to ``model`` on the first call.
+
+    Raises:
+      ValueError: ``nonfinite`` is not one of the three modes.
     """
-    return TrainStep(loss_fn, placement)
+    return TrainStep(loss_fn, placement, nonfinite)
 
 
 def make_eval_step(loss_fn: LossFn, *, placement: Placement | None = None) -> EvalStep:

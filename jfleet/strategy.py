@@ -2,9 +2,14 @@
 
 Names and defaults are those of Paddle 3.3's ``distributed_strategy.proto``, plus the two
 settings Paddle keeps outside the proto (``hybrid_configs['order']``, alias
-``hybrid_parallel_order``, and ``hybrid_configs['mp_configs']['sync_param_name']``) and one
-jfleet key, ``amp_configs['dtype']`` (the O1 compute dtype, ``"float16"`` or
-``"bfloat16"``; O2 comes from ``use_pure_fp16`` / ``use_pure_bf16`` as in Paddle). The
+``hybrid_parallel_order``, and ``hybrid_configs['mp_configs']['sync_param_name']``) and two
+jfleet keys: ``amp_configs['dtype']`` (the O1 compute dtype, ``"float16"`` or
+``"bfloat16"``; O2 comes from ``use_pure_fp16`` / ``use_pure_bf16`` as in Paddle) and
+``nonfinite`` (what a training step with an inf / nan loss or gradient does: ``"warn"``,
+the default, logs it once and applies the update; ``"skip"`` drops the update, leaving
+parameters and optimizer state bit-identical; ``"raise"`` drops it and raises
+:class:`~jfleet.nonfinite.NonFiniteError` naming the step and the first non-finite leaf;
+see :mod:`jfleet.nonfinite`). The
 schema, value ranges and SPMD no-op table are in :mod:`jfleet._strategy_schema`.
 
 Semantics, and where they differ from Paddle on purpose:
@@ -489,6 +494,9 @@ class DistributedStrategy:
     hybrid degrees and ``order``, AMP, gradient merge, recompute, sharding stage, pipeline
     micro-batching, LAMB/LARS...); :meth:`spmd_noop_settings` lists those set to no effect,
     and parameter-server settings (``a_sync`` ...) are kept as data only.
+
+    ``nonfinite`` (a jfleet setting: ``"warn"``, ``"skip"`` or ``"raise"``) is what the
+    training step does with an inf / nan loss or gradient (:mod:`jfleet.nonfinite`).
 
     The ZeRO stage is ``sharding_configs['stage']`` (1, 2 or 3), as in Paddle. The mesh
     axis order is ``hybrid_configs['order']`` (alias ``hybrid_parallel_order``); four-,

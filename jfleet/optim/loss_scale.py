@@ -51,6 +51,8 @@ __all__ = [
     "DynamicLossScalingState",
     "all_finite",
     "dynamic_loss_scaling",
+    "finite_flags",
+    "floating_leaves",
     "loss_scale_of",
     "scaling_state_of",
 ]
@@ -76,6 +78,33 @@ def _is_floating(x: Any) -> bool:
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
 
 
+def floating_leaves(tree: Any) -> list[tuple[Any, Any]]:
+    """The ``(key path, leaf)`` pairs of ``tree``'s floating arrays, in ``jax.tree.leaves`` order.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> [str(p[0]) for p, _ in floating_leaves({"w": jnp.ones(2), "n": jnp.int32(3)})]
+        ["['w']"]
+    """
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [(path, x) for path, x in flat if _is_floating(x)]
+
+
+def finite_flags(tree: Any) -> jax.Array:
+    """One boolean per floating leaf of ``tree`` (:func:`floating_leaves` order): all finite?
+
+    The found-inf reduction of loss scaling and of the engine's non-finite guard; on
+    global (SPMD) arrays each flag already covers every device.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> finite_flags({"a": jnp.ones(2), "b": jnp.array([jnp.nan])}).tolist()
+        [True, False]
+    """
+    flags = [jnp.all(jnp.isfinite(x)) for _, x in floating_leaves(tree)]
+    return jnp.stack(flags) if flags else jnp.ones((0,), jnp.bool_)
+
+
 def all_finite(tree: Any) -> jax.Array:
     """Returns one boolean scalar: whether every element of every array in ``tree`` is finite.
 
@@ -93,10 +122,7 @@ def all_finite(tree: Any) -> jax.Array:
         >>> bool(all_finite({"w": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])}))
         False
     """
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if _is_floating(x)]
-    if not leaves:
-        return jnp.asarray(True)
-    return jnp.all(jnp.stack(leaves))
+    return jnp.all(finite_flags(tree))
 
 
 def _check_real(

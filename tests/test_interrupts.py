@@ -1,0 +1,203 @@
+"""Interrupts never tear a step: old state or new state, never deleted buffers; SIGTERM hook."""
+
+from __future__ import annotations
+
+import _thread
+import signal
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jfleet import fleet, interrupts, make_train_step
+from jfleet.engine import StepStateLostError, TrainStep, _raise_if_lost
+from jfleet.models import TinyLM, lm_batches, lm_loss
+from tests.fleet_setup import init_fleet
+from tests.subprocess_util import run_python
+
+TRIALS = 20
+
+
+def snapshot(model, opt):
+    """Host copies of the model's and optimizer's state (raises if a buffer was deleted)."""
+    return jax.device_get((nnx.state(model), nnx.state(opt)))
+
+
+def restore(model, opt, snap, shardings):
+    model_state, opt_state = jax.device_put(snap, shardings)
+    nnx.update(model, model_state)
+    nnx.update(opt, opt_state)
+
+
+def same(a, b) -> bool:
+    flat_a, tree_a = jax.tree.flatten(a)
+    flat_b, tree_b = jax.tree.flatten(b)
+    if tree_a != tree_b:
+        return False
+    return all(np.array_equal(x, y) for x, y in zip(flat_a, flat_b, strict=True))
+
+
+@pytest.fixture(scope="module")
+def zero3_step():
+    """A ZeRO-3 (sharding 8) TinyLM, its optimizer, one compiled step and a batch."""
+    init_fleet({"dp_degree": 1, "sharding_degree": 8}, sharding_configs={"stage": 3})
+    model = fleet.distributed_model(TinyLM(vocab=128, width=128, hidden=512))
+    opt = fleet.distributed_optimizer(optax.adam(1e-3))
+    batch = lm_batches(1, batch=64, seq=16, vocab=128)[0]
+    step = TrainStep(lm_loss, model.placement, nonfinite="warn")
+    jax.block_until_ready(step(model.module, opt, batch))  # compiles; later calls reuse it
+    return model.module, opt, step, batch
+
+
+def test_keyboard_interrupt_at_random_moments_leaves_old_or_new_state(zero3_step):
+    model, opt, step, batch = zero3_step
+    shardings = jax.tree.map(lambda x: x.sharding, (nnx.state(model), nnx.state(opt)))
+    calls = []
+    for _ in range(3):  # how long a call takes on the host (dispatch and install)
+        start = time.perf_counter()
+        step(model, opt, batch)
+        calls.append(time.perf_counter() - start)
+        jax.block_until_ready(nnx.state(model))
+    window = 1.5 * max(calls)
+    rng = np.random.default_rng(14)
+    pre = snapshot(model, opt)
+    outcomes = {"old": 0, "new": 0}
+    deferred = 0
+    for trial in range(TRIALS):
+        restore(model, opt, pre, shardings)  # replay: the post-step state, computed apart
+        step(model, opt, batch)
+        post = snapshot(model, opt)
+        restore(model, opt, pre, shardings)
+        jax.block_until_ready(nnx.state(model))
+        count = interrupts.deferred_signal_count()
+        timer = threading.Timer(rng.uniform(0.0, window), _thread.interrupt_main)
+        interrupted = False
+        try:
+            timer.start()
+            step(model, opt, batch)
+            timer.join()
+            time.sleep(0.01)  # a pending KeyboardInterrupt is raised here at the latest
+        except KeyboardInterrupt:
+            interrupted = True
+            timer.join()
+        assert interrupted, f"trial {trial}: the interrupt never arrived"
+        deferred += interrupts.deferred_signal_count() > count
+        got = snapshot(model, opt)  # "Array has been deleted" would raise here
+        assert same(got, pre) or same(got, post), f"trial {trial}: neither old nor new state"
+        outcomes["old" if same(got, pre) else "new"] += 1
+        pre = got
+    print(f"interrupts: {outcomes}, {deferred} of {TRIALS} inside the atomic section")
+    assert outcomes["old"] + outcomes["new"] == TRIALS
+    assert deferred >= 1  # some interrupts landed inside dispatch-and-install
+
+
+def test_atomic_defers_sigint_to_the_end_of_the_block():
+    order = []
+    with pytest.raises(KeyboardInterrupt), interrupts.atomic():
+        signal.raise_signal(signal.SIGINT)
+        order.append("block finished")
+    assert order == ["block finished"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_atomic_on_another_thread_swaps_nothing():
+    seen = []
+
+    def work():
+        with interrupts.atomic():
+            seen.append(signal.getsignal(signal.SIGINT))
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert seen == [signal.default_int_handler]
+
+
+def test_step_state_lost_error_says_what_was_lost_and_how_to_recover():
+    x = jnp.ones(3)
+    x.delete()
+    with pytest.raises(StepStateLostError, match=r"1 of their arrays are deleted.*checkpoint"):
+        _raise_if_lost(({"w": x}, {}), RuntimeError("XlaRuntimeError: boom"))
+    _raise_if_lost(({"w": jnp.ones(3)}, {}), RuntimeError("kept"))  # nothing lost: no error
+
+
+def test_on_termination_bad_input():
+    with pytest.raises(TypeError, match=r"fn=3\): fn must be a callable"):
+        interrupts.on_termination(3)
+    errors = []
+
+    def register():
+        try:
+            interrupts.on_termination(print)
+        except ValueError as err:
+            errors.append(str(err))
+
+    thread = threading.Thread(target=register, name="worker")
+    thread.start()
+    thread.join()
+    assert errors and "from thread 'worker'" in errors[0] and "main thread" in errors[0]
+
+
+def test_debug_nans_after_a_first_step_raises_floating_point_error_and_keeps_the_model():
+    init_fleet({"dp_degree": 8})
+    model = fleet.distributed_model(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
+    opt = fleet.distributed_optimizer(optax.sgd(0.1))
+    step = make_train_step(lambda m, b: jnp.mean(jnp.log(m(b["x"]) ** 2 * b["s"])))
+    x = jnp.ones((8, 4))
+    step(model.module, opt, {"x": x, "s": jnp.ones((8, 2))})
+    kernel = np.asarray(model.module.kernel[...])
+    jax.config.update("jax_debug_nans", True)
+    try:
+        with pytest.raises(FloatingPointError):
+            step(model.module, opt, {"x": x, "s": -jnp.ones((8, 2))})  # log(< 0): NaN
+    finally:
+        jax.config.update("jax_debug_nans", False)
+    np.testing.assert_array_equal(np.asarray(model.module.kernel[...]), kernel)  # readable
+
+
+SIGTERM_CHILD = """
+import os, signal, sys, threading
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+import numpy as np, optax
+from flax import nnx
+from jfleet import fleet, interrupts
+from jfleet.models import TinyLM, lm_batches, lm_loss
+
+fleet.init(is_collective=True, log_level="WARNING")
+model = fleet.distributed_model(TinyLM())
+opt = fleet.distributed_optimizer(optax.sgd(0.1))
+batches = lm_batches(1)
+steps = []
+
+def save():
+    kernel = np.asarray(model.module.head.kernel[...])  # readable: a step boundary
+    print(f"HOOK after {len(steps)} steps, kernel finite {np.isfinite(kernel).all()}", flush=True)
+
+interrupts.on_termination(save)
+threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+try:
+    for i in range(100000):
+        model.train_batch(batches[0], opt, loss_fn=lm_loss)
+        steps.append(i)
+finally:
+    print(f"FINALLY {len(steps)}", flush=True)
+print("NOT REACHED")
+"""
+
+
+def test_sigterm_runs_the_hook_once_at_a_step_boundary_and_exits_143():
+    start = time.monotonic()
+    result = run_python(SIGTERM_CHILD, timeout=90)
+    elapsed = time.monotonic() - start
+    out = result.stdout
+    assert result.returncode == interrupts.EXIT_CODE == 143, result.stderr[-2000:]
+    assert out.count("HOOK after") == 1 and "kernel finite True" in out, out
+    assert "FINALLY" in out and "NOT REACHED" not in out, out
+    assert "SIGTERM received: running 1 termination callback(s)" in result.stderr
+    assert elapsed < 60
