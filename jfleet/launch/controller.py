@@ -1,0 +1,424 @@
+"""One node's launcher: meet the other nodes, start the workers, watch them, reap them.
+
+:func:`run` is the whole life of a launcher: it serves the rendezvous when it is node 0
+(:mod:`jfleet.launch.rendezvous`), registers this node with ports it holds
+(:mod:`jfleet.launch.ports`), starts ``nproc_per_node`` workers with their environment
+(:mod:`jfleet.launch.env`), each in its own process group with its output in
+``log_dir/workerlog.<global rank>`` (the node's local rank 0 also echoed, ``[rank N]``),
+and watches them:
+
+- every worker exits 0 -> the node reports ``done``; when all nodes are done, exit 0;
+- a worker exits non-zero or is killed -> the node reports the failure (rank, exit code
+  or signal, the last lines of its log) and every node reaps its workers: SIGTERM to each
+  process group, SIGKILL after :data:`GRACE_S` seconds; then the job restarts (up to
+  ``--max_restart`` times, ``JFLEET_RESTART_COUNT`` counting) or every launcher exits
+  with the failure's code (128 + signal for a killed worker);
+- SIGINT / SIGTERM to a launcher -> forwarded to its workers, the job reaped everywhere
+  and never restarted; exit 128 + signal.
+
+A worker that exits 0 while others still run is not a failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import IO, Any
+
+from jfleet.launch.args import LaunchArgs
+from jfleet.launch.cluster import Scheduler
+from jfleet.launch.env import endpoints, global_rank, worker_env
+from jfleet.launch.ports import HeldPort, hold_free_ports
+from jfleet.launch.rendezvous import Node, RendezvousClient, RendezvousServer
+from jfleet.role_maker import DEFAULT_INIT_TIMEOUT_S, INIT_TIMEOUT_ENV
+
+__all__ = ["GRACE_S", "TAIL_LINES", "exit_code_of", "run"]
+
+#: Seconds between SIGTERM and SIGKILL when reaping workers.
+GRACE_S = 10.0
+#: Log lines of a failed worker printed by the launchers.
+TAIL_LINES = 20
+PREFIX = "[jfleet.launch]"
+_LEVELS = {"DEBUG": 10, "INFO": 20, "WARNING": 30, "ERROR": 40, "CRITICAL": 50}
+
+
+def exit_code_of(returncode: int) -> int:
+    """A worker's return code as a shell reports it: ``-N`` (killed by signal N) -> 128 + N.
+
+    Example:
+      >>> exit_code_of(3), exit_code_of(-9)
+      (3, 137)
+    """
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _describe(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name} (exit code {exit_code_of(returncode)})"
+    return f"exited with code {returncode}"
+
+
+class _Log:
+    """The launcher's messages: ``[jfleet.launch]`` on stderr, and a file once it is known."""
+
+    def __init__(self, level: str) -> None:
+        self.level = _LEVELS[level]
+        self._file: IO[str] | None = None
+        self._early: list[str] = []
+
+    def attach(self, path: Path) -> None:
+        if self._file is None:
+            self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
+            for line in self._early:
+                self._file.write(line + "\n")
+            self._file.flush()
+            self._early = []
+
+    def __call__(self, message: str, level: str = "INFO") -> None:
+        if _LEVELS[level] < self.level:
+            return
+        stamp = time.strftime("%H:%M:%S")
+        line = f"{PREFIX} {message}"
+        print(line, file=sys.stderr, flush=True)
+        if self._file is not None:
+            self._file.write(f"{stamp} {level} {message}\n")
+            self._file.flush()
+        else:
+            self._early.append(f"{stamp} {level} {message}")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _echo(stream: IO[bytes], log: IO[bytes], prefix: bytes) -> None:
+    """Copies a worker's output to its log file and, prefixed, to the console."""
+    for line in iter(stream.readline, b""):
+        log.write(line)
+        log.flush()
+        sys.stdout.buffer.write(prefix + line)
+        sys.stdout.buffer.flush()
+    stream.close()
+
+
+@dataclasses.dataclass
+class _Worker:
+    rank: int
+    local_rank: int
+    proc: subprocess.Popen
+    log_path: Path
+    log_file: IO[bytes]
+    echo: threading.Thread | None = None
+
+    def tail(self, n: int = TAIL_LINES) -> list[str]:
+        if self.echo is not None:
+            self.echo.join(2)
+        try:
+            with open(self.log_path, "rb") as f:
+                lines = deque(f, maxlen=n)
+        except OSError:
+            return []
+        return [line.decode(errors="replace").rstrip("\n") for line in lines]
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def _reap(workers: list[_Worker], sig: int, grace_s: float) -> None:
+    """``sig`` to every worker's process group, SIGKILL to what is left after ``grace_s``."""
+    for w in workers:
+        if w.proc.poll() is None:
+            _signal_group(w.proc.pid, sig)
+    deadline = time.monotonic() + grace_s
+    for w in workers:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            w.proc.wait(timeout=max(deadline - time.monotonic(), 0))
+    for w in workers:  # the leader's children too, alive or not
+        _signal_group(w.proc.pid, signal.SIGKILL)
+    for w in workers:
+        w.proc.wait()
+        if w.echo is not None:
+            w.echo.join(5)
+        w.log_file.close()
+
+
+def _route_host(master: str | None) -> str:
+    """This machine's address on the route to the master (127.0.0.1 without one)."""
+    if master is None:
+        return "127.0.0.1"
+    host, _, port = master.rpartition(":")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, int(port)))
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+class _Launcher:
+    def __init__(self, args: LaunchArgs, log: _Log, environ: dict[str, str]) -> None:
+        self.args = args
+        self.log = log
+        self.environ = environ
+        self.workers: list[_Worker] = []
+        self.held: list[HeldPort] = []
+        self.interrupt: int | None = None
+        self.timeout_s = float(environ.get(INIT_TIMEOUT_ENV, "") or DEFAULT_INIT_TIMEOUT_S)
+
+    # ---------------------------------------------------------------- the job
+    def _serve(self, master: str | None) -> tuple[RendezvousServer | None, str]:
+        """Starts the master when this node is node 0; returns it and the address to use."""
+        args = self.args
+        kwargs = {"nnodes": args.nnodes, "timeout_s": self.timeout_s}
+        kwargs["max_restart"] = args.max_restart
+        if master is None:  # one node, nobody else: a private master on loopback
+            server = RendezvousServer.bind("127.0.0.1", 0, **kwargs)
+            server.start()
+            return server, server.address
+        host, _, port = master.rpartition(":")
+        if args.rank > 0:
+            return None, master
+        try:
+            server = RendezvousServer.bind(host, int(port), **kwargs)
+        except OSError as error:
+            if args.rank == 0:
+                raise RuntimeError(
+                    f"--rank 0 serves the rendezvous at --master {master}, but binding it "
+                    f"failed ({error}); give this machine's address and a free port."
+                ) from None
+            self.log(
+                f"--master {master} is served elsewhere ({error.strerror}); joining it", "DEBUG"
+            )
+            return None, master
+        server.start()
+        self.log(f"serving the rendezvous at {master} for {args.nnodes} node(s)")
+        return server, master
+
+    def _start_workers(self, nodes: list[Node], node_rank: int, attempt: int) -> None:
+        args = self.args
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+        self.log.attach(args.log_dir / f"{args.job_id}.launch.node{node_rank}.log")
+        eps = endpoints(nodes)
+        self.log(
+            f"job {args.job_id!r} attempt {attempt}: node {node_rank} of {len(nodes)}, "
+            f"{len(eps)} workers, coordinator {eps[0]}, endpoints {','.join(eps)}"
+        )
+        for h in self.held[1 if node_rank == 0 else 0 :]:
+            h.release()  # only the coordinator port stays held: JAX binds it with SO_REUSEPORT
+        for local in range(args.nproc_per_node):
+            rank = global_rank(nodes, node_rank, local)
+            env = worker_env(
+                self.environ, args, nodes, node_rank=node_rank, local_rank=local, attempt=attempt
+            )
+            path = args.log_dir / f"workerlog.{rank}"
+            log_file = open(path, "ab")  # noqa: SIM115 - closed when reaped
+            if attempt:
+                log_file.write(f"--- jfleet.launch: restart {attempt} ---\n".encode())
+                log_file.flush()
+            echo = local == 0
+            proc = subprocess.Popen(
+                args.command(sys.executable),
+                env=env,
+                stdout=subprocess.PIPE if echo else log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            worker = _Worker(rank, local, proc, path, log_file)
+            if echo:
+                worker.echo = threading.Thread(
+                    target=_echo, args=(proc.stdout, log_file, f"[rank {rank}] ".encode())
+                )
+                worker.echo.start()
+            self.workers.append(worker)
+            self.log(f"started worker rank {rank} (pid {proc.pid}), log {path}", "DEBUG")
+
+    def _failure(self, worker: _Worker, node_rank: int) -> dict[str, Any]:
+        rc = worker.proc.returncode
+        return {
+            "rank": worker.rank,
+            "node_rank": node_rank,
+            "returncode": rc,
+            "exit_code": exit_code_of(rc),
+            "what": f"worker rank {worker.rank} (node {node_rank}) {_describe(rc)}",
+            "log": str(worker.log_path),
+            "tail": worker.tail(),
+        }
+
+    def _stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.workers:
+            _reap(self.workers, sig, GRACE_S)
+            self.workers = []
+        for h in self.held:
+            h.release()
+        self.held = []
+
+    def _attempt(self, client: RendezvousClient, node_rank: int | None) -> dict[str, Any]:
+        """Registers, runs one attempt; returns the master's ``restart`` or ``end``."""
+        args = self.args
+        host = args.host or _route_host(args.master)
+        self.held = hold_free_ports(args.nproc_per_node, start=args.start_port)
+        client.send(
+            {
+                "type": "register",
+                "host": host,
+                "nproc": args.nproc_per_node,
+                "ports": [h.port for h in self.held],
+                "rank": args.rank if node_rank is None else node_rank,
+            }
+        )
+        reported = False
+        started = False
+        while True:
+            msg = client.receive(0.1)
+            if msg is not None:
+                kind = msg["type"]
+                if kind == "start":
+                    nodes = [Node.from_json(n) for n in msg["nodes"]]
+                    node_rank = msg["node_rank"]
+                    self.node_rank = node_rank
+                    started = True
+                    self._start_workers(nodes, node_rank, msg["attempt"])
+                elif kind == "stop":
+                    first = msg["failure"]
+                    if not reported:
+                        self.log(f"stopping this node's workers: {first['what']}")
+                    self._stop(self.interrupt or signal.SIGTERM)
+                    client.send({"type": "stopped"})
+                elif kind in ("restart", "end"):
+                    self._stop()
+                    return msg
+                elif kind == "lost":
+                    self._stop()
+                    return {
+                        "type": "end",
+                        "code": 1,
+                        "error": f"lost the rendezvous master at {args.master}: node 0's "
+                        "launcher is gone; the job is over.",
+                    }
+            if self.interrupt is not None and not started:
+                self._stop()
+                name = signal.Signals(self.interrupt).name
+                return {"type": "end", "code": 128 + self.interrupt, "error": f"got {name}"}
+            if self.interrupt is not None and not reported:
+                name = signal.Signals(self.interrupt).name
+                reported = True
+                what = f"the launcher of node {node_rank} got {name}"
+                self.log(f"{what}: forwarding it to the workers and stopping the job")
+                self._stop(self.interrupt)
+                client.send(
+                    {
+                        "type": "failed",
+                        "failure": {
+                            "what": what,
+                            "exit_code": 128 + self.interrupt,
+                            "interrupted": True,
+                        },
+                    }
+                )
+                continue
+            if not self.workers or reported:
+                continue
+            codes = [w.proc.poll() for w in self.workers]
+            failed = next(
+                (w for w, c in zip(self.workers, codes, strict=False) if c not in (None, 0)), None
+            )
+            if failed is not None:
+                reported = True
+                failure = self._failure(failed, node_rank)
+                self.log(f"{failure['what']}; stopping the job")
+                client.send({"type": "failed", "failure": failure})
+                self._stop()
+            elif all(c == 0 for c in codes):
+                reported = True
+                self.log(f"all {len(codes)} workers of node {node_rank} exited 0", "DEBUG")
+                client.send({"type": "done"})
+                for w in self.workers:
+                    if w.echo is not None:
+                        w.echo.join(5)
+                self._stop(signal.SIGKILL)  # what a worker left in its process group
+
+    def run(self, scheduler: Scheduler | None) -> int:
+        args = self.args
+        master = args.master or (scheduler.master if scheduler else None)
+        if scheduler is not None and args.master is None:
+            self.log(
+                f"{scheduler.name}: node {scheduler.node_rank} of {args.nnodes}, "
+                f"rendezvous {master}"
+            )
+        server, address = self._serve(master)
+        client = RendezvousClient.connect(address, timeout_s=self.timeout_s)
+        node_rank = None
+        try:
+            while True:
+                verdict = self._attempt(client, node_rank)
+                node_rank = getattr(self, "node_rank", None)
+                if verdict["type"] == "restart":
+                    self.log(
+                        f"restarting the job (restart {verdict['attempt']} of "
+                        f"{args.max_restart}); workers resume from their latest checkpoint "
+                        "if they save one"
+                    )
+                    continue
+                return self._finish(verdict)
+        finally:
+            self._stop(signal.SIGKILL)
+            client.close()
+            if server is not None:
+                server.join(5)
+
+    def _finish(self, end: dict[str, Any]) -> int:
+        code = int(end["code"])
+        if end.get("error"):
+            self.log(f"error: {end['error']}", "ERROR")
+        failure = end.get("failure")
+        if failure:
+            lines = [f"job failed: {failure['what']}"]
+            if failure.get("tail"):
+                lines.append(f"last {len(failure['tail'])} lines of {failure['log']}:")
+                lines += [f"  | {line}" for line in failure["tail"]]
+            lines.append(f"exit code {code}")
+            self.log("\n".join(lines), "ERROR")
+        elif code == 0:
+            self.log(f"job {self.args.job_id!r} finished: every worker exited 0")
+        return code
+
+
+def run(
+    args: LaunchArgs, scheduler: Scheduler | None = None, environ: dict[str, str] | None = None
+) -> int:
+    """Runs this node's part of the job; returns the launcher's exit code.
+
+    SIGINT and SIGTERM are caught while it runs (forwarded to the workers).
+    """
+    log = _Log(args.log_level)
+    launcher = _Launcher(args, log, dict(os.environ if environ is None else environ))
+
+    def on_signal(signum: int, frame: Any) -> None:
+        launcher.interrupt = signum
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return launcher.run(scheduler)
+    except (RuntimeError, TimeoutError, ValueError) as error:
+        log(f"error: {error}", "ERROR")
+        return 1
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        log.close()
