@@ -20,7 +20,7 @@ import jax
 
 from jfleet._logging import set_log_level
 from jfleet.collective_perf.report import format_table, parse_size, plot
-from jfleet.collective_perf.timing import OPS, WORLD, _check_op, _positive_int, sweep
+from jfleet.collective_perf.timing import OPS, WORLD, _check_op, _positive_int, group_of, sweep
 from jfleet.role_maker import PaddleCloudRoleMaker, initialize_distributed
 from jfleet.topology import AXIS_NAMES, DP, MP, build_hybrid_communicate_group
 
@@ -104,6 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"collective_perf: {jax.process_count()} process(es), {hcg.mesh.size} "
             f"{hcg.mesh.devices.flat[0].platform} devices, mesh {mesh}, round {args.round}"
         )
+        skipped = [g for g in groups if group_of(hcg, g).nranks < 2]
+        if skipped:
+            print(f"skipped (groups of 1 rank on this mesh): {', '.join(skipped)}")
         print(format_table(results), flush=True)
         if args.json:
             with open(args.json, "w") as f:

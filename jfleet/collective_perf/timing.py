@@ -252,6 +252,12 @@ def _program(op: str, mesh: Mesh, axes: tuple[str, ...], spec: P) -> tuple[Calla
     return jax.jit(mapped), name
 
 
+@functools.lru_cache(maxsize=128)
+def _compiled(program: Callable, shape: tuple, dtype: Any, sharding: Any) -> Callable:
+    """``program`` compiled for one input signature: one compile per (op, group, size)."""
+    return program.lower(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)).compile()
+
+
 def collective_fn(op: str, mesh: Mesh, axes: Sequence[str], spec: P | None = None) -> Callable:
     """The jitted program :func:`measure` times: ``op`` over ``axes`` on every device.
 
@@ -360,7 +366,7 @@ def measure(
         )
     nbytes = math.prod(piece) * array.dtype.itemsize
     program, name = _program(op, mesh, _axes(group), spec)
-    compiled = program.lower(array).compile()
+    compiled = _compiled(program, array.shape, array.dtype, array.sharding)
     for _ in range(warmup):
         jax.block_until_ready(compiled(array))
     times = []
