@@ -90,7 +90,8 @@ def launch(argv: Sequence[str]) -> int:
         scheduler = detect() if args.master is None else None
         args = resolve(args, scheduler)
     except ValueError as error:
-        print(f"[jfleet.launch] error: {error}", file=sys.stderr, flush=True)
+        message = str(error).removeprefix("jfleet.launch: ")
+        print(f"[jfleet.launch] error: {message}", file=sys.stderr, flush=True)
         return 2
     return run(args, scheduler)
 

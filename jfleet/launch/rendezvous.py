@@ -63,8 +63,12 @@ class _Connection:
         self.sock = sock
         self._lock = threading.Lock()
         self._closed = False
-        thread = threading.Thread(target=self._read, args=(inbox, tag), daemon=True)
-        thread.start()
+        self._reader = threading.Thread(target=self._read, args=(inbox, tag), daemon=True)
+
+    def start(self) -> _Connection:
+        """Starts reading (after the owner has filed the connection)."""
+        self._reader.start()
+        return self
 
     def _read(self, inbox: queue.Queue, tag: Any) -> None:
         buffer = b""
@@ -107,7 +111,7 @@ class RendezvousClient:
 
     def __init__(self, sock: socket.socket) -> None:
         self._inbox: queue.Queue = queue.Queue()
-        self._conn = _Connection(sock, self._inbox, None)
+        self._conn = _Connection(sock, self._inbox, None).start()
 
     @classmethod
     def connect(cls, address: str, *, timeout_s: float) -> RendezvousClient:
@@ -210,7 +214,8 @@ class RendezvousServer:
                 sock, _ = self._listener.accept()
             except OSError:
                 return
-            self._conns[next_id] = _Connection(sock, self._inbox, next_id)
+            conn = self._conns[next_id] = _Connection(sock, self._inbox, next_id)
+            conn.start()
             next_id += 1
 
     def _broadcast(self, message: dict[str, Any]) -> None:
