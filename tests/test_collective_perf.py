@@ -21,10 +21,10 @@ from jax.sharding import PartitionSpec as P
 
 from jfleet import collective_perf as cp
 from jfleet import fleet
-from jfleet.collective_perf.__main__ import main
+from jfleet.collective_perf.__main__ import default_mesh, main
 from jfleet.fleet.perf import PerfMethods
 from jfleet.testing.hlo import collectives
-from jfleet.topology import DP, MP, SHARDING
+from jfleet.topology import DP, MP, PP, SHARDING
 from tests.fleet_setup import init_fleet
 from tests.subprocess_util import paddle_launch_envs, run_many
 
@@ -256,6 +256,21 @@ def test_bad_input_is_a_clear_error(call, error, match):
         call()
 
 
+@pytest.mark.parametrize(
+    ("devices", "groups", "want"),
+    [
+        (8, [DP, MP, WORLD], {DP: 2, MP: 4}),  # the inner axis takes the larger share
+        (16, [MP, DP], {DP: 4, MP: 4}),
+        (6, [f"{DP}+{MP}"], {DP: 2, MP: 3}),
+        (8, [DP, PP, MP], {DP: 2, PP: 2, MP: 2}),
+        (7, [DP, MP], {DP: 1, MP: 7}),
+        (8, [WORLD], {}),
+    ],
+)
+def test_the_script_splits_the_devices_between_the_named_axes(devices, groups, want):
+    assert default_mesh(devices, groups) == {f"{a}_degree": d for a, d in want.items()}
+
+
 def test_the_script_refuses_bad_arguments(capsys, monkeypatch):
     for argv, match in [
         (["--sizes", "1KB,0MB"], "size '0MB' is not a positive size"),
@@ -263,6 +278,7 @@ def test_the_script_refuses_bad_arguments(capsys, monkeypatch):
         (["--mesh", "dp=2,tp=4"], "'tp=4' is not axis=degree with axis one of dp, pp"),
         (["--round", "0"], "--round=0 must be a positive int"),
         (["--groups", "tp", "--sizes", "64"], "group 'tp' is not a group of this mesh"),
+        (["--mesh", "dp=3", "--sizes", "64"], "= 3, but there are 8 devices"),
     ]:
         with pytest.raises(SystemExit) as exit_info:
             main(argv)
@@ -279,7 +295,7 @@ def test_the_script_refuses_bad_arguments(capsys, monkeypatch):
 
 SCRIPT = """
 import runpy, sys
-sys.argv = ["collective_perf", "--mesh", "dp=2,mp=4", "--groups", "dp,mp,world", "--ops", "all",
+sys.argv = ["collective_perf", "--groups", "dp,mp,world", "--ops", "all",  # mesh: dp2 x mp4
             "--sizes", "4KB", "--round", "2", "--devices", "4", "--json", {json!r},
             "--plot", {png!r}]
 runpy.run_module("jfleet.collective_perf", run_name="__main__", alter_sys=True)

@@ -24,6 +24,8 @@ from jfleet.collective_perf.timing import OPS, WORLD, _check_op, _positive_int, 
 from jfleet.role_maker import PaddleCloudRoleMaker, initialize_distributed
 from jfleet.topology import AXIS_NAMES, DP, MP, build_hybrid_communicate_group
 
+__all__ = ["default_mesh", "main"]
+
 
 def _arg(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     def wrapped(text: str) -> Any:
@@ -48,6 +50,32 @@ def _parse_mesh(text: str) -> dict[str, int]:
     return degrees
 
 
+def default_mesh(devices: int, groups: Sequence[str]) -> dict[str, int]:
+    """``hybrid_configs`` splitting ``devices`` between the mesh axes ``groups`` name, as
+    evenly as the prime factors allow, inner axes (``mp``) taking the larger share.
+
+    Example:
+      >>> default_mesh(8, ["dp", "mp", "world"]), default_mesh(6, ["dp+mp"])
+      ({'dp_degree': 2, 'mp_degree': 4}, {'dp_degree': 2, 'mp_degree': 3})
+    """
+    named = {a for g in groups if g != WORLD for a in g.split("+")}
+    axes = [a for a in AXIS_NAMES if a in named]
+    if not axes:
+        return {}
+    degrees = dict.fromkeys(axes, 1)
+    left, factor, primes = devices, 2, []
+    while left > 1:
+        while left % factor == 0:
+            primes.append(factor)
+            left //= factor
+        factor += 1
+    for prime in sorted(primes, reverse=True):
+        smallest = min(degrees.values())
+        inner = [a for a in axes if degrees[a] == smallest][-1]
+        degrees[inner] *= prime
+    return {f"{a}_degree": d for a, d in degrees.items()}
+
+
 def _parse_ops(text: str) -> tuple[str, ...]:
     ops = OPS if text == "all" else tuple(t.strip() for t in text.split(","))
     for op in ops:
@@ -64,7 +92,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--groups", default=f"{DP},{MP},{WORLD}", help="mesh axes, a+b, or world")
     p.add_argument("--sizes", default="1KB,1MB,16MB", help="bytes per rank, e.g. 1KB,1MB")
     p.add_argument("--round", type=int, default=20, help="timed calls per row")
-    p.add_argument("--mesh", type=_arg(_parse_mesh), default={}, help="e.g. dp=2,mp=4")
+    p.add_argument(
+        "--mesh",
+        type=_arg(_parse_mesh),
+        default=None,
+        help="e.g. dp=2,mp=4; default: the devices split between the axes --groups names",
+    )
     p.add_argument("--devices", type=int, default=None, help="emulated CPU devices per process")
     p.add_argument("--plot", default=None, help="write busbw vs size to this PNG")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
@@ -93,16 +126,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         jax.config.update("jax_num_cpu_devices", args.devices)
     set_log_level(args.log_level)
     initialize_distributed(PaddleCloudRoleMaker(is_collective=True))
-    hcg = build_hybrid_communicate_group(args.mesh)
     try:
+        mesh = default_mesh(jax.device_count(), groups) if args.mesh is None else args.mesh
+        hcg = build_hybrid_communicate_group(mesh)
         results = sweep(hcg, args.ops, groups, sizes, round=args.round)
     except ValueError as err:
         parser.error(str(err))
     if jax.process_index() == 0:
-        mesh = dict(hcg.mesh.shape)
+        shape = dict(hcg.mesh.shape)
         print(
             f"collective_perf: {jax.process_count()} process(es), {hcg.mesh.size} "
-            f"{hcg.mesh.devices.flat[0].platform} devices, mesh {mesh}, round {args.round}"
+            f"{hcg.mesh.devices.flat[0].platform} devices, mesh {shape}, round {args.round}"
         )
         skipped = [g for g in groups if group_of(hcg, g).nranks < 2]
         if skipped:
@@ -110,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(format_table(results), flush=True)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"mesh": mesh, "processes": jax.process_count(),
+                json.dump({"mesh": shape, "processes": jax.process_count(),
                            "results": [r.to_dict() for r in results]}, f, indent=1)  # fmt: skip
         if args.plot:
             plot(results, args.plot)
