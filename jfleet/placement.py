@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jfleet import _context
+from jfleet import _context, consistency
 from jfleet._logging import logger
 from jfleet.parallel.mesh_context import named
 from jfleet.topology import DATA_AXES, SHARDING
@@ -211,13 +211,20 @@ class Placement:
         """Places a batch (a pytree of arrays) split over the data axes.
 
         In a single process the arrays are the global batch; with several processes
-        each process passes its local part (``jax.make_array_from_process_local_data``).
+        each process passes its local part (``jax.make_array_from_process_local_data``),
+        and every process must pass the same structure, shapes and dtypes: on the first
+        batch of each new signature the processes compare theirs
+        (:func:`jfleet.consistency.check_batch`; already global arrays are not compared).
 
         Raises:
           ValueError: a leading dimension the data-parallel size does not divide.
+          jfleet.consistency.InconsistentBatchError: processes passing local batches of
+            different structure, shape or dtype (a ``ValueError`` too).
         """
         size = self.data_parallel_size
         multi = jax.process_count() > 1
+        if multi:
+            consistency.check_batch(batch)
         parts = [(a, self.mesh.shape[a]) for a in self.data_axes]
 
         def _check_rows(path: Any, global_n: int | None) -> None:

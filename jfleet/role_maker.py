@@ -24,9 +24,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
+import socket
+import sys
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jfleet import watchdog
 from jfleet._logging import logger
 
 __all__ = [
@@ -39,8 +43,14 @@ __all__ = [
 
 DEFAULT_INIT_TIMEOUT_S = 300
 DEFAULT_HEARTBEAT_TIMEOUT_S = 100
+DEFAULT_SHUTDOWN_TIMEOUT_S = 60
 INIT_TIMEOUT_ENV = "JFLEET_INIT_TIMEOUT"
 HEARTBEAT_TIMEOUT_ENV = "JFLEET_HEARTBEAT_TIMEOUT"
+SHUTDOWN_TIMEOUT_ENV = "JFLEET_SHUTDOWN_TIMEOUT"
+#: Exit code of a process whose peers did not all connect within the init timeout.
+NOT_CONNECTED_EXIT_CODE = 1
+# JAX's own connect deadline comes this much after jfleet's, which names the missing ranks.
+_JAX_DEADLINE_GRACE_S = 5
 
 _PS_MESSAGE = (
     "parameter-server mode (is_collective=False) is not available yet in jfleet; "
@@ -611,17 +621,97 @@ _TOO_LATE = (
 )
 
 
+def _coordinator_listening(address: str, timeout: float = 1.0) -> bool:
+    """Whether something accepts TCP connections at ``host:port``."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def not_connected_message(
+    *, rank: int, num: int, coordinator: str, timeout: int, coordinator_up: bool | None
+) -> str:
+    """What a process says when not every process connected within the init timeout.
+
+    ``coordinator_up``: on ranks other than 0, whether the coordinator's port answers.
+
+    Example:
+      >>> print(not_connected_message(rank=0, num=2, coordinator="10.0.0.1:6170",
+      ...                             timeout=10, coordinator_up=None))  # doctest: +ELLIPSIS
+      jfleet: rank 1 did not connect ... within 10 s (JFLEET_INIT_TIMEOUT); this is rank 0 of 2...
+    """
+    if rank == 0:
+        who = "rank 1" if num == 2 else f"at least one of ranks 1..{num - 1}"
+        where = f"to the coordinator this process hosts at {coordinator}"
+    elif coordinator_up is False:
+        who = "rank 0"
+        where = (
+            f"(nothing answers at the coordinator address {coordinator}: rank 0, which hosts "
+            "the coordinator, has not started or died, or the address is wrong)"
+        )
+    else:
+        who = f"at least one rank other than {rank}"
+        where = f"to the coordinator at {coordinator} (its port answers: another job's?)"
+    return (
+        f"jfleet: {who} did not connect {where} within {timeout} s ({INIT_TIMEOUT_ENV}); "
+        f"this is rank {rank} of {num} expected processes, exiting with code "
+        f"{NOT_CONNECTED_EXIT_CODE}. Start all {num} processes (ranks 0..{num - 1}) with the "
+        "same coordinator address and process count; check the address, the ports and the "
+        f"firewall between hosts; raise {INIT_TIMEOUT_ENV} if some processes start late."
+    )
+
+
+def _connect(connect: Any, *, rank: int, num: int, coordinator: str, timeout: int) -> None:
+    """Runs ``connect()`` (JAX's, which aborts the process on its own deadline with a
+    message naming no rank); after ``timeout`` seconds, says who is missing and exits."""
+    done = threading.Event()
+
+    def give_up() -> None:
+        if done.is_set():
+            return
+        up = None if rank == 0 else _coordinator_listening(coordinator)
+        message = not_connected_message(
+            rank=rank, num=num, coordinator=coordinator, timeout=timeout, coordinator_up=up
+        )
+        if done.is_set():
+            return
+        sys.stdout.flush()
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+        os._exit(NOT_CONNECTED_EXIT_CODE)
+
+    timer = threading.Timer(timeout, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        connect()
+    finally:
+        done.set()
+        timer.cancel()
+
+
 def initialize_distributed(
     role_maker: RoleMakerBase,
     *,
     initialization_timeout: int | None = None,
     heartbeat_timeout_seconds: int | None = None,
+    shutdown_timeout_seconds: int | None = None,
 ) -> bool:
     """Joins this process to the multi-process JAX job that ``role_maker`` describes.
 
     With one process this does nothing. Otherwise it calls ``jax.distributed.initialize``
     with the role maker's coordinator address, process count and rank, unless JAX is
     already initialised, in which case it checks that JAX agrees with the role maker.
+    Then it starts :mod:`jfleet.watchdog`.
+
+    If not every process connects within the init timeout, the process prints which
+    ranks are missing (on ranks other than 0: whether the coordinator's port answers),
+    the address and the fix, and exits with code 1 (``NOT_CONNECTED_EXIT_CODE``), before
+    JAX's own abort ("DEADLINE_EXCEEDED ... another task died", naming no rank). It cannot
+    raise: the main thread is blocked inside JAX's connect.
 
     Args:
       role_maker: the job layout.
@@ -629,6 +719,9 @@ def initialize_distributed(
         ``$JFLEET_INIT_TIMEOUT`` or 300.
       heartbeat_timeout_seconds: seconds without a heartbeat before a peer counts as
         dead and the job aborts; default ``$JFLEET_HEARTBEAT_TIMEOUT`` or 100.
+      shutdown_timeout_seconds: at exit, seconds the processes wait for each other in
+        JAX's shutdown barrier before giving up; default ``$JFLEET_SHUTDOWN_TIMEOUT`` or
+        60 (JAX's own default is 300).
 
     Returns:
       True if this call initialised ``jax.distributed``; False if there was nothing to do
@@ -656,6 +749,8 @@ def initialize_distributed(
                 "make the role maker's settings match, or let fleet.init initialise JAX."
             )
         logger.debug("jax.distributed already initialised as process %d of %d.", index, num)
+        if num > 1:
+            watchdog.start()
         return False
     if num == 1:
         return False
@@ -668,6 +763,12 @@ def initialize_distributed(
         DEFAULT_HEARTBEAT_TIMEOUT_S,
         "heartbeat_timeout_seconds",
     )
+    shutdown = _timeout(
+        shutdown_timeout_seconds,
+        SHUTDOWN_TIMEOUT_ENV,
+        DEFAULT_SHUTDOWN_TIMEOUT_S,
+        "shutdown_timeout_seconds",
+    )
     if _backend_started():
         raise RuntimeError(_TOO_LATE.format(n=num))
     coordinator = role_maker.coordinator_address()
@@ -677,16 +778,22 @@ def initialize_distributed(
         num,
         coordinator,
     )
-    try:
+
+    def connect() -> None:
         jax.distributed.initialize(
             coordinator_address=coordinator,
             num_processes=num,
             process_id=index,
-            initialization_timeout=init_timeout,
+            initialization_timeout=init_timeout + _JAX_DEADLINE_GRACE_S,
             heartbeat_timeout_seconds=heartbeat,
+            shutdown_timeout_seconds=shutdown,
         )
+
+    try:
+        _connect(connect, rank=index, num=num, coordinator=str(coordinator), timeout=init_timeout)
     except RuntimeError as e:
         if "must be called before" in str(e):
             raise RuntimeError(_TOO_LATE.format(n=num)) from e
         raise
+    watchdog.start()
     return True

@@ -7,12 +7,16 @@ test fails with the child's output.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -105,3 +109,85 @@ def paddle_launch_envs(n: int, *, init_timeout: int = 60, heartbeat: int = 20) -
         }
         for rank in range(n)
     ]
+
+
+@dataclasses.dataclass
+class Child:
+    """One child's end: exit code (None if killed at the deadline), output and when it ended."""
+
+    returncode: int | None
+    stdout: str
+    stderr: str
+    ended_at: float
+    killed: bool
+
+    def report(self, name: str = "child") -> str:
+        return (
+            f"--- {name} rc={self.returncode} killed={self.killed}\n"
+            f"stdout:\n{self.stdout[-4000:]}\nstderr:\n{self.stderr[-4000:]}"
+        )
+
+
+def run_concurrently(
+    codes: Sequence[str],
+    *,
+    envs: Sequence[Mapping[str, str]],
+    timeout: float = 120.0,
+    poll_s: float = 0.05,
+) -> list[Child]:
+    """Starts one child per code at once and records when each ends (``time.time()``).
+
+    Unlike :func:`run_many`, a child still running at ``timeout`` does not fail the call:
+    its process group is killed and it comes back with ``killed=True`` (and
+    ``returncode=None``) for the test to judge. Output goes through temporary files, so
+    a chatty child cannot block on a full pipe.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        procs, files = [], []
+        for i, (code, env) in enumerate(zip(codes, envs, strict=True)):
+            out = open(os.path.join(tmp, f"{i}.out"), "w+")  # noqa: SIM115
+            err = open(os.path.join(tmp, f"{i}.err"), "w+")  # noqa: SIM115
+            files.append((out, err))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", textwrap.dedent(code)],
+                    env=child_env(env),
+                    cwd=REPO_ROOT,
+                    stdout=out,
+                    stderr=err,
+                    text=True,
+                    start_new_session=True,
+                )
+            )
+        deadline = time.monotonic() + timeout
+        ended: dict[int, float] = {}
+        killed: set[int] = set()
+        while len(ended) < len(procs):
+            for i, proc in enumerate(procs):
+                if i not in ended and proc.poll() is not None:
+                    ended[i] = time.time()
+            if time.monotonic() > deadline:
+                for i, proc in enumerate(procs):
+                    if i not in ended:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.killpg(proc.pid, signal.SIGKILL)
+                        proc.wait()
+                        ended[i], killed = time.time(), killed | {i}
+                break
+            time.sleep(poll_s)
+        children = []
+        for i, (proc, (out, err)) in enumerate(zip(procs, files, strict=True)):
+            out.seek(0)
+            err.seek(0)
+            children.append(
+                Child(
+                    returncode=None if i in killed else proc.returncode,
+                    stdout=out.read(),
+                    stderr=err.read(),
+                    ended_at=ended[i],
+                    killed=i in killed,
+                )
+            )
+            out.close()
+            err.close()
+        return children

@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 
 import jfleet.checkpoint.state_dict as _state_dict
-from jfleet import _context, collective
+from jfleet import _context, collective, consistency
 from jfleet._logging import logger, set_log_level
 from jfleet.distributed_model import DistributedModel, prepare_model
 from jfleet.distributed_optimizer import DistributedOptimizer
@@ -107,6 +107,9 @@ class Fleet:
           TypeError: a role maker or strategy of the wrong type.
           ValueError: degrees whose product is not the device count, and the role
             makers' errors for contradictory process settings.
+          jfleet.consistency.InconsistentJobError: (several processes) the processes'
+            strategies, meshes, process counts or package versions differ; raised on
+            every process, naming each one's value.
         """
         if not isinstance(is_collective, bool):
             raise TypeError(
@@ -146,6 +149,7 @@ class Fleet:
                     "every device of the run."
                 )
         hcg = build_hybrid_communicate_group(strategy.hybrid_configs, devices)
+        consistency.check_init(strategy, hcg.mesh)  # several processes: all must agree
         _context.set_run(_context.Run(role_maker=role_maker, strategy=strategy, hcg=hcg))
         self._optimizer = None
         apply_tensor_init_seed(strategy)
