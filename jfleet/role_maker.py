@@ -39,6 +39,7 @@ __all__ = [
     "RoleMakerBase",
     "UserDefinedRoleMaker",
     "initialize_distributed",
+    "not_connected_message",
 ]
 
 DEFAULT_INIT_TIMEOUT_S = 300

@@ -4,9 +4,10 @@ One test starts four jobs at once (six processes), each under a hard deadline:
 
 - ``checks``: both ranks call ``fleet.init`` with different strategies (dp2·mp4 vs dp4·mp2)
   and both raise ``InconsistentJobError`` naming each rank's degrees; then the same
-  strategy, one training step on equal local shapes (equal losses, equal to one process on
-  the full batch), local batches of 4 vs 8 rows and of sequence 4 vs 8 (both ranks raise
-  ``InconsistentBatchError`` naming each rank's shape), and equal shapes again (no error).
+  strategy; first batches of 4 vs 8 local rows, then of sequence 4 vs 8 (both ranks raise
+  ``InconsistentBatchError`` from ``train_batch`` naming each rank's shape); then two
+  steps on equal local shapes (no error; equal losses on both ranks, equal to one process
+  training on the full batches).
 - ``one_changes``: after a step, only rank 1's batch changes shape; rank 1 waits
   ``JFLEET_CONSISTENCY_TIMEOUT`` for rank 0's signature for that call, then names the
   mismatch from rank 0's latest signature (not a timeout) and fails. Rank 0 is then

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from jfleet.role_maker import (
@@ -9,8 +11,10 @@ from jfleet.role_maker import (
     Role,
     UserDefinedRoleMaker,
     initialize_distributed,
+    not_connected_message,
 )
 from tests.fleet_setup import clear_process_env
+from tests.subprocess_util import free_port
 
 FOUR = "10.0.0.1:6170,10.0.0.1:6171,10.0.0.2:6170,10.0.0.2:6171"
 
@@ -270,6 +274,7 @@ def test_initialize_after_backend_started_is_clear(env):
     [
         ({"JFLEET_INIT_TIMEOUT": "soon"}, "JFLEET_INIT_TIMEOUT='soon'"),
         ({"JFLEET_HEARTBEAT_TIMEOUT": "0"}, "JFLEET_HEARTBEAT_TIMEOUT=0"),
+        ({"JFLEET_SHUTDOWN_TIMEOUT": "1.5"}, r"JFLEET_SHUTDOWN_TIMEOUT='1\.5' is not a whole"),
     ],
 )
 def test_bad_timeouts(env, values, message):
@@ -277,3 +282,91 @@ def test_bad_timeouts(env, values, message):
     rm = UserDefinedRoleMaker(current_id=0, worker_endpoints=["127.0.0.1:1", "127.0.0.1:2"])
     with pytest.raises(ValueError, match=message):
         initialize_distributed(rm)
+
+
+@pytest.fixture
+def fake_jax_init(env, monkeypatch):
+    """jax.distributed.initialize and the watchdog replaced by recorders (no real job)."""
+    import jax
+
+    from jfleet import role_maker, watchdog
+
+    calls = {"init": [], "watchdog": 0}
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(role_maker, "_backend_started", lambda: False)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls["init"].append(kw))
+
+    def start():
+        calls["watchdog"] += 1
+
+    monkeypatch.setattr(watchdog, "start", start)
+    return calls
+
+
+def test_initialize_passes_every_timeout_and_starts_the_watchdog(env, fake_jax_init):
+    rm = UserDefinedRoleMaker(current_id=1, worker_endpoints=["127.0.0.1:1", "127.0.0.1:2"])
+    assert initialize_distributed(rm) is True
+    env(JFLEET_INIT_TIMEOUT=7, JFLEET_HEARTBEAT_TIMEOUT=8, JFLEET_SHUTDOWN_TIMEOUT=9)
+    assert initialize_distributed(rm) is True
+    assert initialize_distributed(rm, shutdown_timeout_seconds=3) is True
+    default, from_env, given = fake_jax_init["init"]
+    # JAX's own connect deadline comes 5 s after jfleet's (which names the missing ranks).
+    assert (default["initialization_timeout"], default["heartbeat_timeout_seconds"]) == (305, 100)
+    assert default["shutdown_timeout_seconds"] == 60
+    assert default["process_id"] == 1 and default["num_processes"] == 2
+    assert default["coordinator_address"] == "127.0.0.1:1"
+    assert (from_env["initialization_timeout"], from_env["heartbeat_timeout_seconds"]) == (12, 8)
+    assert from_env["shutdown_timeout_seconds"] == 9
+    assert given["shutdown_timeout_seconds"] == 3
+    assert fake_jax_init["watchdog"] == 3
+
+
+def test_bad_shutdown_timeout_argument(env, fake_jax_init):
+    rm = UserDefinedRoleMaker(current_id=0, worker_endpoints=["127.0.0.1:1", "127.0.0.1:2"])
+    with pytest.raises(ValueError, match=r"shutdown_timeout_seconds=0 must be a positive"):
+        initialize_distributed(rm, shutdown_timeout_seconds=0)
+    assert fake_jax_init["init"] == [] and fake_jax_init["watchdog"] == 0
+
+
+@pytest.mark.parametrize(
+    ("rank", "num", "up", "expected"),
+    [
+        (0, 2, None, "rank 1 did not connect to the coordinator this process hosts at h:1"),
+        (0, 4, None, "at least one of ranks 1..3 did not connect to the coordinator"),
+        (1, 2, False, "rank 0 did not connect (nothing answers at the coordinator address h:1"),
+        (2, 4, True, "at least one rank other than 2 did not connect to the coordinator at h:1"),
+    ],
+)
+def test_not_connected_message(rank, num, up, expected):
+    text = not_connected_message(
+        rank=rank, num=num, coordinator="h:1", timeout=9, coordinator_up=up
+    )
+    assert expected in text
+    assert "within 9 s (JFLEET_INIT_TIMEOUT)" in text and f"this is rank {rank} of {num}" in text
+    assert f"Start all {num} processes (ranks 0..{num - 1})" in text
+
+
+def test_connect_deadline_prints_and_exits(monkeypatch, capsys):
+    """Past the timeout the process says who is missing and exits (os._exit, faked)."""
+    import threading
+
+    from jfleet import role_maker
+
+    exited = threading.Event()
+    codes = []
+
+    def fake_exit(code):
+        codes.append(code)
+        exited.set()
+
+    monkeypatch.setattr(role_maker.os, "_exit", fake_exit)
+    # A rank other than 0 probes the coordinator: nothing listens on this closed port.
+    role_maker._connect(
+        lambda: exited.wait(10), rank=1, num=2, coordinator=f"127.0.0.1:{free_port()}", timeout=1
+    )
+    assert codes == [role_maker.NOT_CONNECTED_EXIT_CODE]
+    assert "jfleet: rank 0 did not connect (nothing answers" in capsys.readouterr().err
+    codes.clear()
+    role_maker._connect(lambda: None, rank=0, num=2, coordinator="127.0.0.1:1", timeout=1)
+    time.sleep(1.2)  # a connect that returned in time: the deadline never fires
+    assert codes == []
