@@ -175,9 +175,9 @@ def on_termination(fn: Callable[[], Any]) -> Callable[[], Any]:
     at the C level (``jax_enable_preemption_service``, on by default) so that
     ``jax.experimental.multihost_utils.reached_preemption_sync_point(step)`` can agree on a
     step across processes. The two cannot share the signal: the first ``on_termination``
-    takes SIGTERM from JAX's notifier (a warning says so in a multi-process job). Use one
-    of them: this hook, or ``reached_preemption_sync_point`` in the loop (without any
-    ``on_termination``; then a SIGTERM never interrupts a step, JAX only records it).
+    takes SIGTERM from JAX's notifier (a warning says so once ``jax.distributed`` runs).
+    Use one of them: this hook, or ``reached_preemption_sync_point`` in the loop (without
+    any ``on_termination``; then a SIGTERM never interrupts a step, JAX only records it).
 
     Args:
       fn: a callable without arguments; its return value is ignored unless it is
@@ -224,8 +224,8 @@ def _warn_if_jax_owns_sigterm() -> None:
     # jax.distributed.is_initialized() does not start a backend (process_count() would).
     if jax.distributed.is_initialized() and jax.config.jax_enable_preemption_service:
         logger.warning(
-            "on_termination: this multi-process job runs JAX's preemption notifier, which "
-            "owns SIGTERM; the termination callbacks take it over, so "
+            "on_termination: jax.distributed.initialize started JAX's preemption notifier, "
+            "which owns SIGTERM; the termination callbacks take it over, so "
             "multihost_utils.reached_preemption_sync_point will not see SIGTERM. Use one "
             "of the two."
         )
