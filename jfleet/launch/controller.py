@@ -179,6 +179,7 @@ class _Launcher:
         self.workers: list[_Worker] = []
         self.held: list[HeldPort] = []
         self.interrupt: int | None = None
+        self.node_rank: int | None = None
         self.timeout_s = float(environ.get(INIT_TIMEOUT_ENV, "") or DEFAULT_INIT_TIMEOUT_S)
 
     # ---------------------------------------------------------------- the job
@@ -355,19 +356,25 @@ class _Launcher:
 
     def run(self, scheduler: Scheduler | None) -> int:
         args = self.args
-        master = args.master or (scheduler.master if scheduler else None)
-        if scheduler is not None and args.master is None:
+        master = args.master  # a scheduler's, when one gave it (jfleet.launch.resolve)
+        if scheduler is not None:
             self.log(
                 f"{scheduler.name}: node {scheduler.node_rank} of {args.nnodes}, "
-                f"rendezvous {master}"
+                f"rendezvous {master or 'on this node'}"
             )
         server, address = self._serve(master)
-        client = RendezvousClient.connect(address, timeout_s=self.timeout_s)
+        try:
+            client = RendezvousClient.connect(
+                address, timeout_s=self.timeout_s, stop=lambda: self.interrupt is not None
+            )
+        except InterruptedError as error:
+            self.log(str(error), "ERROR")
+            return 128 + (self.interrupt or signal.SIGINT)
         node_rank = None
         try:
             while True:
                 verdict = self._attempt(client, node_rank)
-                node_rank = getattr(self, "node_rank", None)
+                node_rank = self.node_rank
                 if verdict["type"] == "restart":
                     self.log(
                         f"restarting the job (restart {verdict['attempt']} of "

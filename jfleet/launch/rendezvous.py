@@ -36,6 +36,7 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from jfleet._logging import logger
@@ -114,15 +115,20 @@ class RendezvousClient:
         self._conn = _Connection(sock, self._inbox, None).start()
 
     @classmethod
-    def connect(cls, address: str, *, timeout_s: float) -> RendezvousClient:
+    def connect(
+        cls, address: str, *, timeout_s: float, stop: Callable[[], bool] = lambda: False
+    ) -> RendezvousClient:
         """Connects to ``host:port``, retrying until ``timeout_s`` (node 0 may start later).
 
         Raises:
           TimeoutError: nothing accepted the connection in time.
+          InterruptedError: ``stop()`` turned true while retrying (a signal).
         """
         host, _, port = address.rpartition(":")
         deadline = time.monotonic() + timeout_s
         while True:
+            if stop():
+                raise InterruptedError(f"interrupted while connecting to --master {address}")
             try:
                 sock = socket.create_connection((host, int(port)), timeout=5)
                 sock.settimeout(None)
