@@ -132,6 +132,36 @@ def test_step_state_lost_error_says_what_was_lost_and_how_to_recover():
     _raise_if_lost(({"w": jnp.ones(3)}, {}), RuntimeError("kept"))  # nothing lost: no error
 
 
+@pytest.fixture
+def sigterm_recorder():
+    """SIGTERM handled by a recorder (the handler in force before on_termination)."""
+    events = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: events.append("previous"))
+    yield events
+    signal.signal(signal.SIGTERM, previous)
+    interrupts._callbacks.clear()
+
+
+def test_sigterm_inside_a_step_runs_the_hook_after_it_once_and_continue_keeps_running(
+    sigterm_recorder,
+):
+    events = sigterm_recorder
+    interrupts.on_termination(lambda: events.append("hook") or interrupts.CONTINUE)
+    with interrupts.atomic():
+        signal.raise_signal(signal.SIGTERM)
+        events.append("step installed")
+    assert events == ["step installed", "hook"]  # deferred; CONTINUE: no SystemExit
+    signal.raise_signal(signal.SIGTERM)  # the hook ran once: the previous handler now
+    assert events == ["step installed", "hook", "previous"]
+
+
+def test_sigterm_hook_exits_with_143_by_default(sigterm_recorder):
+    interrupts.on_termination(lambda: sigterm_recorder.append("saved"))
+    with pytest.raises(SystemExit) as info:
+        signal.raise_signal(signal.SIGTERM)
+    assert info.value.code == 143 and sigterm_recorder == ["saved"]
+
+
 def test_on_termination_bad_input():
     with pytest.raises(TypeError, match=r"fn=3\): fn must be a callable"):
         interrupts.on_termination(3)
