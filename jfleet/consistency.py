@@ -291,6 +291,7 @@ class _State:
     generation: int = 0
     calls: int = 0
     last: Any = None
+    published: list[int] = dataclasses.field(default_factory=list)
 
 
 _state = _State()
@@ -536,18 +537,31 @@ def check_batch(batch: Any) -> None:
         return
     state.last = signature
     try:
-        _compare_batch(batch, call, rank, count, state.generation)
+        _compare_batch(batch, call, rank, count, state)
     except (InconsistentBatchError, ConsistencyTimeoutError):
         state.last = None  # check again next time: the job is still inconsistent
         raise
 
 
-def _compare_batch(batch: Any, call: int, rank: int, count: int, generation: int) -> None:
+def _delete(key: str) -> None:
+    """Removes ``jfleet/<key>`` from the coordination store (no error if absent)."""
+    client = _coordination.client()
+    if client is not None:
+        client.key_value_delete(_coordination.PREFIX + key)
+
+
+def _compare_batch(batch: Any, call: int, rank: int, count: int, state: _State) -> None:
     timeout = timeout_s()
     mine = describe_batch(batch)
-    prefix = f"batch/{generation}"
+    prefix = f"batch/{state.generation}"
     _coordination.put(f"{prefix}/{call}/{rank}", mine)
     _coordination.put(f"{prefix}/latest/{rank}", {"call": call, "batch": mine})
+    # Keep this process's last two numbered keys: every peer has read the older ones (it
+    # published the previous call's key only after reading ours before it), so a job whose
+    # shapes change every step keeps a bounded store.
+    state.published.append(call)
+    if len(state.published) > 2:
+        _delete(f"{prefix}/{state.published.pop(0)}/{rank}")
     peers, missing = _gather(f"{prefix}/{call}", rank, count, timeout)
     batches: dict[int, Any] = {rank: mine, **peers}
     notes: dict[int, str] = {}

@@ -160,6 +160,7 @@ class FakeStore:
         for name in ("put", "try_get", "wait_get"):
             monkeypatch.setattr(_coordination, name, getattr(self, name))
         monkeypatch.setattr(_coordination, "available", lambda: True)
+        monkeypatch.setattr(consistency, "_delete", self.delete)
 
     def put(self, key, value):
         self.ops += 1
@@ -168,6 +169,10 @@ class FakeStore:
     def try_get(self, key):
         self.ops += 1
         return self.values.get(key)
+
+    def delete(self, key):
+        self.ops += 1
+        self.values.pop(key, None)
 
     def wait_get(self, key, timeout_s):
         self.ops += 1
@@ -260,3 +265,14 @@ def test_global_batches_are_not_checked(two_processes, monkeypatch):
     monkeypatch.setattr(consistency, "batch_signature", lambda batch: None)
     check_batch({"x": np.zeros((4, 8), np.int32)})  # stands for an all-global batch
     assert store.ops == 0 and consistency._state.calls == 0
+
+
+def test_shapes_changing_every_step_keep_the_store_bounded(two_processes, monkeypatch):
+    store = FakeStore(monkeypatch)
+    for call in range(6):
+        x = {"x": np.zeros((4, 1 + call), np.int32)}
+        store.values[f"batch/0/{call}/1"] = describe_batch(x)  # rank 1 agrees
+        check_batch(x)
+    mine = sorted(k for k in store.values if k.endswith("/0") and "latest" not in k)
+    assert mine == ["batch/0/4/0", "batch/0/5/0"]
+    assert store.values["batch/0/latest/0"]["call"] == 5
