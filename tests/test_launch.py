@@ -177,6 +177,8 @@ if rank == failing:
     while len(list(out.glob("*.pids"))) < int(os.environ["PADDLE_TRAINERS_NUM"]):
         time.sleep(0.05)
     (out / "fault").write_text(str(time.time()))
+    if sys.argv[3:] == ["kill"]:
+        os.kill(os.getpid(), 9)
     raise RuntimeError(f"boom in rank {rank}")
 time.sleep(120)
 """
@@ -224,6 +226,25 @@ def test_a_worker_raising_on_node_1_stops_every_worker_on_both_nodes(tmp_path):
     assert done - fault < 15, f"the job took {done - fault:.1f} s to stop"
 
 
+def test_a_killed_worker_is_named_with_its_signal_and_the_job_stops(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(WORKER))
+    launcher = start(
+        [
+            *("--nproc_per_node", "2", "--log_dir", str(tmp_path / "log")),
+            *(str(script), str(tmp_path), "1", "kill"),
+        ]
+    )
+    ((rc, out, err),) = finish([launcher], timeout=60)
+    assert rc == 128 + signal.SIGKILL, err
+    assert "job failed: worker rank 1 (node 0) was killed by SIGKILL (exit code 137)" in err, err
+    assert "[rank 0] rank 0 on 127.0.0.1:" in out, out  # local rank 0 echoed, prefixed
+    assert "rank 0 on" not in err and "rank 1 on" not in out  # rank 1 only in its log
+    assert "rank 1 on 127.0.0.1:" in (tmp_path / "log" / "workerlog.1").read_text()
+    assert len(pids(tmp_path)) == 4
+    assert not [p for p in pids(tmp_path) if alive(p)], "a process of the job survived"
+
+
 def test_sigterm_to_the_launcher_reaches_the_workers_and_their_children(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(textwrap.dedent(WORKER))
@@ -250,6 +271,7 @@ def test_sigterm_to_the_launcher_reaches_the_workers_and_their_children(tmp_path
 
 
 def test_a_node_that_never_shows_is_named_and_the_launcher_exits(tmp_path):
+    (tmp_path / "never_run.py").write_text("raise SystemExit(5)\n")
     started = time.monotonic()
     launcher = start(
         [
@@ -265,7 +287,6 @@ def test_a_node_that_never_shows_is_named_and_the_launcher_exits(tmp_path):
         ],
         env={"JFLEET_INIT_TIMEOUT": "2"},
     )
-    (tmp_path / "never_run.py").write_text("raise SystemExit(5)\n")
     ((rc, _, err),) = finish([launcher], timeout=60)
     assert rc == 1, err
     assert "1 of 3 nodes registered with the rendezvous within 2 s" in err, err

@@ -349,9 +349,6 @@ class _Launcher:
                 reported = True
                 self.log(f"all {len(codes)} workers of node {node_rank} exited 0", "DEBUG")
                 client.send({"type": "done"})
-                for w in self.workers:
-                    if w.echo is not None:
-                        w.echo.join(5)
                 self._stop(signal.SIGKILL)  # what a worker left in its process group
 
     def run(self, scheduler: Scheduler | None) -> int:
