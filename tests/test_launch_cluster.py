@@ -88,14 +88,17 @@ def test_bad_flags_are_named_with_their_value(argv, match):
         parse_args(argv, environ={})
 
 
-def test_missing_script_and_bad_flags_exit_2(tmp_path, capsys):
+def test_missing_script_and_bad_flags_exit_2(tmp_path, capsys, monkeypatch):
     with pytest.raises(ValueError, match=r"training script '.*nope.py' does not exist"):
         parse_args([str(tmp_path / "nope.py")], environ={}).check_script()
     assert launch([str(tmp_path / "nope.py")]) == 2
     script = tmp_path / "t.py"
     script.write_text("")
     assert launch(["--nnodes", "2", str(script)]) == 2  # several nodes, no master, no scheduler
+    monkeypatch.setenv("JFLEET_KILL_GRACE", "soon")
+    assert launch([str(script)]) == 2
     err = capsys.readouterr().err
+    assert "[jfleet.launch] error: JFLEET_KILL_GRACE='soon': expected the seconds" in err, err
     assert "[jfleet.launch] error: training script" in err, err
     assert "[jfleet.launch] error: --nnodes=2 needs --master" in err, err
 

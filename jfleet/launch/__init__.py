@@ -26,12 +26,13 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from collections.abc import Sequence
 
 from jfleet.launch.args import LaunchArgs, parse_args
 from jfleet.launch.cluster import Scheduler, detect
-from jfleet.launch.controller import run
+from jfleet.launch.controller import grace_seconds, run
 
 __all__ = ["LaunchArgs", "launch", "main", "parse_args", "resolve"]
 
@@ -89,6 +90,7 @@ def launch(argv: Sequence[str]) -> int:
         args.check_script()
         scheduler = detect() if args.master is None else None
         args = resolve(args, scheduler)
+        grace_seconds(os.environ)
     except ValueError as error:
         message = str(error).removeprefix("jfleet.launch: ")
         print(f"[jfleet.launch] error: {message}", file=sys.stderr, flush=True)

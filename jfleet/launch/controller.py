@@ -10,9 +10,9 @@ and watches them:
 - every worker exits 0 -> the node reports ``done``; when all nodes are done, exit 0;
 - a worker exits non-zero or is killed -> the node reports the failure (rank, exit code
   or signal, the last lines of its log) and every node reaps its workers: SIGTERM to each
-  process group, SIGKILL after :data:`GRACE_S` seconds; then the job restarts (up to
-  ``--max_restart`` times, ``JFLEET_RESTART_COUNT`` counting) or every launcher exits
-  with the failure's code (128 + signal for a killed worker);
+  process group, SIGKILL after :data:`GRACE_S` seconds (``$JFLEET_KILL_GRACE``); then
+  the job restarts (up to ``--max_restart`` times, ``JFLEET_RESTART_COUNT`` counting) or
+  every launcher exits with the failure's code (128 + signal for a killed worker);
 - SIGINT / SIGTERM to a launcher -> forwarded to its workers, the job reaped everywhere
   and never restarted; exit 128 + signal.
 
@@ -41,10 +41,11 @@ from jfleet.launch.ports import HeldPort, hold_free_ports
 from jfleet.launch.rendezvous import Node, RendezvousClient, RendezvousServer
 from jfleet.role_maker import DEFAULT_INIT_TIMEOUT_S, INIT_TIMEOUT_ENV
 
-__all__ = ["GRACE_S", "TAIL_LINES", "exit_code_of", "run"]
+__all__ = ["GRACE_S", "TAIL_LINES", "exit_code_of", "grace_seconds", "run"]
 
-#: Seconds between SIGTERM and SIGKILL when reaping workers.
+#: Seconds between SIGTERM and SIGKILL when reaping workers (``$JFLEET_KILL_GRACE``).
 GRACE_S = 10.0
+GRACE_ENV = "JFLEET_KILL_GRACE"
 #: Log lines of a failed worker printed by the launchers.
 TAIL_LINES = 20
 PREFIX = "[jfleet.launch]"
@@ -59,6 +60,32 @@ def exit_code_of(returncode: int) -> int:
       (3, 137)
     """
     return 128 - returncode if returncode < 0 else returncode
+
+
+def grace_seconds(environ: dict[str, str] | os._Environ) -> float:
+    """Seconds from SIGTERM to SIGKILL: ``$JFLEET_KILL_GRACE``, else :data:`GRACE_S`.
+
+    Raises:
+      ValueError: the variable is not a number >= 0.
+
+    Example:
+      >>> grace_seconds({}), grace_seconds({"JFLEET_KILL_GRACE": "60"})
+      (10.0, 60.0)
+    """
+    raw = environ.get(GRACE_ENV, "").strip()
+    if not raw:
+        return GRACE_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(
+            f"{GRACE_ENV}={raw!r}: expected the seconds a worker gets between SIGTERM and "
+            f"SIGKILL, a number >= 0 (default {GRACE_S:g}); e.g. {GRACE_ENV}=60 for slow "
+            "checkpoint-on-exit hooks."
+        )
+    return value
 
 
 def _describe(returncode: int) -> str:
@@ -181,6 +208,7 @@ class _Launcher:
         self.interrupt: int | None = None
         self.node_rank: int | None = None
         self.timeout_s = float(environ.get(INIT_TIMEOUT_ENV, "") or DEFAULT_INIT_TIMEOUT_S)
+        self.grace_s = grace_seconds(environ)
 
     # ---------------------------------------------------------------- the job
     def _serve(self, master: str | None) -> tuple[RendezvousServer | None, str]:
@@ -263,7 +291,7 @@ class _Launcher:
 
     def _stop(self, sig: int = signal.SIGTERM) -> None:
         if self.workers:
-            _reap(self.workers, sig, GRACE_S)
+            _reap(self.workers, sig, self.grace_s)
             self.workers = []
         for h in self.held:
             h.release()
