@@ -56,6 +56,7 @@ __all__ = [
     "ConsistencyTimeoutError",
     "InconsistentBatchError",
     "InconsistentJobError",
+    "batch_progress",
     "batch_signature",
     "check_batch",
     "check_init",
@@ -70,6 +71,10 @@ __all__ = [
 TIMEOUT_ENV = "JFLEET_CONSISTENCY_TIMEOUT"
 DEFAULT_TIMEOUT_S = 60.0
 _VERSIONED = ("jax", "jaxlib", "flax", "optax")
+_POLL_S = 0.5
+#: The watchdog's heartbeat record of a rank: where a peer's :func:`batch_progress` is read.
+HEARTBEAT_KEY = "watchdog/rank/{rank}"
+PROGRESS_FIELD = "batch_progress"
 _HYBRID_KEYS_END = "_degree"
 
 
@@ -290,6 +295,7 @@ class _State:
 
     generation: int = 0
     calls: int = 0
+    passed: int = 0
     last: Any = None
     published: list[int] = dataclasses.field(default_factory=list)
 
@@ -303,22 +309,37 @@ def _layout() -> tuple[int, int]:
     return jax.process_index(), jax.process_count()
 
 
-def _gather(prefix: str, rank: int, count: int, timeout: float) -> tuple[dict, list[int]]:
-    """Every peer's value under ``prefix/<peer>`` (shared deadline); and the ranks missing."""
+def _gather(
+    prefix: str,
+    rank: int,
+    count: int,
+    timeout: float,
+    gone: Callable[[int], bool] | None = None,
+) -> tuple[dict, list[int]]:
+    """Every peer's value under ``prefix/<peer>`` (shared deadline); and the ranks missing.
+
+    ``gone(peer)``, checked every ``_POLL_S`` while waiting, stops the wait for a peer
+    that will not publish (it is missing then).
+    """
     deadline = time.monotonic() + timeout
     got: dict[int, Any] = {}
     missing = []
     for peer in range(count):
         if peer == rank:
             continue
-        remaining = deadline - time.monotonic()
-        try:
-            if remaining > 0:
-                got[peer] = _coordination.wait_get(f"{prefix}/{peer}", remaining)
-                continue
-        except TimeoutError:
-            pass
-        value = _coordination.try_get(f"{prefix}/{peer}")
+        key = f"{prefix}/{peer}"
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                got[peer] = _coordination.wait_get(
+                    key, min(remaining, _POLL_S) if gone else remaining
+                )
+                break
+            except TimeoutError:
+                if gone is not None and gone(peer):
+                    break
+        if peer in got:
+            continue
+        value = _coordination.try_get(key)
         if value is None:
             missing.append(peer)
         else:
@@ -534,6 +555,7 @@ def check_batch(batch: Any) -> None:
     call = state.calls
     state.calls += 1
     if signature == state.last:
+        state.passed = state.calls
         return
     state.last = signature
     try:
@@ -541,6 +563,33 @@ def check_batch(batch: Any) -> None:
     except (InconsistentBatchError, ConsistencyTimeoutError):
         state.last = None  # check again next time: the job is still inconsistent
         raise
+    state.passed = state.calls
+
+
+def batch_progress() -> list[int]:
+    """``[fleet.init round, shard_batch calls checked]`` of this process, for heartbeats.
+
+    Published in the watchdog's heartbeat record (field ``batch_progress``), it lets a
+    process whose batch changed shape learn at once that a peer went past the same call
+    without a change (instead of waiting ``$JFLEET_CONSISTENCY_TIMEOUT``).
+
+    Example:
+      >>> batch_progress()
+      [0, 0]
+    """
+    return [_state.generation, _state.passed]
+
+
+def _passed(peer: int, call: int, generation: int) -> bool:
+    """Whether ``peer``'s heartbeat says it went past shard_batch call ``call``."""
+    record = _coordination.try_get(HEARTBEAT_KEY.format(rank=peer))
+    progress = record.get(PROGRESS_FIELD) if isinstance(record, dict) else None
+    return (
+        isinstance(progress, list)
+        and len(progress) == 2
+        and progress[0] == generation
+        and progress[1] > call
+    )
 
 
 def _delete(key: str) -> None:
@@ -562,7 +611,14 @@ def _compare_batch(batch: Any, call: int, rank: int, count: int, state: _State) 
     state.published.append(call)
     if len(state.published) > 2:
         _delete(f"{prefix}/{state.published.pop(0)}/{rank}")
-    peers, missing = _gather(f"{prefix}/{call}", rank, count, timeout)
+    early: set[int] = set()
+
+    def gone(peer: int) -> bool:
+        if _passed(peer, call, state.generation):
+            early.add(peer)
+        return peer in early
+
+    peers, missing = _gather(f"{prefix}/{call}", rank, count, timeout, gone)
     batches: dict[int, Any] = {rank: mine, **peers}
     notes: dict[int, str] = {}
     silent = []
@@ -572,10 +628,12 @@ def _compare_batch(batch: Any, call: int, rank: int, count: int, state: _State) 
             silent.append(peer)
         elif latest["call"] < call:
             batches[peer] = latest["batch"]
-            notes[peer] = (
-                f" (its batch since shard_batch call #{latest['call']}; it published no new "
-                f"shape for call #{call} within {timeout:g} s)"
+            why = (
+                f"it went past call #{call} without a new shape"
+                if peer in early
+                else f"it published no new shape for call #{call} within {timeout:g} s"
             )
+            notes[peer] = f" (its batch since shard_batch call #{latest['call']}; {why})"
         else:
             batches[peer] = None
             notes[peer] = (

@@ -276,3 +276,33 @@ def test_shapes_changing_every_step_keep_the_store_bounded(two_processes, monkey
     mine = sorted(k for k in store.values if k.endswith("/0") and "latest" not in k)
     assert mine == ["batch/0/4/0", "batch/0/5/0"]
     assert store.values["batch/0/latest/0"]["call"] == 5
+
+
+def test_a_heartbeat_past_the_call_ends_the_wait_at_once(two_processes, monkeypatch):
+    """A peer whose heartbeat says it went past the call without publishing kept its shape."""
+    x8 = {"x": np.zeros((4, 8), np.int32)}
+    store = FakeStore(monkeypatch, {"batch/0/0/1": describe_batch(x8)})
+    check_batch(x8)
+    assert consistency.batch_progress() == [0, 1]
+    store.values["batch/0/latest/1"] = {"call": 0, "batch": describe_batch(x8)}
+    store.values["watchdog/rank/1"] = {"batch_progress": [0, 2]}  # rank 1 is past call #1
+    monkeypatch.setenv("JFLEET_CONSISTENCY_TIMEOUT", "30")
+    start = time.monotonic()
+    with pytest.raises(
+        InconsistentBatchError,
+        match=r"rank 1 int32\[4, 8\] \(its batch since shard_batch call #0; it went past "
+        r"call #1 without a new shape\)",
+    ):
+        check_batch({"x": np.zeros((4, 4), np.int32)})
+    assert time.monotonic() - start < 5
+    assert consistency.batch_progress() == [0, 1]  # the failed call is not passed
+
+
+def test_a_heartbeat_of_another_round_is_ignored(two_processes, monkeypatch):
+    x8 = {"x": np.zeros((4, 8), np.int32)}
+    store = FakeStore(monkeypatch, {"batch/0/0/1": describe_batch(x8)})
+    check_batch(x8)
+    store.values["batch/0/latest/1"] = {"call": 0, "batch": describe_batch(x8)}
+    store.values["watchdog/rank/1"] = {"batch_progress": [7, 2]}  # another fleet.init round
+    with pytest.raises(InconsistentBatchError, match=r"no new shape for call #1 within 0.05 s"):
+        check_batch({"x": np.zeros((4, 4), np.int32)})

@@ -168,7 +168,9 @@ def test_consistency_faults_in_two_process_jobs():
     assert "InconsistentBatchError" in changes[1].stderr, report
     assert re.search(
         r"\['tokens'\] differs: rank 0 int32\[4, 8\] \(its batch since shard_batch call #0; "
-        r"it published no new shape for call #1 within 4 s\); rank 1 int32\[2, 8\]",
+        # (at once when the watchdog's heartbeat carries consistency.batch_progress())
+        r"it (published no new shape for call #1 within 4 s|went past call #1 without a new "
+        r"shape)\); rank 1 int32\[2, 8\]",
         changes[1].stderr,
     ), report
     assert "NOT_DETECTED" not in changes[0].stdout + changes[1].stdout, report
