@@ -18,12 +18,14 @@ store (:mod:`jfleet._coordination`), cheaply and out of band:
 
 A disagreement raises :class:`InconsistentJobError` (:class:`InconsistentBatchError` for
 batches), a ``ValueError`` naming each process's value for every field that differs and
-the fix; at ``fleet.init`` every process raises it. A batch change seen by one process
-only (its peers kept their shape and publish nothing) is reported by that process after
-the wait, from the peers' latest published signatures. Waits are bounded by
-``$JFLEET_CONSISTENCY_TIMEOUT`` seconds (default 60); a peer that publishes nothing at all
-within it raises :class:`ConsistencyTimeoutError` naming it. In a single process every
-check returns at once.
+the fix; at ``fleet.init`` every process raises it, for batches every process that sees it.
+A batch change on one process only (its peers kept their shape, so they publish nothing
+for that call) is named by that process from the peers' latest published signatures: at
+once when a peer's watchdog heartbeat (:func:`batch_progress`) shows it went past the
+call, else after the wait. Waits are bounded by ``$JFLEET_CONSISTENCY_TIMEOUT`` seconds
+(default 60); a peer that published nothing at all by then raises
+:class:`ConsistencyTimeoutError` naming it. Each process keeps only its last two batch
+signatures in the store. In a single process every check returns at once.
 
 Example:
   >>> from jfleet.consistency import describe_ranks
