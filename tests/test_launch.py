@@ -170,6 +170,9 @@ import os, pathlib, subprocess, sys, time
 out, failing = pathlib.Path(sys.argv[1]), sys.argv[2]
 rank = os.environ["PADDLE_TRAINER_ID"]
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+if sys.argv[3:] == ["stubborn"]:
+    import signal
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 (out / f"{rank}.pids.tmp").write_text(f"{os.getpid()} {child.pid}")
 (out / f"{rank}.pids.tmp").rename(out / f"{rank}.pids")
 print(f"rank {rank} on {os.environ['PADDLE_CURRENT_ENDPOINT']}", flush=True)
@@ -245,7 +248,7 @@ def test_a_killed_worker_is_named_with_its_signal_and_the_job_stops(tmp_path):
     assert not [p for p in pids(tmp_path) if alive(p)], "a process of the job survived"
 
 
-def test_sigterm_to_the_launcher_reaches_the_workers_and_their_children(tmp_path):
+def test_sigterm_to_the_launcher_reaches_the_workers_then_sigkill_after_the_grace(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(textwrap.dedent(WORKER))
     launcher = start(
@@ -257,13 +260,17 @@ def test_sigterm_to_the_launcher_reaches_the_workers_and_their_children(tmp_path
             str(script),
             str(tmp_path),
             "none",
-        ]
+            "stubborn",  # the workers ignore SIGTERM
+        ],
+        env={"JFLEET_KILL_GRACE": "1"},
     )
     deadline = time.monotonic() + 30
     while len(list(tmp_path.glob("*.pids"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     launcher.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
     ((rc, _, err),) = finish([launcher], timeout=30)
+    assert 1 <= time.monotonic() - sent < 10, err  # SIGKILL after the 1 s grace
     assert rc == 128 + signal.SIGTERM, err
     assert "the launcher of node 0 got SIGTERM: forwarding it to the workers" in err, err
     assert len(pids(tmp_path)) == 4
