@@ -277,6 +277,40 @@ def test_sigterm_to_the_launcher_reaches_the_workers_then_sigkill_after_the_grac
     assert not [p for p in pids(tmp_path) if alive(p)], "a process of the job survived"
 
 
+def test_a_launcher_killed_outright_takes_its_workers_and_the_other_node_stops(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(WORKER))
+    master = f"127.0.0.1:{free_port()}"
+    launchers = [
+        start(
+            [
+                *("--nnodes", "2", "--rank", str(i), "--master", master),
+                *("--log_dir", str(tmp_path / "log"), str(script), str(tmp_path), "none"),
+            ]
+        )
+        for i in range(2)
+    ]
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("*.pids"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    worker1, child1 = (int(p) for p in (tmp_path / "1.pids").read_text().split())
+    launchers[1].kill()  # SIGKILL: no reaping by node 1's launcher
+    try:
+        ((rc, _, err),) = finish(launchers[:1], timeout=30)
+        launchers[1].communicate()
+        assert rc == 1, err
+        assert "job failed: node 1's launcher disconnected" in err, err
+        gone = time.monotonic() + 5
+        while alive(worker1) and time.monotonic() < gone:
+            time.sleep(0.05)
+        assert not alive(worker1), "node 1's worker outlived its launcher"
+        survivors = [p for p in pids(tmp_path) if alive(p) and p != child1]
+        assert not survivors, survivors
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child1, signal.SIGKILL)  # the worker's own child is left to init: documented
+
+
 def test_a_node_that_never_shows_is_named_and_the_launcher_exits(tmp_path):
     (tmp_path / "never_run.py").write_text("raise SystemExit(5)\n")
     started = time.monotonic()

@@ -16,7 +16,9 @@ and watches them:
 - SIGINT / SIGTERM to a launcher -> forwarded to its workers, the job reaped everywhere
   and never restarted; exit 128 + signal.
 
-A worker that exits 0 while others still run is not a failure.
+A worker that exits 0 while others still run is not a failure. On Linux each worker has
+SIGTERM as its parent-death signal: a launcher killed outright (SIGKILL, out of memory) takes
+its workers with it, and the other nodes, which lose its connection, stop theirs.
 """
 
 from __future__ import annotations
@@ -60,6 +62,23 @@ def exit_code_of(returncode: int) -> int:
       (3, 137)
     """
     return 128 - returncode if returncode < 0 else returncode
+
+
+#: Runs a worker's command with SIGTERM as its parent-death signal (Linux): a launcher
+#: that dies without reaping (SIGKILL, OOM) does not leave its workers running.
+_ORPHAN_GUARD = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"  # PR_SET_PDEATHSIG
+    "sys.exit(143) if os.getppid() != int(sys.argv[1]) else None\n"  # died before prctl
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def _guarded(command: list[str]) -> list[str]:
+    """``command`` behind :data:`_ORPHAN_GUARD` on Linux (unchanged elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return command
+    return [sys.executable, "-S", "-c", _ORPHAN_GUARD, str(os.getpid()), *command]
 
 
 def grace_seconds(environ: dict[str, str] | os._Environ) -> float:
@@ -262,7 +281,7 @@ class _Launcher:
                 log_file.flush()
             echo = local == 0
             proc = subprocess.Popen(
-                args.command(sys.executable),
+                _guarded(args.command(sys.executable)),
                 env=env,
                 stdout=subprocess.PIPE if echo else log_file,
                 stderr=subprocess.STDOUT,
