@@ -796,5 +796,5 @@ def initialize_distributed(
         if "must be called before" in str(e):
             raise RuntimeError(_TOO_LATE.format(n=num)) from e
         raise
-    watchdog.start()
+    watchdog.start(heartbeat_timeout_s=heartbeat)
     return True

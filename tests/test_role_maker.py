@@ -291,13 +291,13 @@ def fake_jax_init(env, monkeypatch):
 
     from jfleet import role_maker, watchdog
 
-    calls = {"init": [], "watchdog": 0}
+    calls = {"init": [], "watchdog": []}
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
     monkeypatch.setattr(role_maker, "_backend_started", lambda: False)
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls["init"].append(kw))
 
-    def start():
-        calls["watchdog"] += 1
+    def start(**kwargs):
+        calls["watchdog"].append(kwargs)
 
     monkeypatch.setattr(watchdog, "start", start)
     return calls
@@ -318,14 +318,15 @@ def test_initialize_passes_every_timeout_and_starts_the_watchdog(env, fake_jax_i
     assert (from_env["initialization_timeout"], from_env["heartbeat_timeout_seconds"]) == (12, 8)
     assert from_env["shutdown_timeout_seconds"] == 9
     assert given["shutdown_timeout_seconds"] == 3
-    assert fake_jax_init["watchdog"] == 3
+    # The watchdog acts before JAX's heartbeat abort: it is told the heartbeat timeout.
+    assert [k["heartbeat_timeout_s"] for k in fake_jax_init["watchdog"]] == [100, 8, 8]
 
 
 def test_bad_shutdown_timeout_argument(env, fake_jax_init):
     rm = UserDefinedRoleMaker(current_id=0, worker_endpoints=["127.0.0.1:1", "127.0.0.1:2"])
     with pytest.raises(ValueError, match=r"shutdown_timeout_seconds=0 must be a positive"):
         initialize_distributed(rm, shutdown_timeout_seconds=0)
-    assert fake_jax_init["init"] == [] and fake_jax_init["watchdog"] == 0
+    assert fake_jax_init["init"] == [] and fake_jax_init["watchdog"] == []
 
 
 @pytest.mark.parametrize(
