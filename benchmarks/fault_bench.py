@@ -46,6 +46,7 @@ TIMEOUTS = {
     "JFLEET_PEER_TIMEOUT": "5",
     "JFLEET_STEP_TIMEOUT": "8",
     "JFLEET_INIT_TIMEOUT": "10",
+    "JFLEET_CONSISTENCY_TIMEOUT": "5",
 }
 
 CHILD = """
@@ -58,7 +59,7 @@ from jfleet import fleet, watchdog
 from jfleet.models import TinyLM, lm_batches, lm_loss
 
 rank = int(os.environ["PADDLE_TRAINER_ID"])
-fault = os.environ["FAULT"] if rank == 1 else "none"
+fault = os.environ["FAULT"] if rank == int(os.environ.get("FAULT_RANK", "1")) else "none"
 blocking = os.environ.get("WAIT", "block") == "block"
 strategy = fleet.DistributedStrategy()
 if fault == "strategies":
@@ -126,7 +127,10 @@ class Scenario:
 SCENARIOS = {
     "none": Scenario("no fault (3 steps each, then exit)", "none", steps=3),
     "none_off": Scenario(
-        "no fault, watchdog off (`JFLEET_WATCHDOG=0`)", "none", steps=3, env={"JFLEET_WATCHDOG": "0"}
+        "no fault, watchdog off (`JFLEET_WATCHDOG=0`)",
+        "none",
+        steps=3,
+        env={"JFLEET_WATCHDOG": "0"},
     ),
     "exception": Scenario("rank 1 raises ValueError", "exception"),
     "exit": Scenario("rank 1 exits early (code 0)", "exit"),
@@ -135,6 +139,10 @@ SCENARIOS = {
     "kill_poll": Scenario(
         "rank 1 killed (SIGKILL); rank 0 waits in Python", "kill", env={"WAIT": "poll"}
     ),
+    "exception0": Scenario(
+        "rank 0 (the coordinator) raises ValueError", "exception", env={"FAULT_RANK": "0"}
+    ),
+    "exit0": Scenario("rank 0 exits early (code 0)", "exit", env={"FAULT_RANK": "0"}),
     "never_starts": Scenario("rank 1 never starts", "none", ranks=(0,), consistency=True),
     "strategies": Scenario(
         "mismatched strategies (dp4 vs dp2·mp2)", "strategies", consistency=True
@@ -171,12 +179,19 @@ class Outcome:
         return max(self.exit_at.values()) - max(done) if done and not self.timed_out else None
 
     def cause(self, rank: int) -> str:
-        """The first line of ``rank``'s output naming the cause (jfleet's or the caught error)."""
-        lines = (self.stderr[rank] + "\n" + self.stdout[rank]).splitlines()
-        for pattern in ("jfleet", "CAUGHT", "Error", "error"):
-            for line in lines:
-                if pattern in line and "FAULT_AT" not in line:
-                    return line.strip()
+        """The line of ``rank``'s output naming the cause: the watchdog's, the caught error,
+        the uncaught exception's last line, or JAX's fatal error (first found, in that order).
+        """
+        lines = [ln.strip() for ln in (self.stderr[rank] + "\n" + self.stdout[rank]).splitlines()]
+        for pattern in (
+            r"^jfleet\.watchdog: ",
+            r"^CAUGHT ",
+            r"^[\w.]*(Error|Exception|Interrupt)\b: ",
+            r"^F\d+ .*\] ",  # absl's fatal log line
+        ):
+            found = [ln for ln in lines if re.search(pattern, ln)]
+            if found:
+                return found[0] if pattern.startswith("^jfleet") else found[-1]
         return ""
 
 

@@ -24,9 +24,11 @@ service) reads every record and applies the rules below; the first verdict is wr
   with its phase, e.g. "between steps after step 2 (in Python: not in a jfleet step)"); or a
   dispatched step does not complete within ``$JFLEET_STEP_TIMEOUT`` and no rank is behind.
   Tracing and compiling (between :func:`step_started` and :func:`step_dispatched`) is not
-  waiting, so a long compile is never a fault; the default, 1800 s, is for slow steps and
-  long work between steps (evaluation, checkpoints). A process between steps while a peer
-  waits at exit for longer than the timeout is a laggard too.
+  waiting: a long compile on every rank is never a fault, but a rank still preparing a step
+  that a peer waits in is named after the timeout ("rank 1 has been preparing step 3"). The
+  default, 1800 s, is for slow compiles, slow steps and long work between steps (evaluation,
+  checkpoints). A process between steps while a peer waits at exit for longer than the
+  timeout is a laggard too.
 - **peer lost**: a record that stops changing for ``$JFLEET_PEER_TIMEOUT`` seconds (default
   30, kept below half of ``$JFLEET_HEARTBEAT_TIMEOUT`` so that it fires before JAX's own
   abort) means the peer was killed or froze. This verdict is *catchable*: each survivor
@@ -251,6 +253,19 @@ def decide(
                 return Verdict(lag, "stuck", msg)
         if behind:
             continue
+        # A rank still preparing this step (a slow trace or compile, or a check that waits)
+        # keeps the waiter waiting: named once both have been at it for the timeout.
+        preparing = [
+            r
+            for r, rec in recs.items()
+            if rec["state"] == "run"
+            and rec["dispatched"] < step <= rec["started"]
+            and age[r] <= STALE_S
+        ]
+        for p in sorted(preparing, key=lambda r: (-elapsed[r], r)):
+            if min(elapsed[p], elapsed[w]) > config.step_timeout_s:
+                msg = _laggard(p, recs[p], elapsed[p], f"rank {w} {where}")
+                return Verdict(p, "stuck", msg)
         if elapsed[w] > config.step_timeout_s:
             return Verdict(
                 w,
@@ -374,6 +389,15 @@ class _Watchdog:
                 self.done = max(self.done, step)
                 self.progress()
 
+    def settle(self, timeout_s: float = 0.5) -> None:
+        """Waits up to ``timeout_s`` for the dispatched steps to complete (exact step counts in
+        the messages: a replicated loss reads on one device before all its copies are ready)."""
+        deadline = time.monotonic() + timeout_s
+        self._poll_outputs()
+        while self.pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+            self._poll_outputs()
+
     def publish(self) -> None:
         _coordination.put(f"{_RECORDS}{self.rank}", self.record())
 
@@ -465,8 +489,8 @@ class _Watchdog:
     def excepthook(self, exc_type, exc, tb) -> None:
         if isinstance(exc, PeerFailedError) or self.verdict is not None:
             return
-        self._poll_outputs()
-        self.error = f"{exc_type.__name__}: {exc}"
+        self.settle()
+        self.error = _one_line(f"{exc_type.__name__}: {exc}")
         self.state = "failed"
         self.t_failed = time.monotonic()
         message = f"rank {self.rank} failed ({self.error}) {_during(self.record())}"
@@ -488,6 +512,7 @@ class _Watchdog:
             _exit(1)
         if self.verdict is not None:
             self.die(self.verdict.message, self.verdict.cause)
+        self.settle()
         self.state = "exiting"
         self.progress()
         while True:
@@ -507,6 +532,12 @@ class _Watchdog:
             if abort is not None:
                 self.die(abort["message"], abort["cause"])
             time.sleep(POLL_S / 2)
+
+
+def _one_line(text: str, limit: int = 400) -> str:
+    """``text`` on one line (an exception's message may span several), at most ``limit`` chars."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _arrays(outputs: Any) -> list:
@@ -582,7 +613,7 @@ def start(*, heartbeat_timeout_s: float | None = None) -> None:
     def thread_hook(args):
         previous_thread_hook(args)
         name = args.thread.name if args.thread is not None else "?"
-        wd.thread_error = f"{name}: {args.exc_type.__name__}: {args.exc_value}"
+        wd.thread_error = _one_line(f"{name}: {args.exc_type.__name__}: {args.exc_value}", 200)
 
     sys.excepthook, threading.excepthook = excepthook, thread_hook
     atexit.register(wd.at_exit)  # after jax's clean_up, so it runs first

@@ -187,6 +187,26 @@ def test_a_step_that_makes_no_progress_on_any_rank_is_stuck():
     assert decide(compiling, 2, CONFIG) is None
 
 
+def test_a_rank_still_preparing_the_step_its_peer_waits_in_is_named():
+    # Rank 1 started step 3 but never dispatched it (stuck in a trace or a check that waits).
+    views = {0: (rec(3, 2, since=61.0), 0.0), 1: (rec(3, 2, dispatched=2, since=62.0), 0.0)}
+    v = decide(views, 2, CONFIG)
+    assert (v.rank, v.cause) == (1, "stuck")
+    assert v.message == (
+        "rank 1 has been preparing step 3 (train: tracing or compiling) for 62 s while rank 0 "
+        "waits in step 3 (train)"
+    )
+    views[0] = (rec(3, 2, since=30.0), 0.0)  # rank 0 has not waited that long yet
+    assert decide(views, 2, CONFIG) is None
+
+
+def test_an_exception_message_becomes_one_bounded_line():
+    assert (
+        watchdog._one_line("A: first\n  rank 0: x\n  rank 1: y") == "A: first rank 0: x rank 1: y"
+    )
+    assert watchdog._one_line("x" * 500, 10) == "x" * 9 + "…"
+
+
 def test_a_rank_between_steps_while_a_peer_waits_at_exit_is_a_laggard():
     views = {0: (rec(2, since=61.0), 0.0), 1: (rec(2, state="exiting", since=61.0), 0.0)}
     v = decide(views, 2, CONFIG)
