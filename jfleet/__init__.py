@@ -13,6 +13,9 @@ from jfleet import auto_parallel as auto_parallel
 from jfleet import fleet as fleet
 from jfleet.auto_parallel import ToDistributedConfig as ToDistributedConfig
 from jfleet.auto_parallel import to_distributed as to_distributed
+from jfleet.consistency import ConsistencyTimeoutError as ConsistencyTimeoutError
+from jfleet.consistency import InconsistentBatchError as InconsistentBatchError
+from jfleet.consistency import InconsistentJobError as InconsistentJobError
 from jfleet.data import ShardedLoader as ShardedLoader
 from jfleet.distributed.sharding import save_group_sharded_model as save_group_sharded_model
 from jfleet.distributed_model import DistributedModel as DistributedModel

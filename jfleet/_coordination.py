@@ -77,6 +77,13 @@ def wait_get(key: str, timeout_s: float) -> Any:
     return json.loads(raw)
 
 
+def delete(key: str) -> None:
+    """Removes ``jfleet/<key>`` (nothing happens when it is not set)."""
+    c = client()
+    if c is not None:
+        c.key_value_delete(_key(key))
+
+
 def get_dir(prefix: str) -> dict[str, Any]:
     """Every key under ``jfleet/<prefix>`` with its value (keys without the prefix)."""
     c = client()

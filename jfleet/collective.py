@@ -76,6 +76,7 @@ from jax.sharding import NamedSharding
 
 from jfleet import _context
 from jfleet._logging import logger
+from jfleet.consistency import describe_ranks
 from jfleet.group_collective import ReduceOp, group_size, manual_axes, run
 from jfleet.topology import Group
 
@@ -685,7 +686,7 @@ def _host_reduce(value: Value, mode: str, fn: str) -> Any:
     gathered = _gather_arrays(array)
     shapes = {(g.shape, g.dtype.str) for g in gathered}
     if len(shapes) > 1:
-        described = ", ".join(f"process {i}: {g.shape} {g.dtype}" for i, g in enumerate(gathered))
+        described = describe_ranks({i: f"{g.dtype}{list(g.shape)}" for i, g in enumerate(gathered)})
         raise ValueError(f"{fn} needs the same shape and dtype on every process; got {described}.")
     stacked = np.stack(gathered)
     dtype = None if stacked.dtype == np.bool_ else stacked.dtype

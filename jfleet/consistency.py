@@ -594,13 +594,6 @@ def _passed(peer: int, call: int, generation: int) -> bool:
     )
 
 
-def _delete(key: str) -> None:
-    """Removes ``jfleet/<key>`` from the coordination store (no error if absent)."""
-    client = _coordination.client()
-    if client is not None:
-        client.key_value_delete(_coordination.PREFIX + key)
-
-
 def _compare_batch(batch: Any, call: int, rank: int, count: int, state: _State) -> None:
     timeout = timeout_s()
     mine = describe_batch(batch)
@@ -612,7 +605,7 @@ def _compare_batch(batch: Any, call: int, rank: int, count: int, state: _State) 
     # shapes change every step keeps a bounded store.
     state.published.append(call)
     if len(state.published) > 2:
-        _delete(f"{prefix}/{state.published.pop(0)}/{rank}")
+        _coordination.delete(f"{prefix}/{state.published.pop(0)}/{rank}")
     early: set[int] = set()
 
     def gone(peer: int) -> bool:

@@ -157,10 +157,9 @@ class FakeStore:
     def __init__(self, monkeypatch, values=None):
         self.values = dict(values or {})
         self.ops = 0
-        for name in ("put", "try_get", "wait_get"):
+        for name in ("put", "try_get", "wait_get", "delete"):
             monkeypatch.setattr(_coordination, name, getattr(self, name))
         monkeypatch.setattr(_coordination, "available", lambda: True)
-        monkeypatch.setattr(consistency, "_delete", self.delete)
 
     def put(self, key, value):
         self.ops += 1

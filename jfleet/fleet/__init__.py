@@ -66,8 +66,12 @@ __all__ = [
     "UserDefinedRoleMaker",
     "UtilBase",
     "all_reduce",
+    "allgather_perf",
+    "allreduce_perf",
     "barrier_worker",
     "base",
+    "broadcast_perf",
+    "collective_perf",
     "distributed_model",
     "distributed_optimizer",
     "distributed_scaler",
@@ -91,6 +95,8 @@ __all__ = [
     "rank",
     "rank_in_node",
     "recompute",
+    "reduce_perf",
+    "reduce_scatter_perf",
     "save",
     "save_dense_params",
     "save_inference_model",
@@ -127,6 +133,12 @@ world_device_ids = _fleet.world_device_ids
 worker_endpoints = _fleet.worker_endpoints
 barrier_worker = _fleet.barrier_worker
 all_reduce = _fleet.all_reduce
+collective_perf = _fleet.collective_perf
+allreduce_perf = _fleet.allreduce_perf
+reduce_perf = _fleet.reduce_perf
+broadcast_perf = _fleet.broadcast_perf
+allgather_perf = _fleet.allgather_perf
+reduce_scatter_perf = _fleet.reduce_scatter_perf
 get_hybrid_communicate_group = _fleet.get_hybrid_communicate_group
 get_hybrid_parallel_topology = _fleet.get_hybrid_parallel_topology
 distributed_optimizer = _fleet.distributed_optimizer

@@ -25,6 +25,7 @@ from jfleet import _context, collective, consistency
 from jfleet._logging import logger, set_log_level
 from jfleet.distributed_model import DistributedModel, prepare_model
 from jfleet.distributed_optimizer import DistributedOptimizer
+from jfleet.fleet.perf import PerfMethods
 from jfleet.fleet.util_base import UtilBase
 from jfleet.optim.compiler import compile_strategy
 from jfleet.parallel.pipeline_layer import PipelineLayer
@@ -44,7 +45,7 @@ from jfleet.topology import (
 )
 
 
-class Fleet:
+class Fleet(PerfMethods):
     """Process-wide state of a jfleet run: role maker, strategy and hybrid mesh.
 
     Use the module-level functions of :mod:`jfleet.fleet`; they are this object's
