@@ -287,3 +287,13 @@ def test_rendezvous_refuses_two_nodes_with_one_rank():
     assert "two launchers were given --rank 1" in a.receive(5)["error"]
     a.close()
     b.close()
+
+
+def test_an_unwritable_log_dir_is_an_error_before_any_worker_starts(tmp_path, capsys):
+    script = tmp_path / "t.py"
+    script.write_text("raise SystemExit('never started')\n")
+    taken = tmp_path / "a_file"
+    taken.write_text("")
+    assert launch(["--log_dir", str(taken / "logs"), str(script)]) == 1
+    err = capsys.readouterr().err
+    assert f"Not a directory: '{taken / 'logs'}'; check --log_dir" in err, err

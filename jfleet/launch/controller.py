@@ -469,6 +469,9 @@ def run(
     except (RuntimeError, TimeoutError, ValueError) as error:
         log(f"error: {error}", "ERROR")
         return 1
+    except OSError as error:  # e.g. an unwritable --log_dir, a script that cannot start
+        log(f"error: {error}; check --log_dir and the training script.", "ERROR")
+        return 1
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
