@@ -143,6 +143,7 @@ SCENARIOS = {
         "rank 0 (the coordinator) raises ValueError", "exception", env={"FAULT_RANK": "0"}
     ),
     "exit0": Scenario("rank 0 exits early (code 0)", "exit", env={"FAULT_RANK": "0"}),
+    "kill0": Scenario("rank 0 (the coordinator) killed (SIGKILL)", "kill", env={"FAULT_RANK": "0"}),
     "never_starts": Scenario("rank 1 never starts", "none", ranks=(0,), consistency=True),
     "strategies": Scenario(
         "mismatched strategies (dp4 vs dp2·mp2)", "strategies", consistency=True
@@ -186,6 +187,7 @@ class Outcome:
         for pattern in (
             r"^jfleet\.watchdog: ",
             r"^CAUGHT ",
+            r"^jfleet\S*: ",
             r"^[\w.]*(Error|Exception|Interrupt)\b: ",
             r"^F\d+ .*\] ",  # absl's fatal log line
         ):

@@ -30,9 +30,9 @@ service) reads every record and applies the rules below; the first verdict is wr
   checkpoints). A process between steps while a peer waits at exit for longer than the
   timeout is a laggard too.
 - **peer lost**: a record that stops changing for ``$JFLEET_PEER_TIMEOUT`` seconds (default
-  30, kept below half of ``$JFLEET_HEARTBEAT_TIMEOUT`` so that it fires before JAX's own
-  abort) means the peer was killed or froze. This verdict is *catchable*: each survivor
-  raises :class:`PeerFailedError` in its main thread (at the next :func:`step_started` /
+  30; capped by :attr:`Settings.peer_limit_s` so that the survivors are done before JAX's own
+  heartbeat abort) means the peer was killed or froze. This verdict is *catchable*: each
+  survivor raises :class:`PeerFailedError` in its main thread (at the next :func:`step_started` /
   :func:`step_dispatched`, or asynchronously when the main thread runs Python outside the
   engine, so a ``try/finally`` can log). A main thread blocked in a collective cannot
   receive it: after ``ABORT_GRACE_S`` the watchdog ends the process.
@@ -113,8 +113,11 @@ class Settings:
 
     @property
     def peer_limit_s(self) -> float:
-        """The peer timeout in effect: at most half the heartbeat timeout (JAX aborts then)."""
-        return min(self.peer_timeout_s, self.heartbeat_timeout_s / 2)
+        """The peer timeout in effect, capped so that the survivors are done before JAX's
+        heartbeat abort (seen from 3/4 of the heartbeat timeout on): detection, then up to
+        ``ABORT_GRACE_S`` for a caught :class:`PeerFailedError`, then a poll."""
+        hb = self.heartbeat_timeout_s
+        return max(1.0, min(self.peer_timeout_s, hb / 2, 0.75 * hb - ABORT_GRACE_S - 1))
 
 
 def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
@@ -570,7 +573,7 @@ def start(*, heartbeat_timeout_s: float | None = None) -> None:
 
     Args:
       heartbeat_timeout_s: JAX's heartbeat timeout for this job, if known; default
-        ``$JFLEET_HEARTBEAT_TIMEOUT`` or 100. The peer timeout stays below half of it.
+        ``$JFLEET_HEARTBEAT_TIMEOUT`` or 100. The peer timeout is capped below it.
 
     Raises:
       ValueError: a ``JFLEET_*_TIMEOUT`` variable is not a positive number, or
@@ -593,7 +596,7 @@ def start(*, heartbeat_timeout_s: float | None = None) -> None:
     wd = _Watchdog(jax.process_index(), jax.process_count(), config)
     if config.peer_limit_s < config.peer_timeout_s:
         logger.warning(
-            "%s=%g is not below half of %s=%g; the watchdog uses %g s so that it acts "
+            "%s=%g is too close to %s=%g; the watchdog uses %g s so that it acts "
             "before JAX's heartbeat abort.",
             PEER_TIMEOUT_ENV,
             config.peer_timeout_s,

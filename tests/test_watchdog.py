@@ -65,6 +65,8 @@ def test_settings_read_the_environment_and_default():
 def test_the_peer_timeout_stays_below_half_the_heartbeat_timeout():
     assert Settings(60, 30, 100).peer_limit_s == 30
     assert Settings(60, 30, 40).peer_limit_s == 20  # JAX aborts after 40 s: act by 20
+    assert Settings(60, 30, 10).peer_limit_s == 1.5  # 7.5 s (JAX's first abort) - 5 s - 1 s
+    assert Settings(60, 30, 4).peer_limit_s == 1
 
 
 @pytest.mark.parametrize(
