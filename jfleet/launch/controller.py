@@ -330,7 +330,8 @@ class _Launcher:
                 "rank": args.rank if node_rank is None else node_rank,
             }
         )
-        reported = False
+        reported = False  # this node's outcome (failure or done) was sent
+        forwarded = False  # a signal to this launcher was forwarded and reported
         started = False
         while True:
             msg = client.receive(0.1)
@@ -363,9 +364,9 @@ class _Launcher:
                 self._stop()
                 name = signal.Signals(self.interrupt).name
                 return {"type": "end", "code": 128 + self.interrupt, "error": f"got {name}"}
-            if self.interrupt is not None and not reported:
+            if self.interrupt is not None and not forwarded:  # even after done: stop the job
                 name = signal.Signals(self.interrupt).name
-                reported = True
+                reported = forwarded = True
                 what = f"the launcher of node {node_rank} got {name}"
                 self.log(f"{what}: forwarding it to the workers and stopping the job")
                 self._stop(self.interrupt)
