@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import _thread
 import signal
-import sys
 import threading
 import time
 
@@ -55,20 +53,38 @@ def zero3_step():
     return model.module, opt, step, batch
 
 
-def test_keyboard_interrupt_at_random_moments_leaves_old_or_new_state(zero3_step):
+def test_keyboard_interrupt_at_random_moments_leaves_old_or_new_state(zero3_step, monkeypatch):
     model, opt, step, batch = zero3_step
     shardings = jax.tree.map(lambda x: x.sharding, (nnx.state(model), nnx.state(opt)))
-    calls = []
-    for _ in range(3):  # how long a call takes on the host (dispatch and install)
+    # Where the atomic section lies in a call (host time from the call's start), so half the
+    # interrupts aim at it; the other half fall anywhere in the call or just after it.
+    marks = []
+
+    class Timed(interrupts.atomic):  # records where each call's atomic section lies
+        def __enter__(self):
+            marks.append(time.perf_counter())
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            marks.append(time.perf_counter())  # before re-delivery: the section's end
+            super().__exit__(*exc)
+
+    monkeypatch.setattr(interrupts, "atomic", Timed)
+    calls, sections = [], []
+    for _ in range(3):
         start = time.perf_counter()
         step(model, opt, batch)
         calls.append(time.perf_counter() - start)
+        sections.append((marks[-2] - start, marks[-1] - start))
         jax.block_until_ready(nnx.state(model))
-    window = 1.5 * max(calls)
+    window = 1.5 * float(np.median(calls))
     rng = np.random.default_rng(14)
     pre = snapshot(model, opt)
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(1e-4)  # the timer thread gets the GIL within 0.1 ms, not 5 ms
+    # The kernel's interval timer delivers SIGALRM at the chosen moment whatever the main
+    # thread holds (a timer thread would first need the GIL, which the jitted call keeps);
+    # Python runs its handler at the next bytecode, exactly where a real Ctrl-C would land,
+    # and the handler turns it into SIGINT.
+    alarm = signal.signal(signal.SIGALRM, lambda signum, frame: signal.raise_signal(signal.SIGINT))
     try:
         outcomes = {"old": 0, "new": 0}
         deferred = 0
@@ -79,25 +95,32 @@ def test_keyboard_interrupt_at_random_moments_leaves_old_or_new_state(zero3_step
             restore(model, opt, pre, shardings)
             jax.block_until_ready(nnx.state(model))
             count = interrupts.deferred_signal_count()
-            timer = threading.Timer(rng.uniform(0.0, window), _thread.interrupt_main)
+            section = np.median(sections, axis=0)  # aim at where recent sections lay
+            delay = rng.uniform(*section) if trial % 2 else rng.uniform(0.0, window)
             interrupted = False
+            marks.clear()
             try:
-                timer.start()
+                start = time.perf_counter()
+                signal.setitimer(signal.ITIMER_REAL, delay)
                 step(model, opt, batch)
-                timer.join()
-                time.sleep(0.01)  # a pending KeyboardInterrupt is raised here at the latest
+                time.sleep(window + delay)  # a pending KeyboardInterrupt is raised here
             except KeyboardInterrupt:
                 interrupted = True
-                timer.join()
             assert interrupted, f"trial {trial}: the interrupt never arrived"
             deferred += interrupts.deferred_signal_count() > count
+            if len(marks) == 2:
+                sections.append((marks[0] - start, marks[1] - start))
             got = snapshot(model, opt)  # "Array has been deleted" would raise here
             assert same(got, pre) or same(got, post), f"trial {trial}: neither old nor new state"
             outcomes["old" if same(got, pre) else "new"] += 1
             pre = got
     finally:
-        sys.setswitchinterval(switch)
-    print(f"interrupts: {outcomes}, {deferred} of {TRIALS} inside the atomic section")
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, alarm)
+    print(
+        f"interrupts: {outcomes}, {deferred} of {TRIALS} inside the atomic section "
+        f"(section {section[0] * 1e3:.1f}-{section[1] * 1e3:.1f} ms of {window / 1.5 * 1e3:.1f})"
+    )
     assert outcomes["old"] + outcomes["new"] == TRIALS
     assert deferred >= 1  # some interrupts landed inside dispatch-and-install
 
