@@ -49,8 +49,11 @@ Variables: ``JFLEET_STEP_TIMEOUT`` (s, default 1800), ``JFLEET_PEER_TIMEOUT`` (s
 
 Not covered: a killed process 0 takes the coordination service with it, and JAX's client then
 aborts every peer at once (SIGABRT, "the JAX distributed service detected fatal errors"); its
-``missed_heartbeat_callback`` cannot take a Python function in jaxlib 0.10.2. In a single
-process every function here returns at once (:func:`start` logs that the watchdog is off).
+``missed_heartbeat_callback`` cannot take a Python function in jaxlib 0.10.2. Process 0 judges,
+so a frozen process 0 (its heartbeat thread starved) is left to JAX's heartbeat abort. A main
+thread that holds the GIL for longer than the peer timeout (one long C call) looks frozen to
+the peers. In a single process every function here returns at once (:func:`start` logs that
+the watchdog is off).
 
 Example:
   >>> step_started("train"); step_dispatched("train", None)
