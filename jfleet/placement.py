@@ -92,6 +92,29 @@ class Placement:
         return math.prod(self.mesh.shape[a] for a in self.data_axes)
 
     @property
+    def process_data_slices(self) -> int:
+        """How many of the batch's data-parallel slices this process's devices hold.
+
+        A process passes that many slices' rows as its local batch; the global batch has
+        ``local rows x data_parallel_size / process_data_slices`` rows. Processes that
+        split ``mp`` or ``pp`` between them share slices (each passes the same rows), so
+        the factor is not the process count then.
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> Placement(fleet.get_hybrid_communicate_group().mesh).process_data_slices
+          8
+        """
+        names = self.mesh.axis_names
+        here = jax.process_index()
+        slices = set()
+        for index, device in np.ndenumerate(self.mesh.devices):
+            if device.process_index == here:
+                slices.add(tuple(index[names.index(a)] for a in self.data_axes))
+        return max(len(slices), 1)
+
+    @property
     def zero_degree(self) -> int:
         """The size of the ZeRO axis (1 when ZeRO is off)."""
         return self.mesh.shape[self.zero_axis] if self.zero_stage else 1
@@ -226,6 +249,7 @@ class Placement:
         if multi:
             consistency.check_batch(batch)
         parts = [(a, self.mesh.shape[a]) for a in self.data_axes]
+        rows_factor = size // self.process_data_slices if multi else 1
 
         def _check_rows(path: Any, global_n: int | None) -> None:
             if global_n is not None:
@@ -250,7 +274,7 @@ class Placement:
                 shape = x.shape
             sharding = self.batch_sharding(len(shape))
             if shape:
-                _check_rows(path, shape[0] * (jax.process_count() if multi else 1))
+                _check_rows(path, shape[0] * (rows_factor if multi else 1))
             if multi:
                 return jax.make_array_from_process_local_data(sharding, x)
             return jax.device_put(x, sharding)
