@@ -34,8 +34,9 @@ service) reads every record and applies the rules below; the first verdict is wr
   heartbeat abort) means the peer was killed or froze. This verdict is *catchable*: each
   survivor raises :class:`PeerFailedError` in its main thread (at the next :func:`step_started` /
   :func:`step_dispatched`, or asynchronously when the main thread runs Python outside the
-  engine, so a ``try/finally`` can log). A main thread blocked in a collective cannot
-  receive it: after ``ABORT_GRACE_S`` the watchdog ends the process.
+  engine, so a ``try/finally`` can log), which then has ``ABORT_GRACE_S`` to end. A main
+  thread blocked in a collective cannot receive it: once it has not moved for ``BLOCKED_S``,
+  the watchdog ends the process.
 
 On every verdict each process prints one line to stderr, ``jfleet.watchdog: <verdict>; rank
 R stops``, and ends with exit code ``ABORT_EXIT_CODE`` (70) via ``os._exit`` (JAX's shutdown
@@ -88,6 +89,7 @@ DEFAULT_PEER_TIMEOUT_S = 30.0
 DEFAULT_HEARTBEAT_TIMEOUT_S = 100.0  # jax.distributed's default, as role_maker passes it
 EXIT_GRACE_S = 3.0
 ABORT_GRACE_S = 5.0
+BLOCKED_S = 1.5  # a main thread unmoved this long after the delivery is blocked outside Python
 ABORT_EXIT_CODE = 70
 POLL_S = 0.25
 HEARTBEAT_S = 1.0
@@ -322,6 +324,7 @@ class _Watchdog:
         self.verdict: Verdict | None = None
         self.delivered: PeerFailedError | None = None
         self.t_abort = self.t_failed = 0.0
+        self.mark: tuple | None = None
         self.dying = threading.Lock()
         self.outputs_lock = threading.Lock()
         self.seq = 0
@@ -438,12 +441,22 @@ class _Watchdog:
             self.verdict = verdict
             if verdict.catchable and self.state == "run":
                 self.t_abort = time.monotonic()
+                self.mark = self.main_mark()
                 self.deliver()
                 return
         if self.state == "failed":
             return  # this process is the cause; it leaves through its own exit path
-        if not verdict.catchable or time.monotonic() - self.t_abort > ABORT_GRACE_S:
+        waited = time.monotonic() - self.t_abort
+        # A main thread that has not moved since the delivery is blocked outside Python (in a
+        # collective, say): it will not see the exception, so it need not get the whole grace.
+        blocked = self.delivered is not None and self.main_mark() == self.mark
+        if not verdict.catchable or waited > ABORT_GRACE_S or (blocked and waited > BLOCKED_S):
             self.die(verdict.message, verdict.cause)
+
+    def main_mark(self) -> tuple | None:
+        """Where the main thread is in Python (changes whenever it runs bytecode)."""
+        frame = sys._current_frames().get(self.main_ident)
+        return None if frame is None else (id(frame), frame.f_lasti)
 
     def error_for(self, verdict: Verdict) -> PeerFailedError:
         return PeerFailedError(f"jfleet.watchdog: {verdict.message}")

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -385,3 +386,29 @@ def test_process_0_judges_from_the_published_records(store):
     assert judge.announce(v)["message"] == v.message
     other = Verdict(0, "stuck", "later")
     assert judge.announce(other)["message"] == v.message  # the first verdict stays
+
+
+def test_a_main_thread_blocked_outside_python_is_ended_before_the_grace(store, monkeypatch, capsys):
+    monkeypatch.setattr(watchdog, "BLOCKED_S", 0.2)
+    wd = _dog(rank=1)
+    release = threading.Event()
+
+    def blocked():  # like float(loss) on a collective whose peer died: no bytecode runs
+        with contextlib.suppress(PeerFailedError):
+            release.wait()
+
+    t = threading.Thread(target=blocked, daemon=True)
+    t.start()
+    time.sleep(0.05)
+    wd.main_ident = t.ident
+    lost = Verdict(0, "lost", "rank 0 stopped sending heartbeats")
+    wd.on_abort(lost)  # delivered, but it waits in C
+    wd.on_abort(lost)  # too soon to tell
+    time.sleep(0.3)
+    with pytest.raises(_ExitedError, match=str(ABORT_EXIT_CODE)):
+        wd.on_abort(lost)
+    assert "jfleet.watchdog: rank 0 stopped sending heartbeats; rank 1 stops" in (
+        capsys.readouterr().err
+    )
+    release.set()
+    t.join(timeout=5)
