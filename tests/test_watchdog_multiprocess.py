@@ -57,7 +57,7 @@ def test_no_fault_job_exits_zero_promptly(jobs):
     assert o.codes == {0: 0, 1: 0}, _report(o)
     assert all("LOSS" in o.stdout[r] and "jfleet.watchdog" not in o.stderr[r] for r in (0, 1))
     # From the end of the script to the last exit: JAX's shutdown plus at most a poll or two.
-    assert o.done_to_exit_s < 3.0, (o.done_to_exit_s, _report(o))
+    assert o.done_to_exit_s < 5.0, (o.done_to_exit_s, _report(o))
 
 
 def test_exception_in_rank_1_ends_the_job(jobs):
