@@ -77,8 +77,9 @@ class atomic:  # noqa: N801 (used as a statement, like ``contextlib.suppress``)
     the block (a ``KeyboardInterrupt`` propagates from the ``with`` statement). Signals
     left to the C level (``SIG_DFL``, ``SIG_IGN``, or a handler installed outside Python,
     such as JAX's preemption notifier) are not touched: the process's default action or
-    that handler applies. Nested blocks defer to the outermost. Cost: four
-    ``signal.signal`` calls per block (a few microseconds).
+    that handler applies. Nested blocks defer to the outermost. Cost: one
+    ``signal.getsignal`` and two ``signal.signal`` calls per swapped signal, measured at
+    8 us per block with SIGINT alone and 14 us with a Python SIGTERM handler too.
 
     On another thread nothing is swapped (Python runs signal handlers on the main thread
     only, so they cannot interrupt this block); the block holds a lock that the SIGTERM
