@@ -70,6 +70,7 @@ from jax.sharding import PartitionSpec as P
 from benchmarks.results_file import write_section
 from jfleet import DistributedStrategy, fleet, make_train_step
 from jfleet.models import TinyLM, lm_batches, lm_loss
+from jfleet.optim.loss_scale import finite_flags
 from jfleet.placement import Placement
 from jfleet.testing import hlo
 
@@ -171,8 +172,9 @@ class BaselineStep:
     ``nnx.split`` the module into parameters and the rest; a pure function computes the
     loss and gradients with ``jax.value_and_grad``, constrains the gradients to the ZeRO
     layout at stage >= 2 (as the engine does), applies the Optax update, and returns new
-    parameters, optimizer state and the loss. It is jitted with in and out shardings equal
-    to the arrays' shardings and donates parameters and optimizer state.
+    parameters, optimizer state, the loss and, as the engine's non-finite guard does, one
+    finite flag per floating leaf of the loss and gradients. It is jitted with in and out
+    shardings equal to the arrays' shardings and donates parameters and optimizer state.
 
     Parameters are placed by ``plan.param_shardings`` (ZeRO-sharded at stage 3); the
     optimizer state is ``tx.init`` of the parameters in the ZeRO layout at stage >= 1.
@@ -219,12 +221,17 @@ class BaselineStep:
             if grad_shardings is not None:
                 grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
             updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
+            return (
+                optax.apply_updates(params, updates),
+                opt_state,
+                loss,
+                finite_flags((loss, grads)),
+            )
 
         self.fn = jax.jit(
             train_step,
             in_shardings=(param_sh, shardings(rest), opt_sh, shardings(batch)),
-            out_shardings=(param_sh, opt_sh, NamedSharding(mesh, P())),
+            out_shardings=(param_sh, opt_sh, NamedSharding(mesh, P()), NamedSharding(mesh, P())),
             donate_argnums=(0, 2),
         )
         self.params, self.rest, self.opt_state, self.batch = params, rest, opt_state, batch
@@ -235,7 +242,7 @@ class BaselineStep:
 
     def __call__(self) -> jax.Array:
         """One step on the stored batch; returns the loss."""
-        self.params, self.opt_state, loss = self.fn(
+        self.params, self.opt_state, loss, _ = self.fn(
             self.params, self.rest, self.opt_state, self.batch
         )
         return loss

@@ -11,6 +11,7 @@ Example:
 
 from jfleet import auto_parallel as auto_parallel
 from jfleet import fleet as fleet
+from jfleet import interrupts as interrupts
 from jfleet.auto_parallel import ToDistributedConfig as ToDistributedConfig
 from jfleet.auto_parallel import to_distributed as to_distributed
 from jfleet.consistency import ConsistencyTimeoutError as ConsistencyTimeoutError
@@ -24,6 +25,8 @@ from jfleet.engine import make_eval_step as make_eval_step
 from jfleet.engine import make_train_step as make_train_step
 from jfleet.fleet import meta_parallel as meta_parallel
 from jfleet.fleet.group_sharded import group_sharded_parallel as group_sharded_parallel
+from jfleet.interrupts import on_termination as on_termination
+from jfleet.nonfinite import NonFiniteError as NonFiniteError
 from jfleet.placement import ParallelPlan as ParallelPlan
 from jfleet.placement import Placement as Placement
 from jfleet.role_maker import PaddleCloudRoleMaker as PaddleCloudRoleMaker

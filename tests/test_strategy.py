@@ -319,6 +319,7 @@ def _expected_defaults() -> dict:
     expected = copy.deepcopy({**PADDLE_SWITCHES, **PADDLE_SECTIONS})
     for section, extra in JFLEET_EXTRA.items():
         expected[section].update(extra)
+    expected["nonfinite"] = "warn"  # jfleet's non-finite guard (not in Paddle)
     return expected
 
 
