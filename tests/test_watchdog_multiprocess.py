@@ -19,8 +19,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.fault_bench import Outcome, run  # noqa: E402
-from jfleet.watchdog import ABORT_EXIT_CODE  # noqa: E402
+from benchmarks.fault_bench import Outcome, run, table
+from jfleet.watchdog import ABORT_EXIT_CODE
 
 STEP_TIMEOUT_S = 10
 PEER_TIMEOUT_S = 5
@@ -39,7 +39,8 @@ def jobs() -> dict[str, Outcome]:
 
 def _report(o: Outcome) -> str:
     return "\n".join(
-        f"--- rank {r} rc={o.codes[r]}\nstdout:\n{o.stdout[r][-2000:]}\nstderr:\n{o.stderr[r][-3000:]}"
+        f"--- rank {r} rc={o.codes[r]}\nstdout:\n{o.stdout[r][-2000:]}\n"
+        f"stderr:\n{o.stderr[r][-3000:]}"
         for r in o.codes
     )
 
@@ -106,3 +107,14 @@ def test_rank_1_killed_raises_a_catchable_error_in_rank_0(jobs):
     assert o.codes == {0: 17, 1: -9}, _report(o)  # 17: the script's own choice
     assert "CAUGHT PeerFailedError: jfleet.watchdog: rank 1 (host " in o.stdout[0], _report(o)
     assert "stopped sending heartbeats" in o.stdout[0]
+
+
+def test_fault_bench_renders_its_table(jobs):
+    text = table(jobs, skipped=["never_starts"])
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines()[2:]}
+    assert rows["rank 1 never starts"].endswith("| not yet built | | | |")
+    assert "| 70, 1 | " in rows["rank 1 raises ValueError"]
+    assert "rank 1 failed (ValueError: injected fault)" in rows["rank 1 raises ValueError"]
+    assert "(end of script → exit)" in rows["no fault (3 steps each, then exit)"]
+    assert "CAUGHT PeerFailedError" in rows["rank 1 killed (SIGKILL); rank 0 waits in Python"]
+    assert "rank 0 (the coordinator) raises ValueError" not in rows  # not run
