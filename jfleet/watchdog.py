@@ -28,8 +28,9 @@ service) reads every record and applies the rules below; the first verdict is wr
   that a peer waits in is named after the timeout ("rank 1 has been preparing step 3"). The
   default, 1800 s, is for slow compiles, slow steps and long work between steps (evaluation,
   checkpoints). A process between steps while a peer waits at exit for longer than the
-  timeout is a laggard too.
-- **peer lost**: a record that stops changing for ``$JFLEET_PEER_TIMEOUT`` seconds (default
+  timeout is a laggard too, and so is one that never reported (it initialised
+  ``jax.distributed`` itself and has not reached ``fleet.init``).
+- **peer lost**: a published record that stops changing for ``$JFLEET_PEER_TIMEOUT`` s (default
   30; capped by :attr:`Settings.peer_limit_s` so that the survivors are done before JAX's own
   heartbeat abort) means the peer was killed or froze. This verdict is *catchable*: each
   survivor raises :class:`PeerFailedError` in its main thread (at the next :func:`step_started` /
@@ -225,19 +226,18 @@ def decide(
     for r, rec in sorted(recs.items()):
         if rec["state"] == "failed":
             return Verdict(r, "failed", f"rank {r} failed ({rec['error']}) {_during(rec)}")
-    for r in range(num_processes):
-        rec = recs.get(r)
-        if rec is not None and rec["state"] in ("exiting", "aborted"):
-            continue
-        if age.get(r, 0.0) > config.peer_limit_s:
-            where = "never reported" if rec is None else f"last reported being {phase(rec)}"
-            who = "" if rec is None else f" (host {rec['host']}, pid {rec['pid']})"
+    for r, rec in sorted(recs.items()):
+        if rec["state"] not in ("exiting", "aborted") and age[r] > config.peer_limit_s:
             return Verdict(
                 r,
                 "lost",
-                f"rank {r}{who} stopped sending heartbeats {age.get(r, 0.0):.0f} s ago "
-                f"(killed or frozen; {PEER_TIMEOUT_ENV}={config.peer_limit_s:g}); it {where}",
+                f"rank {r} (host {rec['host']}, pid {rec['pid']}) stopped sending heartbeats "
+                f"{age[r]:.0f} s ago (killed or frozen; {PEER_TIMEOUT_ENV}="
+                f"{config.peer_limit_s:g}); it last reported being {phase(rec)}",
             )
+    # A rank that never reported has not started its watchdog (not reached fleet.init yet, if
+    # it initialised jax.distributed itself; one that died is JAX's to report): behind all.
+    missing = [r for r in range(num_processes) if r not in recs]
     elapsed = {r: rec["since"] + age[r] for r, rec in recs.items()}
     # Waiting: a dispatched step not complete. Preparing one (tracing, compiling) is not.
     waiting = sorted(
@@ -259,7 +259,14 @@ def decide(
             if min(elapsed[lag], elapsed[w]) > config.step_timeout_s:  # both for that long
                 msg = _laggard(lag, recs[lag], elapsed[lag], f"rank {w} {where}")
                 return Verdict(lag, "stuck", msg)
-        if behind:
+        for m in missing:
+            if min(age.get(m, 0.0), elapsed[w]) > config.step_timeout_s:
+                msg = (
+                    f"rank {m} has not started its watchdog for {age.get(m, 0.0):.0f} s (has it "
+                    f"reached fleet.init?) while rank {w} {where}"
+                )
+                return Verdict(m, "stuck", msg)
+        if behind or missing:
             continue
         # A rank still preparing this step (a slow trace or compile, or a check that waits)
         # keeps the waiter waiting: named once both have been at it for the timeout.

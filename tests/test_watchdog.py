@@ -131,8 +131,6 @@ def test_a_silent_rank_is_lost_and_the_verdict_is_catchable():
         "(in Python: not in a jfleet step)"
     )
     assert decide({0: (rec(3, 2), 0.0), 1: (rec(2), 9.5)}, 2, CONFIG) is None
-    never = decide({0: (rec(1), 0.0), 1: (None, 11.0)}, 2, CONFIG)
-    assert never.rank == 1 and never.message.endswith("it never reported")
     # A rank that exited and then went quiet passed through JAX's shutdown: not lost.
     assert (
         decide({0: (rec(2, state="exiting"), 0.0), 1: (rec(2, state="exiting"), 50)}, 2, CONFIG)
@@ -175,6 +173,19 @@ def test_a_laggard_is_named_once_both_waited_the_step_timeout():
     # Its dying thread is part of the story.
     noted = {0: views[0], 1: (rec(2, since=62.0, thread_error="loader: OSError: gone"), 0.0)}
     assert decide(noted, 2, CONFIG).message.endswith("(its thread died: loader: OSError: gone)")
+
+
+def test_a_rank_that_never_started_its_watchdog_is_behind_everyone():
+    # Not lost (it may be slow to reach fleet.init after its own jax.distributed.initialize)...
+    assert decide({0: (rec(0), 0.0), 1: (None, 500.0)}, 2, CONFIG) is None
+    assert decide({0: (rec(1, 0, since=10.0), 0.0), 1: (None, 500.0)}, 2, CONFIG) is None
+    # ... but named once a peer has waited the step timeout for it.
+    v = decide({0: (rec(1, 0, since=61.0), 0.0), 1: (None, 500.0)}, 2, CONFIG)
+    assert (v.rank, v.cause) == (1, "stuck")
+    assert v.message == (
+        "rank 1 has not started its watchdog for 500 s (has it reached fleet.init?) while "
+        "rank 0 waits in step 1 (train)"
+    )
 
 
 def test_a_step_that_makes_no_progress_on_any_rank_is_stuck():
