@@ -332,6 +332,7 @@ class _Watchdog:
         self.delivered: PeerFailedError | None = None
         self.t_abort = self.t_failed = 0.0
         self.mark: tuple | None = None
+        self.judge_failed = False
         self.dying = threading.Lock()
         self.outputs_lock = threading.Lock()
         self.seq = 0
@@ -371,24 +372,34 @@ class _Watchdog:
             if self.state == "failed" and time.monotonic() - self.t_failed > ABORT_GRACE_S:
                 _exit(1)  # the failing process did not reach its exit hook in time
             now = time.monotonic()
-            try:
-                with self.lock:
-                    if self.stopped:
-                        return
-                    current = (self.state, self.started, self.dispatched, self.done)
-                    if now - last_beat >= HEARTBEAT_S or current != last:
+            with self.lock:
+                if self.stopped:
+                    return
+                current = (self.state, self.started, self.dispatched, self.done)
+                if now - last_beat >= HEARTBEAT_S or current != last:
+                    try:
                         self.publish()  # at least once a second, and at each change
-                        last_beat, last = now, current
-                    abort = _coordination.try_get(_ABORT)
-                    if abort is None and self.rank == 0:
-                        verdict = self.judge()
-                        if verdict is not None:
-                            abort = self.announce(verdict)
-            except Exception as e:  # the service is gone: process 0 died
-                self.die(f"the coordination service (process 0) is unreachable ({e})", "lost")
+                    except Exception as e:  # the service is gone: process 0 died
+                        unreachable = f"the coordination service (process 0) is unreachable ({e})"
+                        self.die(_one_line(unreachable), "lost")
+                    last_beat, last = now, current
+                abort = _coordination.try_get(_ABORT)
+                if abort is None and self.rank == 0:
+                    abort = self.judge_and_announce()
             if abort is not None:
                 self.on_abort(Verdict(abort["rank"], abort["cause"], abort["message"]))
             time.sleep(POLL_S)
+
+    def judge_and_announce(self) -> dict | None:
+        """Process 0's turn: the abort record of a new verdict, if any."""
+        try:
+            verdict = self.judge()
+            return None if verdict is None else self.announce(verdict)
+        except Exception:  # a malformed record must not kill the heartbeat thread
+            if not self.judge_failed:
+                logger.exception("jfleet.watchdog: could not judge the heartbeat records")
+            self.judge_failed = True
+            return None
 
     def _poll_outputs(self) -> None:
         """Counts the dispatched steps whose outputs are ready as done."""

@@ -423,3 +423,12 @@ def test_a_main_thread_blocked_outside_python_is_ended_before_the_grace(store, m
     )
     release.set()
     t.join(timeout=5)
+
+
+def test_a_malformed_record_is_logged_once_and_the_thread_keeps_beating(store, caplog):
+    judge = _dog(rank=0)
+    store["watchdog/rank/1"] = {"seq": 1, "state": "run"}  # fields missing
+    with caplog.at_level(logging.ERROR, logger="jfleet"):
+        assert judge.judge_and_announce() is None
+        assert judge.judge_and_announce() is None
+    assert caplog.text.count("could not judge the heartbeat records") == 1
