@@ -526,6 +526,11 @@ class _Watchdog:
     def excepthook(self, exc_type, exc, tb) -> None:
         if isinstance(exc, PeerFailedError) or self.verdict is not None:
             return
+        with contextlib.suppress(Exception):
+            earlier = _coordination.try_get(_ABORT)
+            if earlier is not None:  # a consequence of an earlier fault (not yet polled)
+                self.verdict = Verdict(earlier["rank"], earlier["cause"], earlier["message"])
+                return
         self.settle()
         self.error = _one_line(f"{exc_type.__name__}: {exc}")
         self.state = "failed"

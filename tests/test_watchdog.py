@@ -432,3 +432,17 @@ def test_a_malformed_record_is_logged_once_and_the_thread_keeps_beating(store, c
         assert judge.judge_and_announce() is None
         assert judge.judge_and_announce() is None
     assert caplog.text.count("could not judge the heartbeat records") == 1
+
+
+def test_an_exception_after_another_ranks_fault_reports_that_fault(store, capsys):
+    wd = _dog(rank=0)
+    first = {"rank": 1, "cause": "failed", "message": "rank 1 failed (ValueError: x)", "by": 1}
+    store["watchdog/abort"] = first
+    try:
+        raise RuntimeError("a collective failed because rank 1 left")
+    except RuntimeError as e:
+        wd.excepthook(RuntimeError, e, e.__traceback__)
+    assert store["watchdog/abort"] == first and wd.state == "run"
+    with pytest.raises(_ExitedError, match=str(ABORT_EXIT_CODE)):
+        wd.at_exit()
+    assert "jfleet.watchdog: rank 1 failed (ValueError: x); rank 0 stops" in capsys.readouterr().err
