@@ -35,7 +35,8 @@ service) reads every record and applies the rules below; the first verdict is wr
   heartbeat abort) means the peer was killed or froze. This verdict is *catchable*: each
   survivor raises :class:`PeerFailedError` in its main thread (at the next :func:`step_started` /
   :func:`step_dispatched`, or asynchronously when the main thread runs Python outside the
-  engine, so a ``try/finally`` can log), which then has ``ABORT_GRACE_S`` to end. A main
+  engine, so a ``try/finally`` can log), which then has ``ABORT_GRACE_S`` to end (process 0
+  gets it last, once the others are gone, as its exit takes the service along). A main
   thread blocked in a collective cannot receive it: once it has not moved for ``BLOCKED_S``,
   the watchdog ends the process.
 
@@ -333,6 +334,7 @@ class _Watchdog:
         self.t_abort = self.t_failed = 0.0
         self.mark: tuple | None = None
         self.judge_failed = False
+        self.hold = False  # process 0 holds a catchable error back until the others are gone
         self.dying = threading.Lock()
         self.outputs_lock = threading.Lock()
         self.seq = 0
@@ -459,11 +461,21 @@ class _Watchdog:
             self.verdict = verdict
             if verdict.catchable and self.state == "run":
                 self.t_abort = time.monotonic()
-                self.mark = self.main_mark()
-                self.deliver()
+                # Process 0 hosts the service: its script may end as soon as it has the error,
+                # so it gets it once the others are gone (or after the grace).
+                self.hold = self.rank == 0
+                if not self.hold:
+                    self.mark = self.main_mark()
+                    self.deliver()
                 return
         if self.state == "failed":
             return  # this process is the cause; it leaves through its own exit path
+        if self.hold and self.state == "run":
+            if self.peers_gone() or time.monotonic() - self.t_abort > ABORT_GRACE_S:
+                self.hold = False
+                self.t_abort, self.mark = time.monotonic(), self.main_mark()
+                self.deliver()
+            return
         waited = time.monotonic() - self.t_abort
         # A main thread that has not moved since the delivery is blocked outside Python (in a
         # collective, say): it will not see the exception, so it need not get the whole grace.
@@ -510,16 +522,17 @@ class _Watchdog:
             pass
         _exit(code)
 
+    def peers_gone(self) -> bool:
+        """Whether every other process has left (or failed, or gone silent)."""
+        return all(
+            rec is None or rec["state"] in ("aborted", "failed") or age > STALE_S
+            for r, (rec, age) in self.views().items()
+            if r != self.rank
+        )
+
     def wait_for_peers_to_leave(self) -> None:
         deadline = time.monotonic() + ABORT_GRACE_S
-        while time.monotonic() < deadline:
-            views = self.views()
-            if all(
-                rec is None or rec["state"] in ("aborted", "failed") or age > STALE_S
-                for r, (rec, age) in views.items()
-                if r != self.rank
-            ):
-                return
+        while time.monotonic() < deadline and not self.peers_gone():
             time.sleep(POLL_S / 2)
 
     # --- exit paths (main thread) ---
@@ -678,7 +691,7 @@ def step_started(kind: str) -> None:
     wd = _wd
     if wd is None:
         return
-    if wd.verdict is not None and wd.verdict.catchable and wd.delivered is None:
+    if wd.verdict is not None and wd.verdict.catchable and not wd.hold and wd.delivered is None:
         wd.delivered = wd.error_for(wd.verdict)
         raise wd.delivered
     wd.started += 1
@@ -700,6 +713,6 @@ def step_dispatched(kind: str, outputs: Any) -> None:
     wd.dispatched = wd.started
     wd.progress()
     wd.in_engine = False
-    if wd.verdict is not None and wd.verdict.catchable and wd.delivered is None:
+    if wd.verdict is not None and wd.verdict.catchable and not wd.hold and wd.delivered is None:
         wd.delivered = wd.error_for(wd.verdict)
         raise wd.delivered

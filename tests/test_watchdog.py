@@ -327,8 +327,10 @@ def test_a_lost_peer_raises_at_the_next_hook(store, monkeypatch):
     watchdog.step_started("train")  # raised once
 
 
-def test_a_lost_peer_is_raised_asynchronously_in_a_thread_running_python(store):
-    wd = _dog()
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_lost_peer_is_raised_asynchronously_in_a_thread_running_python(store, rank):
+    wd = _dog(rank=rank, num=3)
+    store["watchdog/rank/1"] = rec(2)  # a live peer (fresh record)
     caught = []
     ready = threading.Event()
 
@@ -344,9 +346,16 @@ def test_a_lost_peer_is_raised_asynchronously_in_a_thread_running_python(store):
     t.start()
     ready.wait()
     wd.main_ident = t.ident
-    wd.on_abort(Verdict(1, "lost", "rank 1 stopped sending heartbeats"))
+    lost = Verdict(2, "lost", "rank 2 stopped sending heartbeats")
+    wd.on_abort(lost)
+    if rank == 0:  # the service's host holds it back while a peer still runs
+        wd.on_abort(lost)
+        time.sleep(0.1)
+        assert caught == [] and wd.hold
+        store["watchdog/rank/1"] = rec(2, state="aborted")
+        wd.on_abort(lost)
     t.join(timeout=10)
-    assert caught == ["jfleet.watchdog: rank 1 stopped sending heartbeats"]
+    assert caught == ["jfleet.watchdog: rank 2 stopped sending heartbeats"]
 
 
 def test_an_uncaught_exception_publishes_the_failure_and_the_abort(store, capsys):
