@@ -36,5 +36,6 @@ from jfleet.strategy import DistributedStrategy as DistributedStrategy
 from jfleet.topology import CommunicateTopology as CommunicateTopology
 from jfleet.topology import HybridCommunicateGroup as HybridCommunicateGroup
 from jfleet.topology import ParallelMode as ParallelMode
+from jfleet.watchdog import PeerFailedError as PeerFailedError
 
 __version__ = "0.1.0"

@@ -49,7 +49,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jfleet import _coordination
+from jfleet import _coordination, watchdog
 from jfleet._logging import logger
 
 __all__ = [
@@ -75,7 +75,6 @@ DEFAULT_TIMEOUT_S = 60.0
 _VERSIONED = ("jax", "jaxlib", "flax", "optax")
 _POLL_S = 0.5
 #: The watchdog's heartbeat record of a rank: where a peer's :func:`batch_progress` is read.
-HEARTBEAT_KEY = "watchdog/rank/{rank}"
 PROGRESS_FIELD = "batch_progress"
 _HYBRID_KEYS_END = "_degree"
 
@@ -582,10 +581,13 @@ def batch_progress() -> list[int]:
     return [_state.generation, _state.passed]
 
 
+watchdog.publish_field(PROGRESS_FIELD, batch_progress)
+
+
 def _passed(peer: int, call: int, generation: int) -> bool:
     """Whether ``peer``'s heartbeat says it went past shard_batch call ``call``."""
-    record = _coordination.try_get(HEARTBEAT_KEY.format(rank=peer))
-    progress = record.get(PROGRESS_FIELD) if isinstance(record, dict) else None
+    record = watchdog.peer_record(peer)
+    progress = record.get(PROGRESS_FIELD) if record is not None else None
     return (
         isinstance(progress, list)
         and len(progress) == 2

@@ -100,6 +100,27 @@ _RECORDS = "watchdog/rank/"
 _ABORT = "watchdog/abort"
 
 
+_FIELDS: dict[str, Any] = {}  # extra heartbeat fields: name -> zero-argument function
+
+
+def publish_field(name: str, value_fn: Any) -> None:
+    """Adds ``name: value_fn()`` to this process's heartbeat record (a JSON value).
+
+    Other modules use it to tell peers their progress cheaply (:mod:`jfleet.consistency`
+    publishes how far its batch checks went); peers read it with :func:`peer_record`.
+
+    Example:
+      >>> publish_field("example", lambda: 1); _ = _FIELDS.pop("example")
+    """
+    _FIELDS[name] = value_fn
+
+
+def peer_record(rank: int) -> dict | None:
+    """Process ``rank``'s last heartbeat record, or None (none yet, or one process)."""
+    record = _coordination.try_get(f"{_RECORDS}{rank}")
+    return record if isinstance(record, dict) else None
+
+
 class PeerFailedError(RuntimeError):
     """A peer process died or stopped responding; raised in each survivor's main thread."""
 
@@ -364,6 +385,7 @@ class _Watchdog:
             "since": round(time.monotonic() - self.t_change, 3),
             "error": self.error,
             "thread_error": self.thread_error,
+            **{name: fn() for name, fn in _FIELDS.items()},
         }
 
     # --- the thread ---

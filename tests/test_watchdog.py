@@ -14,7 +14,7 @@ import time
 import jax.numpy as jnp
 import pytest
 
-from jfleet import _coordination, watchdog
+from jfleet import _coordination, consistency, watchdog
 from jfleet.watchdog import (
     ABORT_EXIT_CODE,
     EXIT_GRACE_S,
@@ -301,6 +301,8 @@ def test_the_hooks_count_steps_and_their_completion(store, monkeypatch):
     watchdog.step_dispatched("eval", Pending())
     wd._poll_outputs()
     assert (wd.done, phase(wd.record())) == (1, "in step 2 (eval)")
+    # the consistency checks' progress rides in the heartbeat (jfleet.consistency registers it)
+    assert wd.record()["batch_progress"] == consistency.batch_progress()
 
 
 def test_the_multiprocess_hooks_cost_microseconds(store, monkeypatch):
