@@ -19,6 +19,7 @@ import textwrap
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,6 +35,28 @@ def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     env.update(extra or {})
     return env
+
+
+def spawn(
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    stdout: Any = None,
+    stderr: Any = None,
+) -> subprocess.Popen:
+    """Starts ``python <argv>`` in its own session (killable as a group) with :func:`child_env`.
+
+    Output goes to pipes unless ``stdout`` / ``stderr`` (open files) are given.
+    """
+    return subprocess.Popen(
+        [sys.executable, *argv],
+        env=child_env(env),
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE if stdout is None else stdout,
+        stderr=subprocess.PIPE if stderr is None else stderr,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def run_python(
@@ -55,17 +78,7 @@ def run_many(
     """Starts one child per code at once and waits for all, killing all on timeout."""
     procs = []
     for code, env in zip(codes, envs, strict=True):
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", textwrap.dedent(code)],
-                env=child_env(env),
-                cwd=REPO_ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                start_new_session=True,
-            )
-        )
+        procs.append(spawn(["-c", textwrap.dedent(code)], env=env))
     results = []
     timed_out = False
     for proc in procs:
@@ -148,17 +161,7 @@ def run_concurrently(
             out = open(os.path.join(tmp, f"{i}.out"), "w+")  # noqa: SIM115
             err = open(os.path.join(tmp, f"{i}.err"), "w+")  # noqa: SIM115
             files.append((out, err))
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-c", textwrap.dedent(code)],
-                    env=child_env(env),
-                    cwd=REPO_ROOT,
-                    stdout=out,
-                    stderr=err,
-                    text=True,
-                    start_new_session=True,
-                )
-            )
+            procs.append(spawn(["-c", textwrap.dedent(code)], env=env, stdout=out, stderr=err))
         deadline = time.monotonic() + timeout
         ended: dict[int, float] = {}
         killed: set[int] = set()

@@ -24,22 +24,14 @@ import optax
 
 from jfleet.models import TinyLM, lm_batches, lm_loss
 from jfleet.testing import train_one_device
-from tests.subprocess_util import REPO_ROOT, child_env, free_port
+from tests.subprocess_util import REPO_ROOT, free_port, spawn
 
 EXAMPLES = REPO_ROOT / "examples"
 
 
 def start(args: list[str], *, env: dict[str, str] | None = None) -> subprocess.Popen:
     """One launcher (its own session), output captured; DEBUG logs the workers' pids."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "jfleet.launch", "--log_level", "DEBUG", *args],
-        env=child_env(env),
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    return spawn(["-m", "jfleet.launch", "--log_level", "DEBUG", *args], env=env)
 
 
 def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
