@@ -13,8 +13,8 @@ launch for faults at start-up) to the last process's exit, and each process's fi
 naming the cause. The watchdog's timeouts are set low through ``JFLEET_*`` variables (in the
 table's header). ``tests/test_watchdog_multiprocess.py`` runs the same jobs with a deadline.
 
-Faults checked by the consistency module (``jfleet.consistency``: mismatched strategies and
-batch shapes, a rank that never starts) are marked "not yet built" while it is absent.
+The last three faults (a rank that never starts, mismatched strategies and batch shapes) are
+caught by :mod:`jfleet.consistency` and the start-up timer of :mod:`jfleet.role_maker`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import importlib.util
 import os
 import re
 import signal
@@ -132,7 +131,6 @@ class Scenario:
     ranks: tuple[int, ...] = (0, 1)
     steps: int = 6
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    consistency: bool = False  # checked by jfleet.consistency (helper D1's module)
 
 
 SCENARIOS = {
@@ -155,13 +153,9 @@ SCENARIOS = {
     ),
     "exit0": Scenario("rank 0 exits early (code 0)", "exit", env={"FAULT_RANK": "0"}),
     "kill0": Scenario("rank 0 (the coordinator) killed (SIGKILL)", "kill", env={"FAULT_RANK": "0"}),
-    "never_starts": Scenario("rank 1 never starts", "none", ranks=(0,), consistency=True),
-    "strategies": Scenario(
-        "mismatched strategies (dp4 vs dp2·mp2)", "strategies", consistency=True
-    ),
-    "batch_shapes": Scenario(
-        "mismatched batch shapes (seq 4 vs 8)", "batch_shapes", consistency=True
-    ),
+    "never_starts": Scenario("rank 1 never starts", "none", ranks=(0,)),
+    "strategies": Scenario("mismatched strategies (dp4 vs dp2·mp2)", "strategies"),
+    "batch_shapes": Scenario("mismatched batch shapes (seq 4 vs 8)", "batch_shapes"),
 }
 
 
@@ -206,11 +200,6 @@ class Outcome:
             if found:
                 return found[0] if pattern.startswith("^jfleet") else found[-1]
         return ""
-
-
-def built(scenario: Scenario) -> bool:
-    """Whether the checks this scenario needs exist in this checkout."""
-    return not scenario.consistency or importlib.util.find_spec("jfleet.consistency") is not None
 
 
 def run(
@@ -318,17 +307,14 @@ def _read(f) -> str:
     return f.read()
 
 
-def table(outcomes: Mapping[str, Outcome], skipped: Sequence[str] = ()) -> str:
-    """The Markdown table of the outcomes (and a row per skipped scenario)."""
+def table(outcomes: Mapping[str, Outcome]) -> str:
+    """The Markdown table of the outcomes, in the scenarios' order."""
     rows = [
         "| fault | exit codes (rank 0, rank 1) | fault → last exit (s) "
         "| rank 0 says | rank 1 says |",
         "|---|---|---|---|---|",
     ]
     for name, sc in SCENARIOS.items():
-        if name in skipped:
-            rows.append(f"| {sc.title} | not yet built | | | |")
-            continue
         if name not in outcomes:
             continue
         o = outcomes[name]
@@ -354,15 +340,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         parser.error(f"unknown scenario(s) {unknown}; choose from {list(SCENARIOS)}")
-    skipped = [n for n in names if not built(SCENARIOS[n])]
-    outcomes = run([n for n in names if n not in skipped], deadline=args.deadline, concurrent=False)
+    outcomes = run(names, deadline=args.deadline, concurrent=False)
     settings = ", ".join(f"{k}={v}" for k, v in TIMEOUTS.items())
     body = (
         f"## Faults in a 2-process job: time to the last exit\n\n"
         f"`python benchmarks/fault_bench.py` ({datetime.date.today()}; 2 processes x 2 CPU "
         f"devices, one job at a time; {settings}; exit code 70 = ended by the watchdog, "
         f"17 = the script caught `PeerFailedError` and chose it, -9 = the injected SIGKILL)\n\n"
-        + table(outcomes, skipped)
+        + table(outcomes)
         + "\n\n"
         + NOTES
     )

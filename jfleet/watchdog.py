@@ -255,7 +255,7 @@ def decide(
                 "lost",
                 f"rank {r} (host {rec['host']}, pid {rec['pid']}) stopped sending heartbeats "
                 f"{age[r]:.0f} s ago (killed or frozen; {PEER_TIMEOUT_ENV}="
-                f"{config.peer_limit_s:g}); it last reported being {phase(rec)}",
+                f"{config.peer_limit_s:g}); its last report: {phase(rec)}",
             )
     # A rank that never reported has not started its watchdog (not reached fleet.init yet, if
     # it initialised jax.distributed itself; one that died is JAX's to report): behind all.

@@ -127,7 +127,7 @@ def test_a_silent_rank_is_lost_and_the_verdict_is_catchable():
     assert (v.rank, v.cause, v.catchable) == (1, "lost", True)
     assert v.message == (
         "rank 1 (host h, pid 7) stopped sending heartbeats 10 s ago (killed or frozen; "
-        "JFLEET_PEER_TIMEOUT=10); it last reported being between steps after step 2 "
+        "JFLEET_PEER_TIMEOUT=10); its last report: between steps after step 2 "
         "(in Python: not in a jfleet step)"
     )
     assert decide({0: (rec(3, 2), 0.0), 1: (rec(2), 9.5)}, 2, CONFIG) is None
