@@ -11,7 +11,12 @@ current one plus a fixed stride), so the loss falls from ln(64) ~ 4.2 towards 0;
 script exits with status 1 if the final loss is not below the first.
 
 Set JAX_PLATFORMS (e.g. ``JAX_PLATFORMS=cuda``) to train on real accelerators instead;
-then ``--devices`` is ignored and the degrees must multiply to the device count.
+then ``--devices`` is ignored and the degrees must multiply to the device count. Under
+``python -m jfleet.launch`` (several processes) the launcher gives each process its devices,
+``fleet.init`` joins them into one mesh and each process trains on its own rows of every
+batch; the losses are those of one process::
+
+    python -m jfleet.launch --nproc_per_node 2 --devices 0,1,2,3,4,5,6,7 examples/train_fleet.py
 """
 
 from __future__ import annotations
@@ -61,8 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if os.environ["JAX_PLATFORMS"] == "cpu":
-        jax.config.update("jax_num_cpu_devices", args.devices)
+    if os.environ["JAX_PLATFORMS"] == "cpu" and "JAX_NUM_CPU_DEVICES" not in os.environ:
+        jax.config.update("jax_num_cpu_devices", args.devices)  # alone (not launched)
 
     # 1. the strategy: Paddle's switches and configs, unchanged
     strategy = fleet.DistributedStrategy()
@@ -85,10 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     model = fleet.distributed_model(TinyLM(vocab=VOCAB))
     optimizer = fleet.distributed_optimizer(optax.adam(args.lr))
 
-    # 3. the training loop
+    # 3. the training loop; with several processes each passes its own rows of a batch
     losses = []
+    rank, world = fleet.worker_index(), fleet.worker_num()
     for step, batch in enumerate(stride_batches(args.steps, batch=args.batch), start=1):
-        loss = float(model.train_batch(batch, optimizer, loss_fn=lm_loss))
+        rows = {
+            k: v[rank * args.batch // world : (rank + 1) * args.batch // world]
+            for k, v in batch.items()
+        }
+        loss = float(model.train_batch(rows, optimizer, loss_fn=lm_loss))
         losses.append(loss)
         if step == 1 or step % args.log_every == 0 or step == args.steps:
             print(f"step {step:4d}/{args.steps}  loss {loss:.4f}", flush=True)
