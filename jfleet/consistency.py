@@ -39,7 +39,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -50,6 +49,7 @@ import jax
 import numpy as np
 
 from jfleet import _coordination, watchdog
+from jfleet._env import seconds
 from jfleet._logging import logger
 
 __all__ = [
@@ -101,19 +101,7 @@ def timeout_s() -> float:
       >>> timeout_s()
       60.0
     """
-    raw = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not raw:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not value > 0 or math.isinf(value):
-        raise ValueError(
-            f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds; set e.g. "
-            f"{TIMEOUT_ENV}={DEFAULT_TIMEOUT_S:g} or unset it."
-        )
-    return value
+    return seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
 
 
 # ----------------------------------------------------------------- messages

@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jfleet import watchdog
+from jfleet._env import seconds
 from jfleet._logging import logger
 
 __all__ = [
@@ -589,17 +590,7 @@ class UserDefinedRoleMaker(RoleMakerBase):
 
 def _timeout(value: int | None, env_name: str, default: int, arg_name: str) -> int:
     if value is None:
-        raw = os.environ.get(env_name, "").strip()
-        if not raw:
-            return default
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ValueError(
-                f"{_setting(env_name, raw)} is not a whole number of seconds; "
-                f"set e.g. {env_name}={default}."
-            ) from None
-        arg_name = env_name
+        return int(seconds(env_name, default, whole=True))
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{_setting(arg_name, value)} must be a positive number of seconds.")
     return value

@@ -80,6 +80,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jfleet import _coordination
+from jfleet._env import seconds
 from jfleet._logging import logger
 
 STEP_TIMEOUT_ENV = "JFLEET_STEP_TIMEOUT"
@@ -148,22 +149,6 @@ class Settings:
         return max(1.0, min(self.peer_timeout_s, hb / 2, 0.75 * hb - ABORT_GRACE_S - 1))
 
 
-def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise ValueError(
-            f"{name}={raw!r} is not a positive number of seconds; set it to e.g. "
-            f"{default:g}, or unset it for the default ({default:g})."
-        )
-    return value
-
-
 def settings(env: Mapping[str, str] | None = None) -> Settings:
     """The timeouts from ``$JFLEET_STEP_TIMEOUT``, ``$JFLEET_PEER_TIMEOUT`` and
     ``$JFLEET_HEARTBEAT_TIMEOUT``, and ``$JFLEET_WATCHDOG`` (1: on, 0: off), or from ``env``.
@@ -184,9 +169,9 @@ def settings(env: Mapping[str, str] | None = None) -> Settings:
         )
     return Settings(
         enabled=switch == "1",
-        step_timeout_s=_seconds(env, STEP_TIMEOUT_ENV, DEFAULT_STEP_TIMEOUT_S),
-        peer_timeout_s=_seconds(env, PEER_TIMEOUT_ENV, DEFAULT_PEER_TIMEOUT_S),
-        heartbeat_timeout_s=_seconds(env, HEARTBEAT_TIMEOUT_ENV, DEFAULT_HEARTBEAT_TIMEOUT_S),
+        step_timeout_s=seconds(STEP_TIMEOUT_ENV, DEFAULT_STEP_TIMEOUT_S, env=env),
+        peer_timeout_s=seconds(PEER_TIMEOUT_ENV, DEFAULT_PEER_TIMEOUT_S, env=env),
+        heartbeat_timeout_s=seconds(HEARTBEAT_TIMEOUT_ENV, DEFAULT_HEARTBEAT_TIMEOUT_S, env=env),
     )
 
 

@@ -98,7 +98,9 @@ def test_missing_script_and_bad_flags_exit_2(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("JFLEET_KILL_GRACE", "soon")
     assert launch([str(script)]) == 2
     err = capsys.readouterr().err
-    assert "[jfleet.launch] error: JFLEET_KILL_GRACE='soon': expected the seconds" in err, err
+    assert (
+        "[jfleet.launch] error: JFLEET_KILL_GRACE='soon' is not a number of seconds >= 0" in err
+    ), err
     assert "[jfleet.launch] error: training script" in err, err
     assert "[jfleet.launch] error: --nnodes=2 needs --master" in err, err
 

@@ -273,8 +273,11 @@ def test_initialize_after_backend_started_is_clear(env):
     ("values", "message"),
     [
         ({"JFLEET_INIT_TIMEOUT": "soon"}, "JFLEET_INIT_TIMEOUT='soon'"),
-        ({"JFLEET_HEARTBEAT_TIMEOUT": "0"}, "JFLEET_HEARTBEAT_TIMEOUT=0"),
-        ({"JFLEET_SHUTDOWN_TIMEOUT": "1.5"}, r"JFLEET_SHUTDOWN_TIMEOUT='1\.5' is not a whole"),
+        ({"JFLEET_HEARTBEAT_TIMEOUT": "0"}, "JFLEET_HEARTBEAT_TIMEOUT='0' is not a positive whole"),
+        (
+            {"JFLEET_SHUTDOWN_TIMEOUT": "1.5"},
+            r"JFLEET_SHUTDOWN_TIMEOUT='1\.5' is not a positive whole",
+        ),
     ],
 )
 def test_bad_timeouts(env, values, message):

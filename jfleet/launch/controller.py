@@ -36,6 +36,7 @@ from collections import deque
 from pathlib import Path
 from typing import IO, Any
 
+from jfleet._env import seconds
 from jfleet.launch.args import LaunchArgs
 from jfleet.launch.cluster import Scheduler
 from jfleet.launch.env import endpoints, global_rank, worker_env
@@ -91,20 +92,7 @@ def grace_seconds(environ: dict[str, str] | os._Environ) -> float:
       >>> grace_seconds({}), grace_seconds({"JFLEET_KILL_GRACE": "60"})
       (10.0, 60.0)
     """
-    raw = environ.get(GRACE_ENV, "").strip()
-    if not raw:
-        return GRACE_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise ValueError(
-            f"{GRACE_ENV}={raw!r}: expected the seconds a worker gets between SIGTERM and "
-            f"SIGKILL, a number >= 0 (default {GRACE_S:g}); e.g. {GRACE_ENV}=60 for slow "
-            "checkpoint-on-exit hooks."
-        )
-    return value
+    return seconds(GRACE_ENV, GRACE_S, env=environ, allow_zero=True)
 
 
 def _describe(returncode: int) -> str:
@@ -226,7 +214,9 @@ class _Launcher:
         self.held: list[HeldPort] = []
         self.interrupt: int | None = None
         self.node_rank: int | None = None
-        self.timeout_s = float(environ.get(INIT_TIMEOUT_ENV, "") or DEFAULT_INIT_TIMEOUT_S)
+        self.timeout_s = float(
+            seconds(INIT_TIMEOUT_ENV, DEFAULT_INIT_TIMEOUT_S, env=environ, whole=True)
+        )
         self.grace_s = grace_seconds(environ)
 
     # ---------------------------------------------------------------- the job
