@@ -106,9 +106,13 @@ def leaf_names(paths: list) -> list[str]:
 class Guard:
     """The host side of the guard for one train step: counts, warns once, raises.
 
-    Flags of ``"warn"`` and ``"skip"`` steps wait in a short queue and are read once
-    they are ready (at most two wait: an older one is read, blocking, at the next call).
+    Flags of ``"warn"`` and ``"skip"`` steps wait in a short queue: once more than
+    ``depth`` wait, the oldest is read (blocking) and every other one that is ready, so
+    the host runs at most ``depth`` steps ahead of the device and reads flags in batches
+    (a read can wait for the step the device runs now).
     """
+
+    depth = 8
 
     def __init__(self) -> None:
         self.calls = 0
@@ -128,7 +132,9 @@ class Guard:
     def drain(self, block: bool) -> None:
         """Reads the waiting flags that are ready (all of them with ``block=True``)."""
         pending = self._pending
-        while pending and (block or len(pending) > 2 or pending[0][1].is_ready()):
+        if not block and len(pending) <= self.depth:
+            return  # reading a flag can wait for the step running now: read them in batches
+        while pending and (block or len(pending) > self.depth or pending[0][1].is_ready()):
             self._read(*pending.popleft())
 
     @property
