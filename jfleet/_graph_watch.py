@@ -77,7 +77,7 @@ class GraphWatch:
             if len(lst) != len(values) or not all(map(is_, lst, values)):
                 return False
         for var, meta, want in self._metas:
-            if var._var_metadata is not meta or meta != want:
+            if var._var_metadata is not meta or not _same(meta, want):
                 return False
         return all(_same(value, stored) for value, stored in self._statics)
 

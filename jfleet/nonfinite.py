@@ -6,7 +6,7 @@ nonfinite=...)`` picks one of :data:`MODES`:
 - ``"warn"`` (default): the step updates as usual (a NaN reaches the parameters); the
   first non-finite step of a train step is logged as a warning with its step number, and
   every one is counted (``TrainStep.nonfinite_steps``). No host sync: a step's flag is
-  read when it is ready, at a later call.
+  read at a later call, once more than ``Guard.depth`` (8) flags wait.
 - ``"skip"``: the update is dropped on device: parameters and optimizer state (its update
   count included) stay bit-identical; logged once and counted as for ``"warn"``.
 - ``"raise"``: the update is dropped as for ``"skip"`` and :class:`NonFiniteError` is
@@ -134,8 +134,12 @@ class Guard:
         pending = self._pending
         if not block and len(pending) <= self.depth:
             return  # reading a flag can wait for the step running now: read them in batches
+        taken = []
         while pending and (block or len(pending) > self.depth or pending[0][1].is_ready()):
-            self._read(*pending.popleft())
+            taken.append(pending.popleft())
+        values = jax.device_get([flags for _, flags, _, _ in taken])  # one transfer
+        for (step, _, names, mode), flags in zip(taken, values, strict=True):
+            self._read(step, flags, names, mode)
 
     @property
     def count(self) -> int:
