@@ -274,8 +274,9 @@ def _set_raw_value(var: nnx.Variable, value: Any) -> None:
     object.__setattr__(var, "_raw_value", value)
 
 
-def _spec(x: Any) -> tuple:
-    return (getattr(x, "shape", None), getattr(x, "dtype", None), getattr(x, "sharding", None))
+def _spec(x: Any) -> tuple | None:
+    """Shape, dtype and sharding of an array; ``None`` for anything else (the full path)."""
+    return (x.shape, x.dtype, x.sharding) if isinstance(x, jax.Array) else None
 
 
 class _Step:
