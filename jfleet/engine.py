@@ -25,7 +25,11 @@ What the engine adds over a hand-written ``nnx.jit`` step:
     donated says that the state was lost (:class:`StepStateLostError`). With
     ``jax_debug_nans`` or ``jax_debug_infs`` on, nothing is donated (JAX re-runs a
     failing step op by op on its inputs, which donation would have deleted);
-  * the watchdog's hooks (:mod:`jfleet.watchdog`) at every step's start and dispatch.
+  * the watchdog's hooks (:mod:`jfleet.watchdog`) at every step's start and dispatch;
+  * no host overhead beyond that: a call with the model and optimizer of the last call
+    reuses its binding (program, variables, shardings) while the graph is unchanged
+    (:class:`TrainStep`); ``benchmarks/host_overhead.py`` measures it against a
+    hand-written ``jax.jit`` step.
 
 Example:
   >>> import jax.numpy as jnp, optax
@@ -41,13 +45,16 @@ Example:
 from __future__ import annotations
 
 import copy
+import operator
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from flax.nnx import graphlib
 
 from jfleet import _context, interrupts, watchdog
 from jfleet.distributed_optimizer import DistributedOptimizer
@@ -180,6 +187,101 @@ class _CompileCache:
         return fn
 
 
+class _Bound:
+    """The last step's binding: its program, variables and what they were built for.
+
+    While :meth:`valid` holds (same model and optimizer objects, same mode, placement
+    and debug flags, and the graph unchanged: :class:`GraphWatch`) the engine
+    reuses it: no optimizer ``init``, no ``nnx.split``, no cache key. The state travels
+    as one flat list of arrays: each variable's value is read on the call (so values the
+    user wrote between steps, ``nnx.update`` or ``opt.set_lr``, are used) and the step's
+    outputs are written back into the same variables. A value the step did not install
+    itself is checked against the shape, dtype and sharding the program was built for;
+    another one sends the call down the full path (a compile-cache lookup).
+    """
+
+    def __init__(self, fn, placement, model, optimizer, states, mode) -> None:
+        self.fn = fn
+        self.placement = placement
+        self.mode = mode
+        self.debug = _debugging_floats()
+        self.model = weakref.ref(model)
+        self.optimizer = weakref.ref(optimizer)
+        self.states = states  # kept only where the variables do not map 1:1 to leaves
+        self.batch_def: Any = None
+        self.batch_specs: tuple = ()
+        is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+        variables = jax.tree.leaves(states, is_leaf=is_var)
+        leaves = jax.tree.leaves(states)
+        flat = len(variables) == len(leaves) and all(
+            is_var(v) and v.get_raw_value() is x and isinstance(x, jax.Array)
+            for v, x in zip(variables, leaves, strict=True)
+        )
+        self.variables = variables if flat else None
+        self.watch = watch_graph(model, optimizer) if flat else None
+        if self.variables is not None:
+            self.states = None  # the variables hold the values; keep no second reference
+            self.specs = [(x.shape, x.dtype, x.sharding) for x in leaves]
+            self._installed = [weakref.ref(x) for x in leaves]
+        # Hold the variables no longer than the model lives.
+        self._finalizer = weakref.finalize(model, self.release)
+
+    def valid(self, model: Any, optimizer: Any, mode: str, placement: Placement | None) -> bool:
+        """Whether the next call may reuse this binding (see the class docstring);
+        ``placement`` is the step's own (``None``: the model's, else the run's)."""
+        if self.watch is None or self.model() is not model or self.optimizer() is not optimizer:
+            return False
+        if mode != self.mode or _debugging_floats() != self.debug:
+            return False
+        current = resolve_placement(placement, model)
+        if current is not self.placement and current != self.placement:
+            return False
+        return self.watch.unchanged()
+
+    def release(self) -> None:
+        """Drops the references to the variables (the model died, or another binding won)."""
+        self._finalizer.detach()
+        self.variables = self.watch = self.states = None
+
+    def values(self) -> list:
+        """The state's arrays, in the program's order."""
+        if self.variables is None:
+            return jax.tree.leaves(self.states)
+        return list(map(nnx.Variable.get_raw_value, self.variables))
+
+    def arguments(self, batch: Any) -> tuple[list, Any] | None:
+        """The program's arguments, or ``None`` when a value or the batch does not fit it."""
+        values = self.values()
+        if self.variables is not None:
+            for i, (ref, x) in enumerate(zip(self._installed, values, strict=True)):
+                if ref() is not x and _spec(x) != self.specs[i]:
+                    return None
+        leaves, treedef = jax.tree.flatten(batch)
+        if treedef != self.batch_def or _leaf_specs(leaves) != self.batch_specs:
+            return None
+        return values, batch
+
+    def install(self, leaves: list) -> None:
+        """Writes the step's outputs into the model's and the optimizer's variables."""
+        if self.variables is None:
+            model_state, opt_state = jax.tree.unflatten(jax.tree.structure(self.states), leaves)
+            nnx.update(self.model(), model_state)
+            nnx.update(self.optimizer(), opt_state)
+            return
+        # What set_raw_value(x, _unsafe_bypass_check=True) does, without its checks.
+        list(map(_set_raw_value, self.variables, leaves))
+        self._installed = list(map(weakref.ref, leaves))
+
+
+def _set_raw_value(var: nnx.Variable, value: Any) -> None:
+    object.__setattr__(var, "_raw_value", value)
+
+
+def _spec(x: Any) -> tuple | None:
+    """Shape, dtype and sharding of an array; ``None`` for anything else (the full path)."""
+    return (x.shape, x.dtype, x.sharding) if isinstance(x, jax.Array) else None
+
+
 class _Step:
     """What the train and eval steps share: the loss function, the placement, the compile cache."""
 
@@ -196,6 +298,7 @@ class _Step:
         self._cache = _CompileCache()
         self._guard = Guard()
         self._leaf_names: dict[int, list[str]] = {}  # id(compiled step) -> guarded leaves
+        self._bound: _Bound | None = None  # the train step's fast path (see _Bound)
         self.last_aux: Any = None
 
 
@@ -213,6 +316,15 @@ class TrainStep(_Step):
     ``"warn"``) is the non-finite guard (:mod:`jfleet.nonfinite`); ``nonfinite_steps``
     counts the non-finite steps seen. Dispatch and install are atomic
     (:class:`jfleet.interrupts.atomic`): an interrupt leaves the old or the new state.
+
+    Host work per call: after a call for a model and optimizer, the next call with the
+    same two objects skips the optimizer's ``init``, ``nnx.split`` and the cache key when
+    nothing the program depends on changed (checked by identity against a snapshot of
+    the graph, :class:`GraphWatch`); it reads each variable's value, so values
+    written between calls (``nnx.update``, a checkpoint restore, ``opt.set_lr``) are
+    used, and writes the outputs back into the same variables. Any other change (a
+    submodule swapped, a static attribute set, a value of another shape, dtype or
+    sharding, another model) takes the full path (split, key, compile-cache lookup).
     """
 
     @property
@@ -230,27 +342,34 @@ class TrainStep(_Step):
 
     def lower(self, model: nnx.Module, optimizer: DistributedOptimizer, batch: Any):
         """The lowered step for these arguments (for HLO and memory inspection)."""
-        fn, args = self._prepare(model, optimizer, batch, self.nonfinite)
-        return fn.lower(*args)
+        bound, batch = self._bind(model, optimizer, batch, self.nonfinite)
+        return bound.fn.lower(bound.values(), batch)
 
     def __call__(self, model: nnx.Module, optimizer: DistributedOptimizer, batch: Any) -> jax.Array:
         watchdog.step_started("train")
         mode = self.nonfinite
-        fn, args = self._prepare(model, optimizer, batch, mode)
+        bound = self._bound
+        args = None
+        if bound is not None and bound.valid(model, optimizer, mode, self._placement):
+            args = bound.arguments(bound.placement.shard_batch(batch))
+        if args is None:  # the full path: something the program depends on changed
+            bound, batch = self._bind(model, optimizer, batch, mode)
+            args = bound.arguments(batch)
+        fn = bound.fn
         with interrupts.atomic():  # old state or new state, never donated buffers
             try:
-                model_state, opt_state, loss, aux, flags = fn(*args)
+                state, loss, aux, flags = fn(*args)
             except Exception as err:
-                _raise_if_lost(args[:2], err)
+                _raise_if_lost(args[0], err)
                 raise
-            nnx.update(model, model_state)
-            nnx.update(optimizer, opt_state)
+            bound.install(state)
             self.last_aux = aux
         watchdog.step_dispatched("train", loss)
         self._guard.record(mode, flags, self._leaf_names[id(fn)])
         return loss
 
-    def _prepare(self, model, optimizer, batch, mode):
+    def _bind(self, model, optimizer, batch, mode) -> tuple[_Bound, Any]:
+        """The full path: binds the optimizer, splits both objects, looks the step up."""
         if not isinstance(optimizer, DistributedOptimizer):
             raise TypeError(
                 f"optimizer={type(optimizer).__name__} is not a DistributedOptimizer; wrap it "
@@ -267,14 +386,16 @@ class TrainStep(_Step):
         # and out shardings are fixed when it is built), the non-finite mode and JAX's
         # debug_nans / debug_infs flags (no donation under them). See _CompileCache for
         # keys that are not hashable.
+        batch_def = jax.tree.structure(batch)
+        batch_specs = _leaf_specs(batch)
         key = (
             placement,
             model_def,
             opt_def,
-            jax.tree.structure(batch),
+            batch_def,
             _leaf_specs(model_state),
             _leaf_specs(opt_state),
-            _leaf_specs(batch),
+            batch_specs,
             mode,
             _debugging_floats(),
         )
@@ -286,7 +407,12 @@ class TrainStep(_Step):
             )
 
         fn = self._cache.get_or_build(key, build)
-        return fn, (model_state, opt_state, batch)
+        bound = _Bound(fn, placement, model, optimizer, (model_state, opt_state), mode)
+        bound.batch_def, bound.batch_specs = batch_def, batch_specs
+        if self._bound is not None:
+            self._bound.release()
+        self._bound = bound
+        return bound, batch
 
     def _build(self, placement, model_def, model_state, opt_def, opt_state, batch, optimizer, mode):
         loss_fn = self.loss_fn
@@ -302,12 +428,18 @@ class TrainStep(_Step):
             # tensor-parallel layout) for the step; left to itself GSPMD may keep them
             # sharded and all-reduce activations instead, which costs far more.
             gathered = placement.param_shardings(params, zero=False)
-        model_sh = _shardings(model_state)
-        opt_sh = _shardings(opt_state)
+        # The step takes and returns the state as one flat list of arrays (the model's,
+        # then the optimizer's), so a call flattens no State and installs by position.
+        model_tree = jax.tree.structure(model_state)
+        opt_tree = jax.tree.structure(opt_state)
+        n_model = model_tree.num_leaves
+        state_sh = jax.tree.leaves(_shardings((model_state, opt_state)))
         batch_sh = _shardings(batch)
         replicated = placement.named(jax.sharding.PartitionSpec())
 
-        def step(model_state, opt_state, batch):
+        def step(leaves, batch):
+            model_state = jax.tree.unflatten(model_tree, leaves[:n_model])
+            opt_state = jax.tree.unflatten(opt_tree, leaves[n_model:])
             model = nnx.merge(model_def, model_state)
             opt = nnx.merge(opt_def, opt_state)
             scale = opt.loss_scale if scaled else None
@@ -337,13 +469,20 @@ class TrainStep(_Step):
                 leaves, treedef = jax.tree.flatten(new_state)
                 kept = [jnp.where(finite, n, o) for n, o in zip(leaves, old, strict=True)]
                 new_state = jax.tree.unflatten(treedef, kept)
-            return *new_state, loss, aux, flags
+            new_leaves = jax.tree.leaves(new_state)
+            if jax.tree.structure(new_state) != jax.tree.structure((model_state, opt_state)):
+                raise ValueError(
+                    "the train step changed the structure of the model's or the optimizer's "
+                    "state (a variable added, removed or given other metadata inside "
+                    "loss_fn); make such changes outside the step, between calls."
+                )
+            return new_leaves, loss, aux, flags
 
-        donate = () if any(_debugging_floats()) else (0, 1)
+        donate = () if any(_debugging_floats()) else (0,)
         fn = jax.jit(
             step,
-            in_shardings=(model_sh, opt_sh, batch_sh),
-            out_shardings=(model_sh, opt_sh, replicated, None, replicated),
+            in_shardings=(state_sh, batch_sh),
+            out_shardings=(state_sh, replicated, None, replicated),
             donate_argnums=donate,
         )
         self._leaf_names[id(fn)] = names  # filled when the step is traced
@@ -422,3 +561,130 @@ def make_train_step(
 def make_eval_step(loss_fn: LossFn, *, placement: Placement | None = None) -> EvalStep:
     """The engine's evaluation step ``step(model, batch) -> loss``."""
     return EvalStep(loss_fn, placement)
+
+
+# ------------------------------------------------------------ the graph watch
+# Has a model's graph changed since a step was built for it? Answered without re-splitting.
+#
+# The engine's fast path (:mod:`jfleet.engine`) reuses the compiled step, the list of
+# ``Variable`` objects and their tree structure from the last step while nothing the
+# program was specialised to has changed. What can change between steps, and how each
+# is seen here:
+#
+# * an attribute of any graph node set, added or deleted (a submodule swapped, a static
+#   attribute assigned, a ``Variable`` replaced, ``nnx.update`` adding a key): every
+#   node's ``__dict__`` is compared by identity with a snapshot taken when the step was
+#   built;
+# * a mutable container inside the graph edited in place (a list in a config, a dict of
+#   hyperparameters): its items are compared by identity too;
+# * an unhashable static value edited in place (a non-frozen dataclass config): compared
+#   with ``==`` against a deep copy, as the compile cache compares graph definitions;
+# * a ``Variable``'s metadata changed (``set_metadata``): compared with ``==``.
+#
+# What is deliberately not looked at: the variables' values. They are read on every
+# step (``nnx.update`` or ``opt.set_lr`` write new values into the same variables);
+# the engine checks the shape, dtype and sharding of each value it did not install
+# itself.
+#
+# A graph that cannot be watched this way (a graph node without ``__dict__``, an array
+# stored outside a ``Variable``) gives ``None`` from :func:`watch_graph`: such a model always
+# takes the engine's full path.
+
+
+class _UnwatchableError(Exception):
+    pass
+
+
+class GraphWatch:
+    """A snapshot of a graph's structure; :meth:`unchanged` compares the graph with it."""
+
+    def __init__(self) -> None:
+        self._dicts: list[tuple[dict, tuple, tuple]] = []  # node __dict__, keys, values
+        self._lists: list[tuple[list, tuple]] = []
+        self._metas: list[tuple[nnx.Variable, dict, dict]] = []
+        self._statics: list[tuple[Any, Any]] = []  # unhashable value, a deep copy of it
+
+    def unchanged(self) -> bool:
+        """Whether no node, container, unhashable static value or metadata changed."""
+        is_ = operator.is_
+        for d, keys, values in self._dicts:
+            if len(d) != len(keys) or not all(map(is_, d.values(), values)) or tuple(d) != keys:
+                return False
+        for lst, values in self._lists:
+            if len(lst) != len(values) or not all(map(is_, lst, values)):
+                return False
+        for var, meta, want in self._metas:
+            if var._var_metadata is not meta or not _same(meta, want):
+                return False
+        return all(_same(value, stored) for value, stored in self._statics)
+
+    def _add(self, x: Any, seen: set[int]) -> None:
+        if id(x) in seen:
+            return
+        if isinstance(x, nnx.Variable):
+            seen.add(id(x))
+            meta = x._var_metadata
+            if meta.get("ref") or meta.get("hijax"):
+                raise _UnwatchableError
+            self._metas.append((x, meta, dict(meta)))
+            return
+        if isinstance(x, jax.Array | np.ndarray):
+            raise _UnwatchableError  # data outside a Variable: the engine's full path reads it
+        if graphlib.is_graph_node(x) or isinstance(x, nnx.State):  # a State: its _mapping
+            seen.add(id(x))
+            d = getattr(x, "__dict__", None)
+            if not isinstance(d, dict):
+                raise _UnwatchableError
+            self._dicts.append((d, tuple(d), tuple(d.values())))
+            for value in d.values():
+                self._add(value, seen)
+            return
+        if type(x) is list or type(x) is dict:
+            seen.add(id(x))
+            if type(x) is dict:
+                self._dicts.append((x, tuple(x), tuple(x.values())))
+                items = x.values()
+            else:
+                self._lists.append((x, tuple(x)))
+                items = x
+            for value in items:
+                self._add(value, seen)
+            return
+        if isinstance(x, tuple):
+            for value in x:
+                self._add(value, seen)
+            return
+        try:
+            hash(x)
+        except TypeError:
+            seen.add(id(x))
+            if any(isinstance(leaf, jax.Array | np.ndarray) for leaf in jax.tree.leaves(x)):
+                raise _UnwatchableError from None  # data in a container this cannot see into
+            try:
+                stored = copy.deepcopy(x)
+            except Exception:
+                raise _UnwatchableError from None
+            self._statics.append((x, stored))
+
+
+def watch_graph(*roots: Any) -> GraphWatch | None:
+    """A :class:`GraphWatch` over ``roots`` (models, optimizers), or ``None`` if one
+    holds something this snapshot cannot see change (see the comment above GraphWatch).
+
+    Example:
+      >>> model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+      >>> w = watch_graph(model)
+      >>> w.unchanged()
+      True
+      >>> model.use_bias = False
+      >>> w.unchanged()
+      False
+    """
+    w = GraphWatch()
+    seen: set[int] = set()
+    try:
+        for root in roots:
+            w._add(root, seen)
+    except _UnwatchableError:
+        return None
+    return w

@@ -6,7 +6,7 @@ nonfinite=...)`` picks one of :data:`MODES`:
 - ``"warn"`` (default): the step updates as usual (a NaN reaches the parameters); the
   first non-finite step of a train step is logged as a warning with its step number, and
   every one is counted (``TrainStep.nonfinite_steps``). No host sync: a step's flag is
-  read when it is ready, at a later call.
+  read at a later call, once more than ``Guard.depth`` (8) flags wait.
 - ``"skip"``: the update is dropped on device: parameters and optimizer state (its update
   count included) stay bit-identical; logged once and counted as for ``"warn"``.
 - ``"raise"``: the update is dropped as for ``"skip"`` and :class:`NonFiniteError` is
@@ -106,9 +106,13 @@ def leaf_names(paths: list) -> list[str]:
 class Guard:
     """The host side of the guard for one train step: counts, warns once, raises.
 
-    Flags of ``"warn"`` and ``"skip"`` steps wait in a short queue and are read once
-    they are ready (at most two wait: an older one is read, blocking, at the next call).
+    Flags of ``"warn"`` and ``"skip"`` steps wait in a short queue: once more than
+    ``depth`` wait, the oldest is read (blocking) and every other one that is ready, so
+    the host runs at most ``depth`` steps ahead of the device and reads flags in batches
+    (a read can wait for the step the device runs now).
     """
+
+    depth = 8
 
     def __init__(self) -> None:
         self.calls = 0
@@ -128,8 +132,14 @@ class Guard:
     def drain(self, block: bool) -> None:
         """Reads the waiting flags that are ready (all of them with ``block=True``)."""
         pending = self._pending
-        while pending and (block or len(pending) > 2 or pending[0][1].is_ready()):
-            self._read(*pending.popleft())
+        if not block and len(pending) <= self.depth:
+            return  # reading a flag can wait for the step running now: read them in batches
+        taken = []
+        while pending and (block or len(pending) > self.depth or pending[0][1].is_ready()):
+            taken.append(pending.popleft())
+        values = jax.device_get([flags for _, flags, _, _ in taken])  # one transfer
+        for (step, _, names, mode), flags in zip(taken, values, strict=True):
+            self._read(step, flags, names, mode)
 
     @property
     def count(self) -> int:

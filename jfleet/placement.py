@@ -277,6 +277,8 @@ class Placement:
                 _check_rows(path, shape[0] * (rows_factor if multi else 1))
             if multi:
                 return jax.make_array_from_process_local_data(sharding, x)
+            if isinstance(x, jax.Array) and x.sharding == sharding:
+                return x  # placed already (what device_put would return)
             return jax.device_put(x, sharding)
 
         return jax.tree_util.tree_map_with_path(one, batch)
