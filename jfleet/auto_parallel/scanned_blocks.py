@@ -9,7 +9,11 @@ as :class:`~jfleet.auto_parallel.blocks.PipelinedBlocks` does for a pipeline: th
 own ``for layer in self.layers: x = layer(x, ...)`` runs the whole stack once. The
 stacking and the scan are :mod:`jfleet.parallel.stack`'s (one code with the pipelines);
 recompute runs inside the scan (``jax.checkpoint`` of each scanned block), and sequence
-parallel pins each block's output as the unrolled blocks do.
+parallel pins each block's output as the unrolled blocks do. Without recompute each block
+still runs under ``jax.checkpoint`` with the ``dots_saveable`` policy: its matmul outputs
+are kept and only the cheap elementwise work is redone in the backward pass, as XLA does
+for unrolled blocks (a plain scan would keep every residual: 1.4x the unrolled step's
+temporary memory at 32 blocks, ``benchmarks/RESULTS.md``, section compile_scaling).
 
 Checkpoints keep the unscanned model's per-block names (``layers.3.mlp.up_proj.kernel``,
 :mod:`jfleet.checkpoint.layout`), so one moves between scanned, pipelined and plain runs.
@@ -60,7 +64,8 @@ class ScannedBlocks(nnx.Module):
       body: the stacked block (or super-block).
       num_layers: ``L``, the blocks replaced.
       period: ``p``, the blocks per stacked unit (1: every block alike).
-      recompute: recompute each block in the backward pass (inside the scan).
+      recompute: recompute each block in the backward pass (inside the scan); False
+        keeps each block's matmul outputs (``dots_saveable``).
       mesh: the mesh of the sequence-parallel constraint, or None.
       seq_axes: mesh axes the sequence dimension is split over between blocks, or None.
 
@@ -133,8 +138,9 @@ class ScannedBlocks(nnx.Module):
             x,
             args,
             kwargs,
-            remat_interval=1 if self.recompute else 0,
+            remat_interval=1,
             after=after,
+            remat_policy=None if self.recompute else jax.checkpoint_policies.dots_saveable,
         )
 
 

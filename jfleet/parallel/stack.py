@@ -315,6 +315,7 @@ def run_layers(
     *,
     remat_interval: int = 0,
     after: Callable[[Any], Any] | None = None,
+    remat_policy: Callable[..., bool] | None = None,
 ) -> Any:
     """``x`` through the layers whose parameters are ``params`` (leaves ``[n, ...]``).
 
@@ -334,6 +335,9 @@ def run_layers(
       remat_interval: ``k > 0`` runs each group of ``k`` units (layers, or super-blocks)
         under ``jax.checkpoint`` (the last group may be shorter); 0 keeps every activation.
       after: applied to each layer's output.
+      remat_policy: the ``jax.checkpoint`` saving policy of the recomputed groups (None:
+        save nothing, recompute all; ``jax.checkpoint_policies.dots_saveable``: keep the
+        matmul outputs, recompute only the cheap elementwise work).
 
     Returns:
       The last layer's output.
@@ -363,7 +367,7 @@ def run_layers(
         return scan(x, params)
     n = jax.tree.leaves(params)[0].shape[0]
     groups, rest = divmod(n, remat_interval)
-    group = jax.checkpoint(scan)
+    group = jax.checkpoint(scan, policy=remat_policy)
     if groups:
         full = jax.tree.map(
             lambda a: a[: groups * remat_interval].reshape(groups, remat_interval, *a.shape[1:]),
