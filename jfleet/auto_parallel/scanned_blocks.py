@@ -96,19 +96,11 @@ class ScannedBlocks(nnx.Module):
                 f"ScannedBlocks(seq_axes={seq_axes!r}) needs the mesh those axes belong to; "
                 "pass mesh=..."
             )
-        name = type(blocks[0]).__name__
-        if period is None:
-            period = stack.block_period(blocks)
-            if period is None:
-                i, j, difference = stack.first_mismatch(blocks) or (0, 0, "?")
-                raise ValueError(
-                    f"the {len(blocks)} {name} blocks are not alike and do not repeat with any "
-                    f"period shorter than {len(blocks)}: block {i} differs from block {j} in "
-                    f"{difference}. Scanned blocks run one definition (static settings "
-                    "included); keep them unrolled (ToDistributedConfig(scan_layers=False))."
-                )
+        if period is None:  # none found: stack_layers names the first difference
+            period = stack.block_period(blocks) or 1
         self.num_layers = len(blocks)
         self.period = period
+        name = f"scanned {type(blocks[0]).__name__}"
         self.body = stack.stack_layers(blocks, 1, name, period=period)
         self.recompute = bool(recompute)
         self.mesh = mesh
