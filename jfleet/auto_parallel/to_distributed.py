@@ -4,7 +4,9 @@ The call matches the model's parts, lets the cost model choose the layout
 (:func:`~jfleet.auto_parallel.planner.plan_for`), builds the fleet mesh for it
 (``fleet.init`` with the plan's degrees), and applies it: parameters placed by the plan's
 ``PartitionSpec``\\ s (ZeRO-sharded as its stage says), the decoder blocks replaced by a
-pipelined stack when ``pp > 1`` (:mod:`jfleet.auto_parallel.blocks`), the optimizer's state
+pipelined stack when ``pp > 1`` (:mod:`jfleet.auto_parallel.blocks`) and by one scan
+otherwise (:mod:`jfleet.auto_parallel.scanned_blocks`; ``scan_layers=False`` keeps them
+unrolled), the optimizer's state
 made and placed for the plan, and the loader wrapped to yield global sharded arrays. Train
 the returned objects with :func:`jfleet.make_train_step` (any plan) or with your own
 ``nnx.jit`` step (plans without loss scaling).
@@ -179,7 +181,8 @@ def get_plan(model: nnx.Module) -> Plan:
 
     The plan names parameters by their paths in the model as it was given
     (``layers.0.self_attn.q_proj.kernel``); with a pipeline the returned model holds the
-    blocks stacked instead (``layers.body.self_attn.q_proj.kernel``, ``[pp, L/pp, ...]``),
+    blocks stacked instead (``layers.body.self_attn.q_proj.kernel``, ``[pp, L/pp, ...]``;
+    scanned blocks: ``[1, L, ...]``),
     so ``plan.validate`` and ``plan.spec`` apply to a fresh model, as for
     ``ToDistributedConfig(plan=...)``.
 
@@ -207,8 +210,9 @@ def to_distributed(
 
     Args:
       model: an ``nnx.Module``; changed in place (parameters placed; with a pipeline its
-        list of decoder blocks becomes a :class:`~jfleet.auto_parallel.blocks.PipelinedBlocks`)
-        and returned. Its class and call signature stay.
+        list of decoder blocks becomes a :class:`~jfleet.auto_parallel.blocks.PipelinedBlocks`,
+        without one a :class:`~jfleet.auto_parallel.scanned_blocks.ScannedBlocks`) and
+        returned. Its class and call signature stay.
       optimizer: an ``optax.GradientTransformation`` or an ``nnx.Optimizer`` (its
         transform and ``wrt`` are used; its state is made anew for the placed model).
       dataloader: an iterable of batches (numpy or jax arrays, or dicts / tuples of them).
