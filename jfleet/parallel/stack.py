@@ -365,6 +365,8 @@ def run_layers(
 
     if remat_interval <= 0:
         return scan(x, params)
+    if remat_interval == 1:  # one loop whose step is recomputed (no nested scan of 1)
+        return lax.scan(jax.checkpoint(one, policy=remat_policy), x, params)[0]
     n = jax.tree.leaves(params)[0].shape[0]
     groups, rest = divmod(n, remat_interval)
     group = jax.checkpoint(scan, policy=remat_policy)
