@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 
 from jfleet.parallel import stack
 from jfleet.parallel.mesh_context import constrain
-from jfleet.parallel.pipeline_schedule import pipeline_forward
+from jfleet.parallel.pipeline_forward import pipeline_forward
 from jfleet.recompute import remat_class
 from jfleet.topology import DATA_AXES, PP
 
