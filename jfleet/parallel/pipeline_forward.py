@@ -132,7 +132,7 @@ def pipeline_forward(
       >>> y = pipeline_forward(lambda w, x, s, c: x @ w, w, jnp.ones((8, 3)),
       ...                      mesh=mesh, num_microbatches=2, rows_over_pp=True)
       >>> y[0], y.sharding.spec
-      (Array([16., 16., 16.], dtype=float32), PartitionSpec(('dp', 'pp'),))
+      (Array([16., 16., 16.], dtype=float32), P(('dp', 'pp'),))
     """
     spec = _validate(
         stage_fn,

@@ -134,6 +134,57 @@ def schedule_stats(schedule: str, num_stages: int, num_microbatches: int) -> dic
     }
 
 
+#: The kinds of work :func:`stage_ticks` counts, one micro-batch through one stage each.
+TICK_KINDS = ("forward", "recompute", "backward", "masked", "bubble")
+
+
+def stage_ticks(
+    schedule: str,
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    remat: bool = False,
+    loss_inside: bool = True,
+) -> list[dict[str, int]]:
+    """Per stage, how many units of each kind of work one training step runs.
+
+    A unit is one micro-batch through one stage: ``"forward"``, ``"recompute"`` (a forward
+    run again in the backward pass), ``"backward"`` (the vjp), ``"masked"`` (a bubble tick
+    that computes a forward or a backward and drops it), ``"bubble"`` (a tick slot whose
+    work ``lax.cond`` skips). Executed work per stage is ``forward + recompute + backward
+    + masked`` units; the slowest stage sets the step time.
+
+    * :func:`pipeline_loss` (``loss_inside=True``): FThenB without remat differentiates a
+      masked loop: ``M`` forwards and backwards plus ``2(P - 1)`` masked ticks; FThenB
+      with remat skips its ``2(P - 1)`` bubbles and recomputes ``M`` forwards; 1F1B
+      (``M + 2(P - 1)`` ticks of a forward slot and a backward slot) recomputes ``M``
+      forwards on every stage but the last, which runs each micro-batch's forward, loss
+      and backward in one tick; ``4(P - 1)`` slots are bubbles.
+    * :func:`~jfleet.parallel.pipeline_forward.pipeline_forward` (``loss_inside=False``,
+      the ``to_distributed`` stand-in): FThenB without remat as above; 1F1B, and FThenB
+      with remat, run ``M`` forwards, ``M`` recomputes and ``M`` backwards with ``2(P - 1)``
+      bubbles on every stage.
+
+    Example:
+      >>> stage_ticks("1F1B", 2, 4)
+      [{'forward': 4, 'recompute': 4, 'backward': 4, 'masked': 0, 'bubble': 4}, \
+{'forward': 4, 'recompute': 0, 'backward': 4, 'masked': 0, 'bubble': 4}]
+    """
+    stats = schedule_stats(schedule, num_stages, num_microbatches)
+    p, m = stats["num_stages"], stats["num_microbatches"]
+    out = []
+    for stage in range(p):
+        if schedule == "FThenB" and not remat:
+            counts = (m, 0, m, 2 * (p - 1), 0)
+        elif schedule == "1F1B" and loss_inside:
+            last = stage == p - 1
+            counts = (m, 0 if last else m, m, 0, 4 * (p - 1))
+        else:
+            counts = (m, m, m, 0, 2 * (p - 1))
+        out.append(dict(zip(TICK_KINDS, counts, strict=True)))
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class _Pipeline:
     """The static description of one pipelined loss (validated by :func:`pipeline_loss`)."""
