@@ -13,16 +13,22 @@ How it runs:
   * stage ``s`` owns ``tree.map(lambda x: x[s], stage_params)`` (leading axis sharded on
     ``pp``); activations go to the next stage and cotangents to the previous one by
     ``lax.ppermute`` once per tick of a ``lax.scan``; ``lax.cond`` on per-device validity
-    skips the bubble's work;
+    skips the bubble's work (except in a loop JAX differentiates, FThenB without remat,
+    where the bubbles run masked: see :func:`_forward_ticks`);
   * a ``jax.custom_vjp``: its forward runs the whole training schedule (the forward and
     backward passes of every micro-batch, as 1F1B interleaves them) and keeps the
     gradients as residuals; its backward multiplies them by the incoming cotangent (a loss
     scale, say). Without differentiation (``jax.jit(loss)``) a forward-only GPipe loop runs.
 
-Schedules (see :func:`schedule_stats` for tick and collective counts):
+Schedules (:mod:`jfleet.parallel.schedule_ticks` counts their ticks, work and collectives):
   * ``"FThenB"`` (GPipe): the forward of every micro-batch (``M + P - 1`` ticks), then the
-    backward (``M + P - 1`` ticks, the loop's transpose). A stage keeps the activations of
-    all ``M`` micro-batches, or only each stage's inputs with ``remat=True``.
+    backward (``M + P - 1`` ticks). Without remat the backward is the forward loop's
+    transpose (JAX autodiff) and a stage keeps the activations of all ``M`` micro-batches;
+    its ``2(P - 1)`` bubble ticks compute masked. With ``remat=True`` the forward loop
+    stashes each micro-batch's stage input and the backward is :func:`_backward_ticks`
+    (recompute + ``jax.vjp`` + ``ppermute`` to the previous stage, shared with the
+    ``to_distributed`` stand-in), every bubble tick skipped: ``M`` forwards, ``M``
+    recomputes and ``M`` backwards per stage.
   * ``"1F1B"``: one scan of ``T = M + 2(P - 1)`` ticks; at tick ``t`` stage ``s`` runs the
     forward of micro-batch ``t - s``, stashing only the stage input in a ring of
     ``2(P - 1)`` slots, and the backward of micro-batch ``t - 2(P - 1) + s``, recomputing
@@ -161,8 +167,8 @@ def pipeline_loss(
       data_axes: mesh axes the batch is split over (those the mesh lacks are ignored).
         Each replica splits its rows into ``M`` consecutive micro-batches.
       remat: FThenB only: keep only each stage's input per micro-batch and recompute the
-        stage in the backward pass (``jax.checkpoint``). 1F1B always recomputes each
-        stage from its stashed input, so the flag changes nothing there.
+        stage in its own backward loop (bubble ticks skipped). 1F1B always recomputes
+        each stage from its stashed input, so the flag changes nothing there.
       micro_losses: also return each micro-batch's loss (mean over replicas; no gradient).
 
     Returns:
