@@ -7,13 +7,12 @@ loss stay the model's own code (:class:`jfleet.auto_parallel.blocks.PipelinedBlo
 With the loss outside the pipeline every forward precedes every backward; the schedules
 differ in what a stage keeps between them:
 
-  * ``"FThenB"`` (GPipe, ``remat=False``): autodiff of the forward loop (``M + P - 1``
-    ticks); its transpose is the backward loop. Bubble ticks are skipped by a ``lax.cond``
-    around the stage run under ``jax.checkpoint`` saving only matmul outputs (a plain
-    ``cond`` differentiated in the loop would stack the stage's weights per tick:
-    :func:`~jfleet.parallel.pipeline_schedule._forward_ticks`). A stage keeps the matmul
-    outputs of all ``M`` micro-batches; executed work per stage: ``M`` forwards and ``M``
-    backwards (elementwise work recomputed).
+  * ``"FThenB"`` (GPipe, ``remat=False``): plain autodiff of the forward loop (``M + P - 1``
+    ticks); its transpose is the backward loop. A stage keeps the internals of every tick.
+    Bubble ticks run masked (they compute and the result is dropped): a ``lax.cond``
+    differentiated inside the loop would stack the stage's weights per tick
+    (:func:`~jfleet.parallel.pipeline_schedule._forward_ticks`). Executed work per stage:
+    ``(M + P - 1)`` forwards and their backwards.
   * ``"1F1B"`` (and ``"FThenB"`` with ``remat=True``, the same program): a
     ``jax.custom_vjp``. Its forward runs the GPipe forward loop with the bubble ticks
     skipped by ``lax.cond`` and stashes only each micro-batch's stage input; its backward
@@ -161,7 +160,7 @@ def pipeline_forward(
     side, shared = lax.stop_gradient((side, shared))
     if schedule == "1F1B" or spec.remat:
         return _recomputing(spec, rows)(stage_params, inputs, side, shared)
-    return _mapped(spec, rows, "forward")(stage_params, inputs, side, shared)
+    return _mapped(spec, rows, "autodiff")(stage_params, inputs, side, shared)
 
 
 def _no_head(*_: Any) -> jax.Array:
@@ -195,8 +194,9 @@ def _scatter(tree: Any, spec: _Pipeline, rows: bool) -> Any:
 
 
 def _mapped(spec: _Pipeline, rows: bool, mode: str) -> Callable[..., Any]:
-    """The jitted ``shard_map`` of one pass: ``"forward"`` (FThenB differentiates it),
-    ``"stash"`` (forward + stage inputs) or ``"backward"`` (the recomputing backward loop)."""
+    """The jitted ``shard_map`` of one pass: ``"autodiff"`` (masked loop, differentiated by
+    JAX), ``"forward"`` (bubbles skipped), ``"stash"`` (forward + stage inputs) or
+    ``"backward"`` (the recomputing backward loop)."""
     pp, batch = spec.pp_axis, _batch_spec(spec, rows)
     if mode == "backward":
         in_specs = (P(pp), _stash_spec(spec), batch, P(), batch)
@@ -261,7 +261,7 @@ def _local_forward(spec, rows, mode, stage_params, inputs, side, shared):
         return _vary(call(params, x, i), axes)
 
     stash = mode == "stash"
-    got = _forward_ticks(spec, run, x_mb, stage, stash=stash)
+    got = _forward_ticks(spec, run, x_mb, stage, skip_bubbles=mode != "autodiff", stash=stash)
     outs = got[0] if stash else got
     last = stage == spec.num_stages - 1
     outs = jax.tree.map(lambda a: jnp.where(last, a, jnp.zeros_like(a)), outs)

@@ -13,8 +13,8 @@ How it runs:
   * stage ``s`` owns ``tree.map(lambda x: x[s], stage_params)`` (leading axis sharded on
     ``pp``); activations go to the next stage and cotangents to the previous one by
     ``lax.ppermute`` once per tick of a ``lax.scan``; ``lax.cond`` on per-device validity
-    skips the bubble's work (in the loop JAX differentiates too, FThenB without remat:
-    see :func:`_forward_ticks`);
+    skips the bubble's work (except in a loop JAX differentiates, FThenB without remat,
+    where the bubbles run masked: see :func:`_forward_ticks`);
   * a ``jax.custom_vjp``: its forward runs the whole training schedule (the forward and
     backward passes of every micro-batch, as 1F1B interleaves them) and keeps the
     gradients as residuals; its backward multiplies them by the incoming cotangent (a loss
@@ -23,12 +23,12 @@ How it runs:
 Schedules (:mod:`jfleet.parallel.schedule_ticks` counts their ticks, work and collectives):
   * ``"FThenB"`` (GPipe): the forward of every micro-batch (``M + P - 1`` ticks), then the
     backward (``M + P - 1`` ticks). Without remat the backward is the forward loop's
-    transpose (JAX autodiff) and a stage keeps the matmul outputs of all ``M``
-    micro-batches (elementwise work is recomputed). With ``remat=True`` the forward loop
+    transpose (JAX autodiff) and a stage keeps the activations of all ``M`` micro-batches;
+    its ``2(P - 1)`` bubble ticks compute masked. With ``remat=True`` the forward loop
     stashes each micro-batch's stage input and the backward is :func:`_backward_ticks`
     (recompute + ``jax.vjp`` + ``ppermute`` to the previous stage, shared with the
-    ``to_distributed`` stand-in): ``M`` forwards, ``M`` recomputes and ``M`` backwards per
-    stage. Both skip their ``2(P - 1)`` bubble ticks.
+    ``to_distributed`` stand-in), every bubble tick skipped: ``M`` forwards, ``M``
+    recomputes and ``M`` backwards per stage.
   * ``"1F1B"``: one scan of ``T = M + 2(P - 1)`` ticks; at tick ``t`` stage ``s`` runs the
     forward of micro-batch ``t - s``, stashing only the stage input in a ring of
     ``2(P - 1)`` slots, and the backward of micro-batch ``t - 2(P - 1) + s``, recomputing
@@ -439,7 +439,7 @@ def _local_step(
     _check_head(spec, head, _take(x_mb, 0), _take(t_mb, 0))
 
     if forward_only:
-        losses = _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage)
+        losses = _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage, skip_bubbles=True)
         return _reduced(spec, losses, scale)
     run = _fthenb if spec.schedule == "FThenB" else _one_f_one_b
     losses, (d_stage, d_head, d_x) = run(spec, call, params, head, x_mb, t_mb, stage, with_dx)
@@ -482,25 +482,17 @@ def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
-def _saves_matmuls(prim: Any, *_: Any, **__: Any) -> bool:
-    return prim.name in ("dot_general", "conv_general_dilated")
-
-
-def _forward_ticks(spec, run, x_mb, stage, *, stash=False):
+def _forward_ticks(spec, run, x_mb, stage, *, skip_bubbles, stash=False):
     """The forward GPipe loop (``M + P - 1`` ticks): every micro-batch through every stage.
 
     ``run(x, i)`` runs this device's stage on activation ``x`` of micro-batch ``i``.
     Returns the stage's outputs ``[M, ...]`` (the last stage's are the stack's), and with
-    ``stash`` also its inputs ``[M, ...]`` (what a recomputing backward loop needs). A
-    ``lax.cond`` skips a stage's bubble ticks.
-
-    The stage runs under ``jax.checkpoint`` saving only matmul (and convolution)
-    outputs, so the loop can be differentiated: a plain ``cond`` under autodiff hands out
-    every residual per tick, and for a stage that scans over its layers those include each
-    layer's slice of the weights, so the scan would stack a copy of the stage's weights per
-    tick (measured with ``PipelinedBlocks`` on TinyLlama width 128, dp2 x pp4, M=4: temp
-    14.6 MiB masked, 20.6 MiB with a plain cond, 12.3 MiB with the policy). The policy
-    recomputes only elementwise work in the backward pass; the matmuls are saved.
+    ``stash`` also its inputs ``[M, ...]`` (what a recomputing backward loop needs). With
+    ``skip_bubbles`` a ``lax.cond`` skips a stage's bubble ticks. A loop that gets
+    differentiated runs masked instead: under autodiff the ``cond`` hands its residuals out
+    per tick, and for a stage that scans over its layers those include every layer's
+    weights, so the scan stacks a copy of the stage's weights per tick (measured with
+    ``PipelinedBlocks`` on TinyLlama: f32[7,1,128,256] residuals, temp 14.6 -> 20.6 MiB).
     """
     m, p, axes = spec.num_microbatches, spec.num_stages, spec.manual_axes
     act = _take(x_mb, 0)
@@ -511,8 +503,10 @@ def _forward_ticks(spec, run, x_mb, stage, *, stash=False):
         valid = (f >= 0) & (f < m)
         fi = jnp.clip(f, 0, m - 1)
         x = _select(stage == 0, _take(x_mb, fi), received)
-        work = jax.checkpoint(lambda x: run(x, fi), policy=_saves_matmuls)
-        y = lax.cond(valid, work, lambda _: _zeros(act), x)
+        if skip_bubbles:
+            y = lax.cond(valid, lambda x: run(x, fi), lambda _: _zeros(act), x)
+        else:
+            y = _select(valid, run(x, fi), _zeros(act))
         outs = _put(outs, _select(valid, y, _take(outs, fi)), fi)
         if stash:
             ins = _put(ins, _select(valid, x, _take(ins, fi)), fi)
@@ -574,7 +568,7 @@ def stage_vjp(call: Callable[..., Any], params: Any) -> Callable[..., Any]:
     return vjp
 
 
-def _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage):
+def _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage, *, skip_bubbles):
     """The forward GPipe loop, then the head on the last stage.
 
     ``call(params, x, i)`` runs this device's stage on micro-batch ``i``. Returns this
@@ -582,7 +576,9 @@ def _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage):
     """
     p, axes = spec.num_stages, spec.manual_axes
     call = jax.checkpoint(call) if spec.remat else call
-    outs = _forward_ticks(spec, lambda x, i: _vary(call(params, x, i), axes), x_mb, stage)
+    outs = _forward_ticks(
+        spec, lambda x, i: _vary(call(params, x, i), axes), x_mb, stage, skip_bubbles=skip_bubbles
+    )
 
     def heads():
         def one(yt):
@@ -598,14 +594,14 @@ def _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage):
 
 def _fthenb(spec, call, params, head, x_mb, t_mb, stage, with_dx):
     """GPipe. With ``remat``: a forward loop stashing each stage's inputs, the head's
-    value and gradient on the last stage, then :func:`_backward_ticks` (recompute + vjp).
-    Without: differentiate the forward loop (its transpose is the backward loop), which
-    keeps every micro-batch's matmul outputs. Every bubble tick is skipped."""
+    value and gradient on the last stage, then :func:`_backward_ticks` (recompute + vjp),
+    every bubble tick skipped. Without: differentiate the masked forward loop (its
+    transpose is the backward loop), which keeps every micro-batch's activations."""
     if spec.remat:
         return _fthenb_recomputing(spec, call, params, head, x_mb, t_mb, stage, with_dx)
 
     def local(params, head, x_mb):
-        losses = _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage)
+        losses = _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage, skip_bubbles=False)
         return jnp.sum(losses), losses
 
     argnums = (0, 1, 2) if with_dx else (0, 1)
@@ -616,7 +612,7 @@ def _fthenb(spec, call, params, head, x_mb, t_mb, stage, with_dx):
 def _fthenb_recomputing(spec, call, params, head, x_mb, t_mb, stage, with_dx):
     p, axes = spec.num_stages, spec.manual_axes
     outs, ins = _forward_ticks(
-        spec, lambda x, i: _vary(call(params, x, i), axes), x_mb, stage,
+        spec, lambda x, i: _vary(call(params, x, i), axes), x_mb, stage, skip_bubbles=True,
         stash=True,
     )  # fmt: skip
 
