@@ -5,22 +5,25 @@
 output, so a pipelined stack can replace a model's decoder blocks while the head and the
 loss stay the model's own code (:class:`jfleet.auto_parallel.blocks.PipelinedBlocks`).
 With the loss outside the pipeline every forward precedes every backward; the schedules
-differ in what a stage keeps between them:
+differ in what a stage keeps between them. Both are a ``jax.custom_vjp`` whose forward runs
+the GPipe forward loop (``M + P - 1`` ticks, bubble ticks skipped by ``lax.cond``) and whose
+backward runs its own loop of ``M + P - 1`` ticks (bubbles skipped): stage ``s`` pulls the
+cotangent of micro-batch ``t - (P - 1 - s)`` back, accumulates the parameter gradients and
+sends the input cotangent to the previous stage by ``lax.ppermute``. No loop is
+differentiated by JAX, so no per-tick residual (a ``cond`` would hand out the stage's
+weights per tick) is stacked.
 
-  * ``"FThenB"`` (GPipe, ``remat=False``): plain autodiff of the forward loop (``M + P - 1``
-    ticks); its transpose is the backward loop. A stage keeps the internals of every tick.
-    Bubble ticks run masked (they compute and the result is dropped): a ``lax.cond``
-    differentiated inside the loop would stack the stage's weights per tick
-    (:func:`~jfleet.parallel.pipeline_schedule._forward_ticks`). Executed work per stage:
-    ``(M + P - 1)`` forwards and their backwards.
-  * ``"1F1B"`` (and ``"FThenB"`` with ``remat=True``, the same program): a
-    ``jax.custom_vjp``. Its forward runs the GPipe forward loop with the bubble ticks
-    skipped by ``lax.cond`` and stashes only each micro-batch's stage input; its backward
-    runs its own loop of ``M + P - 1`` ticks (bubbles skipped): stage ``s`` recomputes
-    micro-batch ``t - (P - 1 - s)`` from the stash, pulls the cotangent back with
-    ``jax.vjp``, accumulates the parameter gradients and sends the input cotangent to the
-    previous stage by ``lax.ppermute``. Executed work per stage: ``M`` forwards, ``M``
-    recomputed forwards and ``M`` backwards; activation memory: ``M`` stage inputs plus one
+  * ``"FThenB"`` (GPipe): the forward stashes, per micro-batch, the stage's matmul (and
+    convolution) outputs and the other residuals of its ``jax.vjp`` except the weights
+    (:class:`SavedStage`: the stage runs under ``jax.checkpoint`` saving only matmul
+    outputs); the backward pulls back from them, recomputing only elementwise work.
+    Executed work per stage: ``M`` forwards and ``M`` backwards; activation memory: every
+    micro-batch's matmul outputs.
+  * ``"1F1B"`` (and ``"FThenB"`` with ``remat=True``, the same program): the forward
+    stashes only each micro-batch's stage input; the backward recomputes the stage from it
+    (``jax.vjp``). Executed work per stage: ``M`` forwards, ``M`` recomputed forwards
+    (XLA drops recomputed work whose result only the forward needed, such as the stage's
+    last projection) and ``M`` backwards; activation memory: ``M`` stage inputs plus one
     micro-batch's internals (the name follows Paddle's ``schedule_mode``: with the loss
     outside, the bound on memory comes from the recompute, not from interleaving).
 
@@ -158,9 +161,8 @@ def pipeline_forward(
             label="data-parallel size x pipeline stages",
         )
     side, shared = lax.stop_gradient((side, shared))
-    if schedule == "1F1B" or spec.remat:
-        return _recomputing(spec, rows)(stage_params, inputs, side, shared)
-    return _mapped(spec, rows, "autodiff")(stage_params, inputs, side, shared)
+    saving = schedule == "FThenB" and not spec.remat
+    return _pipelined(spec, rows, saving)(stage_params, inputs, side, shared)
 
 
 def _no_head(*_: Any) -> jax.Array:
@@ -173,8 +175,8 @@ def _batch_spec(spec: _Pipeline, rows: bool) -> P:
 
 
 def _stash_spec(spec: _Pipeline) -> P:
-    data = spec.data_axes
-    return P(spec.pp_axis, None, data) if data else P(spec.pp_axis)
+    """What a device stashed, as one block per device of a leading axis."""
+    return P((spec.pp_axis, *spec.data_axes))
 
 
 def _gather(tree: Any, spec: _Pipeline, rows: bool) -> Any:
@@ -193,19 +195,19 @@ def _scatter(tree: Any, spec: _Pipeline, rows: bool) -> Any:
     )
 
 
-def _mapped(spec: _Pipeline, rows: bool, mode: str) -> Callable[..., Any]:
-    """The jitted ``shard_map`` of one pass: ``"autodiff"`` (masked loop, differentiated by
-    JAX), ``"forward"`` (bubbles skipped), ``"stash"`` (forward + stage inputs) or
-    ``"backward"`` (the recomputing backward loop)."""
+def _mapped(spec: _Pipeline, rows: bool, mode: str, saving: bool = False) -> Callable[..., Any]:
+    """The jitted ``shard_map`` of one pass: ``"forward"``, ``"stash"`` (forward + what
+    the backward needs: the stage inputs, or with ``saving`` the matmul outputs) or
+    ``"backward"`` (the backward loop)."""
     pp, batch = spec.pp_axis, _batch_spec(spec, rows)
     if mode == "backward":
         in_specs = (P(pp), _stash_spec(spec), batch, P(), batch)
         out_specs: Any = (P(pp), batch)
-        body: Callable[..., Any] = lambda *a: _local_backward(spec, rows, *a)  # noqa: E731
+        body: Callable[..., Any] = lambda *a: _local_backward(spec, rows, saving, *a)  # noqa: E731
     else:
         in_specs = (P(pp), batch, batch, P())
         out_specs = (batch, _stash_spec(spec)) if mode == "stash" else batch
-        body = lambda *a: _local_forward(spec, rows, mode, *a)  # noqa: E731
+        body = lambda *a: _local_forward(spec, rows, mode, saving, *a)  # noqa: E731
     mapped = jax.shard_map(
         body,
         mesh=spec.mesh,
@@ -217,20 +219,23 @@ def _mapped(spec: _Pipeline, rows: bool, mode: str) -> Callable[..., Any]:
     return jax.jit(mapped)
 
 
-def _recomputing(spec: _Pipeline, rows: bool) -> Callable[..., Any]:
-    """``f(stage_params, inputs, side, shared) -> y`` whose VJP is the recomputing loop."""
+def _pipelined(spec: _Pipeline, rows: bool, saving: bool) -> Callable[..., Any]:
+    """``f(stage_params, inputs, side, shared) -> y`` whose VJP is the backward loop: it
+    recomputes each stage from its stashed input, or (``saving``) pulls back from the
+    stashed matmul outputs."""
 
     @jax.custom_vjp
     def run(stage_params, inputs, side, shared):
         return _mapped(spec, rows, "forward")(stage_params, inputs, side, shared)
 
     def fwd(stage_params, inputs, side, shared):
-        y, ins = _mapped(spec, rows, "stash")(stage_params, inputs, side, shared)
+        y, ins = _mapped(spec, rows, "stash", saving)(stage_params, inputs, side, shared)
         return y, (stage_params, ins, side, shared, inputs)
 
     def bwd(res, g):
         stage_params, ins, side, shared, inputs = res
-        d_params, d_inputs = _mapped(spec, rows, "backward")(stage_params, ins, side, shared, g)
+        backward = _mapped(spec, rows, "backward", saving)
+        d_params, d_inputs = backward(stage_params, ins, side, shared, g)
         return d_params, jax.tree.map(_cotangent, d_inputs, inputs), None, None
 
     run.defvjp(fwd, bwd)
@@ -250,7 +255,7 @@ def _prepare(spec, rows, stage_params, side, shared):
     return params, _stage_call(spec, side_mb, _vary(shared, axes)), lax.axis_index(spec.pp_axis)
 
 
-def _local_forward(spec, rows, mode, stage_params, inputs, side, shared):
+def _local_forward(spec, rows, mode, saving, stage_params, inputs, side, shared):
     """One device's forward: the GPipe loop, the last stage's output (and the stash)."""
     axes = spec.manual_axes
     params, call, stage = _prepare(spec, rows, stage_params, side, shared)
@@ -260,8 +265,12 @@ def _local_forward(spec, rows, mode, stage_params, inputs, side, shared):
     def run(x, i):
         return _vary(call(params, x, i), axes)
 
-    stash = mode == "stash"
-    got = _forward_ticks(spec, run, x_mb, stage, skip_bubbles=mode != "autodiff", stash=stash)
+    stash: Any = mode == "stash"
+    if stash and saving:
+        saved = SavedStage(call, params, _take(x_mb, 0))
+        run, stash = saved.forward, saved.shapes
+    got = _forward_ticks(spec, run, x_mb, stage, skip_bubbles=True, stash=stash)
+    stash = stash is not False
     outs = got[0] if stash else got
     last = stage == spec.num_stages - 1
     outs = jax.tree.map(lambda a: jnp.where(last, a, jnp.zeros_like(a)), outs)
@@ -269,18 +278,66 @@ def _local_forward(spec, rows, mode, stage_params, inputs, side, shared):
     return (y, jax.tree.map(lambda a: a[None], got[1])) if stash else y
 
 
-def _local_backward(spec, rows, stage_params, ins, side, shared, g):
+def _local_backward(spec, rows, saving, stage_params, ins, side, shared, g):
     """One device's backward loop: parameter gradients (summed over the data axes) and
     the input cotangent (stage 0's, summed or scattered over ``pp``)."""
     axes = spec.manual_axes
     params, call, stage = _prepare(spec, rows, stage_params, side, shared)
     ins = _vary(jax.tree.map(lambda a: a[0], ins), axes)
     g_mb = _vary(_split(_gather(g, spec, rows), spec), axes)
-    d_params, d_x = _backward_ticks(spec, stage_vjp(call, params), params, ins, g_mb, stage)
+    vjp = SavedStage(call, params, _take(g_mb, 0)).backward if saving else stage_vjp(call, params)
+    d_params, d_x = _backward_ticks(spec, vjp, params, ins, g_mb, stage)
     if spec.data_axes:
         d_params = lax.psum(d_params, spec.data_axes)
     d_params = jax.tree.map(lambda d, p: d.astype(p.dtype)[None], d_params, stage_params)
     return d_params, _scatter(_unsplit(d_x), spec, rows)
+
+
+def _saves_matmuls(prim: Any, *_: Any, **__: Any) -> bool:
+    return prim.name in ("dot_general", "conv_general_dilated")
+
+
+class SavedStage:
+    """A stage whose backward pulls back from saved matmul outputs, not the weights.
+
+    ``forward(x, i) -> (y, saved)`` runs ``call(params, x, i)`` under ``jax.checkpoint``
+    saving only matmul (and convolution) outputs and returns the residuals of its
+    ``jax.vjp`` without the parameters; ``backward(saved, g, i) -> (d_params, d_x)`` puts
+    the parameters back and pulls ``g`` back (elementwise work recomputed, no matmul).
+    Stashing ``saved`` per micro-batch outside any differentiated loop keeps one copy of
+    the weights: a ``lax.cond`` differentiated inside the loop would stack them per tick.
+
+    Attributes:
+      shapes: the saved residuals of one micro-batch (``jax.ShapeDtypeStruct``s).
+    """
+
+    def __init__(self, call: Callable[..., Any], params: Any, x: Any) -> None:
+        self.call, self.params = call, params
+        where: list[int | None] = []
+
+        def probe(params: Any, x: Any) -> list:
+            leaves = jax.tree.leaves(self._linear(params, x, jnp.zeros((), jnp.int32))[1])
+            flat = jax.tree.leaves(params)
+            where[:] = [next((k for k, q in enumerate(flat) if q is a), None) for a in leaves]
+            return [a for a, w in zip(leaves, where, strict=True) if w is None]
+
+        self.shapes = jax.eval_shape(probe, params, x)
+        self.where = tuple(where)
+
+    def _linear(self, params: Any, x: Any, i: jax.Array) -> Any:
+        fn = jax.checkpoint(lambda p, x: self.call(p, x, i), policy=_saves_matmuls)
+        return jax.vjp(fn, params, x)
+
+    def forward(self, x: Any, i: jax.Array) -> tuple[Any, list]:
+        y, pull = self._linear(self.params, x, i)
+        leaves = jax.tree.leaves(pull)
+        return y, [a for a, w in zip(leaves, self.where, strict=True) if w is None]
+
+    def backward(self, saved: list, g: Any, i: jax.Array) -> Any:
+        tree = jax.tree.structure(jax.eval_shape(lambda x: self._linear(self.params, x, i)[1], g))
+        kept, flat = iter(saved), jax.tree.leaves(self.params)
+        leaves = [next(kept) if w is None else flat[w] for w in self.where]
+        return jax.tree.unflatten(tree, leaves)(g)
 
 
 def rows_fit(batch: int, mesh: Mesh, num_microbatches: int, data_axes: tuple = DATA_AXES) -> bool:

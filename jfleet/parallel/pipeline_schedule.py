@@ -487,7 +487,9 @@ def _forward_ticks(spec, run, x_mb, stage, *, skip_bubbles, stash=False):
 
     ``run(x, i)`` runs this device's stage on activation ``x`` of micro-batch ``i``.
     Returns the stage's outputs ``[M, ...]`` (the last stage's are the stack's), and with
-    ``stash`` also its inputs ``[M, ...]`` (what a recomputing backward loop needs). With
+    ``stash=True`` also its inputs ``[M, ...]`` (what a recomputing backward loop needs);
+    with ``stash`` a pytree of shapes, ``run`` returns ``(y, saved)`` with ``saved`` of
+    those shapes, stashed per micro-batch instead (bubble ticks skipped). With
     ``skip_bubbles`` a ``lax.cond`` skips a stage's bubble ticks. A loop that JAX
     differentiates (FThenB without remat) runs masked instead: the weights are residuals
     of the stage's backward (for the input's cotangent), and a ``cond`` under autodiff
@@ -500,6 +502,7 @@ def _forward_ticks(spec, run, x_mb, stage, *, skip_bubbles, stash=False):
     """
     m, p, axes = spec.num_microbatches, spec.num_stages, spec.manual_axes
     act = _take(x_mb, 0)
+    saving = stash not in (False, True)  # run returns (y, saved); saved is stashed
 
     def tick(carry, t):
         received, outs, ins = carry
@@ -507,33 +510,43 @@ def _forward_ticks(spec, run, x_mb, stage, *, skip_bubbles, stash=False):
         valid = (f >= 0) & (f < m)
         fi = jnp.clip(f, 0, m - 1)
         x = _select(stage == 0, _take(x_mb, fi), received)
-        if skip_bubbles:
-            y = lax.cond(valid, lambda x: run(x, fi), lambda _: _zeros(act), x)
+        if saving:
+            idle = _vary(
+                (_zeros(act), jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stash)), axes
+            )
+            y, kept = lax.cond(valid, lambda x: _vary(run(x, fi), axes), lambda _: idle, x)
+        elif skip_bubbles:
+            y, kept = lax.cond(valid, lambda x: run(x, fi), lambda _: _zeros(act), x), x
         else:
-            y = _select(valid, run(x, fi), _zeros(act))
+            y, kept = _select(valid, run(x, fi), _zeros(act)), x
         outs = _put(outs, _select(valid, y, _take(outs, fi)), fi)
-        if stash:
-            ins = _put(ins, _select(valid, x, _take(ins, fi)), fi)
+        if stash is not False:
+            ins = _put(ins, _select(valid, kept, _take(ins, fi)), fi)
         return (_shift(y, spec, 1), outs, ins), None
 
-    init = _vary((_zeros(act), _zeros(x_mb), _zeros(x_mb) if stash else None), axes)
+    if saving:
+        kept0 = jax.tree.map(lambda a: jnp.zeros((m, *a.shape), a.dtype), stash)
+    else:
+        kept0 = _zeros(x_mb) if stash else None
+    init = _vary((_zeros(act), _zeros(x_mb), kept0), axes)
     (_, outs, ins), _ = lax.scan(tick, init, jnp.arange(m + p - 1))
-    return (outs, ins) if stash else outs
+    return (outs, ins) if stash is not False else outs
 
 
 def _backward_ticks(spec, vjp, params, ins, g_last, stage):
     """The backward loop of a recomputing GPipe (``M + P - 1`` ticks), bubbles skipped.
 
     At tick ``t`` stage ``s`` runs the backward of micro-batch ``t - (P - 1 - s)``:
-    ``vjp(x, g, i) -> (d_params, d_x)`` recomputes the stage from its stashed input
-    ``ins[i]`` and pulls back ``g``, the last stage's ``g_last[i]`` or the cotangent the
+    ``vjp(x, g, i) -> (d_params, d_x)`` pulls ``g`` back from what the forward stashed for
+    micro-batch ``i``, ``ins[i]`` (its stage input, recomputing the stage, or the stage's
+    saved matmul outputs), ``g`` being the last stage's ``g_last[i]`` or the cotangent the
     next stage sent the tick before (``lax.ppermute`` to the previous stage). A
     ``lax.cond`` skips the ``P - 1`` bubble ticks. Returns the parameter gradients summed
     over micro-batches (fp32 or wider) and the input cotangents ``[M, ...]`` (stage 0's;
     zeros elsewhere).
     """
     m, p, axes = spec.num_microbatches, spec.num_stages, spec.manual_axes
-    act = _take(ins, 0)
+    act = _take(g_last, 0)
     zero = _vary((_zeros(params), _zeros(act)), axes)
 
     def tick(carry, t):
@@ -554,7 +567,7 @@ def _backward_ticks(spec, vjp, params, ins, g_last, stage):
         return (_shift(dx, spec, -1), d_params, d_x), None
 
     acc = jax.tree.map(lambda a: jnp.zeros_like(a, dtype=_acc_dtype(a)), params)
-    init = _vary((_zeros(act), acc, _zeros(ins)), axes)
+    init = _vary((_zeros(act), acc, _zeros(g_last)), axes)
     (_, d_params, d_x), _ = lax.scan(tick, init, jnp.arange(m + p - 1))
     return d_params, d_x
 

@@ -101,9 +101,10 @@ def stage_ticks(
       forwards on every stage but the last, which runs each micro-batch's forward, loss
       and backward in one tick; ``4(P - 1)`` slots are bubbles.
     * :func:`~jfleet.parallel.pipeline_forward.pipeline_forward` (``loss_inside=False``,
-      the ``to_distributed`` stand-in): FThenB without remat as above; 1F1B, and FThenB
-      with remat, run ``M`` forwards, ``M`` recomputes and ``M`` backwards with ``2(P - 1)``
-      bubbles on every stage.
+      the ``to_distributed`` stand-in): FThenB runs ``M`` forwards and ``M`` backwards (its
+      backward loop pulls back from the forward's saved matmul outputs), with remat also
+      ``M`` recomputes; 1F1B runs ``M`` forwards, ``M`` recomputes and ``M`` backwards;
+      ``2(P - 1)`` bubbles on every stage.
 
     Example:
       >>> stage_ticks("1F1B", 2, 4)
@@ -115,7 +116,7 @@ def stage_ticks(
     out = []
     for stage in range(p):
         if schedule == "FThenB" and not remat:
-            counts = (m, 0, m, 2 * (p - 1), 0)
+            counts = (m, 0, m, 2 * (p - 1), 0) if loss_inside else (m, 0, m, 0, 2 * (p - 1))
         elif schedule == "1F1B" and loss_inside:
             last = stage == p - 1
             counts = (m, 0 if last else m, m, 0, 4 * (p - 1))
