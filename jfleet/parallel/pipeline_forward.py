@@ -15,10 +15,10 @@ weights per tick) is stacked.
 
   * ``"FThenB"`` (GPipe): the forward stashes, per micro-batch, the stage's matmul (and
     convolution) outputs and the other residuals of its ``jax.vjp`` except the weights
-    (:class:`SavedStage`: the stage runs under ``jax.checkpoint`` saving only matmul
-    outputs); the backward pulls back from them, recomputing only elementwise work.
-    Executed work per stage: ``M`` forwards and ``M`` backwards; activation memory: every
-    micro-batch's matmul outputs.
+    (:class:`~jfleet.parallel.pipeline_schedule.SavedStage`: the stage runs under
+    ``jax.checkpoint`` saving only matmul outputs); the backward pulls back from them,
+    recomputing only elementwise work. Executed work per stage: ``M`` forwards and ``M``
+    backwards; activation memory: every micro-batch's matmul outputs.
   * ``"1F1B"`` (and ``"FThenB"`` with ``remat=True``, the same program): the forward
     stashes only each micro-batch's stage input; the backward recomputes the stage from it
     (``jax.vjp``). Executed work per stage: ``M`` forwards, ``M`` recomputed forwards
@@ -64,6 +64,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jfleet.parallel.pipeline_schedule import (
+    SavedStage,
     StageFn,
     _backward_ticks,
     _check_stage,
@@ -269,7 +270,7 @@ def _local_forward(spec, rows, mode, saving, stage_params, inputs, side, shared)
     if stash and saving:
         saved = SavedStage(call, params, _take(x_mb, 0))
         run, stash = saved.forward, saved.shapes
-    got = _forward_ticks(spec, run, x_mb, stage, skip_bubbles=True, stash=stash)
+    got = _forward_ticks(spec, run, x_mb, stage, stash=stash)
     stash = stash is not False
     outs = got[0] if stash else got
     last = stage == spec.num_stages - 1
@@ -291,53 +292,6 @@ def _local_backward(spec, rows, saving, stage_params, ins, side, shared, g):
         d_params = lax.psum(d_params, spec.data_axes)
     d_params = jax.tree.map(lambda d, p: d.astype(p.dtype)[None], d_params, stage_params)
     return d_params, _scatter(_unsplit(d_x), spec, rows)
-
-
-def _saves_matmuls(prim: Any, *_: Any, **__: Any) -> bool:
-    return prim.name in ("dot_general", "conv_general_dilated")
-
-
-class SavedStage:
-    """A stage whose backward pulls back from saved matmul outputs, not the weights.
-
-    ``forward(x, i) -> (y, saved)`` runs ``call(params, x, i)`` under ``jax.checkpoint``
-    saving only matmul (and convolution) outputs and returns the residuals of its
-    ``jax.vjp`` without the parameters; ``backward(saved, g, i) -> (d_params, d_x)`` puts
-    the parameters back and pulls ``g`` back (elementwise work recomputed, no matmul).
-    Stashing ``saved`` per micro-batch outside any differentiated loop keeps one copy of
-    the weights: a ``lax.cond`` differentiated inside the loop would stack them per tick.
-
-    Attributes:
-      shapes: the saved residuals of one micro-batch (``jax.ShapeDtypeStruct``s).
-    """
-
-    def __init__(self, call: Callable[..., Any], params: Any, x: Any) -> None:
-        self.call, self.params = call, params
-        where: list[int | None] = []
-
-        def probe(params: Any, x: Any) -> list:
-            leaves = jax.tree.leaves(self._linear(params, x, jnp.zeros((), jnp.int32))[1])
-            flat = jax.tree.leaves(params)
-            where[:] = [next((k for k, q in enumerate(flat) if q is a), None) for a in leaves]
-            return [a for a, w in zip(leaves, where, strict=True) if w is None]
-
-        self.shapes = jax.eval_shape(probe, params, x)
-        self.where = tuple(where)
-
-    def _linear(self, params: Any, x: Any, i: jax.Array) -> Any:
-        fn = jax.checkpoint(lambda p, x: self.call(p, x, i), policy=_saves_matmuls)
-        return jax.vjp(fn, params, x)
-
-    def forward(self, x: Any, i: jax.Array) -> tuple[Any, list]:
-        y, pull = self._linear(self.params, x, i)
-        leaves = jax.tree.leaves(pull)
-        return y, [a for a, w in zip(leaves, self.where, strict=True) if w is None]
-
-    def backward(self, saved: list, g: Any, i: jax.Array) -> Any:
-        tree = jax.tree.structure(jax.eval_shape(lambda x: self._linear(self.params, x, i)[1], g))
-        kept, flat = iter(saved), jax.tree.leaves(self.params)
-        leaves = [next(kept) if w is None else flat[w] for w in self.where]
-        return jax.tree.unflatten(tree, leaves)(g)
 
 
 def rows_fit(batch: int, mesh: Mesh, num_microbatches: int, data_axes: tuple = DATA_AXES) -> bool:

@@ -13,22 +13,20 @@ How it runs:
   * stage ``s`` owns ``tree.map(lambda x: x[s], stage_params)`` (leading axis sharded on
     ``pp``); activations go to the next stage and cotangents to the previous one by
     ``lax.ppermute`` once per tick of a ``lax.scan``; ``lax.cond`` on per-device validity
-    skips the bubble's work (except in a loop JAX differentiates, FThenB without remat,
-    where the bubbles run masked: see :func:`_forward_ticks`);
+    skips the bubble's work;
   * a ``jax.custom_vjp``: its forward runs the whole training schedule (the forward and
     backward passes of every micro-batch, as 1F1B interleaves them) and keeps the
     gradients as residuals; its backward multiplies them by the incoming cotangent (a loss
     scale, say). Without differentiation (``jax.jit(loss)``) a forward-only GPipe loop runs.
 
 Schedules (:mod:`jfleet.parallel.schedule_ticks` counts their ticks, work and collectives):
-  * ``"FThenB"`` (GPipe): the forward of every micro-batch (``M + P - 1`` ticks), then the
-    backward (``M + P - 1`` ticks). Without remat the backward is the forward loop's
-    transpose (JAX autodiff) and a stage keeps the activations of all ``M`` micro-batches;
-    its ``2(P - 1)`` bubble ticks compute masked. With ``remat=True`` the forward loop
-    stashes each micro-batch's stage input and the backward is :func:`_backward_ticks`
-    (recompute + ``jax.vjp`` + ``ppermute`` to the previous stage, shared with the
-    ``to_distributed`` stand-in), every bubble tick skipped: ``M`` forwards, ``M``
-    recomputes and ``M`` backwards per stage.
+  * ``"FThenB"`` (GPipe): the forward of every micro-batch (``M + P - 1`` ticks), stashing
+    per micro-batch what its backward needs, then the backward loop (``M + P - 1`` ticks,
+    :func:`_backward_ticks`: ``jax.vjp`` + ``ppermute`` to the previous stage, shared with
+    the ``to_distributed`` stand-in). Without remat the stash is the stage's matmul outputs
+    (:class:`SavedStage`; elementwise work is recomputed); with ``remat=True`` only each
+    micro-batch's stage input, and the backward recomputes the stage. Both skip their
+    ``2(P - 1)`` bubble ticks.
   * ``"1F1B"``: one scan of ``T = M + 2(P - 1)`` ticks; at tick ``t`` stage ``s`` runs the
     forward of micro-batch ``t - s``, stashing only the stage input in a ring of
     ``2(P - 1)`` slots, and the backward of micro-batch ``t - 2(P - 1) + s``, recomputing
@@ -439,7 +437,7 @@ def _local_step(
     _check_head(spec, head, _take(x_mb, 0), _take(t_mb, 0))
 
     if forward_only:
-        losses = _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage, skip_bubbles=True)
+        losses = _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage)
         return _reduced(spec, losses, scale)
     run = _fthenb if spec.schedule == "FThenB" else _one_f_one_b
     losses, (d_stage, d_head, d_x) = run(spec, call, params, head, x_mb, t_mb, stage, with_dx)
@@ -482,23 +480,21 @@ def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
-def _forward_ticks(spec, run, x_mb, stage, *, skip_bubbles, stash=False):
+def _forward_ticks(spec, run, x_mb, stage, *, stash=False):
     """The forward GPipe loop (``M + P - 1`` ticks): every micro-batch through every stage.
 
-    ``run(x, i)`` runs this device's stage on activation ``x`` of micro-batch ``i``.
-    Returns the stage's outputs ``[M, ...]`` (the last stage's are the stack's), and with
-    ``stash=True`` also its inputs ``[M, ...]`` (what a recomputing backward loop needs);
-    with ``stash`` a pytree of shapes, ``run`` returns ``(y, saved)`` with ``saved`` of
-    those shapes, stashed per micro-batch instead (bubble ticks skipped). With
-    ``skip_bubbles`` a ``lax.cond`` skips a stage's bubble ticks. A loop that JAX
-    differentiates (FThenB without remat) runs masked instead: the weights are residuals
-    of the stage's backward (for the input's cotangent), and a ``cond`` under autodiff
-    returns its residuals as outputs, which vary per tick, so the scan stacks a copy of the
-    stage's weights per tick (measured, 8 CPU devices, pp4 x dp2: f32[19,4,256,256] for
-    M=16 of a 4-layer 256-wide stage, temp 9.5 -> 25.3 MiB; ``PipelinedBlocks`` on
-    TinyLlama: f32[7,1,128,256]). ``jax.checkpoint`` around the branch (saving only
-    matmul outputs) does not help: the weights stay residuals. Masked, the weights are
-    loop-invariant and the scan keeps one copy.
+    ``run(x, i)`` runs this device's stage on activation ``x`` of micro-batch ``i``; a
+    ``lax.cond`` skips its bubble ticks. Returns the stage's outputs ``[M, ...]`` (the last
+    stage's are the stack's), and with ``stash=True`` also its inputs ``[M, ...]`` (what a
+    recomputing backward loop needs); with ``stash`` a pytree of shapes, ``run`` returns
+    ``(y, saved)`` and ``saved`` is stashed per micro-batch instead (:class:`SavedStage`).
+
+    No caller differentiates this loop: under autodiff a ``cond`` returns its residuals as
+    outputs that vary per tick, the stage's weights among them (needed for the input's
+    cotangent), so the scan would stack a copy of the weights per tick (measured, pp4 x
+    dp2: f32[19,4,256,256] at M=16 for a 4-layer 256-wide stage, temp 9.5 -> 25.3 MiB,
+    with or without ``jax.checkpoint`` around the branch). The backward is
+    :func:`_backward_ticks`, inside a ``jax.custom_vjp``.
     """
     m, p, axes = spec.num_microbatches, spec.num_stages, spec.manual_axes
     act = _take(x_mb, 0)
@@ -511,14 +507,11 @@ def _forward_ticks(spec, run, x_mb, stage, *, skip_bubbles, stash=False):
         fi = jnp.clip(f, 0, m - 1)
         x = _select(stage == 0, _take(x_mb, fi), received)
         if saving:
-            idle = _vary(
-                (_zeros(act), jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stash)), axes
-            )
+            none = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stash)
+            idle = _vary((_zeros(act), none), axes)
             y, kept = lax.cond(valid, lambda x: _vary(run(x, fi), axes), lambda _: idle, x)
-        elif skip_bubbles:
-            y, kept = lax.cond(valid, lambda x: run(x, fi), lambda _: _zeros(act), x), x
         else:
-            y, kept = _select(valid, run(x, fi), _zeros(act)), x
+            y, kept = lax.cond(valid, lambda x: run(x, fi), lambda _: _zeros(act), x), x
         outs = _put(outs, _select(valid, y, _take(outs, fi)), fi)
         if stash is not False:
             ins = _put(ins, _select(valid, kept, _take(ins, fi)), fi)
@@ -531,6 +524,53 @@ def _forward_ticks(spec, run, x_mb, stage, *, skip_bubbles, stash=False):
     init = _vary((_zeros(act), _zeros(x_mb), kept0), axes)
     (_, outs, ins), _ = lax.scan(tick, init, jnp.arange(m + p - 1))
     return (outs, ins) if stash is not False else outs
+
+
+def _saves_matmuls(prim: Any, *_: Any, **__: Any) -> bool:
+    return prim.name in ("dot_general", "conv_general_dilated")
+
+
+class SavedStage:
+    """A stage whose backward pulls back from saved matmul outputs, not the weights.
+
+    ``forward(x, i) -> (y, saved)`` runs ``call(params, x, i)`` under ``jax.checkpoint``
+    saving only matmul (and convolution) outputs and returns the residuals of its
+    ``jax.vjp`` without the parameters; ``backward(saved, g, i) -> (d_params, d_x)`` puts
+    the parameters back and pulls ``g`` back (elementwise work recomputed, no matmul).
+    Stashing ``saved`` per micro-batch outside any differentiated loop keeps one copy of
+    the weights: a ``lax.cond`` differentiated inside the loop would stack them per tick.
+
+    Attributes:
+      shapes: the saved residuals of one micro-batch (``jax.ShapeDtypeStruct``s).
+    """
+
+    def __init__(self, call: Callable[..., Any], params: Any, x: Any) -> None:
+        self.call, self.params = call, params
+        where: list[int | None] = []
+
+        def probe(params: Any, x: Any) -> list:
+            leaves = jax.tree.leaves(self._linear(params, x, jnp.zeros((), jnp.int32))[1])
+            flat = jax.tree.leaves(params)
+            where[:] = [next((k for k, q in enumerate(flat) if q is a), None) for a in leaves]
+            return [a for a, w in zip(leaves, where, strict=True) if w is None]
+
+        self.shapes = jax.eval_shape(probe, params, x)
+        self.where = tuple(where)
+
+    def _linear(self, params: Any, x: Any, i: jax.Array) -> Any:
+        fn = jax.checkpoint(lambda p, x: self.call(p, x, i), policy=_saves_matmuls)
+        return jax.vjp(fn, params, x)
+
+    def forward(self, x: Any, i: jax.Array) -> tuple[Any, list]:
+        y, pull = self._linear(self.params, x, i)
+        leaves = jax.tree.leaves(pull)
+        return y, [a for a, w in zip(leaves, self.where, strict=True) if w is None]
+
+    def backward(self, saved: list, g: Any, i: jax.Array) -> Any:
+        tree = jax.tree.structure(jax.eval_shape(lambda x: self._linear(self.params, x, i)[1], g))
+        kept, flat = iter(saved), jax.tree.leaves(self.params)
+        leaves = [next(kept) if w is None else flat[w] for w in self.where]
+        return jax.tree.unflatten(tree, leaves)(g)
 
 
 def _backward_ticks(spec, vjp, params, ins, g_last, stage):
@@ -585,17 +625,14 @@ def stage_vjp(call: Callable[..., Any], params: Any) -> Callable[..., Any]:
     return vjp
 
 
-def _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage, *, skip_bubbles):
+def _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage):
     """The forward GPipe loop, then the head on the last stage.
 
     ``call(params, x, i)`` runs this device's stage on micro-batch ``i``. Returns this
     device's head loss per micro-batch ``[M]`` (zeros off the last stage).
     """
     p, axes = spec.num_stages, spec.manual_axes
-    call = jax.checkpoint(call) if spec.remat else call
-    outs = _forward_ticks(
-        spec, lambda x, i: _vary(call(params, x, i), axes), x_mb, stage, skip_bubbles=skip_bubbles
-    )
+    outs = _forward_ticks(spec, lambda x, i: _vary(call(params, x, i), axes), x_mb, stage)
 
     def heads():
         def one(yt):
@@ -610,28 +647,17 @@ def _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage, *, skip_bubbles)
 
 
 def _fthenb(spec, call, params, head, x_mb, t_mb, stage, with_dx):
-    """GPipe. With ``remat``: a forward loop stashing each stage's inputs, the head's
-    value and gradient on the last stage, then :func:`_backward_ticks` (recompute + vjp),
-    every bubble tick skipped. Without: differentiate the masked forward loop (its
-    transpose is the backward loop), which keeps every micro-batch's activations."""
-    if spec.remat:
-        return _fthenb_recomputing(spec, call, params, head, x_mb, t_mb, stage, with_dx)
-
-    def local(params, head, x_mb):
-        losses = _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage, skip_bubbles=False)
-        return jnp.sum(losses), losses
-
-    argnums = (0, 1, 2) if with_dx else (0, 1)
-    (_, losses), grads = jax.value_and_grad(local, argnums, has_aux=True)(params, head, x_mb)
-    return losses, grads if with_dx else (*grads, None)
-
-
-def _fthenb_recomputing(spec, call, params, head, x_mb, t_mb, stage, with_dx):
+    """GPipe: a forward loop stashing per micro-batch what the backward needs (the stage
+    input with ``remat``, else the stage's saved matmul outputs, :class:`SavedStage`), the
+    head's value and gradient on the last stage, then :func:`_backward_ticks`; every
+    bubble tick skipped."""
     p, axes = spec.num_stages, spec.manual_axes
-    outs, ins = _forward_ticks(
-        spec, lambda x, i: _vary(call(params, x, i), axes), x_mb, stage, skip_bubbles=True,
-        stash=True,
-    )  # fmt: skip
+    if spec.remat:
+        run, stash, vjp = lambda x, i: _vary(call(params, x, i), axes), True, None
+    else:
+        saved = SavedStage(call, params, _take(x_mb, 0))
+        run, stash, vjp = saved.forward, saved.shapes, saved.backward
+    outs, ins = _forward_ticks(spec, run, x_mb, stage, stash=stash)
 
     def heads(head, outs):
         def one(head, y, t):
@@ -647,7 +673,8 @@ def _fthenb_recomputing(spec, call, params, head, x_mb, t_mb, stage, with_dx):
     no_loss = jnp.zeros((spec.num_microbatches,), jnp.float32)
     zeros = _vary((no_loss, _zeros(head), _zeros(outs)), axes)
     losses, d_head, g_last = lax.cond(stage == p - 1, heads, lambda *_: zeros, head, outs)
-    d_stage, d_x = _backward_ticks(spec, stage_vjp(call, params), params, ins, g_last, stage)
+    vjp = vjp or stage_vjp(call, params)
+    d_stage, d_x = _backward_ticks(spec, vjp, params, ins, g_last, stage)
     return losses, (d_stage, d_head, d_x if with_dx else None)
 
 

@@ -4,12 +4,12 @@ The accounting of :mod:`jfleet.parallel.pipeline_schedule` (``pipeline_loss``) a
 :mod:`jfleet.parallel.pipeline_forward` (the ``to_distributed`` stand-in), for the cost
 model, the benchmarks and the structural tests: :func:`schedule_stats` (ticks,
 collective-permutes, bubble fraction, stash slots), :func:`stage_ticks` (per stage, the
-units of forward / recompute / backward / masked work and skipped bubbles) and
+units of forward / recompute / backward work and skipped bubbles) and
 :func:`taken_branches` (how often a stage takes each branch of the compiled conditionals,
 for :func:`jfleet.testing.hlo.executed_flops`).
 
 Example:
-  >>> schedule_stats("FThenB", 4, 8)["ticks"], stage_ticks("FThenB", 4, 8)[0]["masked"]
+  >>> schedule_stats("FThenB", 4, 8)["ticks"], stage_ticks("FThenB", 4, 8)[0]["bubble"]
   (22, 6)
 """
 
@@ -75,7 +75,7 @@ def schedule_stats(schedule: str, num_stages: int, num_microbatches: int) -> dic
 
 
 #: The kinds of work :func:`stage_ticks` counts, one micro-batch through one stage each.
-TICK_KINDS = ("forward", "recompute", "backward", "masked", "bubble")
+TICK_KINDS = ("forward", "recompute", "backward", "bubble")
 
 
 def stage_ticks(
@@ -89,39 +89,37 @@ def stage_ticks(
     """Per stage, how many units of each kind of work one training step runs.
 
     A unit is one micro-batch through one stage: ``"forward"``, ``"recompute"`` (a forward
-    run again in the backward pass), ``"backward"`` (the vjp), ``"masked"`` (a bubble tick
-    that computes a forward or a backward and drops it), ``"bubble"`` (a tick slot whose
-    work ``lax.cond`` skips). Executed work per stage is ``forward + recompute + backward
-    + masked`` units; the slowest stage sets the step time.
+    run again in the backward pass), ``"backward"`` (the vjp), ``"bubble"`` (a tick slot
+    whose work ``lax.cond`` skips). Executed work per stage is ``forward + recompute +
+    backward`` units; the slowest stage sets the step time.
 
-    * :func:`pipeline_loss` (``loss_inside=True``): FThenB without remat differentiates a
-      masked loop: ``M`` forwards and backwards plus ``2(P - 1)`` masked ticks; FThenB
-      with remat skips its ``2(P - 1)`` bubbles and recomputes ``M`` forwards; 1F1B
-      (``M + 2(P - 1)`` ticks of a forward slot and a backward slot) recomputes ``M``
-      forwards on every stage but the last, which runs each micro-batch's forward, loss
-      and backward in one tick; ``4(P - 1)`` slots are bubbles.
+    * :func:`~jfleet.parallel.pipeline_schedule.pipeline_loss` (``loss_inside=True``):
+      FThenB (``2(M + P - 1)`` ticks) runs ``M`` forwards and ``M`` backwards (pulled back
+      from the forward's saved matmul outputs), with remat ``M`` recomputes instead;
+      ``2(P - 1)`` ticks are bubbles. 1F1B (``M + 2(P - 1)`` ticks of a forward slot and a
+      backward slot) recomputes ``M`` forwards on every stage but the last, which runs
+      each micro-batch's forward, loss and backward in one tick; ``4(P - 1)`` slots are
+      bubbles.
     * :func:`~jfleet.parallel.pipeline_forward.pipeline_forward` (``loss_inside=False``,
-      the ``to_distributed`` stand-in): FThenB runs ``M`` forwards and ``M`` backwards (its
-      backward loop pulls back from the forward's saved matmul outputs), with remat also
-      ``M`` recomputes; 1F1B runs ``M`` forwards, ``M`` recomputes and ``M`` backwards;
-      ``2(P - 1)`` bubbles on every stage.
+      the ``to_distributed`` stand-in): FThenB as above; 1F1B (the same program as FThenB
+      with remat) runs ``M`` forwards, ``M`` recomputes and ``M`` backwards; ``2(P - 1)``
+      bubbles on every stage.
 
     Example:
       >>> stage_ticks("1F1B", 2, 4)
-      [{'forward': 4, 'recompute': 4, 'backward': 4, 'masked': 0, 'bubble': 4}, \
-{'forward': 4, 'recompute': 0, 'backward': 4, 'masked': 0, 'bubble': 4}]
+      [{'forward': 4, 'recompute': 4, 'backward': 4, 'bubble': 4}, \
+{'forward': 4, 'recompute': 0, 'backward': 4, 'bubble': 4}]
     """
     stats = schedule_stats(schedule, num_stages, num_microbatches)
     p, m = stats["num_stages"], stats["num_microbatches"]
     out = []
     for stage in range(p):
-        if schedule == "FThenB" and not remat:
-            counts = (m, 0, m, 2 * (p - 1), 0) if loss_inside else (m, 0, m, 0, 2 * (p - 1))
-        elif schedule == "1F1B" and loss_inside:
-            last = stage == p - 1
-            counts = (m, 0 if last else m, m, 0, 4 * (p - 1))
+        if schedule == "1F1B" and loss_inside:
+            counts = (m, 0 if stage == p - 1 else m, m, 4 * (p - 1))
+        elif schedule == "1F1B" or remat:
+            counts = (m, m, m, 2 * (p - 1))
         else:
-            counts = (m, m, m, 0, 2 * (p - 1))
+            counts = (m, 0, m, 2 * (p - 1))
         out.append(dict(zip(TICK_KINDS, counts, strict=True)))
     return out
 

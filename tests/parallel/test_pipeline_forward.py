@@ -151,10 +151,9 @@ def test_executed_dot_flops_per_device_are_the_schedules_own_work(
     slowest = max(ticks, key=lambda t: t["recompute"])
     per_unit = forward / devices / M  # one micro-batch's forward through one stage
     ideal = dense_step / devices + slowest["recompute"] * per_unit
-    # a masked tick is a forward (FThenB's forward loop) or a backward (two forwards' dots:
-    # dx and dw), half each
-    want = ideal + slowest["masked"] * per_unit * 3 / 2
-    assert executed == pytest.approx(want, rel=0.05), (executed, ideal)
-    if not slowest["masked"]:  # every bubble skipped: within 5% of the ideal
-        assert executed == pytest.approx(ideal, rel=0.05)
-        assert hlo.dot_flops(text) > executed  # the program holds branches not all taken
+    assert executed == pytest.approx(ideal, rel=0.05), (executed, ideal)
+    # the program holds the bubbles' work in branches not taken: dot_flops counts them
+    assert hlo.dot_flops(text) > executed
+
+
+# the program holds branches not all taken
