@@ -19,10 +19,14 @@ How it runs:
     gradients as residuals; its backward multiplies them by the incoming cotangent (a loss
     scale, say). Without differentiation (``jax.jit(loss)``) a forward-only GPipe loop runs.
 
-Schedules (see :func:`schedule_stats` for tick and collective counts):
-  * ``"FThenB"`` (GPipe): the forward of every micro-batch (``M + P - 1`` ticks), then the
-    backward (``M + P - 1`` ticks, the loop's transpose). A stage keeps the activations of
-    all ``M`` micro-batches, or only each stage's inputs with ``remat=True``.
+Schedules (:mod:`jfleet.parallel.schedule_ticks` counts their ticks, work and collectives):
+  * ``"FThenB"`` (GPipe): the forward of every micro-batch (``M + P - 1`` ticks), stashing
+    per micro-batch what its backward needs, then the backward loop (``M + P - 1`` ticks,
+    :func:`_backward_ticks`: ``jax.vjp`` + ``ppermute`` to the previous stage, shared with
+    the ``to_distributed`` stand-in). Without remat the stash is the stage's matmul outputs
+    (:class:`SavedStage`; elementwise work is recomputed); with ``remat=True`` only each
+    micro-batch's stage input, and the backward recomputes the stage. Both skip their
+    ``2(P - 1)`` bubble ticks.
   * ``"1F1B"``: one scan of ``T = M + 2(P - 1)`` ticks; at tick ``t`` stage ``s`` runs the
     forward of micro-batch ``t - s``, stashing only the stage input in a ring of
     ``2(P - 1)`` slots, and the backward of micro-batch ``t - 2(P - 1) + s``, recomputing
@@ -71,67 +75,20 @@ from jax.custom_derivatives import SymbolicZero
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jfleet.parallel.schedule_ticks import (  # noqa: F401  (re-exported)
+    SCHEDULES,
+    TICK_KINDS,
+    _check_schedule,
+    schedule_stats,
+    stage_ticks,
+    taken_branches,
+)
 from jfleet.placement import check_divides
 from jfleet.topology import DATA_AXES, PP
-
-#: The schedule names :func:`pipeline_loss` accepts (Paddle's ``schedule_mode`` values).
-SCHEDULES = ("FThenB", "1F1B")
 
 #: ``stage_fn(params_of_one_stage, x, side, shared) -> y``, for both entry points.
 StageFn = Callable[[Any, Any, Any, Any], Any]
 HeadFn = Callable[[Any, Any, Any], jax.Array]
-
-
-def schedule_stats(schedule: str, num_stages: int, num_microbatches: int) -> dict[str, Any]:
-    """Ticks, collective-permutes and bubble of one training step of a schedule.
-
-    Args:
-      schedule: ``"FThenB"`` or ``"1F1B"``.
-      num_stages: pipeline stages ``P`` (the ``pp`` degree).
-      num_microbatches: micro-batches ``M`` per step.
-
-    Returns:
-      A dict with ``schedule``, ``num_stages``, ``num_microbatches`` and
-
-      * ``ticks``: loop iterations per step: FThenB ``2(M + P - 1)`` (forward loop, then
-        its transpose), 1F1B ``M + 2(P - 1)`` (each tick one forward and one backward);
-      * ``collective_permutes``: ``lax.ppermute`` executions per step (one per tick and
-        direction): FThenB ``2(M + P - 1)``, 1F1B ``2(M + 2P - 2)``; 0 when ``P == 1``;
-      * ``bubble_fraction``: the idle share of a stage's time, ``(P - 1) / (M + P - 1)``
-        for both (bubble ticks skip their work with ``lax.cond``, so the lockstep 1F1B
-        costs ``(P - 1)`` forward-only, ``M`` forward+backward and ``(P - 1)``
-        backward-only ticks, like GPipe);
-      * ``stash_slots``: micro-batches whose activations a stage holds at once: FThenB
-        ``M`` (every micro-batch's, or only its stage inputs with remat), 1F1B
-        ``max(2(P - 1), 1)`` stage inputs.
-
-    Raises:
-      ValueError: an unknown schedule, or counts below 1.
-
-    Example:
-      >>> schedule_stats("1F1B", 4, 8)["collective_permutes"]
-      28
-      >>> schedule_stats("FThenB", 4, 8)["collective_permutes"]
-      22
-    """
-    _check_schedule(schedule)
-    for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an integer >= 1.")
-    p, m = num_stages, num_microbatches
-    if schedule == "FThenB":
-        ticks, per_step, stash = 2 * (m + p - 1), 2 * (m + p - 1), m
-    else:
-        ticks, per_step, stash = m + 2 * (p - 1), 2 * (m + 2 * p - 2), max(2 * (p - 1), 1)
-    return {
-        "schedule": schedule,
-        "num_stages": p,
-        "num_microbatches": m,
-        "ticks": ticks,
-        "collective_permutes": per_step if p > 1 else 0,
-        "bubble_fraction": (p - 1) / (m + p - 1),
-        "stash_slots": stash,
-    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,8 +165,8 @@ def pipeline_loss(
       data_axes: mesh axes the batch is split over (those the mesh lacks are ignored).
         Each replica splits its rows into ``M`` consecutive micro-batches.
       remat: FThenB only: keep only each stage's input per micro-batch and recompute the
-        stage in the backward pass (``jax.checkpoint``). 1F1B always recomputes each
-        stage from its stashed input, so the flag changes nothing there.
+        stage in its own backward loop (bubble ticks skipped). 1F1B always recomputes
+        each stage from its stashed input, so the flag changes nothing there.
       micro_losses: also return each micro-batch's loss (mean over replicas; no gradient).
 
     Returns:
@@ -248,119 +205,7 @@ def pipeline_loss(
     return out if micro_losses else out[0]
 
 
-def pipeline_forward(
-    stage_fn: StageFn,
-    stage_params: Any,
-    inputs: Any,
-    side: Any = (),
-    shared: Any = (),
-    *,
-    mesh: Mesh,
-    num_microbatches: int,
-    pp_axis: str = PP,
-    data_axes: tuple[str, ...] = DATA_AXES,
-    remat: bool = False,
-) -> Any:
-    """The output of a pipelined stack of stages, differentiable by plain autodiff (GPipe).
-
-    Where :func:`pipeline_loss` needs the loss inside the pipeline (1F1B interleaves each
-    micro-batch's backward with later forwards), this runs only the stack: what comes
-    after it (final norm, head, loss) stays ordinary code, so a pipelined stack can stand
-    in for a model's list of decoder blocks. ``jax.grad`` of anything computed from the
-    output differentiates the forward loop; its transpose is the backward loop, so the
-    schedule is FThenB. A stage keeps the activations of every tick, ``M + P - 1`` of them
-    (its bubble ticks run masked: a ``cond`` under autodiff would stack the stage's weights
-    per tick), or only its inputs with ``remat=True``.
-
-    Args:
-      stage_fn: ``stage_fn(params_of_one_stage, x, side, shared) -> y``, ``y`` of ``x``'s
-        shapes and dtypes.
-      stage_params: a pytree whose leaves have a leading axis of size ``P`` (the ``pp``
-        degree), sharded on ``pp``.
-      inputs: the activation ``[B, ...]`` entering stage 0 (a pytree of arrays allowed).
-      side: per-sample arrays ``[B, ...]`` every stage needs with its micro-batch (an
-        attention mask, positions); split into micro-batches like ``inputs``; no
-        gradient flows into them (``lax.stop_gradient``).
-      shared: arrays every stage gets whole (a rotary table); no gradient either.
-      mesh: the mesh; must have ``pp_axis``.
-      num_microbatches: ``M``; each data-parallel replica's rows split into ``M``
-        consecutive micro-batches.
-      pp_axis: the pipeline mesh axis.
-      data_axes: mesh axes the batch is split over (those the mesh lacks are ignored).
-      remat: recompute each stage in the backward pass (``jax.checkpoint``).
-
-    Returns:
-      The last stage's output for the whole batch, ``[B, ...]``, on every stage.
-
-    Raises:
-      ValueError: as :func:`pipeline_loss` (mesh without ``pp_axis``, stage leaves without
-        the stage axis, a batch that does not split into the micro-batches).
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> mesh = jax.make_mesh((2, 4), ("dp", "pp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-      >>> w = jnp.stack([jnp.eye(3) * 2.0] * 4)  # 4 stages, each doubles x
-      >>> y = pipeline_forward(lambda w, x, s, c: x @ w, w, jnp.ones((8, 3)),
-      ...                      mesh=mesh, num_microbatches=2)
-      >>> y[0]
-      Array([16., 16., 16.], dtype=float32)
-    """
-    spec = _validate(
-        stage_fn,
-        _no_head,
-        stage_params,
-        {"inputs": inputs, "side": side},
-        mesh=mesh,
-        schedule="FThenB",
-        num_microbatches=num_microbatches,
-        pp_axis=pp_axis,
-        data_axes=data_axes,
-        remat=remat,
-    )
-    pp, data = spec.pp_axis, spec.data_axes
-    batch_spec = P(data) if data else P()
-    mapped = jax.shard_map(
-        lambda w, x, s, c: _local_forward(spec, w, x, s, c),
-        mesh=spec.mesh,
-        in_specs=(P(pp), batch_spec, batch_spec, P()),
-        out_specs=batch_spec,
-        axis_names=frozenset(spec.manual_axes),
-        check_vma=True,
-    )
-    side, shared = lax.stop_gradient((side, shared))
-    return jax.jit(mapped)(stage_params, inputs, side, shared)
-
-
-def _no_head(*_: Any) -> jax.Array:
-    return jnp.zeros((), jnp.float32)
-
-
-def _local_forward(spec, stage_params, inputs, side, shared):
-    """One device's share of :func:`pipeline_forward`: the GPipe loop, the last stage's output."""
-    p, axes = spec.num_stages, spec.manual_axes
-    params = _vary(jax.tree.map(lambda a: a[0], stage_params), axes)
-    x_mb = _vary(_split(inputs, spec), axes)
-    call = _stage_call(spec, _vary(_split(side, spec), axes), _vary(shared, axes))
-    stage = lax.axis_index(spec.pp_axis)
-    _check_stage(call, params, _take(x_mb, 0))
-    call = jax.checkpoint(call) if spec.remat else call
-
-    def run(x, i):
-        return _vary(call(params, x, i), axes)
-
-    outs = _forward_ticks(spec, run, x_mb, stage, skip_bubbles=False)
-    last = jax.tree.map(lambda a: jnp.where(stage == p - 1, a, jnp.zeros_like(a)), outs)
-    return _unsplit(lax.psum(last, spec.pp_axis))
-
-
 # ------------------------------------------------------------------ validation
-def _check_schedule(schedule: Any) -> None:
-    if schedule not in SCHEDULES:
-        raise ValueError(
-            f"schedule={schedule!r} is not a pipeline schedule; use one of {list(SCHEDULES)}."
-        )
-
-
 def _validate(
     stage_fn, head_fn, stage_params, batched, *, mesh, schedule, num_microbatches, pp_axis,
     data_axes, remat,
@@ -592,7 +437,7 @@ def _local_step(
     _check_head(spec, head, _take(x_mb, 0), _take(t_mb, 0))
 
     if forward_only:
-        losses = _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage, skip_bubbles=True)
+        losses = _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage)
         return _reduced(spec, losses, scale)
     run = _fthenb if spec.schedule == "FThenB" else _one_f_one_b
     losses, (d_stage, d_head, d_x) = run(spec, call, params, head, x_mb, t_mb, stage, with_dx)
@@ -635,48 +480,159 @@ def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
-def _forward_ticks(spec, run, x_mb, stage, *, skip_bubbles):
+def _forward_ticks(spec, run, x_mb, stage, *, stash=False):
     """The forward GPipe loop (``M + P - 1`` ticks): every micro-batch through every stage.
 
-    ``run(x, i)`` runs this device's stage on activation ``x`` of micro-batch ``i``.
-    Returns the stage's outputs ``[M, ...]`` (the last stage's are the stack's). With
-    ``skip_bubbles`` a ``lax.cond`` skips a stage's bubble ticks; without it (a loop that
-    gets differentiated) the stage runs masked, because a ``cond`` under autodiff hands
-    its residuals out per tick, the stage's weights included, and the scan would stack a
-    copy of them for every tick.
+    ``run(x, i)`` runs this device's stage on activation ``x`` of micro-batch ``i``; a
+    ``lax.cond`` skips its bubble ticks. Returns the stage's outputs ``[M, ...]`` (the last
+    stage's are the stack's), and with ``stash=True`` also its inputs ``[M, ...]`` (what a
+    recomputing backward loop needs); with ``stash`` a pytree of shapes, ``run`` returns
+    ``(y, saved)`` and ``saved`` is stashed per micro-batch instead (:class:`SavedStage`).
+
+    No caller differentiates this loop: under autodiff a ``cond`` returns its residuals as
+    outputs that vary per tick, the stage's weights among them (needed for the input's
+    cotangent), so the scan would stack a copy of the weights per tick (measured, pp4 x
+    dp2: f32[19,4,256,256] at M=16 for a 4-layer 256-wide stage, temp 9.5 -> 25.3 MiB,
+    with or without ``jax.checkpoint`` around the branch). The backward is
+    :func:`_backward_ticks`, inside a ``jax.custom_vjp``.
     """
     m, p, axes = spec.num_microbatches, spec.num_stages, spec.manual_axes
     act = _take(x_mb, 0)
+    saving = stash not in (False, True)  # run returns (y, saved); saved is stashed
 
     def tick(carry, t):
-        received, outs = carry
+        received, outs, ins = carry
         f = t - stage
         valid = (f >= 0) & (f < m)
         fi = jnp.clip(f, 0, m - 1)
         x = _select(stage == 0, _take(x_mb, fi), received)
-        if skip_bubbles:
-            y = lax.cond(valid, lambda x: run(x, fi), lambda _: _zeros(act), x)
+        if saving:
+            none = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stash)
+            idle = _vary((_zeros(act), none), axes)
+            y, kept = lax.cond(valid, lambda x: _vary(run(x, fi), axes), lambda _: idle, x)
         else:
-            y = _select(valid, run(x, fi), _zeros(act))
+            y, kept = lax.cond(valid, lambda x: run(x, fi), lambda _: _zeros(act), x), x
         outs = _put(outs, _select(valid, y, _take(outs, fi)), fi)
-        return (_shift(y, spec, 1), outs), None
+        if stash is not False:
+            ins = _put(ins, _select(valid, kept, _take(ins, fi)), fi)
+        return (_shift(y, spec, 1), outs, ins), None
 
-    init = _vary((_zeros(act), _zeros(x_mb)), axes)
-    (_, outs), _ = lax.scan(tick, init, jnp.arange(m + p - 1))
-    return outs
+    if saving:
+        kept0 = jax.tree.map(lambda a: jnp.zeros((m, *a.shape), a.dtype), stash)
+    else:
+        kept0 = _zeros(x_mb) if stash else None
+    init = _vary((_zeros(act), _zeros(x_mb), kept0), axes)
+    (_, outs, ins), _ = lax.scan(tick, init, jnp.arange(m + p - 1))
+    return (outs, ins) if stash is not False else outs
 
 
-def _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage, *, skip_bubbles):
+def _saves_matmuls(prim: Any, *_: Any, **__: Any) -> bool:
+    return prim.name in ("dot_general", "conv_general_dilated")
+
+
+class SavedStage:
+    """A stage whose backward pulls back from saved matmul outputs, not the weights.
+
+    ``forward(x, i) -> (y, saved)`` runs ``call(params, x, i)`` under ``jax.checkpoint``
+    saving only matmul (and convolution) outputs and returns the residuals of its
+    ``jax.vjp`` without the parameters; ``backward(saved, g, i) -> (d_params, d_x)`` puts
+    the parameters back and pulls ``g`` back (elementwise work recomputed, no matmul).
+    Stashing ``saved`` per micro-batch outside any differentiated loop keeps one copy of
+    the weights: a ``lax.cond`` differentiated inside the loop would stack them per tick.
+
+    Attributes:
+      shapes: the saved residuals of one micro-batch (``jax.ShapeDtypeStruct``s).
+    """
+
+    def __init__(self, call: Callable[..., Any], params: Any, x: Any) -> None:
+        self.call, self.params = call, params
+        where: list[int | None] = []
+
+        def probe(params: Any, x: Any) -> list:
+            leaves = jax.tree.leaves(self._linear(params, x, jnp.zeros((), jnp.int32))[1])
+            flat = jax.tree.leaves(params)
+            where[:] = [next((k for k, q in enumerate(flat) if q is a), None) for a in leaves]
+            return [a for a, w in zip(leaves, where, strict=True) if w is None]
+
+        self.shapes = jax.eval_shape(probe, params, x)
+        self.where = tuple(where)
+
+    def _linear(self, params: Any, x: Any, i: jax.Array) -> Any:
+        fn = jax.checkpoint(lambda p, x: self.call(p, x, i), policy=_saves_matmuls)
+        return jax.vjp(fn, params, x)
+
+    def forward(self, x: Any, i: jax.Array) -> tuple[Any, list]:
+        y, pull = self._linear(self.params, x, i)
+        leaves = jax.tree.leaves(pull)
+        return y, [a for a, w in zip(leaves, self.where, strict=True) if w is None]
+
+    def backward(self, saved: list, g: Any, i: jax.Array) -> Any:
+        tree = jax.tree.structure(jax.eval_shape(lambda x: self._linear(self.params, x, i)[1], g))
+        kept, flat = iter(saved), jax.tree.leaves(self.params)
+        leaves = [next(kept) if w is None else flat[w] for w in self.where]
+        return jax.tree.unflatten(tree, leaves)(g)
+
+
+def _backward_ticks(spec, vjp, params, ins, g_last, stage):
+    """The backward loop of a recomputing GPipe (``M + P - 1`` ticks), bubbles skipped.
+
+    At tick ``t`` stage ``s`` runs the backward of micro-batch ``t - (P - 1 - s)``:
+    ``vjp(x, g, i) -> (d_params, d_x)`` pulls ``g`` back from what the forward stashed for
+    micro-batch ``i``, ``ins[i]`` (its stage input, recomputing the stage, or the stage's
+    saved matmul outputs), ``g`` being the last stage's ``g_last[i]`` or the cotangent the
+    next stage sent the tick before (``lax.ppermute`` to the previous stage). A
+    ``lax.cond`` skips the ``P - 1`` bubble ticks. Returns the parameter gradients summed
+    over micro-batches (fp32 or wider) and the input cotangents ``[M, ...]`` (stage 0's;
+    zeros elsewhere).
+    """
+    m, p, axes = spec.num_microbatches, spec.num_stages, spec.manual_axes
+    act = _take(g_last, 0)
+    zero = _vary((_zeros(params), _zeros(act)), axes)
+
+    def tick(carry, t):
+        received, d_params, d_x = carry
+        b = t - (p - 1 - stage)
+        valid = (b >= 0) & (b < m)
+        bi = jnp.clip(b, 0, m - 1)
+        g = _select(stage == p - 1, _take(g_last, bi), received)
+        dp, dx = lax.cond(
+            valid,
+            lambda x, g: _vary(vjp(x, g, bi), axes),
+            lambda x, g: zero,
+            _take(ins, bi),
+            g,
+        )
+        d_params = jax.tree.map(lambda a, d: a + d.astype(a.dtype), d_params, dp)
+        d_x = _put(d_x, _select(valid & (stage == 0), dx, _take(d_x, bi)), bi)
+        return (_shift(dx, spec, -1), d_params, d_x), None
+
+    acc = jax.tree.map(lambda a: jnp.zeros_like(a, dtype=_acc_dtype(a)), params)
+    init = _vary((_zeros(act), acc, _zeros(g_last)), axes)
+    (_, d_params, d_x), _ = lax.scan(tick, init, jnp.arange(m + p - 1))
+    return d_params, d_x
+
+
+def stage_vjp(call: Callable[..., Any], params: Any) -> Callable[..., Any]:
+    """``vjp(x, g, i) -> (d_params, d_x)``: recompute ``call(params, x, i)`` and pull ``g`` back.
+
+    The backward tick of both recomputing loops (1F1B's and the recomputing GPipe's).
+    """
+
+    def vjp(x: Any, g: Any, i: jax.Array) -> Any:
+        _, pull = jax.vjp(lambda params, x: call(params, x, i), params, x)
+        return pull(g)
+
+    return vjp
+
+
+def _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage):
     """The forward GPipe loop, then the head on the last stage.
 
     ``call(params, x, i)`` runs this device's stage on micro-batch ``i``. Returns this
     device's head loss per micro-batch ``[M]`` (zeros off the last stage).
     """
     p, axes = spec.num_stages, spec.manual_axes
-    call = jax.checkpoint(call) if spec.remat else call
-    outs = _forward_ticks(
-        spec, lambda x, i: _vary(call(params, x, i), axes), x_mb, stage, skip_bubbles=skip_bubbles
-    )
+    outs = _forward_ticks(spec, lambda x, i: _vary(call(params, x, i), axes), x_mb, stage)
 
     def heads():
         def one(yt):
@@ -691,15 +647,35 @@ def _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage, *, skip_bubbles)
 
 
 def _fthenb(spec, call, params, head, x_mb, t_mb, stage, with_dx):
-    """GPipe: differentiate the forward loop; its transpose is the backward loop."""
+    """GPipe: a forward loop stashing per micro-batch what the backward needs (the stage
+    input with ``remat``, else the stage's saved matmul outputs, :class:`SavedStage`), the
+    head's value and gradient on the last stage, then :func:`_backward_ticks`; every
+    bubble tick skipped."""
+    p, axes = spec.num_stages, spec.manual_axes
+    if spec.remat:
+        run, stash, vjp = lambda x, i: _vary(call(params, x, i), axes), True, None
+    else:
+        saved = SavedStage(call, params, _take(x_mb, 0))
+        run, stash, vjp = saved.forward, saved.shapes, saved.backward
+    outs, ins = _forward_ticks(spec, run, x_mb, stage, stash=stash)
 
-    def local(params, head, x_mb):
-        losses = _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage, skip_bubbles=False)
-        return jnp.sum(losses), losses
+    def heads(head, outs):
+        def one(head, y, t):
+            return jnp.asarray(spec.head_fn(head, y, t), jnp.float32)
 
-    argnums = (0, 1, 2) if with_dx else (0, 1)
-    (_, losses), grads = jax.value_and_grad(local, argnums, has_aux=True)(params, head, x_mb)
-    return losses, grads if with_dx else (*grads, None)
+        def total(head, outs):
+            losses = jax.vmap(one, (None, 0, 0))(head, outs, t_mb)
+            return jnp.sum(losses), losses
+
+        (_, losses), grads = jax.value_and_grad(total, (0, 1), has_aux=True)(head, outs)
+        return _vary((losses, *grads), axes)
+
+    no_loss = jnp.zeros((spec.num_microbatches,), jnp.float32)
+    zeros = _vary((no_loss, _zeros(head), _zeros(outs)), axes)
+    losses, d_head, g_last = lax.cond(stage == p - 1, heads, lambda *_: zeros, head, outs)
+    vjp = vjp or stage_vjp(call, params)
+    d_stage, d_x = _backward_ticks(spec, vjp, params, ins, g_last, stage)
+    return losses, (d_stage, d_head, d_x if with_dx else None)
 
 
 def _one_f_one_b(spec, call, params, head, x_mb, t_mb, stage, with_dx):
@@ -718,9 +694,10 @@ def _one_f_one_b(spec, call, params, head, x_mb, t_mb, stage, with_dx):
     def forward(x, i):
         return _vary(call(params, x, i), axes)
 
+    vjp = stage_vjp(call, params)
+
     def backward(x, g, i):
-        _, vjp = jax.vjp(lambda params, x: call(params, x, i), params, x)
-        d_params, d_x = vjp(g)
+        d_params, d_x = vjp(x, g, i)
         return _vary((zero_loss, d_params, _zeros(head), d_x), axes)
 
     def last_stage(x, target, i):
