@@ -134,6 +134,57 @@ def schedule_stats(schedule: str, num_stages: int, num_microbatches: int) -> dic
     }
 
 
+#: The kinds of work :func:`stage_ticks` counts, one micro-batch through one stage each.
+TICK_KINDS = ("forward", "recompute", "backward", "masked", "bubble")
+
+
+def stage_ticks(
+    schedule: str,
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    remat: bool = False,
+    loss_inside: bool = True,
+) -> list[dict[str, int]]:
+    """Per stage, how many units of each kind of work one training step runs.
+
+    A unit is one micro-batch through one stage: ``"forward"``, ``"recompute"`` (a forward
+    run again in the backward pass), ``"backward"`` (the vjp), ``"masked"`` (a bubble tick
+    that computes a forward or a backward and drops it), ``"bubble"`` (a tick slot whose
+    work ``lax.cond`` skips). Executed work per stage is ``forward + recompute + backward
+    + masked`` units; the slowest stage sets the step time.
+
+    * :func:`pipeline_loss` (``loss_inside=True``): FThenB without remat differentiates a
+      masked loop: ``M`` forwards and backwards plus ``2(P - 1)`` masked ticks; FThenB
+      with remat skips its ``2(P - 1)`` bubbles and recomputes ``M`` forwards; 1F1B
+      (``M + 2(P - 1)`` ticks of a forward slot and a backward slot) recomputes ``M``
+      forwards on every stage but the last, which runs each micro-batch's forward, loss
+      and backward in one tick; ``4(P - 1)`` slots are bubbles.
+    * :func:`~jfleet.parallel.pipeline_forward.pipeline_forward` (``loss_inside=False``,
+      the ``to_distributed`` stand-in): FThenB without remat as above; 1F1B, and FThenB
+      with remat, run ``M`` forwards, ``M`` recomputes and ``M`` backwards with ``2(P - 1)``
+      bubbles on every stage.
+
+    Example:
+      >>> stage_ticks("1F1B", 2, 4)
+      [{'forward': 4, 'recompute': 4, 'backward': 4, 'masked': 0, 'bubble': 4}, \
+{'forward': 4, 'recompute': 0, 'backward': 4, 'masked': 0, 'bubble': 4}]
+    """
+    stats = schedule_stats(schedule, num_stages, num_microbatches)
+    p, m = stats["num_stages"], stats["num_microbatches"]
+    out = []
+    for stage in range(p):
+        if schedule == "FThenB" and not remat:
+            counts = (m, 0, m, 2 * (p - 1), 0)
+        elif schedule == "1F1B" and loss_inside:
+            last = stage == p - 1
+            counts = (m, 0 if last else m, m, 0, 4 * (p - 1))
+        else:
+            counts = (m, m, m, 0, 2 * (p - 1))
+        out.append(dict(zip(TICK_KINDS, counts, strict=True)))
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class _Pipeline:
     """The static description of one pipelined loss (validated by :func:`pipeline_loss`)."""
@@ -246,111 +297,6 @@ def pipeline_loss(
     )
     out = _differentiable(spec)(stage_params, head_params, inputs, targets, side, shared)
     return out if micro_losses else out[0]
-
-
-def pipeline_forward(
-    stage_fn: StageFn,
-    stage_params: Any,
-    inputs: Any,
-    side: Any = (),
-    shared: Any = (),
-    *,
-    mesh: Mesh,
-    num_microbatches: int,
-    pp_axis: str = PP,
-    data_axes: tuple[str, ...] = DATA_AXES,
-    remat: bool = False,
-) -> Any:
-    """The output of a pipelined stack of stages, differentiable by plain autodiff (GPipe).
-
-    Where :func:`pipeline_loss` needs the loss inside the pipeline (1F1B interleaves each
-    micro-batch's backward with later forwards), this runs only the stack: what comes
-    after it (final norm, head, loss) stays ordinary code, so a pipelined stack can stand
-    in for a model's list of decoder blocks. ``jax.grad`` of anything computed from the
-    output differentiates the forward loop; its transpose is the backward loop, so the
-    schedule is FThenB. A stage keeps the activations of every tick, ``M + P - 1`` of them
-    (its bubble ticks run masked: a ``cond`` under autodiff would stack the stage's weights
-    per tick), or only its inputs with ``remat=True``.
-
-    Args:
-      stage_fn: ``stage_fn(params_of_one_stage, x, side, shared) -> y``, ``y`` of ``x``'s
-        shapes and dtypes.
-      stage_params: a pytree whose leaves have a leading axis of size ``P`` (the ``pp``
-        degree), sharded on ``pp``.
-      inputs: the activation ``[B, ...]`` entering stage 0 (a pytree of arrays allowed).
-      side: per-sample arrays ``[B, ...]`` every stage needs with its micro-batch (an
-        attention mask, positions); split into micro-batches like ``inputs``; no
-        gradient flows into them (``lax.stop_gradient``).
-      shared: arrays every stage gets whole (a rotary table); no gradient either.
-      mesh: the mesh; must have ``pp_axis``.
-      num_microbatches: ``M``; each data-parallel replica's rows split into ``M``
-        consecutive micro-batches.
-      pp_axis: the pipeline mesh axis.
-      data_axes: mesh axes the batch is split over (those the mesh lacks are ignored).
-      remat: recompute each stage in the backward pass (``jax.checkpoint``).
-
-    Returns:
-      The last stage's output for the whole batch, ``[B, ...]``, on every stage.
-
-    Raises:
-      ValueError: as :func:`pipeline_loss` (mesh without ``pp_axis``, stage leaves without
-        the stage axis, a batch that does not split into the micro-batches).
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> mesh = jax.make_mesh((2, 4), ("dp", "pp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-      >>> w = jnp.stack([jnp.eye(3) * 2.0] * 4)  # 4 stages, each doubles x
-      >>> y = pipeline_forward(lambda w, x, s, c: x @ w, w, jnp.ones((8, 3)),
-      ...                      mesh=mesh, num_microbatches=2)
-      >>> y[0]
-      Array([16., 16., 16.], dtype=float32)
-    """
-    spec = _validate(
-        stage_fn,
-        _no_head,
-        stage_params,
-        {"inputs": inputs, "side": side},
-        mesh=mesh,
-        schedule="FThenB",
-        num_microbatches=num_microbatches,
-        pp_axis=pp_axis,
-        data_axes=data_axes,
-        remat=remat,
-    )
-    pp, data = spec.pp_axis, spec.data_axes
-    batch_spec = P(data) if data else P()
-    mapped = jax.shard_map(
-        lambda w, x, s, c: _local_forward(spec, w, x, s, c),
-        mesh=spec.mesh,
-        in_specs=(P(pp), batch_spec, batch_spec, P()),
-        out_specs=batch_spec,
-        axis_names=frozenset(spec.manual_axes),
-        check_vma=True,
-    )
-    side, shared = lax.stop_gradient((side, shared))
-    return jax.jit(mapped)(stage_params, inputs, side, shared)
-
-
-def _no_head(*_: Any) -> jax.Array:
-    return jnp.zeros((), jnp.float32)
-
-
-def _local_forward(spec, stage_params, inputs, side, shared):
-    """One device's share of :func:`pipeline_forward`: the GPipe loop, the last stage's output."""
-    p, axes = spec.num_stages, spec.manual_axes
-    params = _vary(jax.tree.map(lambda a: a[0], stage_params), axes)
-    x_mb = _vary(_split(inputs, spec), axes)
-    call = _stage_call(spec, _vary(_split(side, spec), axes), _vary(shared, axes))
-    stage = lax.axis_index(spec.pp_axis)
-    _check_stage(call, params, _take(x_mb, 0))
-    call = jax.checkpoint(call) if spec.remat else call
-
-    def run(x, i):
-        return _vary(call(params, x, i), axes)
-
-    outs = _forward_ticks(spec, run, x_mb, stage, skip_bubbles=False)
-    last = jax.tree.map(lambda a: jnp.where(stage == p - 1, a, jnp.zeros_like(a)), outs)
-    return _unsplit(lax.psum(last, spec.pp_axis))
 
 
 # ------------------------------------------------------------------ validation
@@ -635,21 +581,23 @@ def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
-def _forward_ticks(spec, run, x_mb, stage, *, skip_bubbles):
+def _forward_ticks(spec, run, x_mb, stage, *, skip_bubbles, stash=False):
     """The forward GPipe loop (``M + P - 1`` ticks): every micro-batch through every stage.
 
     ``run(x, i)`` runs this device's stage on activation ``x`` of micro-batch ``i``.
-    Returns the stage's outputs ``[M, ...]`` (the last stage's are the stack's). With
-    ``skip_bubbles`` a ``lax.cond`` skips a stage's bubble ticks; without it (a loop that
-    gets differentiated) the stage runs masked, because a ``cond`` under autodiff hands
-    its residuals out per tick, the stage's weights included, and the scan would stack a
-    copy of them for every tick.
+    Returns the stage's outputs ``[M, ...]`` (the last stage's are the stack's), and with
+    ``stash`` also its inputs ``[M, ...]`` (what a recomputing backward loop needs). With
+    ``skip_bubbles`` a ``lax.cond`` skips a stage's bubble ticks. A loop that gets
+    differentiated runs masked instead: under autodiff the ``cond`` hands its residuals out
+    per tick, and for a stage that scans over its layers those include every layer's
+    weights, so the scan stacks a copy of the stage's weights per tick (measured with
+    ``PipelinedBlocks`` on TinyLlama: f32[7,1,128,256] residuals, temp 14.6 -> 20.6 MiB).
     """
     m, p, axes = spec.num_microbatches, spec.num_stages, spec.manual_axes
     act = _take(x_mb, 0)
 
     def tick(carry, t):
-        received, outs = carry
+        received, outs, ins = carry
         f = t - stage
         valid = (f >= 0) & (f < m)
         fi = jnp.clip(f, 0, m - 1)
@@ -659,11 +607,64 @@ def _forward_ticks(spec, run, x_mb, stage, *, skip_bubbles):
         else:
             y = _select(valid, run(x, fi), _zeros(act))
         outs = _put(outs, _select(valid, y, _take(outs, fi)), fi)
-        return (_shift(y, spec, 1), outs), None
+        if stash:
+            ins = _put(ins, _select(valid, x, _take(ins, fi)), fi)
+        return (_shift(y, spec, 1), outs, ins), None
 
-    init = _vary((_zeros(act), _zeros(x_mb)), axes)
-    (_, outs), _ = lax.scan(tick, init, jnp.arange(m + p - 1))
-    return outs
+    init = _vary((_zeros(act), _zeros(x_mb), _zeros(x_mb) if stash else None), axes)
+    (_, outs, ins), _ = lax.scan(tick, init, jnp.arange(m + p - 1))
+    return (outs, ins) if stash else outs
+
+
+def _backward_ticks(spec, vjp, params, ins, g_last, stage):
+    """The backward loop of a recomputing GPipe (``M + P - 1`` ticks), bubbles skipped.
+
+    At tick ``t`` stage ``s`` runs the backward of micro-batch ``t - (P - 1 - s)``:
+    ``vjp(x, g, i) -> (d_params, d_x)`` recomputes the stage from its stashed input
+    ``ins[i]`` and pulls back ``g``, the last stage's ``g_last[i]`` or the cotangent the
+    next stage sent the tick before (``lax.ppermute`` to the previous stage). A
+    ``lax.cond`` skips the ``P - 1`` bubble ticks. Returns the parameter gradients summed
+    over micro-batches (fp32 or wider) and the input cotangents ``[M, ...]`` (stage 0's;
+    zeros elsewhere).
+    """
+    m, p, axes = spec.num_microbatches, spec.num_stages, spec.manual_axes
+    act = _take(ins, 0)
+    zero = _vary((_zeros(params), _zeros(act)), axes)
+
+    def tick(carry, t):
+        received, d_params, d_x = carry
+        b = t - (p - 1 - stage)
+        valid = (b >= 0) & (b < m)
+        bi = jnp.clip(b, 0, m - 1)
+        g = _select(stage == p - 1, _take(g_last, bi), received)
+        dp, dx = lax.cond(
+            valid,
+            lambda x, g: _vary(vjp(x, g, bi), axes),
+            lambda x, g: zero,
+            _take(ins, bi),
+            g,
+        )
+        d_params = jax.tree.map(lambda a, d: a + d.astype(a.dtype), d_params, dp)
+        d_x = _put(d_x, _select(valid & (stage == 0), dx, _take(d_x, bi)), bi)
+        return (_shift(dx, spec, -1), d_params, d_x), None
+
+    acc = jax.tree.map(lambda a: jnp.zeros_like(a, dtype=_acc_dtype(a)), params)
+    init = _vary((_zeros(act), acc, _zeros(ins)), axes)
+    (_, d_params, d_x), _ = lax.scan(tick, init, jnp.arange(m + p - 1))
+    return d_params, d_x
+
+
+def stage_vjp(call: Callable[..., Any], params: Any) -> Callable[..., Any]:
+    """``vjp(x, g, i) -> (d_params, d_x)``: recompute ``call(params, x, i)`` and pull ``g`` back.
+
+    The backward tick of both recomputing loops (1F1B's and the recomputing GPipe's).
+    """
+
+    def vjp(x: Any, g: Any, i: jax.Array) -> Any:
+        _, pull = jax.vjp(lambda params, x: call(params, x, i), params, x)
+        return pull(g)
+
+    return vjp
 
 
 def _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage, *, skip_bubbles):
@@ -691,7 +692,12 @@ def _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage, *, skip_bubbles)
 
 
 def _fthenb(spec, call, params, head, x_mb, t_mb, stage, with_dx):
-    """GPipe: differentiate the forward loop; its transpose is the backward loop."""
+    """GPipe. With ``remat``: a forward loop stashing each stage's inputs, the head's
+    value and gradient on the last stage, then :func:`_backward_ticks` (recompute + vjp),
+    every bubble tick skipped. Without: differentiate the masked forward loop (its
+    transpose is the backward loop), which keeps every micro-batch's activations."""
+    if spec.remat:
+        return _fthenb_recomputing(spec, call, params, head, x_mb, t_mb, stage, with_dx)
 
     def local(params, head, x_mb):
         losses = _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage, skip_bubbles=False)
@@ -700,6 +706,31 @@ def _fthenb(spec, call, params, head, x_mb, t_mb, stage, with_dx):
     argnums = (0, 1, 2) if with_dx else (0, 1)
     (_, losses), grads = jax.value_and_grad(local, argnums, has_aux=True)(params, head, x_mb)
     return losses, grads if with_dx else (*grads, None)
+
+
+def _fthenb_recomputing(spec, call, params, head, x_mb, t_mb, stage, with_dx):
+    p, axes = spec.num_stages, spec.manual_axes
+    outs, ins = _forward_ticks(
+        spec, lambda x, i: _vary(call(params, x, i), axes), x_mb, stage, skip_bubbles=True,
+        stash=True,
+    )  # fmt: skip
+
+    def heads(head, outs):
+        def one(head, y, t):
+            return jnp.asarray(spec.head_fn(head, y, t), jnp.float32)
+
+        def total(head, outs):
+            losses = jax.vmap(one, (None, 0, 0))(head, outs, t_mb)
+            return jnp.sum(losses), losses
+
+        (_, losses), grads = jax.value_and_grad(total, (0, 1), has_aux=True)(head, outs)
+        return _vary((losses, *grads), axes)
+
+    no_loss = jnp.zeros((spec.num_microbatches,), jnp.float32)
+    zeros = _vary((no_loss, _zeros(head), _zeros(outs)), axes)
+    losses, d_head, g_last = lax.cond(stage == p - 1, heads, lambda *_: zeros, head, outs)
+    d_stage, d_x = _backward_ticks(spec, stage_vjp(call, params), params, ins, g_last, stage)
+    return losses, (d_stage, d_head, d_x if with_dx else None)
 
 
 def _one_f_one_b(spec, call, params, head, x_mb, t_mb, stage, with_dx):
@@ -718,9 +749,10 @@ def _one_f_one_b(spec, call, params, head, x_mb, t_mb, stage, with_dx):
     def forward(x, i):
         return _vary(call(params, x, i), axes)
 
+    vjp = stage_vjp(call, params)
+
     def backward(x, g, i):
-        _, vjp = jax.vjp(lambda params, x: call(params, x, i), params, x)
-        d_params, d_x = vjp(g)
+        d_params, d_x = vjp(x, g, i)
         return _vary((zero_loss, d_params, _zeros(head), d_x), axes)
 
     def last_stage(x, target, i):
