@@ -55,6 +55,7 @@ __all__ += ["check_table", "schedule_stats", "schedule_table", "slot_plan"]
 IDLE, F, B, BI, W, BUSY = range(6)
 OP_NAMES = ("idle", "F", "B", "BI", "W", "busy")
 _TICKS = {F: 1, B: 2, BI: 1, W: 1}
+_WORK = {F: 1, B: 3, BI: 2, W: 2}  # chunk forwards each op runs (backward ops recompute)
 
 #: The schedules :func:`schedule_table` builds.
 TABLE_SCHEDULES = ("1F1B", "VPP", "ZBH1")
@@ -305,13 +306,20 @@ def schedule_stats(table: ScheduleTable) -> dict[str, Any]:
     * ``collective_permutes``: ``ppermute`` executions per step, ``2T`` (one activation and
       one cotangent per tick, ring-wise), 0 when ``P == 1``;
     * ``recomputes``: stage forwards recomputed per chunk and micro-batch (``B``: 1;
-      ``BI`` and ``W``: 1 each, so 2).
+      ``BI`` and ``W``: 1 each, so 2);
+    * ``work_per_stage``: the schedule's ideal work on each device in chunk forwards
+      (``F`` 1, ``B`` 3: recompute, input and weight gradient; ``BI`` and ``W`` 2 each),
+      the head's loss and gradient on the last chunk's ``F`` not included.
 
     Example:
       >>> schedule_stats(schedule_table("1F1B", 4, 8))["bubble_ticks"]
       9
     """
     idle = [int(np.sum(table.op[:, s] == IDLE)) for s in range(table.num_stages)]
+    work = [
+        int(sum(np.sum(table.op[:, s] == op) * u for op, u in _WORK.items()))
+        for s in range(table.num_stages)
+    ]
     stash = {name: _allocate(items)[1] for name, items in _intervals(table).items()}
     p = table.num_stages
     return {
@@ -326,6 +334,7 @@ def schedule_stats(table: ScheduleTable) -> dict[str, Any]:
         "stash_slots": stash,
         "collective_permutes": 2 * table.ticks if p > 1 else 0,
         "recomputes": 2 if table.schedule == "ZBH1" else 1,
+        "work_per_stage": work,
     }
 
 

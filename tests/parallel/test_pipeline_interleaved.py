@@ -23,7 +23,7 @@ from jfleet.parallel.pipeline_executor import table_pipeline_loss
 from jfleet.parallel.pipeline_layer import PipelineLayer
 from jfleet.parallel.virtual_stages import layer_order_params
 from jfleet.testing import assert_trees_close
-from jfleet.testing.hlo import summarize
+from jfleet.testing.hlo import executed_flops, summarize
 
 from .test_pipeline_layer import ce, gpt_descs
 from .test_pipeline_parallel import (
@@ -129,8 +129,8 @@ def executor_case(schedule: str, v: int, m: int):
         "k": jax.random.normal(k[0], (4, v, WIDTH, WIDTH)) * 0.5,
         "b": jax.random.normal(k[1], (4, v, WIDTH)) * 0.1,
     }
-    h, x = jax.random.normal(k[2], (WIDTH, 1)), jax.random.normal(k[3], (rows, WIDTH))
-    t, side = jnp.ones((rows, 1)), jnp.linspace(0.5, 1.5, rows)
+    h, x = jax.random.normal(k[2], (WIDTH, WIDTH)), jax.random.normal(k[3], (rows, WIDTH))
+    t, side = jnp.ones((rows, WIDTH)), jnp.linspace(0.5, 1.5, rows)
 
     def loss(w, h, x):
         return table_pipeline_loss(
@@ -157,6 +157,21 @@ def test_executor_collective_permutes_per_step_are_the_tables(schedule, v):
     *_, text, _ = executor_case(schedule, v, 4)
     stats = tables.schedule_stats(tables.schedule_table(schedule, 4, 4, v))
     assert summarize(text)["collective-permute"].count == stats["collective_permutes"]
+
+
+@pytest.mark.parametrize(("schedule", "v"), [("VPP", 2), ("ZBH1", 1)])
+def test_executed_dot_flops_are_the_schedules_ideal_with_its_recompute(schedule, v):
+    *_, text, _ = executor_case(schedule, v, 4)
+    table = tables.schedule_table(schedule, 4, 4, v)
+    work = tables.schedule_stats(table)["work_per_stage"]
+    branch = tables.slot_plan(table)["branch"]
+    forward = 2 * MB * WIDTH * WIDTH  # one chunk, one micro-batch: x @ k
+    head = 3 * forward  # y @ h, its cotangent and its weight gradient, on the last chunk
+    for device in range(4):
+        counts = np.bincount(branch[:, device], minlength=6)
+        got = executed_flops(text, lambda c, counts=counts: counts)
+        want = work[device] * forward + (head * 4 if device == 3 else 0)
+        assert got == pytest.approx(want, rel=0.05), device
 
 
 # ------------------------------------------------------------------ PipelineLayer
