@@ -228,10 +228,11 @@ def _sharded(run: _Run, *, forward_only: bool, with_dx: bool) -> Callable:
 
 # ------------------------------------------------------------------ per-device code
 def _ring(tree: Any, spec: Any, direction: int) -> Any:
-    """Sends to the next device (1) or the previous one (-1), the ends wrapping around."""
+    """Sends to the next device (1) or the previous one (-1), the ends wrapping around
+    (one device: to itself, its next chunk)."""
     p = spec.num_stages
     if p == 1:
-        return _zeros(tree)
+        return tree
     perm = [(i, (i + direction) % p) for i in range(p)]
     return jax.tree.map(lambda a: lax.ppermute(a, spec.pp_axis, perm), tree)
 
