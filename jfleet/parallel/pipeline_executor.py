@@ -20,9 +20,12 @@ the same with respect to the input only / the weights only. Then one ring ``pper
 forward (activations; the last device's output wraps to device 0's next chunk) and one
 backward (cotangents).
 
-Work per chunk and micro-batch, in forwards of the chunk (the schedule's ideal): ``F`` 1
-(+ the head on the last chunk), ``B`` 3 (recompute 1 + backward 2), ``BI`` 2 and ``W`` 2
-(each recomputes the forward): 1F1B / VPP 4, ZB-H1 5.
+Work per chunk and micro-batch, in forwards of the chunk (the schedule's ideal,
+``schedule_stats``' ``work_per_stage``): ``F`` 1 (+ the head on the last chunk), ``B`` 3
+(recompute 1 + backward 2), ``BI`` 2 (recompute + input cotangents) and ``W`` 3 (recompute,
+the cotangent chain through the chunk's layers, weight gradients; 2 for a chunk of one
+layer): 1F1B / VPP 4, ZB-H1 6. Nothing is kept from ``BI`` for ``W`` but the chunk's input
+and output cotangent, so the stash stays two activations per pending micro-batch.
 
 Example:
   >>> import jax, jax.numpy as jnp

@@ -55,7 +55,7 @@ __all__ += ["check_table", "schedule_stats", "schedule_table", "slot_plan"]
 IDLE, F, B, BI, W, BUSY = range(6)
 OP_NAMES = ("idle", "F", "B", "BI", "W", "busy")
 _TICKS = {F: 1, B: 2, BI: 1, W: 1}
-_WORK = {F: 1, B: 3, BI: 2, W: 2}  # chunk forwards each op runs (backward ops recompute)
+_WORK = {F: 1, B: 3, BI: 2, W: 3}  # chunk forwards each op runs (backward ops recompute)
 
 #: The schedules :func:`schedule_table` builds.
 TABLE_SCHEDULES = ("1F1B", "VPP", "ZBH1")
@@ -307,9 +307,13 @@ def schedule_stats(table: ScheduleTable) -> dict[str, Any]:
       one cotangent per tick, ring-wise), 0 when ``P == 1``;
     * ``recomputes``: stage forwards recomputed per chunk and micro-batch (``B``: 1;
       ``BI`` and ``W``: 1 each, so 2);
-    * ``work_per_stage``: the schedule's ideal work on each device in chunk forwards
-      (``F`` 1, ``B`` 3: recompute, input and weight gradient; ``BI`` and ``W`` 2 each),
-      the head's loss and gradient on the last chunk's ``F`` not included.
+    * ``work_per_stage``: the schedule's ideal work on each device in chunk forwards,
+      the head's loss and gradient on the last chunk's ``F`` not included: ``F`` 1,
+      ``B`` 3 (recompute, input and weight gradient), ``BI`` 2 (recompute, input
+      gradient) and ``W`` 3 (recompute, the cotangent chain through the chunk's layers
+      that their weight gradients need, weight gradients; a chunk of one layer has no
+      chain and runs 2). Per chunk and micro-batch 1F1B and VPP do 4, ZB-H1 6: it trades
+      two thirds of 1F1B's bubble ticks for half again the work under recompute.
 
     Example:
       >>> schedule_stats(schedule_table("1F1B", 4, 8))["bubble_ticks"]

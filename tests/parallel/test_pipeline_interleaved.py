@@ -99,7 +99,13 @@ WIDTH, MB = 8, 2
 
 
 def stage_fn(w, x, side, shared):
-    return jnp.tanh(x @ w["k"] + w["b"]) * side[:, None] + shared
+    """Two layers in a scan, as a stacked chunk runs them."""
+
+    def layer(h, wk):
+        k, b = wk
+        return jnp.tanh(h @ k + b) * side[:, None] + shared, None
+
+    return jax.lax.scan(layer, x, (w["k"], w["b"]))[0]
 
 
 def head_fn(h, y, t):
@@ -126,8 +132,8 @@ def executor_case(schedule: str, v: int, m: int):
     k = jax.random.split(jax.random.PRNGKey(0), 4)
     rows = 2 * m * MB
     w = {
-        "k": jax.random.normal(k[0], (4, v, WIDTH, WIDTH)) * 0.5,
-        "b": jax.random.normal(k[1], (4, v, WIDTH)) * 0.1,
+        "k": jax.random.normal(k[0], (4, v, 2, WIDTH, WIDTH)) * 0.5,
+        "b": jax.random.normal(k[1], (4, v, 2, WIDTH)) * 0.1,
     }
     h, x = jax.random.normal(k[2], (WIDTH, WIDTH)), jax.random.normal(k[3], (rows, WIDTH))
     t, side = jnp.ones((rows, WIDTH)), jnp.linspace(0.5, 1.5, rows)
@@ -165,8 +171,8 @@ def test_executed_dot_flops_are_the_schedules_ideal_with_its_recompute(schedule,
     table = tables.schedule_table(schedule, 4, 4, v)
     work = tables.schedule_stats(table)["work_per_stage"]
     branch = tables.slot_plan(table)["branch"]
-    forward = 2 * MB * WIDTH * WIDTH  # one chunk, one micro-batch: x @ k
-    head = 3 * forward  # y @ h, its cotangent and its weight gradient, on the last chunk
+    forward = 2 * 2 * MB * WIDTH * WIDTH  # one chunk (two layers), one micro-batch: h @ k
+    head = 3 * 2 * MB * WIDTH * WIDTH  # y @ h, its cotangent and weight gradient, last chunk
     for device in range(4):
         counts = np.bincount(branch[:, device], minlength=6)
         got = executed_flops(text, lambda c, counts=counts: counts)
