@@ -235,7 +235,10 @@ class PipelineLayer(nnx.Module):
         layers, or None; ``shared_layers`` then holds the tied layers by key.
       num_stages, num_layers, layers_per_stage: ``P``, ``N`` and ``N/P`` (the stacked
         body's; all layers and None with stages of different layers).
-      segment_parts: the stage boundaries over ``layers`` (Paddle's attribute).
+      num_virtual_stages: ``v``; with ``v > 1`` body row ``s`` holds chunks ``s, s + P,
+        ...`` in order (unit ``(s, c L + j)`` is body layer ``(c P + s) L + j``).
+      segment_parts: the boundaries over ``layers`` of the ``P v`` chunks (Paddle's
+        attribute; stage boundaries when ``v == 1``).
       body_range: ``(start, end)``, the stacked body's indices in ``layers``, or None.
 
     Raises:
