@@ -13,16 +13,22 @@ How it runs:
   * stage ``s`` owns ``tree.map(lambda x: x[s], stage_params)`` (leading axis sharded on
     ``pp``); activations go to the next stage and cotangents to the previous one by
     ``lax.ppermute`` once per tick of a ``lax.scan``; ``lax.cond`` on per-device validity
-    skips the bubble's work;
+    skips the bubble's work (except in a loop JAX differentiates, FThenB without remat,
+    where the bubbles run masked: see :func:`_forward_ticks`);
   * a ``jax.custom_vjp``: its forward runs the whole training schedule (the forward and
     backward passes of every micro-batch, as 1F1B interleaves them) and keeps the
     gradients as residuals; its backward multiplies them by the incoming cotangent (a loss
     scale, say). Without differentiation (``jax.jit(loss)``) a forward-only GPipe loop runs.
 
-Schedules (see :func:`schedule_stats` for tick and collective counts):
+Schedules (:mod:`jfleet.parallel.schedule_ticks` counts their ticks, work and collectives):
   * ``"FThenB"`` (GPipe): the forward of every micro-batch (``M + P - 1`` ticks), then the
-    backward (``M + P - 1`` ticks, the loop's transpose). A stage keeps the activations of
-    all ``M`` micro-batches, or only each stage's inputs with ``remat=True``.
+    backward (``M + P - 1`` ticks). Without remat the backward is the forward loop's
+    transpose (JAX autodiff) and a stage keeps the activations of all ``M`` micro-batches;
+    its ``2(P - 1)`` bubble ticks compute masked. With ``remat=True`` the forward loop
+    stashes each micro-batch's stage input and the backward is :func:`_backward_ticks`
+    (recompute + ``jax.vjp`` + ``ppermute`` to the previous stage, shared with the
+    ``to_distributed`` stand-in), every bubble tick skipped: ``M`` forwards, ``M``
+    recomputes and ``M`` backwards per stage.
   * ``"1F1B"``: one scan of ``T = M + 2(P - 1)`` ticks; at tick ``t`` stage ``s`` runs the
     forward of micro-batch ``t - s``, stashing only the stage input in a ring of
     ``2(P - 1)`` slots, and the backward of micro-batch ``t - 2(P - 1) + s``, recomputing
@@ -71,118 +77,20 @@ from jax.custom_derivatives import SymbolicZero
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jfleet.parallel.schedule_ticks import (  # noqa: F401  (re-exported)
+    SCHEDULES,
+    TICK_KINDS,
+    _check_schedule,
+    schedule_stats,
+    stage_ticks,
+    taken_branches,
+)
 from jfleet.placement import check_divides
 from jfleet.topology import DATA_AXES, PP
-
-#: The schedule names :func:`pipeline_loss` accepts (Paddle's ``schedule_mode`` values).
-SCHEDULES = ("FThenB", "1F1B")
 
 #: ``stage_fn(params_of_one_stage, x, side, shared) -> y``, for both entry points.
 StageFn = Callable[[Any, Any, Any, Any], Any]
 HeadFn = Callable[[Any, Any, Any], jax.Array]
-
-
-def schedule_stats(schedule: str, num_stages: int, num_microbatches: int) -> dict[str, Any]:
-    """Ticks, collective-permutes and bubble of one training step of a schedule.
-
-    Args:
-      schedule: ``"FThenB"`` or ``"1F1B"``.
-      num_stages: pipeline stages ``P`` (the ``pp`` degree).
-      num_microbatches: micro-batches ``M`` per step.
-
-    Returns:
-      A dict with ``schedule``, ``num_stages``, ``num_microbatches`` and
-
-      * ``ticks``: loop iterations per step: FThenB ``2(M + P - 1)`` (forward loop, then
-        its transpose), 1F1B ``M + 2(P - 1)`` (each tick one forward and one backward);
-      * ``collective_permutes``: ``lax.ppermute`` executions per step (one per tick and
-        direction): FThenB ``2(M + P - 1)``, 1F1B ``2(M + 2P - 2)``; 0 when ``P == 1``;
-      * ``bubble_fraction``: the idle share of a stage's time, ``(P - 1) / (M + P - 1)``
-        for both (bubble ticks skip their work with ``lax.cond``, so the lockstep 1F1B
-        costs ``(P - 1)`` forward-only, ``M`` forward+backward and ``(P - 1)``
-        backward-only ticks, like GPipe);
-      * ``stash_slots``: micro-batches whose activations a stage holds at once: FThenB
-        ``M`` (every micro-batch's, or only its stage inputs with remat), 1F1B
-        ``max(2(P - 1), 1)`` stage inputs.
-
-    Raises:
-      ValueError: an unknown schedule, or counts below 1.
-
-    Example:
-      >>> schedule_stats("1F1B", 4, 8)["collective_permutes"]
-      28
-      >>> schedule_stats("FThenB", 4, 8)["collective_permutes"]
-      22
-    """
-    _check_schedule(schedule)
-    for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an integer >= 1.")
-    p, m = num_stages, num_microbatches
-    if schedule == "FThenB":
-        ticks, per_step, stash = 2 * (m + p - 1), 2 * (m + p - 1), m
-    else:
-        ticks, per_step, stash = m + 2 * (p - 1), 2 * (m + 2 * p - 2), max(2 * (p - 1), 1)
-    return {
-        "schedule": schedule,
-        "num_stages": p,
-        "num_microbatches": m,
-        "ticks": ticks,
-        "collective_permutes": per_step if p > 1 else 0,
-        "bubble_fraction": (p - 1) / (m + p - 1),
-        "stash_slots": stash,
-    }
-
-
-#: The kinds of work :func:`stage_ticks` counts, one micro-batch through one stage each.
-TICK_KINDS = ("forward", "recompute", "backward", "masked", "bubble")
-
-
-def stage_ticks(
-    schedule: str,
-    num_stages: int,
-    num_microbatches: int,
-    *,
-    remat: bool = False,
-    loss_inside: bool = True,
-) -> list[dict[str, int]]:
-    """Per stage, how many units of each kind of work one training step runs.
-
-    A unit is one micro-batch through one stage: ``"forward"``, ``"recompute"`` (a forward
-    run again in the backward pass), ``"backward"`` (the vjp), ``"masked"`` (a bubble tick
-    that computes a forward or a backward and drops it), ``"bubble"`` (a tick slot whose
-    work ``lax.cond`` skips). Executed work per stage is ``forward + recompute + backward
-    + masked`` units; the slowest stage sets the step time.
-
-    * :func:`pipeline_loss` (``loss_inside=True``): FThenB without remat differentiates a
-      masked loop: ``M`` forwards and backwards plus ``2(P - 1)`` masked ticks; FThenB
-      with remat skips its ``2(P - 1)`` bubbles and recomputes ``M`` forwards; 1F1B
-      (``M + 2(P - 1)`` ticks of a forward slot and a backward slot) recomputes ``M``
-      forwards on every stage but the last, which runs each micro-batch's forward, loss
-      and backward in one tick; ``4(P - 1)`` slots are bubbles.
-    * :func:`~jfleet.parallel.pipeline_forward.pipeline_forward` (``loss_inside=False``,
-      the ``to_distributed`` stand-in): FThenB without remat as above; 1F1B, and FThenB
-      with remat, run ``M`` forwards, ``M`` recomputes and ``M`` backwards with ``2(P - 1)``
-      bubbles on every stage.
-
-    Example:
-      >>> stage_ticks("1F1B", 2, 4)
-      [{'forward': 4, 'recompute': 4, 'backward': 4, 'masked': 0, 'bubble': 4}, \
-{'forward': 4, 'recompute': 0, 'backward': 4, 'masked': 0, 'bubble': 4}]
-    """
-    stats = schedule_stats(schedule, num_stages, num_microbatches)
-    p, m = stats["num_stages"], stats["num_microbatches"]
-    out = []
-    for stage in range(p):
-        if schedule == "FThenB" and not remat:
-            counts = (m, 0, m, 2 * (p - 1), 0)
-        elif schedule == "1F1B" and loss_inside:
-            last = stage == p - 1
-            counts = (m, 0 if last else m, m, 0, 4 * (p - 1))
-        else:
-            counts = (m, m, m, 0, 2 * (p - 1))
-        out.append(dict(zip(TICK_KINDS, counts, strict=True)))
-    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,8 +167,8 @@ def pipeline_loss(
       data_axes: mesh axes the batch is split over (those the mesh lacks are ignored).
         Each replica splits its rows into ``M`` consecutive micro-batches.
       remat: FThenB only: keep only each stage's input per micro-batch and recompute the
-        stage in the backward pass (``jax.checkpoint``). 1F1B always recomputes each
-        stage from its stashed input, so the flag changes nothing there.
+        stage in its own backward loop (bubble ticks skipped). 1F1B always recomputes
+        each stage from its stashed input, so the flag changes nothing there.
       micro_losses: also return each micro-batch's loss (mean over replicas; no gradient).
 
     Returns:
@@ -300,13 +208,6 @@ def pipeline_loss(
 
 
 # ------------------------------------------------------------------ validation
-def _check_schedule(schedule: Any) -> None:
-    if schedule not in SCHEDULES:
-        raise ValueError(
-            f"schedule={schedule!r} is not a pipeline schedule; use one of {list(SCHEDULES)}."
-        )
-
-
 def _validate(
     stage_fn, head_fn, stage_params, batched, *, mesh, schedule, num_microbatches, pp_axis,
     data_axes, remat,

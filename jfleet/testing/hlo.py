@@ -25,7 +25,10 @@ the bytes a GPU/TPU build would reduce-scatter instead.
 
 ``dot_flops(text)`` counts the floating-point operations of every ``dot`` and
 ``convolution``, weighted the same way by the trip counts of enclosing loops (which
-``compiled.cost_analysis()`` does not do: it counts a loop body once).
+``compiled.cost_analysis()`` does not do: it counts a loop body once). It counts every branch
+of a ``conditional``; ``conditionals(text)`` lists each conditional with its loop weight and
+the dot FLOPs of each branch, and ``executed_flops(text, taken)`` weights the branches by
+how often a schedule takes them (the FLOPs a device executes when bubbles are skipped).
 
 Example:
   >>> text = '''

@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import AxisType
 
 from jfleet.parallel.pipeline_forward import pipeline_forward, rows_fit
-from jfleet.parallel.pipeline_schedule import pipeline_loss, stage_ticks
+from jfleet.parallel.pipeline_schedule import pipeline_loss, stage_ticks, taken_branches
 from jfleet.testing import hlo
 from jfleet.testing.trees import assert_trees_close
 from jfleet.topology import DP, PP
@@ -97,24 +97,6 @@ def test_rows_over_pp_needs_rows_that_split(mesh, problem):
 
 
 # ------------------------------------------------------------------ executed FLOPs
-def counts_for(stage: int, m: int, schedule: str, loss_inside: bool):
-    """``taken(conditional)``: how often ``stage`` takes each branch of the schedules'
-    conditionals (the bubble-skipping conds, 1F1B's three-way switch, the head's cond)."""
-    last = stage == STAGES - 1
-
-    def taken(c: hlo.Conditional):
-        n = c.weight
-        if len(c.branch_flops) == 3:  # 1F1B: (skip, backward, the last stage's tick)
-            return (n - m, 0, m) if last else (n - m, m, 0)
-        if n == 1:  # the head's cond: the last stage only
-            return (0, 1) if last else (1, 0)
-        if schedule == "1F1B" and loss_inside and last:
-            return (n, 0)  # the last stage's forward runs inside its switch branch
-        return (n - m, m)
-
-    return taken
-
-
 def dense_flops(w, x, mask):
     """Dot FLOPs of one device's unpipelined forward and training step (whole batch)."""
     fwd = jax.jit(lambda w, x: sequential(w, x, mask)).lower(w, x).compile().as_text()
@@ -161,7 +143,8 @@ def test_executed_dot_flops_per_device_are_the_schedules_own_work(
     loss_inside = entry == "pipeline_loss"
     ticks = stage_ticks(schedule, STAGES, M, remat=remat, loss_inside=loss_inside)
     executed = max(
-        hlo.executed_flops(text, counts_for(s, M, schedule, loss_inside)) for s in range(STAGES)
+        hlo.executed_flops(text, taken_branches(schedule, s, STAGES, M, loss_inside=loss_inside))
+        for s in range(STAGES)
     )
     forward, dense_step = ideal_parts
     devices = mesh.size
