@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["BI", "BUSY", "IDLE", "TABLE_SCHEDULES", "B", "F", "ScheduleTable", "W"]
-__all__ += ["check_table", "schedule_stats", "schedule_table", "slot_plan"]
+__all__ += ["check_table", "schedule_stats", "schedule_table", "slot_plan", "taken_branches"]
 
 IDLE, F, B, BI, W, BUSY = range(6)
 OP_NAMES = ("idle", "F", "B", "BI", "W", "busy")
@@ -379,3 +379,29 @@ def slot_plan(table: ScheduleTable) -> dict[str, Any]:
                 plan[f"recv_{name}"][first, dev] = of[(k, i)]
     plan["x_slots"], plan["g_slots"] = x_n + 1, g_n + 1
     return plan
+
+
+def taken_branches(table: ScheduleTable, stage: int) -> Any:
+    """``taken(conditional)`` for :func:`jfleet.testing.hlo.executed_flops`: how often
+    device ``stage`` takes each branch of the executor's ``lax.switch`` (``RUN_*`` order).
+
+    Raises:
+      ValueError: a conditional that is not the executor's six-way switch over ``T`` ticks.
+
+    Example:
+      >>> from types import SimpleNamespace as C
+      >>> taken = taken_branches(schedule_table("1F1B", 2, 2), 1)
+      >>> taken(C(name="c", weight=9, branch_flops=(0,) * 6))
+      (5, 0, 2, 2, 0, 0)
+    """
+    counts = tuple(int(n) for n in np.bincount(slot_plan(table)["branch"][:, stage], minlength=6))
+
+    def taken(c: Any) -> tuple[int, ...]:
+        if len(c.branch_flops) != len(counts) or c.weight != table.ticks:
+            raise ValueError(
+                f"conditional {c.name!r} ({len(c.branch_flops)} branches, {c.weight} runs) is "
+                f"not the executor's switch ({len(counts)} branches, {table.ticks} ticks)."
+            )
+        return counts
+
+    return taken

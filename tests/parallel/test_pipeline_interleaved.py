@@ -170,12 +170,10 @@ def test_executed_dot_flops_are_the_schedules_ideal_with_its_recompute(schedule,
     *_, text, _ = executor_case(schedule, v, 4)
     table = tables.schedule_table(schedule, 4, 4, v)
     work = tables.schedule_stats(table)["work_per_stage"]
-    branch = tables.slot_plan(table)["branch"]
     forward = 2 * 2 * MB * WIDTH * WIDTH  # one chunk (two layers), one micro-batch: h @ k
     head = 3 * 2 * MB * WIDTH * WIDTH  # y @ h, its cotangent and weight gradient, last chunk
     for device in range(4):
-        counts = np.bincount(branch[:, device], minlength=6)
-        got = executed_flops(text, lambda c, counts=counts: counts)
+        got = executed_flops(text, tables.taken_branches(table, device))
         want = work[device] * forward + (head * 4 if device == 3 else 0)
         assert got == pytest.approx(want, rel=0.05), device
 
