@@ -38,6 +38,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -58,9 +59,12 @@ from jfleet import make_train_step
 from jfleet.auto_parallel import ToDistributedConfig, to_distributed
 from jfleet.models import lm_batches, lm_loss
 from jfleet.models.llama import TinyLlama
+from jfleet.parallel import pipeline_table as tables
 from jfleet.parallel import stack
+from jfleet.parallel.pipeline_executor import table_pipeline_loss
 from jfleet.parallel.pipeline_schedule import pipeline_loss
 from jfleet.parallel.schedule_ticks import stage_ticks, taken_branches
+from jfleet.parallel.virtual_stages import TABLE_RUN, chunked
 from jfleet.testing import hlo
 
 SECTION = "pipeline_schedules"
@@ -198,36 +202,78 @@ def head_loss(scale: jax.Array, lm_head: jax.Array, y: jax.Array, labels: jax.Ar
     return -jnp.mean(picked)
 
 
-def pipeline_loss_rows(setting: Setting, degrees: dict, m: int, ref: Reference) -> list[Row]:
-    """The same blocks with norm, head and loss inside the pipeline (``pipeline_loss``)."""
-    model, _, batch = distribute(setting, degrees, m, "FThenB")
+def compiled_inside(model, batch, m: int, schedule: str, v: int = 1) -> Any:
+    """The compiled gradient step of the model's blocks with norm, head and loss inside the
+    pipeline: :func:`pipeline_loss`, or with ``schedule`` ``"VPP"`` / ``"ZBH1"`` the table
+    executor (``v`` chunks per stage; the blocks run in stacked order, which changes no
+    work)."""
     mesh = model.layers.mesh
     body_def, body = nnx.split(model.layers.body)
     embed_def, embed = nnx.split(model.embed_tokens)
     norm = model.norm.scale[...]
     tokens, labels = batch["tokens"], batch["labels"]
+
+    def loss(body, embed, norm, lm_head):
+        x = nnx.merge(embed_def, embed)(tokens)
+        inputs, carried, side, shared = stack.stage_inputs(x)
+        stage_fn = stack.stage_function(body_def, inputs)
+        stage_fn, params, carried_in = stack.widened_stage(
+            stage_fn, nnx.to_pure_dict(body), carried, mesh=mesh
+        )
+
+        def head_fn(h, y, t):
+            return head_loss(h[0], h[1], y[0], t)
+
+        run, extra = pipeline_loss, {}
+        if schedule in TABLE_RUN:
+            run, extra = table_pipeline_loss, {"num_virtual": v}
+            params = chunked(params, v)
+        return run(
+            stage_fn, head_fn, params, (norm, lm_head), carried_in, labels, side, shared,
+            mesh=mesh, schedule=schedule, num_microbatches=m, **extra,
+        )  # fmt: skip
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    return grad.lower(body, embed, norm, model.lm_head[...]).compile()
+
+
+def pipeline_loss_rows(setting: Setting, degrees: dict, m: int, ref: Reference) -> list[Row]:
+    """The same blocks with norm, head and loss inside the pipeline (``pipeline_loss``)."""
+    model, _, batch = distribute(setting, degrees, m, "FThenB")
     out = []
     for schedule in ("FThenB", "1F1B"):
-
-        def loss(body, embed, norm, lm_head, schedule=schedule):
-            x = nnx.merge(embed_def, embed)(tokens)
-            inputs, carried, side, shared = stack.stage_inputs(x)
-            stage_fn = stack.stage_function(body_def, inputs)
-            stage_fn, params, carried_in = stack.widened_stage(
-                stage_fn, nnx.to_pure_dict(body), carried, mesh=mesh
-            )
-
-            def head_fn(h, y, t):
-                return head_loss(h[0], h[1], y[0], t)
-
-            return pipeline_loss(
-                stage_fn, head_fn, params, (norm, lm_head), carried_in, labels, side, shared,
-                mesh=mesh, schedule=schedule, num_microbatches=m,
-            )  # fmt: skip
-
-        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
-        compiled = grad.lower(body, embed, norm, model.lm_head[...]).compile()
+        compiled = compiled_inside(model, batch, m, schedule)
         out.append(row("pipeline_loss", schedule, degrees, m, compiled, ref, loss_inside=True))
+    return out
+
+
+def table_rows(setting: Setting, degrees: dict, m: int, ref: Reference) -> list[Row]:
+    """Interleaved VPP (v = 2, where the blocks split into ``2P`` chunks and ``P`` divides
+    ``M``) and ZB-H1, the table executor (:mod:`jfleet.parallel.pipeline_executor`) with
+    the loss inside. Ideal: the dp8 step plus the blocks' forwards the table adds per
+    chunk and micro-batch over a plain forward + backward (3): VPP 1 (its recompute),
+    ZB-H1 3 (``BI`` and ``W`` each recompute, ``W`` also runs the cotangent chain);
+    bubble: the table's idle ticks per stage (unit ticks, ``B`` two)."""
+    p = degrees["pp"]
+    runs = [("ZBH1", 1)]
+    if setting.blocks % (2 * p) == 0 and m % p == 0:
+        runs.insert(0, ("VPP", 2))
+    model, _, batch = distribute(setting, degrees, m, "FThenB")
+    out = []
+    for schedule, v in runs:
+        compiled = compiled_inside(model, batch, m, schedule, v)
+        table = tables.schedule_table(schedule, p, m, v)
+        stats = tables.schedule_stats(table)
+        text = compiled.as_text()
+        extra = max(stats["work_per_stage"]) / (v * m) - 3
+        executed = max(hlo.executed_flops(text, tables.taken_branches(table, s)) for s in range(p))
+        name = f"{schedule} v={v}" if v > 1 else schedule
+        out.append(
+            Row("pipeline_loss", name, layout_name(degrees), m, executed,
+                ref.step + extra * ref.blocks_forward, ref.step, stats["bubble_ticks"], 0,
+                compiled.memory_analysis().temp_size_in_bytes,
+                hlo.summarize(text)["collective-permute"].count)
+        )  # fmt: skip
     return out
 
 
@@ -236,6 +282,7 @@ def pipeline_loss_rows(setting: Setting, degrees: dict, m: int, ref: Reference) 
 ROW_PRODUCERS: list[Callable[[Setting, dict, int, Reference], list[Row]]] = [
     stand_in_rows,
     pipeline_loss_rows,
+    table_rows,
 ]
 
 

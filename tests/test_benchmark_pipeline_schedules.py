@@ -18,4 +18,4 @@ def test_the_table_renders_every_row_and_names_the_target():
     assert text.count("| stand-in |") == 2 and "| 1.60 | 2.00 |" in text
     assert "M=4: 1F1B executes 1.25x the dp8 step" in text and "FThenB's 2.00x" in text
     assert "at most 1.60x its schedule's ideal (the most: stand-in FThenB" in text
-    assert [ps.stand_in_rows, ps.pipeline_loss_rows] == ps.ROW_PRODUCERS
+    assert [ps.stand_in_rows, ps.pipeline_loss_rows, ps.table_rows] == ps.ROW_PRODUCERS

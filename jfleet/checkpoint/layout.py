@@ -39,6 +39,7 @@ from jfleet.auto_parallel.blocks import PipelinedBlocks
 from jfleet.auto_parallel.scanned_blocks import ScannedBlocks
 from jfleet.distributed_model import DistributedModel
 from jfleet.parallel.pipeline_layer import PipelineLayer
+from jfleet.parallel.virtual_stages import layer_of
 
 __all__ = ["logical_leaves", "running_values", "state_leaves"]
 
@@ -47,12 +48,15 @@ Path = tuple[Any, ...]
 
 @dataclasses.dataclass(frozen=True)
 class _Stack:
-    """A stacked body at ``at`` whose unit ``(s, k)`` holds layers ``first + (s*K+k)*p + i``."""
+    """A stacked body at ``at`` whose unit ``(s, k)`` holds layers ``first + u*p + i``, ``u``
+    the unit's layer (``s*K + k``; interleaved over ``virtual`` chunks per stage:
+    :func:`~jfleet.parallel.virtual_stages.layer_of`)."""
 
     at: Path
     to: Path
     first: int
     period: int
+    virtual: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +83,7 @@ def _rules(model: nnx.Module) -> list[_Stack | _Rename]:
                     "(a stacked body) to checkpoint it."
                 )
             start, end = node.body_range
-            rules.append(_Stack((*path, "body"), (*path, "layers"), start, 1))
+            rules.append(_Stack((*path, "body"), (*path, "layers"), start, 1, node.v))
             for i in range(len(node.pre)):
                 rules.append(_Rename((*path, "pre", i, "layer"), (*path, "layers", i)))
             for j in range(len(node.post)):
@@ -160,7 +164,8 @@ def _expand(
     out = []
     for (s, k), part in zip(units, parts, strict=True):
         for i in subs:
-            index = rule.first + (s * per_stage + k) * period + (i or 0)
+            unit = layer_of(s, k, stages, rule.virtual, per_stage)
+            index = rule.first + unit * period + (i or 0)
             out.append((_key(prefix + rule.to + (index,) + inner), part, (s, k)))
     return out
 

@@ -20,7 +20,8 @@ parameters whatever ``num_stages`` is. The stages are held in one of two ways:
 
 ``__call__`` runs the whole model sequentially; :meth:`PipelineLayer.pipeline_loss` trains
 it through :func:`jfleet.parallel.pipeline_schedule.pipeline_loss` (FThenB or 1F1B over
-``pp``); ``fleet.distributed_model`` wraps it in a
+``pp``) or :func:`jfleet.parallel.pipeline_executor.table_pipeline_loss` (interleaved VPP,
+zero-bubble ZBH1); ``fleet.distributed_model`` wraps it in a
 :class:`~jfleet.parallel.pipeline_parallel.PipelineParallel` for ``train_batch``.
 :class:`SharedLayerDesc`\\ s with one key share one parameter (a tied embedding and LM
 head, even written as two classes), whose gradient sums both uses. The activation may be
@@ -56,7 +57,8 @@ from jfleet import _context
 from jfleet._logging import logger
 from jfleet.amp import cast_floating
 from jfleet.engine import scalar_loss
-from jfleet.parallel import pipeline_schedule, segment, stack
+from jfleet.parallel import pipeline_executor, pipeline_schedule, segment, stack
+from jfleet.parallel import virtual_stages as virtual
 from jfleet.parallel.mesh_context import layer_mesh
 from jfleet.parallel.stages import FlatStages, ParamView, Run, params_in_order
 from jfleet.placement import Placement
@@ -218,7 +220,10 @@ class PipelineLayer(nnx.Module):
       recompute_interval: ``k > 0`` runs each group of ``k`` layers of a stage under
         ``jax.checkpoint`` (the last group may be shorter).
       recompute_ctx: accepted for Paddle; its process-group settings mean nothing here.
-      num_virtual_pipeline_stages: None or 1; interleaved stages are not available yet.
+      num_virtual_pipeline_stages: ``v``, chunks per stage (None: 1). With ``v > 1`` the
+        layers split into ``P v`` chunks (``seg_method`` over ``P v`` parts) and stage
+        ``s`` holds chunks ``s, s + P, ...`` (:mod:`~jfleet.parallel.virtual_stages`),
+        trained by the interleaved schedule (``"VPP"``); identical body layers only.
       seed: the seed of the ``nnx.Rngs`` the layers are built with (when ``rngs`` is None).
       rngs: the ``nnx.Rngs`` to build with.
 
@@ -230,7 +235,10 @@ class PipelineLayer(nnx.Module):
         layers, or None; ``shared_layers`` then holds the tied layers by key.
       num_stages, num_layers, layers_per_stage: ``P``, ``N`` and ``N/P`` (the stacked
         body's; all layers and None with stages of different layers).
-      segment_parts: the stage boundaries over ``layers`` (Paddle's attribute).
+      num_virtual_stages: ``v``; with ``v > 1`` body row ``s`` holds chunks ``s, s + P,
+        ...`` in order (unit ``(s, c L + j)`` is body layer ``(c P + s) L + j``).
+      segment_parts: the boundaries over ``layers`` of the ``P v`` chunks (Paddle's
+        attribute; stage boundaries when ``v == 1``).
       body_range: ``(start, end)``, the stacked body's indices in ``layers``, or None.
 
     Raises:
@@ -238,7 +246,7 @@ class PipelineLayer(nnx.Module):
         not divide (the message lists the class names / valid degrees), more stages than
         layers, a stage layer holding non-``Param`` state, tied layers of different shapes.
       TypeError: malformed ``layers`` entries or arguments, a loss class for an instance.
-      NotImplementedError: ``num_virtual_pipeline_stages > 1``.
+      ValueError: ``num_virtual_pipeline_stages > 1`` for stages of different layers.
 
     Example:
       >>> import jax.numpy as jnp
@@ -266,12 +274,7 @@ class PipelineLayer(nnx.Module):
         rngs: nnx.Rngs | None = None,
     ) -> None:
         layers = _check_layers(layers)
-        if num_virtual_pipeline_stages not in (None, 1):
-            raise NotImplementedError(
-                f"num_virtual_pipeline_stages={num_virtual_pipeline_stages!r}: interleaved "
-                "(virtual) pipeline stages are not available in jfleet yet; leave it None and "
-                "use schedule_mode '1F1B' or 'FThenB'."
-            )
+        v = virtual.check_virtual(num_virtual_pipeline_stages)
         if not isinstance(recompute_interval, int) or recompute_interval < 0:
             raise ValueError(
                 f"recompute_interval={recompute_interval!r} must be an int >= 0 (0: no "
@@ -282,8 +285,9 @@ class PipelineLayer(nnx.Module):
         stages = _resolve_stages(num_stages, topology)
         self.loss_fns = _check_loss_fns(loss_fn)
         names = [_entry_name(e) for e in layers]
-        parts = segment.segment_layers(names, stages, seg_method)
+        parts = segment.segment_layers(names, stages * v, seg_method)
         self.num_stages = stages
+        self.num_virtual_stages = v
         self.recompute_interval = recompute_interval
         self.segment_parts = tuple(parts)
 
@@ -291,6 +295,13 @@ class PipelineLayer(nnx.Module):
         shared: dict[Any, list[tuple[SharedLayerDesc, str, Any]]] = {}
         built = [_build_entry(d, rngs, shared) for d in layers]
         body = _stacked_body(layers, parts, built)
+        if body is None and v > 1:
+            raise ValueError(
+                f"num_virtual_pipeline_stages={v} needs identical body layers split evenly "
+                f"into {stages} x {v} chunks (a stacked body); the {len(layers)} layers split "
+                f"at {list(parts)} do not: use seg_method='layer:<BlockClass>' with a block "
+                f"count divisible by {stages * v}, or num_virtual_pipeline_stages=1."
+            )
         if body is not None:  # identical layers, as many on each stage: one stacked module
             start, end = body
             self.num_layers = end - start
@@ -299,7 +310,8 @@ class PipelineLayer(nnx.Module):
             self.pre = nnx.List([Run(layer, func) for layer, func, _ in built[:start]])
             self.post = nnx.List([Run(layer, func) for layer, func, _ in built[end:]])
             layers_ = [layer for layer, _, _ in built[start:end]]
-            self.body = stack.stack_layers(layers_, stages, layers[start].name)
+            order = virtual.interleaved_order(self.num_layers, stages, v)
+            self.body = stack.stack_layers([layers_[i] for i in order], stages, layers[start].name)
             self._body_order = tuple(path for path, _ in params_in_order(layers_[0]))
             self.stages = None
         else:  # stages of different layers: flat buffers per stage (jfleet.parallel.stages)
@@ -342,21 +354,29 @@ class PipelineLayer(nnx.Module):
         else:
             out += [v for _, v in params_in_order(self.pre)]
             body = [functools.reduce(_attr, path, self.body) for path in self._body_order]
-            for s, j in itertools.product(range(self.num_stages), range(self.layers_per_stage)):
+            order = virtual.interleaved_order(self.num_layers, self.num_stages, self.v)
+            units = sorted(itertools.product(range(self.num_stages), range(self.layers_per_stage)))
+            for _, (s, j) in sorted(zip(order, units, strict=True)):  # layer by layer
                 out += [ParamView(v, (s, j), v.shape[2:]) for v in body]
             out += [v for _, v in params_in_order(self.post)]
         seen: set[int] = set()
         return [v for v in out if not (id(v) in seen or seen.add(id(v)))]
 
+    @property
+    def v(self) -> int:
+        """Virtual stages (chunks) per stage."""
+        return getattr(self, "num_virtual_stages", 1)
+
     def get_num_virtual_stages(self) -> int:
-        """1: no interleaved stages (Paddle's method)."""
-        return 1
+        """``num_virtual_pipeline_stages`` (1 without interleaving; Paddle's method)."""
+        return self.v
 
     def get_stage_from_index(self, layer_idx: int) -> int:
-        """The stage a layer of ``layers`` belongs to (pre layers: 0, post layers: the last)."""
-        for stage in range(self.num_stages):
-            if layer_idx < self.segment_parts[stage + 1]:
-                return stage
+        """The stage a layer of ``layers`` belongs to (pre layers: 0, post layers: the last;
+        with virtual stages, chunk ``k``'s layers are on stage ``k % P``)."""
+        for part in range(len(self.segment_parts) - 1):
+            if 0 <= layer_idx < self.segment_parts[part + 1]:
+                return part % self.num_stages
         raise ValueError(
             f"layer_idx={layer_idx} is out of range; the model has {self.segment_parts[-1]} layers."
         )
@@ -396,7 +416,11 @@ class PipelineLayer(nnx.Module):
         """
         if self.stages is not None:
             return self.stages(x, self.shared_layers, remat_interval=self.recompute_interval)
-        return stack.run_stack(self.body, x, remat_interval=self.recompute_interval)
+        if self.v == 1:
+            return stack.run_stack(self.body, x, remat_interval=self.recompute_interval)
+        graphdef, state = nnx.split(self.body)
+        params = virtual.layer_order_params(nnx.to_pure_dict(state), self.num_stages, self.v)
+        return stack.run_layers(graphdef, params, x, remat_interval=self.recompute_interval)
 
     def run_post(self, x: Any) -> Any:
         """The layers after the stacked body."""
@@ -438,7 +462,8 @@ class PipelineLayer(nnx.Module):
         Args:
           inputs: the first layer's input, batch first.
           labels: ``loss_fn``'s second argument, batch first.
-          schedule: ``"1F1B"`` or ``"FThenB"``.
+          schedule: ``"1F1B"``, ``"FThenB"``, ``"VPP"`` or ``"ZBH1"``; with virtual
+            stages ``"1F1B"`` runs ``"VPP"`` (as Paddle interleaves then).
           num_microbatches: micro-batches ``M``; each data-parallel replica's rows are
             split into ``M`` consecutive micro-batches.
           mesh: the mesh (default: the fleet's); its ``pp`` size must be ``num_stages``.
@@ -458,6 +483,8 @@ class PipelineLayer(nnx.Module):
             ``mp > 1`` (split identical blocks evenly instead).
         """
         loss_fn = self._loss_fn(loss_fn_idx)
+        schedule = virtual.pipeline_schedule_for(schedule, self.v)
+        virtual.check_microbatches(schedule, self.num_stages, num_microbatches)
         mesh = layer_mesh(mesh)
         size = mesh.shape.get(PP, 1)
         if size != self.num_stages:
@@ -506,7 +533,11 @@ class PipelineLayer(nnx.Module):
         stage_fn, stage_params, carried_in = stack.widened_stage(
             stage_fn, stage_params, carried, mesh=mesh
         )
-        return pipeline_schedule.pipeline_loss(
+        run, extra = pipeline_schedule.pipeline_loss, {}
+        if schedule in virtual.TABLE_RUN:  # stage leaves [P, v, ...]: chunk c of each stage
+            run, extra = pipeline_executor.table_pipeline_loss, {"num_virtual": self.v}
+            stage_params = virtual.chunked(stage_params, self.v)
+        return run(
             stage_fn,
             stack.widened(head_fn, (head_params, carried), wide=wide),
             stage_params,
@@ -519,6 +550,7 @@ class PipelineLayer(nnx.Module):
             schedule=schedule,
             num_microbatches=num_microbatches,
             micro_losses=micro_losses,
+            **extra,
         )
 
     def _loss_fn(self, idx: int) -> Callable[..., Any]:

@@ -6,7 +6,9 @@
 :meth:`PipelineLayer.pipeline_loss <jfleet.parallel.pipeline_layer.PipelineLayer.pipeline_loss>`,
 so AMP loss scaling, ZeRO, gradient clipping and buffer donation apply as for any model.
 The strategy's ``pipeline_configs`` choose the schedule (``schedule_mode``: ``"1F1B"``,
-``"FThenB"`` / ``"F-then-B"``) and the micro-batching: ``accumulate_steps`` micro-batches
+``"FThenB"`` / ``"F-then-B"``, ``"VPP"`` (interleaved; the PipelineLayer needs
+``num_virtual_pipeline_stages >= 2``, and then ``"1F1B"`` runs it too, as in Paddle),
+``"ZBH1"`` (zero-bubble H1)) and the micro-batching: ``accumulate_steps`` micro-batches
 of ``micro_batch_size`` rows per data-parallel replica, so a batch has
 ``micro_batch_size x accumulate_steps x (dp x sharding)`` rows.
 
@@ -46,13 +48,14 @@ from jfleet.distributed_optimizer import DistributedOptimizer
 from jfleet.engine import EvalStep, TrainStep, cached_step
 from jfleet.parallel.pipeline_layer import PipelineLayer
 from jfleet.parallel.pipeline_schedule import SCHEDULES
+from jfleet.parallel.virtual_stages import TABLE_RUN, check_microbatches, pipeline_schedule_for
 from jfleet.placement import Placement
 from jfleet.topology import PP
 
 __all__ = ["PipelineParallel", "pipeline_model"]
 
 #: Paddle's ``schedule_mode`` names jfleet does not run yet.
-UNAVAILABLE_SCHEDULES = ("VPP", "Eager1F1B", "ZBH1", "ZBVPP")
+UNAVAILABLE_SCHEDULES = ("Eager1F1B", "ZBVPP")
 _ALIASES = {"F-then-B": "FThenB"}
 
 
@@ -68,9 +71,9 @@ def resolve_schedule(name: Any) -> str:
       'FThenB'
     """
     name = _ALIASES.get(name, name)
-    if name in SCHEDULES:
+    if name in SCHEDULES or name in TABLE_RUN:
         return name
-    available = [*SCHEDULES, *_ALIASES]
+    available = [*SCHEDULES, *TABLE_RUN, *_ALIASES]
     if name in UNAVAILABLE_SCHEDULES:
         raise NotImplementedError(
             f"pipeline_configs['schedule_mode']={name!r} is not available in jfleet yet; "
@@ -93,7 +96,7 @@ class PipelineParallel(DistributedModel):
       placement: where the arrays live (mesh, ZeRO stage).
       micro_batch_size: rows per micro-batch per data-parallel replica.
       accumulate_steps: micro-batches per step (``M``).
-      schedule: ``"1F1B"`` or ``"FThenB"``.
+      schedule: ``"1F1B"``, ``"FThenB"``, ``"VPP"`` or ``"ZBH1"`` (what runs).
     """
 
     def __init__(
@@ -116,7 +119,8 @@ class PipelineParallel(DistributedModel):
         super().__init__(layers, placement)
         self.micro_batch_size = micro_batch_size
         self.accumulate_steps = accumulate_steps
-        self.schedule = resolve_schedule(schedule)
+        self.schedule = pipeline_schedule_for(resolve_schedule(schedule), layers.v)
+        check_microbatches(self.schedule, layers.num_stages, accumulate_steps)
 
     def parameters(self) -> list[Any]:
         """The PipelineLayer's ``parameters()`` (Paddle's order; stage-held ones as views)."""
@@ -288,6 +292,9 @@ def pipeline_model(model: Any, strategy: Any, placement: Placement) -> PipelineP
       TypeError: ``model`` is not a :class:`PipelineLayer` (with ``pp_degree > 1``).
       ValueError: ``num_stages`` is not the ``pp`` degree; bad ``pipeline_configs``.
       NotImplementedError: a Paddle schedule jfleet does not have yet.
+      ValueError: a schedule that does not fit the virtual stages (``"VPP"`` without them,
+        ``"FThenB"`` / ``"ZBH1"`` with them), VPP with ``accumulate_steps`` not a multiple
+        of the ``pp`` degree.
     """
     pp = placement.mesh.shape.get(PP, 1)
     if not isinstance(model, PipelineLayer):

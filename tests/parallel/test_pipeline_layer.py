@@ -351,8 +351,8 @@ def _bad(**kw):
         ),
         (
             _bad(num_virtual_pipeline_stages=2),
-            NotImplementedError,
-            r"num_virtual_pipeline_stages=2.*not available",
+            ValueError,
+            r"num_virtual_pipeline_stages=2 needs identical body layers split evenly into 2 x 2",
         ),
         (
             _bad(layers=[LayerDesc(nnx.BatchNorm, 4)] * 2),

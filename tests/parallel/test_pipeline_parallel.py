@@ -204,8 +204,8 @@ def test_bad_train_batch_arguments_are_clear_errors():
 @pytest.mark.parametrize(
     ("schedule", "error", "message"),
     [
-        ("VPP", NotImplementedError, r"'VPP' is not available.*\['FThenB', '1F1B', 'F-then-B'\]"),
-        ("ZBH1", NotImplementedError, r"'ZBH1' is not available"),
+        ("ZBVPP", NotImplementedError, r"'ZBVPP' is not available.*\['FThenB', '1F1B', 'VPP'"),
+        ("VPP", ValueError, r"'VPP' \(interleaved stages\) needs .*num_virtual_pipeline_stages"),
         ("GPipe", ValueError, r"schedule_mode='GPipe' is not valid.*'1F1B', 'FThenB'"),
     ],
 )
