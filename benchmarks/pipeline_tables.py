@@ -2,7 +2,7 @@
 
 Run from the repository root (8 emulated CPU devices; about a minute on 2 cores)::
 
-    python benchmarks/pipeline_tables.py          # prints a markdown table
+    python benchmarks/pipeline_tables.py   # prints the table, writes it to RESULTS.md
 
 It compiles (never runs) one training step, ``jax.jit(jax.value_and_grad(loss))`` with
 respect to the stage weights, the head and the inputs, on a ``pp 4 x dp 2`` mesh, for a
@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.results_file import write_section
 from jfleet.parallel import pipeline_table as tables
 from jfleet.parallel.pipeline_executor import table_pipeline_loss
 from jfleet.parallel.pipeline_schedule import pipeline_loss, schedule_stats
@@ -117,14 +118,31 @@ def row(schedule: str, m: int, v: int) -> str:
 
 
 def main() -> None:
-    print(f"pp {P} x dp {DP}, {LAYERS} layers of {D} x {D}, micro-batch {MB} rows\n")
-    print(
-        "| schedule | M | v | ticks | bubble | exec / ideal | exec / work | temp MiB | permutes |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    lines = [
+        "<!-- pipeline_tables: begin -->",
+        "# Interleaved (VPP) and zero-bubble (ZB-H1) pipelines against 1F1B",
+        "",
+        "- command: `python benchmarks/pipeline_tables.py`",
+        f"- pp {P} x dp {DP}, {LAYERS} tanh layers of {D} x {D}, micro-batch {MB} rows, "
+        "8 emulated CPU devices; columns as in the module docstring",
+        "",
+        "| schedule | M | v | ticks | bubble | exec / ideal | exec / work | temp MiB | permutes |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    print("\n".join(lines[4:]))
     for m in (4, 8, 16):
         for schedule, v in (("1F1B (scan)", 1), ("1F1B", 1), ("VPP", 2), ("ZBH1", 1)):
-            print(row(schedule, m, v), flush=True)
+            lines.append(row(schedule, m, v))
+            print(lines[-1], flush=True)
+    lines += [
+        "",
+        "Reading: the tables' bubble is idle slots over all slots with unit-cost ticks (B = "
+        "BI + W, two); VPP's equals (P-1)/(vM+P-1). ZB-H1's W pass recomputes the chunk "
+        "and its cotangent chain, so it executes more work than 1F1B (exec / work) for a "
+        "third of its bubble ticks.",
+        "<!-- pipeline_tables: end -->",
+    ]
+    print(f"written to {write_section('pipeline_tables', chr(10).join(lines))}", file=sys.stderr)
 
 
 if __name__ == "__main__":
