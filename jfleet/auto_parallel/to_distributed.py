@@ -235,8 +235,8 @@ def to_distributed(
         parameters, a forced mesh that does not multiply out or does not suit the
         shapes, a batch the data-parallel size does not divide, an ``input_spec`` batch
         other than the loader's, a schedule other than FThenB / 1F1B, a plan made for
-        another model or given with planning settings, a strategy asking for recompute, a model already returned;
-        a model whose traced call fails (``TraceError``: the message names the model and
+        another model or given with planning settings, a strategy asking for recompute, a
+        model already returned; a model whose traced call fails (``TraceError``: the message names the model and
         suggests ``config.forward``), a ``forward`` returning no arrays.
     """
     config = ToDistributedConfig() if config is None else config
