@@ -231,13 +231,13 @@ def to_distributed(
     Raises:
       TypeError: not an ``nnx.Module``, an optimizer of another kind, a config of
         another type, a loader that is not iterable.
-      ValueError: ``device_num x node_num`` above the devices present, a model without
-        parameters, a forced mesh that does not multiply out or does not suit the
-        shapes, a batch the data-parallel size does not divide, an ``input_spec`` batch
-        other than the loader's, a schedule other than FThenB / 1F1B, a plan made for
-        another model or given with planning settings, a strategy asking for recompute, a
-        model already returned; a model whose traced call fails (``TraceError``: the message names the model and
-        suggests ``config.forward``), a ``forward`` returning no arrays.
+      ValueError: ``device_num x node_num`` above the devices present, a model without parameters,
+        a forced mesh that does not multiply out or does not suit the shapes, a batch the data-
+        parallel size does not divide, an ``input_spec`` batch other than the loader's, a schedule
+        other than FThenB / 1F1B, a plan made for another model or given with planning settings, a
+        strategy asking for recompute, a model already returned; a model whose traced call fails
+        (``TraceError``: the message names the model and suggests ``config.forward``), a ``forward``
+        returning no arrays.
     """
     config = ToDistributedConfig() if config is None else config
     if not isinstance(config, ToDistributedConfig):
