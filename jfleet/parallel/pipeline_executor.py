@@ -45,6 +45,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -52,9 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.custom_derivatives import SymbolicZero
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from jfleet.parallel import pipeline_table as tables
 from jfleet.parallel.pipeline_schedule import (
@@ -63,6 +62,7 @@ from jfleet.parallel.pipeline_schedule import (
     _acc_dtype,
     _check_head,
     _check_stage,
+    _differentiable,
     _reduced,
     _select,
     _split,
@@ -155,7 +155,8 @@ def table_pipeline_loss(
             f"(stages, chunks per stage) first; these do not: {'; '.join(bad)}."
         )
     run = _Run(dataclasses.replace(spec, schedule=schedule), table)
-    out = _differentiable(run)(stage_params, head_params, inputs, targets, side, shared)
+    local = functools.partial(_local, run)
+    out = _differentiable(run.spec, local)(stage_params, head_params, inputs, targets, side, shared)
     return out if micro_losses else out[0]
 
 
@@ -168,65 +169,6 @@ class _Run:
         """The table's ``[T, P]`` rows (the scan's inputs) and the whole slot plan."""
         plan = tables.slot_plan(self.table)
         return {k: v for k, v in plan.items() if isinstance(v, np.ndarray)}, plan
-
-
-# ------------------------------------------------------------------ custom_vjp
-def _differentiable(run: _Run) -> Callable[..., Any]:
-    """``f(stage_params, head_params, inputs, targets, side, shared) -> (loss, losses)``."""
-
-    @jax.custom_vjp
-    def loss(stage_params, head_params, inputs, targets, side, shared):
-        return _sharded(run, forward_only=True, with_dx=False)(
-            stage_params, head_params, inputs, targets, side, shared
-        )
-
-    def fwd(stage_params, head_params, inputs, targets, side, shared):
-        with_dx = any(leaf.perturbed for leaf in jax.tree.leaves(inputs, is_leaf=_is_primal))
-        values = [
-            jax.tree.map(lambda leaf: leaf.value, tree, is_leaf=_is_primal)
-            for tree in (stage_params, head_params, inputs, targets, side, shared)
-        ]
-        return _sharded(run, forward_only=False, with_dx=with_dx)(*values)
-
-    def bwd(grads, g):
-        g = g[0]  # the micro-batch losses are reported, not differentiated
-        if isinstance(g, SymbolicZero):
-            return (None,) * 6
-
-        def scale(tree):
-            return None if tree is None else jax.tree.map(lambda d: (d * g).astype(d.dtype), tree)
-
-        d_stage, d_head, d_inputs = grads
-        return scale(d_stage), scale(d_head), scale(d_inputs), None, None, None
-
-    loss.defvjp(fwd, bwd, symbolic_zeros=True)
-    return loss
-
-
-def _is_primal(x: Any) -> bool:
-    return hasattr(x, "perturbed") and hasattr(x, "value")
-
-
-def _sharded(run: _Run, *, forward_only: bool, with_dx: bool) -> Callable:
-    spec = run.spec
-    pp, data = spec.pp_axis, spec.data_axes
-    batch_spec = P(data) if data else P()
-    out_specs: Any = (P(), P())
-    if not forward_only:
-        out_specs = (out_specs, (P(pp), P(), batch_spec if with_dx else None))
-
-    def body(*args):
-        return _local(run, forward_only, with_dx, *args)
-
-    mapped = jax.shard_map(
-        body,
-        mesh=spec.mesh,
-        in_specs=(P(pp), P(), batch_spec, batch_spec, batch_spec, P()),
-        out_specs=out_specs,
-        axis_names=frozenset(spec.manual_axes),
-        check_vma=True,
-    )
-    return jax.jit(mapped)
 
 
 # ------------------------------------------------------------------ per-device code

@@ -64,6 +64,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -282,13 +283,22 @@ def _batch_rows(tree: Any, name: str, optional: bool = False) -> set[int]:
 
 
 # ------------------------------------------------------------------ custom_vjp
-def _differentiable(spec: _Pipeline) -> Callable[..., jax.Array]:
-    """``f(stage_params, head_params, inputs, targets, side, shared) -> loss`` with the
-    schedule's VJP (targets, side and shared get zero cotangents)."""
+#: ``local(forward_only, with_dx, stage_params, head_params, inputs, targets, side, shared)``:
+#: one device's share of a pipelined loss inside the ``shard_map`` (this module's
+#: :func:`_local_step`, or the table executor's).
+Local = Callable[..., Any]
+
+
+def _differentiable(spec: _Pipeline, local: Local | None = None) -> Callable[..., jax.Array]:
+    """``f(stage_params, head_params, inputs, targets, side, shared) -> (loss, losses)`` with
+    the schedule's VJP: the forward runs the whole training schedule (``local``) and keeps
+    the gradients; the backward scales them by the loss's cotangent (targets, side and
+    shared get zero cotangents)."""
+    local = local or functools.partial(_local_step, spec)
 
     @jax.custom_vjp
     def run(stage_params, head_params, inputs, targets, side, shared):
-        return _sharded(spec, forward_only=True, with_dx=False)(
+        return _sharded(spec, local, forward_only=True, with_dx=False)(
             stage_params, head_params, inputs, targets, side, shared
         )
 
@@ -298,20 +308,18 @@ def _differentiable(spec: _Pipeline) -> Callable[..., jax.Array]:
             jax.tree.map(lambda leaf: leaf.value, tree, is_leaf=_is_primal)
             for tree in (stage_params, head_params, inputs, targets, side, shared)
         ]
-        loss, grads = _sharded(spec, forward_only=False, with_dx=with_dx)(*values)
-        return loss, grads
+        return _sharded(spec, local, forward_only=False, with_dx=with_dx)(*values)
 
     def bwd(grads, g):
-        d_stage, d_head, d_inputs = grads
         g = g[0]  # the micro-batch losses are reported, not differentiated
         if isinstance(g, SymbolicZero):
             return (None,) * 6
 
         def scale(tree):
-            return jax.tree.map(lambda d: (d * g).astype(d.dtype), tree)
+            return None if tree is None else jax.tree.map(lambda d: (d * g).astype(d.dtype), tree)
 
-        d_inputs = None if d_inputs is None else scale(d_inputs)
-        return scale(d_stage), scale(d_head), d_inputs, None, None, None
+        d_stage, d_head, d_inputs = grads
+        return scale(d_stage), scale(d_head), scale(d_inputs), None, None, None
 
     run.defvjp(fwd, bwd, symbolic_zeros=True)
     return run
@@ -321,7 +329,7 @@ def _is_primal(x: Any) -> bool:
     return hasattr(x, "perturbed") and hasattr(x, "value")
 
 
-def _sharded(spec: _Pipeline, *, forward_only: bool, with_dx: bool) -> Callable:
+def _sharded(spec: _Pipeline, local: Local, *, forward_only: bool, with_dx: bool) -> Callable:
     """The jitted ``shard_map`` computing the loss (and, unless forward_only, the grads)."""
     pp, data = spec.pp_axis, spec.data_axes
     batch_spec = P(data) if data else P()
@@ -332,8 +340,8 @@ def _sharded(spec: _Pipeline, *, forward_only: bool, with_dx: bool) -> Callable:
         out_specs = (loss_out, (P(pp), P(), batch_spec if with_dx else None))
 
     def body(stage_params, head_params, inputs, targets, side, shared):
-        return _local_step(
-            spec, stage_params, head_params, inputs, targets, side, shared, forward_only, with_dx
+        return local(
+            forward_only, with_dx, stage_params, head_params, inputs, targets, side, shared
         )
 
     mapped = jax.shard_map(
@@ -420,7 +428,7 @@ def _acc_dtype(x: jax.Array) -> Any:
 
 
 def _local_step(
-    spec, stage_params, head_params, inputs, targets, side, shared, forward_only, with_dx
+    spec, forward_only, with_dx, stage_params, head_params, inputs, targets, side, shared
 ):
     """One device's share: split micro-batches, run the schedule, reduce once after it."""
     m, axes = spec.num_microbatches, spec.manual_axes
