@@ -112,8 +112,20 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from jfleet.auto_parallel.layouts import OPTIMIZER_MOMENTS, Layout, Workload
-from jfleet.auto_parallel.patterns import COLUMN_ROLES, ROW_ROLES, ModelPatterns, ParamInfo
+from jfleet.auto_parallel.patterns import ModelPatterns, ParamInfo
 from jfleet.auto_parallel.profiles import HardwareProfile, get_profile
+from jfleet.auto_parallel.step_work import (
+    ATTN_Q_ELEMS,
+    ATTN_SCORE_ELEMS,
+    LOGIT_ELEMS,
+    MLP_ELEMS,
+    NORM_ELEMS,
+    OUTSIDE_H_ELEMS,
+    layers_and_norms,
+    split_degrees,
+    step_flops,
+    tp_reductions,
+)
 from jfleet.placement import Placement
 from jfleet.topology import AXIS_NAMES, DP, MP, PP, SEP, SHARDING
 
@@ -126,12 +138,6 @@ __all__ = [
     "rank",
 ]
 
-_NORM_ELEMS = 4  # per norm, x h
-_ATTN_Q_ELEMS = 4  # x q_dim
-_ATTN_SCORE_ELEMS = 2  # x heads x seq
-_MLP_ELEMS = {"swiglu": 5, "gelu": 3}  # x hidden
-_OUTSIDE_H_ELEMS = 5  # embedding output + final norm, x h
-_LOGIT_ELEMS = 4  # x vocab / mp
 _SAME = 1e-9  # relative time difference treated as a tie (equal programs)
 GiB = 2**30
 
@@ -306,115 +312,6 @@ def _ring(kind: str, nbytes: float, n: int) -> float:
     return (n - 1) / n * nbytes
 
 
-def _layers_and_norms(patterns: ModelPatterns) -> tuple[int, int]:
-    """(layers, norms per layer): the repeated blocks, or one layer of whatever matched."""
-    # norms of the model width (q / k norms over head_dim are part of the attention's)
-    width = (patterns.dims.width,)
-    norms = {
-        p.path.rsplit(".", 1)[0]
-        for p in patterns.params
-        if p.role == "norm" and tuple(p.shape) == width
-    }
-    if patterns.blocks:
-        first = {p.path.rsplit(".", 1)[0] for p in patterns.params if p.block == 0}
-        return len(patterns.blocks), len(first & norms)
-    if patterns.attention or patterns.mlp:
-        return 1, max(len(norms) - 1, 0)
-    return 0, 0
-
-
-def _split_set(patterns: ModelPatterns, mp: int) -> frozenset[tuple[str, int]]:
-    """``(path, dim)`` of every parameter split over ``mp`` at this degree."""
-    if mp <= 1:
-        return frozenset()
-    return frozenset(
-        (p.path, p.split_dim)
-        for p in patterns.params
-        if p.split_dim is not None and p.spec_for(mp) != P()
-    )
-
-
-def _kv_groups(patterns: ModelPatterns, mp: int) -> dict[str, int]:
-    """``{path: gcd(kv heads, mp)}`` for k / v kernels kept whole at ``mp`` (> 1 groups)."""
-    out = {}
-    for p in patterns.params:
-        if p.role in ("k", "v", "kv") and p.kind == "kernel" and p.split_dim is not None:
-            g = math.gcd(p.units, mp)
-            if p.spec_for(mp) == P() and g > 1:
-                out[p.path] = g
-    return out
-
-
-def _split_degrees(patterns: ModelPatterns, mp: int) -> tuple[int, int]:
-    """How many ways ``mp`` splits the attention's and the MLP's activations (1 or ``mp``)."""
-    attn = mlp = 1
-    for p in patterns.params:
-        if p.kind == "kernel" and p.spec_for(mp) != P():
-            if p.role in ("q", "qk", "qkv"):
-                attn = mp
-            elif p.role in ("up", "gate_up", "gate"):
-                mlp = mp
-    return attn, mlp
-
-
-def _tp_reductions(patterns: ModelPatterns, mp: int) -> tuple[int, int]:
-    """All-reduces per block: forward (one per split row), backward (one per split column)."""
-    first = 0 if patterns.blocks else None
-    kernels = [
-        p
-        for p in patterns.params
-        if p.kind == "kernel" and p.block == first and p.spec_for(mp) != P()
-    ]
-    rows = sum(p.role in ROW_ROLES for p in kernels)
-    columns = sum(p.role in COLUMN_ROLES for p in kernels)
-    return rows, columns
-
-
-def _flops(patterns: ModelPatterns, workload: Workload, layout: Layout) -> tuple[float, ...]:
-    """Per-device dot FLOPs of one step: (blocks' forward, blocks' step, outside's step).
-
-    Each traced product is scaled from the traced batch to the workload's (attention
-    products with the square of the sequence), counted forward plus one backward product
-    per operand needing a gradient, and divided by the data axes and by ``mp`` only when a
-    parameter split over ``mp`` splits it. The blocks' numbers are for all blocks (the
-    caller divides by ``pp``); without a trace, ``6 x`` the kernels' elements per token.
-    """
-    data = layout.data_degree * layout.sep
-    if not patterns.dots:
-        kernels = sum(p.size for p in patterns.params if p.kind != "table" and len(p.shape) >= 2)
-        inside = sum(p.size for p in patterns.params if p.block is not None and len(p.shape) >= 2)
-        per = 2 * workload.tokens / data
-        return per * inside, 3 * per * inside, 3 * per * (kernels - inside)
-    split = _split_set(patterns, layout.mp)
-    grouped = _kv_groups(patterns, layout.mp)
-    batch, seq = patterns.traced_tokens or (1, 1)
-    scale = workload.tokens / (batch * seq)
-    fwd_blocks = step_blocks = step_outside = 0.0
-    for d in patterns.dots:
-        f = d.flops * scale * (workload.seq_len / seq if d.attention else 1.0) / data
-        if d.param in grouped:
-            # k / v kept whole where mp cuts their kv heads: XLA computes on each rank the
-            # kv heads its q heads need (gcd(kv heads, mp) groups) forward and for the
-            # input's gradient, the weight's whole gradient on every rank
-            g = grouped[d.param]
-            fwd_blocks += f / g if d.block is not None else 0.0
-            step = f / g + f + f / g * (d.grads - 1)
-            if d.block is None:
-                step_outside += step
-            else:
-                step_blocks += step
-            continue
-        if d.splits & split:
-            f /= layout.mp
-        step = f * (1 + d.grads)
-        if d.block is None:
-            step_outside += step
-        else:
-            fwd_blocks += f
-            step_blocks += step
-    return fwd_blocks, step_blocks, step_outside
-
-
 def estimate(
     patterns: ModelPatterns,
     workload: Workload,
@@ -453,7 +350,7 @@ def estimate(
     m = layout.num_microbatches
     abstract = AbstractMesh(tuple(deg.values()), AXIS_NAMES)
     zero = Placement(mesh=abstract, zero_stage=stage) if stage else None
-    layers, norms = _layers_and_norms(patterns)
+    layers, norms = layers_and_norms(patterns)
     stage_blocks = layers // pp
 
     def in_stage(p: ParamInfo) -> bool:
@@ -487,15 +384,15 @@ def estimate(
     # activations (elements per token)
     h, s = d.width, workload.seq_len
     sp = mp if workload.sequence_parallel else 1
-    per_layer_rep = _NORM_ELEMS * norms * h / sp
-    attn_mp, mlp_mp = _split_degrees(patterns, mp)
+    per_layer_rep = NORM_ELEMS * norms * h / sp
+    attn_mp, mlp_mp = split_degrees(patterns, mp)
     per_layer = per_layer_rep
     if patterns.attention:
-        per_layer += (_ATTN_Q_ELEMS * d.q_dim + _ATTN_SCORE_ELEMS * d.heads * s) / attn_mp
+        per_layer += (ATTN_Q_ELEMS * d.q_dim + ATTN_SCORE_ELEMS * d.heads * s) / attn_mp
     if patterns.mlp:
-        per_layer += _MLP_ELEMS[patterns.mlp] * d.hidden / mlp_mp
+        per_layer += MLP_ELEMS[patterns.mlp] * d.hidden / mlp_mp
     vocab = d.vocab if patterns.tied_head is not None else 0
-    outside = _OUTSIDE_H_ELEMS * h + _LOGIT_ELEMS * vocab / mp
+    outside = OUTSIDE_H_ELEMS * h + LOGIT_ELEMS * vocab / mp
     ab = workload.act_bytes
     tokens_local = local_seqs * local_seq  # per device, whole step
     tokens_mb = tokens_local // m
@@ -544,7 +441,7 @@ def estimate(
     )
 
     # compute: every product of the traced forward, with its backward
-    fwd_blocks, step_blocks, step_outside = _flops(patterns, workload, layout)
+    fwd_blocks, step_blocks, step_outside = step_flops(patterns, workload, layout)
     recompute = layout.recompute or layout.schedule == "1F1B"
     runs_share = (m + pp - 1) / m if fthenb else 1.0
     block_flops = (step_blocks + (fwd_blocks if recompute else 0.0)) / pp
@@ -570,7 +467,7 @@ def estimate(
     # tensor parallel
     if mp > 1:
         act = tokens_mb * h * ab
-        fwd, bwd = _tp_reductions(patterns, mp)
+        fwd, bwd = tp_reductions(patterns, mp)
         per_mb = stage_blocks * (fwd + bwd)
         n_mb = per_mb * runs
         roles = {p.role for p in patterns.params}
