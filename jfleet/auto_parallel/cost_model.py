@@ -194,6 +194,8 @@ class StepTime:
       data_parallel: gradient reduction and ZeRO all-gathers.
       pipeline: point-to-point transfers between stages.
       sequence: ``sep`` all-gathers / reduce-scatters of k and v.
+      memory_traffic: the residuals the step's loops (pipeline ticks, a scan over
+        layers) stash and fetch, at the profile's memory bandwidth.
     """
 
     compute: float
@@ -202,6 +204,7 @@ class StepTime:
     data_parallel: float = 0.0
     pipeline: float = 0.0
     sequence: float = 0.0
+    memory_traffic: float = 0.0
 
     @property
     def total(self) -> float:
@@ -213,6 +216,7 @@ class StepTime:
             + self.data_parallel
             + self.pipeline
             + self.sequence
+            + self.memory_traffic
         )
 
     @property
@@ -228,6 +232,7 @@ _TIME_WORDS = {
     "data_parallel": "gradient reduction / ZeRO gather",
     "pipeline": "pipeline transfer",
     "sequence": "sequence-parallel gather",
+    "memory_traffic": "loop memory traffic",
 }
 
 

@@ -16,13 +16,13 @@ Built-in profiles (:data:`PROFILES`):
   has no reduce-scatter pass (a sharded gradient reduction is an all-reduce followed by a
   slice: ``reduce_scatter_native=False``, see :mod:`jfleet.testing.hlo`).
 * ``a100``: NVIDIA A100 SXM4 80GB (A100 datasheet): 19.5 TFLOP/s fp32, 156 TF32, 312
-  bf16/fp16; 80 GB HBM2e; NVLink 3 600 GB/s total (300e9 per direction); HDR
+  bf16/fp16; 80 GB HBM2e at 2,039 GB/s; NVLink 3 600 GB/s total (300e9 per direction); HDR
   InfiniBand 200 Gb/s per GPU between nodes (DGX A100: 25e9 B/s).
 * ``h100``: NVIDIA H100 SXM5 80GB (H100 datasheet): 67 TFLOP/s fp32, 494.7 TF32, 989.4
-  bf16/fp16 dense; 80 GB HBM3; NVLink 4 900 GB/s total (450e9 per direction); NDR 400
-  Gb/s per GPU between nodes (DGX H100: 50e9 B/s).
-* ``h200``: NVIDIA H200 SXM 141GB (H200 datasheet): the H100's compute, 141 GB HBM3e,
-  NVLink 900 GB/s, 400 Gb/s per GPU between nodes.
+  bf16/fp16 dense; 80 GB HBM3 at 3.35 TB/s; NVLink 4 900 GB/s total (450e9 per
+  direction); NDR 400 Gb/s per GPU between nodes (DGX H100: 50e9 B/s).
+* ``h200``: NVIDIA H200 SXM 141GB (H200 datasheet): the H100's compute, 141 GB HBM3e at
+  4.8 TB/s, NVLink 900 GB/s, 400 Gb/s per GPU between nodes.
 
 ``float32`` on the GPU profiles is the TF32 tensor-core rate: with JAX's default matmul
 precision XLA runs float32 matmuls in TF32 on these GPUs. ``float32_highest`` is the
@@ -65,6 +65,10 @@ class HardwareProfile:
       collective_latency: seconds each collective costs on top of its bytes.
       reduce_scatter_native: whether the compiler emits a reduce-scatter for a sharded
         gradient reduction (GPU, TPU) or an all-reduce plus a slice (XLA:CPU).
+      memory_bandwidth: bytes/s one device's memory moves for the step's loops (the
+        residuals a pipeline or a scan over layers stashes and fetches with
+        dynamic-update-slice / dynamic-slice / copy); default: 7x the intra-node link (HBM
+        over NVLink on A100 and H100).
 
     Raises:
       ValueError: a non-positive number, or no flops given.
@@ -78,6 +82,7 @@ class HardwareProfile:
     devices_per_node: int = 8
     collective_latency: float = 1e-5
     reduce_scatter_native: bool = True
+    memory_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         flops = self.peak_flops
@@ -91,7 +96,14 @@ class HardwareProfile:
             )
         object.__setattr__(self, "peak_flops", flops)
         bad = {k: v for k, v in flops if not v > 0}
-        for field in ("memory_bytes", "intra_node_bandwidth", "inter_node_bandwidth"):
+        if self.memory_bandwidth is None:
+            object.__setattr__(self, "memory_bandwidth", 7 * self.intra_node_bandwidth)
+        for field in (
+            "memory_bytes",
+            "intra_node_bandwidth",
+            "inter_node_bandwidth",
+            "memory_bandwidth",
+        ):
             if not getattr(self, field) > 0:
                 bad[field] = getattr(self, field)
         if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
@@ -146,6 +158,7 @@ _A100 = HardwareProfile(
     intra_node_bandwidth=300e9,
     inter_node_bandwidth=25e9,
     devices_per_node=8,
+    memory_bandwidth=2.039e12,
 )
 _H100 = HardwareProfile(
     name="h100",
@@ -159,8 +172,9 @@ _H100 = HardwareProfile(
     intra_node_bandwidth=450e9,
     inter_node_bandwidth=50e9,
     devices_per_node=8,
+    memory_bandwidth=3.35e12,
 )
-_H200 = dataclasses.replace(_H100, name="h200", memory_bytes=141 * 10**9)
+_H200 = dataclasses.replace(_H100, name="h200", memory_bytes=141 * 10**9, memory_bandwidth=4.8e12)
 
 #: The built-in profiles by name.
 PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (_CPU, _A100, _H100, _H200)}
