@@ -3,10 +3,12 @@
 A model written ``for layer in self.layers: x = layer(x)`` keeps that loop. When the plan
 pipelines the blocks, :func:`pipeline_blocks` puts a :class:`PipelinedBlocks` where the
 list was: its iteration yields one callable that runs every block as pipeline stages
-(:func:`jfleet.parallel.pipeline_schedule.pipeline_forward`, an FThenB / GPipe loop inside a
-``shard_map`` over ``pp``). Without a pipeline, :func:`wrap_blocks` gives the blocks
-activation recompute and sequence-parallel constraints in place (parameter paths and
-classes unchanged).
+(:func:`jfleet.parallel.pipeline_forward.pipeline_forward`: FThenB, or 1F1B's recomputing
+backward loop, inside a ``shard_map`` over ``pp``). When the batch splits over the data
+axes x ``pp`` the stack takes its rows split that way and returns them so, so the embedding
+before it and the head and loss after it run on ``1 / P`` of the rows per device. Without
+a pipeline, :func:`wrap_blocks` gives the blocks activation recompute and sequence-parallel
+constraints in place (parameter paths and classes unchanged).
 
 Example:
   >>> import jax
@@ -32,9 +34,10 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
+from jfleet._logging import logger
 from jfleet.parallel import stack
 from jfleet.parallel.mesh_context import constrain
-from jfleet.parallel.pipeline_schedule import pipeline_forward
+from jfleet.parallel.pipeline_forward import pipeline_forward, rows_fit
 from jfleet.recompute import remat_class
 from jfleet.topology import DATA_AXES, PP
 
@@ -108,6 +111,9 @@ class PipelinedBlocks(nnx.Module):
       num_stages: ``P``, the mesh's ``pp`` size.
       num_microbatches: micro-batches per call.
       recompute: recompute each block in the backward pass.
+      schedule: ``"FThenB"`` or ``"1F1B"`` (:mod:`jfleet.parallel.pipeline_forward`).
+      split_rows: take and return the batch's rows split over the data axes x ``pp`` when
+        they divide (else split over the data axes only, logged).
       seq_axes: mesh axes the sequence dimension is split over between blocks (sequence
         parallel), or None.
       per_sample: positions (after the activation) or keyword names of the per-sample
@@ -124,6 +130,8 @@ class PipelinedBlocks(nnx.Module):
         seq_axes: tuple[str, ...] | None = None,
         per_sample: tuple[int | str, ...] | None = None,
         period: int | None = None,
+        schedule: str = "FThenB",
+        split_rows: bool = True,
     ) -> None:
         blocks = list(blocks)
         if not blocks:
@@ -155,6 +163,8 @@ class PipelinedBlocks(nnx.Module):
         self.mesh = mesh
         self.num_microbatches = num_microbatches
         self.recompute = recompute
+        self.schedule = schedule
+        self.split_rows = split_rows
         self.seq_axes = seq_axes
         self.per_sample = None if per_sample is None else tuple(per_sample)
 
@@ -192,8 +202,24 @@ class PipelinedBlocks(nnx.Module):
             shared,
             mesh=self.mesh,
             num_microbatches=self.num_microbatches,
+            schedule=self.schedule,
+            rows_over_pp=self._rows_over_pp(carried_in),
         )
         return inputs.activation_of(stack.narrow(y, carried), side, shared)
+
+    def _rows_over_pp(self, carried: Any) -> bool:
+        if not self.split_rows:
+            return False
+        rows = jax.tree.leaves(carried)[0].shape[0]
+        if rows_fit(rows, self.mesh, self.num_microbatches):
+            return True
+        logger.info(
+            "pipelined blocks: a batch of %d rows does not split over the data axes x pp "
+            "(%s); the layers before and after the stack run on every stage's whole batch",
+            rows,
+            dict(self.mesh.shape),
+        )
+        return False
 
 
 def module_at(root: nnx.Module, path: str) -> Any:
@@ -234,6 +260,7 @@ def pipeline_blocks(
     seq_axes: tuple[str, ...] | None = None,
     per_sample: tuple[int | str, ...] | None = None,
     period: int | None = None,
+    schedule: str = "FThenB",
 ) -> PipelinedBlocks:
     """Replaces the list at ``container`` (a dotted path) by a :class:`PipelinedBlocks`.
 
@@ -264,6 +291,7 @@ def pipeline_blocks(
         seq_axes=seq_axes,
         per_sample=per_sample,
         period=period,
+        schedule=schedule,
     )
     parent, _, name = container.rpartition(".")
     setattr(module_at(model, parent), name, stand_in)

@@ -58,6 +58,7 @@ from jfleet.auto_parallel.profiles import HardwareProfile
 from jfleet.data import ShardedLoader, batch_shape, peek
 from jfleet.distributed_model import apply_model_settings
 from jfleet.distributed_optimizer import DistributedOptimizer
+from jfleet.parallel.pipeline_schedule import SCHEDULES
 from jfleet.placement import Placement, check_divides
 from jfleet.strategy import DistributedStrategy
 from jfleet.topology import DP, MP, PP, SEP, SHARDING
@@ -87,9 +88,11 @@ class ToDistributedConfig:
         devices, else the profile named like the device kind, else ``h100``.
       memory_budget: bytes per device the plan must fit (default: the profile's memory).
       force_mesh: degrees to use, e.g. ``{"dp": 2, "pp": 2, "mp": 2}`` (missing axes 1).
-      schedule: pipeline schedule; the stand-in pipeline is ``"FThenB"`` (GPipe), the only
-        value accepted (1F1B needs the loss inside the pipeline: build the model as a
-        ``PipelineLayer`` for it).
+      schedule: pipeline schedule of the stand-in for the blocks, ``"FThenB"`` (GPipe) or
+        ``"1F1B"`` (the loss stays in the model, so every forward precedes every backward;
+        1F1B stashes only each micro-batch's stage input and recomputes the stage in its
+        own backward loop: activation memory flat in the micro-batches;
+        :mod:`jfleet.parallel.pipeline_forward`); default: compared by the cost model.
       num_microbatches: pipeline micro-batches (default: compared by the cost model).
       zero_stage: ZeRO stage 0-3 (default: compared).
       recompute: recompute block activations in the backward pass (default: compared).
@@ -319,11 +322,10 @@ def _optimizer_kind(tx: optax.GradientTransformation, model: nnx.Module, wrt: An
 
 
 def _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len, first) -> Plan:
-    if config.schedule not in (None, "FThenB"):
+    if config.schedule not in (None, *SCHEDULES):
         raise ValueError(
-            f"schedule={config.schedule!r}: to_distributed pipelines a model's own blocks with "
-            "FThenB (GPipe) only; 1F1B needs the loss inside the pipeline, so build the model "
-            "as a jfleet.fleet.meta_parallel.PipelineLayer and train it with fleet for 1F1B."
+            f"config.schedule={config.schedule!r} is not a pipeline schedule; use one of "
+            f"{list(SCHEDULES)} (or None to let the cost model compare them)."
         )
     if config.plan is not None:
         plan = Plan.from_json(config.plan) if isinstance(config.plan, str) else config.plan
@@ -350,7 +352,7 @@ def _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len
         profile=config.profile if config.profile is not None else _default_profile(),
         memory_budget=config.memory_budget,
         force_mesh=config.force_mesh,
-        schedule="FThenB",
+        schedule=config.schedule,
         num_microbatches=config.num_microbatches,
         zero_stage=config.zero_stage,
         sequence_parallel=config.sequence_parallel,
@@ -573,6 +575,7 @@ def _apply(
             recompute=plan.recompute,
             seq_axes=seq_axes,
             per_sample=per_sample,
+            schedule=plan.schedule or "FThenB",
         )
     elif plan.blocks and (plan.recompute or seq_axes):
         blocks = [module_at(model, b) for b in plan.blocks]

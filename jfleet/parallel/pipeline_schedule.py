@@ -13,16 +13,22 @@ How it runs:
   * stage ``s`` owns ``tree.map(lambda x: x[s], stage_params)`` (leading axis sharded on
     ``pp``); activations go to the next stage and cotangents to the previous one by
     ``lax.ppermute`` once per tick of a ``lax.scan``; ``lax.cond`` on per-device validity
-    skips the bubble's work;
+    skips the bubble's work (in the loop JAX differentiates too, FThenB without remat:
+    see :func:`_forward_ticks`);
   * a ``jax.custom_vjp``: its forward runs the whole training schedule (the forward and
     backward passes of every micro-batch, as 1F1B interleaves them) and keeps the
     gradients as residuals; its backward multiplies them by the incoming cotangent (a loss
     scale, say). Without differentiation (``jax.jit(loss)``) a forward-only GPipe loop runs.
 
-Schedules (see :func:`schedule_stats` for tick and collective counts):
+Schedules (:mod:`jfleet.parallel.schedule_ticks` counts their ticks, work and collectives):
   * ``"FThenB"`` (GPipe): the forward of every micro-batch (``M + P - 1`` ticks), then the
-    backward (``M + P - 1`` ticks, the loop's transpose). A stage keeps the activations of
-    all ``M`` micro-batches, or only each stage's inputs with ``remat=True``.
+    backward (``M + P - 1`` ticks). Without remat the backward is the forward loop's
+    transpose (JAX autodiff) and a stage keeps the matmul outputs of all ``M``
+    micro-batches (elementwise work is recomputed). With ``remat=True`` the forward loop
+    stashes each micro-batch's stage input and the backward is :func:`_backward_ticks`
+    (recompute + ``jax.vjp`` + ``ppermute`` to the previous stage, shared with the
+    ``to_distributed`` stand-in): ``M`` forwards, ``M`` recomputes and ``M`` backwards per
+    stage. Both skip their ``2(P - 1)`` bubble ticks.
   * ``"1F1B"``: one scan of ``T = M + 2(P - 1)`` ticks; at tick ``t`` stage ``s`` runs the
     forward of micro-batch ``t - s``, stashing only the stage input in a ring of
     ``2(P - 1)`` slots, and the backward of micro-batch ``t - 2(P - 1) + s``, recomputing
@@ -71,67 +77,20 @@ from jax.custom_derivatives import SymbolicZero
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jfleet.parallel.schedule_ticks import (  # noqa: F401  (re-exported)
+    SCHEDULES,
+    TICK_KINDS,
+    _check_schedule,
+    schedule_stats,
+    stage_ticks,
+    taken_branches,
+)
 from jfleet.placement import check_divides
 from jfleet.topology import DATA_AXES, PP
-
-#: The schedule names :func:`pipeline_loss` accepts (Paddle's ``schedule_mode`` values).
-SCHEDULES = ("FThenB", "1F1B")
 
 #: ``stage_fn(params_of_one_stage, x, side, shared) -> y``, for both entry points.
 StageFn = Callable[[Any, Any, Any, Any], Any]
 HeadFn = Callable[[Any, Any, Any], jax.Array]
-
-
-def schedule_stats(schedule: str, num_stages: int, num_microbatches: int) -> dict[str, Any]:
-    """Ticks, collective-permutes and bubble of one training step of a schedule.
-
-    Args:
-      schedule: ``"FThenB"`` or ``"1F1B"``.
-      num_stages: pipeline stages ``P`` (the ``pp`` degree).
-      num_microbatches: micro-batches ``M`` per step.
-
-    Returns:
-      A dict with ``schedule``, ``num_stages``, ``num_microbatches`` and
-
-      * ``ticks``: loop iterations per step: FThenB ``2(M + P - 1)`` (forward loop, then
-        its transpose), 1F1B ``M + 2(P - 1)`` (each tick one forward and one backward);
-      * ``collective_permutes``: ``lax.ppermute`` executions per step (one per tick and
-        direction): FThenB ``2(M + P - 1)``, 1F1B ``2(M + 2P - 2)``; 0 when ``P == 1``;
-      * ``bubble_fraction``: the idle share of a stage's time, ``(P - 1) / (M + P - 1)``
-        for both (bubble ticks skip their work with ``lax.cond``, so the lockstep 1F1B
-        costs ``(P - 1)`` forward-only, ``M`` forward+backward and ``(P - 1)``
-        backward-only ticks, like GPipe);
-      * ``stash_slots``: micro-batches whose activations a stage holds at once: FThenB
-        ``M`` (every micro-batch's, or only its stage inputs with remat), 1F1B
-        ``max(2(P - 1), 1)`` stage inputs.
-
-    Raises:
-      ValueError: an unknown schedule, or counts below 1.
-
-    Example:
-      >>> schedule_stats("1F1B", 4, 8)["collective_permutes"]
-      28
-      >>> schedule_stats("FThenB", 4, 8)["collective_permutes"]
-      22
-    """
-    _check_schedule(schedule)
-    for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an integer >= 1.")
-    p, m = num_stages, num_microbatches
-    if schedule == "FThenB":
-        ticks, per_step, stash = 2 * (m + p - 1), 2 * (m + p - 1), m
-    else:
-        ticks, per_step, stash = m + 2 * (p - 1), 2 * (m + 2 * p - 2), max(2 * (p - 1), 1)
-    return {
-        "schedule": schedule,
-        "num_stages": p,
-        "num_microbatches": m,
-        "ticks": ticks,
-        "collective_permutes": per_step if p > 1 else 0,
-        "bubble_fraction": (p - 1) / (m + p - 1),
-        "stash_slots": stash,
-    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,8 +167,8 @@ def pipeline_loss(
       data_axes: mesh axes the batch is split over (those the mesh lacks are ignored).
         Each replica splits its rows into ``M`` consecutive micro-batches.
       remat: FThenB only: keep only each stage's input per micro-batch and recompute the
-        stage in the backward pass (``jax.checkpoint``). 1F1B always recomputes each
-        stage from its stashed input, so the flag changes nothing there.
+        stage in its own backward loop (bubble ticks skipped). 1F1B always recomputes
+        each stage from its stashed input, so the flag changes nothing there.
       micro_losses: also return each micro-batch's loss (mean over replicas; no gradient).
 
     Returns:
@@ -248,119 +207,7 @@ def pipeline_loss(
     return out if micro_losses else out[0]
 
 
-def pipeline_forward(
-    stage_fn: StageFn,
-    stage_params: Any,
-    inputs: Any,
-    side: Any = (),
-    shared: Any = (),
-    *,
-    mesh: Mesh,
-    num_microbatches: int,
-    pp_axis: str = PP,
-    data_axes: tuple[str, ...] = DATA_AXES,
-    remat: bool = False,
-) -> Any:
-    """The output of a pipelined stack of stages, differentiable by plain autodiff (GPipe).
-
-    Where :func:`pipeline_loss` needs the loss inside the pipeline (1F1B interleaves each
-    micro-batch's backward with later forwards), this runs only the stack: what comes
-    after it (final norm, head, loss) stays ordinary code, so a pipelined stack can stand
-    in for a model's list of decoder blocks. ``jax.grad`` of anything computed from the
-    output differentiates the forward loop; its transpose is the backward loop, so the
-    schedule is FThenB. A stage keeps the activations of every tick, ``M + P - 1`` of them
-    (its bubble ticks run masked: a ``cond`` under autodiff would stack the stage's weights
-    per tick), or only its inputs with ``remat=True``.
-
-    Args:
-      stage_fn: ``stage_fn(params_of_one_stage, x, side, shared) -> y``, ``y`` of ``x``'s
-        shapes and dtypes.
-      stage_params: a pytree whose leaves have a leading axis of size ``P`` (the ``pp``
-        degree), sharded on ``pp``.
-      inputs: the activation ``[B, ...]`` entering stage 0 (a pytree of arrays allowed).
-      side: per-sample arrays ``[B, ...]`` every stage needs with its micro-batch (an
-        attention mask, positions); split into micro-batches like ``inputs``; no
-        gradient flows into them (``lax.stop_gradient``).
-      shared: arrays every stage gets whole (a rotary table); no gradient either.
-      mesh: the mesh; must have ``pp_axis``.
-      num_microbatches: ``M``; each data-parallel replica's rows split into ``M``
-        consecutive micro-batches.
-      pp_axis: the pipeline mesh axis.
-      data_axes: mesh axes the batch is split over (those the mesh lacks are ignored).
-      remat: recompute each stage in the backward pass (``jax.checkpoint``).
-
-    Returns:
-      The last stage's output for the whole batch, ``[B, ...]``, on every stage.
-
-    Raises:
-      ValueError: as :func:`pipeline_loss` (mesh without ``pp_axis``, stage leaves without
-        the stage axis, a batch that does not split into the micro-batches).
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> mesh = jax.make_mesh((2, 4), ("dp", "pp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-      >>> w = jnp.stack([jnp.eye(3) * 2.0] * 4)  # 4 stages, each doubles x
-      >>> y = pipeline_forward(lambda w, x, s, c: x @ w, w, jnp.ones((8, 3)),
-      ...                      mesh=mesh, num_microbatches=2)
-      >>> y[0]
-      Array([16., 16., 16.], dtype=float32)
-    """
-    spec = _validate(
-        stage_fn,
-        _no_head,
-        stage_params,
-        {"inputs": inputs, "side": side},
-        mesh=mesh,
-        schedule="FThenB",
-        num_microbatches=num_microbatches,
-        pp_axis=pp_axis,
-        data_axes=data_axes,
-        remat=remat,
-    )
-    pp, data = spec.pp_axis, spec.data_axes
-    batch_spec = P(data) if data else P()
-    mapped = jax.shard_map(
-        lambda w, x, s, c: _local_forward(spec, w, x, s, c),
-        mesh=spec.mesh,
-        in_specs=(P(pp), batch_spec, batch_spec, P()),
-        out_specs=batch_spec,
-        axis_names=frozenset(spec.manual_axes),
-        check_vma=True,
-    )
-    side, shared = lax.stop_gradient((side, shared))
-    return jax.jit(mapped)(stage_params, inputs, side, shared)
-
-
-def _no_head(*_: Any) -> jax.Array:
-    return jnp.zeros((), jnp.float32)
-
-
-def _local_forward(spec, stage_params, inputs, side, shared):
-    """One device's share of :func:`pipeline_forward`: the GPipe loop, the last stage's output."""
-    p, axes = spec.num_stages, spec.manual_axes
-    params = _vary(jax.tree.map(lambda a: a[0], stage_params), axes)
-    x_mb = _vary(_split(inputs, spec), axes)
-    call = _stage_call(spec, _vary(_split(side, spec), axes), _vary(shared, axes))
-    stage = lax.axis_index(spec.pp_axis)
-    _check_stage(call, params, _take(x_mb, 0))
-    call = jax.checkpoint(call) if spec.remat else call
-
-    def run(x, i):
-        return _vary(call(params, x, i), axes)
-
-    outs = _forward_ticks(spec, run, x_mb, stage, skip_bubbles=False)
-    last = jax.tree.map(lambda a: jnp.where(stage == p - 1, a, jnp.zeros_like(a)), outs)
-    return _unsplit(lax.psum(last, spec.pp_axis))
-
-
 # ------------------------------------------------------------------ validation
-def _check_schedule(schedule: Any) -> None:
-    if schedule not in SCHEDULES:
-        raise ValueError(
-            f"schedule={schedule!r} is not a pipeline schedule; use one of {list(SCHEDULES)}."
-        )
-
-
 def _validate(
     stage_fn, head_fn, stage_params, batched, *, mesh, schedule, num_microbatches, pp_axis,
     data_axes, remat,
@@ -592,7 +439,7 @@ def _local_step(
     _check_head(spec, head, _take(x_mb, 0), _take(t_mb, 0))
 
     if forward_only:
-        losses = _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage, skip_bubbles=True)
+        losses = _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage)
         return _reduced(spec, losses, scale)
     run = _fthenb if spec.schedule == "FThenB" else _one_f_one_b
     losses, (d_stage, d_head, d_x) = run(spec, call, params, head, x_mb, t_mb, stage, with_dx)
@@ -635,38 +482,99 @@ def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
-def _forward_ticks(spec, run, x_mb, stage, *, skip_bubbles):
+def _saves_matmuls(prim: Any, *_: Any, **__: Any) -> bool:
+    return prim.name in ("dot_general", "conv_general_dilated")
+
+
+def _forward_ticks(spec, run, x_mb, stage, *, stash=False):
     """The forward GPipe loop (``M + P - 1`` ticks): every micro-batch through every stage.
 
     ``run(x, i)`` runs this device's stage on activation ``x`` of micro-batch ``i``.
-    Returns the stage's outputs ``[M, ...]`` (the last stage's are the stack's). With
-    ``skip_bubbles`` a ``lax.cond`` skips a stage's bubble ticks; without it (a loop that
-    gets differentiated) the stage runs masked, because a ``cond`` under autodiff hands
-    its residuals out per tick, the stage's weights included, and the scan would stack a
-    copy of them for every tick.
+    Returns the stage's outputs ``[M, ...]`` (the last stage's are the stack's), and with
+    ``stash`` also its inputs ``[M, ...]`` (what a recomputing backward loop needs). A
+    ``lax.cond`` skips a stage's bubble ticks.
+
+    The stage runs under ``jax.checkpoint`` saving only matmul (and convolution)
+    outputs, so the loop can be differentiated: a plain ``cond`` under autodiff hands out
+    every residual per tick, and for a stage that scans over its layers those include each
+    layer's slice of the weights, so the scan would stack a copy of the stage's weights per
+    tick (measured with ``PipelinedBlocks`` on TinyLlama width 128, dp2 x pp4, M=4: temp
+    14.6 MiB masked, 20.6 MiB with a plain cond, 12.3 MiB with the policy). The policy
+    recomputes only elementwise work in the backward pass; the matmuls are saved.
     """
     m, p, axes = spec.num_microbatches, spec.num_stages, spec.manual_axes
     act = _take(x_mb, 0)
 
     def tick(carry, t):
-        received, outs = carry
+        received, outs, ins = carry
         f = t - stage
         valid = (f >= 0) & (f < m)
         fi = jnp.clip(f, 0, m - 1)
         x = _select(stage == 0, _take(x_mb, fi), received)
-        if skip_bubbles:
-            y = lax.cond(valid, lambda x: run(x, fi), lambda _: _zeros(act), x)
-        else:
-            y = _select(valid, run(x, fi), _zeros(act))
+        work = jax.checkpoint(lambda x: run(x, fi), policy=_saves_matmuls)
+        y = lax.cond(valid, work, lambda _: _zeros(act), x)
         outs = _put(outs, _select(valid, y, _take(outs, fi)), fi)
-        return (_shift(y, spec, 1), outs), None
+        if stash:
+            ins = _put(ins, _select(valid, x, _take(ins, fi)), fi)
+        return (_shift(y, spec, 1), outs, ins), None
 
-    init = _vary((_zeros(act), _zeros(x_mb)), axes)
-    (_, outs), _ = lax.scan(tick, init, jnp.arange(m + p - 1))
-    return outs
+    init = _vary((_zeros(act), _zeros(x_mb), _zeros(x_mb) if stash else None), axes)
+    (_, outs, ins), _ = lax.scan(tick, init, jnp.arange(m + p - 1))
+    return (outs, ins) if stash else outs
 
 
-def _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage, *, skip_bubbles):
+def _backward_ticks(spec, vjp, params, ins, g_last, stage):
+    """The backward loop of a recomputing GPipe (``M + P - 1`` ticks), bubbles skipped.
+
+    At tick ``t`` stage ``s`` runs the backward of micro-batch ``t - (P - 1 - s)``:
+    ``vjp(x, g, i) -> (d_params, d_x)`` recomputes the stage from its stashed input
+    ``ins[i]`` and pulls back ``g``, the last stage's ``g_last[i]`` or the cotangent the
+    next stage sent the tick before (``lax.ppermute`` to the previous stage). A
+    ``lax.cond`` skips the ``P - 1`` bubble ticks. Returns the parameter gradients summed
+    over micro-batches (fp32 or wider) and the input cotangents ``[M, ...]`` (stage 0's;
+    zeros elsewhere).
+    """
+    m, p, axes = spec.num_microbatches, spec.num_stages, spec.manual_axes
+    act = _take(ins, 0)
+    zero = _vary((_zeros(params), _zeros(act)), axes)
+
+    def tick(carry, t):
+        received, d_params, d_x = carry
+        b = t - (p - 1 - stage)
+        valid = (b >= 0) & (b < m)
+        bi = jnp.clip(b, 0, m - 1)
+        g = _select(stage == p - 1, _take(g_last, bi), received)
+        dp, dx = lax.cond(
+            valid,
+            lambda x, g: _vary(vjp(x, g, bi), axes),
+            lambda x, g: zero,
+            _take(ins, bi),
+            g,
+        )
+        d_params = jax.tree.map(lambda a, d: a + d.astype(a.dtype), d_params, dp)
+        d_x = _put(d_x, _select(valid & (stage == 0), dx, _take(d_x, bi)), bi)
+        return (_shift(dx, spec, -1), d_params, d_x), None
+
+    acc = jax.tree.map(lambda a: jnp.zeros_like(a, dtype=_acc_dtype(a)), params)
+    init = _vary((_zeros(act), acc, _zeros(ins)), axes)
+    (_, d_params, d_x), _ = lax.scan(tick, init, jnp.arange(m + p - 1))
+    return d_params, d_x
+
+
+def stage_vjp(call: Callable[..., Any], params: Any) -> Callable[..., Any]:
+    """``vjp(x, g, i) -> (d_params, d_x)``: recompute ``call(params, x, i)`` and pull ``g`` back.
+
+    The backward tick of both recomputing loops (1F1B's and the recomputing GPipe's).
+    """
+
+    def vjp(x: Any, g: Any, i: jax.Array) -> Any:
+        _, pull = jax.vjp(lambda params, x: call(params, x, i), params, x)
+        return pull(g)
+
+    return vjp
+
+
+def _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage):
     """The forward GPipe loop, then the head on the last stage.
 
     ``call(params, x, i)`` runs this device's stage on micro-batch ``i``. Returns this
@@ -674,9 +582,7 @@ def _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage, *, skip_bubbles)
     """
     p, axes = spec.num_stages, spec.manual_axes
     call = jax.checkpoint(call) if spec.remat else call
-    outs = _forward_ticks(
-        spec, lambda x, i: _vary(call(params, x, i), axes), x_mb, stage, skip_bubbles=skip_bubbles
-    )
+    outs = _forward_ticks(spec, lambda x, i: _vary(call(params, x, i), axes), x_mb, stage)
 
     def heads():
         def one(yt):
@@ -691,15 +597,45 @@ def _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage, *, skip_bubbles)
 
 
 def _fthenb(spec, call, params, head, x_mb, t_mb, stage, with_dx):
-    """GPipe: differentiate the forward loop; its transpose is the backward loop."""
+    """GPipe. With ``remat``: a forward loop stashing each stage's inputs, the head's
+    value and gradient on the last stage, then :func:`_backward_ticks` (recompute + vjp).
+    Without: differentiate the forward loop (its transpose is the backward loop), which
+    keeps every micro-batch's matmul outputs. Every bubble tick is skipped."""
+    if spec.remat:
+        return _fthenb_recomputing(spec, call, params, head, x_mb, t_mb, stage, with_dx)
 
     def local(params, head, x_mb):
-        losses = _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage, skip_bubbles=False)
+        losses = _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage)
         return jnp.sum(losses), losses
 
     argnums = (0, 1, 2) if with_dx else (0, 1)
     (_, losses), grads = jax.value_and_grad(local, argnums, has_aux=True)(params, head, x_mb)
     return losses, grads if with_dx else (*grads, None)
+
+
+def _fthenb_recomputing(spec, call, params, head, x_mb, t_mb, stage, with_dx):
+    p, axes = spec.num_stages, spec.manual_axes
+    outs, ins = _forward_ticks(
+        spec, lambda x, i: _vary(call(params, x, i), axes), x_mb, stage,
+        stash=True,
+    )  # fmt: skip
+
+    def heads(head, outs):
+        def one(head, y, t):
+            return jnp.asarray(spec.head_fn(head, y, t), jnp.float32)
+
+        def total(head, outs):
+            losses = jax.vmap(one, (None, 0, 0))(head, outs, t_mb)
+            return jnp.sum(losses), losses
+
+        (_, losses), grads = jax.value_and_grad(total, (0, 1), has_aux=True)(head, outs)
+        return _vary((losses, *grads), axes)
+
+    no_loss = jnp.zeros((spec.num_microbatches,), jnp.float32)
+    zeros = _vary((no_loss, _zeros(head), _zeros(outs)), axes)
+    losses, d_head, g_last = lax.cond(stage == p - 1, heads, lambda *_: zeros, head, outs)
+    d_stage, d_x = _backward_ticks(spec, stage_vjp(call, params), params, ins, g_last, stage)
+    return losses, (d_stage, d_head, d_x if with_dx else None)
 
 
 def _one_f_one_b(spec, call, params, head, x_mb, t_mb, stage, with_dx):
@@ -718,9 +654,10 @@ def _one_f_one_b(spec, call, params, head, x_mb, t_mb, stage, with_dx):
     def forward(x, i):
         return _vary(call(params, x, i), axes)
 
+    vjp = stage_vjp(call, params)
+
     def backward(x, g, i):
-        _, vjp = jax.vjp(lambda params, x: call(params, x, i), params, x)
-        d_params, d_x = vjp(g)
+        d_params, d_x = vjp(x, g, i)
         return _vary((zero_loss, d_params, _zeros(head), d_x), axes)
 
     def last_stage(x, target, i):

@@ -25,7 +25,10 @@ the bytes a GPU/TPU build would reduce-scatter instead.
 
 ``dot_flops(text)`` counts the floating-point operations of every ``dot`` and
 ``convolution``, weighted the same way by the trip counts of enclosing loops (which
-``compiled.cost_analysis()`` does not do: it counts a loop body once).
+``compiled.cost_analysis()`` does not do: it counts a loop body once). It counts every branch
+of a ``conditional``; ``conditionals(text)`` lists each conditional with its loop weight and
+the dot FLOPs of each branch, and ``executed_flops(text, taken)`` weights the branches by
+how often a schedule takes them (the FLOPs a device executes when bubbles are skipped).
 
 Example:
   >>> text = '''
@@ -45,7 +48,7 @@ import dataclasses
 import json
 import math
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -430,15 +433,19 @@ class _Module:
                 out.append(self._collective(comp, inst, kind, phase, weight, known))
         return out
 
-    def visit(self) -> Iterator[tuple[str, _Instruction, int, bool]]:
+    def visit(
+        self, start: str | None = None, *, branches: bool = True
+    ) -> Iterator[tuple[str, _Instruction, int, bool]]:
         """(computation, instruction, executions per run, trip counts known) of every
-        instruction reachable from the entry, each in every computation that reaches it."""
-        if self.entry is None:
+        instruction reachable from ``start`` (default: the entry), each in every computation
+        that reaches it; without ``branches``, not those reached through a conditional."""
+        start = self.entry if start is None else start
+        if start is None:
             return iter(())
-        return self._visit(self.entry, 1, True, frozenset())
+        return self._visit(start, 1, True, frozenset(), branches)
 
     def _visit(
-        self, comp: str, weight: int, known: bool, stack: frozenset
+        self, comp: str, weight: int, known: bool, stack: frozenset, branches: bool = True
     ) -> Iterator[tuple[str, _Instruction, int, bool]]:
         if comp not in self.computations or comp in stack:
             return
@@ -448,14 +455,16 @@ class _Module:
             _, phase = _kind(inst.opcode)
             if phase == "done" or inst.opcode in ("async-update", "async-done"):
                 continue
+            if inst.opcode == "conditional" and not branches:
+                continue
             trip = _trip_count(inst) if inst.opcode == "while" else None
             for attr, callee in _callees(inst):
                 if inst.opcode == "while" and attr in ("body", "condition"):
                     inner = (trip if trip is not None else 1) + (attr == "condition")
                     deeper = known and trip is not None
-                    yield from self._visit(callee, weight * inner, deeper, stack)
+                    yield from self._visit(callee, weight * inner, deeper, stack, branches)
                 else:
-                    yield from self._visit(callee, weight, known, stack)
+                    yield from self._visit(callee, weight, known, stack, branches)
 
     def _collective(self, comp, inst, kind, phase, weight, known) -> Collective:
         operand_bytes = self.operand_bytes(comp, inst)
@@ -617,6 +626,98 @@ def dot_flops(text: str) -> float:
       1024.0
     """
     return float(sum(c.flops * c.weight for c in contractions(text)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Conditional:
+    """One ``conditional`` instruction of a compiled program (``lax.cond`` / ``lax.switch``).
+
+    Attributes:
+      name: the instruction's name in the HLO text.
+      weight: executions per run (product of enclosing trip counts).
+      branch_flops: dot and convolution FLOPs of one execution of each branch, in
+        ``lax.switch`` index order (``lax.cond``: ``(false, true)``). A conditional nested
+        inside a branch counts every one of its branches (an upper bound).
+      trip_count_known: False when an enclosing while loop has no ``known_trip_count``.
+    """
+
+    name: str
+    weight: int
+    branch_flops: tuple[int, ...]
+    trip_count_known: bool = True
+
+
+def _branches(inst: _Instruction) -> list[str]:
+    """The branch computations of a conditional, in index order (false first for a pred)."""
+    found = _BRANCHES.search(inst.attrs)
+    if found:
+        return re.findall(r"%?([\w.\-]+)", found.group(1))
+    named = dict(_CALLEES.findall(inst.attrs))
+    return [named["false_computation"], named["true_computation"]]
+
+
+def _flops(module: _Module, start: str | None = None, *, branches: bool = True) -> int:
+    return sum(
+        _contraction_flops(module, comp, inst) * weight
+        for comp, inst, weight, _ in module.visit(start, branches=branches)
+        if inst.opcode in ("dot", "convolution")
+    )
+
+
+def conditionals(text: str) -> list[Conditional]:
+    """The conditionals that are not inside another conditional's branch, with the dot
+    FLOPs of each branch: weight them by how often a schedule takes each branch.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> f = lambda p, x: jax.lax.cond(p, lambda x: x @ x, lambda x: x, x)
+      >>> text = jax.jit(f).lower(True, jnp.ones((4, 4))).compile().as_text()
+      >>> [c.branch_flops for c in conditionals(text)]
+      [(0, 128)]
+    """
+    module = _Module(text)
+    return [
+        Conditional(inst.name, weight, tuple(_flops(module, b) for b in _branches(inst)), known)
+        for comp, inst, weight, known in module.visit(branches=False)
+        if inst.opcode == "conditional"
+    ]
+
+
+def unconditional_flops(text: str) -> float:
+    """Dot and convolution FLOPs per device of one run outside every conditional's branches
+    (weighted by loop trips as :func:`dot_flops`)."""
+    return float(_flops(_Module(text), branches=False))
+
+
+def executed_flops(text: str, taken: Callable[[Conditional], Sequence[float]]) -> float:
+    """Dot FLOPs per device of one run when the conditionals' taken branches are known.
+
+    ``taken(conditional)`` returns how many of the conditional's ``weight`` executions
+    run each branch (in :attr:`Conditional.branch_flops` order); the counts must add up
+    to ``weight``. Pipeline schedules know them per stage
+    (:func:`jfleet.parallel.pipeline_schedule.stage_ticks`).
+
+    Raises:
+      ValueError: counts of the wrong length or not adding up to the weight.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> f = lambda p, x: jax.lax.cond(p, lambda x: x @ x, lambda x: x, x)
+      >>> text = jax.jit(f).lower(True, jnp.ones((4, 4))).compile().as_text()
+      >>> executed_flops(text, lambda c: (1, 0)), executed_flops(text, lambda c: (0, 1))
+      (0.0, 128.0)
+    """
+    total = unconditional_flops(text)
+    for c in conditionals(text):
+        counts = tuple(taken(c))
+        if len(counts) != len(c.branch_flops) or abs(sum(counts) - c.weight) > 1e-9:
+            raise ValueError(
+                f"conditional {c.name!r} runs {c.weight} times with {len(c.branch_flops)} "
+                f"branches; taken() returned {counts}: give one count per branch, adding up "
+                f"to {c.weight}."
+            )
+        total += sum(n * f for n, f in zip(counts, c.branch_flops, strict=True))
+    return float(total)
 
 
 def collectives(text: str) -> list[Collective]:

@@ -12,7 +12,7 @@ from jax.sharding import AxisType
 
 from jfleet.auto_parallel.blocks import PipelinedBlocks, pipeline_blocks
 from jfleet.parallel import stack
-from jfleet.parallel.pipeline_schedule import pipeline_forward
+from jfleet.parallel.pipeline_forward import pipeline_forward
 from jfleet.topology import DP, MP, PP
 
 D, BATCH, SEQ = 4, 8, 3

@@ -181,6 +181,76 @@ ENTRY %main (i: s32[], x: f32[8,16]) -> f32[8,4] {
     assert hlo.dot_flops(text) == 2 * MATMUL  # an upper bound: one branch runs
 
 
+def test_conditionals_list_each_branch_and_executed_flops_weight_them():
+    # a 5-trip loop whose body runs a pred conditional: a dot when true, nothing when false
+    extra = """
+%work (p: f32[8,16], w: f32[16,16]) -> f32[8,16] {
+  %p = f32[8,16]{1,0} parameter(0)
+  %w = f32[16,16]{1,0} parameter(1)
+  ROOT %d = f32[8,16]{1,0} dot(%p, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%idle (q: f32[8,16], v: f32[16,16]) -> f32[8,16] {
+  %q = f32[8,16]{1,0} parameter(0)
+  ROOT %c = f32[8,16]{1,0} copy(%q)
+}
+"""
+    body = (
+        "%b = pred[] compare(%i, %one), direction=LT\n"
+        "  %k = f32[8,16]{1,0} conditional(%b, %x, %w, %x, %w), true_computation=%work, "
+        "false_computation=%idle"
+    )
+    text = while_loop(KNOWN_5, body, extra)
+    (cond,) = hlo.conditionals(text)
+    assert (cond.weight, cond.branch_flops) == (5, (0, SQUARE))  # lax.cond order: false, true
+    assert hlo.unconditional_flops(text) == 5 * SQUARE  # the body's own dot
+    assert hlo.dot_flops(text) == 10 * SQUARE  # every branch, every trip: an upper bound
+    assert hlo.executed_flops(text, lambda c: (3, 2)) == 7 * SQUARE
+    with pytest.raises(ValueError, match=r"'k' runs 5 times with 2 branches.*adding up to 5"):
+        hlo.executed_flops(text, lambda c: (1, 1))
+
+
+def test_a_switch_lists_its_branches_in_index_order():
+    text = """
+HloModule m
+%none (p: f32[8,16]) -> f32[8,4] {
+  %p = f32[8,16]{1,0} parameter(0)
+  ROOT %z = f32[8,4]{1,0} constant({...})
+}
+
+%right (q: f32[8,16]) -> f32[8,4] {
+  %q = f32[8,16]{1,0} parameter(0)
+  %v = f32[16,4]{1,0} constant({...})
+  ROOT %e = f32[8,4]{1,0} dot(%q, %v), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (i: s32[], x: f32[8,16]) -> f32[8,4] {
+  %i = s32[] parameter(0)
+  %x = f32[8,16]{1,0} parameter(1)
+  ROOT %c = f32[8,4]{1,0} conditional(%i, %x, %x, %x), branch_computations={%none, %right, %none}
+}
+"""
+    (cond,) = hlo.conditionals(text)
+    assert cond.branch_flops == (0, MATMUL, 0)
+    assert hlo.executed_flops(text, lambda c: (0, 0, 1)) == 0
+
+
+def test_compiled_cond_in_a_scan_executes_only_the_taken_ticks():
+    w = jnp.ones((16, 16))
+
+    def f(x):
+        def tick(x, t):
+            return jax.lax.cond(t < 2, lambda x: jnp.tanh(x @ w), lambda x: x, x), None
+
+        return jax.lax.scan(tick, x, jnp.arange(6))[0]
+
+    text = jax.jit(f).lower(jnp.ones((8, 16))).compile().as_text()
+    (cond,) = hlo.conditionals(text)
+    assert cond.weight == 6 and sorted(cond.branch_flops) == [0, SQUARE]
+    taken = cond.branch_flops.index(SQUARE)
+    assert hlo.executed_flops(text, lambda c: (4, 2) if taken else (2, 4)) == 2 * SQUARE
+
+
 @pytest.mark.parametrize(
     ("labels", "kernel"),
     [("b01f_01io->b01f", "f32[3,3,3,16]{3,2,1,0}"), ("bf01_oi01->bf01", "f32[16,3,3,3]{3,2,1,0}")],

@@ -1,0 +1,298 @@
+"""A pipelined stack of stages with the loss outside it: the stand-in for a list of blocks.
+
+:func:`pipeline_forward` runs ``P`` stages over ``M`` micro-batches inside one
+``jax.shard_map`` (manual over ``pp`` and the data axes) and returns the last stage's
+output, so a pipelined stack can replace a model's decoder blocks while the head and the
+loss stay the model's own code (:class:`jfleet.auto_parallel.blocks.PipelinedBlocks`).
+With the loss outside the pipeline every forward precedes every backward; the schedules
+differ in what a stage keeps between them:
+
+  * ``"FThenB"`` (GPipe, ``remat=False``): autodiff of the forward loop (``M + P - 1``
+    ticks); its transpose is the backward loop. Bubble ticks are skipped by a ``lax.cond``
+    around the stage run under ``jax.checkpoint`` saving only matmul outputs (a plain
+    ``cond`` differentiated in the loop would stack the stage's weights per tick:
+    :func:`~jfleet.parallel.pipeline_schedule._forward_ticks`). A stage keeps the matmul
+    outputs of all ``M`` micro-batches; executed work per stage: ``M`` forwards and ``M``
+    backwards (elementwise work recomputed).
+  * ``"1F1B"`` (and ``"FThenB"`` with ``remat=True``, the same program): a
+    ``jax.custom_vjp``. Its forward runs the GPipe forward loop with the bubble ticks
+    skipped by ``lax.cond`` and stashes only each micro-batch's stage input; its backward
+    runs its own loop of ``M + P - 1`` ticks (bubbles skipped): stage ``s`` recomputes
+    micro-batch ``t - (P - 1 - s)`` from the stash, pulls the cotangent back with
+    ``jax.vjp``, accumulates the parameter gradients and sends the input cotangent to the
+    previous stage by ``lax.ppermute``. Executed work per stage: ``M`` forwards, ``M``
+    recomputed forwards and ``M`` backwards; activation memory: ``M`` stage inputs plus one
+    micro-batch's internals (the name follows Paddle's ``schedule_mode``: with the loss
+    outside, the bound on memory comes from the recompute, not from interleaving).
+
+Both schedules run ``2(M + P - 1)`` collective-permutes per training step (one per tick and
+direction), plus one all-reduce of the output over ``pp`` (``rows_over_pp=False``) or one
+reduce-scatter (``rows_over_pp=True``), and the same again for the input cotangent.
+
+Batch layout: by default the batch is split over the data axes and every stage gets the
+output for its replica's whole batch (a ``psum`` over ``pp``), so the code after the stack
+runs on every stage. With ``rows_over_pp=True`` the rows are split over the data axes *and*
+``pp`` (``P((*data_axes, pp))``): the stack gathers its input over ``pp`` and
+reduce-scatters its output, so the embedding before it and the head and loss after it run
+on ``1 / P`` of the rows per device. Row order is the unsplit batch's.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> mesh = jax.make_mesh((2, 4), ("dp", "pp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  >>> w = jnp.stack([jnp.eye(3) * 2.0] * 4)  # 4 stages, each doubles x
+  >>> f = lambda w, x: pipeline_forward(lambda w, x, s, c: x @ w, w, x, mesh=mesh,
+  ...                                   num_microbatches=2, schedule="1F1B")
+  >>> f(w, jnp.ones((8, 3)))[0]
+  Array([16., 16., 16.], dtype=float32)
+  >>> jax.grad(lambda w: f(w, jnp.ones((8, 3))).sum())(w).shape
+  (4, 3, 3)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jfleet.parallel.pipeline_schedule import (
+    StageFn,
+    _backward_ticks,
+    _check_stage,
+    _forward_ticks,
+    _Pipeline,
+    _split,
+    _stage_call,
+    _take,
+    _unsplit,
+    _validate,
+    _vary,
+    stage_vjp,
+)
+from jfleet.placement import check_divides
+from jfleet.topology import DATA_AXES, PP
+
+
+def pipeline_forward(
+    stage_fn: StageFn,
+    stage_params: Any,
+    inputs: Any,
+    side: Any = (),
+    shared: Any = (),
+    *,
+    mesh: Mesh,
+    num_microbatches: int,
+    pp_axis: str = PP,
+    data_axes: tuple[str, ...] = DATA_AXES,
+    remat: bool = False,
+    schedule: str = "FThenB",
+    rows_over_pp: bool = False,
+) -> Any:
+    """The output of a pipelined stack of stages, differentiable (see the module docstring).
+
+    Args:
+      stage_fn: ``stage_fn(params_of_one_stage, x, side, shared) -> y``, ``y`` of ``x``'s
+        shapes and dtypes.
+      stage_params: a pytree whose leaves have a leading axis of size ``P`` (the ``pp``
+        degree), sharded on ``pp``.
+      inputs: the activation ``[B, ...]`` entering stage 0 (a pytree of arrays allowed).
+      side: per-sample arrays ``[B, ...]`` every stage needs with its micro-batch (an
+        attention mask, positions); split into micro-batches like ``inputs``; no
+        gradient flows into them (``lax.stop_gradient``).
+      shared: arrays every stage gets whole (a rotary table); no gradient either.
+      mesh: the mesh; must have ``pp_axis``.
+      num_microbatches: ``M``; each data-parallel replica's rows split into ``M``
+        consecutive micro-batches.
+      pp_axis: the pipeline mesh axis.
+      data_axes: mesh axes the batch is split over (those the mesh lacks are ignored).
+      remat: recompute each stage in the backward pass (FThenB; 1F1B always does).
+      schedule: ``"FThenB"`` or ``"1F1B"``.
+      rows_over_pp: the batch's rows split over the data axes and ``pp``: the output too,
+        so the code after the stack runs on ``1 / P`` of the rows per device.
+
+    Returns:
+      The last stage's output for the whole batch, ``[B, ...]``: on every stage, or split
+      over the data axes and ``pp`` with ``rows_over_pp``.
+
+    Raises:
+      ValueError: as :func:`~jfleet.parallel.pipeline_schedule.pipeline_loss` (unknown
+        schedule, mesh without ``pp_axis``, stage leaves without the stage axis, a batch
+        that does not split into the micro-batches), or ``rows_over_pp`` with a batch that
+        does not split over the data axes x ``pp``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> mesh = jax.make_mesh((2, 4), ("dp", "pp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+      >>> w = jnp.stack([jnp.eye(3) * 2.0] * 4)  # 4 stages, each doubles x
+      >>> y = pipeline_forward(lambda w, x, s, c: x @ w, w, jnp.ones((8, 3)),
+      ...                      mesh=mesh, num_microbatches=2, rows_over_pp=True)
+      >>> y[0], y.sharding.spec
+      (Array([16., 16., 16.], dtype=float32), P(('dp', 'pp'),))
+    """
+    spec = _validate(
+        stage_fn,
+        _no_head,
+        stage_params,
+        {"inputs": inputs, "side": side},
+        mesh=mesh,
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        pp_axis=pp_axis,
+        data_axes=data_axes,
+        remat=remat,
+    )
+    rows = bool(rows_over_pp)
+    if rows:
+        batch = jax.tree.leaves(inputs)[0].shape[0]
+        check_divides(
+            f"the batch of {batch} rows",
+            batch,
+            [*((a, mesh.shape[a]) for a in spec.data_axes), (pp_axis, spec.num_stages)],
+            "rows_over_pp splits the rows over the data axes and the pipeline stages; "
+            "use rows_over_pp=False for this batch",
+            label="data-parallel size x pipeline stages",
+        )
+    side, shared = lax.stop_gradient((side, shared))
+    if schedule == "1F1B" or spec.remat:
+        return _recomputing(spec, rows)(stage_params, inputs, side, shared)
+    return _mapped(spec, rows, "forward")(stage_params, inputs, side, shared)
+
+
+def _no_head(*_: Any) -> jax.Array:
+    return jnp.zeros((), jnp.float32)
+
+
+def _batch_spec(spec: _Pipeline, rows: bool) -> P:
+    axes = (*spec.data_axes, spec.pp_axis) if rows else spec.data_axes
+    return P(axes) if axes else P()
+
+
+def _stash_spec(spec: _Pipeline) -> P:
+    data = spec.data_axes
+    return P(spec.pp_axis, None, data) if data else P(spec.pp_axis)
+
+
+def _gather(tree: Any, spec: _Pipeline, rows: bool) -> Any:
+    """This replica's whole batch from its stages' shares (``rows_over_pp``)."""
+    if not rows:
+        return tree
+    return jax.tree.map(lambda a: lax.all_gather(a, spec.pp_axis, axis=0, tiled=True), tree)
+
+
+def _scatter(tree: Any, spec: _Pipeline, rows: bool) -> Any:
+    """The sum over stages: whole on every stage, or each stage's rows (``rows_over_pp``)."""
+    if not rows:
+        return lax.psum(tree, spec.pp_axis)
+    return jax.tree.map(
+        lambda a: lax.psum_scatter(a, spec.pp_axis, scatter_dimension=0, tiled=True), tree
+    )
+
+
+def _mapped(spec: _Pipeline, rows: bool, mode: str) -> Callable[..., Any]:
+    """The jitted ``shard_map`` of one pass: ``"forward"`` (FThenB differentiates it),
+    ``"stash"`` (forward + stage inputs) or ``"backward"`` (the recomputing backward loop)."""
+    pp, batch = spec.pp_axis, _batch_spec(spec, rows)
+    if mode == "backward":
+        in_specs = (P(pp), _stash_spec(spec), batch, P(), batch)
+        out_specs: Any = (P(pp), batch)
+        body: Callable[..., Any] = lambda *a: _local_backward(spec, rows, *a)  # noqa: E731
+    else:
+        in_specs = (P(pp), batch, batch, P())
+        out_specs = (batch, _stash_spec(spec)) if mode == "stash" else batch
+        body = lambda *a: _local_forward(spec, rows, mode, *a)  # noqa: E731
+    mapped = jax.shard_map(
+        body,
+        mesh=spec.mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        axis_names=frozenset(spec.manual_axes),
+        check_vma=True,
+    )
+    return jax.jit(mapped)
+
+
+def _recomputing(spec: _Pipeline, rows: bool) -> Callable[..., Any]:
+    """``f(stage_params, inputs, side, shared) -> y`` whose VJP is the recomputing loop."""
+
+    @jax.custom_vjp
+    def run(stage_params, inputs, side, shared):
+        return _mapped(spec, rows, "forward")(stage_params, inputs, side, shared)
+
+    def fwd(stage_params, inputs, side, shared):
+        y, ins = _mapped(spec, rows, "stash")(stage_params, inputs, side, shared)
+        return y, (stage_params, ins, side, shared, inputs)
+
+    def bwd(res, g):
+        stage_params, ins, side, shared, inputs = res
+        d_params, d_inputs = _mapped(spec, rows, "backward")(stage_params, ins, side, shared, g)
+        return d_params, jax.tree.map(_cotangent, d_inputs, inputs), None, None
+
+    run.defvjp(fwd, bwd)
+    return run
+
+
+def _cotangent(d: jax.Array, x: jax.Array) -> Any:
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return d.astype(x.dtype)
+    return np.zeros(x.shape, jax.dtypes.float0)
+
+
+def _prepare(spec, rows, stage_params, side, shared):
+    axes = spec.manual_axes
+    params = _vary(jax.tree.map(lambda a: a[0], stage_params), axes)
+    side_mb = _vary(_split(_gather(side, spec, rows), spec), axes)
+    return params, _stage_call(spec, side_mb, _vary(shared, axes)), lax.axis_index(spec.pp_axis)
+
+
+def _local_forward(spec, rows, mode, stage_params, inputs, side, shared):
+    """One device's forward: the GPipe loop, the last stage's output (and the stash)."""
+    axes = spec.manual_axes
+    params, call, stage = _prepare(spec, rows, stage_params, side, shared)
+    x_mb = _vary(_split(_gather(inputs, spec, rows), spec), axes)
+    _check_stage(call, params, _take(x_mb, 0))
+
+    def run(x, i):
+        return _vary(call(params, x, i), axes)
+
+    stash = mode == "stash"
+    got = _forward_ticks(spec, run, x_mb, stage, stash=stash)
+    outs = got[0] if stash else got
+    last = stage == spec.num_stages - 1
+    outs = jax.tree.map(lambda a: jnp.where(last, a, jnp.zeros_like(a)), outs)
+    y = _scatter(_unsplit(outs), spec, rows)
+    return (y, jax.tree.map(lambda a: a[None], got[1])) if stash else y
+
+
+def _local_backward(spec, rows, stage_params, ins, side, shared, g):
+    """One device's backward loop: parameter gradients (summed over the data axes) and
+    the input cotangent (stage 0's, summed or scattered over ``pp``)."""
+    axes = spec.manual_axes
+    params, call, stage = _prepare(spec, rows, stage_params, side, shared)
+    ins = _vary(jax.tree.map(lambda a: a[0], ins), axes)
+    g_mb = _vary(_split(_gather(g, spec, rows), spec), axes)
+    d_params, d_x = _backward_ticks(spec, stage_vjp(call, params), params, ins, g_mb, stage)
+    if spec.data_axes:
+        d_params = lax.psum(d_params, spec.data_axes)
+    d_params = jax.tree.map(lambda d, p: d.astype(p.dtype)[None], d_params, stage_params)
+    return d_params, _scatter(_unsplit(d_x), spec, rows)
+
+
+def rows_fit(batch: int, mesh: Mesh, num_microbatches: int, data_axes: tuple = DATA_AXES) -> bool:
+    """Whether ``batch`` rows split over the data axes x ``pp`` (``rows_over_pp``) and
+    each replica's rows into ``num_microbatches`` micro-batches.
+
+    Example:
+      >>> import jax
+      >>> mesh = jax.make_mesh((2, 4), ("dp", "pp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+      >>> rows_fit(16, mesh, 2), rows_fit(12, mesh, 2)
+      (True, False)
+    """
+    data = math.prod(mesh.shape[a] for a in data_axes if a in mesh.axis_names)
+    pp = mesh.shape[PP] if PP in mesh.axis_names else 1
+    return batch % (data * pp) == 0 and batch % (data * num_microbatches) == 0

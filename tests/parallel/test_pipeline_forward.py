@@ -1,0 +1,159 @@
+"""pipeline_forward (the stand-in) and both entry points' executed work, structurally.
+
+Gradients of both stand-in schedules, with the batch split over pp or not, against the
+sequential model on one device (fp32). Executed dot FLOPs per device: the compiled HLO's
+dots outside conditionals plus each conditional's branches weighted by the ticks
+:func:`stage_ticks` says the slowest stage takes them, against the ideal computed from
+the unpipelined program (its dot FLOPs / devices, plus one forward per micro-batch where
+the schedule recomputes).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType
+
+from jfleet.parallel.pipeline_forward import pipeline_forward, rows_fit
+from jfleet.parallel.pipeline_schedule import pipeline_loss, stage_ticks, taken_branches
+from jfleet.testing import hlo
+from jfleet.testing.trees import assert_trees_close
+from jfleet.topology import DP, PP
+
+STAGES, LAYERS, D, M, BATCH = 4, 2, 32, 4, 64
+
+
+def stage_fn(w, x, mask, scale):
+    """Two tanh layers run by a ``lax.scan`` (the stand-in's stages scan their blocks)."""
+    return jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl) * mask[:, None] * scale, None), x, w)[0]
+
+
+def sequential(w, x, mask):
+    for s in range(STAGES):
+        x = stage_fn(w[s], x, mask, 0.9)
+    return x
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((2, STAGES), (DP, PP), axis_types=(AxisType.Auto,) * 2)
+
+
+@pytest.fixture(scope="module")
+def problem():
+    k = jax.random.split(jax.random.key(0), 3)
+    w = jax.random.normal(k[0], (STAGES, LAYERS, D, D)) / 4
+    x = jax.random.normal(k[1], (BATCH, D))
+    mask = 0.5 + 0.5 * jax.random.uniform(k[2], (BATCH,))
+    return w, x, mask
+
+
+def stand_in_loss(mesh, schedule, rows, remat=False):
+    def loss(w, x, mask):
+        y = pipeline_forward(
+            stage_fn, w, x, mask, jnp.float32(0.9), mesh=mesh, num_microbatches=M,
+            schedule=schedule, remat=remat, rows_over_pp=rows,
+        )  # fmt: skip
+        return jnp.mean(y**2), y
+
+    return loss
+
+
+@pytest.mark.parametrize(
+    "schedule, rows, remat",
+    [
+        ("FThenB", False, False),
+        ("FThenB", True, True),
+        ("1F1B", False, False),
+        ("1F1B", True, False),
+    ],
+)
+def test_the_stand_in_is_the_sequential_model_in_values_and_gradients(
+    mesh, problem, schedule, rows, remat
+):
+    w, x, mask = problem
+
+    def one_device(w, x):
+        y = sequential(w, x, mask)
+        return jnp.mean(y**2), y
+
+    want = jax.jit(jax.value_and_grad(one_device, (0, 1), has_aux=True))(w, x)
+    loss = stand_in_loss(mesh, schedule, rows, remat)
+    got = jax.jit(jax.value_and_grad(lambda w, x: loss(w, x, mask), (0, 1), has_aux=True))(w, x)
+    assert_trees_close(got, want, rtol=1e-5, atol=1e-5)
+    y = got[0][1]
+    assert y.sharding.spec == (jax.sharding.PartitionSpec((DP, PP)) if rows else y.sharding.spec)
+    if rows:  # each device holds 1 / (dp x pp) of the rows, in the unsplit order
+        assert y.addressable_shards[0].data.shape[0] == BATCH // (2 * STAGES)
+
+
+def test_rows_over_pp_needs_rows_that_split(mesh, problem):
+    w, x, mask = problem
+    assert rows_fit(BATCH, mesh, M) and not rows_fit(12, mesh, M)
+    with pytest.raises(ValueError, match=r"20 rows.*pipeline stages 8.*rows_over_pp=False"):
+        pipeline_forward(stage_fn, w, x[:20], mask[:20], 1.0, mesh=mesh, num_microbatches=2,
+                         rows_over_pp=True)  # fmt: skip
+
+
+# ------------------------------------------------------------------ executed FLOPs
+def dense_flops(w, x, mask):
+    """Dot FLOPs of one device's unpipelined forward and training step (whole batch)."""
+    fwd = jax.jit(lambda w, x: sequential(w, x, mask)).lower(w, x).compile().as_text()
+    grad = jax.grad(lambda w, x: jnp.mean(sequential(w, x, mask) ** 2), (0, 1))
+    step = jax.jit(grad).lower(w, x).compile().as_text()
+    return hlo.dot_flops(fwd), hlo.dot_flops(step)
+
+
+@pytest.fixture(scope="module")
+def ideal_parts(problem):
+    return dense_flops(*problem)
+
+
+@pytest.mark.parametrize(
+    "entry, schedule, remat",
+    [
+        ("stand-in", "1F1B", False),
+        ("stand-in", "FThenB", True),
+        ("pipeline_loss", "1F1B", False),
+        ("pipeline_loss", "FThenB", True),
+        ("stand-in", "FThenB", False),
+    ],
+)
+def test_executed_dot_flops_per_device_are_the_schedules_own_work(
+    mesh, problem, ideal_parts, entry, schedule, remat
+):
+    w, x, mask = problem
+    if entry == "stand-in":
+        loss = stand_in_loss(mesh, schedule, rows=True, remat=remat)
+        step = jax.grad(lambda w, x: loss(w, x, mask)[0], (0, 1))
+    else:  # a head without dots: the stages are all the work
+
+        def step(w, x):
+            def loss(w, x):
+                return pipeline_loss(
+                    stage_fn, lambda h, y, t: jnp.mean((y - t) ** 2), w, (), x,
+                    jnp.zeros_like(x), mask, jnp.float32(0.9), mesh=mesh, schedule=schedule,
+                    num_microbatches=M, remat=remat,
+                )  # fmt: skip
+
+            return jax.grad(loss, (0, 1))(w, x)
+
+    text = jax.jit(step).lower(w, x).compile().as_text()
+    loss_inside = entry == "pipeline_loss"
+    ticks = stage_ticks(schedule, STAGES, M, remat=remat, loss_inside=loss_inside)
+    executed = max(
+        hlo.executed_flops(text, taken_branches(schedule, s, STAGES, M, loss_inside=loss_inside))
+        for s in range(STAGES)
+    )
+    forward, dense_step = ideal_parts
+    devices = mesh.size
+    slowest = max(ticks, key=lambda t: t["recompute"])
+    per_unit = forward / devices / M  # one micro-batch's forward through one stage
+    ideal = dense_step / devices + slowest["recompute"] * per_unit
+    assert executed == pytest.approx(ideal, rel=0.05), (executed, ideal)
+    # the program holds the bubbles' work in branches not taken: dot_flops counts them
+    assert hlo.dot_flops(text) > executed
+
+
+# the program holds branches not all taken
