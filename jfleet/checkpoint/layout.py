@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jfleet.auto_parallel.blocks import PipelinedBlocks
+from jfleet.auto_parallel.scanned_blocks import ScannedBlocks
 from jfleet.distributed_model import DistributedModel
 from jfleet.parallel.pipeline_layer import PipelineLayer
 
@@ -67,7 +68,7 @@ def _rules(model: nnx.Module) -> list[_Stack | _Rename]:
     rules: list[_Stack | _Rename] = []
     for path, node in nnx.iter_graph(model):
         path = tuple(path)
-        if isinstance(node, PipelinedBlocks):
+        if isinstance(node, PipelinedBlocks | ScannedBlocks):
             rules.append(_Stack((*path, "body"), path, 0, node.period))
         elif isinstance(node, PipelineLayer):
             if node.body is None:

@@ -165,8 +165,9 @@ def stack_layers(
     must be alike to layer ``i % p``: each ``p`` consecutive layers become a
     :class:`SuperBlock` and the ``N/p`` super-blocks are stacked to ``[P, N/(pP), ...]``
     (:func:`block_period` finds ``p``). Each layer's own (tensor-parallel)
-    ``out_sharding`` metadata is kept behind the two stacked axes, ``(None, None,
-    *inner)``; :func:`annotate_stack` fills in the stage axis.
+    ``out_sharding`` metadata, and its ZeRO ``optimizer_sharding`` if set, is kept
+    behind the two stacked axes, ``(None, None, *inner)``; :func:`annotate_stack` fills
+    in the stage axis of ``out_sharding``.
 
     Args:
       layers: ``N`` modules holding only ``nnx.Param``\\ s.
@@ -248,10 +249,11 @@ def stack_layers(
         ],
     )
     for _, var in nnx.to_flat_state(stacked):
-        inner = var.get_metadata("out_sharding", None)
-        if inner:  # a tensor-parallel layer's layout, now behind the two stacked axes
-            inner = tuple(inner) + (None,) * (var.ndim - 2 - len(inner))
-            var.set_metadata(out_sharding=(None, None, *inner))
+        for key in ("out_sharding", "optimizer_sharding"):  # layouts, now behind the stack
+            inner = var.get_metadata(key, None)
+            if inner:
+                inner = tuple(inner) + (None,) * (var.ndim - 2 - len(inner))
+                var.set_metadata(**{key: (None, None, *inner)})
     return nnx.merge(graphdef, stacked)
 
 

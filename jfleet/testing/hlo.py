@@ -748,3 +748,20 @@ def summarize(items: Iterable[Collective] | str) -> dict[str, KindSummary]:
 def signature(text: str) -> dict[str, tuple[int, int]]:
     """``{kind: (count, bytes)}`` for the kinds present: compare two programs' collectives."""
     return {k: (s.count, s.bytes) for k, s in summarize(text).items() if s.count}
+
+
+def instruction_count(text: str) -> int:
+    """How many instructions the program's computations hold, each counted once (not
+    weighted by trip counts): the size of the compiled program, which grows with unrolled
+    code and stays flat under a loop.
+
+    Example:
+      >>> instruction_count('''
+      ... ENTRY %main (p: f32[8]) -> f32[8] {
+      ...   %p = f32[8]{0} parameter(0)
+      ...   ROOT %n = f32[8]{0} negate(%p)
+      ... }
+      ... ''')
+      2
+    """
+    return sum(len(instructions) for instructions in _parse(text)[0].values())

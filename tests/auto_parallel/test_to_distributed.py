@@ -21,6 +21,7 @@ from jfleet import DistributedStrategy, fleet, make_eval_step, make_train_step
 from jfleet.auto_parallel import ToDistributedConfig, get_plan, match_patterns, planner
 from jfleet.auto_parallel.blocks import PipelinedBlocks
 from jfleet.auto_parallel.plan import spec_from_json
+from jfleet.auto_parallel.scanned_blocks import ScannedBlocks
 from jfleet.auto_parallel.to_distributed import to_distributed
 from jfleet.models import lm_batches, lm_loss
 from jfleet.models.gpt2 import TinyGPT2
@@ -75,20 +76,29 @@ def stack_program(model: nnx.Module, *args) -> str:
     return str(jax.make_jaxpr(model.layers.run)(jnp.zeros((16, 8, 32)), *args))
 
 
+def per_block(model: nnx.Module) -> dict[str, tuple[int, tuple]]:
+    """``{path: (ndim, optimizer_sharding)}`` by the plain model's paths (a scanned stack's
+    ``layers.body.<p>`` ``[1, L, ...]`` stands for ``layers.<i>.<p>``, its 2 axes dropped)."""
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        layout = var.get_metadata("optimizer_sharding", None)
+        if isinstance(model.layers, ScannedBlocks) and tuple(path[:2]) == ("layers", "body"):
+            rest = ".".join(map(str, path[2:]))
+            for i in range(model.layers.num_layers):
+                out[f"layers.{i}.{rest}"] = (var.ndim - 2, layout and tuple(layout)[2:])
+        else:
+            out[".".join(map(str, path))] = (var.ndim, layout)
+    return out
+
+
 def optimizer_layouts(model: nnx.Module) -> dict[str, tuple]:
     """Each parameter's ``optimizer_sharding`` metadata (the layout of its optimizer state)."""
-    return {
-        ".".join(map(str, path)): var.get_metadata("optimizer_sharding", None)
-        for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
-    }
+    return {path: layout for path, (_, layout) in per_block(model).items()}
 
 
 def planned_optimizer_layouts(plan, model: nnx.Module) -> dict[str, tuple]:
     """What the plan's ZeRO specs say the optimizer layouts are, one entry per dimension."""
-    ndims = {
-        ".".join(map(str, path)): var.ndim
-        for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
-    }
+    ndims = {path: ndim for path, (ndim, _) in per_block(model).items()}
     return {
         p.path: tuple(p.zero_spec) + (None,) * (ndims[p.path] - len(p.zero_spec))
         for p in plan.params
@@ -121,6 +131,10 @@ def test_llama_trains_like_one_device(mesh, zero):
         q = model.layers.body.self_attn.q_proj.kernel[...]
         assert q.shape == (2, 1, 32, 32)
         assert spec_of(q) == P("pp", None, None, "mp")
+    elif isinstance(model.layers, ScannedBlocks):  # one scan over the stacked blocks
+        q = model.layers.body.self_attn.q_proj.kernel[...]
+        assert q.shape == (1, 2, 32, 32) and zero != 3  # ZeRO-3 keeps the blocks unrolled
+        assert spec_of(q) == P(None, None, *plan.specs["layers.0.self_attn.q_proj.kernel"])
     else:
         q = model.layers[0].self_attn.q_proj.kernel[...]
         want = plan.zero_specs if zero == 3 else plan.specs
@@ -188,7 +202,8 @@ def test_recompute_sequence_parallel_and_a_device_subset():
 
     @nnx.jit
     def block_output(model, x):
-        return model.layers[0](x)
+        (blocks,) = model.layers  # the blocks, scanned: one callable
+        return blocks(x)
 
     # Sequence parallel: a block's output leaves it split over mp on the sequence axis.
     y = block_output(model, jnp.zeros((12, 8, 32)))
@@ -457,10 +472,8 @@ def test_blocks_with_masks_tables_and_flags(mesh, batch, per_sample):
     data = lm_batches(2, batch=batch)
     config = ToDistributedConfig(force_mesh=mesh, recompute=True, per_sample_args=per_sample)
     model, opt, loader = to_distributed(ArgModel(), optax.adam(1e-2), data, config=config)
-    if "pp" in mesh:
-        assert model.layers.recompute
-    else:  # recompute wraps each block in place (a subclass of the same name)
-        assert type(model.layers[0]).__qualname__ == "ArgBlock[to_distributed]"
+    # pipelined or scanned (no pipeline), each block recomputed inside the stack's loop
+    assert model.layers.recompute
     losses = train(model, opt, loader)
     np.testing.assert_allclose(losses, adam_one_device(ArgModel(), data), rtol=0, atol=TOL)
 

@@ -1,0 +1,172 @@
+"""Scan over layers: a model's alike decoder blocks run as one ``lax.scan`` without a pipeline.
+
+Unrolled, a step's compiled program grows with the number of blocks (every block's
+forward and backward is its own code); scanned, it holds one block's body whatever the
+depth. When ``to_distributed`` does not pipeline the blocks (``pp == 1``) and they are
+alike (or repeat with a period, Gemma's local / global attention: super-blocks of ``p``),
+:func:`scan_blocks` puts a :class:`ScannedBlocks` where the model's list of blocks was,
+as :class:`~jfleet.auto_parallel.blocks.PipelinedBlocks` does for a pipeline: the model's
+own ``for layer in self.layers: x = layer(x, ...)`` runs the whole stack once. The
+stacking and the scan are :mod:`jfleet.parallel.stack`'s (one code with the pipelines);
+recompute runs inside the scan (``jax.checkpoint`` of each scanned block), and sequence
+parallel pins each block's output as the unrolled blocks do.
+
+Checkpoints keep the unscanned model's per-block names (``layers.3.mlp.up_proj.kernel``,
+:mod:`jfleet.checkpoint.layout`), so one moves between scanned, pipelined and plain runs.
+
+Example:
+  >>> import jax
+  >>> from jfleet.models.llama import TinyLlama
+  >>> model = TinyLlama(layers=4)
+  >>> tokens = jax.numpy.zeros((2, 8), int)
+  >>> before = model(tokens)
+  >>> stand_in = scan_blocks(model, "layers")
+  >>> type(model.layers).__name__, model.layers.body.mlp.up_proj.kernel.shape[:2]
+  ('ScannedBlocks', (1, 4))
+  >>> bool(jax.numpy.allclose(model(tokens), before, atol=1e-5))
+  True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from jfleet.auto_parallel.blocks import SequenceConstraint, module_at
+from jfleet.parallel import stack
+
+__all__ = ["ScannedBlocks", "scan_blocks"]
+
+
+class ScannedBlocks(nnx.Module):
+    """Stands in for a list of alike blocks and runs them with one ``lax.scan``.
+
+    Iterating yields a single callable, :meth:`run`, so ``for layer in blocks: x =
+    layer(x, ...)`` runs all ``L`` blocks once, every block getting the same further
+    arguments (masks, positions, rotary tables, keyword flags). Indexing one block is an
+    error: the blocks no longer exist one by one. Parameters are the blocks' stacked to
+    ``[1, L/p, ...]`` (``self.body``, one block of the blocks' class, or a
+    :class:`~jfleet.parallel.stack.SuperBlock` of ``p`` blocks when they repeat every
+    ``p``): the layout of a one-stage pipeline, so checkpoints and
+    :func:`~jfleet.parallel.stack.run_stack` treat both alike. The stacked axes are not
+    sharded; each block's own (tensor-parallel, ZeRO) layout stays on the dimensions
+    behind them.
+
+    Attributes:
+      body: the stacked block (or super-block).
+      num_layers: ``L``, the blocks replaced.
+      period: ``p``, the blocks per stacked unit (1: every block alike).
+      recompute: recompute each block in the backward pass (inside the scan).
+      mesh: the mesh of the sequence-parallel constraint, or None.
+      seq_axes: mesh axes the sequence dimension is split over between blocks, or None.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> blocks = [nnx.Linear(3, 3, rngs=nnx.Rngs(i)) for i in range(4)]
+      >>> x = jnp.ones((2, 3))
+      >>> want = blocks[3](blocks[2](blocks[1](blocks[0](x))))
+      >>> scanned = ScannedBlocks(blocks, recompute=True)
+      >>> bool(jnp.allclose(next(iter(scanned))(x), want, atol=1e-6))
+      True
+    """
+
+    def __init__(
+        self,
+        blocks: Sequence[nnx.Module],
+        *,
+        period: int | None = None,
+        recompute: bool = False,
+        mesh: Mesh | None = None,
+        seq_axes: tuple[str, ...] | None = None,
+    ) -> None:
+        blocks = list(blocks)
+        if not blocks:
+            raise ValueError("ScannedBlocks(blocks=[]): pass the model's decoder blocks.")
+        if seq_axes is not None and mesh is None:
+            raise ValueError(
+                f"ScannedBlocks(seq_axes={seq_axes!r}) needs the mesh those axes belong to; "
+                "pass mesh=..."
+            )
+        name = type(blocks[0]).__name__
+        if period is None:
+            period = stack.block_period(blocks)
+            if period is None:
+                i, j, difference = stack.first_mismatch(blocks) or (0, 0, "?")
+                raise ValueError(
+                    f"the {len(blocks)} {name} blocks are not alike and do not repeat with any "
+                    f"period shorter than {len(blocks)}: block {i} differs from block {j} in "
+                    f"{difference}. Scanned blocks run one definition (static settings "
+                    "included); keep them unrolled (ToDistributedConfig(scan_layers=False))."
+                )
+        self.num_layers = len(blocks)
+        self.period = period
+        self.body = stack.stack_layers(blocks, 1, name, period=period)
+        self.recompute = bool(recompute)
+        self.mesh = mesh
+        self.seq_axes = None if seq_axes is None else tuple(seq_axes)
+
+    def __len__(self) -> int:
+        return 1
+
+    def __iter__(self) -> Iterator[Callable[..., Any]]:
+        return iter((self.run,))
+
+    def __getitem__(self, index: Any) -> Any:
+        raise IndexError(
+            f"index {index!r}: the {self.num_layers} blocks run as one scanned stack and "
+            "cannot be reached one by one; iterate over it (for layer in layers: x = "
+            "layer(x)), or keep the blocks unrolled with ToDistributedConfig(scan_layers=False)."
+        )
+
+    def run(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        """``x`` through all ``L`` blocks in order (one scan); same result as the loop."""
+        graphdef, state = nnx.split(self.body)
+        params = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), nnx.to_pure_dict(state))
+        after = None if self.seq_axes is None else SequenceConstraint(self.mesh, self.seq_axes)
+        return stack.run_layers(
+            graphdef,
+            params,
+            x,
+            args,
+            kwargs,
+            remat_interval=1 if self.recompute else 0,
+            after=after,
+        )
+
+
+def scan_blocks(
+    model: nnx.Module,
+    container: str,
+    *,
+    period: int | None = None,
+    recompute: bool = False,
+    mesh: Mesh | None = None,
+    seq_axes: tuple[str, ...] | None = None,
+) -> ScannedBlocks:
+    """Replaces the list at ``container`` (a dotted path) by a :class:`ScannedBlocks`.
+
+    The blocks must hold only ``nnx.Param``\\ s (no dropout RNG streams or batch
+    statistics) and be alike or repeat with a period; the other arguments are
+    :class:`ScannedBlocks`'.
+
+    Raises:
+      ValueError: blocks holding other state, or neither alike nor repeating (the message
+        names the first differing attribute).
+
+    Example:
+      >>> from jfleet.models.llama import TinyLlama
+      >>> model = TinyLlama(layers=4)
+      >>> scan_blocks(model, "layers", recompute=True).num_layers
+      4
+    """
+    blocks = list(module_at(model, container))
+    stand_in = ScannedBlocks(
+        blocks, period=period, recompute=recompute, mesh=mesh, seq_axes=seq_axes
+    )
+    parent, _, name = container.rpartition(".")
+    setattr(module_at(model, parent), name, stand_in)
+    return stand_in
