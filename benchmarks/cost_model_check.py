@@ -74,6 +74,7 @@ from jfleet import make_train_step
 from jfleet.auto_parallel import Plan, ToDistributedConfig, get_plan, to_distributed
 from jfleet.models import lm_batches, lm_loss
 from jfleet.models.llama import TinyLlama
+from jfleet.parallel.schedule_ticks import taken_branches
 from jfleet.testing import hlo
 from jfleet.testing.nnx_styles import STYLES, Style
 
@@ -226,6 +227,9 @@ def lower_step(
     degrees: dict[str, int],
     stage: int,
     microbatches: int | None = None,
+    *,
+    schedule: str | None = None,
+    recompute: bool = False,
 ) -> tuple[jax.stages.Lowered, Plan]:
     """``to_distributed`` on this mesh, then the engine's step lowered for one batch.
 
@@ -239,7 +243,8 @@ def lower_step(
     config = ToDistributedConfig(
         force_mesh=degrees,
         zero_stage=stage,
-        recompute=False,
+        recompute=recompute,
+        schedule=schedule if microbatches else None,
         num_microbatches=microbatches,
         forward=sub.forward,
     )
@@ -254,6 +259,8 @@ def check(
     stage: int,
     microbatches: int | None = None,
     *,
+    schedule: str | None = None,
+    recompute: bool = False,
     compiler_options: dict | None = None,
 ) -> Row:
     """Applies, lowers, compiles and compares one layout of a TinyLlama workload or a style.
@@ -263,7 +270,9 @@ def check(
     neither the collectives, the dots nor ``memory_analysis``).
     """
     start = time.perf_counter()
-    lowered, plan = lower_step(what, degrees, stage, microbatches)
+    lowered, plan = lower_step(
+        what, degrees, stage, microbatches, schedule=schedule, recompute=recompute
+    )
     compiled = lowered.compile(compiler_options)
     seconds = time.perf_counter() - start
     text = compiled.as_text()
@@ -284,8 +293,25 @@ def check(
         measured_bytes=sum(kinds.values()),
         measured_kinds=kinds,
         predicted_flops=plan.chosen.flops,
-        measured_flops=hlo.dot_flops(text),
+        measured_flops=executed_flops(text, plan),
         compile_seconds=seconds,
+    )
+
+
+def executed_flops(text: str, plan: Plan) -> float:
+    """Dot FLOPs per device one step executes: :func:`jfleet.testing.hlo.dot_flops` without
+    a pipeline; with one, the slowest stage's, each conditional's branches weighted by how
+    often that stage takes them (the stand-in skips its bubble ticks with ``lax.cond``;
+    :func:`jfleet.parallel.schedule_ticks.taken_branches`)."""
+    lay = plan.layout
+    if lay.pp == 1:
+        return hlo.dot_flops(text)
+    return max(
+        hlo.executed_flops(
+            text,
+            taken_branches(lay.schedule, s, lay.pp, lay.num_microbatches, loss_inside=False),
+        )
+        for s in range(lay.pp)
     )
 
 

@@ -139,6 +139,12 @@ __all__ = [
 ]
 
 _SAME = 1e-9  # relative time difference treated as a tie (equal programs)
+#: One block's backward working set on one micro-batch, x its activations, when no loop
+#: over the stage's blocks adds a residual stack (measured on XLA:CPU, TinyLlama width 128).
+_ONE_BLOCK_WORK = 1.3
+#: FThenB's stand-in keeps its M micro-batches' residuals (matmul outputs saved inside the
+#: bubble-skipping cond, and what XLA keeps beside them): x the activations (XLA:CPU).
+_FTHENB_KEPT = 1.25
 GiB = 2**30
 
 
@@ -324,6 +330,7 @@ def estimate(
     profile: HardwareProfile | str | None = None,
     *,
     devices_per_node: int,
+    scan_layers: bool = True,
 ) -> Candidate:
     """Predicts one layout's memory, collective bytes and step time.
 
@@ -333,6 +340,8 @@ def estimate(
       layout: the layout to predict.
       profile: the hardware (default ``cpu``).
       devices_per_node: devices per node (decides intra- vs inter-node links).
+      scan_layers: whether alike blocks run as one ``lax.scan`` when not pipelined (as
+        ``to_distributed`` runs them when they can be stacked; not at ZeRO-3).
 
     Returns:
       An unranked :class:`Candidate`.
@@ -401,37 +410,40 @@ def estimate(
     ab = workload.act_bytes
     tokens_local = local_seqs * local_seq  # per device, whole step
     tokens_mb = tokens_local // m
-    # FThenB is the pipeline to_distributed builds (blocks.PipelinedBlocks ->
-    # pipeline_forward): the GPipe forward is a lax.scan of M + P - 1 ticks in which every
-    # stage runs on every tick, its bubble ticks masked rather than skipped (a lax.cond
-    # under autodiff would stack a copy of the stage's weights per tick), and the backward
-    # is that scan's transpose. So a stage runs M + P - 1 times per step: its residuals,
-    # its tensor-parallel collectives and its sep gathers are those of M + P - 1
-    # micro-batches, not M. 1F1B (pipeline_loss) skips its bubble ticks with lax.cond.
-    fthenb = pp > 1 and layout.schedule == "FThenB"
-    runs = m + pp - 1 if fthenb else m
-    if pp > 1 and layout.schedule == "1F1B":
-        layer_acts = 2 * (pp - 1) * tokens_mb * h + tokens_mb * per_layer * stage_blocks
-    elif fthenb:
-        # The residuals are stacked by two scans (ticks, and the stage's blocks inside a
-        # tick) and a stack is freed only when the backward loop over it ends. At the
-        # backward's peak a stage holds: the stacks of all M + P - 1 ticks; the slice of
-        # one tick that the inner scan's backward loop takes as its operand (a copy; with
-        # one block a stage XLA removes that one-iteration loop and reads the stack in
-        # place); and one block's activations of one micro-batch, the working set of that
-        # block's backward (its cotangents; under recompute, the recomputed activations),
-        # which in a scan cannot reuse the memory of the blocks already differentiated.
-        kept = (h if layout.recompute else per_layer) * stage_blocks
-        copies = runs + (1 if stage_blocks > 1 else 0)
-        layer_acts = copies * tokens_mb * kept + tokens_mb * per_layer
-    elif layout.recompute:
-        layer_acts = tokens_local * h * stage_blocks + tokens_mb * per_layer
+    # The pipelines are to_distributed's stand-in (blocks.PipelinedBlocks ->
+    # pipeline_forward): bubble ticks skip their work (lax.cond), so a stage runs M
+    # micro-batches. FThenB differentiates its forward loop, each stage's matmul outputs
+    # saved; 1F1B (and FThenB with recompute, the same program) stashes each
+    # micro-batch's stage input and recomputes the stage in its own backward loop. When
+    # the batch rows split over the data axes x pp, the embedding, head and loss run on
+    # 1 / P of the local rows. Without a pipeline, alike blocks run as one lax.scan
+    # (scanned_blocks.ScannedBlocks; not at ZeRO-3, not when they cannot be stacked).
+    piped = pp > 1
+    staged = piped and (layout.schedule == "1F1B" or layout.recompute)  # 1F1B's program
+    rows_over_pp = piped and workload.batch_size % (data * pp) == 0
+    head_tokens = tokens_local // pp if rows_over_pp else tokens_local
+    scanned = not piped and scan_layers and bool(patterns.blocks) and stage < 3
+    # One block's backward working set on one micro-batch. In a loop over more than one
+    # block the residual stack of the blocks and the slice the backward reads add one
+    # more (measured on XLA:CPU: (blocks + 1) x per_layer; one block a stage, 1.3 x).
+    looped = stage_blocks > 1
+    work_set = tokens_mb * per_layer * ((stage_blocks + 1) if looped else _ONE_BLOCK_WORK)
+    if staged:
+        layer_acts = tokens_local * h + work_set  # M stage inputs + one micro-batch's
+    elif piped:
+        layer_acts = _FTHENB_KEPT * tokens_local * per_layer * stage_blocks + work_set
+    elif layout.recompute and (scanned or profile.remat_barriers_kept):
+        layer_acts = tokens_local * h * stage_blocks + tokens_mb * per_layer * _ONE_BLOCK_WORK
     else:
+        # no recompute, or recompute XLA:CPU schedules with the forward pass (outside a
+        # loop it removes jax.checkpoint's barriers before scheduling; jfleet.recompute)
         layer_acts = tokens_local * per_layer * stage_blocks
-    activations = int((layer_acts + tokens_local * outside) * ab)
-    if fthenb:
-        # the backward scan carries the stage's parameter gradients, accumulated over
-        # its ticks, while the residual stacks are live
+        if scanned:
+            layer_acts += tokens_mb * per_layer * _ONE_BLOCK_WORK
+    activations = int((layer_acts + head_tokens * outside) * ab)
+    if piped or scanned:
+        # the backward loop carries the stacked blocks' gradients, accumulated over its
+        # iterations, while the residuals are live
         activations += block_tp
     gathered = 0
     if stage >= 3:
@@ -447,15 +459,15 @@ def estimate(
 
     # compute: every product of the traced forward, with its backward
     fwd_blocks, step_blocks, step_outside = step_flops(patterns, workload, layout)
-    recompute = layout.recompute or layout.schedule == "1F1B"
-    runs_share = (m + pp - 1) / m if fthenb else 1.0
+    recompute = layout.recompute or staged
     block_flops = (step_blocks + (fwd_blocks if recompute else 0.0)) / pp
+    outside_flops = step_outside / pp if rows_over_pp else step_outside
     peak = profile.flops(workload.dtype)
     t_blocks = block_flops / peak
-    t_head = step_outside / peak
+    t_head = outside_flops / peak
     bubble = t_blocks * (pp - 1) / m if pp > 1 else 0.0
     compute = t_blocks + t_head
-    executed = block_flops * (runs_share if fthenb else 1.0) + step_outside
+    executed = block_flops + outside_flops
 
     lat = profile.collective_latency
 
@@ -473,12 +485,13 @@ def estimate(
     if mp > 1:
         act = tokens_mb * h * ab
         fwd, bwd = tp_reductions(patterns, mp)
-        per_mb = stage_blocks * (fwd + bwd)
-        n_mb = per_mb * runs
+        # recompute runs the forward's all-reduces again in the backward pass
+        per_mb = stage_blocks * (fwd * (2 if recompute else 1) + bwd)
+        n_mb = per_mb * m
         roles = {p.role for p in patterns.params}
         n_out = int("embedding" in roles) + int("head" in roles or bool(patterns.tied_head))
-        out_bytes = n_out * tokens_local * h * ab
-        stats = 2 * tokens_local * 4 if vocab else 0
+        out_bytes = n_out * head_tokens * h * ab
+        stats = 2 * head_tokens * 4 if vocab else 0
         if workload.sequence_parallel:
             # each all-reduce becomes a reduce-scatter + an all-gather: the same wire bytes;
             # hlo counts the reduce-scatter's input and the all-gather's output
@@ -499,7 +512,7 @@ def estimate(
             t_dp += lat + _ring("all-reduce", grads, red) / bw_data
         else:
             zeroed = grads
-            if fthenb:
+            if piped:
                 # the pipelined blocks' weights enter the pipeline's shard_map (manual over
                 # dp and sharding) replicated over the data axes, so their gradients leave
                 # it summed over dp x sharding: one all-reduce, not ZeRO's reduce-scatter;
@@ -520,27 +533,28 @@ def estimate(
             coll["all_gather"] += gathers * tp_bytes
             t_dp += gathers * (lat + _ring("all-gather", tp_bytes, shard) / bw_shard)
     if pp > 1:
-        ticks = m + pp - 1 if layout.schedule == "FThenB" else m + 2 * pp - 2
+        # both schedules: one forward loop and one backward loop of M + P - 1 ticks, one
+        # collective-permute of a micro-batch's b s h per tick and direction
+        ticks = m + pp - 1
         act = tokens_mb * h * ab
         coll["collective_permute"] += 2 * ticks * act
         t_pp = 2 * ticks * (lat + act / bw_pp)
-        if fthenb:
-            # to_distributed's stand-in runs only the blocks pipelined: the embedding and
-            # the head run on every stage, on the same (pp-invariant) values, so their
-            # gradients need no sum over pp. Instead the stack's output is summed over pp
-            # once (the last stage's, to every stage) and, in the backward, the
-            # cotangent of its input: two all-reduces of the local batch's b s h.
-            out = tokens_local * h * ab
+        # to_distributed's stand-in runs only the blocks pipelined. With the rows split
+        # over pp it gathers its input over pp and reduce-scatters its output (and the
+        # reverse for the cotangents): 2 all-gathers + 2 reduce-scatters of the local
+        # batch's b s h. Otherwise the embedding and head run on every stage on the same
+        # values, and the output and the input's cotangent are all-reduced over pp.
+        out = tokens_local * h * ab
+        if rows_over_pp:
+            coll["all_gather"] += 2 * out
+            coll["reduce_scatter"] += 2 * out
+            t_pp += 4 * (lat + _ring("all-gather", out, pp) / bw_pp)
+        else:
             coll["all_reduce"] += 2 * out
             t_pp += 2 * (lat + _ring("all-reduce", out, pp) / bw_pp)
-        else:
-            # 1F1B (pipeline_loss, a PipelineLayer): the embedding / head gradients are
-            # summed over the stages that hold them
-            coll["all_reduce"] += outside_tp
-            t_dp += lat + _ring("all-reduce", outside_tp, pp) / bw_pp
     if sep > 1 and patterns.attention:
         kv = tokens_mb * sep * 2 * d.kv_dim / mp * ab
-        n = stage_blocks * runs
+        n = stage_blocks * m
         coll["all_gather"] += n * kv
         coll["reduce_scatter"] += n * kv
         t_sep = 2 * n * (lat + _ring("all-gather", kv, sep) / bw_sep)

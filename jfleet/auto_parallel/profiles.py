@@ -65,6 +65,11 @@ class HardwareProfile:
       collective_latency: seconds each collective costs on top of its bytes.
       reduce_scatter_native: whether the compiler emits a reduce-scatter for a sharded
         gradient reduction (GPU, TPU) or an all-reduce plus a slice (XLA:CPU).
+      remat_barriers_kept: whether the compiler keeps ``jax.checkpoint``'s optimization
+        barriers until it has scheduled the step (XLA:GPU, TPU), so recompute outside a
+        loop saves memory; XLA:CPU removes them before scheduling and runs the
+        recomputation with the forward pass (:mod:`jfleet.recompute`), so there only
+        recompute inside a loop (scanned or pipelined blocks) saves memory.
       memory_bandwidth: bytes/s one device's memory moves for the step's loops (the
         residuals a pipeline or a scan over layers stashes and fetches with
         dynamic-update-slice / dynamic-slice / copy); default: 7x the intra-node link (HBM
@@ -82,6 +87,7 @@ class HardwareProfile:
     devices_per_node: int = 8
     collective_latency: float = 1e-5
     reduce_scatter_native: bool = True
+    remat_barriers_kept: bool = True
     memory_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
@@ -145,6 +151,7 @@ _CPU = HardwareProfile(
     devices_per_node=8,
     collective_latency=50e-6,
     reduce_scatter_native=False,
+    remat_barriers_kept=False,
 )
 _A100 = HardwareProfile(
     name="a100",
