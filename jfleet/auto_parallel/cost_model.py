@@ -485,9 +485,11 @@ def estimate(
     if mp > 1:
         act = tokens_mb * h * ab
         fwd, bwd = tp_reductions(patterns, mp)
-        # recompute runs the forward's all-reduces again in the backward pass
+        # recompute runs the forward's all-reduces again in the backward pass. A pipeline
+        # counts them on each of its M + P - 1 ticks: the compiled loop holds them at
+        # every tick (jfleet.testing.hlo weights them by the trip count), bubble or not.
         per_mb = stage_blocks * (fwd * (2 if recompute else 1) + bwd)
-        n_mb = per_mb * m
+        n_mb = per_mb * (m + pp - 1 if piped else m)
         roles = {p.role for p in patterns.params}
         n_out = int("embedding" in roles) + int("head" in roles or bool(patterns.tied_head))
         out_bytes = n_out * head_tokens * h * ab
