@@ -142,6 +142,9 @@ _SAME = 1e-9  # relative time difference treated as a tie (equal programs)
 #: One block's backward working set on one micro-batch, x its activations, when no loop
 #: over the stage's blocks adds a residual stack (measured on XLA:CPU, TinyLlama width 128).
 _ONE_BLOCK_WORK = 1.3
+#: A scan over layers without recompute: its backward's working set beside the stacked
+#: residuals, x one block's activations (XLA:CPU, TinyLlama width 128 at dp8 and dp2 x mp4).
+_SCAN_WORK = 0.5
 #: FThenB's stand-in keeps its M micro-batches' residuals (matmul outputs saved inside the
 #: bubble-skipping cond, and what XLA keeps beside them): x the activations (XLA:CPU).
 _FTHENB_KEPT = 1.25
@@ -438,13 +441,27 @@ def estimate(
         # no recompute, or recompute XLA:CPU schedules with the forward pass (outside a
         # loop it removes jax.checkpoint's barriers before scheduling; jfleet.recompute)
         layer_acts = tokens_local * per_layer * stage_blocks
-        if scanned:
-            layer_acts += tokens_mb * per_layer * _ONE_BLOCK_WORK
+        if scanned:  # the scan's backward working set, beside the stacked residuals
+            layer_acts += tokens_mb * per_layer * _SCAN_WORK
     activations = int((layer_acts + head_tokens * outside) * ab)
     if piped or scanned:
         # the backward loop carries the stacked blocks' gradients, accumulated over its
         # iterations, while the residuals are live
         activations += block_tp
+    # memory traffic of the step's loops: each residual a loop stacks is written once
+    # (dynamic-update-slice) and read once (dynamic-slice) per step; every tick reads the
+    # stage's weights out of their stack in the forward pass, again in the backward (and
+    # the recompute), and reads and writes the stacked gradients it adds into
+    stashed = 0.0
+    if staged:
+        stashed = tokens_local * h + (tokens_local * per_layer * stage_blocks if looped else 0)
+    elif piped:
+        stashed = _FTHENB_KEPT * tokens_local * per_layer * stage_blocks
+    elif scanned:
+        stashed = tokens_local * (h if layout.recompute else per_layer) * stage_blocks
+    weight_passes = 4 + int(layout.recompute or staged) if (piped or scanned) else 0
+    loop_bytes = 2 * stashed * ab + weight_passes * (m if piped else 1) * block_tp
+    t_mem = loop_bytes / profile.memory_bandwidth
     gathered = 0
     if stage >= 3:
         gathered = outside_tp + (one_block_tp if layout.recompute else block_tp)
@@ -572,6 +589,7 @@ def estimate(
             data_parallel=t_dp,
             pipeline=t_pp,
             sequence=t_sep,
+            memory_traffic=t_mem,
         ),
         collectives=Collectives(**{k: round(v) for k, v in coll.items()}),
     )

@@ -12,7 +12,8 @@ Built-in profiles (:data:`PROFILES`):
 * ``cpu`` (default): the host's CPU emulating devices (``jax_num_cpu_devices``). Eight
   devices share a few cores, so each gets ~10 GFLOP/s (a quarter of one AVX2 core's ~40
   GFLOP/s fp32 peak); 2 GiB of (host) memory each; in-process collectives copy memory at
-  ~2 GB/s; between processes (gloo over TCP) ~0.5 GB/s; 50 us per collective. XLA:CPU
+  ~2 GB/s; between processes (gloo over TCP) ~0.5 GB/s; 50 us per collective; loops
+  move memory at ~4 GB/s per device (a host's ~30 GB/s shared by 8 devices). XLA:CPU
   has no reduce-scatter pass (a sharded gradient reduction is an all-reduce followed by a
   slice: ``reduce_scatter_native=False``, see :mod:`jfleet.testing.hlo`).
 * ``a100``: NVIDIA A100 SXM4 80GB (A100 datasheet): 19.5 TFLOP/s fp32, 156 TF32, 312
@@ -152,6 +153,7 @@ _CPU = HardwareProfile(
     collective_latency=50e-6,
     reduce_scatter_native=False,
     remat_barriers_kept=False,
+    memory_bandwidth=4e9,
 )
 _A100 = HardwareProfile(
     name="a100",
