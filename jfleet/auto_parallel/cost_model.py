@@ -448,19 +448,19 @@ def estimate(
         # the backward loop carries the stacked blocks' gradients, accumulated over its
         # iterations, while the residuals are live
         activations += block_tp
-    # memory traffic of the step's loops: each residual a loop stacks is written once
-    # (dynamic-update-slice) and read once (dynamic-slice) per step; every tick reads the
-    # stage's weights out of their stack in the forward pass, again in the backward (and
-    # the recompute), and reads and writes the stacked gradients it adds into
+    # memory traffic of the pipeline's loops (measured on XLA:CPU to bound pipelined
+    # steps, issue 15; a scan over layers writes its residuals in place): each residual
+    # a stage stashes is written (dynamic-update-slice) and read (dynamic-slice) once per
+    # step; every tick reads the stage's weights out of their stack in the forward pass,
+    # again in the backward (and the recompute), and reads and writes the stacked
+    # gradients it adds into
     stashed = 0.0
     if staged:
         stashed = tokens_local * h + (tokens_local * per_layer * stage_blocks if looped else 0)
     elif piped:
         stashed = _FTHENB_KEPT * tokens_local * per_layer * stage_blocks
-    elif scanned:
-        stashed = tokens_local * (h if layout.recompute else per_layer) * stage_blocks
-    weight_passes = 4 + int(layout.recompute or staged) if (piped or scanned) else 0
-    loop_bytes = 2 * stashed * ab + weight_passes * (m if piped else 1) * block_tp
+    weight_passes = 4 + int(layout.recompute or staged) if piped else 0
+    loop_bytes = 2 * stashed * ab + weight_passes * m * block_tp
     t_mem = loop_bytes / profile.memory_bandwidth
     gathered = 0
     if stage >= 3:
