@@ -8,7 +8,8 @@ excluded) is :mod:`jfleet.auto_parallel.layouts`.
 
 **Memory per device** (bytes; ``Phi_tp`` is a parameter's elements after the ``mp`` split,
 ``Phi_z`` after the ZeRO split too, only the blocks of one pipeline stage counted; the
-embedding and head run outside the pipeline and are held by every stage):
+embedding and head run outside the pipeline and are held by every stage, on ``1 / P`` of
+the local rows when the batch splits over the data axes x ``pp``):
 
 * resident (the step's arguments): parameters ``Phi_tp`` (``Phi_z`` at ZeRO-3), optimizer
   state ``k x Phi_tp`` (``k x Phi_z`` at ZeRO >= 1; Adam k = 2 moments, momentum 1, SGD 0;
@@ -36,14 +37,21 @@ norm) and ``4 V / mp`` (logits, log-softmax, softmax, one-hot labels). Measured 
 XLA:CPU with 8 devices these match the compiled temp's slope per token and layer to
 within 2% for :class:`~jfleet.models.llama.TinyLlama` and
 :class:`~jfleet.models.gpt2.TinyGPT2` at width 128 (16% over at width 256).
-Schedules: no pipeline keeps every layer's activations; FThenB (``to_distributed``'s
-pipelined blocks, GPipe by autodiff of a scan whose masked bubble ticks run too) keeps
-the stage's activations of ``M + P - 1`` ticks, plus one tick's slice copied for the
-backward's inner loop (with more than one block a stage), one block's activations of one
-micro-batch (the backward's working set) and the stage's gradient accumulators; 1F1B
-(jfleet's, recomputing each stage from its stashed input) keeps ``2(P-1)`` stage inputs
-and one micro-batch's stage activations; recompute keeps each layer's input and one
-layer's activations.
+Schedules (``to_distributed``'s, :mod:`jfleet.parallel.pipeline_forward`; bubble ticks
+skipped): no pipeline keeps every layer's activations (alike blocks run as one
+``lax.scan``, :mod:`jfleet.auto_parallel.scanned_blocks`, which adds half a block's
+backward working set and the stacked gradient accumulator); FThenB keeps its ``M``
+micro-batches' residuals (x 1.25: what XLA keeps beside the saved matmul outputs),
+one micro-batch's backward working set (``blocks + 1`` blocks' activations in a loop over
+the stage's blocks, 1.3 with one block a stage) and the stage's gradient accumulators;
+1F1B (and FThenB with recompute, the same program) keeps ``M`` stage inputs, the same
+working set and accumulators. Recompute keeps each layer's input and one layer's working
+set where the recomputation waits for the backward pass: inside a loop (scanned or
+pipelined blocks), or on a compiler that keeps ``jax.checkpoint``'s barriers until it
+schedules (``HardwareProfile.remat_barriers_kept``); XLA:CPU removes them earlier and
+runs an unrolled recomputation with the forward pass, so there it keeps every
+activation (:mod:`jfleet.recompute`). The constants (1.25, 1.3, 0.5) are fitted to
+compiled temp memory of TinyLlama (width 128, 2-4 layers) on XLA:CPU.
 
 **Step time** (seconds; no overlap of communication with compute, so an upper bound):
 
@@ -55,11 +63,12 @@ layer's activations.
   (``dp x sharding x sep``) and by ``mp`` only when a parameter split over ``mp`` at this
   degree splits the product (a product of a kernel left whole runs on every ``mp`` rank);
   the blocks' share divided by ``pp``; recompute (and 1F1B) adds one forward of the
-  blocks; embedding and head run on every stage. :attr:`Candidate.flops` is that count as
-  executed (FThenB's masked bubble ticks included), what
-  :func:`jfleet.testing.hlo.dot_flops` counts in the compiled step. Without a trace,
-  ``6 x`` the kernels' elements per token;
-* tensor parallel: per block and stage run (micro-batch; FThenB: tick) one forward
+  blocks; embedding and head run on every stage, on ``1 / P`` of the rows when the rows
+  split over pp. :attr:`Candidate.flops` is that count as executed (bubble ticks skip
+  their work), what :func:`jfleet.testing.hlo.executed_flops` counts for the slowest
+  stage of the compiled step. Without a trace, ``6 x`` the kernels' elements per token;
+* tensor parallel: per block and micro-batch (a pipeline: per tick of ``M + P - 1``,
+  as the compiled loop holds them) one forward (twice with recompute)
   all-reduce per row projection split over ``mp`` (after o and down), and in the
   backward one per split column projection reading the block's input (XLA reduces q, k
   and v's input gradients separately: 3 for separate q/k/v, 1 for a fused qkv; 2 for
@@ -71,14 +80,19 @@ layer's activations.
   ZeRO a reduce-scatter over ``sharding`` (on XLA:CPU an all-reduce plus a slice), an
   all-reduce of the shard over ``dp x sep``, and an all-gather of the parameters
   (``(n-1)/n P``): once per step at every stage (XLA gathers a ZeRO-3 parameter once and
-  reuses it in the backward; with recompute it gathers again); FThenB's pipelined blocks
+  reuses it in the backward; with recompute it gathers again); the pipelined blocks
   leave their ``shard_map`` with gradients already summed over ``dp x sharding`` (one
   all-reduce);
-* pipeline: bubble ``(P-1)/(M+P-1)`` of the blocks' compute, and ``2(M+P-1)`` (FThenB)
-  or ``2(M+2P-2)`` (1F1B) point-to-point transfers of ``b s h`` on the critical path;
-  FThenB runs the embedding and head on every stage and all-reduces the stack's output
-  and its input's cotangent over ``pp``; 1F1B sums the embedding's and head's gradients
-  over ``pp``;
+* pipeline: bubble ``(P-1)/(M+P-1)`` of the blocks' compute, and ``2(M+P-1)`` (both
+  schedules: a forward and a backward loop) point-to-point transfers of ``b s h`` on the
+  critical path; with the rows split over ``pp`` the stack all-gathers its input and
+  reduce-scatters its output over ``pp`` (and the reverse for the cotangents), else the
+  embedding and head run on every stage and the stack's output and its input's cotangent
+  are all-reduced over ``pp``;
+* loop memory traffic (pipelines): each stashed residual written and read once, the
+  stage's weights read from their stack 2-3 times per micro-batch and the stacked
+  gradients read and written, at ``HardwareProfile.memory_bandwidth`` (on XLA:CPU
+  pipelined steps are bound by this dynamic-slice / update / copy traffic);
 * sequence parallel (``sep``): an all-gather of k and v per block forward and a
   reduce-scatter of their gradients backward.
 
@@ -276,8 +290,9 @@ class Candidate:
 
     Attributes:
       layout: the layout.
-      flops: predicted dot FLOPs per device per step, as executed (a masked pipeline
-        bubble included): what ``jfleet.testing.hlo.dot_flops`` counts in the compiled step.
+      flops: predicted dot FLOPs per device per step, as executed (bubble ticks skipped):
+        what ``jfleet.testing.hlo.executed_flops`` counts for the compiled step's slowest
+        stage (``dot_flops`` without a pipeline).
       memory: predicted bytes per device.
       time: predicted seconds per step.
       collectives: predicted collective bytes per device per step.
