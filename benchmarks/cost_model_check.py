@@ -32,9 +32,10 @@ compares, per device,
   :func:`jfleet.testing.hlo.summarize` counts in the compiled HLO (all kinds; loop bodies
   weighted by trip count; XLA:CPU's all-reduce + slice in place of a reduce-scatter has
   the same bytes in that accounting);
-* the predicted dot FLOPs of one step as executed (``chosen.flops``, a masked FThenB
-  bubble included) with :func:`jfleet.testing.hlo.dot_flops` of the compiled HLO (while
-  bodies weighted by their trip counts; ``cost_analysis()`` counts a loop body once).
+* the predicted dot FLOPs of one step as executed (``chosen.flops``) with
+  :func:`executed_flops` of the compiled HLO (while bodies weighted by their trip counts,
+  ``cost_analysis()`` counts a loop body once; a pipeline's bubble-skipping conditionals
+  weighted by the ticks its slowest stage takes each branch).
 
 The tolerances (:data:`TOLERANCES`: memory ±25%, collective bytes ±15%, FLOPs ±10%) are
 the ones ``tests/auto_parallel/test_cost_model.py`` holds the model to; the tables mark
@@ -133,6 +134,19 @@ LAYOUTS: tuple[tuple[dict[str, int], int, int | None], ...] = (
     ({"dp": 2, "pp": 4}, 0, 2),
     ({"pp": 2, "sharding": 2, "mp": 2}, 3, 2),
     ({"dp": 2, "pp": 2, "sharding": 2}, 1, 2),
+)
+
+#: ``(mesh degrees, ZeRO stage, micro-batches, schedule, recompute)`` checked beside
+#: :data:`LAYOUTS`: the stand-in's 1F1B (stage inputs stashed, the stage recomputed in
+#: its backward loop) and recompute without a pipeline (scanned blocks at dp8; ZeRO-3
+#: keeps its blocks unrolled, where XLA:CPU recomputes with the forward pass).
+SCHEDULE_LAYOUTS: tuple[tuple[dict[str, int], int, int | None, str | None, bool], ...] = (
+    ({"dp": 2, "pp": 2, "mp": 2}, 0, 2, "1F1B", False),
+    ({"dp": 4, "pp": 2}, 0, 4, "1F1B", False),
+    ({"dp": 2, "pp": 4}, 0, 8, "1F1B", False),
+    ({"dp": 2, "pp": 4}, 0, 8, "FThenB", False),
+    ({"dp": 8}, 0, None, None, True),
+    ({"sharding": 8}, 3, None, None, True),
 )
 
 #: Batch and sequence length of the NNX-zoo checks (they differ, so a layout that confused
@@ -429,25 +443,22 @@ def render(rows: list[Row], style_rows: list[Row], workload: Workload) -> str:
         "prediction is a little high: XLA reduced the embedding's gradient as an all-to-all "
         "of the token rows instead of an all-reduce of the table. FLOPs are the matmuls of "
         "one step as executed (forward, and the backward's input and weight gradients), each "
-        "divided by the axes that split it; a pipeline's blocks run M + P - 1 ticks of a "
-        "micro-batch each, bubble ticks included.",
+        "divided by the axes that split it; a pipeline's stage runs M micro-batches (bubble "
+        "ticks skip their work), 1F1B one more forward of them.",
         "",
-        "Pipelined layouts run to_distributed's FThenB stand-in (`PipelinedBlocks`: GPipe by "
-        "autodiff of a `lax.scan` of M + P - 1 ticks inside a `shard_map`). Its bubble ticks "
-        "are masked, not skipped, so a stage runs M + P - 1 times: it keeps that many "
-        "micro-batches' residuals (plus one tick's slice copied for the backward's loop over "
-        "the stage's blocks, one block's backward working set and the stage's gradient "
-        "accumulators, since a scan's stacked residuals are freed only when its backward "
-        "loop ends), computes that many micro-batches' matmuls and issues its "
-        "tensor-parallel all-reduces that many times. The "
-        "embedding and head run on every stage, so instead of summing their gradients over "
-        "`pp` the step all-reduces the stack's output and its input's cotangent over `pp`; "
-        "the blocks' gradients leave the `shard_map` summed over `dp x sharding` (one "
-        "all-reduce, not ZeRO's two-step reduction). The ZeRO pipelined rows are off by a few "
-        "percent: with `mp` XLA:CPU moves part of the gradient reduction as collective-"
-        "permutes (more than predicted); over `dp x sharding` it reduces the head's gradient "
-        "with the blocks' in one all-reduce and the embedding's with collective-permutes, "
-        "without ZeRO's second step over `dp` (less).",
+        "Pipelined layouts run to_distributed's stand-in (`PipelinedBlocks` -> "
+        "`jfleet.parallel.pipeline_forward`, a forward and a backward loop of M + P - 1 ticks "
+        "inside a `shard_map`, bubble ticks skipped by `lax.cond`). FThenB keeps its M "
+        "micro-batches' residuals, 1F1B only their stage inputs and recomputes the stage in "
+        "its backward loop; both add one micro-batch's backward working set and the stage's "
+        "gradient accumulators. The batch rows split over the data axes x `pp`, so the "
+        "embedding and head run on 1 / P of them and the stack all-gathers its input and "
+        "reduce-scatters its output over `pp` (and the reverse for the cotangents); the "
+        "blocks' gradients leave the `shard_map` summed over `dp x sharding` (one "
+        "all-reduce, not ZeRO's two-step reduction). The tensor-parallel all-reduces sit in "
+        "the loops' bodies, counted on every tick. Recompute without a pipeline saves "
+        "memory only inside a loop on XLA:CPU (scanned blocks; the ZeRO-3 row keeps its "
+        "blocks unrolled and recomputes with the forward pass, see `jfleet/recompute.py`).",
         "",
         "## NNX-style zoo",
         "",
@@ -517,13 +528,21 @@ def main(argv: list[str] | None = None) -> int:
     workload = Workload()
     rows = []
     for degrees, stage, microbatches in LAYOUTS:
-        rows.append(check(workload, degrees, stage, microbatches))
+        schedule = "FThenB" if microbatches else None
+        rows.append(check(workload, degrees, stage, microbatches, schedule=schedule))
+        row = rows[-1]
+        print(f"checked {row.subject} {row.name} ({row.compile_seconds:.1f} s)", file=sys.stderr)
+    for degrees, stage, microbatches, schedule, recompute in SCHEDULE_LAYOUTS:
+        rows.append(
+            check(workload, degrees, stage, microbatches, schedule=schedule, recompute=recompute)
+        )
         row = rows[-1]
         print(f"checked {row.subject} {row.name} ({row.compile_seconds:.1f} s)", file=sys.stderr)
     style_rows = []
     for style in STYLES.values():
         for degrees, stage, microbatches in style_layouts(style):
-            style_rows.append(check(style, degrees, stage, microbatches))
+            schedule = "FThenB" if microbatches else None
+            style_rows.append(check(style, degrees, stage, microbatches, schedule=schedule))
             row = style_rows[-1]
             print(
                 f"checked {row.subject} {row.name} ({row.compile_seconds:.1f} s)", file=sys.stderr
