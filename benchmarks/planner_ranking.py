@@ -110,7 +110,7 @@ class Size:
 #: The example's model at its batch, and a wider one with longer sequences (held out).
 SIZES = {
     "example": Size("example", width=64, batch=32, seq=32, held_out=False),
-    "wide": Size("wide", width=128, batch=32, seq=64, held_out=True),
+    "wide": Size("wide", width=128, batch=16, seq=64, held_out=True),
 }
 
 
