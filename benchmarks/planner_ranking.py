@@ -109,7 +109,7 @@ class Size:
 
 #: The example's model at its batch, and a wider one with longer sequences (held out).
 SIZES = {
-    "example": Size("example", width=64, batch=32, seq=32, held_out=False),
+    "example": Size("example", width=64, batch=16, seq=32, held_out=False),
     "wide": Size("wide", width=128, batch=16, seq=64, held_out=True),
 }
 
@@ -296,6 +296,17 @@ class SizeResult:
         )
 
 
+def program_key(candidate: Candidate) -> tuple:
+    """Candidates with equal keys compile to the same program: a pipeline with recompute
+    runs the stand-in's 1F1B program whichever schedule is named
+    (:mod:`jfleet.parallel.pipeline_forward`), so it is built and timed once."""
+    lay = candidate.layout
+    staged = lay.pp > 1 and (lay.schedule == "1F1B" or lay.recompute)
+    if not staged:
+        return (lay.name,)
+    return (tuple(lay.degrees.items()), lay.zero_stage, lay.num_microbatches, "1F1B")
+
+
 def measure(size: Size, rounds: int, limit: int | None, seed: int = 0) -> SizeResult:
     """Plans, builds and times every candidate of ``size`` (the first ``limit`` when given)."""
     start = time.perf_counter()
@@ -304,8 +315,11 @@ def measure(size: Size, rounds: int, limit: int | None, seed: int = 0) -> SizeRe
         keep = candidates[:limit]
         keep += [c for c in candidates if c.layout.name == BASELINE and c not in keep]
         candidates = keep
+    programs: dict[tuple, list[Candidate]] = {}
+    for c in candidates:
+        programs.setdefault(program_key(c), []).append(c)
     rng = random.Random(seed)
-    order = list(candidates)
+    order = [same[0] for same in programs.values()]
     rng.shuffle(order)
     groups = [order[i : i + GROUP] for i in range(0, len(order), GROUP)]
     base_candidate = next(c for c in candidates if c.layout.name == BASELINE)
@@ -320,6 +334,9 @@ def measure(size: Size, rounds: int, limit: int | None, seed: int = 0) -> SizeRe
         print(f"{size.name}: group {i + 1}/{len(groups)} timed", file=sys.stderr, flush=True)
     base.ratios = [1.0]
     timed.append(base)
+    for t in list(timed):  # the same program under its other names
+        for other in programs[program_key(t.candidate)][1:]:
+            timed.append(dataclasses.replace(t, candidate=other))
     return SizeResult(size, timed, chosen.layout.name, time.perf_counter() - start)
 
 
@@ -361,7 +378,9 @@ def render(results: list[SizeResult], rounds: int, argv: list[str]) -> str:
         f"- timing: groups of {GROUP} candidates with `{BASELINE}` in each; {rounds} "
         f"interleaved rounds (order shuffled), {CALLS} steps per candidate per round; a "
         f"candidate's number is the median over rounds of its time / `{BASELINE}`'s in the "
-        "same round. Programs are the engine's compiled steps, called directly.",
+        "same round. Programs are the engine's compiled steps, called directly; a pipeline "
+        "with recompute is the stand-in's 1F1B program whichever schedule it names (built "
+        "and timed once, listed under both names).",
         "- targets (issue 15): the pick within 10% of the fastest measured; Spearman rank "
         "correlation predicted vs measured >= 0.8.",
         "",
