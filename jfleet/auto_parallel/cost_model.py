@@ -444,13 +444,18 @@ def estimate(
     # One block's backward working set on one micro-batch. In a loop over more than one
     # block the residual stack of the blocks and the slice the backward reads add one
     # more (measured on XLA:CPU: (blocks + 1) x per_layer; one block a stage, 1.3 x).
+    # recompute that waits for the backward pass: inside a loop, or where the compiler
+    # keeps jax.checkpoint's barriers until it schedules (not XLA:CPU: jfleet.recompute);
+    # else the recomputation runs with the forward pass and saves no memory (nor, at
+    # ZeRO-3, the second gather of the parameters)
+    remat_waits = layout.recompute and (piped or scanned or profile.remat_barriers_kept)
     looped = stage_blocks > 1
     work_set = tokens_mb * per_layer * ((stage_blocks + 1) if looped else _ONE_BLOCK_WORK)
     if staged:
         layer_acts = tokens_local * h + work_set  # M stage inputs + one micro-batch's
     elif piped:
         layer_acts = _FTHENB_KEPT * tokens_local * per_layer * stage_blocks + work_set
-    elif layout.recompute and (scanned or profile.remat_barriers_kept):
+    elif remat_waits:
         layer_acts = tokens_local * h * stage_blocks + tokens_mb * per_layer * _ONE_BLOCK_WORK
     else:
         # no recompute, or recompute XLA:CPU schedules with the forward pass (outside a
@@ -479,7 +484,7 @@ def estimate(
     t_mem = loop_bytes / profile.memory_bandwidth
     gathered = 0
     if stage >= 3:
-        gathered = outside_tp + (one_block_tp if layout.recompute else block_tp)
+        gathered = outside_tp + (one_block_tp if remat_waits else block_tp)
     memory = Memory(
         params=params_mem,
         optimizer=opt_mem,
@@ -563,7 +568,7 @@ def estimate(
             if layout.dp * sep > 1:
                 coll["all_reduce"] += zeroed / shard
                 t_dp += lat + _ring("all-reduce", zeroed / shard, layout.dp * sep) / bw_dpsep
-            gathers = 2 if (stage >= 3 and layout.recompute) else 1
+            gathers = 2 if (stage >= 3 and remat_waits) else 1
             coll["all_gather"] += gathers * tp_bytes
             t_dp += gathers * (lat + _ring("all-gather", tp_bytes, shard) / bw_shard)
     if pp > 1:
