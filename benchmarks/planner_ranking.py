@@ -59,7 +59,9 @@ import optax
 from benchmarks.results_file import write_section
 from jfleet import fleet, make_train_step
 from jfleet.auto_parallel import ToDistributedConfig, get_plan, to_distributed
-from jfleet.auto_parallel.cost_model import Candidate
+from jfleet.auto_parallel.cost_model import Candidate, Collectives, Memory, StepTime
+from jfleet.auto_parallel.layouts import Layout
+from jfleet.auto_parallel.plan import _candidate_from_dict, _candidate_to_dict
 from jfleet.models import lm_loss, stride_batches
 from jfleet.models.llama import TinyLlama
 from jfleet.testing import hlo
@@ -268,6 +270,7 @@ class SizeResult:
     timed: list[Timed]
     chosen: str
     seconds: float
+    rounds: int = 0
 
     @property
     def baseline_seconds(self) -> float:
@@ -337,7 +340,7 @@ def measure(size: Size, rounds: int, limit: int | None, seed: int = 0) -> SizeRe
     for t in list(timed):  # the same program under its other names
         for other in programs[program_key(t.candidate)][1:]:
             timed.append(dataclasses.replace(t, candidate=other))
-    return SizeResult(size, timed, chosen.layout.name, time.perf_counter() - start)
+    return SizeResult(size, timed, chosen.layout.name, time.perf_counter() - start, rounds)
 
 
 def as_dict(result: SizeResult) -> dict:
@@ -346,13 +349,17 @@ def as_dict(result: SizeResult) -> dict:
         "size": dataclasses.asdict(result.size),
         "chosen": result.chosen,
         "baseline_seconds": result.by_name(BASELINE).seconds,
+        "seconds": result.seconds,
+        "rounds": result.rounds,
         "candidates": [
             {
                 "name": t.name,
+                "candidate": _candidate_to_dict(t.candidate),
                 "layout": dataclasses.asdict(t.candidate.layout),
                 "predicted": dataclasses.asdict(t.candidate.time),
                 "predicted_temp": t.candidate.memory.temp,
                 "ratios": t.ratios,
+                "seconds": t.seconds,
                 "temp": t.temp,
                 "moved": t.moved,
                 "flops": t.flops,
@@ -360,6 +367,39 @@ def as_dict(result: SizeResult) -> dict:
             for t in result.timed
         ],
     }
+
+
+def from_dict(data: dict) -> SizeResult:
+    """A :class:`SizeResult` back from :func:`as_dict` (``--merge``: sizes timed earlier)."""
+    timed = []
+    for c in data["candidates"]:
+        if "candidate" in c:
+            candidate = _candidate_from_dict(c["candidate"])
+        else:  # written before the whole candidate was kept: its layout and times suffice
+            zero = dict.fromkeys(f.name for f in dataclasses.fields(Memory))
+            candidate = Candidate(
+                layout=Layout(**c["layout"]),
+                memory=Memory(**{k: 0 for k in zero}),
+                time=StepTime(**c["predicted"]),
+                collectives=Collectives(),
+            )
+        timed.append(
+            Timed(
+                candidate=candidate,
+                temp=c["temp"],
+                moved=c["moved"],
+                flops=c["flops"],
+                ratios=list(c["ratios"]),
+                seconds=list(c.get("seconds", [])),
+            )
+        )
+    base = next(t for t in timed if t.name == BASELINE)
+    if not base.seconds:
+        base.seconds = list(data["baseline_seconds"])
+    size = Size(**data["size"])
+    return SizeResult(
+        size, timed, data["chosen"], data.get("seconds", float("nan")), data.get("rounds", 0)
+    )
 
 
 def render(results: list[SizeResult], rounds: int, argv: list[str]) -> str:
@@ -375,8 +415,8 @@ def render(results: list[SizeResult], rounds: int, argv: list[str]) -> str:
         f"Python {platform.python_version()}",
         f"- machine: {platform.machine()}, nproc {os.cpu_count()}, {jax.device_count()} "
         f"emulated {jax.devices()[0].platform.upper()} devices, profile `cpu`",
-        f"- timing: groups of {GROUP} candidates with `{BASELINE}` in each; {rounds} "
-        f"interleaved rounds (order shuffled), {CALLS} steps per candidate per round; a "
+        f"- timing: groups of {GROUP} candidates with `{BASELINE}` in each; interleaved "
+        f"rounds (order shuffled; per size below), {CALLS} steps per candidate per round; a "
         f"candidate's number is the median over rounds of its time / `{BASELINE}`'s in the "
         "same round. Programs are the engine's compiled steps, called directly; a pipeline "
         "with recompute is the stand-in's 1F1B program whichever schedule it names (built "
@@ -385,8 +425,8 @@ def render(results: list[SizeResult], rounds: int, argv: list[str]) -> str:
         "correlation predicted vs measured >= 0.8.",
         "",
         "| size | model | candidates (pipelined) | pick | pick / fastest | fastest "
-        "| Spearman, all | pipelined | not pipelined | dp8 ms | minutes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| Spearman, all | pipelined | not pipelined | dp8 ms | rounds | minutes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         piped = sum(t.candidate.layout.pp > 1 for t in r.timed)
@@ -395,7 +435,7 @@ def render(results: list[SizeResult], rounds: int, argv: list[str]) -> str:
             f"| {r.pick_vs_fastest():.3f} | {r.fastest.name} ({r.fastest.ratio:.3f}) "
             f"| {r.correlation()[0]:.2f} | {r.correlation(True)[0]:.2f} "
             f"| {r.correlation(False)[0]:.2f} | {r.baseline_seconds * 1e3:.2f} "
-            f"| {r.seconds / 60:.1f} |"
+            f"| {r.rounds} | {r.seconds / 60:.1f} |"
         )
     for r in results:
         lines += [
@@ -429,6 +469,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per group")
     parser.add_argument("--limit", type=int, default=None, help="time only the first N")
     parser.add_argument("--json", default=None, help="also write every measurement here")
+    parser.add_argument(
+        "--merge", default=None, help="a --json file of sizes timed earlier, shown too"
+    )
     args = parser.parse_args(argv)
     if jax.device_count() < 8:
         print(f"need 8 devices, have {jax.device_count()}", file=sys.stderr)
@@ -438,6 +481,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown sizes {unknown}; known: {sorted(SIZES)}")
     results = [measure(SIZES[n], args.rounds, args.limit) for n in names]
+    if args.merge:
+        earlier = [from_dict(d) for d in json.loads(Path(args.merge).read_text())]
+        results = [r for r in earlier if r.size.name not in names] + results
+        results.sort(key=lambda r: list(SIZES).index(r.size.name))
     shown = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--no-write"]
     if args.json:
         Path(args.json).write_text(json.dumps([as_dict(r) for r in results], indent=1))
