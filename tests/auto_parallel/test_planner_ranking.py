@@ -54,3 +54,18 @@ def test_render_reports_pick_fastest_and_correlation():
     text = pr.render([result], 3, [])
     assert "| example |" in text and "1.176" in text
     assert "**(pick)**" in text
+
+
+def test_measurements_round_trip_through_json():
+    import json
+
+    c = _candidates()
+    timed = [
+        pr.Timed(candidate=c["dp8"], ratios=[1.0], seconds=[0.01]),
+        pr.Timed(candidate=c["1f1b"], ratios=[1.5, 1.4], temp=3, moved=5, flops=7.0),
+    ]
+    result = pr.SizeResult(pr.SIZES["wide"], timed, "dp8", 60.0, rounds=2)
+    back = pr.from_dict(json.loads(json.dumps(pr.as_dict(result))))
+    assert back.rounds == 2 and back.size == result.size and back.chosen == "dp8"
+    assert [t.candidate for t in back.timed] == [t.candidate for t in timed]
+    assert back.pick_vs_fastest() == result.pick_vs_fastest()
