@@ -271,6 +271,7 @@ class SizeResult:
     chosen: str
     seconds: float
     rounds: int = 0
+    command: str = ""
 
     @property
     def baseline_seconds(self) -> float:
@@ -351,6 +352,7 @@ def as_dict(result: SizeResult) -> dict:
         "baseline_seconds": result.by_name(BASELINE).seconds,
         "seconds": result.seconds,
         "rounds": result.rounds,
+        "command": result.command,
         "candidates": [
             {
                 "name": t.name,
@@ -398,7 +400,12 @@ def from_dict(data: dict) -> SizeResult:
         base.seconds = list(data["baseline_seconds"])
     size = Size(**data["size"])
     return SizeResult(
-        size, timed, data["chosen"], data.get("seconds", float("nan")), data.get("rounds", 0)
+        size,
+        timed,
+        data["chosen"],
+        data.get("seconds", float("nan")),
+        data.get("rounds", 0),
+        data.get("command", ""),
     )
 
 
@@ -406,10 +413,11 @@ def render(results: list[SizeResult], rounds: int, argv: list[str]) -> str:
     """The Markdown section for RESULTS.md."""
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     cmd = " ".join(["python benchmarks/planner_ranking.py", *argv])
+    measured = "; ".join(f"{r.size.name}: `{r.command}`" for r in results if r.command)
     lines = [
         "# Planner ranking: predicted vs measured step time of every candidate",
         "",
-        f"- command: `{cmd}`",
+        f"- command: `{cmd}`" + (f" (measurements: {measured})" if measured else ""),
         f"- date: {date}",
         f"- versions: jax {jax.__version__}, flax {flax.__version__}, optax {optax.__version__}, "
         f"Python {platform.python_version()}",
@@ -476,16 +484,18 @@ def main(argv: list[str] | None = None) -> int:
     if jax.device_count() < 8:
         print(f"need 8 devices, have {jax.device_count()}", file=sys.stderr)
         return 1
-    names = [n.strip() for n in args.sizes.split(",") if n.strip()]
+    names = [n.strip() for n in args.sizes.split(",") if n.strip()]  # "": --merge only
     unknown = sorted(set(names) - set(SIZES))
     if unknown:
         parser.error(f"unknown sizes {unknown}; known: {sorted(SIZES)}")
+    shown = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--no-write"]
     results = [measure(SIZES[n], args.rounds, args.limit) for n in names]
+    for r in results:
+        r.command = " ".join(["python benchmarks/planner_ranking.py", *shown])
     if args.merge:
         earlier = [from_dict(d) for d in json.loads(Path(args.merge).read_text())]
         results = [r for r in earlier if r.size.name not in names] + results
         results.sort(key=lambda r: list(SIZES).index(r.size.name))
-    shown = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--no-write"]
     if args.json:
         Path(args.json).write_text(json.dumps([as_dict(r) for r in results], indent=1))
     section = render(results, args.rounds, shown)
