@@ -10,10 +10,12 @@ directions, so 450e9 here).
 Built-in profiles (:data:`PROFILES`):
 
 * ``cpu`` (default): the host's CPU emulating devices (``jax_num_cpu_devices``). Eight
-  devices share a few cores, so each gets ~10 GFLOP/s (a quarter of one AVX2 core's ~40
-  GFLOP/s fp32 peak); 2 GiB of (host) memory each; in-process collectives copy memory at
-  ~2 GB/s; between processes (gloo over TCP) ~0.5 GB/s; 50 us per collective; loops
-  move memory at ~4 GB/s per device (a host's ~30 GB/s shared by 8 devices). XLA:CPU
+  devices share a few cores: 40 GFLOP/s matmul peak per device (2 AVX-512 cores' ~380
+  GFLOP/s fp32 shared by 8) and 1 GB/s for a pipeline's loop traffic (dynamic-slice /
+  update / copy), the pair fitted to measured step times of every ``to_distributed``
+  candidate of the Llama example at width 64 (``benchmarks/planner_ranking.py``; width
+  128 held out); 2 GiB of (host) memory each; in-process collectives copy memory at
+  ~2 GB/s; between processes (gloo over TCP) ~0.5 GB/s; 50 us per collective. XLA:CPU
   has no reduce-scatter pass (a sharded gradient reduction is an all-reduce followed by a
   slice: ``reduce_scatter_native=False``, see :mod:`jfleet.testing.hlo`).
 * ``a100``: NVIDIA A100 SXM4 80GB (A100 datasheet): 19.5 TFLOP/s fp32, 156 TF32, 312
@@ -145,7 +147,7 @@ class HardwareProfile:
 
 _CPU = HardwareProfile(
     name="cpu",
-    peak_flops={"float32": 10e9, "bfloat16": 5e9, "float16": 5e9},
+    peak_flops={"float32": 40e9, "bfloat16": 20e9, "float16": 20e9},
     memory_bytes=2 * GiB,
     intra_node_bandwidth=2e9,
     inter_node_bandwidth=0.5e9,
@@ -153,7 +155,7 @@ _CPU = HardwareProfile(
     collective_latency=50e-6,
     reduce_scatter_native=False,
     remat_barriers_kept=False,
-    memory_bandwidth=4e9,
+    memory_bandwidth=1e9,
 )
 _A100 = HardwareProfile(
     name="a100",
