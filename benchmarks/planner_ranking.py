@@ -409,6 +409,16 @@ def from_dict(data: dict) -> SizeResult:
     )
 
 
+def repredict(result: SizeResult) -> None:
+    """Replaces ``result``'s predictions and pick by the current planner's (the measured
+    times stay: they do not depend on the cost model)."""
+    candidates, chosen = plan_candidates(result.size)
+    by_name = {c.layout.name: c for c in candidates}
+    for t in result.timed:
+        t.candidate = by_name[t.name]
+    result.chosen = chosen.layout.name
+
+
 def render(results: list[SizeResult], rounds: int, argv: list[str]) -> str:
     """The Markdown section for RESULTS.md."""
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -480,6 +490,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--merge", default=None, help="a --json file of sizes timed earlier, shown too"
     )
+    parser.add_argument(
+        "--repredict",
+        action="store_true",
+        help="predict the merged sizes' candidates again with the current cost model",
+    )
     args = parser.parse_args(argv)
     if jax.device_count() < 8:
         print(f"need 8 devices, have {jax.device_count()}", file=sys.stderr)
@@ -494,6 +509,9 @@ def main(argv: list[str] | None = None) -> int:
         r.command = " ".join(["python benchmarks/planner_ranking.py", *shown])
     if args.merge:
         earlier = [from_dict(d) for d in json.loads(Path(args.merge).read_text())]
+        if args.repredict:
+            for r in earlier:
+                repredict(r)
         results = [r for r in earlier if r.size.name not in names] + results
         results.sort(key=lambda r: list(SIZES).index(r.size.name))
     if args.json:
