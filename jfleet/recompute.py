@@ -6,10 +6,19 @@ are recomputed in the backward pass instead of kept. jfleet takes module paths
 (``"DecoderBlock"``) and runs each matching module's ``__call__`` under
 ``jax.checkpoint``.
 
+Where recompute saves memory: ``jax.checkpoint`` marks the recomputation with
+``optimization_barrier``s. XLA:GPU keeps them until it has scheduled the program
+(``OptimizationBarrierExpander`` runs after scheduling), so each block is recomputed when
+the backward pass reaches it. XLA:CPU removes them before layout assignment and
+scheduling (after CSE, so the recomputation is not merged back), and its scheduler then
+runs every block's recomputation next to the forward pass: the step computes the extra
+forward and keeps as much as without recompute (TinyLlama width 128, batch 32 x 128, dp8:
+temp 43.4 -> 41.4 MiB for +25% matmul FLOPs). Inside a loop the recomputation cannot move
+out of the iteration that needs it, so recompute of blocks run by ``lax.scan``
+(``to_distributed``'s scanned and pipelined blocks) saves on CPU too.
+
 Example:
   >>> from flax import nnx
-
-from jfleet._logging import logger
   >>> class Net(nnx.Module):
   ...     def __init__(self):
   ...         self.hidden = nnx.Linear(4, 4, rngs=nnx.Rngs(0))

@@ -8,7 +8,8 @@ excluded) is :mod:`jfleet.auto_parallel.layouts`.
 
 **Memory per device** (bytes; ``Phi_tp`` is a parameter's elements after the ``mp`` split,
 ``Phi_z`` after the ZeRO split too, only the blocks of one pipeline stage counted; the
-embedding and head run outside the pipeline and are held by every stage):
+embedding and head run outside the pipeline and are held by every stage, on ``1 / P`` of
+the local rows when the batch splits over the data axes x ``pp``):
 
 * resident (the step's arguments): parameters ``Phi_tp`` (``Phi_z`` at ZeRO-3), optimizer
   state ``k x Phi_tp`` (``k x Phi_z`` at ZeRO >= 1; Adam k = 2 moments, momentum 1, SGD 0;
@@ -36,14 +37,21 @@ norm) and ``4 V / mp`` (logits, log-softmax, softmax, one-hot labels). Measured 
 XLA:CPU with 8 devices these match the compiled temp's slope per token and layer to
 within 2% for :class:`~jfleet.models.llama.TinyLlama` and
 :class:`~jfleet.models.gpt2.TinyGPT2` at width 128 (16% over at width 256).
-Schedules: no pipeline keeps every layer's activations; FThenB (``to_distributed``'s
-pipelined blocks, GPipe by autodiff of a scan whose masked bubble ticks run too) keeps
-the stage's activations of ``M + P - 1`` ticks, plus one tick's slice copied for the
-backward's inner loop (with more than one block a stage), one block's activations of one
-micro-batch (the backward's working set) and the stage's gradient accumulators; 1F1B
-(jfleet's, recomputing each stage from its stashed input) keeps ``2(P-1)`` stage inputs
-and one micro-batch's stage activations; recompute keeps each layer's input and one
-layer's activations.
+Schedules (``to_distributed``'s, :mod:`jfleet.parallel.pipeline_forward`; bubble ticks
+skipped): no pipeline keeps every layer's activations (alike blocks run as one
+``lax.scan``, :mod:`jfleet.auto_parallel.scanned_blocks`, which adds half a block's
+backward working set and the stacked gradient accumulator); FThenB keeps its ``M``
+micro-batches' residuals (x 1.25: what XLA keeps beside the saved matmul outputs),
+one micro-batch's backward working set (``blocks + 1`` blocks' activations in a loop over
+the stage's blocks, 1.3 with one block a stage) and the stage's gradient accumulators;
+1F1B (and FThenB with recompute, the same program) keeps ``M`` stage inputs, the same
+working set and accumulators. Recompute keeps each layer's input and one layer's working
+set where the recomputation waits for the backward pass: inside a loop (scanned or
+pipelined blocks), or on a compiler that keeps ``jax.checkpoint``'s barriers until it
+schedules (``HardwareProfile.remat_barriers_kept``); XLA:CPU removes them earlier and
+runs an unrolled recomputation with the forward pass, so there it keeps every
+activation (:mod:`jfleet.recompute`). The constants (1.25, 1.3, 0.5) are fitted to
+compiled temp memory of TinyLlama (width 128, 2-4 layers) on XLA:CPU.
 
 **Step time** (seconds; no overlap of communication with compute, so an upper bound):
 
@@ -55,11 +63,12 @@ layer's activations.
   (``dp x sharding x sep``) and by ``mp`` only when a parameter split over ``mp`` at this
   degree splits the product (a product of a kernel left whole runs on every ``mp`` rank);
   the blocks' share divided by ``pp``; recompute (and 1F1B) adds one forward of the
-  blocks; embedding and head run on every stage. :attr:`Candidate.flops` is that count as
-  executed (FThenB's masked bubble ticks included), what
-  :func:`jfleet.testing.hlo.dot_flops` counts in the compiled step. Without a trace,
-  ``6 x`` the kernels' elements per token;
-* tensor parallel: per block and stage run (micro-batch; FThenB: tick) one forward
+  blocks; embedding and head run on every stage, on ``1 / P`` of the rows when the rows
+  split over pp. :attr:`Candidate.flops` is that count as executed (bubble ticks skip
+  their work), what :func:`jfleet.testing.hlo.executed_flops` counts for the slowest
+  stage of the compiled step. Without a trace, ``6 x`` the kernels' elements per token;
+* tensor parallel: per block and micro-batch (a pipeline: per tick of ``M + P - 1``,
+  as the compiled loop holds them) one forward (twice with recompute)
   all-reduce per row projection split over ``mp`` (after o and down), and in the
   backward one per split column projection reading the block's input (XLA reduces q, k
   and v's input gradients separately: 3 for separate q/k/v, 1 for a fused qkv; 2 for
@@ -71,14 +80,19 @@ layer's activations.
   ZeRO a reduce-scatter over ``sharding`` (on XLA:CPU an all-reduce plus a slice), an
   all-reduce of the shard over ``dp x sep``, and an all-gather of the parameters
   (``(n-1)/n P``): once per step at every stage (XLA gathers a ZeRO-3 parameter once and
-  reuses it in the backward; with recompute it gathers again); FThenB's pipelined blocks
+  reuses it in the backward; with recompute it gathers again); the pipelined blocks
   leave their ``shard_map`` with gradients already summed over ``dp x sharding`` (one
   all-reduce);
-* pipeline: bubble ``(P-1)/(M+P-1)`` of the blocks' compute, and ``2(M+P-1)`` (FThenB)
-  or ``2(M+2P-2)`` (1F1B) point-to-point transfers of ``b s h`` on the critical path;
-  FThenB runs the embedding and head on every stage and all-reduces the stack's output
-  and its input's cotangent over ``pp``; 1F1B sums the embedding's and head's gradients
-  over ``pp``;
+* pipeline: bubble ``(P-1)/(M+P-1)`` of the blocks' compute, and ``2(M+P-1)`` (both
+  schedules: a forward and a backward loop) point-to-point transfers of ``b s h`` on the
+  critical path; with the rows split over ``pp`` the stack all-gathers its input and
+  reduce-scatters its output over ``pp`` (and the reverse for the cotangents), else the
+  embedding and head run on every stage and the stack's output and its input's cotangent
+  are all-reduced over ``pp``;
+* loop memory traffic (pipelines): each stashed residual written and read once, the
+  stage's weights read from their stack 2-3 times per micro-batch and the stacked
+  gradients read and written, at ``HardwareProfile.memory_bandwidth`` (on XLA:CPU
+  pipelined steps are bound by this dynamic-slice / update / copy traffic);
 * sequence parallel (``sep``): an all-gather of k and v per block forward and a
   reduce-scatter of their gradients backward.
 
@@ -112,8 +126,20 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from jfleet.auto_parallel.layouts import OPTIMIZER_MOMENTS, Layout, Workload
-from jfleet.auto_parallel.patterns import COLUMN_ROLES, ROW_ROLES, ModelPatterns, ParamInfo
+from jfleet.auto_parallel.patterns import ModelPatterns, ParamInfo
 from jfleet.auto_parallel.profiles import HardwareProfile, get_profile
+from jfleet.auto_parallel.step_work import (
+    ATTN_Q_ELEMS,
+    ATTN_SCORE_ELEMS,
+    LOGIT_ELEMS,
+    MLP_ELEMS,
+    NORM_ELEMS,
+    OUTSIDE_H_ELEMS,
+    layers_and_norms,
+    split_degrees,
+    step_flops,
+    tp_reductions,
+)
 from jfleet.placement import Placement
 from jfleet.topology import AXIS_NAMES, DP, MP, PP, SEP, SHARDING
 
@@ -126,13 +152,16 @@ __all__ = [
     "rank",
 ]
 
-_NORM_ELEMS = 4  # per norm, x h
-_ATTN_Q_ELEMS = 4  # x q_dim
-_ATTN_SCORE_ELEMS = 2  # x heads x seq
-_MLP_ELEMS = {"swiglu": 5, "gelu": 3}  # x hidden
-_OUTSIDE_H_ELEMS = 5  # embedding output + final norm, x h
-_LOGIT_ELEMS = 4  # x vocab / mp
 _SAME = 1e-9  # relative time difference treated as a tie (equal programs)
+#: One block's backward working set on one micro-batch, x its activations, when no loop
+#: over the stage's blocks adds a residual stack (measured on XLA:CPU, TinyLlama width 128).
+_ONE_BLOCK_WORK = 1.3
+#: A scan over layers without recompute: its backward's working set beside the stacked
+#: residuals, x one block's activations (XLA:CPU, TinyLlama width 128 at dp8 and dp2 x mp4).
+_SCAN_WORK = 0.5
+#: FThenB's stand-in keeps its M micro-batches' residuals (matmul outputs saved inside the
+#: bubble-skipping cond, and what XLA keeps beside them): x the activations (XLA:CPU).
+_FTHENB_KEPT = 1.25
 GiB = 2**30
 
 
@@ -188,6 +217,8 @@ class StepTime:
       data_parallel: gradient reduction and ZeRO all-gathers.
       pipeline: point-to-point transfers between stages.
       sequence: ``sep`` all-gathers / reduce-scatters of k and v.
+      memory_traffic: the residuals the step's loops (pipeline ticks, a scan over
+        layers) stash and fetch, at the profile's memory bandwidth.
     """
 
     compute: float
@@ -196,6 +227,7 @@ class StepTime:
     data_parallel: float = 0.0
     pipeline: float = 0.0
     sequence: float = 0.0
+    memory_traffic: float = 0.0
 
     @property
     def total(self) -> float:
@@ -207,6 +239,7 @@ class StepTime:
             + self.data_parallel
             + self.pipeline
             + self.sequence
+            + self.memory_traffic
         )
 
     @property
@@ -222,6 +255,7 @@ _TIME_WORDS = {
     "data_parallel": "gradient reduction / ZeRO gather",
     "pipeline": "pipeline transfer",
     "sequence": "sequence-parallel gather",
+    "memory_traffic": "loop memory traffic",
 }
 
 
@@ -256,8 +290,9 @@ class Candidate:
 
     Attributes:
       layout: the layout.
-      flops: predicted dot FLOPs per device per step, as executed (a masked pipeline
-        bubble included): what ``jfleet.testing.hlo.dot_flops`` counts in the compiled step.
+      flops: predicted dot FLOPs per device per step, as executed (bubble ticks skipped):
+        what ``jfleet.testing.hlo.executed_flops`` counts for the compiled step's slowest
+        stage (``dot_flops`` without a pipeline).
       memory: predicted bytes per device.
       time: predicted seconds per step.
       collectives: predicted collective bytes per device per step.
@@ -306,115 +341,6 @@ def _ring(kind: str, nbytes: float, n: int) -> float:
     return (n - 1) / n * nbytes
 
 
-def _layers_and_norms(patterns: ModelPatterns) -> tuple[int, int]:
-    """(layers, norms per layer): the repeated blocks, or one layer of whatever matched."""
-    # norms of the model width (q / k norms over head_dim are part of the attention's)
-    width = (patterns.dims.width,)
-    norms = {
-        p.path.rsplit(".", 1)[0]
-        for p in patterns.params
-        if p.role == "norm" and tuple(p.shape) == width
-    }
-    if patterns.blocks:
-        first = {p.path.rsplit(".", 1)[0] for p in patterns.params if p.block == 0}
-        return len(patterns.blocks), len(first & norms)
-    if patterns.attention or patterns.mlp:
-        return 1, max(len(norms) - 1, 0)
-    return 0, 0
-
-
-def _split_set(patterns: ModelPatterns, mp: int) -> frozenset[tuple[str, int]]:
-    """``(path, dim)`` of every parameter split over ``mp`` at this degree."""
-    if mp <= 1:
-        return frozenset()
-    return frozenset(
-        (p.path, p.split_dim)
-        for p in patterns.params
-        if p.split_dim is not None and p.spec_for(mp) != P()
-    )
-
-
-def _kv_groups(patterns: ModelPatterns, mp: int) -> dict[str, int]:
-    """``{path: gcd(kv heads, mp)}`` for k / v kernels kept whole at ``mp`` (> 1 groups)."""
-    out = {}
-    for p in patterns.params:
-        if p.role in ("k", "v", "kv") and p.kind == "kernel" and p.split_dim is not None:
-            g = math.gcd(p.units, mp)
-            if p.spec_for(mp) == P() and g > 1:
-                out[p.path] = g
-    return out
-
-
-def _split_degrees(patterns: ModelPatterns, mp: int) -> tuple[int, int]:
-    """How many ways ``mp`` splits the attention's and the MLP's activations (1 or ``mp``)."""
-    attn = mlp = 1
-    for p in patterns.params:
-        if p.kind == "kernel" and p.spec_for(mp) != P():
-            if p.role in ("q", "qk", "qkv"):
-                attn = mp
-            elif p.role in ("up", "gate_up", "gate"):
-                mlp = mp
-    return attn, mlp
-
-
-def _tp_reductions(patterns: ModelPatterns, mp: int) -> tuple[int, int]:
-    """All-reduces per block: forward (one per split row), backward (one per split column)."""
-    first = 0 if patterns.blocks else None
-    kernels = [
-        p
-        for p in patterns.params
-        if p.kind == "kernel" and p.block == first and p.spec_for(mp) != P()
-    ]
-    rows = sum(p.role in ROW_ROLES for p in kernels)
-    columns = sum(p.role in COLUMN_ROLES for p in kernels)
-    return rows, columns
-
-
-def _flops(patterns: ModelPatterns, workload: Workload, layout: Layout) -> tuple[float, ...]:
-    """Per-device dot FLOPs of one step: (blocks' forward, blocks' step, outside's step).
-
-    Each traced product is scaled from the traced batch to the workload's (attention
-    products with the square of the sequence), counted forward plus one backward product
-    per operand needing a gradient, and divided by the data axes and by ``mp`` only when a
-    parameter split over ``mp`` splits it. The blocks' numbers are for all blocks (the
-    caller divides by ``pp``); without a trace, ``6 x`` the kernels' elements per token.
-    """
-    data = layout.data_degree * layout.sep
-    if not patterns.dots:
-        kernels = sum(p.size for p in patterns.params if p.kind != "table" and len(p.shape) >= 2)
-        inside = sum(p.size for p in patterns.params if p.block is not None and len(p.shape) >= 2)
-        per = 2 * workload.tokens / data
-        return per * inside, 3 * per * inside, 3 * per * (kernels - inside)
-    split = _split_set(patterns, layout.mp)
-    grouped = _kv_groups(patterns, layout.mp)
-    batch, seq = patterns.traced_tokens or (1, 1)
-    scale = workload.tokens / (batch * seq)
-    fwd_blocks = step_blocks = step_outside = 0.0
-    for d in patterns.dots:
-        f = d.flops * scale * (workload.seq_len / seq if d.attention else 1.0) / data
-        if d.param in grouped:
-            # k / v kept whole where mp cuts their kv heads: XLA computes on each rank the
-            # kv heads its q heads need (gcd(kv heads, mp) groups) forward and for the
-            # input's gradient, the weight's whole gradient on every rank
-            g = grouped[d.param]
-            fwd_blocks += f / g if d.block is not None else 0.0
-            step = f / g + f + f / g * (d.grads - 1)
-            if d.block is None:
-                step_outside += step
-            else:
-                step_blocks += step
-            continue
-        if d.splits & split:
-            f /= layout.mp
-        step = f * (1 + d.grads)
-        if d.block is None:
-            step_outside += step
-        else:
-            fwd_blocks += f
-            step_blocks += step
-    return fwd_blocks, step_blocks, step_outside
-
-
 def estimate(
     patterns: ModelPatterns,
     workload: Workload,
@@ -422,6 +348,7 @@ def estimate(
     profile: HardwareProfile | str | None = None,
     *,
     devices_per_node: int,
+    scan_layers: bool = True,
 ) -> Candidate:
     """Predicts one layout's memory, collective bytes and step time.
 
@@ -431,6 +358,8 @@ def estimate(
       layout: the layout to predict.
       profile: the hardware (default ``cpu``).
       devices_per_node: devices per node (decides intra- vs inter-node links).
+      scan_layers: whether alike blocks run as one ``lax.scan`` when not pipelined (as
+        ``to_distributed`` runs them when they can be stacked; not at ZeRO-3).
 
     Returns:
       An unranked :class:`Candidate`.
@@ -453,7 +382,7 @@ def estimate(
     m = layout.num_microbatches
     abstract = AbstractMesh(tuple(deg.values()), AXIS_NAMES)
     zero = Placement(mesh=abstract, zero_stage=stage) if stage else None
-    layers, norms = _layers_and_norms(patterns)
+    layers, norms = layers_and_norms(patterns)
     stage_blocks = layers // pp
 
     def in_stage(p: ParamInfo) -> bool:
@@ -487,53 +416,75 @@ def estimate(
     # activations (elements per token)
     h, s = d.width, workload.seq_len
     sp = mp if workload.sequence_parallel else 1
-    per_layer_rep = _NORM_ELEMS * norms * h / sp
-    attn_mp, mlp_mp = _split_degrees(patterns, mp)
+    per_layer_rep = NORM_ELEMS * norms * h / sp
+    attn_mp, mlp_mp = split_degrees(patterns, mp)
     per_layer = per_layer_rep
     if patterns.attention:
-        per_layer += (_ATTN_Q_ELEMS * d.q_dim + _ATTN_SCORE_ELEMS * d.heads * s) / attn_mp
+        per_layer += (ATTN_Q_ELEMS * d.q_dim + ATTN_SCORE_ELEMS * d.heads * s) / attn_mp
     if patterns.mlp:
-        per_layer += _MLP_ELEMS[patterns.mlp] * d.hidden / mlp_mp
+        per_layer += MLP_ELEMS[patterns.mlp] * d.hidden / mlp_mp
     vocab = d.vocab if patterns.tied_head is not None else 0
-    outside = _OUTSIDE_H_ELEMS * h + _LOGIT_ELEMS * vocab / mp
+    outside = OUTSIDE_H_ELEMS * h + LOGIT_ELEMS * vocab / mp
     ab = workload.act_bytes
     tokens_local = local_seqs * local_seq  # per device, whole step
     tokens_mb = tokens_local // m
-    # FThenB is the pipeline to_distributed builds (blocks.PipelinedBlocks ->
-    # pipeline_forward): the GPipe forward is a lax.scan of M + P - 1 ticks in which every
-    # stage runs on every tick, its bubble ticks masked rather than skipped (a lax.cond
-    # under autodiff would stack a copy of the stage's weights per tick), and the backward
-    # is that scan's transpose. So a stage runs M + P - 1 times per step: its residuals,
-    # its tensor-parallel collectives and its sep gathers are those of M + P - 1
-    # micro-batches, not M. 1F1B (pipeline_loss) skips its bubble ticks with lax.cond.
-    fthenb = pp > 1 and layout.schedule == "FThenB"
-    runs = m + pp - 1 if fthenb else m
-    if pp > 1 and layout.schedule == "1F1B":
-        layer_acts = 2 * (pp - 1) * tokens_mb * h + tokens_mb * per_layer * stage_blocks
-    elif fthenb:
-        # The residuals are stacked by two scans (ticks, and the stage's blocks inside a
-        # tick) and a stack is freed only when the backward loop over it ends. At the
-        # backward's peak a stage holds: the stacks of all M + P - 1 ticks; the slice of
-        # one tick that the inner scan's backward loop takes as its operand (a copy; with
-        # one block a stage XLA removes that one-iteration loop and reads the stack in
-        # place); and one block's activations of one micro-batch, the working set of that
-        # block's backward (its cotangents; under recompute, the recomputed activations),
-        # which in a scan cannot reuse the memory of the blocks already differentiated.
-        kept = (h if layout.recompute else per_layer) * stage_blocks
-        copies = runs + (1 if stage_blocks > 1 else 0)
-        layer_acts = copies * tokens_mb * kept + tokens_mb * per_layer
-    elif layout.recompute:
-        layer_acts = tokens_local * h * stage_blocks + tokens_mb * per_layer
+    # The pipelines are to_distributed's stand-in (blocks.PipelinedBlocks ->
+    # pipeline_forward): bubble ticks skip their work (lax.cond), so a stage runs M
+    # micro-batches. FThenB differentiates its forward loop, each stage's matmul outputs
+    # saved; 1F1B (and FThenB with recompute, the same program) stashes each
+    # micro-batch's stage input and recomputes the stage in its own backward loop. When
+    # the batch rows split over the data axes x pp, the embedding, head and loss run on
+    # 1 / P of the local rows. Without a pipeline, alike blocks run as one lax.scan
+    # (scanned_blocks.ScannedBlocks; not at ZeRO-3, not when they cannot be stacked).
+    piped = pp > 1
+    staged = piped and (layout.schedule == "1F1B" or layout.recompute)  # 1F1B's program
+    rows_over_pp = piped and workload.batch_size % (data * pp) == 0
+    head_tokens = tokens_local // pp if rows_over_pp else tokens_local
+    scanned = not piped and scan_layers and bool(patterns.blocks) and stage < 3
+    # One block's backward working set on one micro-batch. In a loop over more than one
+    # block the residual stack of the blocks and the slice the backward reads add one
+    # more (measured on XLA:CPU: (blocks + 1) x per_layer; one block a stage, 1.3 x).
+    # recompute that waits for the backward pass: inside a loop, or where the compiler
+    # keeps jax.checkpoint's barriers until it schedules (not XLA:CPU: jfleet.recompute);
+    # else the recomputation runs with the forward pass and saves no memory (nor, at
+    # ZeRO-3, the second gather of the parameters)
+    remat_waits = layout.recompute and (piped or scanned or profile.remat_barriers_kept)
+    looped = stage_blocks > 1
+    work_set = tokens_mb * per_layer * ((stage_blocks + 1) if looped else _ONE_BLOCK_WORK)
+    if staged:
+        layer_acts = tokens_local * h + work_set  # M stage inputs + one micro-batch's
+    elif piped:
+        layer_acts = _FTHENB_KEPT * tokens_local * per_layer * stage_blocks + work_set
+    elif remat_waits:
+        layer_acts = tokens_local * h * stage_blocks + tokens_mb * per_layer * _ONE_BLOCK_WORK
     else:
+        # no recompute, or recompute XLA:CPU schedules with the forward pass (outside a
+        # loop it removes jax.checkpoint's barriers before scheduling; jfleet.recompute)
         layer_acts = tokens_local * per_layer * stage_blocks
-    activations = int((layer_acts + tokens_local * outside) * ab)
-    if fthenb:
-        # the backward scan carries the stage's parameter gradients, accumulated over
-        # its ticks, while the residual stacks are live
+        if scanned:  # the scan's backward working set, beside the stacked residuals
+            layer_acts += tokens_mb * per_layer * _SCAN_WORK
+    activations = int((layer_acts + head_tokens * outside) * ab)
+    if piped or scanned:
+        # the backward loop carries the stacked blocks' gradients, accumulated over its
+        # iterations, while the residuals are live
         activations += block_tp
+    # memory traffic of the pipeline's loops (measured on XLA:CPU to bound pipelined
+    # steps, issue 15; a scan over layers writes its residuals in place): each residual
+    # a stage stashes is written (dynamic-update-slice) and read (dynamic-slice) once per
+    # step; every tick reads the stage's weights out of their stack in the forward pass,
+    # again in the backward (and the recompute), and reads and writes the stacked
+    # gradients it adds into
+    stashed = 0.0
+    if staged:
+        stashed = tokens_local * h + (tokens_local * per_layer * stage_blocks if looped else 0)
+    elif piped:
+        stashed = _FTHENB_KEPT * tokens_local * per_layer * stage_blocks
+    weight_passes = 4 + int(layout.recompute or staged) if piped else 0
+    loop_bytes = 2 * stashed * ab + weight_passes * m * block_tp
+    t_mem = loop_bytes / profile.memory_bandwidth
     gathered = 0
     if stage >= 3:
-        gathered = outside_tp + (one_block_tp if layout.recompute else block_tp)
+        gathered = outside_tp + (one_block_tp if remat_waits else block_tp)
     memory = Memory(
         params=params_mem,
         optimizer=opt_mem,
@@ -544,16 +495,16 @@ def estimate(
     )
 
     # compute: every product of the traced forward, with its backward
-    fwd_blocks, step_blocks, step_outside = _flops(patterns, workload, layout)
-    recompute = layout.recompute or layout.schedule == "1F1B"
-    runs_share = (m + pp - 1) / m if fthenb else 1.0
+    fwd_blocks, step_blocks, step_outside = step_flops(patterns, workload, layout)
+    recompute = layout.recompute or staged
     block_flops = (step_blocks + (fwd_blocks if recompute else 0.0)) / pp
+    outside_flops = step_outside / pp if rows_over_pp else step_outside
     peak = profile.flops(workload.dtype)
     t_blocks = block_flops / peak
-    t_head = step_outside / peak
+    t_head = outside_flops / peak
     bubble = t_blocks * (pp - 1) / m if pp > 1 else 0.0
     compute = t_blocks + t_head
-    executed = block_flops * (runs_share if fthenb else 1.0) + step_outside
+    executed = block_flops + outside_flops
 
     lat = profile.collective_latency
 
@@ -570,13 +521,16 @@ def estimate(
     # tensor parallel
     if mp > 1:
         act = tokens_mb * h * ab
-        fwd, bwd = _tp_reductions(patterns, mp)
-        per_mb = stage_blocks * (fwd + bwd)
-        n_mb = per_mb * runs
+        fwd, bwd = tp_reductions(patterns, mp)
+        # recompute runs the forward's all-reduces again in the backward pass. A pipeline
+        # counts them on each of its M + P - 1 ticks: the compiled loop holds them at
+        # every tick (jfleet.testing.hlo weights them by the trip count), bubble or not.
+        per_mb = stage_blocks * (fwd * (2 if recompute else 1) + bwd)
+        n_mb = per_mb * (m + pp - 1 if piped else m)
         roles = {p.role for p in patterns.params}
         n_out = int("embedding" in roles) + int("head" in roles or bool(patterns.tied_head))
-        out_bytes = n_out * tokens_local * h * ab
-        stats = 2 * tokens_local * 4 if vocab else 0
+        out_bytes = n_out * head_tokens * h * ab
+        stats = 2 * head_tokens * 4 if vocab else 0
         if workload.sequence_parallel:
             # each all-reduce becomes a reduce-scatter + an all-gather: the same wire bytes;
             # hlo counts the reduce-scatter's input and the all-gather's output
@@ -597,7 +551,7 @@ def estimate(
             t_dp += lat + _ring("all-reduce", grads, red) / bw_data
         else:
             zeroed = grads
-            if fthenb:
+            if piped:
                 # the pipelined blocks' weights enter the pipeline's shard_map (manual over
                 # dp and sharding) replicated over the data axes, so their gradients leave
                 # it summed over dp x sharding: one all-reduce, not ZeRO's reduce-scatter;
@@ -614,31 +568,32 @@ def estimate(
             if layout.dp * sep > 1:
                 coll["all_reduce"] += zeroed / shard
                 t_dp += lat + _ring("all-reduce", zeroed / shard, layout.dp * sep) / bw_dpsep
-            gathers = 2 if (stage >= 3 and layout.recompute) else 1
+            gathers = 2 if (stage >= 3 and remat_waits) else 1
             coll["all_gather"] += gathers * tp_bytes
             t_dp += gathers * (lat + _ring("all-gather", tp_bytes, shard) / bw_shard)
     if pp > 1:
-        ticks = m + pp - 1 if layout.schedule == "FThenB" else m + 2 * pp - 2
+        # both schedules: one forward loop and one backward loop of M + P - 1 ticks, one
+        # collective-permute of a micro-batch's b s h per tick and direction
+        ticks = m + pp - 1
         act = tokens_mb * h * ab
         coll["collective_permute"] += 2 * ticks * act
         t_pp = 2 * ticks * (lat + act / bw_pp)
-        if fthenb:
-            # to_distributed's stand-in runs only the blocks pipelined: the embedding and
-            # the head run on every stage, on the same (pp-invariant) values, so their
-            # gradients need no sum over pp. Instead the stack's output is summed over pp
-            # once (the last stage's, to every stage) and, in the backward, the
-            # cotangent of its input: two all-reduces of the local batch's b s h.
-            out = tokens_local * h * ab
+        # to_distributed's stand-in runs only the blocks pipelined. With the rows split
+        # over pp it gathers its input over pp and reduce-scatters its output (and the
+        # reverse for the cotangents): 2 all-gathers + 2 reduce-scatters of the local
+        # batch's b s h. Otherwise the embedding and head run on every stage on the same
+        # values, and the output and the input's cotangent are all-reduced over pp.
+        out = tokens_local * h * ab
+        if rows_over_pp:
+            coll["all_gather"] += 2 * out
+            coll["reduce_scatter"] += 2 * out
+            t_pp += 4 * (lat + _ring("all-gather", out, pp) / bw_pp)
+        else:
             coll["all_reduce"] += 2 * out
             t_pp += 2 * (lat + _ring("all-reduce", out, pp) / bw_pp)
-        else:
-            # 1F1B (pipeline_loss, a PipelineLayer): the embedding / head gradients are
-            # summed over the stages that hold them
-            coll["all_reduce"] += outside_tp
-            t_dp += lat + _ring("all-reduce", outside_tp, pp) / bw_pp
     if sep > 1 and patterns.attention:
         kv = tokens_mb * sep * 2 * d.kv_dim / mp * ab
-        n = stage_blocks * runs
+        n = stage_blocks * m
         coll["all_gather"] += n * kv
         coll["reduce_scatter"] += n * kv
         t_sep = 2 * n * (lat + _ring("all-gather", kv, sep) / bw_sep)
@@ -654,6 +609,7 @@ def estimate(
             data_parallel=t_dp,
             pipeline=t_pp,
             sequence=t_sep,
+            memory_traffic=t_mem,
         ),
         collectives=Collectives(**{k: round(v) for k, v in coll.items()}),
     )

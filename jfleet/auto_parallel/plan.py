@@ -338,6 +338,7 @@ class Plan:
                     ("data-parallel", t.data_parallel),
                     ("pipeline", t.pipeline),
                     ("sequence", t.sequence),
+                    ("loop memory traffic", t.memory_traffic),
                 )
                 if v
             )
@@ -358,15 +359,16 @@ class Plan:
         lines += [
             "",
             "| rank | layout | memory/device | step | compute+bubble | tensor-par. "
-            "| data-par. | pipeline | fits | why not chosen |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| data-par. | pipeline | loop traffic | fits | why not chosen |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for i, c in enumerate(self.candidates[:_SHOWN], 1):
             lines.append(
                 f"| {i} | {c.layout.name} | {_mib(c.memory.total)} | {_secs(c.time.total)} "
                 f"| {_secs(c.time.compute + c.time.bubble)} "
                 f"| {_secs(c.time.tensor_parallel)} | {_secs(c.time.data_parallel)} "
-                f"| {_secs(c.time.pipeline)} | {'yes' if c.fits else 'no'} "
+                f"| {_secs(c.time.pipeline)} | {_secs(c.time.memory_traffic)} "
+                f"| {'yes' if c.fits else 'no'} "
                 f"| {c.reason.replace('best', 'chosen', 1) if i == 1 else c.reason} |"
             )
         hidden = len(self.candidates) - _SHOWN

@@ -288,8 +288,11 @@ def plan_for(
             f"with batch_size={batch_size}, seq_len={seq_len}: "
             + "; ".join(f"{m}: {r}" for m, r in excluded)
         )
+    # blocks that cannot run as one stack are neither pipelined nor scanned
+    scan = why_not_piped is None
     candidates = [
-        estimate(patterns, workload, lay, prof, devices_per_node=device_num) for lay in layouts
+        estimate(patterns, workload, lay, prof, devices_per_node=device_num, scan_layers=scan)
+        for lay in layouts
     ]
     ranked = rank(candidates, budget)
     best = ranked[0]

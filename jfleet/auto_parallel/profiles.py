@@ -10,19 +10,22 @@ directions, so 450e9 here).
 Built-in profiles (:data:`PROFILES`):
 
 * ``cpu`` (default): the host's CPU emulating devices (``jax_num_cpu_devices``). Eight
-  devices share a few cores, so each gets ~10 GFLOP/s (a quarter of one AVX2 core's ~40
-  GFLOP/s fp32 peak); 2 GiB of (host) memory each; in-process collectives copy memory at
+  devices share a few cores: 40 GFLOP/s matmul peak per device (2 AVX-512 cores' ~380
+  GFLOP/s fp32 shared by 8) and 1 GB/s for a pipeline's loop traffic (dynamic-slice /
+  update / copy), the pair fitted to measured step times of every ``to_distributed``
+  candidate of the Llama example at width 64 (``benchmarks/planner_ranking.py``; width
+  128 held out); 2 GiB of (host) memory each; in-process collectives copy memory at
   ~2 GB/s; between processes (gloo over TCP) ~0.5 GB/s; 50 us per collective. XLA:CPU
   has no reduce-scatter pass (a sharded gradient reduction is an all-reduce followed by a
   slice: ``reduce_scatter_native=False``, see :mod:`jfleet.testing.hlo`).
 * ``a100``: NVIDIA A100 SXM4 80GB (A100 datasheet): 19.5 TFLOP/s fp32, 156 TF32, 312
-  bf16/fp16; 80 GB HBM2e; NVLink 3 600 GB/s total (300e9 per direction); HDR
+  bf16/fp16; 80 GB HBM2e at 2,039 GB/s; NVLink 3 600 GB/s total (300e9 per direction); HDR
   InfiniBand 200 Gb/s per GPU between nodes (DGX A100: 25e9 B/s).
 * ``h100``: NVIDIA H100 SXM5 80GB (H100 datasheet): 67 TFLOP/s fp32, 494.7 TF32, 989.4
-  bf16/fp16 dense; 80 GB HBM3; NVLink 4 900 GB/s total (450e9 per direction); NDR 400
-  Gb/s per GPU between nodes (DGX H100: 50e9 B/s).
-* ``h200``: NVIDIA H200 SXM 141GB (H200 datasheet): the H100's compute, 141 GB HBM3e,
-  NVLink 900 GB/s, 400 Gb/s per GPU between nodes.
+  bf16/fp16 dense; 80 GB HBM3 at 3.35 TB/s; NVLink 4 900 GB/s total (450e9 per
+  direction); NDR 400 Gb/s per GPU between nodes (DGX H100: 50e9 B/s).
+* ``h200``: NVIDIA H200 SXM 141GB (H200 datasheet): the H100's compute, 141 GB HBM3e at
+  4.8 TB/s, NVLink 900 GB/s, 400 Gb/s per GPU between nodes.
 
 ``float32`` on the GPU profiles is the TF32 tensor-core rate: with JAX's default matmul
 precision XLA runs float32 matmuls in TF32 on these GPUs. ``float32_highest`` is the
@@ -65,6 +68,15 @@ class HardwareProfile:
       collective_latency: seconds each collective costs on top of its bytes.
       reduce_scatter_native: whether the compiler emits a reduce-scatter for a sharded
         gradient reduction (GPU, TPU) or an all-reduce plus a slice (XLA:CPU).
+      remat_barriers_kept: whether the compiler keeps ``jax.checkpoint``'s optimization
+        barriers until it has scheduled the step (XLA:GPU, TPU), so recompute outside a
+        loop saves memory; XLA:CPU removes them before scheduling and runs the
+        recomputation with the forward pass (:mod:`jfleet.recompute`), so there only
+        recompute inside a loop (scanned or pipelined blocks) saves memory.
+      memory_bandwidth: bytes/s one device's memory moves for the step's loops (the
+        residuals a pipeline or a scan over layers stashes and fetches with
+        dynamic-update-slice / dynamic-slice / copy); default: 7x the intra-node link (HBM
+        over NVLink on A100 and H100).
 
     Raises:
       ValueError: a non-positive number, or no flops given.
@@ -78,6 +90,8 @@ class HardwareProfile:
     devices_per_node: int = 8
     collective_latency: float = 1e-5
     reduce_scatter_native: bool = True
+    remat_barriers_kept: bool = True
+    memory_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         flops = self.peak_flops
@@ -91,7 +105,14 @@ class HardwareProfile:
             )
         object.__setattr__(self, "peak_flops", flops)
         bad = {k: v for k, v in flops if not v > 0}
-        for field in ("memory_bytes", "intra_node_bandwidth", "inter_node_bandwidth"):
+        if self.memory_bandwidth is None:
+            object.__setattr__(self, "memory_bandwidth", 7 * self.intra_node_bandwidth)
+        for field in (
+            "memory_bytes",
+            "intra_node_bandwidth",
+            "inter_node_bandwidth",
+            "memory_bandwidth",
+        ):
             if not getattr(self, field) > 0:
                 bad[field] = getattr(self, field)
         if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
@@ -126,13 +147,15 @@ class HardwareProfile:
 
 _CPU = HardwareProfile(
     name="cpu",
-    peak_flops={"float32": 10e9, "bfloat16": 5e9, "float16": 5e9},
+    peak_flops={"float32": 40e9, "bfloat16": 20e9, "float16": 20e9},
     memory_bytes=2 * GiB,
     intra_node_bandwidth=2e9,
     inter_node_bandwidth=0.5e9,
     devices_per_node=8,
     collective_latency=50e-6,
     reduce_scatter_native=False,
+    remat_barriers_kept=False,
+    memory_bandwidth=1e9,
 )
 _A100 = HardwareProfile(
     name="a100",
@@ -146,6 +169,7 @@ _A100 = HardwareProfile(
     intra_node_bandwidth=300e9,
     inter_node_bandwidth=25e9,
     devices_per_node=8,
+    memory_bandwidth=2.039e12,
 )
 _H100 = HardwareProfile(
     name="h100",
@@ -159,8 +183,9 @@ _H100 = HardwareProfile(
     intra_node_bandwidth=450e9,
     inter_node_bandwidth=50e9,
     devices_per_node=8,
+    memory_bandwidth=3.35e12,
 )
-_H200 = dataclasses.replace(_H100, name="h200", memory_bytes=141 * 10**9)
+_H200 = dataclasses.replace(_H100, name="h200", memory_bytes=141 * 10**9, memory_bandwidth=4.8e12)
 
 #: The built-in profiles by name.
 PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (_CPU, _A100, _H100, _H200)}
