@@ -146,6 +146,7 @@ def plan_for(
     dtype: str | None = None,
     pipeline: bool | str = True,
     patterns: ModelPatterns | None = None,
+    scan_layers: bool = True,
 ) -> Plan:
     """Chooses the fastest layout of ``model`` that fits, by the cost model.
 
@@ -171,6 +172,8 @@ def plan_for(
       pipeline: whether layouts with ``pp > 1`` may be chosen: True, or False / the reason
         they may not (``to_distributed`` passes the reason the blocks cannot run as a
         pipelined stack, from :func:`~jfleet.auto_parallel.block_check.pipeline_problem`).
+      scan_layers: whether alike blocks run as one ``lax.scan`` when not pipelined
+        (``ToDistributedConfig.scan_layers``); the cost model predicts either way.
       patterns: what :func:`~jfleet.auto_parallel.patterns.match_patterns` found in
         ``model``, when the caller has it already (``to_distributed`` matches once);
         default: matched here.
@@ -289,7 +292,7 @@ def plan_for(
             + "; ".join(f"{m}: {r}" for m, r in excluded)
         )
     # blocks that cannot run as one stack are neither pipelined nor scanned
-    scan = why_not_piped is None
+    scan = scan_layers and why_not_piped is None
     candidates = [
         estimate(patterns, workload, lay, prof, devices_per_node=device_num, scan_layers=scan)
         for lay in layouts

@@ -377,6 +377,7 @@ def _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len
         optimizer=_optimizer_kind(tx, model, wrt),
         recompute=config.recompute,
         pipeline=_pipeline_problem(model, patterns, inputs, forward),
+        scan_layers=config.scan_layers,
     )
 
 
