@@ -159,9 +159,15 @@ _ONE_BLOCK_WORK = 1.3
 #: A scan over layers without recompute: its backward's working set beside the stacked
 #: residuals, x one block's activations (XLA:CPU, TinyLlama width 128 at dp8 and dp2 x mp4).
 _SCAN_WORK = 0.5
-#: FThenB's stand-in keeps its M micro-batches' residuals (matmul outputs saved inside the
-#: bubble-skipping cond, and what XLA keeps beside them): x the activations (XLA:CPU).
-_FTHENB_KEPT = 1.25
+#: FThenB's stand-in keeps its M micro-batches' residuals: the matmul outputs
+#: (``pipeline_schedule.SavedStage``), x the activations. Fitted on XLA:CPU (TinyLlama,
+#: 2-4 blocks, dp2 x pp2 x mp2 M=2 and dp2 x pp4 M=4): 0.16-0.85 keeps all within 25%.
+_FTHENB_KEPT = 0.5
+#: A scan over layers without recompute keeps each block's matmul outputs only
+#: (``jax.checkpoint(policy=dots_saveable)`` of the scanned step), x the activations.
+#: Fitted on XLA:CPU (TinyLlama, 2-4 blocks, dp8, dp2 x mp4, ZeRO-2 dp2 x sharding4):
+#: 0.12-0.53 keeps all within 25%.
+_SCANNED_KEPT = 0.4
 GiB = 2**30
 
 
@@ -461,8 +467,8 @@ def estimate(
         # no recompute, or recompute XLA:CPU schedules with the forward pass (outside a
         # loop it removes jax.checkpoint's barriers before scheduling; jfleet.recompute)
         layer_acts = tokens_local * per_layer * stage_blocks
-        if scanned:  # the scan's backward working set, beside the stacked residuals
-            layer_acts += tokens_mb * per_layer * _SCAN_WORK
+        if scanned:  # matmul outputs kept, and the backward's working set beside them
+            layer_acts = _SCANNED_KEPT * layer_acts + tokens_mb * per_layer * _SCAN_WORK
     activations = int((layer_acts + head_tokens * outside) * ab)
     if piped or scanned:
         # the backward loop carries the stacked blocks' gradients, accumulated over its
