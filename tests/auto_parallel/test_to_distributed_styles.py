@@ -104,6 +104,15 @@ def test_pipelined_and_zero3_layouts_train_like_one_device(name):
     np.testing.assert_allclose(zero3, one_device(name), rtol=TOL, atol=TOL)
 
 
+def test_the_recomputing_1f1b_stand_in_trains_public_styles_like_one_device():
+    # Gemma's alternating local / global blocks: super-blocks of 2, one a stage
+    model, losses = distributed(
+        "gemma_alternating", {"dp": 2, "pp": 2, "mp": 2}, num_microbatches=2, schedule="1F1B"
+    )
+    assert get_plan(model).schedule == "1F1B"
+    np.testing.assert_allclose(losses, one_device("gemma_alternating"), rtol=TOL, atol=TOL)
+
+
 # ------------------------------------------------------------------ what cannot be split
 def test_blocks_with_dropout_streams_are_refused_a_pipeline_at_planning_time():
     style = STYLES["dropout"]
