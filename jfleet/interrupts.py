@@ -23,9 +23,7 @@ Example:
 
 from __future__ import annotations
 
-import _thread
 import signal
-import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -150,32 +148,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     if keep_running:
         logger.warning("SIGTERM: a termination callback returned CONTINUE; not exiting")
         return
-    _exit()
-
-
-def _exit(*_: Any) -> None:
-    """Raises ``SystemExit(143)``; where Python ignores it, :func:`_redeliver` retries."""
-    if sys.unraisablehook is not _redeliver:
-        _redeliver.previous = sys.unraisablehook  # type: ignore[attr-defined]
-        sys.unraisablehook = _redeliver
     raise SystemExit(EXIT_CODE)
-
-
-def _redeliver(info: Any) -> None:
-    """``sys.unraisablehook``: the exit was raised where Python ignores exceptions.
-
-    A signal handler runs at whatever bytecode the main thread is at, a garbage-collector
-    callback (JAX's ``_xla_gc_callback``) or a ``__del__`` included, and there Python only
-    prints an exception and goes on: the process would never exit. So the exit is raised
-    again, as a SIGTERM delivered to the main thread by another thread, once it is out of
-    that callback.
-    """
-    exc = info.exc_value
-    if isinstance(exc, SystemExit) and exc.code == EXIT_CODE:
-        signal.signal(signal.SIGTERM, _exit)
-        threading.Timer(0.05, _thread.interrupt_main, args=(signal.SIGTERM,)).start()
-        return
-    _redeliver.previous(info)  # type: ignore[attr-defined]
 
 
 def on_termination(fn: Callable[[], Any]) -> Callable[[], Any]:

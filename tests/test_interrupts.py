@@ -251,37 +251,6 @@ print("NOT REACHED")
 """
 
 
-GC_CALLBACK_CHILD = """
-import gc, signal, time
-from jfleet import interrupts
-
-interrupts.on_termination(lambda: print("HOOK", flush=True))
-fired = []
-
-def in_gc(phase, info):  # SIGTERM handled while a gc callback runs (JAX registers one)
-    if phase == "start" and not fired:
-        fired.append(1)
-        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
-
-gc.callbacks.append(in_gc)
-try:
-    for _ in range(200):
-        gc.collect()
-        time.sleep(0.01)
-finally:
-    print("FINALLY", flush=True)
-print("NOT REACHED")
-"""
-
-
-def test_sigterm_handled_inside_a_gc_callback_still_exits_143():
-    # Python ignores an exception raised in a gc callback: the exit is delivered again
-    result = run_python(GC_CALLBACK_CHILD, timeout=60)
-    assert result.returncode == 143, (result.stdout, result.stderr[-2000:])
-    assert result.stdout.count("HOOK") == 1 and "FINALLY" in result.stdout, result.stdout
-    assert "NOT REACHED" not in result.stdout
-
-
 def test_sigterm_runs_the_hook_once_at_a_step_boundary_and_exits_143():
     start = time.monotonic()
     result = run_python(SIGTERM_CHILD, timeout=90)
