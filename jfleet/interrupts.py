@@ -23,6 +23,8 @@ Example:
 
 from __future__ import annotations
 
+import gc
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -130,7 +132,28 @@ _callbacks: list[Callable[[], Any]] = []
 _previous_sigterm: Any = None
 
 
+#: Seconds before a SIGTERM that arrived where an exception is lost is sent again.
+_REDELIVER_AFTER = 0.02
+
+
+def _swallows_exceptions(frame: Any) -> bool:
+    """Whether ``frame`` runs inside a gc callback (JAX registers one) or a ``__del__``:
+    Python reports an exception raised there as "ignored" and carries on."""
+    hooks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
+    while frame is not None:
+        code = frame.f_code
+        if code in hooks or code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
+    if _swallows_exceptions(frame):
+        # Raising SystemExit here would be ignored and the process would go on training:
+        # send the signal again from a thread, to be handled once the frame is left.
+        threading.Timer(_REDELIVER_AFTER, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        return
     callbacks = list(_callbacks)
     _callbacks.clear()
     # A second SIGTERM while the callbacks run (or later) gets the handler from before.

@@ -261,3 +261,33 @@ def test_sigterm_runs_the_hook_once_at_a_step_boundary_and_exits_143():
     assert "FINALLY" in out and "NOT REACHED" not in out, out
     assert "SIGTERM received: running 1 termination callback(s)" in result.stderr
     assert elapsed < 60
+
+
+SIGTERM_IN_GC_CALLBACK_CHILD = """
+import gc, os, signal, time
+from jfleet import interrupts
+
+interrupts.on_termination(lambda: print("HOOK", flush=True))
+sent = []
+
+def send_inside_the_callback(phase, info):
+    if phase == "start" and not sent:
+        os.kill(os.getpid(), signal.SIGTERM)
+        sent.append(1)  # Python runs the handler here, inside the gc callback
+
+gc.callbacks.append(send_inside_the_callback)
+gc.collect()
+gc.callbacks.remove(send_inside_the_callback)
+for _ in range(500):
+    time.sleep(0.01)
+print("NOT REACHED", flush=True)
+"""
+
+
+def test_sigterm_handled_inside_a_gc_callback_still_runs_the_hook_and_exits_143():
+    # JAX registers a gc callback; a SystemExit raised in one is printed as "ignored" and
+    # the process goes on training. The hook must run, once, and the process must exit.
+    result = run_python(SIGTERM_IN_GC_CALLBACK_CHILD, timeout=60)
+    assert result.returncode == 143, (result.stdout, result.stderr[-2000:])
+    assert result.stdout.count("HOOK") == 1 and "NOT REACHED" not in result.stdout
+    assert "Exception ignored" not in result.stderr, result.stderr[-2000:]
