@@ -299,6 +299,19 @@ class SizeResult:
             len(rows),
         )
 
+    def reliability(self) -> tuple[float, float]:
+        """How far the measurement agrees with itself: Spearman between the medians of the
+        even and the odd rounds over the timed programs (each once), and the ceiling that
+        puts on any predictor's Spearman against the full median, sqrt(2r / (1 + r))
+        (Spearman-Brown for twice the rounds; a correlation with a noisy measurement is at
+        most the square root of its reliability)."""
+        programs = {id(t.ratios): t for t in self.timed if len(t.ratios) >= 2}.values()
+        even = [statistics.median(t.ratios[0::2]) for t in programs]
+        odd = [statistics.median(t.ratios[1::2]) for t in programs]
+        r = spearman(even, odd)
+        full = 2 * r / (1 + r) if r > 0 else float("nan")
+        return r, float(np.sqrt(full)) if full == full else float("nan")
+
 
 def program_key(candidate: Candidate) -> tuple:
     """Candidates with equal keys compile to the same program: a pipeline with recompute
@@ -441,10 +454,14 @@ def render(results: list[SizeResult], rounds: int, argv: list[str]) -> str:
         "and timed once, listed under both names).",
         "- targets (issue 15): the pick within 10% of the fastest measured; Spearman rank "
         "correlation predicted vs measured >= 0.8.",
+        "- measured vs itself: Spearman between the medians of the even and the odd rounds "
+        "(each program once); in brackets the most any predictor can reach against these "
+        "medians, sqrt(2r / (1 + r)).",
         "",
         "| size | model | candidates (pipelined) | pick | pick / fastest | fastest "
-        "| Spearman, all | pipelined | not pipelined | dp8 ms | rounds | minutes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| Spearman, all | pipelined | not pipelined | measured vs itself (ceiling) "
+        "| dp8 ms | rounds | minutes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         piped = sum(t.candidate.layout.pp > 1 for t in r.timed)
@@ -452,7 +469,8 @@ def render(results: list[SizeResult], rounds: int, argv: list[str]) -> str:
             f"| {r.size.name} | {r.size.describe()} | {len(r.timed)} ({piped}) | {r.chosen} "
             f"| {r.pick_vs_fastest():.3f} | {r.fastest.name} ({r.fastest.ratio:.3f}) "
             f"| {r.correlation()[0]:.2f} | {r.correlation(True)[0]:.2f} "
-            f"| {r.correlation(False)[0]:.2f} | {r.baseline_seconds * 1e3:.2f} "
+            f"| {r.correlation(False)[0]:.2f} | {r.reliability()[0]:.2f} "
+            f"({r.reliability()[1]:.2f}) | {r.baseline_seconds * 1e3:.2f} "
             f"| {r.rounds} | {r.seconds / 60:.1f} |"
         )
     for r in results:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -328,3 +329,18 @@ def test_checkpoint_bench_renders_its_table():
     text = cb.render(rows, 3, "cmd")
     assert text.count("| example |") == 2 and "| 2.00 |" in text and "(dp8) |" in text
     assert "_unstack" in text  # the pipelined saves were 3x slower: the finding names why
+
+
+def test_planner_ranking_reliability_is_one_for_steady_rounds_and_low_for_noise():
+    from benchmarks import planner_ranking as pr
+
+    def result(ratios):
+        timed = [pr.Timed(candidate=None, ratios=list(r)) for r in ratios]
+        return pr.SizeResult(size=None, timed=timed, chosen="", seconds=0.0)
+
+    steady = [[1 + i / 10] * 4 for i in range(10)]  # every round ranks them alike
+    np.testing.assert_allclose(result(steady).reliability(), (1.0, 1.0))
+    rng = np.random.default_rng(0)
+    noise = rng.uniform(0.9, 1.1, size=(40, 4))  # rounds disagree: no order to predict
+    r, ceiling = result(noise).reliability()
+    assert abs(r) < 0.4 and (ceiling != ceiling or ceiling < 0.8)
