@@ -22,9 +22,10 @@ Paddle (static)                   jfleet
 
 The model is ``model=`` (a jfleet keyword), else the last one ``fleet.distributed_model``
 returned. ``fleet.distributed_model`` already applies ``strategy.amp`` O2 and ``strategy.qat``
-to the model it places, so after it ``amp_init`` / ``qat_init`` find the work done and only
-make sure of it; they matter for a model trained without ``distributed_model`` (a plain NNX
-model with ``jfleet.make_train_step``).
+to the model it places, so after it ``amp_init`` / ``qat_init`` find that work done (and
+``amp_init`` makes the optimizer's state with its masters); they cast / quantise a model
+placed another way (``jfleet.Placement.from_fleet().place_params(model)``, then
+``jfleet.make_train_step``).
 
 Example:
   >>> import optax
@@ -34,10 +35,10 @@ Example:
   >>> s.amp_configs = {"use_pure_bf16": True}
   >>> _ = fleet.init(is_collective=True, strategy=s, log_level="WARNING")
   >>> opt = fleet.distributed_optimizer(optax.sgd(0.1))
-  >>> model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
-  >>> fleet.amp_init(model=model)
-  >>> model.kernel.dtype
-  dtype(bfloat16)
+  >>> model = fleet.distributed_model(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))  # cast for O2
+  >>> fleet.amp_init()  # the optimizer's state, fp32 masters included
+  >>> model.module.kernel.dtype, opt.opt_state.master_params["module"]["kernel"].get_value().dtype
+  (dtype(bfloat16), dtype('float32'))
 """
 
 from __future__ import annotations
@@ -131,8 +132,9 @@ class StaticMethods:
           >>> s = fleet.DistributedStrategy(); s.amp = True
           >>> s.amp_configs = {"use_pure_fp16": True}
           >>> _ = fleet.init(is_collective=True, strategy=s, log_level="WARNING")
+          >>> from jfleet import Placement
           >>> opt = fleet.distributed_optimizer(optax.sgd(0.1))
-          >>> model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+          >>> model = Placement.from_fleet().place_params(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
           >>> fleet.amp_init(model=model)
           >>> model.kernel.dtype, opt.opt_state.master_params["kernel"].get_value().dtype
           (dtype('float16'), dtype('float32'))
