@@ -61,6 +61,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jfleet._logging import logger
+from jfleet.recompute import module_paths
 
 __all__ = [
     "MOVING_RATE",
@@ -283,13 +284,9 @@ def _quantized_class(base: type) -> type:
     return cls
 
 
-def _dotted(path: Sequence[Any]) -> str:
-    return ".".join(str(p) for p in path)
-
-
 def _replicated_like(kernel: Any, value: jax.Array) -> jax.Array:
     """``value`` replicated on the kernel's mesh (a placed model), else as it is."""
-    sharding = getattr(kernel, "sharding", None)
+    sharding = kernel.sharding if isinstance(kernel, jax.Array) else None
     if isinstance(sharding, NamedSharding):
         return jax.device_put(value, NamedSharding(sharding.mesh, P()))
     return value
@@ -326,11 +323,7 @@ def quantize_model(model: nnx.Module, config: QatConfig | None = None) -> list[s
     config = QatConfig() if config is None else config
     if not isinstance(config, QatConfig):
         raise TypeError(f"config={config!r}: expected a jfleet.quantization.QatConfig.")
-    found = [
-        (_dotted(path), node)
-        for path, node in nnx.iter_graph(model)
-        if isinstance(node, QUANTIZABLE)
-    ]
+    found = [(path, node) for path, node in module_paths(model) if isinstance(node, QUANTIZABLE)]
     done: list[str] = []
     for path, module in found:
         if any(pattern in path for pattern in config.not_quant_pattern):
@@ -363,7 +356,13 @@ def quantize_model(model: nnx.Module, config: QatConfig | None = None) -> list[s
 
 
 def _quantized(model: nnx.Module) -> list[tuple[str, Any]]:
-    return [(_dotted(path), node) for path, node in nnx.iter_graph(model) if _is_quantized(node)]
+    seen: set[int] = set()
+    out = []
+    for path, node in module_paths(model):
+        if _is_quantized(node) and id(node) not in seen:  # a shared layer once
+            seen.add(id(node))
+            out.append((path, node))
+    return out
 
 
 def _kernel_scale(module: Any) -> tuple[jax.Array, jax.Array]:

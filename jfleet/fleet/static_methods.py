@@ -28,17 +28,14 @@ placed another way (``jfleet.Placement.from_fleet().place_params(model)``, then
 ``jfleet.make_train_step``).
 
 Example:
-  >>> import optax
   >>> from flax import nnx
   >>> from jfleet import fleet
-  >>> s = fleet.DistributedStrategy(); s.amp = True
-  >>> s.amp_configs = {"use_pure_bf16": True}
+  >>> s = fleet.DistributedStrategy(); s.qat = True
+  >>> s.qat_configs = {"not_quant_pattern": ["head"]}
   >>> _ = fleet.init(is_collective=True, strategy=s, log_level="WARNING")
-  >>> opt = fleet.distributed_optimizer(optax.sgd(0.1))
-  >>> model = fleet.distributed_model(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))  # cast for O2
-  >>> fleet.amp_init()  # the optimizer's state, fp32 masters included
-  >>> model.module.kernel.dtype, opt.opt_state.master_params["module"]["kernel"].get_value().dtype
-  (dtype(bfloat16), dtype('float32'))
+  >>> model = fleet.distributed_model(nnx.Sequential(nnx.Linear(4, 4, rngs=nnx.Rngs(0))))
+  >>> fleet.qat_init()  # distributed_model quantised it already: the layers' paths
+  ['module.layers.0']
 """
 
 from __future__ import annotations
