@@ -3,8 +3,10 @@
 Paddle's QAT pass inserts fake quantise-dequantise operators before every quantisable
 operator (``conv2d``, ``depthwise_conv2d``, ``mul``, ``matmul``, ``matmul_v2``). jfleet does
 the same to the projections of an NNX model as they are: every ``nnx.Linear``,
-``nnx.LinearGeneral``, ``nnx.Einsum``, ``nnx.Conv`` and ``nnx.ConvTranspose`` (and user
-subclasses of them) gets, in place, a subclass whose call fake-quantises
+``nnx.LinearGeneral``, ``nnx.Einsum``, ``nnx.Conv`` and ``nnx.ConvTranspose``, and jfleet's
+tensor-parallel ``ColumnParallelLinear`` / ``RowParallelLinear`` (Paddle has quantised
+versions of both), user subclasses included, gets, in place, a subclass whose call
+fake-quantises
 
 * the **weight** (the kernel; never the bias): abs-max scale per output channel when
   ``channel_wise_abs_max`` (the kernel's axes that are not contracted with the input),
@@ -34,7 +36,9 @@ the fake-quantised kernel back exactly; run the layer with it and the input quan
 ``activation_scale``).
 
 Limits: layers stacked for a pipeline or a ``lax.scan`` (a kernel with a leading stack axis)
-are refused; ``qat_configs['algo']`` is accepted and unused (Paddle's QAT pass ignores it too).
+are refused (so ``strategy.qat`` with ``pp_degree > 1``); matmuls on bare ``nnx.Param`` arrays
+(not in a layer) and embedding lookups stay float, as Paddle quantises neither;
+``qat_configs['algo']`` is accepted and unused (Paddle's QAT pass ignores it too).
 
 Example:
   >>> import jax.numpy as jnp
@@ -61,6 +65,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jfleet._logging import logger
+from jfleet.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from jfleet.recompute import module_paths
 
 __all__ = [
@@ -80,14 +85,18 @@ __all__ = [
 MOVING_RATE = 0.9
 """Paddle's default rate of the moving-average activation scale."""
 
+_PARALLEL = (ColumnParallelLinear, RowParallelLinear)
+
 QUANTIZABLE: tuple[type, ...] = (
     nnx.Linear,
     nnx.LinearGeneral,
     nnx.Einsum,
     nnx.Conv,
     nnx.ConvTranspose,
+    *_PARALLEL,
 )
-"""The NNX layer classes (and their subclasses) QAT fake-quantises."""
+"""The layer classes (and their subclasses) QAT fake-quantises: Flax's projections and
+jfleet's tensor-parallel linears (``fleet.meta_parallel``, sequence-parallel ones included)."""
 
 
 class QuantStat(nnx.Variable):
@@ -217,23 +226,29 @@ def _expected_ndim(module: nnx.Module) -> int | None:
     return 2  # Linear
 
 
-def _quant_call(self: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-    """The quantised layer's call: fake-quantise the input and the kernel, then the layer's own
-    call (see the module docstring)."""
-    cfg: QatConfig = self.qat_config
+def _quantize_input(layer: Any, inputs: Any) -> jax.Array:
+    """The layer's input fake-quantised; in training, the moving-average scale moves first."""
+    cfg: QatConfig = layer.qat_config
     x = jnp.asarray(inputs)
-    if self.use_running_average:
-        scale = self.qat_scale.get_value()
+    if layer.use_running_average:
+        scale = layer.qat_scale.get_value()
     else:
         rate = cfg.moving_rate
         batch_max = jnp.max(jnp.abs(jax.lax.stop_gradient(x).astype(jnp.float32)))
-        state = rate * self.qat_state.get_value() + 1.0
-        accum = rate * self.qat_accum.get_value() + batch_max
+        state = rate * layer.qat_state.get_value() + 1.0
+        accum = rate * layer.qat_accum.get_value() + batch_max
         scale = accum / state
-        self.qat_state.set_value(state)
-        self.qat_accum.set_value(accum)
-        self.qat_scale.set_value(scale)
-    xq = fake_quant(x, scale, cfg.activation_bits)
+        layer.qat_state.set_value(state)
+        layer.qat_accum.set_value(accum)
+        layer.qat_scale.set_value(scale)
+    return fake_quant(x, scale, cfg.activation_bits)
+
+
+def _quant_call(self: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+    """A quantised Flax layer's call: the input, and the kernel where the layer promotes its
+    operands (``self.promote_dtype``, which every Flax projection calls), fake-quantised."""
+    cfg: QatConfig = self.qat_config
+    xq = _quantize_input(self, inputs)
     einsum_str = kwargs.get("einsum_str", args[0] if args else None)
     axes = _contracted_axes(self, einsum_str if isinstance(einsum_str, str) else None)
     original = self.promote_dtype
@@ -249,6 +264,21 @@ def _quant_call(self: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         return self._qat_base.__call__(self, xq, *args, **kwargs)
     finally:
         self.promote_dtype = original
+
+
+def _quant_call_parallel(self: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+    """A quantised tensor-parallel linear's call: the input and the kernel fake-quantised (the
+    kernel's value is swapped for the call, so the layer's own mp layout and collectives run
+    on it; the gradient reaches the kernel straight through)."""
+    cfg: QatConfig = self.qat_config
+    xq = _quantize_input(self, inputs)
+    kernel = self.kernel.get_value()
+    w_scale = _weight_scale(kernel, (0,), cfg.channel_wise_abs_max)  # [in, out]
+    self.kernel.set_value(fake_quant(kernel, w_scale, cfg.weight_bits))
+    try:
+        return self._qat_base.__call__(self, xq, *args, **kwargs)
+    finally:
+        self.kernel.set_value(kernel)
 
 
 _CLASSES: dict[type, type] = {}
@@ -273,7 +303,7 @@ def _quantized_class(base: type) -> type:
             "__module__": __name__,
             "__qualname__": name,
             "__slots__": (),  # the layer's object layout, so that ``__class__`` can change
-            "__call__": _quant_call,
+            "__call__": _quant_call_parallel if issubclass(base, _PARALLEL) else _quant_call,
             "_qat_base": base,
             "__doc__": f"{base.__name__} with QAT fake quantisation (jfleet.quantization).",
         }

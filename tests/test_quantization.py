@@ -290,3 +290,41 @@ def test_stacked_layers_are_refused():
     layer = stacked(jax.random.split(jax.random.key(0), 3))
     with pytest.raises(NotImplementedError, match=r"stacked kernel of shape \(3, 2, 2\)"):
         quantize_model(layer)
+
+
+def test_tensor_parallel_linears_quantise_and_equal_the_unsplit_run():
+    """Column + Row parallel linears at dp2 x mp4 against the same layers at dp8 (mp 1)."""
+    from jfleet.fleet.meta_parallel import ColumnParallelLinear, RowParallelLinear
+
+    class TPMLP(nnx.Module):
+        def __init__(self, rngs):
+            self.up = ColumnParallelLinear(8, 16, has_bias=True, gather_output=False, rngs=rngs)
+            self.down = RowParallelLinear(16, 4, input_is_parallel=True, rngs=rngs)
+
+        def __call__(self, x):
+            return self.down(jax.nn.relu(self.up(x)))
+
+    rng = np.random.default_rng(1)
+    data = [
+        {"x": rng.normal(size=(16, 8)).astype(np.float32), "y": rng.normal(size=(16, 4))}
+        for _ in range(2)
+    ]
+    runs = []
+    for hybrid in ({"dp_degree": 2, "mp_degree": 4}, {"dp_degree": 8}):
+        init_fleet(hybrid, qat=True)
+        model = fleet.distributed_model(TPMLP(nnx.Rngs(0)))
+        assert qat_summary(model) == {
+            "module.down": "QuantizedRowParallelLinear",
+            "module.up": "QuantizedColumnParallelLinear",
+        }
+        opt = fleet.distributed_optimizer(optax.sgd(0.1))
+        losses = [float(model.train_batch(b, opt, loss_fn=mse)) for b in data]
+        runs.append((losses, quant_scales(model), nnx.state(model.module, nnx.Param)))
+    (tp_losses, tp_scales, tp_params), (losses, scales, params) = runs
+    np.testing.assert_allclose(tp_losses, losses, rtol=1e-5)
+    for name in scales:
+        for kind in ("weight", "activation"):
+            np.testing.assert_allclose(tp_scales[name][kind], scales[name][kind], rtol=1e-5)
+    assert_trees_close(
+        jax.tree.map(np.asarray, tp_params), jax.tree.map(np.asarray, params), rtol=1e-5, atol=1e-6
+    )
