@@ -36,9 +36,10 @@ the fake-quantised kernel back exactly; run the layer with it and the input quan
 ``activation_scale``).
 
 Limits: layers stacked for a pipeline or a ``lax.scan`` (a kernel with a leading stack axis)
-are refused (so ``strategy.qat`` with ``pp_degree > 1``); matmuls on bare ``nnx.Param`` arrays
-(not in a layer) and embedding lookups stay float, as Paddle quantises neither;
-``qat_configs['algo']`` is accepted and unused (Paddle's QAT pass ignores it too).
+are refused (so ``strategy.qat`` with ``pp_degree > 1``; ``to_distributed`` with a QAT strategy
+needs ``ToDistributedConfig(scan_layers=False)`` and no ``pp``, which it says); matmuls on bare
+``nnx.Param`` arrays (not in a layer) and embedding lookups stay float, as Paddle quantises
+neither; ``qat_configs['algo']`` is accepted and unused (Paddle's QAT pass ignores it too).
 
 Example:
   >>> import jax.numpy as jnp
