@@ -55,6 +55,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -181,7 +182,7 @@ def fake_quant(x: jax.Array, scale: Any, bits: int = 8) -> jax.Array:
     """Fake-quantises ``x`` with ``scale`` (broadcastable) to ``bits``; straight-through gradient.
 
     The value is ``round(clip(x, -scale, scale) / scale * n) * scale / n`` (``n = 2**(bits-1)
-    - 1``); the gradient with respect to ``x`` is the identity, none flows to ``scale``.
+    - 1``) exactly; the gradient with respect to ``x`` is the identity, none flows to ``scale``.
 
     Example:
       >>> float(fake_quant(jnp.float32(0.3), 1.0, bits=2))  # n = 1: 0.3 rounds to 0
@@ -189,8 +190,23 @@ def fake_quant(x: jax.Array, scale: Any, bits: int = 8) -> jax.Array:
       >>> float(jax.grad(lambda v: fake_quant(v, 1.0, bits=2))(0.3))
       1.0
     """
-    scale = jax.lax.stop_gradient(jnp.asarray(scale, jnp.float32))
-    return x + jax.lax.stop_gradient(_qdq(x, scale, bits) - x)
+    return _straight_through(jnp.asarray(x), jnp.asarray(scale, jnp.float32), bits)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _straight_through(x: jax.Array, scale: jax.Array, bits: int) -> jax.Array:
+    return _qdq(x, scale, bits)
+
+
+def _straight_through_fwd(x: jax.Array, scale: jax.Array, bits: int) -> tuple[jax.Array, Any]:
+    return _qdq(x, scale, bits), scale
+
+
+def _straight_through_bwd(bits: int, scale: jax.Array, g: jax.Array) -> tuple[jax.Array, Any]:
+    return g, jnp.zeros_like(scale)
+
+
+_straight_through.defvjp(_straight_through_fwd, _straight_through_bwd)
 
 
 def _weight_scale(kernel: jax.Array, reduce_axes: tuple[int, ...], channel_wise: bool) -> Any:
