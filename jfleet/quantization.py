@@ -314,8 +314,8 @@ def _quantized_class(base: type) -> type:
     cls = _CLASSES.get(base)
     if cls is None:
         name = f"Quantized{base.__name__}"
-        if name in globals():
-            name = f"Quantized{base.__module__.replace('.', '_')}_{base.__name__}"
+        if name in globals():  # another class of that name (a user's, a recomputed layer)
+            name = f"{name}_{len(_CLASSES)}"
         namespace = {
             "__module__": __name__,
             "__qualname__": name,
