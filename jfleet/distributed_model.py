@@ -5,6 +5,8 @@ model and places its variables on the mesh:
 
   * AMP (``strategy.amp``): compute dtype per module class, fp16/bf16 parameters for O2;
   * recompute (``strategy.recompute``): named sub-modules run under ``jax.checkpoint``;
+  * QAT (``strategy.qat``): projections fake-quantise weights and inputs
+    (:mod:`jfleet.quantization`);
   * placement: parameters replicated for data parallel, sharded over the
     ``sharding`` axis for ZeRO stage 3, laid out by their ``out_sharding``
     metadata for tensor parallel.
@@ -37,6 +39,7 @@ from jfleet.distributed_optimizer import DistributedOptimizer, check_scheduler
 from jfleet.engine import EvalStep, LossFn, TrainStep, cached_step
 from jfleet.optim.compiler import amp_settings
 from jfleet.placement import Placement
+from jfleet.quantization import QatConfig, quantize_model
 from jfleet.recompute import apply_recompute
 
 
@@ -183,7 +186,8 @@ def run_train_batch(
 
 
 def apply_model_settings(model: nnx.Module, strategy: Any) -> nnx.Module:
-    """The strategy's model-side settings, in place: AMP dtypes (``amp``), recompute.
+    """The strategy's model-side settings, in place: AMP dtypes (``amp``), recompute, QAT
+    fake quantisation (``qat``, :mod:`jfleet.quantization`).
 
     The same call a single-device reference run uses to build the identical model.
     """
@@ -201,6 +205,8 @@ def apply_model_settings(model: nnx.Module, strategy: Any) -> nnx.Module:
         apply_recompute(
             model, configs["checkpoints"], enable_offload=bool(configs["enable_offload"])
         )
+    if strategy.qat:  # after recompute, which finds its checkpoints by the layers' class names
+        quantize_model(model, QatConfig.from_strategy(strategy))
     return model
 
 

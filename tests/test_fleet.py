@@ -403,6 +403,11 @@ BEFORE_INIT = [
     ("util.barrier", lambda: fleet.util.barrier()),
     ("util.get_file_shard", lambda: fleet.util.get_file_shard(["a", "b"])),
     ("util.print_on_rank", lambda: fleet.util.print_on_rank("hello", 0)),
+    # issue 16 (static-graph and federated names)
+    ("amp_init", lambda: fleet.amp_init()),
+    ("qat_init", lambda: fleet.qat_init()),
+    ("minimize", lambda: fleet.minimize(lambda m, b: 0.0, batch=1)),
+    ("is_coordinator", lambda: fleet.is_coordinator()),
 ]
 
 
@@ -435,6 +440,10 @@ def test_every_public_function_is_covered_before_init():
         "broadcast_perf",
         "allgather_perf",
         "reduce_scatter_perf",
+        # federated mode is refused with or without a fleet (test_fleet_static_methods.py)
+        "init_coordinator",
+        "make_fl_strategy",
+        "get_fl_client",
     }
     names = {
         n

@@ -151,3 +151,21 @@ load_model = _fleet.load_model
 _get_applied_meta_list = _fleet._get_applied_meta_list
 util = _fleet.util
 _reset = _fleet._reset
+
+# issue 16: static-graph names and federated names
+__all__ += [
+    "amp_init",
+    "get_fl_client",
+    "init_coordinator",
+    "is_coordinator",
+    "make_fl_strategy",
+    "minimize",
+    "qat_init",
+]
+amp_init = _fleet.amp_init
+qat_init = _fleet.qat_init
+minimize = _fleet.minimize
+init_coordinator = _fleet.init_coordinator
+make_fl_strategy = _fleet.make_fl_strategy
+get_fl_client = _fleet.get_fl_client
+is_coordinator = _fleet.is_coordinator

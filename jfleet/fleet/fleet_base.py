@@ -25,7 +25,9 @@ from jfleet import _context, collective, consistency
 from jfleet._logging import logger, set_log_level
 from jfleet.distributed_model import DistributedModel, prepare_model
 from jfleet.distributed_optimizer import DistributedOptimizer
+from jfleet.fleet.federated import FederatedMethods
 from jfleet.fleet.perf import PerfMethods
+from jfleet.fleet.static_methods import StaticMethods
 from jfleet.fleet.util_base import UtilBase
 from jfleet.optim.compiler import compile_strategy
 from jfleet.parallel.pipeline_layer import PipelineLayer
@@ -45,7 +47,7 @@ from jfleet.topology import (
 )
 
 
-class Fleet(PerfMethods):
+class Fleet(PerfMethods, StaticMethods, FederatedMethods):
     """Process-wide state of a jfleet run: role maker, strategy and hybrid mesh.
 
     Use the module-level functions of :mod:`jfleet.fleet`; they are this object's

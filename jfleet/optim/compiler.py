@@ -5,6 +5,7 @@ longest path. jfleet keeps the result of that graph for the meta-optimizers it
 provides and writes the order down once (outermost first)::
 
     ShardingOptimizer        placement only (ZeRO stage 1/2/3 over the sharding axis)
+    QATOptimizer             model side only (fake quantisation, jfleet.quantization)
     MasterWeights (O2)       fp32 master copy of half-precision parameters
     GradientMergeOptimizer   optax.MultiSteps semantics: move every k-th call
     AMPOptimizer             dynamic loss scaling: unscale, skip non-finite steps
@@ -59,6 +60,7 @@ _NOT_YET = ("dgc", "localsgd", "adaptive_localsgd", "fp16_allreduce")
 #: The documented order of meta-optimizers, outermost first.
 META_ORDER = (
     "ShardingOptimizer",
+    "QATOptimizer",
     "GradientMergeOptimizer",
     "AMPOptimizer",
     "RecomputeOptimizer",
@@ -174,6 +176,8 @@ def compile_strategy(
         applied.append("LarsOptimizer")
     if strategy.recompute:
         applied.append("RecomputeOptimizer")
+    if strategy.qat:
+        applied.append("QATOptimizer")
     amp = amp_settings(strategy)
     if loss_scaling is not None:
         if amp is not None and amp.loss_scaling:
