@@ -61,6 +61,9 @@ _PS_MESSAGE = (
 )
 
 
+_PS_ROLE_MAKERS: dict[type, Any] = {}  # is_collective=False builders: jfleet.ps.role_maker
+
+
 class Role(enum.IntEnum):
     """The role of a process, with Paddle's values."""
 
@@ -247,6 +250,11 @@ class RoleMakerBase:
     """
 
     _layout: _Layout
+
+    def __new__(cls, is_collective: bool = True, *args: Any, **kwargs: Any) -> Any:
+        if not is_collective and cls in _PS_ROLE_MAKERS:  # jfleet.ps.role_maker.PSRoleMaker
+            return _PS_ROLE_MAKERS[cls](*args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, is_collective: bool = True) -> None:
         if not is_collective:
