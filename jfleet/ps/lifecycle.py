@@ -63,6 +63,11 @@ def day_number(day: Any) -> int:
     )
 
 
+def _age(s: TableState, factor: jax.Array, days: jax.Array) -> TableState:
+    unseen = jnp.where(s.present, s.unseen_days + days, s.unseen_days)
+    return s._replace(show=s.show * factor, click=s.click * factor, unseen_days=unseen)
+
+
 def set_date(table: SparseTable, day: Any) -> int:
     """Moves ``table`` to ``day``, decaying and ageing its rows by the days that passed.
 
@@ -84,14 +89,8 @@ def set_date(table: SparseTable, day: Any) -> int:
         )
     days = new - old
     if days:
-        rate = table.accessor.show_click_decay_rate
-
-        def age(s: TableState) -> TableState:
-            f = jnp.float32(rate**days)
-            unseen = jnp.where(s.present, s.unseen_days + days, s.unseen_days)
-            return s._replace(show=s.show * f, click=s.click * f, unseen_days=unseen)
-
-        table.state = jax.jit(age, donate_argnums=0, out_shardings=table.sharding)(table.state)
+        factor = jnp.float32(table.accessor.show_click_decay_rate**days)
+        table.state = table.program("age", _age)(table.state, factor, jnp.float32(days))
         logger.info("sparse table %d: %d day(s) passed, statistics decayed", table.table_id, days)
     return days
 
@@ -110,7 +109,7 @@ def shrink(table: SparseTable, threshold: float | None = None) -> int:
     table.evictions += 1
     key = jax.random.fold_in(jax.random.key(table.seed), table.evictions)
 
-    def evict(s: TableState, key: jax.Array) -> tuple[TableState, jax.Array]:
+    def evict(s: TableState, key: jax.Array, threshold: jax.Array) -> tuple[TableState, jax.Array]:
         score = acc.score(s.show, s.click)
         gone = s.present & ((score < threshold) | (s.unseen_days > acc.delete_after_unseen_days))
         fresh = table.fresh_rows(key)
@@ -120,8 +119,8 @@ def shrink(table: SparseTable, threshold: float | None = None) -> int:
 
         return jax.tree.map(pick, s, fresh), jnp.sum(gone)
 
-    run = jax.jit(evict, donate_argnums=0, out_shardings=(table.sharding, None))
-    table.state, count = run(table.state, key)
+    run = table.program("shrink", evict, out_shardings=(table.sharding, None))
+    table.state, count = run(table.state, key, jnp.float32(threshold))
     count = int(count)
     logger.info("sparse table %d: shrink evicted %d row(s)", table.table_id, count)
     return count

@@ -140,6 +140,7 @@ class SparseTable:
         self.day: int | None = None
         self.cache_threshold: float | None = None
         self.evictions = 0
+        self._programs: dict[str, Any] = {}
         self.state = self.fresh_state()
         registry.register(self)
 
@@ -165,6 +166,15 @@ class SparseTable:
         """A new, empty table laid out on the mesh (nothing is ever whole on one device)."""
         key = jax.random.key(self.seed)
         return jax.jit(self.fresh_rows, out_shardings=self.sharding)(key)
+
+    def program(self, name: str, f: Any, out_shardings: Any = None) -> Any:
+        """``jax.jit(f)`` with the state (first argument) donated, compiled once per table and
+        ``name``: the table's maintenance programs (later ``f`` of the same name are not used).
+        """
+        if name not in self._programs:
+            shardings = self.sharding if out_shardings is None else out_shardings
+            self._programs[name] = jax.jit(f, donate_argnums=0, out_shardings=shardings)
+        return self._programs[name]
 
     def prepare(self, ids: Any, labels: Any = None, size: int | None = None) -> SparseBatch:
         """:func:`jfleet.ps.hashing.prepare` for this table's row count."""
