@@ -30,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import datetime
+import functools
 from typing import Any
 
 import jax
@@ -68,6 +69,19 @@ def _age(s: TableState, factor: jax.Array, days: jax.Array) -> TableState:
     return s._replace(show=s.show * factor, click=s.click * factor, unseen_days=unseen)
 
 
+def _evict(
+    acc: Any, fresh_rows: Any, s: TableState, key: jax.Array, threshold: jax.Array
+) -> tuple[TableState, jax.Array]:
+    score = acc.score(s.show, s.click)
+    gone = s.present & ((score < threshold) | (s.unseen_days > acc.delete_after_unseen_days))
+    fresh = fresh_rows(key)
+
+    def pick(a: jax.Array, f: jax.Array) -> jax.Array:
+        return jnp.where(gone.reshape(gone.shape + (1,) * (a.ndim - 1)), f, a)
+
+    return jax.tree.map(pick, s, fresh), jnp.sum(gone)
+
+
 def set_date(table: SparseTable, day: Any) -> int:
     """Moves ``table`` to ``day``, decaying and ageing its rows by the days that passed.
 
@@ -90,7 +104,8 @@ def set_date(table: SparseTable, day: Any) -> int:
     days = new - old
     if days:
         factor = jnp.float32(table.accessor.show_click_decay_rate**days)
-        table.state = table.program("age", _age)(table.state, factor, jnp.float32(days))
+        build = lambda: jax.jit(_age, donate_argnums=0, out_shardings=table.sharding)  # noqa: E731
+        table.state = table.program("age", build)(table.state, factor, jnp.float32(days))
         logger.info("sparse table %d: %d day(s) passed, statistics decayed", table.table_id, days)
     return days
 
@@ -108,19 +123,11 @@ def shrink(table: SparseTable, threshold: float | None = None) -> int:
         raise TypeError(f"shrink(threshold={threshold!r}): expected a number or None.")
     table.evictions += 1
     key = jax.random.fold_in(jax.random.key(table.seed), table.evictions)
-
-    def evict(s: TableState, key: jax.Array, threshold: jax.Array) -> tuple[TableState, jax.Array]:
-        score = acc.score(s.show, s.click)
-        gone = s.present & ((score < threshold) | (s.unseen_days > acc.delete_after_unseen_days))
-        fresh = table.fresh_rows(key)
-
-        def pick(a: jax.Array, f: jax.Array) -> jax.Array:
-            return jnp.where(gone.reshape(gone.shape + (1,) * (a.ndim - 1)), f, a)
-
-        return jax.tree.map(pick, s, fresh), jnp.sum(gone)
-
-    run = table.program("shrink", evict, out_shardings=(table.sharding, None))
-    table.state, count = run(table.state, key, jnp.float32(threshold))
+    evict = functools.partial(_evict, acc, table.fresh_rows)
+    build = lambda: jax.jit(  # noqa: E731
+        evict, donate_argnums=0, out_shardings=(table.sharding, None)
+    )
+    table.state, count = table.program("shrink", build)(table.state, key, jnp.float32(threshold))
     count = int(count)
     logger.info("sparse table %d: shrink evicted %d row(s)", table.table_id, count)
     return count

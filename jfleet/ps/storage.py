@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jfleet import collective
 from jfleet._logging import logger
@@ -75,27 +78,32 @@ def _from_fields(fields: dict[str, Any]) -> TableState:
     return TableState(emb=fields["emb"], slots=slots, **{n: fields[n] for n in STATS})
 
 
-def _eligible(table: SparseTable, s: TableState) -> jax.Array:
+def _eligible(acc: CtrAccessor, s: TableState) -> jax.Array:
     """Rows a base save (and the cache) may take."""
-    acc = table.accessor
     score = acc.score(s.show, s.click)
     return s.present & (score >= acc.base_threshold) & (s.unseen_days <= acc.delta_keep_days)
 
 
+def _select(acc: CtrAccessor, mode: int | str, s: TableState, min_show: jax.Array) -> jax.Array:
+    if mode == 0:
+        return s.present
+    keep = _eligible(acc, s)
+    if mode == 1:
+        keep = keep & (s.delta_score >= acc.delta_threshold)
+    if mode == _CACHE:
+        keep = keep & (s.show > min_show)
+    return keep
+
+
 def _mask(table: SparseTable, mode: int | str) -> jax.Array:
-    acc = table.accessor
+    select = functools.partial(_select, table.accessor, mode)
+    build = lambda: jax.jit(select, out_shardings=table.sharding)  # noqa: E731
+    threshold = -np.inf if table.cache_threshold is None else table.cache_threshold
+    return table.program(f"mask-{mode}", build)(table.state, jnp.float32(threshold))
 
-    def select(s: TableState) -> jax.Array:
-        if mode == 0:
-            return s.present
-        keep = _eligible(table, s)
-        if mode == 1:
-            keep = keep & (s.delta_score >= acc.delta_threshold)
-        if mode == _CACHE and table.cache_threshold is not None:
-            keep = keep & (s.show > table.cache_threshold)
-        return keep
 
-    return jax.jit(select, out_shardings=table.sharding)(table.state)
+def _reset_delta(s: TableState, mask: jax.Array) -> TableState:
+    return s._replace(delta_score=jnp.where(mask, 0.0, s.delta_score))
 
 
 def _local_rows(mask: jax.Array, fields: dict[str, jax.Array]) -> dict[str, np.ndarray]:
@@ -117,7 +125,7 @@ def _write(table: SparseTable, path: Any, mode: int | str) -> int:
     mask = _mask(table, mode)
     local = _local_rows(mask, _fields(table.state))
     np.savez(out / f"part-{jax.process_index():05d}.npz", **local)
-    count = int(jax.jit(jnp.sum)(mask))
+    count = int(jnp.sum(mask))
     if jax.process_index() == 0:
         meta = {
             "table_id": table.table_id,
@@ -132,9 +140,8 @@ def _write(table: SparseTable, path: Any, mode: int | str) -> int:
         (out / "meta.json").write_text(json.dumps(meta, indent=1))
     collective.barrier()
     if mode in (1, 2):  # Paddle: the saved rows start a new delta
-        reset = lambda s, m: s._replace(delta_score=jnp.where(m, 0.0, s.delta_score))  # noqa: E731
-        run = jax.jit(reset, donate_argnums=0, out_shardings=table.sharding)
-        table.state = run(table.state, mask)
+        build = lambda: jax.jit(_reset_delta, donate_argnums=0, out_shardings=table.sharding)  # noqa: E731
+        table.state = table.program("reset-delta", build)(table.state, mask)
     logger.info(
         "sparse table %d: saved %d row(s) (mode %s) to %s", table.table_id, count, mode, out
     )
@@ -178,14 +185,18 @@ def load_table(table: SparseTable, path: str | Path, mode: int = 0) -> int:
     data = {name: np.concatenate([p[name] for p in parts]) for name in parts[0].files}
     rows = data.pop("rows")
     base = table.state if mode == 1 else table.fresh_state()
-    run = jax.jit(table.set_rows, donate_argnums=0, out_shardings=table.sharding)
-    table.state = run(base, rows, _from_fields(data))
+    table.state = table.set_rows(base, rows, _from_fields(data))
     if mode != 1 and meta.get("day") is not None:
         table.day = meta["day"]
     logger.info(
         "sparse table %d: loaded %d row(s) (mode %d) from %s", table.table_id, rows.size, mode, src
     )
     return int(rows.size)
+
+
+def _eligible_shows(acc: CtrAccessor, s: TableState) -> jax.Array:
+    """Every row's show count, -1 where the cache may not take the row, largest first."""
+    return jnp.sort(jnp.where(_eligible(acc, s), s.show, -1.0))[::-1]
 
 
 def save_cache_table(
@@ -204,24 +215,21 @@ def save_cache_table(
     if mem_cache_key_threshold < 0:
         raise ValueError(f"mem_cache_key_threshold={mem_cache_key_threshold}: expected >= 0.")
 
-    def threshold(s: TableState) -> tuple[jax.Array, jax.Array]:
-        ok = _eligible(table, s)
-        shows = jnp.sort(jnp.where(ok, s.show, -1.0))[::-1]
-        k = min(mem_cache_key_threshold, table.num_rows)
-        t = shows[k] if k < table.num_rows else jnp.float32(-1.0)
-        t = jnp.maximum(t, -1.0)
-        return t, jnp.sum(ok & (s.show > t))
-
-    t, count = jax.jit(threshold)(table.state)
-    table.cache_threshold, table.cache_pass = float(t), pass_id
+    sort = functools.partial(_eligible_shows, table.accessor)
+    build = lambda: jax.jit(sort, out_shardings=NamedSharding(table.mesh, P()))  # noqa: E731
+    shows = np.asarray(table.program("eligible-shows", build)(table.state))
+    k = mem_cache_key_threshold
+    t = float(max(shows[k], -1.0)) if k < shows.size else -1.0
+    count = int(np.sum(shows > t))
+    table.cache_threshold, table.cache_pass = t, pass_id
     logger.info(
         "sparse table %d: pass %s caches %d row(s) (show > %g)",
         table.table_id,
         pass_id,
-        int(count),
-        float(t),
+        count,
+        t,
     )
-    return int(count)
+    return count
 
 
 def save_cache(table: SparseTable, dirname: str | Path) -> int:

@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -140,7 +141,6 @@ class SparseTable:
         self.day: int | None = None
         self.cache_threshold: float | None = None
         self.evictions = 0
-        self._programs: dict[str, Any] = {}
         self.state = self.fresh_state()
         registry.register(self)
 
@@ -151,57 +151,36 @@ class SparseTable:
         )
 
     # ------------------------------------------------------------------ state
-    def fresh_rows(self, key: jax.Array) -> TableState:
-        """A whole table of new rows (weights from ``key``), traceable."""
-        rule, n = self.accessor.embed_sgd_rule, self.num_rows
-        zeros = jnp.zeros((n,), jnp.float32)
-        slots = {
-            name: jnp.full((n, *shape), rule.slot_init(name), jnp.float32)
-            for name, shape in rule.slot_shapes(self.dim).items()
-        }
-        emb = rule.init_rows(key, (n, self.dim))
-        return TableState(emb, slots, zeros, zeros, zeros, zeros, jnp.zeros((n,), bool))
+    @property
+    def fresh_rows(self) -> Any:
+        """``key -> TableState``: a whole table of new rows (weights from ``key``), traceable."""
+        return functools.partial(_fresh_rows, self.num_rows, self.dim, self.accessor.embed_sgd_rule)
 
     def fresh_state(self) -> TableState:
         """A new, empty table laid out on the mesh (nothing is ever whole on one device)."""
-        key = jax.random.key(self.seed)
-        return jax.jit(self.fresh_rows, out_shardings=self.sharding)(key)
+        build = lambda: jax.jit(self.fresh_rows, out_shardings=self.sharding)  # noqa: E731
+        return self.program("fresh", build)(jax.random.key(self.seed))
 
-    def program(self, name: str, f: Any, out_shardings: Any = None) -> Any:
-        """``jax.jit(f)`` with the state (first argument) donated, compiled once per table and
-        ``name``: the table's maintenance programs (later ``f`` of the same name are not used).
-        """
-        if name not in self._programs:
-            shardings = self.sharding if out_shardings is None else out_shardings
-            self._programs[name] = jax.jit(f, donate_argnums=0, out_shardings=shardings)
-        return self._programs[name]
+    def program(self, name: str, build: Any) -> Any:
+        """The compiled program ``name`` of tables like this one (rows, dim, accessor, mesh):
+        ``build()`` (a jitted function that must not hold the table) runs once per kind."""
+        key = (name, self.num_rows, self.dim, self.accessor, self.sharding)
+        if key not in _PROGRAMS:
+            _PROGRAMS[key] = build()
+        return _PROGRAMS[key]
 
     def prepare(self, ids: Any, labels: Any = None, size: int | None = None) -> SparseBatch:
         """:func:`jfleet.ps.hashing.prepare` for this table's row count."""
         return prepare(ids, self.num_rows, labels, size)
 
     # ---------------------------------------------------------------- kernels
-    def _local(self, n_local: int, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(row index in this device's shard, whether this device owns the row)."""
-        local = rows - lax.axis_index(self.axes) * n_local
-        ok = (rows >= 0) & (local >= 0) & (local < n_local)
-        return jnp.where(ok, local, 0), ok
-
-    def _shard_map(self, f: Any, in_specs: Any, out_specs: Any) -> Any:
-        return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
-
     def pull(self, state: TableState, rows: Any) -> jax.Array:
         """The weights of ``rows`` (``[n]`` int32, ``-1`` padding reads zeros): ``[n, dim]``.
 
         Traceable; collective traffic: one all-reduce of ``[n, dim]`` float32.
         """
-        rows = jnp.asarray(rows, jnp.int32)
-
-        def local(emb: jax.Array, rows: jax.Array) -> jax.Array:
-            idx, ok = self._local(emb.shape[0], rows)
-            return lax.psum(jnp.where(ok[:, None], emb[idx], 0.0), self.axes)
-
-        return self._shard_map(local, (P(self.axes), P()), P())(state.emb, rows)
+        f = _kernel("pull", self.mesh, self.axes, self.accessor)
+        return f(state.emb, jnp.asarray(rows, jnp.int32))
 
     def push(
         self,
@@ -223,40 +202,14 @@ class SparseTable:
 
         Traceable; no collective: each device writes only the rows it owns.
         """
-        acc, rule = self.accessor, self.accessor.embed_sgd_rule
-        rows = jnp.asarray(rows, jnp.int32)
-        args = (jnp.asarray(grads, jnp.float32), jnp.asarray(show, jnp.float32))
-        args += (jnp.asarray(click, jnp.float32),)
-
-        def local(s: TableState, rows: jax.Array, g: jax.Array, sh: jax.Array, cl: jax.Array):
-            idx, ok = self._local(s.show.shape[0], rows)
-            scale = jnp.where(sh > 0, sh, 1.0) if acc.show_scale else jnp.ones_like(sh)
-            slots = {k: v[idx] for k, v in s.slots.items()}
-            w, slots = rule.apply(s.emb[idx], slots, g / scale[:, None])
-            new = TableState(
-                emb=w,
-                slots=slots,
-                show=s.show[idx] + sh,
-                click=s.click[idx] + cl,
-                delta_score=s.delta_score[idx] + acc.score(sh, cl),
-                unseen_days=jnp.zeros_like(sh),
-                present=jnp.ones(sh.shape, bool),
-            )
-            return _write(s, jnp.where(ok, idx, s.show.shape[0]), new)
-
-        spec = P(self.axes)
-        return self._shard_map(local, (spec, P(), P(), P(), P()), spec)(state, rows, *args)
+        f = _kernel("push", self.mesh, self.axes, self.accessor)
+        floats = (jnp.asarray(x, jnp.float32) for x in (grads, show, click))
+        return f(state, jnp.asarray(rows, jnp.int32), *floats)
 
     def set_rows(self, state: TableState, rows: Any, values: TableState) -> TableState:
         """``state`` with ``rows`` (unique; ``-1`` skipped) set to ``values`` (their rows)."""
-        rows = jnp.asarray(rows, jnp.int32)
-
-        def local(s: TableState, rows: jax.Array, v: TableState) -> TableState:
-            idx, ok = self._local(s.show.shape[0], rows)
-            return _write(s, jnp.where(ok, idx, s.show.shape[0]), v)
-
-        spec = P(self.axes)
-        return self._shard_map(local, (spec, P(), P()), spec)(state, rows, values)
+        f = _kernel("set", self.mesh, self.axes, self.accessor)
+        return f(state, jnp.asarray(rows, jnp.int32), values)
 
     # ------------------------------------------------------------- host views
     def lookup(self, ids: Any) -> np.ndarray:
@@ -266,12 +219,87 @@ class SparseTable:
           >>> # table.lookup(np.array([3, 5])).shape == (2, table.dim)
         """
         batch = self.prepare(ids)
-        pulled = np.asarray(jax.jit(self.pull)(self.state, batch.rows))
+        pulled = np.asarray(self.pull(self.state, batch.rows))
         return pulled[batch.inverse]
 
     def present_rows(self) -> int:
         """How many rows hold a feature (pushed since created or evicted)."""
-        return int(jax.jit(jnp.sum)(self.state.present))
+        return int(jnp.sum(self.state.present))
+
+
+_PROGRAMS: dict[tuple, Any] = {}
+
+
+def _fresh_rows(num_rows: int, dim: int, rule: Any, key: jax.Array) -> TableState:
+    zeros = jnp.zeros((num_rows,), jnp.float32)
+    slots = {
+        name: jnp.full((num_rows, *shape), rule.slot_init(name), jnp.float32)
+        for name, shape in rule.slot_shapes(dim).items()
+    }
+    emb = rule.init_rows(key, (num_rows, dim))
+    return TableState(emb, slots, zeros, zeros, zeros, zeros, jnp.zeros((num_rows,), bool))
+
+
+def _local(axes: tuple[str, ...], n_local: int, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(row index in this device's shard, whether this device owns the row)."""
+    local = rows - lax.axis_index(axes) * n_local
+    ok = (rows >= 0) & (local >= 0) & (local < n_local)
+    return jnp.where(ok, local, 0), ok
+
+
+def _pull_local(axes: tuple[str, ...], emb: jax.Array, rows: jax.Array) -> jax.Array:
+    idx, ok = _local(axes, emb.shape[0], rows)
+    return lax.psum(jnp.where(ok[:, None], emb[idx], 0.0), axes)
+
+
+def _push_local(
+    axes: tuple[str, ...],
+    acc: CtrAccessor,
+    s: TableState,
+    rows: jax.Array,
+    g: jax.Array,
+    sh: jax.Array,
+    cl: jax.Array,
+) -> TableState:
+    n_local = s.show.shape[0]
+    idx, ok = _local(axes, n_local, rows)
+    scale = jnp.where(sh > 0, sh, 1.0) if acc.show_scale else jnp.ones_like(sh)
+    slots = {k: v[idx] for k, v in s.slots.items()}
+    w, slots = acc.embed_sgd_rule.apply(s.emb[idx], slots, g / scale[:, None])
+    new = TableState(
+        emb=w,
+        slots=slots,
+        show=s.show[idx] + sh,
+        click=s.click[idx] + cl,
+        delta_score=s.delta_score[idx] + acc.score(sh, cl),
+        unseen_days=jnp.zeros_like(sh),
+        present=jnp.ones(sh.shape, bool),
+    )
+    return _write(s, jnp.where(ok, idx, n_local), new)
+
+
+def _set_local(axes: tuple[str, ...], s: TableState, rows: jax.Array, v: TableState) -> TableState:
+    n_local = s.show.shape[0]
+    idx, ok = _local(axes, n_local, rows)
+    return _write(s, jnp.where(ok, idx, n_local), v)
+
+
+@functools.cache
+def _kernel(kind: str, mesh: Mesh, axes: tuple[str, ...], acc: CtrAccessor) -> Any:
+    """The jitted shard_map kernel ``kind`` ("pull", "push", "set"), one per table layout."""
+    rows_spec = P(axes)
+    if kind == "pull":
+        f, in_specs, out_specs = functools.partial(_pull_local, axes), (rows_spec, P()), P()
+    elif kind == "push":
+        f = functools.partial(_push_local, axes, acc)
+        in_specs, out_specs = (rows_spec, P(), P(), P(), P()), rows_spec
+    else:
+        f, in_specs, out_specs = (
+            functools.partial(_set_local, axes),
+            (rows_spec, P(), P()),
+            rows_spec,
+        )
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
 
 
 def _write(state: TableState, idx: jax.Array, new: TableState) -> TableState:
