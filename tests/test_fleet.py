@@ -84,7 +84,7 @@ def test_init_returns_the_fleet_with_single_process_answers():
 
 
 def test_default_init_arguments():
-    # fleet.init() alone is collective (jfleet has no parameter-server mode).
+    # fleet.init() alone is collective (Paddle's default is parameter-server mode).
     assert fleet.init() is fleet._fleet
     assert fleet.worker_num() == 1
 
@@ -296,11 +296,9 @@ def test_zero_degree_names_it():
 # ------------------------------------------------------------------------ bad arguments
 
 
-def test_parameter_server_mode_is_not_available():
-    with pytest.raises(NotImplementedError, match="parameter-server mode"):
-        fleet.init(is_collective=False)
-    with pytest.raises(RuntimeError, match="fleet.init"):
-        fleet.worker_index()
+def test_parameter_server_mode_makes_every_process_a_worker_and_a_server():
+    fleet.init(is_collective=False)  # issue 16: jfleet.ps; tests/ps test it
+    assert fleet.is_worker() and fleet.is_server() and not fleet.fleet._is_collective
 
 
 def test_is_collective_must_be_a_bool():
