@@ -40,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jfleet import _context
+from jfleet.parallel.mesh_context import layer_mesh
 from jfleet.ps import registry
 from jfleet.ps.accessor import CtrAccessor
 from jfleet.ps.hashing import SparseBatch, prepare
@@ -72,17 +73,12 @@ class TableState(NamedTuple):
 
 
 def _table_mesh(mesh: Mesh | None) -> Mesh:
-    if mesh is not None:
-        if not isinstance(mesh, Mesh):
-            raise TypeError(f"mesh={mesh!r} ({type(mesh).__name__}) is not a jax.sharding.Mesh.")
-        return mesh
-    run = _context.current()
-    if run is None:
+    if mesh is None and _context.current() is None:
         raise RuntimeError(
             "a SparseTable lives on the fleet's mesh: call fleet.init(is_collective=False) "
             "first (or pass mesh=...)."
         )
-    return run.mesh
+    return layer_mesh(mesh)
 
 
 class SparseTable:
