@@ -401,6 +401,19 @@ BEFORE_INIT = [
     ("util.barrier", lambda: fleet.util.barrier()),
     ("util.get_file_shard", lambda: fleet.util.get_file_shard(["a", "b"])),
     ("util.print_on_rank", lambda: fleet.util.print_on_rank("hello", 0)),
+    # issue 16: parameter-server names
+    ("server_index", lambda: fleet.server_index()),
+    ("server_endpoints", lambda: fleet.server_endpoints()),
+    ("init_server", lambda: fleet.init_server()),
+    ("run_server", lambda: fleet.run_server()),
+    ("init_worker", lambda: fleet.init_worker()),
+    ("stop_worker", lambda: fleet.stop_worker()),
+    ("save_one_table", lambda: fleet.save_one_table(0, "unused", 0)),
+    ("load_one_table", lambda: fleet.load_one_table(0, "unused", 0)),
+    ("save_cache_table", lambda: fleet.save_cache_table(0, 0)),
+    ("save_cache_model", lambda: fleet.save_cache_model("unused")),
+    ("set_date", lambda: fleet.set_date(0, "20250101")),
+    ("shrink", lambda: fleet.shrink()),
 ]
 
 
