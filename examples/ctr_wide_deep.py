@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--days", type=int, default=3, help="set_date / shrink after each day")
     p.add_argument("--lr", type=float, default=0.1, help="sparse adagrad learning rate")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save_dir", default=None, help="where save_one_table writes (default tmp)")
+    p.add_argument("--save_dir", default=None, help="keep the saved table there (default: none)")
     args = p.parse_args(argv)
     if args.quick:
         args.fields, args.vocab, args.rows = 8, 4_000, 1 << 18
@@ -185,9 +185,10 @@ def main(argv: list[str] | None = None) -> float:
             f"distinct feature ids seen: {len(seen)}{'+' if len(seen) >= 5_000_000 else ''}; "
             f"table rows in use: {table.present_rows()}; last loss {float(loss):.4f}"
         )
-        save_dir = args.save_dir or tempfile.mkdtemp(prefix="ctr_table_")
-        saved = fleet.save_one_table(0, save_dir, 0)
-        print(f"save_one_table: {saved} rows to {save_dir}")
+        with tempfile.TemporaryDirectory(prefix="ctr_table_") as tmp:
+            save_dir = args.save_dir or tmp  # the temporary one is removed afterwards
+            saved = fleet.save_one_table(0, save_dir, 0)
+            print(f"save_one_table: {saved} rows to {save_dir}")
         fleet.stop_worker()
     final = test_auc()
     print(f"test AUC {final:.3f}")
