@@ -20,24 +20,23 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import sys
 import tempfile
 import time
 
-os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # on CPU: 8 emulated devices
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from tqdm import tqdm
 
-from jfleet import fleet  # noqa: E402
-from jfleet.ps import CtrAccessor, SparseSGDRule, SparseTable, hash_ids  # noqa: E402
-from jfleet.topology import DATA_AXES  # noqa: E402
+from jfleet import fleet
+from jfleet.ps import CtrAccessor, SparseSGDRule, SparseTable, hash_ids
+from jfleet.topology import DATA_AXES
 
 SALT = np.uint64(0x5EED5EED5EED5EED)
 
