@@ -1,5 +1,6 @@
 """The sparse table: hashing, pull / push against Paddle's accessor formulas written in NumPy,
-one device against eight, and the compiled step's memory and traffic (batch-sized)."""
+and the compiled step's memory and traffic (batch-sized). One device against eight, for a
+whole training step: test_nnx_step.py."""
 
 from __future__ import annotations
 
@@ -69,33 +70,29 @@ def test_push_is_paddles_update_on_the_touched_rows_only(name):
     rule = SparseSGDRule(name, learning_rate=0.1, weight_bounds=(-0.3, 0.3))
     acc = CtrAccessor(rule)
     ids = np.array([[1, 2, 1], [3, 1, 7]], np.int64)
-    tables = [SparseTable(64, DIM, acc, mesh=mesh_of(n), seed=3) for n in (1, 8)]
-    b = tables[0].prepare(ids, labels=[1.0, 0.0])
+    table = SparseTable(64, DIM, acc, mesh=mesh_of(8), seed=3)  # 1 device: test_nnx_step.py
+    b = table.prepare(ids, labels=[1.0, 0.0])
     g = np.random.default_rng(0).normal(size=(b.rows.size, DIM)).astype(np.float32)
-    before = jax.tree.map(np.asarray, tables[0].state)
-    after = []
-    for t in tables:
-        step = jax.jit(lambda s, r, g, sh, cl, t=t: t.push(s, r, g, sh, cl), donate_argnums=0)
-        for _ in range(2):  # the second push sees the first one's slots
-            t.state = step(t.state, b.rows, g, b.show, b.click)
-        after.append(jax.tree.map(np.asarray, t.state))
-    # one device and eight agree
-    jax.tree.map(lambda a, c: np.testing.assert_allclose(a, c, rtol=1e-6, atol=1e-7), *after)
+    before = jax.tree.map(np.asarray, table.state)
+    step = jax.jit(table.push, donate_argnums=0)
+    for _ in range(2):  # the second push sees the first one's slots
+        table.state = step(table.state, b.rows, g, b.show, b.click)
+    after = jax.tree.map(np.asarray, table.state)
     live = b.rows[b.rows >= 0]
     w, slots = before.emb[live], {k: v[live] for k, v in before.slots.items()}
     sh, cl = b.show[: live.size], b.click[: live.size]
     for _ in range(2):
         w, slots, delta = reference_push(rule, acc, w, slots, g[: live.size], sh, cl)
-    np.testing.assert_allclose(after[1].emb[live], w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(after.emb[live], w, rtol=1e-5, atol=1e-6)
     for k in slots:
-        np.testing.assert_allclose(after[1].slots[k][live], slots[k], rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(after[1].show[live], 2 * sh)
-    np.testing.assert_allclose(after[1].delta_score[live], 2 * delta, rtol=1e-6)
-    assert after[1].present[live].all() and after[1].present.sum() == live.size
+        np.testing.assert_allclose(after.slots[k][live], slots[k], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(after.show[live], 2 * sh)
+    np.testing.assert_allclose(after.delta_score[live], 2 * delta, rtol=1e-6)
+    assert after.present[live].all() and after.present.sum() == live.size
     others = np.setdiff1d(np.arange(64), live)
-    np.testing.assert_array_equal(after[1].emb[others], before.emb[others])  # untouched
-    pulled = np.asarray(tables[1].pull(tables[1].state, b.rows))
-    np.testing.assert_array_equal(pulled[: live.size], after[1].emb[live])
+    np.testing.assert_array_equal(after.emb[others], before.emb[others])  # untouched
+    pulled = np.asarray(table.pull(table.state, b.rows))
+    np.testing.assert_array_equal(pulled[: live.size], after.emb[live])
     assert (pulled[live.size :] == 0).all()  # padding reads zeros
 
 
