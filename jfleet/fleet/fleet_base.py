@@ -151,6 +151,8 @@ class Fleet(PerfMethods, PSMethods):
         hcg = build_hybrid_communicate_group(strategy.hybrid_configs, devices)
         consistency.check_init(strategy, hcg.mesh)  # several processes: all must agree
         _context.set_run(_context.Run(role_maker=role_maker, strategy=strategy, hcg=hcg))
+        if not role_maker.is_collective:
+            self._ps_started(strategy)
         self._optimizer = None
         apply_tensor_init_seed(strategy)
         ignored = strategy.spmd_noop_settings()

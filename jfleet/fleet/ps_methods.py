@@ -55,6 +55,16 @@ class PSMethods:
         registry.clear()
         self._ps_worker_started = False
 
+    def _ps_started(self, strategy: Any) -> None:
+        """Logs what parameter-server mode means here (``fleet.init(is_collective=False)``)."""
+        logger.info(
+            "parameter-server mode: %d process(es), each a worker and a server holding a shard "
+            "of every sparse table; training is synchronous (one SPMD step), so a_sync=%s and "
+            "a_sync_configs are kept as data",
+            jax.process_count(),
+            strategy.a_sync,
+        )
+
     def _ps_run(self, what: str) -> Any:
         return _context.require(f"fleet.{what}()")
 
