@@ -10,7 +10,7 @@ Unlike Paddle, a half-configured environment is an error, never a silent fall-ba
 to one process: a job whose ranks each think they are alone trains ``worker_num``
 unrelated models.
 
-Only collective (SPMD) mode exists; parameter-server mode is not available yet.
+``is_collective=False`` builds :class:`jfleet.ps.role_maker.PSRoleMaker` (parameter servers).
 
 Example:
   >>> from jfleet.role_maker import UserDefinedRoleMaker
@@ -55,10 +55,13 @@ NOT_CONNECTED_EXIT_CODE = 1
 _JAX_DEADLINE_GRACE_S = 5
 
 _PS_MESSAGE = (
-    "parameter-server mode (is_collective=False) is not available yet in jfleet; "
-    "use collective mode: fleet.init(is_collective=True) or a role maker with "
-    "is_collective=True."
+    "parameter-server mode (is_collective=False) is built by jfleet.ps.role_maker, which "
+    "`import jfleet` loads; import jfleet first, or use fleet.init(is_collective=True) or a "
+    "role maker with is_collective=True."
 )
+
+
+_PS_ROLE_MAKERS: dict[type, Any] = {}  # is_collective=False builders: jfleet.ps.role_maker
 
 
 class Role(enum.IntEnum):
@@ -248,6 +251,11 @@ class RoleMakerBase:
 
     _layout: _Layout
 
+    def __new__(cls, is_collective: bool = True, *args: Any, **kwargs: Any) -> Any:
+        if not is_collective and cls in _PS_ROLE_MAKERS:  # jfleet.ps.role_maker.PSRoleMaker
+            return _PS_ROLE_MAKERS[cls](*args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, is_collective: bool = True) -> None:
         if not is_collective:
             raise NotImplementedError(_PS_MESSAGE)
@@ -256,7 +264,7 @@ class RoleMakerBase:
 
     @property
     def is_collective(self) -> bool:
-        """True: jfleet runs collective (SPMD) jobs only."""
+        """False for the parameter-server role maker (``jfleet.ps.PSRoleMaker``)."""
         return self._is_collective
 
     @property
@@ -414,7 +422,7 @@ class PaddleCloudRoleMaker(RoleMakerBase):
     ``JAX_COORDINATOR_ADDRESS`` if set, else the first endpoint.
 
     Args:
-      is_collective: must be True; parameter-server mode is not available yet.
+      is_collective: False returns a ``jfleet.ps.PSRoleMaker`` (parameter-server mode).
       environ: the variables to read; default ``os.environ``.
       **kwargs: Paddle's other options (e.g. gloo paths); accepted and ignored,
         since JAX provides the host-level collectives.
@@ -445,7 +453,7 @@ class PaddleCloudRoleMaker(RoleMakerBase):
         if role is not None and role.upper() != "TRAINER":
             raise ValueError(
                 f"{_setting('PADDLE_TRAINING_ROLE', role)}: collective jobs have only "
-                "TRAINER processes (parameter-server roles are not available yet in jfleet); "
+                "TRAINER processes (parameter-server roles need is_collective=False); "
                 "set it to TRAINER or unset it."
             )
         index, index_name = _env_pair(env, "PADDLE_TRAINER_ID", "JAX_PROCESS_ID", _env_int)
@@ -494,7 +502,7 @@ class UserDefinedRoleMaker(RoleMakerBase):
     """A role maker whose job layout is given as arguments.
 
     Args:
-      is_collective: must be True; parameter-server mode is not available yet.
+      is_collective: False returns a ``jfleet.ps.PSRoleMaker`` (parameter-server mode).
       init_gloo: accepted for Paddle compatibility; JAX provides host collectives.
       current_id: this process's rank, ``0..worker_num - 1``.
       role: must be ``Role.WORKER`` in collective mode.
@@ -543,7 +551,7 @@ class UserDefinedRoleMaker(RoleMakerBase):
         if role != Role.WORKER:
             raise ValueError(
                 f"role={role!r}: collective jobs have only Role.WORKER processes "
-                "(parameter-server roles are not available yet in jfleet); pass "
+                "(parameter-server roles need is_collective=False); pass "
                 "role=Role.WORKER."
             )
         if worker_num < 0:

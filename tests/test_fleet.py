@@ -84,7 +84,7 @@ def test_init_returns_the_fleet_with_single_process_answers():
 
 
 def test_default_init_arguments():
-    # fleet.init() alone is collective (jfleet has no parameter-server mode).
+    # fleet.init() alone is collective (Paddle's default is parameter-server mode).
     assert fleet.init() is fleet._fleet
     assert fleet.worker_num() == 1
 
@@ -296,11 +296,9 @@ def test_zero_degree_names_it():
 # ------------------------------------------------------------------------ bad arguments
 
 
-def test_parameter_server_mode_is_not_available():
-    with pytest.raises(NotImplementedError, match="parameter-server mode"):
-        fleet.init(is_collective=False)
-    with pytest.raises(RuntimeError, match="fleet.init"):
-        fleet.worker_index()
+def test_parameter_server_mode_makes_every_process_a_worker_and_a_server():
+    fleet.init(is_collective=False)  # issue 16: jfleet.ps; tests/ps test it
+    assert fleet.is_worker() and fleet.is_server() and not fleet.fleet._is_collective
 
 
 def test_is_collective_must_be_a_bool():
@@ -408,6 +406,19 @@ BEFORE_INIT = [
     ("qat_init", lambda: fleet.qat_init()),
     ("minimize", lambda: fleet.minimize(lambda m, b: 0.0, batch=1)),
     ("is_coordinator", lambda: fleet.is_coordinator()),
+    # issue 16: parameter-server names
+    ("server_index", lambda: fleet.server_index()),
+    ("server_endpoints", lambda: fleet.server_endpoints()),
+    ("init_server", lambda: fleet.init_server()),
+    ("run_server", lambda: fleet.run_server()),
+    ("init_worker", lambda: fleet.init_worker()),
+    ("stop_worker", lambda: fleet.stop_worker()),
+    ("save_one_table", lambda: fleet.save_one_table(0, "unused", 0)),
+    ("load_one_table", lambda: fleet.load_one_table(0, "unused", 0)),
+    ("save_cache_table", lambda: fleet.save_cache_table(0, 0)),
+    ("save_cache_model", lambda: fleet.save_cache_model("unused")),
+    ("set_date", lambda: fleet.set_date(0, "20250101")),
+    ("shrink", lambda: fleet.shrink()),
 ]
 
 

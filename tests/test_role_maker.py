@@ -121,10 +121,11 @@ def test_single_process_with_count_one(env):
     assert (rm.worker_index(), rm.worker_num()) == (0, 1)
 
 
-def test_parameter_server_mode_is_not_available(env):
-    with pytest.raises(NotImplementedError, match="parameter-server mode"):
-        PaddleCloudRoleMaker(is_collective=False)
-    with pytest.raises(NotImplementedError, match="not available yet"):
+def test_parameter_server_mode_builds_the_ps_role_maker(env):
+    from jfleet.ps import PSRoleMaker  # issue 16; tests/ps/test_ps_fleet.py tests it
+
+    assert isinstance(PaddleCloudRoleMaker(is_collective=False), PSRoleMaker)
+    with pytest.raises(ValueError, match="needs server_endpoints"):
         UserDefinedRoleMaker(is_collective=False)
 
 

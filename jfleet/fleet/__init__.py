@@ -169,3 +169,30 @@ init_coordinator = _fleet.init_coordinator
 make_fl_strategy = _fleet.make_fl_strategy
 get_fl_client = _fleet.get_fl_client
 is_coordinator = _fleet.is_coordinator
+# issue 16: parameter-server names
+server_index = _fleet.server_index
+server_endpoints = _fleet.server_endpoints
+init_server = _fleet.init_server
+run_server = _fleet.run_server
+init_worker = _fleet.init_worker
+stop_worker = _fleet.stop_worker
+save_one_table = _fleet.save_one_table
+load_one_table = _fleet.load_one_table
+save_cache_table = _fleet.save_cache_table
+save_cache_model = _fleet.save_cache_model
+set_date = _fleet.set_date
+shrink = _fleet.shrink
+__all__ += [
+    "init_server",
+    "init_worker",
+    "load_one_table",
+    "run_server",
+    "save_cache_model",
+    "save_cache_table",
+    "save_one_table",
+    "server_endpoints",
+    "server_index",
+    "set_date",
+    "shrink",
+    "stop_worker",
+]

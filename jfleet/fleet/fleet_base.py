@@ -27,6 +27,7 @@ from jfleet.distributed_model import DistributedModel, prepare_model
 from jfleet.distributed_optimizer import DistributedOptimizer
 from jfleet.fleet.federated import FederatedMethods
 from jfleet.fleet.perf import PerfMethods
+from jfleet.fleet.ps_methods import PSMethods
 from jfleet.fleet.static_methods import StaticMethods
 from jfleet.fleet.util_base import UtilBase
 from jfleet.optim.compiler import compile_strategy
@@ -47,7 +48,7 @@ from jfleet.topology import (
 )
 
 
-class Fleet(PerfMethods, StaticMethods, FederatedMethods):
+class Fleet(PerfMethods, StaticMethods, FederatedMethods, PSMethods):
     """Process-wide state of a jfleet run: role maker, strategy and hybrid mesh.
 
     Use the module-level functions of :mod:`jfleet.fleet`; they are this object's
@@ -68,6 +69,7 @@ class Fleet(PerfMethods, StaticMethods, FederatedMethods):
         get_rng_state_tracker().reset()
         set_init_mode("replicable")
         _context.clear()
+        self._ps_reset()
         self._optimizer: DistributedOptimizer | None = None
         self._model: nnx.Module | None = None
 
@@ -93,9 +95,10 @@ class Fleet(PerfMethods, StaticMethods, FederatedMethods):
 
         Args:
           role_maker: where the process layout comes from; default
-            ``PaddleCloudRoleMaker(is_collective=True)``, which reads Paddle's
+            ``PaddleCloudRoleMaker(is_collective=is_collective)``, which reads Paddle's
             ``PADDLE_*`` and JAX's ``JAX_*`` variables (none set: one process).
-          is_collective: must be True; parameter-server mode is not available.
+          is_collective: False starts parameter-server mode (:mod:`jfleet.ps.role_maker`:
+            Paddle's PS variables; every process holds table shards and trains).
           strategy: a :class:`DistributedStrategy`; default ``DistributedStrategy()``
             (pure data parallel over every device).
           log_level: level of the ``jfleet`` logger.
@@ -106,7 +109,6 @@ class Fleet(PerfMethods, StaticMethods, FederatedMethods):
           The fleet object (the module functions act on it too).
 
         Raises:
-          NotImplementedError: ``is_collective=False``.
           TypeError: a role maker or strategy of the wrong type.
           ValueError: degrees whose product is not the device count, and the role
             makers' errors for contradictory process settings.
@@ -118,18 +120,15 @@ class Fleet(PerfMethods, StaticMethods, FederatedMethods):
             raise TypeError(
                 f"is_collective={is_collective!r} ({type(is_collective).__name__}) must be a bool."
             )
-        if not is_collective:
-            raise NotImplementedError(
-                "fleet.init(is_collective=False) asks for parameter-server mode, which jfleet "
-                "does not provide yet; use is_collective=True (collective SPMD training)."
-            )
         if role_maker is None:
-            role_maker = PaddleCloudRoleMaker(is_collective=True)
+            role_maker = PaddleCloudRoleMaker(is_collective=is_collective)
         elif not isinstance(role_maker, RoleMakerBase):
             raise TypeError(
                 f"role_maker={role_maker!r} ({type(role_maker).__name__}) is not a role maker; "
                 "pass PaddleCloudRoleMaker(...) or UserDefinedRoleMaker(...)."
             )
+        if role_maker.is_collective != is_collective:
+            logger.info("fleet.init: the role maker's mode wins over is_collective (as Paddle)")
         if strategy is None:
             strategy = DistributedStrategy()
         elif not isinstance(strategy, DistributedStrategy):
@@ -154,6 +153,8 @@ class Fleet(PerfMethods, StaticMethods, FederatedMethods):
         hcg = build_hybrid_communicate_group(strategy.hybrid_configs, devices)
         consistency.check_init(strategy, hcg.mesh)  # several processes: all must agree
         _context.set_run(_context.Run(role_maker=role_maker, strategy=strategy, hcg=hcg))
+        if not role_maker.is_collective:
+            self._ps_started(strategy)
         self._optimizer = None
         apply_tensor_init_seed(strategy)
         ignored = strategy.spmd_noop_settings()
@@ -505,8 +506,9 @@ class Fleet(PerfMethods, StaticMethods, FederatedMethods):
 
     @property
     def _is_collective(self) -> bool:
-        """Always True: jfleet runs collective (SPMD) training only."""
-        return True
+        """False in parameter-server mode (``fleet.init(is_collective=False)``)."""
+        run = _context.current()
+        return run is None or run.role_maker.is_collective
 
 
 def _check_mode(what: str, mode: Any) -> None:

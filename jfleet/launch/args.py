@@ -39,13 +39,17 @@ ENV_FLAGS = {
     "POD_IP": "host",
 }
 
+_NO_SERVERS = (
+    "jfleet has no separate server processes (every worker holds a shard of each sparse "
+    "table); start workers only and call fleet.init(is_collective=False)"
+)
 #: Paddle flags that have no meaning here, with what to do instead.
 UNSUPPORTED = {
     "--ips": "it is the legacy multi-node flag; start one launcher per node with "
     "--nnodes N --master <ip of node 0>:<port>",
-    "--servers": "parameter-server mode is not available in jfleet; run collective jobs",
-    "--trainers": "parameter-server mode is not available in jfleet; run collective jobs",
-    "--heter_workers": "parameter-server mode is not available in jfleet; run collective jobs",
+    "--servers": _NO_SERVERS,
+    "--trainers": _NO_SERVERS,
+    "--heter_workers": _NO_SERVERS,
     "--elastic_level": "elastic jobs are not supported; give a fixed --nnodes",
     "--elastic_timeout": "elastic jobs are not supported; give a fixed --nnodes",
     "--with_gloo": "JAX's coordination service replaces Gloo; drop the flag",
