@@ -45,6 +45,7 @@ from jfleet._logging import logger
 from jfleet.optim.communication import GradientCommunication, fp16_allreduce
 from jfleet.optim.gradient_merge import gradient_merge
 from jfleet.optim.lamb_lars import lamb_from, lars_from
+from jfleet.optim.localsgd import LocalSGDConfig
 from jfleet.optim.loss_scale import dynamic_loss_scaling
 from jfleet.optim.master_weights import master_weights as _master_weights
 
@@ -55,12 +56,14 @@ _CONFLICTS = (
     ("dgc", "fp16_allreduce", "Paddle's FP16AllReduce meta-optimizer black-lists DGC"),
     ("localsgd", "adaptive_localsgd", "LocalSGD and AdaptiveLocalSGD black-list each other"),
 )
-_NOT_YET = ("dgc", "localsgd", "adaptive_localsgd")
+_NOT_YET = ("dgc",)
 
 #: The documented order of meta-optimizers, outermost first.
 META_ORDER = (
     "ShardingOptimizer",
     "FP16AllReduceOptimizer",
+    "LocalSGDOptimizer",
+    "AdaptiveLocalSGDOptimizer",
     "GradientMergeOptimizer",
     "AMPOptimizer",
     "RecomputeOptimizer",
@@ -82,12 +85,14 @@ class AmpSettings:
 class CompiledChain:
     """The compiled optimizer: the chain, the applied meta-optimizers, the AMP settings, and
     how the data-parallel replicas combine their gradients (``communication``: None for
-    GSPMD's own fp32 reduction; :mod:`jfleet.optim.communication`)."""
+    GSPMD's own fp32 reduction; :mod:`jfleet.optim.communication`) or their parameters
+    (``localsgd``: :mod:`jfleet.optim.localsgd`)."""
 
     tx: optax.GradientTransformation
     applied_meta_list: tuple[str, ...]
     amp: AmpSettings | None
     communication: GradientCommunication | None = None
+    localsgd: LocalSGDConfig | None = None
 
 
 def amp_settings(strategy: Any) -> AmpSettings | None:
@@ -213,6 +218,9 @@ def compile_strategy(
         tx = _master_weights(tx)
     if strategy.sharding or strategy.hybrid_configs["sharding_degree"] > 1:
         applied.append("ShardingOptimizer")
+    localsgd = _localsgd(strategy, amp, loss_scaling)
+    if localsgd is not None:
+        applied.append(localsgd.meta_name)
     communication = None
     if strategy.fp16_allreduce:
         half = "bfloat16" if amp is not None and amp.dtype == "bfloat16" else "float16"
@@ -220,5 +228,46 @@ def compile_strategy(
         applied.append("FP16AllReduceOptimizer")
     applied.sort(key=META_ORDER.index)
     return CompiledChain(
-        tx=tx, applied_meta_list=tuple(applied), amp=amp, communication=communication
+        tx=tx,
+        applied_meta_list=tuple(applied),
+        amp=amp,
+        communication=communication,
+        localsgd=localsgd,
     )
+
+
+def _localsgd(
+    strategy: Any, amp: AmpSettings | None, loss_scaling: Mapping[str, Any] | None
+) -> LocalSGDConfig | None:
+    """LocalSGD's settings from the strategy (None when off), checked against the rest."""
+    if strategy.localsgd:
+        cfg = strategy.localsgd_configs
+        config = LocalSGDConfig(k_steps=cfg["k_steps"], begin_step=cfg["begin_step"])
+    elif strategy.adaptive_localsgd:
+        cfg = strategy.adaptive_localsgd_configs
+        config = LocalSGDConfig(
+            k_steps=cfg["init_k_steps"], begin_step=cfg["begin_step"], adaptive=True
+        )
+    else:
+        return None
+    name = config.switch.split("=")[0]
+    if (amp is not None and amp.loss_scaling) or loss_scaling is not None:
+        other = "strategy.amp=True (float16)" if loss_scaling is None else "a GradScaler"
+        raise ValueError(
+            f"{config.switch} cannot be combined with {other}: fp16 loss scaling would keep "
+            "a loss scale per replica. Use AMP in bfloat16 (amp_configs={'dtype': "
+            f"'bfloat16'}}), which needs no scaling, or set {name}=False."
+        )
+    if strategy.fp16_allreduce:
+        raise ValueError(
+            f"{config.switch} and strategy.fp16_allreduce=True cannot be combined: LocalSGD "
+            "averages parameters and all-reduces no gradients, so fp16_allreduce would do "
+            "nothing; turn one of them off."
+        )
+    if strategy.sharding:
+        raise ValueError(
+            f"{config.switch} and strategy.sharding=True cannot be combined: each replica "
+            "keeps its own optimizer state, which ZeRO would split between them; turn one "
+            "of them off."
+        )
+    return config
