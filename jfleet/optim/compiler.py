@@ -5,6 +5,8 @@ longest path. jfleet keeps the result of that graph for the meta-optimizers it
 provides and writes the order down once (outermost first)::
 
     ShardingOptimizer        placement only (ZeRO stage 1/2/3 over the sharding axis)
+    FP16AllReduceOptimizer   the replicas' gradients summed in fp16 (bf16 under bf16 AMP)
+    LocalSGDOptimizer | AdaptiveLocalSGDOptimizer   replicas step alone, average every k
     MasterWeights (O2)       fp32 master copy of half-precision parameters
     GradientMergeOptimizer   optax.MultiSteps semantics: move every k-th call
     AMPOptimizer             dynamic loss scaling: unscale, skip non-finite steps
@@ -16,10 +18,17 @@ GradientMerge wraps AMP as in Paddle, so the loss scale stays fixed while
 micro-batches accumulate and a merged step with a non-finite gradient is skipped
 whole; the master weights sit outside both, so merged gradients accumulate in fp32.
 
+FP16AllReduce and LocalSGD act between the data-parallel replicas, not on the chain:
+the compiled result carries them as ``communication`` (how replicas combine gradients,
+:mod:`jfleet.optim.communication`) and ``localsgd`` (:mod:`jfleet.optim.localsgd`), and
+the engine runs each replica's part of the step (:mod:`jfleet.replicas`). Under LocalSGD
+the whole chain runs per replica.
+
 Combinations Paddle forbids are errors naming both switches (``lamb`` with
 ``lars``, ``dgc`` with ``amp`` or ``fp16_allreduce``, ``localsgd`` with
-``adaptive_localsgd``); meta-optimizers jfleet does not provide yet (``dgc``,
-``localsgd``, ``adaptive_localsgd``, ``fp16_allreduce``) are errors too, never
+``adaptive_localsgd``), and so are the ones jfleet cannot honour (LocalSGD with fp16
+loss scaling, with ``fp16_allreduce`` — it all-reduces no gradients — or with
+``sharding``); ``dgc``, which jfleet does not provide yet, is an error too, never
 silently dropped.
 
 Example:
@@ -155,7 +164,8 @@ def compile_strategy(
         where O2 puts them (once, if the strategy asks for O2 as well).
 
     Returns:
-      A :class:`CompiledChain` (``tx``, ``applied_meta_list`` in META_ORDER, ``amp``).
+      A :class:`CompiledChain` (``tx``, ``applied_meta_list`` in META_ORDER, ``amp``,
+      ``communication``, ``localsgd``).
 
     Raises:
       ValueError: forbidden combinations (naming both switches), LAMB without an
