@@ -220,6 +220,21 @@ def _pure_like(tree: Any, pure: Any) -> Any:
     return jax.tree.unflatten(jax.tree.structure(tree), jax.tree.leaves(pure))
 
 
+def _backward(graphdef, params, rest, wrt, objective, batch, scale):
+    """One replica's forward and backward: its pure gradients, loss, aux, and its model."""
+    model = nnx.merge(graphdef, params, rest)
+    grads, (loss, aux) = nnx.grad(objective, argnums=nnx.DiffState(0, wrt), has_aux=True)(
+        model, batch, scale
+    )
+    return nnx.as_pure(grads), loss, aux, model
+
+
+def _leaving(model, wrt, loss, aux, axes):
+    """What leaves a replica besides its own state: the model's other state, loss, aux."""
+    _, _, rest = nnx.split(model, wrt, ...)
+    return combine_state(rest, axes), jax.lax.pmean(loss, axes), combine_aux(aux, axes)
+
+
 def replica_gradients(
     model: nnx.Module,
     wrt: Any,
@@ -255,20 +270,9 @@ def replica_gradients(
 
     def body(params, rest, batch, scale, state):
         params = jax.tree.map(lambda x: vary(x, axes), params)
-        local = nnx.merge(graphdef, params, rest)
-        grads, (loss, aux) = nnx.grad(objective, argnums=nnx.DiffState(0, wrt), has_aux=True)(
-            local, batch, scale
-        )
-        pure = nnx.as_pure(grads)
-        reduced, new_state = comm.reduce(pure, local_rows(state))
-        _, _, new_rest = nnx.split(local, wrt, ...)
-        return (
-            reduced,
-            combine_state(new_rest, axes),
-            jax.lax.pmean(loss, axes),
-            combine_aux(aux, axes),
-            restack(new_state, axes),
-        )
+        grads, loss, aux, local = _backward(graphdef, params, rest, wrt, objective, batch, scale)
+        reduced, new_state = comm.reduce(grads, local_rows(state))
+        return (reduced, *_leaving(local, wrt, loss, aux, axes), restack(new_state, axes))
 
     mapped = jax.shard_map(
         body,
@@ -377,11 +381,9 @@ def localsgd_step(
 
     def body(snapshot, rest, batch, scale, leaves, local):
         mine = local_rows(local.params)
-        replica = nnx.merge(graphdef, _pure_like(snapshot, mine), rest)
-        grads, (loss, aux) = nnx.grad(objective, argnums=nnx.DiffState(0, wrt), has_aux=True)(
-            replica, batch, scale
+        grads, loss, aux, replica = _backward(
+            graphdef, _pure_like(snapshot, mine), rest, wrt, objective, batch, scale
         )
-        grads = nnx.as_pure(grads)
         flags = finite_flags((loss, grads)).astype(jnp.int32)
         flags = jax.lax.pmin(flags, axes).astype(jnp.bool_)
         state = [x[0] if m else x for x, m in zip(leaves, mask, strict=True)]
@@ -402,13 +404,13 @@ def localsgd_step(
             last_sync=jnp.where(due, step, local.last_sync),
         )
         if config.adaptive:
-            mean_loss = jax.lax.cond(
+            avg_loss = jax.lax.cond(
                 first | adapt, lambda: jax.lax.pmean(loss, axes), lambda: jnp.float32(0)
             )
             lr = _learning_rate(new_state, opt.inner_tx)
-            loss0 = jnp.where(first, mean_loss, local.loss0)
+            loss0 = jnp.where(first, avg_loss, local.loss0)
             lr0 = jnp.where(first, lr, local.lr0)
-            k = adaptive_k_steps(lr0, loss0, lr, mean_loss, config.k_steps)
+            k = adaptive_k_steps(lr0, loss0, lr, avg_loss, config.k_steps)
             new_local = new_local._replace(
                 k_steps=jnp.where(adapt, k, local.k_steps), loss0=loss0, lr0=lr0
             )
@@ -416,16 +418,8 @@ def localsgd_step(
             restack(x, axes) if m else x
             for x, m in zip(jax.tree.leaves(new_state), mask, strict=True)
         ]
-        _, _, new_rest = nnx.split(replica, wrt, ...)
-        return (
-            synced,
-            combine_state(new_rest, axes),
-            jax.lax.pmean(loss, axes),
-            combine_aux(aux, axes),
-            flags,
-            new_leaves,
-            new_local,
-        )
+        combined, mean_loss, aux = _leaving(replica, wrt, loss, aux, axes)
+        return synced, combined, mean_loss, aux, flags, new_leaves, new_local
 
     mapped = jax.shard_map(
         body,

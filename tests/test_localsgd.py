@@ -153,15 +153,15 @@ def test_checkpoint_resumes_mid_interval_exactly(tmp_path):
     batches = lm_batches(5)
     _fleet({"dp_degree": 4, "mp_degree": 2}, localsgd=True,
            localsgd_configs={"k_steps": 3, "begin_step": 1})  # fmt: skip
-    step = make_train_step(lm_loss)
-    model, opt = fleet.distributed_model(TinyLM()).module, fleet.distributed_optimizer(MOMENTUM())
+    step, tx = make_train_step(lm_loss), MOMENTUM()  # one tx: the resumed run reuses the program
+    model, opt = fleet.distributed_model(TinyLM()).module, fleet.distributed_optimizer(tx)
     for b in batches[:2]:
         step(model, opt, b)
     with CheckpointManager(tmp_path, async_save=False) as mngr:
         mngr.save(2, model, opt)
         straight = [float(step(model, opt, b)) for b in batches[2:]]
         fresh = fleet.distributed_model(TinyLM(seed=1)).module
-        fresh_opt = fleet.distributed_optimizer(MOMENTUM()).init(fresh)
+        fresh_opt = fleet.distributed_optimizer(tx).init(fresh)
         mngr.restore(model=fresh, optimizer=fresh_opt)
     resumed = [float(step(fresh, fresh_opt, b)) for b in batches[2:]]
     np.testing.assert_allclose(resumed, straight, rtol=1e-6)
