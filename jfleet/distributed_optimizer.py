@@ -7,7 +7,10 @@ From then on it is an ordinary ``nnx.Optimizer``: ``opt.update(model, grads)`` w
 inside a user's own ``@nnx.jit`` step, with these limits — the user's step does not
 scale the loss for fp16 (use the engine, or multiply the loss by ``opt.loss_scale``
 yourself) and does not constrain gradients to the ZeRO-2 layout (the update is
-still correct; only the gradient all-reduce is not turned into a reduce-scatter).
+still correct; only the gradient all-reduce is not turned into a reduce-scatter), nor
+run the replicas' gradient communication (``fp16_allreduce``: gradients are reduced in
+fp32 by GSPMD there); under LocalSGD ``opt.update`` is refused (the replicas' own
+parameters live in the optimizer and only the engine steps them).
 
 Paddle's optimizer object (``HybridParallelOptimizer``), the functional way:
 

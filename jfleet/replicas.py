@@ -21,6 +21,11 @@ What leaves the replica step, per kind:
   differs between replicas is gathered along its first axis (as the global batch would
   give it), a differing scalar is averaged (floating), summed (integer) or and-ed (bool).
 
+Random streams (``nnx.Rngs`` in the model, e.g. for ``nnx.Dropout``) are the same on
+every replica, so replica ``i`` draws for its rows what replica 0 draws for its own: the
+masks differ from those one global-batch step would draw, as they do between Paddle's
+data-parallel workers seeded alike.
+
 Replica-local state (the hook's ``comm_state``, LocalSGD's parameters) is stored with a
 leading replica dimension sharded over the data axes: replica ``i`` owns row ``i``.
 
