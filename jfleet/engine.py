@@ -17,6 +17,9 @@ What the engine adds over a hand-written ``nnx.jit`` step:
     only its shard (GPU/TPU compilers emit a reduce-scatter; XLA's CPU compiler an
     all-reduce followed by a slice — ``benchmarks/RESULTS.md``);
   * the loss is computed and returned in fp32;
+  * meta-optimizers that act between data-parallel replicas (``fp16_allreduce``'s
+    gradient communication, LocalSGD) run each replica's part in ``shard_map`` over the
+    data axes (:mod:`jfleet.replicas`);
   * the non-finite guard: an inf / nan loss or gradient is warned about, skipped or
     raised on (``nonfinite``, :mod:`jfleet.nonfinite`);
   * no lost state: dispatching the step and installing its outputs is an
