@@ -16,7 +16,7 @@ from jfleet.checkpoint import CheckpointManager
 from jfleet.models import TinyLM, lm_batches, lm_loss
 from jfleet.optim import hyperparams
 from jfleet.optim.compiler import compile_strategy
-from jfleet.testing import assert_trees_close, make_strategy, train_one_device
+from jfleet.testing import assert_trees_close, hlo, make_strategy, train_one_device
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 MOMENTUM = lambda: optax.sgd(0.5, momentum=0.9)  # noqa: E731
@@ -103,6 +103,22 @@ def test_k4_replicas_drift_between_averages_and_agree_after_each():
     assert syncs == [True, False, False, False, True, False]
     assert int(opt.local_state.last_sync[...]) == 5
     fleet._reset()
+
+
+def test_parameters_are_all_reduced_only_inside_the_sync_branch():
+    """Structure: the compiled step's parameter-sized all-reduce sits in a conditional's
+    branch; outside it the replicas exchange only the loss and the finite flags."""
+    _fleet({"dp_degree": 8}, localsgd=True, localsgd_configs={"k_steps": 4})
+    model = fleet.distributed_model(TinyLM()).module
+    opt = fleet.distributed_optimizer(MOMENTUM())
+    text = make_train_step(lm_loss).lower(model, opt, lm_batches(1)[0]).compile().as_text()
+    fleet._reset()
+    param_bytes = 4 * sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    entry = text[text.index("\nENTRY") :]
+    entry = entry[: entry.index("\n}") + 2]  # the entry computation alone: no branches
+    assert hlo.summarize(text)["all-reduce"].bytes >= param_bytes
+    assert hlo.summarize(entry)["all-reduce"].bytes < param_bytes / 100
+    assert "conditional(" in entry
 
 
 def _adaptive_reference(script, init_k, begin_step):
