@@ -53,6 +53,7 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jfleet._logging import logger
 from jfleet.optim import hyperparams
 from jfleet.optim.communication import GradientCommunication
 from jfleet.optim.localsgd import adaptive_k_steps, sync_due
@@ -449,5 +450,10 @@ def _learning_rate(state: Any, inner_tx: Any) -> jax.Array:
     try:
         node = hyperparams.learning_rate_state(state, inner_tx)
     except ValueError:
+        logger.warning(
+            "adaptive LocalSGD: the optimizer's learning rate is not readable, so it is taken "
+            "as constant (lr0 / lr = 1); build it with jfleet.optim.hyperparams (e.g. "
+            "hyperparams.sgd(0.1)) to let a changing rate into the interval"
+        )
         return jnp.float32(1.0)
     return jnp.asarray(node.hyperparams["learning_rate"], jnp.float32)
