@@ -7,7 +7,10 @@ From then on it is an ordinary ``nnx.Optimizer``: ``opt.update(model, grads)`` w
 inside a user's own ``@nnx.jit`` step, with these limits — the user's step does not
 scale the loss for fp16 (use the engine, or multiply the loss by ``opt.loss_scale``
 yourself) and does not constrain gradients to the ZeRO-2 layout (the update is
-still correct; only the gradient all-reduce is not turned into a reduce-scatter).
+still correct; only the gradient all-reduce is not turned into a reduce-scatter), nor
+run the replicas' gradient communication (``fp16_allreduce``: gradients are reduced in
+fp32 by GSPMD there); under LocalSGD ``opt.update`` is refused (the replicas' own
+parameters live in the optimizer and only the engine steps them).
 
 Paddle's optimizer object (``HybridParallelOptimizer``), the functional way:
 
@@ -66,8 +69,11 @@ from jax.sharding import PartitionSpec as P
 from jfleet import _context
 from jfleet._logging import logger
 from jfleet.optim import hyperparams
+from jfleet.optim.communication import GradientCommunication
+from jfleet.optim.localsgd import LocalSGDConfig
 from jfleet.optim.loss_scale import loss_scale_of, scaling_state_of
 from jfleet.placement import Placement, resolve_placement
+from jfleet.replicas import check_localsgd, init_replica_state, stack_localsgd_state
 
 # What waits for an optimizer's state (set before it is bound): kept off the module so
 # the optimizer's graph definition (the compiled step's key) never changes for it.
@@ -151,6 +157,16 @@ class DistributedOptimizer(nnx.Optimizer):
         Paddle's naming (``["AMPOptimizer", "GradientMergeOptimizer", ...]``).
       inner_tx: the optimizer the user gave (also ``_inner_opt``, Paddle's name).
       step: the update counter, callable as Paddle's ``step`` (:class:`StepCounter`).
+      communication: how the replicas combine their gradients (``fp16_allreduce``,
+        DGC: :mod:`jfleet.optim.communication`), or None (GSPMD's fp32 reduction). Its
+        per-replica state is ``comm_state`` once bound: each leaf with a leading replica
+        dimension sharded over the data axes. Only the engine's steps apply it; a
+        user's own ``opt.update`` gets gradients GSPMD already reduced.
+      localsgd: LocalSGD's settings (:mod:`jfleet.optim.localsgd`), or None. Once bound,
+        ``local_state`` holds the replicas' own parameters and the schedule's counters,
+        and the leaves of ``opt_state`` that differ between replicas (``replica_leaves``
+        marks them: moments, accumulators) have a leading replica dimension; the model
+        holds the parameters of the last average. Only the engine's steps train it.
     """
 
     def __init__(
@@ -161,8 +177,13 @@ class DistributedOptimizer(nnx.Optimizer):
         applied_meta_list: tuple[str, ...] = (),
         has_loss_scaling: bool = False,
         wrt: Any = nnx.Param,
+        communication: GradientCommunication | None = None,
+        localsgd: LocalSGDConfig | None = None,
     ) -> None:
         self.tx = tx
+        self.communication = communication
+        self.localsgd = localsgd
+        self.replica_leaves: tuple[bool, ...] = ()
         self.inner_tx = inner_tx
         self.wrt = wrt
         self.graph = None
@@ -213,7 +234,14 @@ class DistributedOptimizer(nnx.Optimizer):
         params = nnx.state(model, self.wrt)
         if plan.zero_stage >= 1:
             params = jax.device_put(params, plan.param_shardings(params, zero=True))
-        state = to_opt_state(self.tx.init(params))
+        raw = self.tx.init(params)
+        if self.localsgd is not None:
+            check_localsgd(plan, self.localsgd.switch)
+            raw, local, self.replica_leaves = stack_localsgd_state(
+                self.tx, params, raw, self.localsgd, plan
+            )
+            self.local_state = nnx.data(to_opt_state(local))
+        state = to_opt_state(raw)
         replicated = plan.named(P())
 
         def on_mesh(x: Any) -> Any:
@@ -230,6 +258,10 @@ class DistributedOptimizer(nnx.Optimizer):
         object.__setattr__(counter, "_owner", weakref.ref(self))
         self.step = counter
         self.opt_state = nnx.data(state)
+        if self.communication is not None:
+            zeros = jax.tree.map(jnp.zeros_like, nnx.as_pure(params))
+            comm_state = init_replica_state(self.communication.init, zeros, plan)
+            self.comm_state = nnx.data(to_opt_state(comm_state))
         self._param_paths = paths
         self._model = weakref.ref(model)
         for pending in _PENDING.pop(self, {}).values():
@@ -242,6 +274,12 @@ class DistributedOptimizer(nnx.Optimizer):
             raise RuntimeError(
                 "the distributed optimizer has no state yet; call opt.init(model) first "
                 "(train_batch and make_train_step steps do it for you)."
+            )
+        if self.localsgd is not None:
+            raise RuntimeError(
+                f"{self.localsgd.switch}: the replicas step on their own parameters, which "
+                "only the engine's step runs; train with model.train_batch(...) or "
+                "jfleet.make_train_step(loss_fn), not opt.update / opt.step."
             )
         return super().update(model, grads, **kwargs)
 
@@ -517,6 +555,8 @@ class DistributedOptimizer(nnx.Optimizer):
             master_weights=self.master_weights_added,
         )
         self.tx = compiled.tx
+        self.communication = compiled.communication
+        self.localsgd = compiled.localsgd
         applied = {*self.applied_meta_list, *compiled.applied_meta_list}
         self.applied_meta_list = tuple(sorted(applied, key=META_ORDER.index))
         self.has_loss_scaling = self.has_loss_scaling or scaling is not None

@@ -17,6 +17,9 @@ What the engine adds over a hand-written ``nnx.jit`` step:
     only its shard (GPU/TPU compilers emit a reduce-scatter; XLA's CPU compiler an
     all-reduce followed by a slice — ``benchmarks/RESULTS.md``);
   * the loss is computed and returned in fp32;
+  * meta-optimizers that act between data-parallel replicas (``fp16_allreduce``'s
+    gradient communication, LocalSGD) run each replica's part in ``shard_map`` over the
+    data axes (:mod:`jfleet.replicas`);
   * the non-finite guard: an inf / nan loss or gradient is warned about, skipped or
     raised on (``nonfinite``, :mod:`jfleet.nonfinite`);
   * no lost state: dispatching the step and installing its outputs is an
@@ -61,6 +64,7 @@ from jfleet.distributed_optimizer import DistributedOptimizer
 from jfleet.nonfinite import Guard, check_mode, leaf_names
 from jfleet.optim.loss_scale import finite_flags, floating_leaves
 from jfleet.placement import Placement, resolve_placement
+from jfleet.replicas import check_supported, localsgd_step, replica_gradients
 
 LossFn = Callable[[nnx.Module, Any], Any]
 
@@ -76,6 +80,20 @@ def _split_loss(out: Any) -> tuple[jax.Array, Any]:
     else:
         loss, aux = out, None
     return scalar_loss(loss, "loss_fn"), aux
+
+
+_SWITCHES = {
+    "FP16AllReduceOptimizer": "fp16_allreduce",
+    "DGCOptimizer": "dgc",
+    "LocalSGDOptimizer": "localsgd",
+    "AdaptiveLocalSGDOptimizer": "adaptive_localsgd",
+}
+
+
+def _switches(optimizer: DistributedOptimizer) -> str:
+    """The strategy switch(es) behind the optimizer's per-replica step, for error messages."""
+    names = [_SWITCHES[m] for m in optimizer.applied_meta_list if m in _SWITCHES]
+    return " and ".join(f"strategy.{n}=True" for n in names) or "the gradient communication"
 
 
 class StepStateLostError(RuntimeError):
@@ -437,32 +455,46 @@ class TrainStep(_Step):
         batch_sh = _shardings(batch)
         replicated = placement.named(jax.sharding.PartitionSpec())
 
+        comm, local = optimizer.communication, optimizer.localsgd
+        if comm is not None or local is not None:
+            check_supported(placement, _switches(optimizer))
+
+        def objective(model, batch, scale):
+            if gathered is not None:
+                params = nnx.state(model, wrt)
+                nnx.update(model, jax.lax.with_sharding_constraint(params, gathered))
+            loss, aux = _split_loss(loss_fn(model, batch))
+            return loss * scale, (loss, aux)
+
         def step(leaves, batch):
             model_state = jax.tree.unflatten(model_tree, leaves[:n_model])
             opt_state = jax.tree.unflatten(opt_tree, leaves[n_model:])
             model = nnx.merge(model_def, model_state)
             opt = nnx.merge(opt_def, opt_state)
-            scale = opt.loss_scale if scaled else None
-
-            def objective(model):
-                if gathered is not None:
-                    params = nnx.state(model, wrt)
-                    nnx.update(model, jax.lax.with_sharding_constraint(params, gathered))
-                loss, aux = _split_loss(loss_fn(model, batch))
-                return (loss * scale if scaled else loss), (loss, aux)
-
-            grads, (loss, aux) = nnx.grad(objective, argnums=nnx.DiffState(0, wrt), has_aux=True)(
-                model
-            )
-            if grad_shardings is not None:
-                grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
-            # The guard: with loss scaling the scaler skips overflowing steps itself (and
-            # lowers the scale), so only the loss is checked; else the loss and gradients.
-            checked = (loss,) if scaled else (loss, grads)
-            flags = finite_flags(checked)
-            names[:] = leaf_names([path for path, _ in floating_leaves(checked)])
+            scale = opt.loss_scale if scaled else jnp.float32(1.0)
             old = jax.tree.leaves((model_state, opt_state))
-            opt.update(model, grads)
+            if local is not None:  # LocalSGD: replicas step on their own parameters
+                loss, aux, flags = localsgd_step(model, opt, objective, batch, scale, placement)
+                checked = (loss, nnx.state(model, wrt))  # what the flags are about, for names
+            else:
+                if comm is not None:  # each replica's gradient, combined by the hook
+                    grads, loss, aux, comm_state = replica_gradients(
+                        model, wrt, objective, batch, scale, placement, comm,
+                        nnx.as_pure(opt.comm_state),
+                    )  # fmt: skip
+                    nnx.update(opt.comm_state, nnx.state(comm_state))
+                else:
+                    grads, (loss, aux) = nnx.grad(
+                        objective, argnums=nnx.DiffState(0, wrt), has_aux=True
+                    )(model, batch, scale)
+                if grad_shardings is not None:
+                    grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+                # The guard: with loss scaling the scaler skips overflowing steps itself (and
+                # lowers the scale), so only the loss is checked; else the loss and gradients.
+                checked = (loss,) if scaled else (loss, grads)
+                flags = finite_flags(checked)
+                opt.update(model, grads)
+            names[:] = leaf_names([path for path, _ in floating_leaves(checked)])
             new_state = (nnx.state(model), nnx.state(opt))
             if mode != "warn" and not scaled:  # drop the update: old state, bit for bit
                 finite = jnp.all(flags)
