@@ -66,8 +66,10 @@ from jax.sharding import PartitionSpec as P
 from jfleet import _context
 from jfleet._logging import logger
 from jfleet.optim import hyperparams
+from jfleet.optim.communication import GradientCommunication
 from jfleet.optim.loss_scale import loss_scale_of, scaling_state_of
 from jfleet.placement import Placement, resolve_placement
+from jfleet.replicas import init_replica_state
 
 # What waits for an optimizer's state (set before it is bound): kept off the module so
 # the optimizer's graph definition (the compiled step's key) never changes for it.
@@ -151,6 +153,11 @@ class DistributedOptimizer(nnx.Optimizer):
         Paddle's naming (``["AMPOptimizer", "GradientMergeOptimizer", ...]``).
       inner_tx: the optimizer the user gave (also ``_inner_opt``, Paddle's name).
       step: the update counter, callable as Paddle's ``step`` (:class:`StepCounter`).
+      communication: how the replicas combine their gradients (``fp16_allreduce``,
+        DGC: :mod:`jfleet.optim.communication`), or None (GSPMD's fp32 reduction). Its
+        per-replica state is ``comm_state`` once bound: each leaf with a leading replica
+        dimension sharded over the data axes. Only the engine's steps apply it; a
+        user's own ``opt.update`` gets gradients GSPMD already reduced.
     """
 
     def __init__(
@@ -161,8 +168,10 @@ class DistributedOptimizer(nnx.Optimizer):
         applied_meta_list: tuple[str, ...] = (),
         has_loss_scaling: bool = False,
         wrt: Any = nnx.Param,
+        communication: GradientCommunication | None = None,
     ) -> None:
         self.tx = tx
+        self.communication = communication
         self.inner_tx = inner_tx
         self.wrt = wrt
         self.graph = None
@@ -230,6 +239,10 @@ class DistributedOptimizer(nnx.Optimizer):
         object.__setattr__(counter, "_owner", weakref.ref(self))
         self.step = counter
         self.opt_state = nnx.data(state)
+        if self.communication is not None:
+            zeros = jax.tree.map(jnp.zeros_like, nnx.as_pure(params))
+            comm_state = init_replica_state(self.communication.init, zeros, plan)
+            self.comm_state = nnx.data(to_opt_state(comm_state))
         self._param_paths = paths
         self._model = weakref.ref(model)
         for pending in _PENDING.pop(self, {}).values():
@@ -517,6 +530,7 @@ class DistributedOptimizer(nnx.Optimizer):
             master_weights=self.master_weights_added,
         )
         self.tx = compiled.tx
+        self.communication = compiled.communication
         applied = {*self.applied_meta_list, *compiled.applied_meta_list}
         self.applied_meta_list = tuple(sorted(applied, key=META_ORDER.index))
         self.has_loss_scaling = self.has_loss_scaling or scaling is not None

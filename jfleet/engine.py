@@ -61,6 +61,7 @@ from jfleet.distributed_optimizer import DistributedOptimizer
 from jfleet.nonfinite import Guard, check_mode, leaf_names
 from jfleet.optim.loss_scale import finite_flags, floating_leaves
 from jfleet.placement import Placement, resolve_placement
+from jfleet.replicas import check_supported, replica_gradients
 
 LossFn = Callable[[nnx.Module, Any], Any]
 
@@ -76,6 +77,15 @@ def _split_loss(out: Any) -> tuple[jax.Array, Any]:
     else:
         loss, aux = out, None
     return scalar_loss(loss, "loss_fn"), aux
+
+
+_SWITCHES = {"FP16AllReduceOptimizer": "fp16_allreduce", "DGCOptimizer": "dgc"}
+
+
+def _switches(optimizer: DistributedOptimizer) -> str:
+    """The strategy switch(es) behind the optimizer's per-replica step, for error messages."""
+    names = [_SWITCHES[m] for m in optimizer.applied_meta_list if m in _SWITCHES]
+    return " and ".join(f"strategy.{n}=True" for n in names) or "the gradient communication"
 
 
 class StepStateLostError(RuntimeError):
@@ -437,23 +447,33 @@ class TrainStep(_Step):
         batch_sh = _shardings(batch)
         replicated = placement.named(jax.sharding.PartitionSpec())
 
+        comm = optimizer.communication
+        if comm is not None:
+            check_supported(placement, _switches(optimizer))
+
+        def objective(model, batch, scale):
+            if gathered is not None:
+                params = nnx.state(model, wrt)
+                nnx.update(model, jax.lax.with_sharding_constraint(params, gathered))
+            loss, aux = _split_loss(loss_fn(model, batch))
+            return loss * scale, (loss, aux)
+
         def step(leaves, batch):
             model_state = jax.tree.unflatten(model_tree, leaves[:n_model])
             opt_state = jax.tree.unflatten(opt_tree, leaves[n_model:])
             model = nnx.merge(model_def, model_state)
             opt = nnx.merge(opt_def, opt_state)
-            scale = opt.loss_scale if scaled else None
-
-            def objective(model):
-                if gathered is not None:
-                    params = nnx.state(model, wrt)
-                    nnx.update(model, jax.lax.with_sharding_constraint(params, gathered))
-                loss, aux = _split_loss(loss_fn(model, batch))
-                return (loss * scale if scaled else loss), (loss, aux)
-
-            grads, (loss, aux) = nnx.grad(objective, argnums=nnx.DiffState(0, wrt), has_aux=True)(
-                model
-            )
+            scale = opt.loss_scale if scaled else jnp.float32(1.0)
+            if comm is not None:  # each replica's gradient, combined by the hook
+                grads, loss, aux, comm_state = replica_gradients(
+                    model, wrt, objective, batch, scale, placement, comm,
+                    nnx.as_pure(opt.comm_state),
+                )  # fmt: skip
+                nnx.update(opt.comm_state, nnx.state(comm_state))
+            else:
+                grads, (loss, aux) = nnx.grad(
+                    objective, argnums=nnx.DiffState(0, wrt), has_aux=True
+                )(model, batch, scale)
             if grad_shardings is not None:
                 grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
             # The guard: with loss scaling the scaler skips overflowing steps itself (and

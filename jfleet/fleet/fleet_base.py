@@ -296,6 +296,7 @@ class Fleet(PerfMethods):
             applied_meta_list=compiled.applied_meta_list,
             has_loss_scaling=bool(compiled.amp and compiled.amp.loss_scaling),
             wrt=wrt,
+            communication=compiled.communication,
         )
         self._optimizer = dist
         logger.info("meta-optimizers applied: %s", list(compiled.applied_meta_list) or "none")

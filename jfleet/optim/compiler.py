@@ -42,6 +42,7 @@ from typing import Any
 import optax
 
 from jfleet._logging import logger
+from jfleet.optim.communication import GradientCommunication, fp16_allreduce
 from jfleet.optim.gradient_merge import gradient_merge
 from jfleet.optim.lamb_lars import lamb_from, lars_from
 from jfleet.optim.loss_scale import dynamic_loss_scaling
@@ -54,11 +55,12 @@ _CONFLICTS = (
     ("dgc", "fp16_allreduce", "Paddle's FP16AllReduce meta-optimizer black-lists DGC"),
     ("localsgd", "adaptive_localsgd", "LocalSGD and AdaptiveLocalSGD black-list each other"),
 )
-_NOT_YET = ("dgc", "localsgd", "adaptive_localsgd", "fp16_allreduce")
+_NOT_YET = ("dgc", "localsgd", "adaptive_localsgd")
 
 #: The documented order of meta-optimizers, outermost first.
 META_ORDER = (
     "ShardingOptimizer",
+    "FP16AllReduceOptimizer",
     "GradientMergeOptimizer",
     "AMPOptimizer",
     "RecomputeOptimizer",
@@ -78,11 +80,14 @@ class AmpSettings:
 
 @dataclasses.dataclass(frozen=True)
 class CompiledChain:
-    """The compiled optimizer: the chain, the applied meta-optimizers, the AMP settings."""
+    """The compiled optimizer: the chain, the applied meta-optimizers, the AMP settings, and
+    how the data-parallel replicas combine their gradients (``communication``: None for
+    GSPMD's own fp32 reduction; :mod:`jfleet.optim.communication`)."""
 
     tx: optax.GradientTransformation
     applied_meta_list: tuple[str, ...]
     amp: AmpSettings | None
+    communication: GradientCommunication | None = None
 
 
 def amp_settings(strategy: Any) -> AmpSettings | None:
@@ -208,5 +213,12 @@ def compile_strategy(
         tx = _master_weights(tx)
     if strategy.sharding or strategy.hybrid_configs["sharding_degree"] > 1:
         applied.append("ShardingOptimizer")
+    communication = None
+    if strategy.fp16_allreduce:
+        half = "bfloat16" if amp is not None and amp.dtype == "bfloat16" else "float16"
+        communication = fp16_allreduce(half)
+        applied.append("FP16AllReduceOptimizer")
     applied.sort(key=META_ORDER.index)
-    return CompiledChain(tx=tx, applied_meta_list=tuple(applied), amp=amp)
+    return CompiledChain(
+        tx=tx, applied_meta_list=tuple(applied), amp=amp, communication=communication
+    )
