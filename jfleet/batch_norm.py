@@ -18,9 +18,11 @@ replicas. jfleet gives both meanings to the user's own ``nnx.BatchNorm`` modules
   replica mean of the statistics (the mean of the per-replica means and of the per-replica
   biased variances). Paddle keeps one set per replica and saves rank 0's.
 
-Evaluation (``use_running_average=True``, ``model.eval()``) uses the running averages in
-both modes. A module with its own ``axis_name`` (synchronised by the user inside
-``shard_map``) is left as it is.
+The same holds inside the engine's per-replica step (``shard_map`` over the data axes, for
+``fp16_allreduce`` and DGC), where a module sees one replica's rows: its own statistics,
+or (sync) the replicas' all-reduced ones. Evaluation (``use_running_average=True``,
+``model.eval()``) uses the running averages in both modes. A module with its own
+``axis_name`` (synchronised by the user inside ``shard_map``) is left as it is.
 
 Example:
   >>> from flax import nnx
@@ -41,6 +43,7 @@ from flax.nnx.nn import normalization as _flax_norm
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jfleet.optim.communication import data_axes
 from jfleet.recompute import module_paths
 
 __all__ = ["SyncBatchNorm", "apply_batch_norm", "is_sync", "replicas_of"]
@@ -80,7 +83,13 @@ class SyncBatchNorm(nnx.BatchNorm):
                 "Module holding nnx.BatchNorm layers."
             )
         for module in _batch_norms(layer):
-            module.__class__ = _subclass(_original(type(module)), "sync", None, ())
+            cls = type(module)
+            if hasattr(cls, "_jfleet_bn_replicas"):  # prepared already: keep the mesh
+                mesh, axes = cls._jfleet_bn_replicas
+                marked = _subclass(_original(cls), "sync", None, ())
+                module.__class__ = _subclass(marked, "replicas", mesh, axes, True)
+            else:
+                module.__class__ = _subclass(cls, "sync", None, ())
         return layer
 
 
@@ -92,7 +101,9 @@ def is_sync(module: nnx.Module) -> bool:
 def replicas_of(module: nnx.Module) -> int:
     """How many replicas' statistics a batch-norm module keeps apart (1: global statistics)."""
     mesh, axes = getattr(type(module), "_jfleet_bn_replicas", (None, ()))
-    return math.prod(mesh.shape[a] for a in axes) if mesh is not None else 1
+    if mesh is None or getattr(type(module), "_jfleet_bn_sync", False):
+        return 1
+    return math.prod(mesh.shape[a] for a in axes)
 
 
 def apply_batch_norm(
@@ -103,33 +114,36 @@ def apply_batch_norm(
     Args:
       model: the user's NNX model.
       sync: ``strategy.sync_batch_norm``: True for statistics over the global batch,
-        False for per-replica statistics.
+        False for per-replica statistics (``SyncBatchNorm`` modules are always global).
       mesh: the run's mesh.
       data_axes: the mesh axes the batch is split over (``Placement.data_axes``).
 
     Returns:
-      ``model``, whose batch-norm modules (other than ``SyncBatchNorm`` ones and ones
-      with an ``axis_name``) now use per-replica statistics when ``sync`` is False and
-      the data axes hold more than one replica, global statistics otherwise.
+      ``model``. With more than one data-parallel replica each batch-norm module (other
+      than ones with an ``axis_name``) gets a subclass of its class that keeps these
+      statistics both on the global batch (GSPMD) and inside the engine's per-replica
+      step (``shard_map`` over the data axes: fp16_allreduce, DGC), where the replica's
+      statistics are all-reduced over the data axes for global ones.
 
     Example:
       >>> from flax import nnx
       >>> from jax.sharding import AxisType
-      >>> mesh = jax.make_mesh((8,), ("dp",), axis_types=(AxisType.Auto,))
+      >>> from jfleet.topology import DP
+      >>> mesh = jax.make_mesh((8,), (DP,), axis_types=(AxisType.Auto,))
       >>> bn = apply_batch_norm(nnx.BatchNorm(4, rngs=nnx.Rngs(0)), sync=False, mesh=mesh,
-      ...                       data_axes=("dp",))
+      ...                       data_axes=(DP,))
       >>> replicas_of(bn), type(bn).__name__
       (8, 'BatchNorm')
     """
-    axes = tuple(a for a in data_axes if mesh.shape[a] > 1)
+    axes = tuple(data_axes)
+    replicas = math.prod(mesh.shape[a] for a in axes)
     for module in _batch_norms(model):
-        if is_sync(module) or module.axis_name is not None:
+        if module.axis_name is not None:
             continue
         cls = _original(type(module))
-        if sync or not axes:
-            module.__class__ = cls
-        else:
-            module.__class__ = _subclass(cls, "replica", mesh, axes)
+        if replicas > 1:
+            cls = _subclass(cls, "replicas", mesh, axes, sync or is_sync(module))
+        module.__class__ = cls
     return model
 
 
@@ -142,22 +156,29 @@ def _batch_norms(model: nnx.Module) -> list[nnx.BatchNorm]:
 
 
 def _original(cls: type) -> type:
+    """The class before :func:`apply_batch_norm` (a ``SyncBatchNorm`` marking stays)."""
     return getattr(cls, "_jfleet_bn_original", cls)
 
 
-def _subclass(cls: type, kind: str, mesh: Mesh | None, axes: tuple[str, ...]) -> type:
-    """The cached subclass of ``cls``: ``"sync"`` (marked global) or ``"replica"``."""
-    if kind == "sync" and issubclass(cls, SyncBatchNorm):
+def _subclass(
+    cls: type, kind: str, mesh: Mesh | None, axes: tuple[str, ...], sync: bool = True
+) -> type:
+    """The cached subclass of ``cls``: ``"sync"`` (marked global) or ``"replicas"``."""
+    if kind == "sync" and is_sync_class(cls):
         return cls
-    key = (cls, kind, mesh, axes)
+    key = (cls, kind, mesh, axes, sync)
     sub = _CLASSES.get(key)
     if sub is None:
-        attrs: dict[str, Any] = {"_jfleet_bn_original": cls}
+        attrs: dict[str, Any] = {}
         if kind == "sync":
             attrs["_jfleet_sync_bn"] = True
         else:
-            attrs["_jfleet_bn_replicas"] = (mesh, axes)
-            attrs["__call__"] = _replica_call
+            attrs.update(
+                _jfleet_bn_original=cls,
+                _jfleet_bn_replicas=(mesh, axes),
+                _jfleet_bn_sync=sync,
+                __call__=_replica_call,
+            )
         sub = type(cls.__name__, (cls,), attrs)
         sub.__qualname__ = cls.__qualname__
         sub.__module__ = cls.__module__
@@ -165,17 +186,27 @@ def _subclass(cls: type, kind: str, mesh: Mesh | None, axes: tuple[str, ...]) ->
     return sub
 
 
+def is_sync_class(cls: type) -> bool:
+    """Whether a batch-norm class is marked for global statistics."""
+    return bool(getattr(cls, "_jfleet_sync_bn", False))
+
+
 def _replica_call(
     self: Any, x: jax.Array, use_running_average: bool | None = None, *, mask: Any = None
 ) -> jax.Array:
-    """``nnx.BatchNorm.__call__`` with each data-parallel replica's own batch statistics."""
+    """``nnx.BatchNorm.__call__`` with per-replica or global statistics, on the global batch
+    (GSPMD) or on one replica's rows (inside the engine's per-replica ``shard_map``)."""
     original = _original(type(self)).__call__
     running = self.use_running_average if use_running_average is None else use_running_average
     feature_axes = _flax_norm._canonicalize_axes(x.ndim, self.axis)
     if running is None or running or x.ndim == 0 or 0 in feature_axes:
         return original(self, x, use_running_average, mask=mask)  # flax's errors and eval
     mesh, axes = type(self)._jfleet_bn_replicas
-    r = replicas_of(self)
+    sync = type(self)._jfleet_bn_sync
+    manual = data_axes(axes)
+    if not manual and sync:
+        return original(self, x, use_running_average, mask=mask)  # GSPMD: already global
+    r = 1 if manual else replicas_of(self)
     if x.shape[0] % r:
         raise ValueError(
             f"{type(self).__name__} got an input of shape {x.shape}, but per-replica "
@@ -189,12 +220,17 @@ def _replica_call(
     x, _, _, scale, bias = self.promote_dtype(
         (x, self.mean[...], self.var[...], scale, bias), dtype=self.dtype
     )
-    xr = _on_replicas(x.reshape(shape), mesh, axes)
+    xr = x.reshape(shape) if manual else _on_replicas(x.reshape(shape), mesh, axes)
     if mask is not None:
-        mask = _on_replicas(jnp.broadcast_to(mask, x.shape).reshape(shape), mesh, axes)
+        mask = jnp.broadcast_to(mask, x.shape).reshape(shape)
     reduce_axes = tuple(i + 1 for i in range(x.ndim) if i not in feature_axes)
     mu, sigma2 = _flax_norm._compute_stats(
-        xr, reduce_axes, dtype=self.dtype, use_fast_variance=self.use_fast_variance, mask=mask
+        xr,
+        reduce_axes,
+        dtype=self.dtype,
+        axis_name=manual if sync else None,  # one replica's rows: all-reduce for global
+        use_fast_variance=self.use_fast_variance,
+        mask=mask,
     )  # (replicas, *features)
     stop = jax.lax.stop_gradient if self.mean._can_update or self.var._can_update else _same
     self.mean[...] = stop(self.momentum * self.mean[...] + (1 - self.momentum) * mu.mean(0))

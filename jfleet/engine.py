@@ -79,7 +79,7 @@ def _split_loss(out: Any) -> tuple[jax.Array, Any]:
     return scalar_loss(loss, "loss_fn"), aux
 
 
-_SWITCHES = {"FP16AllReduceOptimizer": "fp16_allreduce", "DGCOptimizer": "dgc"}
+_SWITCHES = {"FP16AllReduceOptimizer": "fp16_allreduce", "DGCMomentumOptimizer": "dgc"}
 
 
 def _switches(optimizer: DistributedOptimizer) -> str:

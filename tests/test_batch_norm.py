@@ -11,6 +11,7 @@ from flax import nnx
 
 from jfleet import fleet
 from jfleet.batch_norm import SyncBatchNorm, is_sync, replicas_of
+from jfleet.optim.communication import mean_communication
 from jfleet.testing import hlo
 from jfleet.testing.reference import train_one_device
 from jfleet.testing.trees import assert_trees_close
@@ -160,3 +161,29 @@ def test_convert_sync_batchnorm_and_errors():
         plain(jnp.ones((12, 4, 4, 2)))
     with pytest.raises(TypeError, match="expected a flax.nnx Module"):
         SyncBatchNorm.convert_sync_batchnorm([1])
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_the_engines_per_replica_step_keeps_the_statistics(sync):
+    """Inside the replica shard_map (fp16_allreduce, DGC) each module sees one replica's
+    rows: sync all-reduces their statistics, off keeps them; same references as above."""
+    data = batches(1)[0]
+    model, opt = _distributed(sync=sync)
+    opt.communication = mean_communication()  # the replica hook with an exact fp32 mean
+    params0 = jax.tree.map(jnp.copy, nnx.to_pure_dict(nnx.state(model.module, nnx.Param)))
+    loss = model.train_batch(data, opt, loss_fn=loss_fn)
+    if sync:
+        ref = ConvBN(nnx.Rngs(0))
+        batch = jax.tree.map(jnp.asarray, data)
+        ref_loss, ref_grads = nnx.value_and_grad(loss_fn)(ref, batch)
+        ref_loss, ref_grads, ref_stats = (
+            float(ref_loss),
+            nnx.state(ref_grads, nnx.Param),
+            _stats(ref),
+        )
+    else:
+        ref_loss, ref_grads, ref_stats = _per_replica_reference(data)
+    np.testing.assert_allclose(float(loss), ref_loss, **TOL)
+    want = jax.tree.map(lambda p, g: p - LR * g, params0, nnx.to_pure_dict(ref_grads))
+    assert_trees_close(nnx.state(model.module, nnx.Param), want, **TOL)
+    assert_trees_close(_stats(model.module), ref_stats, **TOL)

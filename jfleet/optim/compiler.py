@@ -10,6 +10,8 @@ provides and writes the order down once (outermost first)::
     AMPOptimizer             dynamic loss scaling: unscale, skip non-finite steps
     RecomputeOptimizer       model side only (jax.checkpoint on named sub-modules)
     LambOptimizer | LarsOptimizer   replace the user's Adam / Momentum
+    DGCMomentumOptimizer     replaces the user's Momentum; its top-k exchange is the
+                             replicas' gradient communication (jfleet.optim.dgc)
     the user's optimizer
 
 GradientMerge wraps AMP as in Paddle, so the loss scale stays fixed while
@@ -17,9 +19,9 @@ micro-batches accumulate and a merged step with a non-finite gradient is skipped
 whole; the master weights sit outside both, so merged gradients accumulate in fp32.
 
 Combinations Paddle forbids are errors naming both switches (``lamb`` with
-``lars``, ``dgc`` with ``amp`` or ``fp16_allreduce``, ``localsgd`` with
-``adaptive_localsgd``); meta-optimizers jfleet does not provide yet (``dgc``,
-``localsgd``, ``adaptive_localsgd``, ``fp16_allreduce``) are errors too, never
+``lars``, ``dgc`` with ``amp``, ``fp16_allreduce``, ``lamb``, ``lars`` or
+``gradient_merge``, ``localsgd`` with ``adaptive_localsgd``); meta-optimizers jfleet
+does not provide yet (``localsgd``, ``adaptive_localsgd``, ``fp16_allreduce``) are errors too, never
 silently dropped.
 
 Example:
@@ -41,21 +43,31 @@ from typing import Any
 
 import optax
 
+from jfleet import _context
 from jfleet._logging import logger
 from jfleet.optim.communication import GradientCommunication, fp16_allreduce
+from jfleet.optim.dgc import dgc_communication, dgc_momentum, momentum_of
 from jfleet.optim.gradient_merge import gradient_merge
 from jfleet.optim.lamb_lars import lamb_from, lars_from
 from jfleet.optim.loss_scale import dynamic_loss_scaling
 from jfleet.optim.master_weights import master_weights as _master_weights
+from jfleet.topology import DATA_AXES
 
 # Pairs Paddle's meta-optimizer black lists forbid.
 _CONFLICTS = (
     ("lamb", "lars", "LAMB and LARS both replace the inner optimizer; pick one"),
     ("dgc", "amp", "Paddle's AMP meta-optimizer black-lists DGC"),
     ("dgc", "fp16_allreduce", "Paddle's FP16AllReduce meta-optimizer black-lists DGC"),
+    ("dgc", "lamb", "DGC replaces a Momentum optimizer, LAMB an Adam one"),
+    ("dgc", "lars", "DGC and LARS both replace the Momentum optimizer; pick one"),
+    (
+        "dgc",
+        "gradient_merge",
+        "Paddle's GradientMerge does not wrap DGC, which exchanges gradients every step",
+    ),
     ("localsgd", "adaptive_localsgd", "LocalSGD and AdaptiveLocalSGD black-list each other"),
 )
-_NOT_YET = ("dgc", "localsgd", "adaptive_localsgd")
+_NOT_YET = ("localsgd", "adaptive_localsgd")
 
 #: The documented order of meta-optimizers, outermost first.
 META_ORDER = (
@@ -66,6 +78,7 @@ META_ORDER = (
     "RecomputeOptimizer",
     "LambOptimizer",
     "LarsOptimizer",
+    "DGCMomentumOptimizer",
 )
 
 
@@ -177,6 +190,10 @@ def compile_strategy(
             exclude_from_weight_decay=tuple(cfg["exclude_from_weight_decay"]),
         )
         applied.append("LarsOptimizer")
+    communication = None
+    if strategy.dgc:
+        tx, communication = _dgc(tx, strategy.dgc_configs)
+        applied.append("DGCMomentumOptimizer")
     if strategy.recompute:
         applied.append("RecomputeOptimizer")
     amp = amp_settings(strategy)
@@ -213,7 +230,6 @@ def compile_strategy(
         tx = _master_weights(tx)
     if strategy.sharding or strategy.hybrid_configs["sharding_degree"] > 1:
         applied.append("ShardingOptimizer")
-    communication = None
     if strategy.fp16_allreduce:
         half = "bfloat16" if amp is not None and amp.dtype == "bfloat16" else "float16"
         communication = fp16_allreduce(half)
@@ -222,3 +238,30 @@ def compile_strategy(
     return CompiledChain(
         tx=tx, applied_meta_list=tuple(applied), amp=amp, communication=communication
     )
+
+
+def _dgc(
+    tx: optax.GradientTransformation, cfg: Mapping[str, Any]
+) -> tuple[optax.GradientTransformation, GradientCommunication]:
+    """``strategy.dgc``: the DGC optimizer replacing the user's Momentum, and its exchange.
+
+    Raises:
+      ValueError: not a Momentum optimizer, or one data-parallel worker (Paddle's checks).
+    """
+    run = _context.current()
+    if run is not None:
+        shape = dict(run.mesh.shape)
+        workers = 1
+        for axis in DATA_AXES:
+            workers *= shape.get(axis, 1)
+        if workers < 2:
+            raise ValueError(
+                "strategy.dgc=True needs more than one data-parallel worker (as Paddle's DGC "
+                f"does), but dp x sharding = {workers}; set hybrid_configs dp_degree > 1, or "
+                "strategy.dgc=False."
+            )
+    begin, rampup, sparsity = cfg["rampup_begin_step"], cfg["rampup_step"], cfg["sparsity"]
+    communication = dgc_communication(
+        momentum_of(tx), rampup_begin_step=begin, rampup_step=rampup, sparsity=sparsity
+    )
+    return dgc_momentum(tx, rampup_begin_step=begin), communication
