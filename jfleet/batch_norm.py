@@ -43,12 +43,12 @@ from flax.nnx.nn import normalization as _flax_norm
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jfleet.optim.communication import data_axes
+from jfleet.optim.communication import data_axes as manual_axes
 from jfleet.recompute import module_paths
 
 __all__ = ["SyncBatchNorm", "apply_batch_norm", "is_sync", "replicas_of"]
 
-_CLASSES: dict[tuple, type] = {}  # one subclass per (class, kind, mesh, axes)
+_CLASSES: dict[tuple, type] = {}  # one subclass per (class, kind, mesh, axes, sync)
 
 
 class SyncBatchNorm(nnx.BatchNorm):
@@ -164,7 +164,7 @@ def _subclass(
     cls: type, kind: str, mesh: Mesh | None, axes: tuple[str, ...], sync: bool = True
 ) -> type:
     """The cached subclass of ``cls``: ``"sync"`` (marked global) or ``"replicas"``."""
-    if kind == "sync" and is_sync_class(cls):
+    if kind == "sync" and _is_sync_class(cls):
         return cls
     key = (cls, kind, mesh, axes, sync)
     sub = _CLASSES.get(key)
@@ -186,7 +186,7 @@ def _subclass(
     return sub
 
 
-def is_sync_class(cls: type) -> bool:
+def _is_sync_class(cls: type) -> bool:
     """Whether a batch-norm class is marked for global statistics."""
     return bool(getattr(cls, "_jfleet_sync_bn", False))
 
@@ -203,7 +203,7 @@ def _replica_call(
         return original(self, x, use_running_average, mask=mask)  # flax's errors and eval
     mesh, axes = type(self)._jfleet_bn_replicas
     sync = type(self)._jfleet_bn_sync
-    manual = data_axes(axes)
+    manual = manual_axes(axes)
     if not manual and sync:
         return original(self, x, use_running_average, mask=mask)  # GSPMD: already global
     r = 1 if manual else replicas_of(self)

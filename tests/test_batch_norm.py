@@ -9,7 +9,8 @@ import optax
 import pytest
 from flax import nnx
 
-from jfleet import fleet
+from jfleet import fleet, make_train_step
+from jfleet.auto_parallel import to_distributed
 from jfleet.batch_norm import SyncBatchNorm, is_sync, replicas_of
 from jfleet.optim.communication import mean_communication
 from jfleet.testing import hlo
@@ -187,3 +188,11 @@ def test_the_engines_per_replica_step_keeps_the_statistics(sync):
     want = jax.tree.map(lambda p, g: p - LR * g, params0, nnx.to_pure_dict(ref_grads))
     assert_trees_close(nnx.state(model.module, nnx.Param), want, **TOL)
     assert_trees_close(_stats(model.module), ref_stats, **TOL)
+
+
+def test_to_distributed_models_get_per_replica_statistics():
+    data = batches(1)
+    model, opt, loader = to_distributed(ConvBN(nnx.Rngs(0)), optax.sgd(LR), data)
+    assert replicas_of(model.bn) == DP  # planned dp8, Paddle's default sync_batch_norm=False
+    loss = make_train_step(loss_fn)(model, opt, next(iter(loader)))
+    np.testing.assert_allclose(float(loss), _per_replica_reference(data[0])[0], **TOL)
