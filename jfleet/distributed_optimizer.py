@@ -67,9 +67,10 @@ from jfleet import _context
 from jfleet._logging import logger
 from jfleet.optim import hyperparams
 from jfleet.optim.communication import GradientCommunication
+from jfleet.optim.localsgd import LocalSGDConfig
 from jfleet.optim.loss_scale import loss_scale_of, scaling_state_of
 from jfleet.placement import Placement, resolve_placement
-from jfleet.replicas import init_replica_state
+from jfleet.replicas import check_localsgd, init_replica_state, stack_localsgd_state
 
 # What waits for an optimizer's state (set before it is bound): kept off the module so
 # the optimizer's graph definition (the compiled step's key) never changes for it.
@@ -158,6 +159,11 @@ class DistributedOptimizer(nnx.Optimizer):
         per-replica state is ``comm_state`` once bound: each leaf with a leading replica
         dimension sharded over the data axes. Only the engine's steps apply it; a
         user's own ``opt.update`` gets gradients GSPMD already reduced.
+      localsgd: LocalSGD's settings (:mod:`jfleet.optim.localsgd`), or None. Once bound,
+        ``local_state`` holds the replicas' own parameters and the schedule's counters,
+        and the leaves of ``opt_state`` that differ between replicas (``replica_leaves``
+        marks them: moments, accumulators) have a leading replica dimension; the model
+        holds the parameters of the last average. Only the engine's steps train it.
     """
 
     def __init__(
@@ -169,9 +175,12 @@ class DistributedOptimizer(nnx.Optimizer):
         has_loss_scaling: bool = False,
         wrt: Any = nnx.Param,
         communication: GradientCommunication | None = None,
+        localsgd: LocalSGDConfig | None = None,
     ) -> None:
         self.tx = tx
         self.communication = communication
+        self.localsgd = localsgd
+        self.replica_leaves: tuple[bool, ...] = ()
         self.inner_tx = inner_tx
         self.wrt = wrt
         self.graph = None
@@ -222,7 +231,14 @@ class DistributedOptimizer(nnx.Optimizer):
         params = nnx.state(model, self.wrt)
         if plan.zero_stage >= 1:
             params = jax.device_put(params, plan.param_shardings(params, zero=True))
-        state = to_opt_state(self.tx.init(params))
+        raw = self.tx.init(params)
+        if self.localsgd is not None:
+            check_localsgd(plan, self.localsgd.switch)
+            raw, local, self.replica_leaves = stack_localsgd_state(
+                self.tx, params, raw, self.localsgd, plan
+            )
+            self.local_state = nnx.data(to_opt_state(local))
+        state = to_opt_state(raw)
         replicated = plan.named(P())
 
         def on_mesh(x: Any) -> Any:
@@ -255,6 +271,12 @@ class DistributedOptimizer(nnx.Optimizer):
             raise RuntimeError(
                 "the distributed optimizer has no state yet; call opt.init(model) first "
                 "(train_batch and make_train_step steps do it for you)."
+            )
+        if self.localsgd is not None:
+            raise RuntimeError(
+                f"{self.localsgd.switch}: the replicas step on their own parameters, which "
+                "only the engine's step runs; train with model.train_batch(...) or "
+                "jfleet.make_train_step(loss_fn), not opt.update / opt.step."
             )
         return super().update(model, grads, **kwargs)
 
@@ -531,6 +553,7 @@ class DistributedOptimizer(nnx.Optimizer):
         )
         self.tx = compiled.tx
         self.communication = compiled.communication
+        self.localsgd = compiled.localsgd
         applied = {*self.applied_meta_list, *compiled.applied_meta_list}
         self.applied_meta_list = tuple(sorted(applied, key=META_ORDER.index))
         self.has_loss_scaling = self.has_loss_scaling or scaling is not None

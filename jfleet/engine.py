@@ -61,7 +61,7 @@ from jfleet.distributed_optimizer import DistributedOptimizer
 from jfleet.nonfinite import Guard, check_mode, leaf_names
 from jfleet.optim.loss_scale import finite_flags, floating_leaves
 from jfleet.placement import Placement, resolve_placement
-from jfleet.replicas import check_supported, replica_gradients
+from jfleet.replicas import check_supported, localsgd_step, replica_gradients
 
 LossFn = Callable[[nnx.Module, Any], Any]
 
@@ -79,7 +79,12 @@ def _split_loss(out: Any) -> tuple[jax.Array, Any]:
     return scalar_loss(loss, "loss_fn"), aux
 
 
-_SWITCHES = {"FP16AllReduceOptimizer": "fp16_allreduce", "DGCMomentumOptimizer": "dgc"}
+_SWITCHES = {
+    "FP16AllReduceOptimizer": "fp16_allreduce",
+    "DGCMomentumOptimizer": "dgc",
+    "LocalSGDOptimizer": "localsgd",
+    "AdaptiveLocalSGDOptimizer": "adaptive_localsgd",
+}
 
 
 def _switches(optimizer: DistributedOptimizer) -> str:
@@ -447,8 +452,8 @@ class TrainStep(_Step):
         batch_sh = _shardings(batch)
         replicated = placement.named(jax.sharding.PartitionSpec())
 
-        comm = optimizer.communication
-        if comm is not None:
+        comm, local = optimizer.communication, optimizer.localsgd
+        if comm is not None or local is not None:
             check_supported(placement, _switches(optimizer))
 
         def objective(model, batch, scale):
@@ -464,25 +469,29 @@ class TrainStep(_Step):
             model = nnx.merge(model_def, model_state)
             opt = nnx.merge(opt_def, opt_state)
             scale = opt.loss_scale if scaled else jnp.float32(1.0)
-            if comm is not None:  # each replica's gradient, combined by the hook
-                grads, loss, aux, comm_state = replica_gradients(
-                    model, wrt, objective, batch, scale, placement, comm,
-                    nnx.as_pure(opt.comm_state),
-                )  # fmt: skip
-                nnx.update(opt.comm_state, nnx.state(comm_state))
-            else:
-                grads, (loss, aux) = nnx.grad(
-                    objective, argnums=nnx.DiffState(0, wrt), has_aux=True
-                )(model, batch, scale)
-            if grad_shardings is not None:
-                grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
-            # The guard: with loss scaling the scaler skips overflowing steps itself (and
-            # lowers the scale), so only the loss is checked; else the loss and gradients.
-            checked = (loss,) if scaled else (loss, grads)
-            flags = finite_flags(checked)
-            names[:] = leaf_names([path for path, _ in floating_leaves(checked)])
             old = jax.tree.leaves((model_state, opt_state))
-            opt.update(model, grads)
+            if local is not None:  # LocalSGD: replicas step on their own parameters
+                loss, aux, flags = localsgd_step(model, opt, objective, batch, scale, placement)
+                checked = (loss, nnx.state(model, wrt))  # what the flags are about, for names
+            else:
+                if comm is not None:  # each replica's gradient, combined by the hook
+                    grads, loss, aux, comm_state = replica_gradients(
+                        model, wrt, objective, batch, scale, placement, comm,
+                        nnx.as_pure(opt.comm_state),
+                    )  # fmt: skip
+                    nnx.update(opt.comm_state, nnx.state(comm_state))
+                else:
+                    grads, (loss, aux) = nnx.grad(
+                        objective, argnums=nnx.DiffState(0, wrt), has_aux=True
+                    )(model, batch, scale)
+                if grad_shardings is not None:
+                    grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+                # The guard: with loss scaling the scaler skips overflowing steps itself (and
+                # lowers the scale), so only the loss is checked; else the loss and gradients.
+                checked = (loss,) if scaled else (loss, grads)
+                flags = finite_flags(checked)
+                opt.update(model, grads)
+            names[:] = leaf_names([path for path, _ in floating_leaves(checked)])
             new_state = (nnx.state(model), nnx.state(opt))
             if mode != "warn" and not scaled:  # drop the update: old state, bit for bit
                 finite = jnp.all(flags)

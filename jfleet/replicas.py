@@ -44,20 +44,28 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jfleet.optim import hyperparams
 from jfleet.optim.communication import GradientCommunication
+from jfleet.optim.localsgd import adaptive_k_steps, sync_due
+from jfleet.optim.loss_scale import finite_flags
 from jfleet.placement import Placement
 from jfleet.topology import PP
 
 __all__ = [
+    "check_localsgd",
     "check_supported",
     "combine_aux",
     "combine_state",
     "init_replica_state",
+    "localsgd_step",
+    "per_replica_leaves",
     "replica_count",
     "replica_gradients",
+    "stack_localsgd_state",
     "stack_spec",
     "vary",
     "varying_axes",
@@ -98,6 +106,19 @@ def varying_axes(x: Any) -> frozenset:
     aval = jax.typeof(x)
     manual = getattr(aval, "manual_axis_type", None)
     return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
+def check_localsgd(placement: Placement, switch: str) -> None:
+    """Raises for layouts LocalSGD cannot run: those of :func:`check_supported`, and ZeRO
+    (its optimizer state is split over replicas that LocalSGD keeps apart)."""
+    check_supported(placement, switch)
+    if placement.zero_stage >= 1:
+        raise ValueError(
+            f"{switch} cannot be combined with ZeRO (stage {placement.zero_stage} over "
+            f"'{placement.zero_axis}', from strategy.sharding or group_sharded_parallel): each "
+            "replica keeps its own optimizer state, which ZeRO would split between them. "
+            f"Turn one of them off."
+        )
 
 
 def _varying(x: Any, axes: tuple[str, ...]) -> bool:
@@ -259,3 +280,175 @@ def replica_gradients(
     reduced, new_rest, loss, aux, new_state = mapped(params, rest, batch, scale, comm_state)
     nnx.update(model, new_rest)
     return _pure_like(params, reduced), loss, aux, new_state
+
+
+# ------------------------------------------------------------------ LocalSGD
+def _stack_like(tree: Any, mask: tuple[bool, ...], placement: Placement) -> Any:
+    """``tree`` with the leaves ``mask`` marks stacked per replica (as plain arrays)."""
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_var)
+    picked = [x.get_value() if is_var(x) else x for x, m in zip(leaves, mask, strict=True) if m]
+    stacked = iter(init_replica_state(lambda t: t, picked, placement) if picked else [])
+    return jax.tree.unflatten(
+        treedef, [next(stacked) if m else x for x, m in zip(leaves, mask, strict=True)]
+    )
+
+
+def per_replica_leaves(tx: Any, params: Any, placement: Placement) -> tuple[bool, ...]:
+    """Which leaves of ``tx``'s state differ between replicas that step on their own.
+
+    Traced (never run): each replica updates its own parameters with its own gradients;
+    a state leaf that comes out varying over the data axes (moments, accumulators, a
+    finite-step counter) is kept per replica, the others (step counts, the learning rate)
+    once. Repeated until no new leaf varies.
+
+    Args:
+      tx: the compiled chain.
+      params: a pure tree of the parameters (arrays or shape structs).
+      placement: the step's placement.
+    """
+    axes = placement.data_axes
+    state = jax.eval_shape(tx.init, params)
+    leaves, treedef = jax.tree.flatten(state)
+    mask = [False] * len(leaves)
+    for _ in range(len(leaves) + 1):
+        found: list[bool] = []
+
+        def body(params, leaves, mask=tuple(mask), found=found):
+            params = jax.tree.map(lambda x: vary(x, axes), params)
+            st = [vary(x, axes) if m else x for x, m in zip(leaves, mask, strict=True)]
+            _, new = tx.update(params, jax.tree.unflatten(treedef, st), params)
+            found[:] = [_varying(x, axes) for x in jax.tree.leaves(new)]
+            return ()
+
+        mapped = jax.shard_map(
+            body, mesh=placement.mesh, in_specs=(P(), P()), out_specs=(), axis_names=set(axes)
+        )
+        jax.eval_shape(mapped, params, leaves)
+        new = [a or b for a, b in zip(mask, found, strict=True)]
+        if new == mask:
+            break
+        mask = new
+    return tuple(mask)
+
+
+def stack_localsgd_state(tx: Any, params: Any, state: Any, config: Any, placement: Placement):
+    """``(inner state, LocalSGD state, mask)`` for an optimizer bound under LocalSGD.
+
+    ``state`` is ``tx.init(params)``; its per-replica leaves (:func:`per_replica_leaves`)
+    get a leading replica dimension, and every replica starts from ``params``.
+    """
+    pure = nnx.as_pure(params)
+    mask = per_replica_leaves(tx, pure, placement)
+    local = config.init(init_replica_state(lambda t: t, pure, placement))
+    replicated = placement.named(P())
+    local = local._replace(
+        **{f: jax.device_put(getattr(local, f), replicated) for f in local._fields[1:]}
+    )
+    return _stack_like(state, mask, placement), local, mask
+
+
+def localsgd_step(
+    model: nnx.Module,
+    opt: Any,
+    objective: Objective,
+    batch: Any,
+    scale: jax.Array,
+    placement: Placement,
+) -> tuple[jax.Array, Any, jax.Array]:
+    """One LocalSGD step: every replica steps on its own parameters; averages when due.
+
+    Runs inside the engine's jitted step and updates ``model`` (the parameters of the
+    last average, :mod:`jfleet.optim.localsgd`) and ``opt`` (per-replica parameters and
+    state, counters) in place.
+
+    Returns:
+      ``(loss, aux, flags)``: the replicas' mean loss, the combined aux, and the finite
+      flags of the loss and the gradients (a replica's non-finite value counts for all).
+    """
+    config, tx, wrt = opt.localsgd, opt.tx, opt.wrt
+    axes = placement.data_axes
+    graphdef, params, rest = nnx.split(model, wrt, ...)
+    leaves, treedef = jax.tree.flatten(nnx.as_pure(opt.opt_state))
+    mask = opt.replica_leaves
+    specs = [stack_spec(axes) if m else P() for m in mask]
+    local = nnx.as_pure(opt.local_state)
+    local_specs = local._replace(params=stack_spec(axes), **dict.fromkeys(local._fields[1:], P()))
+
+    def body(snapshot, rest, batch, scale, leaves, local):
+        mine = local_rows(local.params)
+        replica = nnx.merge(graphdef, _pure_like(snapshot, mine), rest)
+        grads, (loss, aux) = nnx.grad(objective, argnums=nnx.DiffState(0, wrt), has_aux=True)(
+            replica, batch, scale
+        )
+        grads = nnx.as_pure(grads)
+        flags = finite_flags((loss, grads)).astype(jnp.int32)
+        flags = jax.lax.pmin(flags, axes).astype(jnp.bool_)
+        state = [x[0] if m else x for x, m in zip(leaves, mask, strict=True)]
+        updates, new_state = tx.update(grads, jax.tree.unflatten(treedef, state), mine)
+        stepped = optax.apply_updates(mine, updates)
+        step = local.step + 1
+        due = sync_due(step, local.last_sync, local.k_steps, config.begin_step)
+        adapt = config.adaptive and due & (step > config.begin_step)
+        first = step == 1
+        pure_snapshot = nnx.as_pure(snapshot)
+        synced = jax.lax.cond(due, lambda: jax.lax.pmean(stepped, axes), lambda: pure_snapshot)
+        new_local = local._replace(
+            params=restack(
+                jax.tree.map(lambda s, p: jnp.where(due, vary(s, axes), p), synced, stepped),
+                axes,
+            ),
+            step=step,
+            last_sync=jnp.where(due, step, local.last_sync),
+        )
+        if config.adaptive:
+            mean_loss = jax.lax.cond(
+                first | adapt, lambda: jax.lax.pmean(loss, axes), lambda: jnp.float32(0)
+            )
+            lr = _learning_rate(new_state, opt.inner_tx)
+            loss0 = jnp.where(first, mean_loss, local.loss0)
+            lr0 = jnp.where(first, lr, local.lr0)
+            k = adaptive_k_steps(lr0, loss0, lr, mean_loss, config.k_steps)
+            new_local = new_local._replace(
+                k_steps=jnp.where(adapt, k, local.k_steps), loss0=loss0, lr0=lr0
+            )
+        new_leaves = [
+            restack(x, axes) if m else x
+            for x, m in zip(jax.tree.leaves(new_state), mask, strict=True)
+        ]
+        _, _, new_rest = nnx.split(replica, wrt, ...)
+        return (
+            synced,
+            combine_state(new_rest, axes),
+            jax.lax.pmean(loss, axes),
+            combine_aux(aux, axes),
+            flags,
+            new_leaves,
+            new_local,
+        )
+
+    mapped = jax.shard_map(
+        body,
+        mesh=placement.mesh,
+        in_specs=(P(), P(), _batch_specs(batch, axes), P(), specs, local_specs),
+        out_specs=(P(), P(), P(), P(), P(), specs, local_specs),
+        axis_names=set(axes),
+    )
+    synced, new_rest, loss, aux, flags, new_leaves, new_local = mapped(
+        params, rest, batch, scale, leaves, local
+    )
+    nnx.update(model, _pure_like(params, synced), new_rest)
+    nnx.update(opt.opt_state, nnx.state(jax.tree.unflatten(treedef, new_leaves)))
+    nnx.update(opt.local_state, nnx.state(new_local))
+    opt.step[...] += 1
+    return loss, aux, flags
+
+
+def _learning_rate(state: Any, inner_tx: Any) -> jax.Array:
+    """The learning rate the step applied, from the injected hyperparameters; 1.0 (a
+    constant rate: the adaptive ratio's ``lr0 / lr`` is 1) when it is not readable."""
+    try:
+        node = hyperparams.learning_rate_state(state, inner_tx)
+    except ValueError:
+        return jnp.float32(1.0)
+    return jnp.asarray(node.hyperparams["learning_rate"], jnp.float32)

@@ -297,6 +297,7 @@ class Fleet(PerfMethods):
             has_loss_scaling=bool(compiled.amp and compiled.amp.loss_scaling),
             wrt=wrt,
             communication=compiled.communication,
+            localsgd=compiled.localsgd,
         )
         self._optimizer = dist
         logger.info("meta-optimizers applied: %s", list(compiled.applied_meta_list) or "none")

@@ -5,6 +5,8 @@ longest path. jfleet keeps the result of that graph for the meta-optimizers it
 provides and writes the order down once (outermost first)::
 
     ShardingOptimizer        placement only (ZeRO stage 1/2/3 over the sharding axis)
+    FP16AllReduceOptimizer   the replicas' gradients summed in fp16 (bf16 under bf16 AMP)
+    LocalSGDOptimizer | AdaptiveLocalSGDOptimizer   replicas step alone, average every k
     MasterWeights (O2)       fp32 master copy of half-precision parameters
     GradientMergeOptimizer   optax.MultiSteps semantics: move every k-th call
     AMPOptimizer             dynamic loss scaling: unscale, skip non-finite steps
@@ -18,11 +20,18 @@ GradientMerge wraps AMP as in Paddle, so the loss scale stays fixed while
 micro-batches accumulate and a merged step with a non-finite gradient is skipped
 whole; the master weights sit outside both, so merged gradients accumulate in fp32.
 
+FP16AllReduce and LocalSGD act between the data-parallel replicas, not on the chain:
+the compiled result carries them as ``communication`` (how replicas combine gradients,
+:mod:`jfleet.optim.communication`) and ``localsgd`` (:mod:`jfleet.optim.localsgd`), and
+the engine runs each replica's part of the step (:mod:`jfleet.replicas`). Under LocalSGD
+the whole chain runs per replica.
+
 Combinations Paddle forbids are errors naming both switches (``lamb`` with
 ``lars``, ``dgc`` with ``amp``, ``fp16_allreduce``, ``lamb``, ``lars`` or
-``gradient_merge``, ``localsgd`` with ``adaptive_localsgd``); meta-optimizers jfleet
-does not provide yet (``localsgd``, ``adaptive_localsgd``, ``fp16_allreduce``) are errors too, never
-silently dropped.
+``gradient_merge``, ``localsgd`` or ``adaptive_localsgd``, ``localsgd`` with
+``adaptive_localsgd``), and so are the ones jfleet cannot honour (LocalSGD with fp16
+loss scaling, with ``fp16_allreduce`` — it all-reduces no gradients — or with
+``sharding``): never silently dropped.
 
 Example:
   >>> import optax
@@ -49,6 +58,7 @@ from jfleet.optim.communication import GradientCommunication, fp16_allreduce
 from jfleet.optim.dgc import dgc_communication, dgc_momentum, momentum_of
 from jfleet.optim.gradient_merge import gradient_merge
 from jfleet.optim.lamb_lars import lamb_from, lars_from
+from jfleet.optim.localsgd import LocalSGDConfig
 from jfleet.optim.loss_scale import dynamic_loss_scaling
 from jfleet.optim.master_weights import master_weights as _master_weights
 from jfleet.topology import DATA_AXES
@@ -66,13 +76,21 @@ _CONFLICTS = (
         "Paddle's GradientMerge does not wrap DGC, which exchanges gradients every step",
     ),
     ("localsgd", "adaptive_localsgd", "LocalSGD and AdaptiveLocalSGD black-list each other"),
+    ("dgc", "localsgd", "LocalSGD averages parameters and exchanges no gradients to compress"),
+    (
+        "dgc",
+        "adaptive_localsgd",
+        "AdaptiveLocalSGD averages parameters and exchanges no gradients to compress",
+    ),
 )
-_NOT_YET = ("localsgd", "adaptive_localsgd")
+_NOT_YET: tuple[str, ...] = ()  # every meta-optimizer of the seed is provided
 
 #: The documented order of meta-optimizers, outermost first.
 META_ORDER = (
     "ShardingOptimizer",
     "FP16AllReduceOptimizer",
+    "LocalSGDOptimizer",
+    "AdaptiveLocalSGDOptimizer",
     "GradientMergeOptimizer",
     "AMPOptimizer",
     "RecomputeOptimizer",
@@ -95,12 +113,14 @@ class AmpSettings:
 class CompiledChain:
     """The compiled optimizer: the chain, the applied meta-optimizers, the AMP settings, and
     how the data-parallel replicas combine their gradients (``communication``: None for
-    GSPMD's own fp32 reduction; :mod:`jfleet.optim.communication`)."""
+    GSPMD's own fp32 reduction; :mod:`jfleet.optim.communication`) or their parameters
+    (``localsgd``: :mod:`jfleet.optim.localsgd`)."""
 
     tx: optax.GradientTransformation
     applied_meta_list: tuple[str, ...]
     amp: AmpSettings | None
     communication: GradientCommunication | None = None
+    localsgd: LocalSGDConfig | None = None
 
 
 def amp_settings(strategy: Any) -> AmpSettings | None:
@@ -163,7 +183,8 @@ def compile_strategy(
         where O2 puts them (once, if the strategy asks for O2 as well).
 
     Returns:
-      A :class:`CompiledChain` (``tx``, ``applied_meta_list`` in META_ORDER, ``amp``).
+      A :class:`CompiledChain` (``tx``, ``applied_meta_list`` in META_ORDER, ``amp``,
+      ``communication``, ``localsgd``).
 
     Raises:
       ValueError: forbidden combinations (naming both switches), LAMB without an
@@ -230,13 +251,20 @@ def compile_strategy(
         tx = _master_weights(tx)
     if strategy.sharding or strategy.hybrid_configs["sharding_degree"] > 1:
         applied.append("ShardingOptimizer")
+    localsgd = _localsgd(strategy, amp, loss_scaling)
+    if localsgd is not None:
+        applied.append(localsgd.meta_name)
     if strategy.fp16_allreduce:
         half = "bfloat16" if amp is not None and amp.dtype == "bfloat16" else "float16"
         communication = fp16_allreduce(half)
         applied.append("FP16AllReduceOptimizer")
     applied.sort(key=META_ORDER.index)
     return CompiledChain(
-        tx=tx, applied_meta_list=tuple(applied), amp=amp, communication=communication
+        tx=tx,
+        applied_meta_list=tuple(applied),
+        amp=amp,
+        communication=communication,
+        localsgd=localsgd,
     )
 
 
@@ -265,3 +293,40 @@ def _dgc(
         momentum_of(tx), rampup_begin_step=begin, rampup_step=rampup, sparsity=sparsity
     )
     return dgc_momentum(tx, rampup_begin_step=begin), communication
+
+
+def _localsgd(
+    strategy: Any, amp: AmpSettings | None, loss_scaling: Mapping[str, Any] | None
+) -> LocalSGDConfig | None:
+    """LocalSGD's settings from the strategy (None when off), checked against the rest."""
+    if strategy.localsgd:
+        cfg = strategy.localsgd_configs
+        config = LocalSGDConfig(k_steps=cfg["k_steps"], begin_step=cfg["begin_step"])
+    elif strategy.adaptive_localsgd:
+        cfg = strategy.adaptive_localsgd_configs
+        config = LocalSGDConfig(
+            k_steps=cfg["init_k_steps"], begin_step=cfg["begin_step"], adaptive=True
+        )
+    else:
+        return None
+    name = config.switch.split("=")[0]
+    if (amp is not None and amp.loss_scaling) or loss_scaling is not None:
+        other = "strategy.amp=True (float16)" if loss_scaling is None else "a GradScaler"
+        raise ValueError(
+            f"{config.switch} cannot be combined with {other}: fp16 loss scaling would keep "
+            "a loss scale per replica. Use AMP in bfloat16 (amp_configs={'dtype': "
+            f"'bfloat16'}}), which needs no scaling, or set {name}=False."
+        )
+    if strategy.fp16_allreduce:
+        raise ValueError(
+            f"{config.switch} and strategy.fp16_allreduce=True cannot be combined: LocalSGD "
+            "averages parameters and all-reduces no gradients, so fp16_allreduce would do "
+            "nothing; turn one of them off."
+        )
+    if strategy.sharding:
+        raise ValueError(
+            f"{config.switch} and strategy.sharding=True cannot be combined: each replica "
+            "keeps its own optimizer state, which ZeRO would split between them; turn one "
+            "of them off."
+        )
+    return config
