@@ -217,7 +217,6 @@ SPMD_NOOP_SETTINGS: dict[str, str] = {
     "fuse_grad_merge": "XLA fuses the gradient-merge buffers",
     "calc_comm_same_stream": "XLA schedules compute and communication",
     "find_unused_parameters": "jax.grad returns zeros for unused parameters; no hook waits",
-    "sync_batch_norm": "batch statistics over the dp-sharded global batch are already global",
     "cudnn_exhaustive_search": "XLA autotunes its kernels",
     "conv_workspace_size_limit": "XLA autotunes its kernels",
     "cudnn_batchnorm_spatial_persistent": "XLA autotunes its kernels",

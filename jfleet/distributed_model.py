@@ -7,6 +7,9 @@ model and places its variables on the mesh:
   * recompute (``strategy.recompute``): named sub-modules run under ``jax.checkpoint``;
   * QAT (``strategy.qat``): projections fake-quantise weights and inputs
     (:mod:`jfleet.quantization`);
+  * batch norm (``strategy.sync_batch_norm``): ``nnx.BatchNorm`` statistics per
+    data-parallel replica (off, Paddle's default) or over the global batch (on); see
+    :mod:`jfleet.batch_norm`;
   * placement: parameters replicated for data parallel, sharded over the
     ``sharding`` axis for ZeRO stage 3, laid out by their ``out_sharding``
     metadata for tensor parallel.
@@ -35,6 +38,7 @@ import jax
 from flax import nnx
 
 from jfleet.amp import apply_amp
+from jfleet.batch_norm import apply_batch_norm
 from jfleet.distributed_optimizer import DistributedOptimizer, check_scheduler
 from jfleet.engine import EvalStep, LossFn, TrainStep, cached_step
 from jfleet.optim.compiler import amp_settings
@@ -210,8 +214,19 @@ def apply_model_settings(model: nnx.Module, strategy: Any) -> nnx.Module:
     return model
 
 
+def apply_distributed_settings(model: nnx.Module, strategy: Any, plan: Placement) -> nnx.Module:
+    """:func:`apply_model_settings`, then the settings that depend on the mesh: batch-norm
+    statistics per data-parallel replica unless ``strategy.sync_batch_norm`` (no strategy:
+    Paddle's default, per replica). In place; returns ``model``."""
+    if strategy is not None:
+        apply_model_settings(model, strategy)
+    sync = bool(getattr(strategy, "sync_batch_norm", False))
+    return apply_batch_norm(model, sync=sync, mesh=plan.mesh, data_axes=plan.data_axes)
+
+
 def prepare_model(model: nnx.Module, strategy: Any, plan: Placement) -> DistributedModel:
-    """Applies the strategy's AMP and recompute settings, places the model, wraps it."""
+    """Applies the strategy's model settings (:func:`apply_distributed_settings`), places the
+    model, wraps it."""
     if isinstance(model, DistributedModel):
         raise ValueError("the model is already a DistributedModel; pass it on as it is.")
     if not isinstance(model, nnx.Module):
@@ -219,7 +234,6 @@ def prepare_model(model: nnx.Module, strategy: Any, plan: Placement) -> Distribu
             f"model={type(model).__name__} is not a flax.nnx.Module; jfleet distributes NNX "
             "modules."
         )
-    if strategy is not None:
-        apply_model_settings(model, strategy)
+    apply_distributed_settings(model, strategy, plan)
     plan.place_params(model)
     return DistributedModel(model, plan)

@@ -84,7 +84,7 @@ def _split_loss(out: Any) -> tuple[jax.Array, Any]:
 
 _SWITCHES = {
     "FP16AllReduceOptimizer": "fp16_allreduce",
-    "DGCOptimizer": "dgc",
+    "DGCMomentumOptimizer": "dgc",
     "LocalSGDOptimizer": "localsgd",
     "AdaptiveLocalSGDOptimizer": "adaptive_localsgd",
 }

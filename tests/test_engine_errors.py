@@ -79,13 +79,6 @@ def test_dgc_with_amp_names_both_switches():
         fleet.distributed_optimizer(optax.sgd(0.1))
 
 
-@pytest.mark.parametrize("switch", ["dgc"])
-def test_meta_optimizers_not_provided_are_errors_not_ignored(switch):
-    init_fleet(**{switch: True})
-    with pytest.raises(NotImplementedError, match=f"strategy.{switch}=True"):
-        fleet.distributed_optimizer(optax.sgd(0.1))
-
-
 def test_group_sharded_parallel_bad_level():
     with pytest.raises(ValueError, match="level='p_os'"):
         group_sharded_parallel(TinyLM(), optax.sgd(0.1), level="p_os")

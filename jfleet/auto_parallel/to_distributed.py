@@ -59,7 +59,7 @@ from jfleet.auto_parallel.planner import plan_for
 from jfleet.auto_parallel.profiles import HardwareProfile
 from jfleet.auto_parallel.scanned_blocks import ScannedBlocks, scan_blocks
 from jfleet.data import ShardedLoader, batch_shape, peek
-from jfleet.distributed_model import apply_model_settings
+from jfleet.distributed_model import apply_distributed_settings
 from jfleet.distributed_optimizer import DistributedOptimizer
 from jfleet.parallel.pipeline_schedule import SCHEDULES
 from jfleet.placement import Placement, check_divides
@@ -278,7 +278,7 @@ def to_distributed(
     _check_batch(plan, batch_size)  # a given plan may be for another batch
     strategy = _strategy(config.strategy)
     placement = _init_fleet(plan, strategy, device_num * node_num)
-    apply_model_settings(model, strategy)
+    apply_distributed_settings(model, strategy, placement)
     per_sample = config.per_sample_args
     if per_sample is None and plan.blocks and plan.mesh_shape[PP] > 1:
         per_sample = _per_sample_args(model, plan.blocks, first, config.forward)

@@ -13,6 +13,8 @@ provides and writes the order down once (outermost first)::
     AMPOptimizer             dynamic loss scaling: unscale, skip non-finite steps
     RecomputeOptimizer       model side only (jax.checkpoint on named sub-modules)
     LambOptimizer | LarsOptimizer   replace the user's Adam / Momentum
+    DGCMomentumOptimizer     replaces the user's Momentum; its top-k exchange is the
+                             replicas' gradient communication (jfleet.optim.dgc)
     the user's optimizer
 
 GradientMerge wraps AMP as in Paddle, so the loss scale stays fixed while
@@ -26,11 +28,11 @@ the engine runs each replica's part of the step (:mod:`jfleet.replicas`). Under 
 the whole chain runs per replica.
 
 Combinations Paddle forbids are errors naming both switches (``lamb`` with
-``lars``, ``dgc`` with ``amp`` or ``fp16_allreduce``, ``localsgd`` with
+``lars``, ``dgc`` with ``amp``, ``fp16_allreduce``, ``lamb``, ``lars`` or
+``gradient_merge``, ``localsgd`` or ``adaptive_localsgd``, ``localsgd`` with
 ``adaptive_localsgd``), and so are the ones jfleet cannot honour (LocalSGD with fp16
 loss scaling, with ``fp16_allreduce`` — it all-reduces no gradients — or with
-``sharding``); ``dgc``, which jfleet does not provide yet, is an error too, never
-silently dropped.
+``sharding``): never silently dropped.
 
 Example:
   >>> import optax
@@ -51,22 +53,38 @@ from typing import Any
 
 import optax
 
+from jfleet import _context
 from jfleet._logging import logger
 from jfleet.optim.communication import GradientCommunication, fp16_allreduce
+from jfleet.optim.dgc import dgc_communication, dgc_momentum, momentum_of
 from jfleet.optim.gradient_merge import gradient_merge
 from jfleet.optim.lamb_lars import lamb_from, lars_from
 from jfleet.optim.localsgd import LocalSGDConfig
 from jfleet.optim.loss_scale import dynamic_loss_scaling
 from jfleet.optim.master_weights import master_weights as _master_weights
+from jfleet.topology import DATA_AXES
 
 # Pairs Paddle's meta-optimizer black lists forbid.
 _CONFLICTS = (
     ("lamb", "lars", "LAMB and LARS both replace the inner optimizer; pick one"),
     ("dgc", "amp", "Paddle's AMP meta-optimizer black-lists DGC"),
     ("dgc", "fp16_allreduce", "Paddle's FP16AllReduce meta-optimizer black-lists DGC"),
+    ("dgc", "lamb", "DGC replaces a Momentum optimizer, LAMB an Adam one"),
+    ("dgc", "lars", "DGC and LARS both replace the Momentum optimizer; pick one"),
+    (
+        "dgc",
+        "gradient_merge",
+        "Paddle's GradientMerge does not wrap DGC, which exchanges gradients every step",
+    ),
     ("localsgd", "adaptive_localsgd", "LocalSGD and AdaptiveLocalSGD black-list each other"),
+    ("dgc", "localsgd", "LocalSGD averages parameters and exchanges no gradients to compress"),
+    (
+        "dgc",
+        "adaptive_localsgd",
+        "AdaptiveLocalSGD averages parameters and exchanges no gradients to compress",
+    ),
 )
-_NOT_YET = ("dgc",)
+_NOT_YET: tuple[str, ...] = ()  # every meta-optimizer of the seed is provided
 
 #: The documented order of meta-optimizers, outermost first.
 META_ORDER = (
@@ -80,6 +98,7 @@ META_ORDER = (
     "RecomputeOptimizer",
     "LambOptimizer",
     "LarsOptimizer",
+    "DGCMomentumOptimizer",
 )
 
 
@@ -194,6 +213,10 @@ def compile_strategy(
             exclude_from_weight_decay=tuple(cfg["exclude_from_weight_decay"]),
         )
         applied.append("LarsOptimizer")
+    communication = None
+    if strategy.dgc:
+        tx, communication = _dgc(tx, strategy.dgc_configs)
+        applied.append("DGCMomentumOptimizer")
     if strategy.recompute:
         applied.append("RecomputeOptimizer")
     if strategy.qat:
@@ -235,7 +258,6 @@ def compile_strategy(
     localsgd = _localsgd(strategy, amp, loss_scaling)
     if localsgd is not None:
         applied.append(localsgd.meta_name)
-    communication = None
     if strategy.fp16_allreduce:
         half = "bfloat16" if amp is not None and amp.dtype == "bfloat16" else "float16"
         communication = fp16_allreduce(half)
@@ -248,6 +270,33 @@ def compile_strategy(
         communication=communication,
         localsgd=localsgd,
     )
+
+
+def _dgc(
+    tx: optax.GradientTransformation, cfg: Mapping[str, Any]
+) -> tuple[optax.GradientTransformation, GradientCommunication]:
+    """``strategy.dgc``: the DGC optimizer replacing the user's Momentum, and its exchange.
+
+    Raises:
+      ValueError: not a Momentum optimizer, or one data-parallel worker (Paddle's checks).
+    """
+    run = _context.current()
+    if run is not None:
+        shape = dict(run.mesh.shape)
+        workers = 1
+        for axis in DATA_AXES:
+            workers *= shape.get(axis, 1)
+        if workers < 2:
+            raise ValueError(
+                "strategy.dgc=True needs more than one data-parallel worker (as Paddle's DGC "
+                f"does), but dp x sharding = {workers}; set hybrid_configs dp_degree > 1, or "
+                "strategy.dgc=False."
+            )
+    begin, rampup, sparsity = cfg["rampup_begin_step"], cfg["rampup_step"], cfg["sparsity"]
+    communication = dgc_communication(
+        momentum_of(tx), rampup_begin_step=begin, rampup_step=rampup, sparsity=sparsity
+    )
+    return dgc_momentum(tx, rampup_begin_step=begin), communication
 
 
 def _localsgd(

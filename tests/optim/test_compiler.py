@@ -134,7 +134,7 @@ def test_forbidden_pairs_name_both_switches():
         compile_strategy(optax.adam(1e-3), make_strategy(lamb=True, lars=True))
 
 
-@pytest.mark.parametrize("name", ["dgc"])
-def test_meta_optimizers_not_provided_are_errors_not_dropped(name):
-    with pytest.raises(NotImplementedError, match=f"strategy.{name}=True"):
-        compile_strategy(optax.sgd(0.1), make_strategy(**{name: True}))
+@pytest.mark.parametrize("other", ["lamb", "lars", "gradient_merge", "localsgd"])
+def test_dgc_forbidden_pairs_name_both_switches(other):
+    with pytest.raises(ValueError, match=rf"strategy\.dgc=True and strategy\.{other}=True"):
+        compile_strategy(optax.sgd(0.1, momentum=0.9), make_strategy(dgc=True, **{other: True}))
