@@ -230,6 +230,16 @@ def _run_in_child(item: pytest.Item, n: int, timeout: float) -> None:
         )
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
+    """A test short of devices fails with the fix alone, not a traceback into jfleet."""
+    report = yield
+    error = call.excinfo.value if call.excinfo is not None else None
+    if type(error).__name__ == "NotEnoughDevicesError" and report.failed:
+        report.longrepr = f"{item.nodeid}: {error}"
+    return report
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     path = os.environ.get(REPORT_ENV)
     if not path or not os.environ.get(CHILD_ENV):

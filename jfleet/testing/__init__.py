@@ -30,6 +30,7 @@ from jfleet.testing.assertions import assert_trains_like_one_device as assert_tr
 from jfleet.testing.devices import NotEnoughDevicesError as NotEnoughDevicesError
 from jfleet.testing.devices import emulate_cpu_devices as emulate_cpu_devices
 from jfleet.testing.devices import require_devices as require_devices
+from jfleet.testing.processes import ProcessesFailedError as ProcessesFailedError
 from jfleet.testing.processes import run_processes as run_processes
 from jfleet.testing.reference import train_one_device as train_one_device
 from jfleet.testing.strategies import make_strategy as make_strategy

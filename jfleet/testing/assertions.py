@@ -80,10 +80,7 @@ def _train_distributed(
     if isinstance(layout, Mapping):
         layout = ToDistributedConfig(force_mesh=dict(layout))
     if isinstance(layout, ToDistributedConfig):
-        device_num = None
-        if layout.force_mesh:
-            device_num = math.prod(layout.force_mesh.values())
-            require_devices(device_num, _describe(layout))
+        device_num = _devices_needed(layout)
         built = model_fn()
         initial = _params(built)
         model, opt, loader = to_distributed(
@@ -93,8 +90,6 @@ def _train_distributed(
         losses = [float(step(model, opt, batch)) for batch in loader]
         return losses, _params(model), initial
     if isinstance(layout, DistributedStrategy):
-        degrees = [v for k, v in layout.hybrid_configs.items() if k.endswith("_degree")]
-        require_devices(math.prod(d for d in degrees if d > 0), _describe(layout))
         fleet.init(is_collective=True, strategy=layout, log_level="WARNING")
         built = model_fn()
         initial = _params(built)
@@ -112,6 +107,18 @@ def _train_distributed(
         f"layout={layout!r}: expected degrees ({{'dp': 2, 'mp': 4}}), a ToDistributedConfig, "
         "a DistributedStrategy or a trainer(model, optimizer, batches, loss_fn) -> losses."
     )
+
+
+def _devices_needed(layout: Any) -> int | None:
+    """The devices a forced mesh or a strategy's degrees multiply to (None: any count)."""
+    if isinstance(layout, Mapping):
+        return math.prod(layout.values())
+    if isinstance(layout, ToDistributedConfig) and layout.force_mesh:
+        return math.prod(layout.force_mesh.values())
+    if isinstance(layout, DistributedStrategy):
+        degrees = [v for k, v in layout.hybrid_configs.items() if k.endswith("_degree")]
+        return math.prod(d for d in degrees if d > 0)
+    return None
 
 
 def _params(model: nnx.Module) -> dict[str, np.ndarray]:
@@ -184,6 +191,9 @@ def assert_trains_like_one_device(
     data = list(itertools.islice(batches, steps) if steps is not None else batches)
     if not data:
         raise ValueError(f"batches={batches!r} (steps={steps}): expected at least one batch.")
+    needed = _devices_needed(layout)
+    if needed is not None:
+        require_devices(needed, _describe(layout))
     got_l, want_l, got, want = _both_runs(model_fn, optimizer, data, loss_fn, layout)
     bad = ~np.isclose(got_l, want_l, rtol=rtol, atol=atol) | ~np.isfinite(got_l)
     leaves = _leaf_report(got, want, rtol, atol)
@@ -201,7 +211,7 @@ def assert_trains_like_one_device(
             early = _leaf_report(got_i, want_i, rtol, atol)
             if early:
                 lines.append(f"  after the first {i} update(s) the parameters differ at:")
-                lines += [f"    {line}" for line in early[:12]]
+                lines += _listed(early)
     else:
         lines.append(f"  losses agree over {len(data)} steps")
     shown = min(len(data), 8)
@@ -209,10 +219,15 @@ def assert_trains_like_one_device(
     lines.append(f"  losses (want): {np.array2string(want_l[:shown], precision=6)}")
     if leaves:
         lines.append(f"  after all {len(data)} steps {len(leaves)} parameter(s) differ:")
-        lines += [f"    {line}" for line in leaves[:12]]
+        lines += _listed(leaves)
     else:
         lines.append("  final parameters agree")
     raise AssertionError("\n".join(lines))
+
+
+def _listed(lines: list[str], most: int = 12) -> list[str]:
+    more = [f"    ... and {len(lines) - most} more"] if len(lines) > most else []
+    return [f"    {line}" for line in lines[:most]] + more
 
 
 def _both_runs(
