@@ -315,9 +315,9 @@ def assert_sharded_as(tree: Any, specs: Mapping[str, P | Sequence[Any] | None]) 
             problems.append(f"{pattern!r} matches no array (paths: {known})")
         for path in matched:
             x = arrays[path]
-            sharding = getattr(x, "sharding", None)
+            sharding = x.sharding if isinstance(x, jax.Array) else None
             if not isinstance(sharding, NamedSharding):
-                where = type(sharding).__name__ if sharding is not None else "no sharding"
+                where = type(sharding).__name__ if sharding is not None else type(x).__name__
                 problems.append(f"'{path}': {where}, not on a mesh; want {spec}")
                 continue
             if not sharding.is_equivalent_to(NamedSharding(sharding.mesh, spec), x.ndim):
