@@ -44,11 +44,11 @@ def emulate_cpu_devices(n: int) -> None:
     import jax
 
     try:
+        jax.config.update("jax_num_cpu_devices", n)  # raises once the backend has started
         if "JAX_PLATFORMS" not in os.environ:
             os.environ["JAX_PLATFORMS"] = "cpu"  # children inherit it
             jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", n)
-    except RuntimeError as err:  # the backend has started
+    except RuntimeError as err:
         have = len(jax.devices())
         if have != n:
             raise RuntimeError(

@@ -62,6 +62,21 @@ def test_the_plugin_changes_nothing_unless_asked(pytester, monkeypatch):
     result.assert_outcomes(passed=1)
 
 
+def test_the_ini_option_sets_the_device_count_before_jax_starts(pytester, monkeypatch):
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    pytester.makeini("[pytest]\njfleet_devices = 2\n")
+    pytester.makepyfile(
+        """
+        import os, jax
+
+        def test_two():
+            assert len(jax.devices()) == 2 and os.environ["JAX_PLATFORMS"] == "cpu"
+        """
+    )
+    result = pytester.runpytest_subprocess(*PLUGIN)
+    result.assert_outcomes(passed=1)
+
+
 def test_the_marker_runs_a_test_in_a_child_with_that_many_devices(pytester):
     pytester.makepyfile(
         f"""
@@ -96,7 +111,8 @@ grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60
 print(f"rank {rank} of {os.environ['PADDLE_TRAINERS_NUM']} pid {os.getpid()} "
       f"grandchild {grandchild.pid} devices {os.environ['JAX_NUM_CPU_DEVICES']}", flush=True)
 print(f"rank {rank} stderr", file=sys.stderr, flush=True)
-time.sleep(600)
+if rank == "0":
+    time.sleep(600)  # rank 0 hangs; rank 1 ends, leaving its grandchild running
 """
 
 
@@ -110,7 +126,7 @@ def alive(pid: int) -> bool:
     return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
 
 
-def test_hung_processes_are_killed_at_the_timeout_with_all_output(pytester):
+def test_a_hung_process_is_killed_at_the_timeout_with_all_output_and_none_left(pytester):
     pytester.makepyfile(
         f"""
         def test_hangs(emulated_processes):
@@ -122,7 +138,7 @@ def test_hung_processes_are_killed_at_the_timeout_with_all_output(pytester):
     result.assert_outcomes(failed=1)
     assert time.monotonic() - start < 60
     out = result.stdout.str()
-    assert "rank(s) [0, 1] still running after the 4 s timeout (all killed)" in out
+    assert "rank(s) [0] still running after the 4 s timeout (all killed)" in out
     ranks = re.findall(r"rank (\d) of 2 pid (\d+) grandchild (\d+) devices 4", out)
     assert sorted(r[0] for r in ranks) == ["0", "1"]
     assert "rank 0 stderr" in out and "rank 1 stderr" in out
