@@ -1,8 +1,9 @@
 """Test harness: every test and doctest in this process sees 8 emulated CPU devices.
 
 Tests that need another device count, or several processes, run their code in a
-subprocess through ``tests/subprocess_util.py`` with a wall-clock timeout, so a
-hung collective can never hang the suite.
+subprocess through ``tests/subprocess_util.py`` (on :mod:`jfleet.testing.processes`) with
+a wall-clock timeout, so a hung collective can never hang the suite. The device count and
+the fleet reset are jfleet's pytest plugin's (``pytest_jfleet``), which users get too.
 """
 
 import os
@@ -16,18 +17,15 @@ _FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
 
-import jax  # noqa: E402
+from jfleet.testing.devices import emulate_cpu_devices  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
+emulate_cpu_devices(8)
 
 import pytest  # noqa: E402
 
+pytest_plugins = ["pytest_jfleet"]
+
 
 @pytest.fixture(autouse=True)
-def _fresh_fleet():
+def _fresh_fleet(fleet_reset):
     """Each test starts with no fleet initialised and leaves none behind."""
-    from jfleet import fleet
-
-    fleet._reset()
-    yield
-    fleet._reset()

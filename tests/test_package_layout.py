@@ -25,6 +25,9 @@ MAY_IMPORT_FACADE = (
     # Paddle's ``paddle.distributed`` facade: re-exports ``fleet`` and group_sharded.
     "jfleet.distributed",
     "jfleet.distributed.sharding",
+    # assert_trains_like_one_device trains a strategy the Fleet way (fleet.init,
+    # distributed_model, distributed_optimizer); nothing in jfleet imports jfleet.testing.
+    "jfleet.testing.assertions",
 )
 AXIS_MODULE = "jfleet.topology"
 AXIS_NAMES = {"dp", "pp", "sharding", "sep", "mp"}

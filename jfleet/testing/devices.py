@@ -1,0 +1,76 @@
+"""Emulated CPU devices for tests: set the count before JAX starts, and say so when it is short.
+
+JAX fixes its device count when its backend starts (the first ``jax.devices()`` or array
+operation), not at ``import jax``. :func:`emulate_cpu_devices` sets the count before that
+point (what ``pytest --jfleet-devices N`` and the repository's ``conftest.py`` call);
+:func:`require_devices` is the check a test helper makes before it builds a mesh, with
+the fix in its message.
+
+Example:
+  >>> import jax
+  >>> emulate_cpu_devices(len(jax.devices()))  # already started: the same count is fine
+  >>> require_devices(1)
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["NotEnoughDevicesError", "emulate_cpu_devices", "require_devices"]
+
+
+class NotEnoughDevicesError(RuntimeError):
+    """A test needs more devices than this process has."""
+
+
+def _check_count(n: int, name: str) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{name}={n!r}: expected a positive int (a device count).")
+
+
+def emulate_cpu_devices(n: int) -> None:
+    """Makes this process's JAX run on ``n`` emulated CPU devices.
+
+    Sets ``jax_num_cpu_devices`` and, unless ``JAX_PLATFORMS`` is set, the CPU platform.
+    Call it before anything starts JAX's backend; after, only the count it already has
+    is accepted.
+
+    Raises:
+      ValueError: ``n`` is not a positive int.
+      RuntimeError: JAX already started with another count (the message says where to
+        set it instead).
+    """
+    _check_count(n, "n")
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", n)  # raises once the backend has started
+        if "JAX_PLATFORMS" not in os.environ:
+            os.environ["JAX_PLATFORMS"] = "cpu"  # children inherit it
+            jax.config.update("jax_platforms", "cpu")
+    except RuntimeError as err:
+        have = len(jax.devices())
+        if have != n:
+            raise RuntimeError(
+                f"JAX already started with {have} device(s), so it cannot emulate {n}: set "
+                "the count before any JAX computation (pytest --jfleet-devices N, or "
+                "jfleet.testing.emulate_cpu_devices(N) at the top of conftest.py)."
+            ) from err
+
+
+def require_devices(n: int, what: str = "this test") -> None:
+    """Checks that this process has at least ``n`` devices.
+
+    Raises:
+      NotEnoughDevicesError: fewer; the message names the pytest option that fixes it.
+    """
+    _check_count(n, "n")
+    import jax
+
+    have = len(jax.devices())
+    if have < n:
+        raise NotEnoughDevicesError(
+            f"{what} needs {n} devices, but this process has {have}: run pytest with "
+            f"--jfleet-devices {n} (or `jfleet_devices = {n}` in the pytest ini file), or mark "
+            f"the test @pytest.mark.jfleet_devices({n}) to run it in a child process."
+        )
