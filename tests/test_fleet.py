@@ -419,6 +419,7 @@ BEFORE_INIT = [
     ("save_cache_model", lambda: fleet.save_cache_model("unused")),
     ("set_date", lambda: fleet.set_date(0, "20250101")),
     ("shrink", lambda: fleet.shrink()),
+    ("check_save_pre_patch_done", lambda: fleet.check_save_pre_patch_done()),
 ]
 
 

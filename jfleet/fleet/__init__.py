@@ -182,7 +182,9 @@ save_cache_table = _fleet.save_cache_table
 save_cache_model = _fleet.save_cache_model
 set_date = _fleet.set_date
 shrink = _fleet.shrink
+check_save_pre_patch_done = _fleet.check_save_pre_patch_done
 __all__ += [
+    "check_save_pre_patch_done",
     "init_server",
     "init_worker",
     "load_one_table",

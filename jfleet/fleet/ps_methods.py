@@ -176,6 +176,12 @@ class PSMethods:
             logger.info("fleet.save_cache_model ignores %s", sorted(configs))
         return storage.save_cache(table, dirname)
 
+    def check_save_pre_patch_done(self) -> bool:
+        """Whether the tables' pre-patch save has finished: always True here, since every
+        save writes its files before it returns (Paddle's PS saves in the background)."""
+        self._ps_run("check_save_pre_patch_done")
+        return True
+
     def set_date(self, table_id: int, day_id: int | str) -> None:
         """Moves table ``table_id`` to day ``day_id`` (``"YYYYMMDD"`` or an int), decaying it."""
         self._ps_run("set_date")

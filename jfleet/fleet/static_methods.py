@@ -50,6 +50,7 @@ from jfleet.amp import AmpPolicy
 from jfleet.distributed_optimizer import DistributedOptimizer
 from jfleet.engine import TrainStep, cached_step
 from jfleet.fleet._noop import log_noop
+from jfleet.inference import load_inference_model, save_inference_model
 from jfleet.optim.compiler import amp_settings
 from jfleet.quantization import QatConfig, quantize_model
 
@@ -69,6 +70,12 @@ class StaticMethods:
     # Provided by Fleet (with ``_require_init``).
     _optimizer: DistributedOptimizer | None
     _model: nnx.Module | None
+
+    #: Paddle's ``Fleet.save_inference_model``: :func:`jfleet.inference.save_inference_model`
+    #: (a ``jax.export`` forward and its parameters), the same function as the module's.
+    save_inference_model = staticmethod(save_inference_model)
+    #: Paddle's ``Fleet.load_inference_model``: :func:`jfleet.inference.load_inference_model`.
+    load_inference_model = staticmethod(load_inference_model)
 
     def _target_model(self, what: str, model: nnx.Module | None) -> nnx.Module:
         if model is None:
