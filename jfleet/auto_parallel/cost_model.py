@@ -83,7 +83,9 @@ compiled temp memory of TinyLlama (width 128, 2-4 layers) on XLA:CPU.
   reuses it in the backward; with recompute it gathers again); the pipelined blocks
   leave their ``shard_map`` with gradients already summed over ``dp x sharding`` (one
   all-reduce);
-* pipeline: bubble ``(P-1)/(M+P-1)`` of the blocks' compute, and ``2(M+P-1)`` (both
+* pipeline: bubble ``(P-1)/(M+P-1)`` of the blocks' compute (none where the devices share
+  the host's cores, ``HardwareProfile.shared_cores``: an idle stage's core runs the
+  others' work), and ``2(M+P-1)`` (both
   schedules: a forward and a backward loop) point-to-point transfers of ``b s h`` on the
   critical path; with the rows split over ``pp`` the stack all-gathers its input and
   reduce-scatters its output over ``pp`` (and the reverse for the cotangents), else the
@@ -92,11 +94,13 @@ compiled temp memory of TinyLlama (width 128, 2-4 layers) on XLA:CPU.
 * loop memory traffic (pipelines): each stashed residual written and read once, the
   stage's weights read from their stack 2-3 times per micro-batch and the stacked
   gradients read and written, at ``HardwareProfile.memory_bandwidth`` (on XLA:CPU
-  pipelined steps are bound by this dynamic-slice / update / copy traffic);
+  pipelined steps are bound by this dynamic-slice / update / copy traffic); 1F1B's
+  recompute reuses one micro-batch's buffer and stashes only the stage inputs;
 * sequence parallel (``sep``): an all-gather of k and v per block forward and a
   reduce-scatter of their gradients backward.
 
-Every collective also pays the profile's latency. A group's bandwidth is intra-node
+Every collective also pays the profile's latency; ZeRO's all-gathers are one per parameter
+array (XLA does not combine them as it does all-reduces). A group's bandwidth is intra-node
 when its devices lie within one node (row-major mesh order), else inter-node.
 
 **Collective bytes** are counted as :mod:`jfleet.testing.hlo` counts them (the buffer of an
@@ -337,6 +341,14 @@ def _group_bandwidth(
     return profile.intra_node_bandwidth if span <= per_node else profile.inter_node_bandwidth
 
 
+def _stored_leaves(params: Sequence[ParamInfo], blocks: int, *, stacked: bool) -> int:
+    """How many arrays hold ``params``: one per parameter, or one per block parameter
+    kind when the blocks are stacked (a scan over layers, a pipeline stage)."""
+    in_blocks = sum(p.block is not None for p in params)
+    outside = len(params) - in_blocks
+    return outside + (in_blocks // max(blocks, 1) if stacked and blocks else in_blocks)
+
+
 def _ring(kind: str, nbytes: float, n: int) -> float:
     if n <= 1:
         return 0.0
@@ -476,13 +488,14 @@ def estimate(
         activations += block_tp
     # memory traffic of the pipeline's loops (measured on XLA:CPU to bound pipelined
     # steps, issue 15; a scan over layers writes its residuals in place): each residual
-    # a stage stashes is written (dynamic-update-slice) and read (dynamic-slice) once per
-    # step; every tick reads the stage's weights out of their stack in the forward pass,
-    # again in the backward (and the recompute), and reads and writes the stacked
-    # gradients it adds into
+    # a stage stashes for the backward loop is written (dynamic-update-slice) and read
+    # (dynamic-slice) once per step; every tick reads the stage's weights out of their
+    # stack in the forward pass, again in the backward (and the recompute), and reads and
+    # writes the stacked gradients it adds into. 1F1B's recompute keeps one micro-batch's
+    # residuals in a buffer each backward tick reuses, not a stash of all M.
     stashed = 0.0
     if staged:
-        stashed = tokens_local * h + (tokens_local * per_layer * stage_blocks if looped else 0)
+        stashed = tokens_local * h
     elif piped:
         stashed = _FTHENB_KEPT * tokens_local * per_layer * stage_blocks
     weight_passes = 4 + int(layout.recompute or staged) if piped else 0
@@ -508,7 +521,7 @@ def estimate(
     peak = profile.flops(workload.dtype)
     t_blocks = block_flops / peak
     t_head = outside_flops / peak
-    bubble = t_blocks * (pp - 1) / m if pp > 1 else 0.0
+    bubble = t_blocks * (pp - 1) / m if pp > 1 and not profile.shared_cores else 0.0
     compute = t_blocks + t_head
     executed = block_flops + outside_flops
 
@@ -574,9 +587,14 @@ def estimate(
             if layout.dp * sep > 1:
                 coll["all_reduce"] += zeroed / shard
                 t_dp += lat + _ring("all-reduce", zeroed / shard, layout.dp * sep) / bw_dpsep
+            # ZeRO's all-gathers (of the updated shards; at stage 3 of the parameters
+            # before use) are one per parameter leaf, as the step holds them (stacked
+            # when the blocks are scanned or pipelined): XLA combines all-reduces, not
+            # these (measured: 13 all-gathers scanned, 39 unrolled, TinyLlama 4 blocks)
             gathers = 2 if (stage >= 3 and remat_waits) else 1
             coll["all_gather"] += gathers * tp_bytes
-            t_dp += gathers * (lat + _ring("all-gather", tp_bytes, shard) / bw_shard)
+            leaves = _stored_leaves(mine, stage_blocks, stacked=piped or scanned)
+            t_dp += gathers * (leaves * lat + _ring("all-gather", tp_bytes, shard) / bw_shard)
     if pp > 1:
         # both schedules: one forward loop and one backward loop of M + P - 1 ticks, one
         # collective-permute of a micro-batch's b s h per tick and direction

@@ -10,14 +10,17 @@ directions, so 450e9 here).
 Built-in profiles (:data:`PROFILES`):
 
 * ``cpu`` (default): the host's CPU emulating devices (``jax_num_cpu_devices``). Eight
-  devices share a few cores: 40 GFLOP/s matmul peak per device (2 AVX-512 cores' ~380
-  GFLOP/s fp32 shared by 8) and 1 GB/s for a pipeline's loop traffic (dynamic-slice /
-  update / copy), the pair fitted to measured step times of every ``to_distributed``
+  devices share a few cores (``shared_cores``: a pipeline bubble costs no time): 40
+  GFLOP/s matmul peak per device (2 AVX-512 cores' ~380 GFLOP/s fp32 shared by 8); the
+  rest are effective rates, fitted to the measured CPU time of every ``to_distributed``
   candidate of the Llama example at width 64 (``benchmarks/planner_ranking.py``; width
-  128 held out); 2 GiB of (host) memory each; in-process collectives copy memory at
-  ~2 GB/s; between processes (gloo over TCP) ~0.5 GB/s; 50 us per collective. XLA:CPU
-  has no reduce-scatter pass (a sharded gradient reduction is an all-reduce followed by a
-  slice: ``reduce_scatter_native=False``, see :mod:`jfleet.testing.hlo`).
+  128 held out): collectives move 100 MB/s per device and pay 100 us each (the
+  devices' threads meet at every collective, and a waiting thread spins on a shared
+  core), a pipeline's loop traffic (dynamic-slice / update / copy) 200 MB/s; between
+  processes (gloo over TCP) a quarter of in-process (a guess, not fitted); 2 GiB of
+  (host) memory each. XLA:CPU has no reduce-scatter pass (a sharded gradient reduction is
+  an all-reduce followed by a slice: ``reduce_scatter_native=False``, see
+  :mod:`jfleet.testing.hlo`).
 * ``a100``: NVIDIA A100 SXM4 80GB (A100 datasheet): 19.5 TFLOP/s fp32, 156 TF32, 312
   bf16/fp16; 80 GB HBM2e at 2,039 GB/s; NVLink 3 600 GB/s total (300e9 per direction); HDR
   InfiniBand 200 Gb/s per GPU between nodes (DGX A100: 25e9 B/s).
@@ -73,6 +76,9 @@ class HardwareProfile:
         loop saves memory; XLA:CPU removes them before scheduling and runs the
         recomputation with the forward pass (:mod:`jfleet.recompute`), so there only
         recompute inside a loop (scanned or pipelined blocks) saves memory.
+      shared_cores: whether the devices share the host's cores (emulated CPU devices): a
+        device idle in a pipeline bubble leaves its core to the others, so bubbles cost
+        no step time.
       memory_bandwidth: bytes/s one device's memory moves for the step's loops (the
         residuals a pipeline or a scan over layers stashes and fetches with
         dynamic-update-slice / dynamic-slice / copy); default: 7x the intra-node link (HBM
@@ -91,6 +97,7 @@ class HardwareProfile:
     collective_latency: float = 1e-5
     reduce_scatter_native: bool = True
     remat_barriers_kept: bool = True
+    shared_cores: bool = False
     memory_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
@@ -149,13 +156,14 @@ _CPU = HardwareProfile(
     name="cpu",
     peak_flops={"float32": 40e9, "bfloat16": 20e9, "float16": 20e9},
     memory_bytes=2 * GiB,
-    intra_node_bandwidth=2e9,
-    inter_node_bandwidth=0.5e9,
+    intra_node_bandwidth=100e6,
+    inter_node_bandwidth=25e6,
     devices_per_node=8,
-    collective_latency=50e-6,
+    collective_latency=100e-6,
     reduce_scatter_native=False,
     remat_barriers_kept=False,
-    memory_bandwidth=1e9,
+    shared_cores=True,
+    memory_bandwidth=200e6,
 )
 _A100 = HardwareProfile(
     name="a100",
