@@ -37,7 +37,7 @@ the fake-quantised kernel back exactly; run the layer with it and the input quan
 
 Limits: layers stacked for a pipeline or a ``lax.scan`` (a kernel with a leading stack axis)
 are refused (so ``strategy.qat`` with ``pp_degree > 1``; ``to_distributed`` with a QAT strategy
-needs ``ToDistributedConfig(scan_layers=False)`` and no ``pp``, which it says); matmuls on bare
+keeps the blocks unrolled, not scanned, and a forced ``pp`` stops with the reason); matmuls on bare
 ``nnx.Param`` arrays (not in a layer) and embedding lookups stay float, as Paddle quantises
 neither; ``qat_configs['algo']`` is accepted and unused (Paddle's QAT pass ignores it too).
 

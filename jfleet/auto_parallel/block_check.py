@@ -539,6 +539,21 @@ def pipeline_problem(
     return None
 
 
+def state_problem(model: nnx.Module, block_paths: Sequence[str]) -> str | None:
+    """Why the blocks cannot be stacked for the state they hold now (anything but
+    ``nnx.Param``), or None: the first check of :func:`pipeline_problem`, without a trace.
+
+    Example:
+      >>> from flax import nnx
+      >>> net = nnx.Module()
+      >>> net.blocks = nnx.List([nnx.BatchNorm(4, rngs=nnx.Rngs(0)) for _ in range(2)])
+      >>> state_problem(net, ["blocks.0", "blocks.1"]).split(":")[0]
+      'the blocks hold state other than nnx.Param'
+    """
+    paths = _check_paths(model, block_paths)
+    return _state_problem([module_at(model, p) for p in paths], paths)
+
+
 def _state_problem(blocks: Sequence[nnx.Module], paths: Sequence[str]) -> str | None:
     found = []
     for path, block in zip(paths, blocks, strict=True):
@@ -550,9 +565,9 @@ def _state_problem(blocks: Sequence[nnx.Module], paths: Sequence[str]) -> str | 
         return None
     shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
     return (
-        f"the blocks hold state other than nnx.Param: {shown}. A pipeline stacks only "
-        "parameters: build dropout without rngs (pass rngs when calling it), keep batch "
-        "statistics and caches out of the blocks, or plan without a pipeline."
+        f"the blocks hold state other than nnx.Param: {shown}. A pipelined or scanned "
+        "stack holds only parameters: build dropout without rngs (pass rngs when calling "
+        "it), keep batch statistics and caches out of the blocks, or plan without a pipeline."
     )
 
 

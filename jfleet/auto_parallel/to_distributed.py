@@ -44,7 +44,13 @@ from flax import nnx
 
 from jfleet import _context, fleet
 from jfleet._logging import logger
-from jfleet.auto_parallel.block_check import ARRAY, TREE, pipeline_problem, record_block_calls
+from jfleet.auto_parallel.block_check import (
+    ARRAY,
+    TREE,
+    pipeline_problem,
+    record_block_calls,
+    state_problem,
+)
 from jfleet.auto_parallel.blocks import (
     PipelinedBlocks,
     container_of,
@@ -422,6 +428,8 @@ def _scannable(model: nnx.Module, plan: Plan, first: Any, forward: Callable | No
         inputs, fwd = _model_call(first, forward)
         call = (lambda: fwd(model, inputs)) if fwd is not None else (lambda: model(inputs))
         problem = pipeline_problem(model, list(plan.blocks), call) or True
+    if problem is True:  # the strategy's settings (QAT's scales) may have added state since
+        problem = state_problem(model, list(plan.blocks)) or True
     if problem is True:
         try:
             container_of(model, plan.blocks)

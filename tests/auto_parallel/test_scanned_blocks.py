@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jfleet import fleet, make_train_step
+from jfleet import DistributedStrategy, fleet, make_train_step
 from jfleet.auto_parallel import ToDistributedConfig, get_plan, to_distributed
 from jfleet.auto_parallel.blocks import PipelinedBlocks
 from jfleet.auto_parallel.scanned_blocks import ScannedBlocks
@@ -222,3 +222,22 @@ def test_blocks_that_cannot_be_stacked_stay_unrolled_and_scanning_can_be_switche
     config = ToDistributedConfig(force_mesh={"dp": 8}, scan_layers=False)
     model, _, _ = to_distributed(llama(), optax.sgd(0.1), lm_batches(1), config=config)
     assert type(model.layers) is nnx.List and len(model.layers) == 4
+
+
+def test_blocks_given_state_by_the_strategy_stay_unrolled_and_train_like_one_device(caplog):
+    # QAT adds moving-average scales (QuantStat) to the blocks after planning: they cannot
+    # be stacked, so the blocks stay unrolled (logged) instead of failing to scan.
+    strategy = DistributedStrategy()
+    strategy.qat = True
+    batches = lm_batches(2)
+    config = ToDistributedConfig(force_mesh={"dp": 8}, strategy=strategy)
+    with caplog.at_level(logging.INFO, logger="jfleet"):
+        model, opt, loader = to_distributed(llama(), optax.sgd(0.1), batches, config=config)
+    assert not any(isinstance(m, ScannedBlocks) for _, m in nnx.iter_modules(model))
+    assert "kept unrolled (not scanned)" in caplog.text and "QuantStat" in caplog.text
+    step = make_train_step(lm_loss)
+    losses = [float(step(model, opt, b)) for b in loader]
+    fleet._reset()
+    expected, _ = train_one_device(llama(), optax.sgd(0.1), batches, lm_loss, strategy=strategy)
+    # 1e-4: fake quantisation rounds, so a sum in another order can move one value a step
+    np.testing.assert_allclose(losses, expected, rtol=1e-4)
