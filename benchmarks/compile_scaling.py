@@ -24,7 +24,6 @@ blocks, dp 8): compiled temp memory and loop-weighted dot FLOPs
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import os
 import platform
@@ -32,18 +31,13 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import jax
-
-# Raises only when backends already started with another count (a harness chose its own).
-with contextlib.suppress(RuntimeError):
-    jax.config.update("jax_num_cpu_devices", 8)
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import benchmarks  # noqa: F401  (first: CPU, 8 emulated devices, before JAX starts)
+
+# isort: split
 import flax
+import jax
 import optax
 
 from benchmarks.results_file import write_section

@@ -32,24 +32,18 @@ add a producer for another schedule (interleaved, zero-bubble) and its rows join
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import jax
-
-with contextlib.suppress(RuntimeError):
-    jax.config.update("jax_num_cpu_devices", 8)
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import benchmarks  # noqa: F401  (first: CPU, 8 emulated devices, before JAX starts)
+
+# isort: split
+import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx

@@ -25,21 +25,15 @@ device:
 
 from __future__ import annotations
 
-import contextlib
-import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import jax
-
-with contextlib.suppress(RuntimeError):
-    jax.config.update("jax_num_cpu_devices", 8)
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import benchmarks  # noqa: F401  (first: CPU, 8 emulated devices, before JAX starts)
+
+# isort: split
+import jax
 import jax.numpy as jnp
 import numpy as np
 

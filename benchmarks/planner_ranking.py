@@ -32,7 +32,6 @@ every candidate (predicted time, measured ratio, compiled temp memory, executed 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import json
@@ -44,18 +43,13 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import jax
-
-# Raises only when backends already started with another count (a harness chose its own).
-with contextlib.suppress(RuntimeError):
-    jax.config.update("jax_num_cpu_devices", 8)
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import benchmarks  # noqa: F401  (first: CPU, 8 emulated devices, before JAX starts)
+
+# isort: split
 import flax
+import jax
 import numpy as np
 import optax
 
