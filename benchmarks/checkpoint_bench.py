@@ -27,9 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import os
-import platform
 import shutil
 import statistics
 import sys
@@ -43,13 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import benchmarks  # noqa: F401  (first: CPU, 8 emulated devices, before JAX starts)
 
 # isort: split
-import flax
 import jax
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from benchmarks.results_file import write_section
+from benchmarks.results_file import environment, write_section
 from jfleet import ToDistributedConfig, make_train_step, to_distributed
 from jfleet.checkpoint import CheckpointManager
 from jfleet.models import lm_loss, stride_batches
@@ -181,16 +177,10 @@ def measure(size: Size, mesh: dict, other: dict, repeats: int, window: int, root
 
 
 def render(rows: list[Row], repeats: int, command: str) -> str:
-    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         "# Checkpoints: save and restore time, bytes on disk, async save's step slowdown",
         "",
-        f"- command: `{command}`",
-        f"- date: {date}",
-        f"- versions: jax {jax.__version__}, flax {flax.__version__}, optax {optax.__version__}, "
-        f"orbax-checkpoint {ocp.__version__}, Python {platform.python_version()}",
-        f"- machine: {platform.machine()}, nproc {os.cpu_count()}, {jax.device_count()} "
-        f"emulated {jax.devices()[0].platform.upper()} devices",
+        *environment(command, versions_extra=f"orbax-checkpoint {ocp.__version__}, "),
         f"- models: {'; '.join(f'{s.name}: {s.describe()}' for s in SIZES)}; "
         f"fp32, `optax.adam`, batch 16 x 8 tokens, placed by `to_distributed` "
         "(`force_mesh`) on the saving mesh; on a pipelined mesh the decoder layers run "

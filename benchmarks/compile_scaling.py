@@ -24,9 +24,6 @@ blocks, dp 8): compiled temp memory and loop-weighted dot FLOPs
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -36,11 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import benchmarks  # noqa: F401  (first: CPU, 8 emulated devices, before JAX starts)
 
 # isort: split
-import flax
-import jax
 import optax
 
-from benchmarks.results_file import write_section
+from benchmarks.results_file import environment, write_section
 from jfleet import fleet, make_train_step
 from jfleet.auto_parallel import ToDistributedConfig, to_distributed
 from jfleet.auto_parallel.scanned_blocks import ScannedBlocks
@@ -97,16 +92,10 @@ def recompute_rows() -> dict:
 
 
 def render(rows: dict, remat: dict, command: str) -> str:
-    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         "# Compile scaling: scanned vs unrolled decoder blocks (non-pipelined `to_distributed`)",
         "",
-        f"- command: `{command}`",
-        f"- date: {date}",
-        f"- versions: jax {jax.__version__}, flax {flax.__version__}, optax {optax.__version__}, "
-        f"Python {platform.python_version()}",
-        f"- machine: {platform.machine()}, nproc {os.cpu_count()}, {jax.device_count()} "
-        f"emulated {jax.devices()[0].platform.upper()} devices",
+        *environment(command),
         "- model: `TinyLlama(vocab=256, width=128, heads=8, kv_heads=4, layers=N)`, Adam, "
         "batch 16 x 64 tokens, `to_distributed` forced to dp 8; the engine's step "
         "(`make_train_step(lm_loss)`) lowered and compiled once per row",

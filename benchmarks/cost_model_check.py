@@ -46,9 +46,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import os
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -59,12 +56,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import benchmarks  # noqa: F401  (first: CPU, 8 emulated devices, before JAX starts)
 
 # isort: split
-import flax
 import jax
 import optax
 from flax import nnx
 
-from benchmarks.results_file import write_section
+from benchmarks.results_file import environment, write_section
 from jfleet import make_train_step
 from jfleet.auto_parallel import Plan, ToDistributedConfig, get_plan, to_distributed
 from jfleet.models import lm_batches, lm_loss
@@ -371,16 +367,10 @@ def _flops(value: float) -> str:
 
 def render(rows: list[Row], style_rows: list[Row], workload: Workload) -> str:
     """The Markdown section for RESULTS.md: the TinyLlama table, then the NNX-zoo table."""
-    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         "# Auto-parallel cost model vs the compiled step",
         "",
-        "- command: `python benchmarks/cost_model_check.py`",
-        f"- date: {date}",
-        f"- versions: jax {jax.__version__}, flax {flax.__version__}, optax {optax.__version__}, "
-        f"Python {platform.python_version()}",
-        f"- machine: {platform.machine()}, nproc {os.cpu_count()}, {jax.device_count()} "
-        f"emulated {jax.devices()[0].platform.upper()} devices",
+        *environment("python benchmarks/cost_model_check.py"),
         f"- models: {workload.describe()}; and every style of `jfleet.testing.nnx_styles."
         f"STYLES` (tiny decoder LMs written in public Flax NNX styles), batch {STYLE_BATCH} x "
         f"{STYLE_SEQ} tokens, fp32, `optax.adam`",

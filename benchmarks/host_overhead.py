@@ -19,9 +19,6 @@ ratio of the medians (engine / baseline).
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import statistics
 import sys
 import time
@@ -32,11 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import benchmarks  # noqa: F401  (first: CPU, 8 emulated devices, before JAX starts)
 
 # isort: split
-import flax
 import jax
 import optax
 
-from benchmarks.results_file import write_section
+from benchmarks.results_file import environment, write_section
 from benchmarks.zero_memory import BaselineStep
 from jfleet import fleet, make_train_step
 from jfleet.models import TinyLM, lm_batches, lm_loss
@@ -86,16 +82,10 @@ def measure(name: str, rounds: int, steps: int) -> dict:
 
 
 def render(results: dict, rounds: int, steps: int, command: str) -> str:
-    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         "# Engine host overhead: `make_train_step` vs a hand-written `jax.jit` step",
         "",
-        f"- command: `{command}`",
-        f"- date: {date}",
-        f"- versions: jax {jax.__version__}, flax {flax.__version__}, optax {optax.__version__}, "
-        f"Python {platform.python_version()}",
-        f"- machine: {platform.machine()}, nproc {os.cpu_count()}, {jax.device_count()} "
-        f"emulated {jax.devices()[0].platform.upper()} devices",
+        *environment(command),
         "- model: `TinyLM()` (fp32), `optax.adam`, batch 16 x 8 tokens placed on the mesh once; "
         "baseline: `benchmarks.zero_memory.BaselineStep` (split state, same shardings, "
         "donation, ZeRO gradient constraint, finite flags)",

@@ -33,10 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
-import os
-import platform
 import random
 import statistics
 import sys
@@ -48,12 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import benchmarks  # noqa: F401  (first: CPU, 8 emulated devices, before JAX starts)
 
 # isort: split
-import flax
 import jax
 import numpy as np
 import optax
 
-from benchmarks.results_file import write_section
+from benchmarks.results_file import environment, write_section
 from jfleet import fleet, make_train_step
 from jfleet.auto_parallel import ToDistributedConfig, get_plan, to_distributed
 from jfleet.auto_parallel.cost_model import Candidate, Collectives, Memory, StepTime
@@ -443,18 +439,13 @@ def repredict(result: SizeResult) -> None:
 
 def render(results: list[SizeResult], rounds: int, argv: list[str]) -> str:
     """The Markdown section for RESULTS.md."""
-    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     cmd = " ".join(["python benchmarks/planner_ranking.py", *argv])
     measured = "; ".join(f"{r.size.name}: `{r.command}`" for r in results if r.command)
     lines = [
         "# Planner ranking: predicted vs measured step time of every candidate",
         "",
         f"- command: `{cmd}`" + (f" (measurements: {measured})" if measured else ""),
-        f"- date: {date}",
-        f"- versions: jax {jax.__version__}, flax {flax.__version__}, optax {optax.__version__}, "
-        f"Python {platform.python_version()}",
-        f"- machine: {platform.machine()}, nproc {os.cpu_count()}, {jax.device_count()} "
-        f"emulated {jax.devices()[0].platform.upper()} devices, profile `cpu`",
+        *environment(machine_note=", profile `cpu`"),
         f"- timing: groups of {GROUP} candidates with `{BASELINE}` in each; interleaved "
         f"rounds (order shuffled; per size below), {CALLS} steps per candidate per round; a "
         f"candidate's number is the median over rounds of its time / `{BASELINE}`'s in the "

@@ -37,10 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import math
-import os
-import platform
 import statistics
 import sys
 import time
@@ -53,7 +50,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import benchmarks  # noqa: F401  (first: CPU, 8 emulated devices, before JAX starts)
 
 # isort: split
-import flax
 import jax
 import jax.numpy as jnp
 import optax
@@ -61,7 +57,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from benchmarks.results_file import write_section
+from benchmarks.results_file import environment, write_section
 from jfleet import DistributedStrategy, fleet, make_train_step
 from jfleet.models import TinyLM, lm_batches, lm_loss
 from jfleet.optim.loss_scale import finite_flags
@@ -403,11 +399,11 @@ def _yes(flag: bool | None) -> str:
     return "-" if flag is None else ("yes" if flag else "NO")
 
 
-def render(results: list[Result], workload: Workload, header: dict[str, str]) -> str:
+def render(results: list[Result], workload: Workload, header: list[str]) -> str:
     """The Markdown report: environment, memory, collectives and timing tables."""
     dp = results[0]
     lines = ["# ZeRO benchmark results", ""]
-    lines += [f"- {k}: {v}" for k, v in header.items()]
+    lines += header
     lines += [
         f"- model: `TinyLM(vocab={workload.vocab}, width={workload.width}, "
         f"hidden={workload.hidden})`, Phi = {dp.phi:,} parameters (fp32, "
@@ -530,18 +526,6 @@ def render(results: list[Result], workload: Workload, header: dict[str, str]) ->
         "",
     ]
     return "\n".join(lines)
-
-
-def environment(command: str) -> dict[str, str]:
-    """The header lines of RESULTS.md: command, date, versions, machine."""
-    return {
-        "command": f"`{command}`",
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "versions": f"jax {jax.__version__}, flax {flax.__version__}, optax {optax.__version__}, "
-        f"Python {platform.python_version()}",
-        "machine": f"{platform.machine()}, nproc {os.cpu_count()}, "
-        f"{jax.device_count()} emulated {jax.devices()[0].platform.upper()} devices",
-    }
 
 
 def main(argv: list[str] | None = None) -> int:

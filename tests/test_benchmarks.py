@@ -221,7 +221,7 @@ def test_engine_has_the_collectives_of_a_hand_written_jit_step(results, key):
 
 
 def test_report_renders_every_configuration(results):
-    report = zero_memory.render(list(results.values()), zero_memory.SMALL, {"command": "`pytest`"})
+    report = zero_memory.render(list(results.values()), zero_memory.SMALL, ["- command: `pytest`"])
     for config in CONFIGS.values():
         assert f"| {config.name} |" in report
     assert "Rajbhandari" in report
