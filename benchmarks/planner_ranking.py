@@ -255,7 +255,7 @@ def spearman(a: list[float], b: list[float]) -> float:
         r = np.empty(len(x))
         r[order] = np.arange(len(x))
         values = np.asarray(x)
-        for v in np.unique(values):
+        for v in np.unique(values[~np.isnan(values)]):  # NaN (not measured) keeps its place
             same = values == v
             r[same] = r[same].mean()
         return r
