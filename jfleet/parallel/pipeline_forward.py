@@ -63,6 +63,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jfleet.parallel import virtual_stages as virtual
 from jfleet.parallel.pipeline_schedule import (
     SavedStage,
     StageFn,
@@ -96,6 +97,7 @@ def pipeline_forward(
     remat: bool = False,
     schedule: str = "FThenB",
     rows_over_pp: bool = False,
+    num_virtual: int = 1,
 ) -> Any:
     """The output of a pipelined stack of stages, differentiable (see the module docstring).
 
@@ -115,9 +117,14 @@ def pipeline_forward(
       pp_axis: the pipeline mesh axis.
       data_axes: mesh axes the batch is split over (those the mesh lacks are ignored).
       remat: recompute each stage in the backward pass (FThenB; 1F1B always does).
-      schedule: ``"FThenB"`` or ``"1F1B"``.
+      schedule: ``"FThenB"``, ``"1F1B"`` or ``"VPP"`` (``"1F1B"`` with ``num_virtual > 1``
+        runs ``"VPP"``).
       rows_over_pp: the batch's rows split over the data axes and ``pp``: the output too,
         so the code after the stack runs on ``1 / P`` of the rows per device.
+      num_virtual: ``v``, chunks per stage (interleaved stages, ``"VPP"``): the stage
+        leaves are ``[P, v K, ...]``, row ``s`` holding chunks ``s, s + P, ..., s + (v - 1)
+        P`` of ``K`` units each in order (:func:`~jfleet.parallel.virtual_stages.
+        interleaved_order`), and ``stage_fn`` runs one chunk's ``[K, ...]``.
 
     Returns:
       The last stage's output for the whole batch, ``[B, ...]``: on every stage, or split
@@ -126,8 +133,10 @@ def pipeline_forward(
     Raises:
       ValueError: as :func:`~jfleet.parallel.pipeline_schedule.pipeline_loss` (unknown
         schedule, mesh without ``pp_axis``, stage leaves without the stage axis, a batch
-        that does not split into the micro-batches), or ``rows_over_pp`` with a batch that
-        does not split over the data axes x ``pp``.
+        that does not split into the micro-batches), ``rows_over_pp`` with a batch that
+        does not split over the data axes x ``pp``; ``"VPP"`` with ``num_virtual < 2``, a
+        single stage, ``M`` not a multiple of ``P``, or stage leaves whose second axis
+        ``num_virtual`` does not divide.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -138,13 +147,21 @@ def pipeline_forward(
       >>> y[0], y.sharding.spec
       (Array([16., 16., 16.], dtype=float32), P(('dp', 'pp'),))
     """
+    v = virtual.check_virtual(num_virtual)
+    if (schedule == "VPP") != (v > 1) and schedule != "1F1B":
+        raise ValueError(
+            f"schedule={schedule!r} with num_virtual={v}: interleaved stages run "
+            "schedule 'VPP' (or '1F1B') with num_virtual >= 2, and 'FThenB' runs one chunk "
+            "per stage (num_virtual=1)."
+        )
+    schedule = "VPP" if v > 1 else schedule
     spec = _validate(
         stage_fn,
         _no_head,
         stage_params,
         {"inputs": inputs, "side": side},
         mesh=mesh,
-        schedule=schedule,
+        schedule="1F1B" if schedule == "VPP" else schedule,
         num_microbatches=num_microbatches,
         pp_axis=pp_axis,
         data_axes=data_axes,
@@ -161,9 +178,32 @@ def pipeline_forward(
             "use rows_over_pp=False for this batch",
             label="data-parallel size x pipeline stages",
         )
+    if v > 1:
+        _check_chunks(spec, stage_params, v)
     side, shared = lax.stop_gradient((side, shared))
     saving = schedule == "FThenB" and not spec.remat
-    return _pipelined(spec, rows, saving)(stage_params, inputs, side, shared)
+    return _pipelined(spec, rows, saving, v)(stage_params, inputs, side, shared)
+
+
+def _check_chunks(spec: _Pipeline, stage_params: Any, v: int) -> None:
+    """Interleaved stages: 2+ stages, micro-batches in groups of ``P``, ``v`` chunks a row."""
+    p = spec.num_stages
+    if p < 2:
+        raise ValueError(
+            f"num_virtual={v} interleaves chunks over the pipeline stages, but the mesh's "
+            f"{spec.pp_axis!r} size is {p}; use num_virtual=1 or a pipeline of 2+ stages."
+        )
+    virtual.check_microbatches("VPP", p, spec.num_microbatches)
+    bad = [
+        f"{jax.tree_util.keystr(path) or '<root>'}: {leaf.shape}"
+        for path, leaf in jax.tree_util.tree_leaves_with_path(stage_params)
+        if len(leaf.shape) < 2 or leaf.shape[1] % v
+    ]
+    if bad:
+        raise ValueError(
+            f"num_virtual={v} needs stage leaves [P, v K, ...] (v chunks of K units per "
+            f"stage); these do not split into {v} chunks: {'; '.join(bad)}."
+        )
 
 
 def _no_head(*_: Any) -> jax.Array:
@@ -196,19 +236,21 @@ def _scatter(tree: Any, spec: _Pipeline, rows: bool) -> Any:
     )
 
 
-def _mapped(spec: _Pipeline, rows: bool, mode: str, saving: bool = False) -> Callable[..., Any]:
+def _mapped(
+    spec: _Pipeline, rows: bool, mode: str, saving: bool = False, v: int = 1
+) -> Callable[..., Any]:
     """The jitted ``shard_map`` of one pass: ``"forward"``, ``"stash"`` (forward + what
     the backward needs: the stage inputs, or with ``saving`` the matmul outputs) or
-    ``"backward"`` (the backward loop)."""
+    ``"backward"`` (the backward loop); ``v`` chunks per stage."""
     pp, batch = spec.pp_axis, _batch_spec(spec, rows)
     if mode == "backward":
         in_specs = (P(pp), _stash_spec(spec), batch, P(), batch)
         out_specs: Any = (P(pp), batch)
-        body: Callable[..., Any] = lambda *a: _local_backward(spec, rows, saving, *a)  # noqa: E731
+        body: Callable[..., Any] = lambda *a: _local_backward(spec, rows, saving, v, *a)  # noqa: E731
     else:
         in_specs = (P(pp), batch, batch, P())
         out_specs = (batch, _stash_spec(spec)) if mode == "stash" else batch
-        body = lambda *a: _local_forward(spec, rows, mode, saving, *a)  # noqa: E731
+        body = lambda *a: _local_forward(spec, rows, mode, saving, v, *a)  # noqa: E731
     mapped = jax.shard_map(
         body,
         mesh=spec.mesh,
@@ -220,22 +262,22 @@ def _mapped(spec: _Pipeline, rows: bool, mode: str, saving: bool = False) -> Cal
     return jax.jit(mapped)
 
 
-def _pipelined(spec: _Pipeline, rows: bool, saving: bool) -> Callable[..., Any]:
+def _pipelined(spec: _Pipeline, rows: bool, saving: bool, v: int) -> Callable[..., Any]:
     """``f(stage_params, inputs, side, shared) -> y`` whose VJP is the backward loop: it
     recomputes each stage from its stashed input, or (``saving``) pulls back from the
     stashed matmul outputs."""
 
     @jax.custom_vjp
     def run(stage_params, inputs, side, shared):
-        return _mapped(spec, rows, "forward")(stage_params, inputs, side, shared)
+        return _mapped(spec, rows, "forward", v=v)(stage_params, inputs, side, shared)
 
     def fwd(stage_params, inputs, side, shared):
-        y, ins = _mapped(spec, rows, "stash", saving)(stage_params, inputs, side, shared)
+        y, ins = _mapped(spec, rows, "stash", saving, v)(stage_params, inputs, side, shared)
         return y, (stage_params, ins, side, shared, inputs)
 
     def bwd(res, g):
         stage_params, ins, side, shared, inputs = res
-        backward = _mapped(spec, rows, "backward", saving)
+        backward = _mapped(spec, rows, "backward", saving, v)
         d_params, d_inputs = backward(stage_params, ins, side, shared, g)
         return d_params, jax.tree.map(_cotangent, d_inputs, inputs), None, None
 
@@ -249,28 +291,32 @@ def _cotangent(d: jax.Array, x: jax.Array) -> Any:
     return np.zeros(x.shape, jax.dtypes.float0)
 
 
-def _prepare(spec, rows, stage_params, side, shared):
+def _prepare(spec, rows, v, stage_params, side, shared):
+    """This device's stage parameters (``[v, K, ...]`` chunks when ``v > 1``), its stage
+    call and index."""
     axes = spec.manual_axes
     params = _vary(jax.tree.map(lambda a: a[0], stage_params), axes)
+    if v > 1:
+        params = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), params)
     side_mb = _vary(_split(_gather(side, spec, rows), spec), axes)
     return params, _stage_call(spec, side_mb, _vary(shared, axes)), lax.axis_index(spec.pp_axis)
 
 
-def _local_forward(spec, rows, mode, saving, stage_params, inputs, side, shared):
+def _local_forward(spec, rows, mode, saving, v, stage_params, inputs, side, shared):
     """One device's forward: the GPipe loop, the last stage's output (and the stash)."""
     axes = spec.manual_axes
-    params, call, stage = _prepare(spec, rows, stage_params, side, shared)
+    params, call, stage = _prepare(spec, rows, v, stage_params, side, shared)
     x_mb = _vary(_split(_gather(inputs, spec, rows), spec), axes)
-    _check_stage(call, params, _take(x_mb, 0))
+    _check_stage(call, _take(params, 0) if v > 1 else params, _take(x_mb, 0))
 
-    def run(x, i):
-        return _vary(call(params, x, i), axes)
+    def run(x, i, c=None):
+        return _vary(call(params if c is None else _take(params, c), x, i), axes)
 
     stash: Any = mode == "stash"
     if stash and saving:
         saved = SavedStage(call, params, _take(x_mb, 0))
         run, stash = saved.forward, saved.shapes
-    got = _forward_ticks(spec, run, x_mb, stage, stash=stash)
+    got = _forward_ticks(spec, run, x_mb, stage, stash=stash, virtual=v)
     stash = stash is not False
     outs = got[0] if stash else got
     last = stage == spec.num_stages - 1
@@ -279,18 +325,28 @@ def _local_forward(spec, rows, mode, saving, stage_params, inputs, side, shared)
     return (y, jax.tree.map(lambda a: a[None], got[1])) if stash else y
 
 
-def _local_backward(spec, rows, saving, stage_params, ins, side, shared, g):
+def _local_backward(spec, rows, saving, v, stage_params, ins, side, shared, g):
     """One device's backward loop: parameter gradients (summed over the data axes) and
     the input cotangent (stage 0's, summed or scattered over ``pp``)."""
     axes = spec.manual_axes
-    params, call, stage = _prepare(spec, rows, stage_params, side, shared)
+    params, call, stage = _prepare(spec, rows, v, stage_params, side, shared)
     ins = _vary(jax.tree.map(lambda a: a[0], ins), axes)
     g_mb = _vary(_split(_gather(g, spec, rows), spec), axes)
-    vjp = SavedStage(call, params, _take(g_mb, 0)).backward if saving else stage_vjp(call, params)
-    d_params, d_x = _backward_ticks(spec, vjp, params, ins, g_mb, stage)
+    if saving:
+        vjp = SavedStage(call, params, _take(g_mb, 0)).backward
+    elif v > 1:
+
+        def vjp(x, g, i, c):  # recompute chunk c, pull back through it
+            return stage_vjp(call, _take(params, c))(x, g, i)
+
+    else:
+        vjp = stage_vjp(call, params)
+    d_params, d_x = _backward_ticks(spec, vjp, params, ins, g_mb, stage, virtual=v)
     if spec.data_axes:
         d_params = lax.psum(d_params, spec.data_axes)
-    d_params = jax.tree.map(lambda d, p: d.astype(p.dtype)[None], d_params, stage_params)
+    d_params = jax.tree.map(
+        lambda d, p: d.astype(p.dtype).reshape(p.shape[1:])[None], d_params, stage_params
+    )
     return d_params, _scatter(_unsplit(d_x), spec, rows)
 
 

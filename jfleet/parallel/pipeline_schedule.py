@@ -467,12 +467,16 @@ def _reduced(spec: _Pipeline, losses: jax.Array, scale: float) -> tuple[jax.Arra
     return lax.psum(jnp.sum(losses), axes) * scale, lax.psum(losses, axes) / spec.data_size
 
 
-def _shift(tree: Any, spec: _Pipeline, direction: int) -> Any:
-    """Sends to the next stage (direction 1) or the previous one (-1); edges get zeros."""
+def _shift(tree: Any, spec: _Pipeline, direction: int, circular: bool = False) -> Any:
+    """Sends to the next stage (direction 1) or the previous one (-1); edges get zeros, or
+    (``circular``, interleaved stages) the other end's."""
     p = spec.num_stages
     if p == 1:
         return _zeros(tree)
-    perm = [(i, i + direction) for i in range(p) if 0 <= i + direction < p]
+    if circular:
+        perm = [(i, (i + direction) % p) for i in range(p)]
+    else:
+        perm = [(i, i + direction) for i in range(p) if 0 <= i + direction < p]
     return jax.tree.map(lambda a: lax.ppermute(a, spec.pp_axis, perm), tree)
 
 
@@ -488,14 +492,32 @@ def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
-def _forward_ticks(spec, run, x_mb, stage, *, stash=False):
-    """The forward GPipe loop (``M + P - 1`` ticks): every micro-batch through every stage.
+def _unit(u: jax.Array, m: int, p: int, v: int) -> tuple[jax.Array, jax.Array]:
+    """``(micro-batch, chunk)`` of a stage's ``u``-th forward unit with ``v`` chunks per
+    stage: micro-batches in groups of ``P``, each group through chunk 0, then chunk 1, ...
+    (Megatron's interleaved order; ``v = 1``: micro-batch ``u``, chunk 0)."""
+    if v == 1:
+        return u, jnp.zeros_like(u)
+    group, within = u // (v * p), u % (v * p)
+    return group * p + within % p, within // p
+
+
+def _forward_ticks(spec, run, x_mb, stage, *, stash=False, virtual=1):
+    """The forward GPipe loop (``v M + P - 1`` ticks): every micro-batch through every stage.
 
     ``run(x, i)`` runs this device's stage on activation ``x`` of micro-batch ``i``; a
     ``lax.cond`` skips its bubble ticks. Returns the stage's outputs ``[M, ...]`` (the last
     stage's are the stack's), and with ``stash=True`` also its inputs ``[M, ...]`` (what a
     recomputing backward loop needs); with ``stash`` a pytree of shapes, ``run`` returns
     ``(y, saved)`` and ``saved`` is stashed per micro-batch instead (:class:`SavedStage`).
+
+    With ``virtual = v > 1`` interleaved stages (``M`` a multiple of ``P``): each device
+    holds ``v`` chunks and ``run(x, i, c)`` runs chunk ``c``; unit ``u = t - s`` of stage
+    ``s`` is :func:`_unit`'s, the last stage's output of chunk ``c`` goes round to stage 0
+    for chunk ``c + 1`` (a circular ``ppermute``), and it arrives exactly when stage 0
+    needs it. The loop has ``v M + P - 1`` ticks of a chunk each: bubble ``(P - 1) / (v M
+    + P - 1)``. The stash holds ``[v M, ...]`` chunk inputs (chunk ``c``, micro-batch
+    ``i`` at ``c M + i``).
 
     No caller differentiates this loop: under autodiff a ``cond`` returns its residuals as
     outputs that vary per tick, the stage's weights among them (needed for the input's
@@ -504,33 +526,43 @@ def _forward_ticks(spec, run, x_mb, stage, *, stash=False):
     with or without ``jax.checkpoint`` around the branch). The backward is
     :func:`_backward_ticks`, inside a ``jax.custom_vjp``.
     """
-    m, p, axes = spec.num_microbatches, spec.num_stages, spec.manual_axes
+    m, p, axes, v = spec.num_microbatches, spec.num_stages, spec.manual_axes, virtual
     act = _take(x_mb, 0)
     saving = stash not in (False, True)  # run returns (y, saved); saved is stashed
+    if saving and v > 1:
+        raise NotImplementedError("interleaved stages stash chunk inputs (recompute) only")
 
     def tick(carry, t):
         received, outs, ins = carry
-        f = t - stage
-        valid = (f >= 0) & (f < m)
-        fi = jnp.clip(f, 0, m - 1)
-        x = _select(stage == 0, _take(x_mb, fi), received)
+        u = t - stage
+        valid = (u >= 0) & (u < v * m)
+        fi, c = _unit(jnp.clip(u, 0, v * m - 1), m, p, v)
+        x = _select((stage == 0) & (c == 0), _take(x_mb, fi), received)
+
+        def work(x):
+            return run(x, fi, c) if v > 1 else run(x, fi)
+
         if saving:
             none = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stash)
             idle = _vary((_zeros(act), none), axes)
-            y, kept = lax.cond(valid, lambda x: _vary(run(x, fi), axes), lambda _: idle, x)
+            y, kept = lax.cond(valid, lambda x: _vary(work(x), axes), lambda _: idle, x)
         else:
-            y, kept = lax.cond(valid, lambda x: run(x, fi), lambda _: _zeros(act), x), x
-        outs = _put(outs, _select(valid, y, _take(outs, fi)), fi)
+            y, kept = lax.cond(valid, work, lambda _: _zeros(act), x), x
+        done = valid & (c == v - 1)
+        outs = _put(outs, _select(done, y, _take(outs, fi)), fi)
         if stash is not False:
-            ins = _put(ins, _select(valid, kept, _take(ins, fi)), fi)
-        return (_shift(y, spec, 1), outs, ins), None
+            k = c * m + fi
+            ins = _put(ins, _select(valid, kept, _take(ins, k)), k)
+        return (_shift(y, spec, 1, circular=v > 1), outs, ins), None
 
     if saving:
         kept0 = jax.tree.map(lambda a: jnp.zeros((m, *a.shape), a.dtype), stash)
+    elif stash:
+        kept0 = jax.tree.map(lambda a: jnp.zeros((v * m, *a.shape[1:]), a.dtype), x_mb)
     else:
-        kept0 = _zeros(x_mb) if stash else None
+        kept0 = None
     init = _vary((_zeros(act), _zeros(x_mb), kept0), axes)
-    (_, outs, ins), _ = lax.scan(tick, init, jnp.arange(m + p - 1))
+    (_, outs, ins), _ = lax.scan(tick, init, jnp.arange(v * m + p - 1))
     return (outs, ins) if stash is not False else outs
 
 
@@ -581,8 +613,8 @@ class SavedStage:
         return jax.tree.unflatten(tree, leaves)(g)
 
 
-def _backward_ticks(spec, vjp, params, ins, g_last, stage):
-    """The backward loop of a recomputing GPipe (``M + P - 1`` ticks), bubbles skipped.
+def _backward_ticks(spec, vjp, params, ins, g_last, stage, *, virtual=1):
+    """The backward loop of a recomputing GPipe (``v M + P - 1`` ticks), bubbles skipped.
 
     At tick ``t`` stage ``s`` runs the backward of micro-batch ``t - (P - 1 - s)``:
     ``vjp(x, g, i) -> (d_params, d_x)`` pulls ``g`` back from what the forward stashed for
@@ -592,31 +624,39 @@ def _backward_ticks(spec, vjp, params, ins, g_last, stage):
     ``lax.cond`` skips the ``P - 1`` bubble ticks. Returns the parameter gradients summed
     over micro-batches (fp32 or wider) and the input cotangents ``[M, ...]`` (stage 0's;
     zeros elsewhere).
+
+    With ``virtual = v > 1`` (:func:`_forward_ticks`' interleaved stages) the units run in
+    the reverse of the forward's order, ``vjp(x, g, i, c)`` pulls back through chunk ``c``
+    (``params`` are ``[v, ...]``, accumulated per chunk), and stage 0's cotangent of chunk
+    ``c`` goes round to the last stage for chunk ``c - 1``.
     """
-    m, p, axes = spec.num_microbatches, spec.num_stages, spec.manual_axes
+    m, p, axes, v = spec.num_microbatches, spec.num_stages, spec.manual_axes, virtual
     act = _take(g_last, 0)
-    zero = _vary((_zeros(params), _zeros(act)), axes)
+    chunk = _take(params, 0) if v > 1 else params
+    zero = _vary((_zeros(chunk), _zeros(act)), axes)
 
     def tick(carry, t):
         received, d_params, d_x = carry
-        b = t - (p - 1 - stage)
-        valid = (b >= 0) & (b < m)
-        bi = jnp.clip(b, 0, m - 1)
-        g = _select(stage == p - 1, _take(g_last, bi), received)
-        dp, dx = lax.cond(
-            valid,
-            lambda x, g: _vary(vjp(x, g, bi), axes),
-            lambda x, g: zero,
-            _take(ins, bi),
-            g,
-        )
-        d_params = jax.tree.map(lambda a, d: a + d.astype(a.dtype), d_params, dp)
-        d_x = _put(d_x, _select(valid & (stage == 0), dx, _take(d_x, bi)), bi)
-        return (_shift(dx, spec, -1), d_params, d_x), None
+        u = t - (p - 1 - stage)
+        valid = (u >= 0) & (u < v * m)
+        bi, c = _unit(v * m - 1 - jnp.clip(u, 0, v * m - 1), m, p, v)
+        g = _select((stage == p - 1) & (c == v - 1), _take(g_last, bi), received)
+
+        def work(x, g):
+            return _vary(vjp(x, g, bi, c) if v > 1 else vjp(x, g, bi), axes)
+
+        dp, dx = lax.cond(valid, work, lambda x, g: zero, _take(ins, c * m + bi), g)
+        if v > 1:
+            summed = jax.tree.map(lambda a, d: a + d.astype(a.dtype), _take(d_params, c), dp)
+            d_params = _put(d_params, summed, c)
+        else:
+            d_params = jax.tree.map(lambda a, d: a + d.astype(a.dtype), d_params, dp)
+        d_x = _put(d_x, _select(valid & (stage == 0) & (c == 0), dx, _take(d_x, bi)), bi)
+        return (_shift(dx, spec, -1, circular=v > 1), d_params, d_x), None
 
     acc = jax.tree.map(lambda a: jnp.zeros_like(a, dtype=_acc_dtype(a)), params)
     init = _vary((_zeros(act), acc, _zeros(g_last)), axes)
-    (_, d_params, d_x), _ = lax.scan(tick, init, jnp.arange(m + p - 1))
+    (_, d_params, d_x), _ = lax.scan(tick, init, jnp.arange(v * m + p - 1))
     return d_params, d_x
 
 
