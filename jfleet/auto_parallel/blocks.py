@@ -36,6 +36,7 @@ from jax.sharding import Mesh
 
 from jfleet._logging import logger
 from jfleet.parallel import stack
+from jfleet.parallel import virtual_stages as virtual
 from jfleet.parallel.mesh_context import constrain
 from jfleet.parallel.pipeline_forward import pipeline_forward, rows_fit
 from jfleet.recompute import remat_class
@@ -111,7 +112,11 @@ class PipelinedBlocks(nnx.Module):
       num_stages: ``P``, the mesh's ``pp`` size.
       num_microbatches: micro-batches per call.
       recompute: recompute each block in the backward pass.
-      schedule: ``"FThenB"`` or ``"1F1B"`` (:mod:`jfleet.parallel.pipeline_forward`).
+      schedule: ``"FThenB"``, ``"1F1B"`` or ``"VPP"`` (:mod:`jfleet.parallel.pipeline_forward`).
+      num_virtual_stages: ``v``, chunks per stage (``"VPP"``: at least 2); device ``s``
+        holds chunks ``s, s + P, ...`` of the units
+        (:func:`~jfleet.parallel.virtual_stages.interleaved_order`), and ``P v`` must
+        divide the number of units.
       split_rows: take and return the batch's rows split over the data axes x ``pp`` when
         they divide (else split over the data axes only, logged).
       seq_axes: mesh axes the sequence dimension is split over between blocks (sequence
@@ -132,6 +137,7 @@ class PipelinedBlocks(nnx.Module):
         period: int | None = None,
         schedule: str = "FThenB",
         split_rows: bool = True,
+        num_virtual_stages: int = 1,
     ) -> None:
         blocks = list(blocks)
         if not blocks:
@@ -150,14 +156,21 @@ class PipelinedBlocks(nnx.Module):
                     "settings included), so these cannot be pipelined; plan without a "
                     "pipeline (pp 1), or give the blocks settings that repeat."
                 )
+        v = virtual.check_virtual(num_virtual_stages)
         units = self.num_layers // period if self.num_layers % period == 0 else 0
-        if units and units % self.num_stages:
+        if units and units % (self.num_stages * v):
             grouped = f" (in {units} super-blocks of {period})" if period > 1 else ""
+            chunks = f" x {v} virtual stages" if v > 1 else ""
             raise ValueError(
                 f"{self.num_layers} {name} blocks{grouped} do not split evenly into "
-                f"{self.num_stages} pipeline stages; use a pp degree dividing {units}."
+                f"{self.num_stages} pipeline stages{chunks}; use a pp degree"
+                f"{' x virtual stages' if v > 1 else ''} dividing {units}."
             )
         self.period = period
+        self.num_virtual_stages = v
+        if v > 1:  # device s holds chunks s, s + P, ...: stack the units in that order
+            order = virtual.interleaved_order(units, self.num_stages, v)
+            blocks = [blocks[u * period + j] for u in order for j in range(period)]
         self.body = stack.stack_layers(blocks, self.num_stages, name, period=period)
         stack.annotate_stack(self.body, mesh, self.num_stages)
         self.mesh = mesh
@@ -204,6 +217,7 @@ class PipelinedBlocks(nnx.Module):
             num_microbatches=self.num_microbatches,
             schedule=self.schedule,
             rows_over_pp=self._rows_over_pp(carried_in),
+            num_virtual=self.num_virtual_stages,
         )
         return inputs.activation_of(stack.narrow(y, carried), side, shared)
 
@@ -261,6 +275,7 @@ def pipeline_blocks(
     per_sample: tuple[int | str, ...] | None = None,
     period: int | None = None,
     schedule: str = "FThenB",
+    num_virtual_stages: int = 1,
 ) -> PipelinedBlocks:
     """Replaces the list at ``container`` (a dotted path) by a :class:`PipelinedBlocks`.
 
@@ -292,6 +307,7 @@ def pipeline_blocks(
         per_sample=per_sample,
         period=period,
         schedule=schedule,
+        num_virtual_stages=num_virtual_stages,
     )
     parent, _, name = container.rpartition(".")
     setattr(module_at(model, parent), name, stand_in)

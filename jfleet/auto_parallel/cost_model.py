@@ -38,20 +38,20 @@ XLA:CPU with 8 devices these match the compiled temp's slope per token and layer
 within 2% for :class:`~jfleet.models.llama.TinyLlama` and
 :class:`~jfleet.models.gpt2.TinyGPT2` at width 128 (16% over at width 256).
 Schedules (``to_distributed``'s, :mod:`jfleet.parallel.pipeline_forward`; bubble ticks
-skipped): no pipeline keeps every layer's activations (alike blocks run as one
-``lax.scan``, :mod:`jfleet.auto_parallel.scanned_blocks`, which adds half a block's
-backward working set and the stacked gradient accumulator); FThenB keeps its ``M``
-micro-batches' residuals (x 1.25: what XLA keeps beside the saved matmul outputs),
-one micro-batch's backward working set (``blocks + 1`` blocks' activations in a loop over
-the stage's blocks, 1.3 with one block a stage) and the stage's gradient accumulators;
-1F1B (and FThenB with recompute, the same program) keeps ``M`` stage inputs, the same
-working set and accumulators. Recompute keeps each layer's input and one layer's working
-set where the recomputation waits for the backward pass: inside a loop (scanned or
-pipelined blocks), or on a compiler that keeps ``jax.checkpoint``'s barriers until it
-schedules (``HardwareProfile.remat_barriers_kept``); XLA:CPU removes them earlier and
-runs an unrolled recomputation with the forward pass, so there it keeps every
-activation (:mod:`jfleet.recompute`). The constants (1.25, 1.3, 0.5) are fitted to
-compiled temp memory of TinyLlama (width 128, 2-4 layers) on XLA:CPU.
+skipped): no pipeline keeps every layer's activations (alike blocks run as one ``lax.scan``,
+:mod:`jfleet.auto_parallel.scanned_blocks`, which adds half a block's backward working set
+and the stacked gradient accumulator); FThenB keeps its ``M`` micro-batches' residuals (x
+1.25: what XLA keeps beside the saved matmul outputs), one micro-batch's backward working
+set (``blocks + 1`` blocks' activations in a loop over the stage's blocks, 1.3 with one
+block a stage) and the stage's gradient accumulators; 1F1B (and FThenB with recompute, the
+same program) keeps ``M`` stage inputs, the same working set and accumulators; VPP keeps
+``v M`` chunk inputs and one chunk's working set. Recompute keeps each layer's input and one
+layer's working set where the recomputation waits for the backward pass: inside a loop
+(scanned or pipelined blocks), or on a compiler that keeps ``jax.checkpoint``'s barriers
+until it schedules (``HardwareProfile.remat_barriers_kept``); XLA:CPU removes them earlier
+and runs an unrolled recomputation with the forward pass, so there it keeps every activation
+(:mod:`jfleet.recompute`). The constants (1.25, 1.3, 0.5) are fitted to compiled temp memory
+of TinyLlama (width 128, 2-4 layers) on XLA:CPU.
 
 **Step time** (seconds; no overlap of communication with compute, so an upper bound):
 
@@ -83,14 +83,13 @@ compiled temp memory of TinyLlama (width 128, 2-4 layers) on XLA:CPU.
   reuses it in the backward; with recompute it gathers again); the pipelined blocks
   leave their ``shard_map`` with gradients already summed over ``dp x sharding`` (one
   all-reduce);
-* pipeline: bubble ``(P-1)/(M+P-1)`` of the blocks' compute (none where the devices share
-  the host's cores, ``HardwareProfile.shared_cores``: an idle stage's core runs the
-  others' work), and ``2(M+P-1)`` (both
-  schedules: a forward and a backward loop) point-to-point transfers of ``b s h`` on the
-  critical path; with the rows split over ``pp`` the stack all-gathers its input and
-  reduce-scatters its output over ``pp`` (and the reverse for the cotangents), else the
-  embedding and head run on every stage and the stack's output and its input's cotangent
-  are all-reduced over ``pp``;
+* pipeline: bubble ``(P-1)/(vM+P-1)`` of the blocks' compute (``v`` chunks per stage, 1 but
+  for VPP; none where the devices share the host's cores, ``HardwareProfile.shared_cores``:
+  an idle stage's core runs the others' work), and ``2(vM+P-1)`` (every schedule: a forward
+  and a backward loop) point-to-point transfers of ``b s h`` on the critical path; with the
+  rows split over ``pp`` the stack all-gathers its input and reduce-scatters its output over
+  ``pp`` (and the reverse for the cotangents), else the embedding and head run on every
+  stage and the stack's output and its input's cotangent are all-reduced over ``pp``;
 * loop memory traffic (pipelines): each stashed residual written and read once, the
   stage's weights read from their stack 2-3 times per micro-batch and the stacked
   gradients read and written, at ``HardwareProfile.memory_bandwidth`` (on XLA:CPU
@@ -455,7 +454,11 @@ def estimate(
     # 1 / P of the local rows. Without a pipeline, alike blocks run as one lax.scan
     # (scanned_blocks.ScannedBlocks; not at ZeRO-3, not when they cannot be stacked).
     piped = pp > 1
-    staged = piped and (layout.schedule == "1F1B" or layout.recompute)  # 1F1B's program
+    # 1F1B's program (VPP: the same over v interleaved chunks of stage_blocks / v blocks,
+    # v M + P - 1 ticks a loop, v chunk inputs stashed per micro-batch)
+    staged = piped and (layout.schedule in ("1F1B", "VPP") or layout.recompute)
+    v = layout.num_virtual_stages
+    chunk_blocks = stage_blocks / v
     rows_over_pp = piped and workload.batch_size % (data * pp) == 0
     head_tokens = tokens_local // pp if rows_over_pp else tokens_local
     scanned = not piped and scan_layers and bool(patterns.blocks) and stage < 3
@@ -467,10 +470,10 @@ def estimate(
     # else the recomputation runs with the forward pass and saves no memory (nor, at
     # ZeRO-3, the second gather of the parameters)
     remat_waits = layout.recompute and (piped or scanned or profile.remat_barriers_kept)
-    looped = stage_blocks > 1
-    work_set = tokens_mb * per_layer * ((stage_blocks + 1) if looped else _ONE_BLOCK_WORK)
+    looped = chunk_blocks > 1
+    work_set = tokens_mb * per_layer * ((chunk_blocks + 1) if looped else _ONE_BLOCK_WORK)
     if staged:
-        layer_acts = tokens_local * h + work_set  # M stage inputs + one micro-batch's
+        layer_acts = v * tokens_local * h + work_set  # v M chunk inputs + one unit's
     elif piped:
         layer_acts = _FTHENB_KEPT * tokens_local * per_layer * stage_blocks + work_set
     elif remat_waits:
@@ -495,7 +498,7 @@ def estimate(
     # residuals in a buffer each backward tick reuses, not a stash of all M.
     stashed = 0.0
     if staged:
-        stashed = tokens_local * h
+        stashed = v * tokens_local * h
     elif piped:
         stashed = _FTHENB_KEPT * tokens_local * per_layer * stage_blocks
     weight_passes = 4 + int(layout.recompute or staged) if piped else 0
@@ -521,7 +524,7 @@ def estimate(
     peak = profile.flops(workload.dtype)
     t_blocks = block_flops / peak
     t_head = outside_flops / peak
-    bubble = t_blocks * (pp - 1) / m if pp > 1 and not profile.shared_cores else 0.0
+    bubble = t_blocks * (pp - 1) / (v * m) if pp > 1 and not profile.shared_cores else 0.0
     compute = t_blocks + t_head
     executed = block_flops + outside_flops
 
@@ -544,8 +547,8 @@ def estimate(
         # recompute runs the forward's all-reduces again in the backward pass. A pipeline
         # counts them on each of its M + P - 1 ticks: the compiled loop holds them at
         # every tick (jfleet.testing.hlo weights them by the trip count), bubble or not.
-        per_mb = stage_blocks * (fwd * (2 if recompute else 1) + bwd)
-        n_mb = per_mb * (m + pp - 1 if piped else m)
+        per_mb = chunk_blocks * (fwd * (2 if recompute else 1) + bwd)  # a chunk per tick
+        n_mb = per_mb * (v * m + pp - 1 if piped else m)
         roles = {p.role for p in patterns.params}
         n_out = int("embedding" in roles) + int("head" in roles or bool(patterns.tied_head))
         out_bytes = n_out * head_tokens * h * ab
@@ -596,9 +599,9 @@ def estimate(
             leaves = _stored_leaves(mine, stage_blocks, stacked=piped or scanned)
             t_dp += gathers * (leaves * lat + _ring("all-gather", tp_bytes, shard) / bw_shard)
     if pp > 1:
-        # both schedules: one forward loop and one backward loop of M + P - 1 ticks, one
+        # every schedule: one forward loop and one backward loop of v M + P - 1 ticks, one
         # collective-permute of a micro-batch's b s h per tick and direction
-        ticks = m + pp - 1
+        ticks = v * m + pp - 1
         act = tokens_mb * h * ab
         coll["collective_permute"] += 2 * ticks * act
         t_pp = 2 * ticks * (lat + act / bw_pp)

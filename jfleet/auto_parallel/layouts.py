@@ -55,8 +55,10 @@ __all__ = [
     "shape_problem",
 ]
 
-#: Pipeline schedules the cost model knows.
-SCHEDULES = ("FThenB", "1F1B")
+#: Pipeline schedules the cost model knows (VPP: 1F1B's program over interleaved stages).
+SCHEDULES = ("FThenB", "1F1B", "VPP")
+#: Chunks per stage the planner tries for VPP when not told.
+VIRTUAL_OPTIONS = (2,)
 #: Optimizer state per parameter, in parameter-sized arrays.
 OPTIMIZER_MOMENTS = {"adam": 2, "adamw": 2, "lamb": 2, "momentum": 1, "lars": 1, "sgd": 0}
 
@@ -142,12 +144,15 @@ class Layout:
       sep: sequence (segment) parallel degree.
       mp: tensor-parallel degree.
       zero_stage: 0 without a sharding axis, else 1, 2 or 3.
-      schedule: ``"FThenB"`` or ``"1F1B"`` when ``pp > 1``, else None.
+      schedule: ``"FThenB"``, ``"1F1B"`` or ``"VPP"`` when ``pp > 1``, else None.
       num_microbatches: micro-batches per step (1 without a pipeline).
       recompute: recompute each block's activations in the backward pass.
+      num_virtual_stages: ``v``, chunks per stage (``"VPP"``: at least 2, and ``M`` a
+        multiple of ``pp``; 1 otherwise).
 
     Raises:
-      ValueError: a degree < 1, or an inconsistent stage / schedule / micro-batch count.
+      ValueError: a degree < 1, or an inconsistent stage / schedule / micro-batch /
+        virtual stage count.
 
     Example:
       >>> Layout(dp=2, sharding=2, mp=2, zero_stage=3).name
@@ -163,9 +168,10 @@ class Layout:
     schedule: str | None = None
     num_microbatches: int = 1
     recompute: bool = False
+    num_virtual_stages: int = 1
 
     def __post_init__(self) -> None:
-        for name in (*AXIS_NAMES, "num_microbatches"):
+        for name in (*AXIS_NAMES, "num_microbatches", "num_virtual_stages"):
             value = getattr(self, name)
             if not _count_ok(value):
                 raise ValueError(f"{name}={value!r} must be an int >= 1.")
@@ -186,6 +192,17 @@ class Layout:
             raise ValueError(
                 f"schedule={self.schedule!r} / num_microbatches={self.num_microbatches} "
                 "only apply with pp > 1."
+            )
+        interleaved = self.num_virtual_stages > 1
+        if (self.schedule == "VPP") != interleaved:
+            raise ValueError(
+                f"schedule={self.schedule!r} with num_virtual_stages={self.num_virtual_stages}: "
+                "'VPP' interleaves 2 or more chunks per stage, the other schedules run one."
+            )
+        if interleaved and self.num_microbatches % self.pp:
+            raise ValueError(
+                f"VPP runs micro-batches in groups of pp={self.pp}; num_microbatches="
+                f"{self.num_microbatches} is not a multiple of it."
             )
 
     @property
@@ -214,7 +231,9 @@ class Layout:
         extra = []
         if self.zero_stage:
             extra.append(f"ZeRO-{self.zero_stage}")
-        if self.pp > 1:
+        if self.num_virtual_stages > 1:
+            extra.append(f"VPP v={self.num_virtual_stages} M={self.num_microbatches}")
+        elif self.pp > 1:
             extra.append(f"{self.schedule} M={self.num_microbatches}")
         if self.recompute:
             extra.append("recompute")
@@ -223,7 +242,10 @@ class Layout:
     def complexity(self) -> tuple:
         """Tie-break order: fewer parallel kinds, lower ZeRO stage, no recompute first."""
         kinds = sum(d > 1 for a, d in self.degrees.items() if a != DP)
-        return (kinds, self.zero_stage, self.recompute, self.pp, self.mp, self.sep)
+        return (
+            kinds, self.zero_stage, self.recompute, self.pp, self.num_virtual_stages, self.mp,
+            self.sep,
+        )  # fmt: skip
 
 
 # ------------------------------------------------------------------ shape rules
@@ -337,6 +359,28 @@ def _microbatch_options(local: int, pp: int, forced: int | None) -> list[int]:
     return sorted(set(out))
 
 
+def _virtual_options(
+    patterns: ModelPatterns, schedule: str | None, pp: int, m: int, forced: int | None
+) -> list[int]:
+    """Chunks per stage to try: 1 for one-chunk schedules; for VPP those of
+    :data:`VIRTUAL_OPTIONS` (or ``forced``) that interleave this pipeline: ``M`` a multiple
+    of ``pp``, ``pp x v`` dividing the blocks (super-blocks)."""
+    if schedule != "VPP":
+        return [1]
+    units = len(patterns.blocks) // (patterns.block_period or 1)
+    options = [forced] if forced else list(VIRTUAL_OPTIONS)
+    return [v for v in options if v > 1 and m % pp == 0 and units % (pp * v) == 0]
+
+
+def _no_interleaving(patterns: ModelPatterns, pp: int, ms: list[int], v: int | None) -> str:
+    units = len(patterns.blocks) // (patterns.block_period or 1)
+    chunks = v or VIRTUAL_OPTIONS[0]
+    return (
+        f"VPP needs num_microbatches a multiple of pp={pp} (options {ms}) and pp x "
+        f"{chunks} virtual stages dividing the {units} blocks"
+    )
+
+
 def _meshes(
     total: int, sequence_parallel: bool, force_mesh: Mapping[str, int] | None
 ) -> list[tuple[int, ...]]:
@@ -362,6 +406,7 @@ def enumerate_layouts(
     num_microbatches: int | None = None,
     zero_stage: int | None = None,
     recompute: bool | None = None,
+    num_virtual_stages: int | None = None,
 ) -> tuple[list[Layout], list[tuple[str, str]]]:
     """Every layout worth predicting, and the meshes excluded (with the reason).
 
@@ -375,6 +420,9 @@ def enumerate_layouts(
       num_microbatches: only this micro-batch count (pipelined layouts).
       zero_stage: only this ZeRO stage (0: no sharding axis).
       recompute: only with (True) or without (False) recompute.
+      num_virtual_stages: chunks per stage for ``"VPP"`` (default: :data:`VIRTUAL_OPTIONS`);
+        VPP layouts are offered where ``M`` is a multiple of ``pp`` and ``pp x v`` divides
+        the blocks (super-blocks).
 
     Returns:
       ``(layouts, excluded)``; ``excluded`` holds ``(mesh name, reason)`` pairs.
@@ -416,16 +464,21 @@ def enumerate_layouts(
             scheds = [schedule] if schedule else list(SCHEDULES)
         else:
             ms, scheds = [1], [None]
+        before = len(layouts)
         for stage, sched, m, rc in itertools.product(stages, scheds, ms, recompute_options):
-            if sched == "1F1B" and rc and recompute is None:
+            if sched in ("1F1B", "VPP") and rc and recompute is None:
                 continue  # 1F1B recomputes each stage anyway: the same layout twice
-            layouts.append(
-                Layout(
-                    **deg,
-                    zero_stage=stage,
-                    schedule=sched,
-                    num_microbatches=m,
-                    recompute=rc,
+            for v in _virtual_options(patterns, sched, deg[PP], m, num_virtual_stages):
+                layouts.append(
+                    Layout(
+                        **deg,
+                        zero_stage=stage,
+                        schedule=sched,
+                        num_microbatches=m,
+                        recompute=rc,
+                        num_virtual_stages=v,
+                    )
                 )
-            )
+        if len(layouts) == before and deg[PP] > 1:
+            excluded.append((name, _no_interleaving(patterns, deg[PP], ms, num_virtual_stages)))
     return layouts, excluded

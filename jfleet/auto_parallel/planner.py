@@ -147,6 +147,7 @@ def plan_for(
     pipeline: bool | str = True,
     patterns: ModelPatterns | None = None,
     scan_layers: bool = True,
+    num_virtual_stages: int | None = None,
 ) -> Plan:
     """Chooses the fastest layout of ``model`` that fits, by the cost model.
 
@@ -161,7 +162,8 @@ def plan_for(
       memory_budget: bytes per device; default the profile's memory.
       force_mesh: degrees that must be used (missing axes are 1), e.g.
         ``{"dp": 2, "mp": 4}``; their product must be ``device_num x node_num``.
-      schedule: pipeline schedule (``"FThenB"`` or ``"1F1B"``); default: compared.
+      schedule: pipeline schedule (``"FThenB"``, ``"1F1B"`` or ``"VPP"``, interleaved
+        stages); default: compared.
       num_microbatches: pipeline micro-batches; default: compared.
       zero_stage: ZeRO stage (0 forbids a sharding axis); default: compared.
       sequence_parallel: Megatron sequence parallelism over ``mp``, and ``sep``
@@ -177,6 +179,7 @@ def plan_for(
       patterns: what :func:`~jfleet.auto_parallel.patterns.match_patterns` found in
         ``model``, when the caller has it already (``to_distributed`` matches once);
         default: matched here.
+      num_virtual_stages: chunks per stage of ``"VPP"`` layouts (2 or more); default 2.
 
     Returns:
       The :class:`Plan`.
@@ -204,6 +207,15 @@ def plan_for(
         raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}.")
     if num_microbatches is not None:
         _positive_int("num_microbatches", num_microbatches)
+    if num_virtual_stages is not None:
+        interleaved = _positive_int("num_virtual_stages", num_virtual_stages) > 1
+        if schedule is not None and (schedule == "VPP") != interleaved:
+            raise ValueError(
+                f"num_virtual_stages={num_virtual_stages} with schedule={schedule!r}: 'VPP' "
+                "interleaves 2 or more chunks per stage, the other schedules run one."
+            )
+        if interleaved:
+            schedule = "VPP"
     if zero_stage is not None and zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3 (or None).")
     if optimizer not in OPTIMIZER_MOMENTS:
@@ -278,6 +290,7 @@ def plan_for(
         num_microbatches=num_microbatches,
         zero_stage=zero_stage,
         recompute=recompute,
+        num_virtual_stages=num_virtual_stages,
     )
     if not patterns.recognised:
         layouts = [lay for lay in layouts if lay.pp == 1 and lay.mp == 1]
@@ -342,9 +355,14 @@ def _build_plan(
     lay = best.layout
     abstract = AbstractMesh(tuple(lay.degrees.values()), AXIS_NAMES)
     zero = Placement(mesh=abstract, zero_stage=lay.zero_stage)
-    per_stage = len(patterns.blocks) // lay.pp if patterns.blocks else 0
+    v = lay.num_virtual_stages  # device s holds chunks s, s + P, ... (interleaved stages)
+    per_chunk = len(patterns.blocks) // (lay.pp * v) if patterns.blocks else 0
     if patterns.blocks:
-        stages = tuple(tuple(range(k * per_stage, (k + 1) * per_stage)) for k in range(lay.pp))
+        stages = tuple(
+            tuple(b for c in range(v) for b in range((c * lay.pp + k) * per_chunk,
+                                                     (c * lay.pp + k + 1) * per_chunk))
+            for k in range(lay.pp)
+        )  # fmt: skip
     else:
         stages = ()
     params = []
@@ -355,7 +373,7 @@ def _build_plan(
         if lay.mp > 1 and p.split_dim is not None and spec == P():
             reason = f"mp={lay.mp} does not divide its {p.units} {_UNIT_WORDS.get(p.role, 'units')}"
         zspec = zero.zero_spec(spec, p.shape) if lay.zero_stage else spec
-        stage = p.block // per_stage if (p.block is not None and per_stage) else None
+        stage = (p.block // per_chunk) % lay.pp if (p.block is not None and per_chunk) else None
         params.append(
             ParamPlan(
                 path=p.path,

@@ -58,7 +58,7 @@ from jfleet.auto_parallel.blocks import (
     pipeline_blocks,
     wrap_blocks,
 )
-from jfleet.auto_parallel.layouts import OPTIMIZER_MOMENTS
+from jfleet.auto_parallel.layouts import OPTIMIZER_MOMENTS, SCHEDULES
 from jfleet.auto_parallel.patterns import ModelPatterns, match_patterns, path_str
 from jfleet.auto_parallel.plan import Plan
 from jfleet.auto_parallel.planner import plan_for
@@ -67,7 +67,6 @@ from jfleet.auto_parallel.scanned_blocks import ScannedBlocks, scan_blocks
 from jfleet.data import ShardedLoader, batch_shape, peek
 from jfleet.distributed_model import apply_distributed_settings
 from jfleet.distributed_optimizer import DistributedOptimizer
-from jfleet.parallel.pipeline_schedule import SCHEDULES
 from jfleet.placement import Placement, check_divides
 from jfleet.strategy import DistributedStrategy
 from jfleet.topology import DP, MP, PP, SEP, SHARDING
@@ -99,12 +98,18 @@ class ToDistributedConfig:
         devices, else the profile named like the device kind, else ``h100``.
       memory_budget: bytes per device the plan must fit (default: the profile's memory).
       force_mesh: degrees to use, e.g. ``{"dp": 2, "pp": 2, "mp": 2}`` (missing axes 1).
-      schedule: pipeline schedule of the stand-in for the blocks, ``"FThenB"`` (GPipe) or
+      schedule: pipeline schedule of the stand-in for the blocks, ``"FThenB"`` (GPipe),
         ``"1F1B"`` (the loss stays in the model, so every forward precedes every backward;
         1F1B stashes only each micro-batch's stage input and recomputes the stage in its
-        own backward loop: activation memory flat in the micro-batches;
+        own backward loop: activation memory flat in the micro-batches) or ``"VPP"``
+        (1F1B's program over interleaved stages: each device holds ``v`` chunks of blocks,
+        the bubble shrinks to ``(P - 1) / (v M + P - 1)`` for ``v`` times the
+        point-to-point transfers and stashed chunk inputs;
         :mod:`jfleet.parallel.pipeline_forward`); default: compared by the cost model.
       num_microbatches: pipeline micro-batches (default: compared by the cost model).
+      num_virtual_pipeline_stages: chunks per stage for ``"VPP"`` (Paddle's
+        ``PipelineLayer`` argument; 2 or more selects VPP, 1 rules it out); default: the
+        cost model compares 2 with the one-chunk schedules.
       zero_stage: ZeRO stage 0-3 (default: compared).
       recompute: recompute block activations in the backward pass (default: compared).
       plan: a :class:`Plan` (or its JSON) to apply instead of planning: reproduces a run.
@@ -142,6 +147,7 @@ class ToDistributedConfig:
     force_mesh: Mapping[str, int] | None = None
     schedule: str | None = None
     num_microbatches: int | None = None
+    num_virtual_pipeline_stages: int | None = None
     zero_stage: int | None = None
     recompute: bool | None = None
     plan: Plan | str | None = None
@@ -378,6 +384,7 @@ def _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len
         force_mesh=config.force_mesh,
         schedule=config.schedule,
         num_microbatches=config.num_microbatches,
+        num_virtual_stages=config.num_virtual_pipeline_stages,
         zero_stage=config.zero_stage,
         sequence_parallel=config.sequence_parallel,
         optimizer=_optimizer_kind(tx, model, wrt),
@@ -513,6 +520,7 @@ _PLANNING_FIELDS = (
     "force_mesh",
     "schedule",
     "num_microbatches",
+    "num_virtual_pipeline_stages",
     "zero_stage",
     "recompute",
 )
@@ -638,6 +646,7 @@ def _apply(
             seq_axes=seq_axes,
             per_sample=per_sample,
             schedule=plan.schedule or "FThenB",
+            num_virtual_stages=plan.layout.num_virtual_stages,
         )
     elif scan:
         if plan.zero_stage:  # before stacking: the stack keeps each block's ZeRO layout

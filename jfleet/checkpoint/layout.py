@@ -73,7 +73,8 @@ def _rules(model: nnx.Module) -> list[_Stack | _Rename]:
     for path, node in nnx.iter_graph(model):
         path = tuple(path)
         if isinstance(node, PipelinedBlocks | ScannedBlocks):
-            rules.append(_Stack((*path, "body"), path, 0, node.period))
+            virtual = getattr(node, "num_virtual_stages", 1)  # ScannedBlocks: 1
+            rules.append(_Stack((*path, "body"), path, 0, node.period, virtual))
         elif isinstance(node, PipelineLayer):
             if node.body is None:
                 raise NotImplementedError(

@@ -206,7 +206,6 @@ def pipeline_loss(
     return out if micro_losses else out[0]
 
 
-# ------------------------------------------------------------------ validation
 def _validate(
     stage_fn, head_fn, stage_params, batched, *, mesh, schedule, num_microbatches, pp_axis,
     data_axes, remat,
@@ -282,7 +281,6 @@ def _batch_rows(tree: Any, name: str, optional: bool = False) -> set[int]:
     return rows
 
 
-# ------------------------------------------------------------------ custom_vjp
 #: ``local(forward_only, with_dx, stage_params, head_params, inputs, targets, side, shared)``:
 #: one device's share of a pipelined loss inside the ``shard_map`` (this module's
 #: :func:`_local_step`, or the table executor's).
@@ -355,7 +353,6 @@ def _sharded(spec: _Pipeline, local: Local, *, forward_only: bool, with_dx: bool
     return jax.jit(mapped)
 
 
-# ------------------------------------------------------------------ per-device code
 def _varying(x: jax.Array) -> frozenset:
     aval = jax.typeof(x)
     vma = getattr(aval, "vma", None)
@@ -468,8 +465,8 @@ def _reduced(spec: _Pipeline, losses: jax.Array, scale: float) -> tuple[jax.Arra
 
 
 def _shift(tree: Any, spec: _Pipeline, direction: int, circular: bool = False) -> Any:
-    """Sends to the next stage (direction 1) or the previous one (-1); edges get zeros, or
-    (``circular``, interleaved stages) the other end's."""
+    """Sends to the next stage (direction 1) or the previous one (-1); edges get zeros
+    (or, ``circular``, the other end's)."""
     p = spec.num_stages
     if p == 1:
         return _zeros(tree)
@@ -493,9 +490,8 @@ def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
 
 
 def _unit(u: jax.Array, m: int, p: int, v: int) -> tuple[jax.Array, jax.Array]:
-    """``(micro-batch, chunk)`` of a stage's ``u``-th forward unit with ``v`` chunks per
-    stage: micro-batches in groups of ``P``, each group through chunk 0, then chunk 1, ...
-    (Megatron's interleaved order; ``v = 1``: micro-batch ``u``, chunk 0)."""
+    """``(micro-batch, chunk)`` of a stage's ``u``-th forward unit: groups of ``P``
+    micro-batches through chunk 0, then chunk 1, ... (Megatron's interleaved order)."""
     if v == 1:
         return u, jnp.zeros_like(u)
     group, within = u // (v * p), u % (v * p)
@@ -511,13 +507,10 @@ def _forward_ticks(spec, run, x_mb, stage, *, stash=False, virtual=1):
     recomputing backward loop needs); with ``stash`` a pytree of shapes, ``run`` returns
     ``(y, saved)`` and ``saved`` is stashed per micro-batch instead (:class:`SavedStage`).
 
-    With ``virtual = v > 1`` interleaved stages (``M`` a multiple of ``P``): each device
-    holds ``v`` chunks and ``run(x, i, c)`` runs chunk ``c``; unit ``u = t - s`` of stage
-    ``s`` is :func:`_unit`'s, the last stage's output of chunk ``c`` goes round to stage 0
-    for chunk ``c + 1`` (a circular ``ppermute``), and it arrives exactly when stage 0
-    needs it. The loop has ``v M + P - 1`` ticks of a chunk each: bubble ``(P - 1) / (v M
-    + P - 1)``. The stash holds ``[v M, ...]`` chunk inputs (chunk ``c``, micro-batch
-    ``i`` at ``c M + i``).
+    ``virtual = v > 1`` (``M`` a multiple of ``P``): ``run(x, i, c)`` runs chunk ``c``;
+    stage ``s`` runs :func:`_unit` ``t - s``; the last stage's chunk-``c`` output goes
+    round to stage 0 (circular ``ppermute``) just in time for chunk ``c + 1``. Bubble
+    ``(P - 1) / (v M + P - 1)``; the stash is ``[v M, ...]`` (``c M + i``).
 
     No caller differentiates this loop: under autodiff a ``cond`` returns its residuals as
     outputs that vary per tick, the stage's weights among them (needed for the input's
@@ -625,10 +618,8 @@ def _backward_ticks(spec, vjp, params, ins, g_last, stage, *, virtual=1):
     over micro-batches (fp32 or wider) and the input cotangents ``[M, ...]`` (stage 0's;
     zeros elsewhere).
 
-    With ``virtual = v > 1`` (:func:`_forward_ticks`' interleaved stages) the units run in
-    the reverse of the forward's order, ``vjp(x, g, i, c)`` pulls back through chunk ``c``
-    (``params`` are ``[v, ...]``, accumulated per chunk), and stage 0's cotangent of chunk
-    ``c`` goes round to the last stage for chunk ``c - 1``.
+    ``virtual = v > 1``: the forward's units in reverse, ``vjp(x, g, i, c)`` through chunk
+    ``c`` of ``params`` ``[v, ...]``; stage 0's cotangent goes round to the last stage.
     """
     m, p, axes, v = spec.num_microbatches, spec.num_stages, spec.manual_axes, virtual
     act = _take(g_last, 0)
