@@ -128,13 +128,16 @@ LAYOUTS: tuple[tuple[dict[str, int], int, int | None], ...] = (
 
 #: ``(mesh degrees, ZeRO stage, micro-batches, schedule, recompute)`` checked beside
 #: :data:`LAYOUTS`: the stand-in's 1F1B (stage inputs stashed, the stage recomputed in
-#: its backward loop) and recompute without a pipeline (scanned blocks at dp8; ZeRO-3
-#: keeps its blocks unrolled, where XLA:CPU recomputes with the forward pass).
+#: its backward loop), its VPP (1F1B over 2 interleaved chunks a stage) and recompute
+#: without a pipeline (scanned blocks at dp8; ZeRO-3 keeps its blocks unrolled, where
+#: XLA:CPU recomputes with the forward pass).
 SCHEDULE_LAYOUTS: tuple[tuple[dict[str, int], int, int | None, str | None, bool], ...] = (
     ({"dp": 2, "pp": 2, "mp": 2}, 0, 2, "1F1B", False),
     ({"dp": 4, "pp": 2}, 0, 4, "1F1B", False),
     ({"dp": 2, "pp": 4}, 0, 8, "1F1B", False),
     ({"dp": 2, "pp": 4}, 0, 8, "FThenB", False),
+    ({"dp": 2, "pp": 2, "mp": 2}, 0, 2, "VPP", False),
+    ({"dp": 4, "pp": 2}, 0, 4, "VPP", False),
     ({"dp": 8}, 0, None, None, True),
     ({"sharding": 8}, 3, None, None, True),
 )
@@ -313,7 +316,14 @@ def executed_flops(text: str, plan: Plan) -> float:
     return max(
         hlo.executed_flops(
             text,
-            taken_branches(lay.schedule, s, lay.pp, lay.num_microbatches, loss_inside=False),
+            taken_branches(
+                lay.schedule,
+                s,
+                lay.pp,
+                lay.num_microbatches,
+                loss_inside=False,
+                num_virtual=lay.num_virtual_stages,
+            ),
         )
         for s in range(lay.pp)
     )

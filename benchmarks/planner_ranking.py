@@ -151,6 +151,7 @@ def config_for(candidate: Candidate) -> ToDistributedConfig:
         recompute=lay.recompute,
         schedule=lay.schedule if piped else None,
         num_microbatches=lay.num_microbatches if piped else None,
+        num_virtual_pipeline_stages=lay.num_virtual_stages if piped else None,
     )
 
 

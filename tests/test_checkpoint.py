@@ -321,13 +321,23 @@ class Holder(nnx.Module):
         self.layers = layers
 
 
-def test_super_blocks_map_to_per_layer_leaves_and_back():
+@pytest.mark.parametrize("virtual", [1, 2])  # 2: interleaved, device s holds chunks s, s + 2
+def test_super_blocks_map_to_per_layer_leaves_and_back(virtual):
     blocks = [Alternating(i % 2 == 1, nnx.Rngs(i)) for i in range(8)]
     kernels = [np.asarray(b.linear.kernel[...]) for b in blocks]
     mesh = jax.make_mesh((4, 2), (DP, PP), axis_types=(AxisType.Auto,) * 2)
-    model = Holder(PipelinedBlocks(blocks, mesh=mesh, num_microbatches=2))
+    model = Holder(
+        PipelinedBlocks(
+            blocks, mesh=mesh, num_microbatches=2, schedule="VPP" if virtual > 1 else "FThenB",
+            num_virtual_stages=virtual,
+        )
+    )  # fmt: skip
     stacked = np.asarray(model.layers.body.layers[1].linear.kernel[...])  # the odd layers
     assert model.layers.period == 2 and stacked.shape[:2] == (2, 2)
+    # unit (s, k) holds super-block (k P + s) interleaved, else (s L + k): its odd layer
+    unit = (lambda s, k: k * 2 + s) if virtual > 1 else (lambda s, k: s * 2 + k)
+    for s, k in np.ndindex(2, 2):
+        np.testing.assert_array_equal(stacked[s, k], kernels[2 * unit(s, k) + 1])
     flat = layout.logical_leaves(model, model)
     assert sorted(flat) == sorted(
         f"layers.{i}.linear.{n}" for i in range(8) for n in ("bias", "kernel")

@@ -149,6 +149,18 @@ def _spec_text(spec: P) -> str:
     return "P(" + ", ".join(repr(e) for e in spec) + ")"
 
 
+def _blocks_text(blocks: tuple[int, ...]) -> str:
+    """``blocks 0-1``, ``block 3``, or runs for an interleaved stage: ``blocks 0-1, 4-5``."""
+    runs: list[list[int]] = []
+    for b in blocks:
+        if runs and b == runs[-1][-1] + 1:
+            runs[-1].append(b)
+        else:
+            runs.append([b])
+    shown = ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
+    return f"block {shown}" if len(blocks) == 1 else f"blocks {shown}"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Plan:
     """A parallel plan: the mesh, the layouts, the pipeline, and why it was chosen.
@@ -164,7 +176,7 @@ class Plan:
       params: every parameter's :class:`ParamPlan`, in ``nnx.state`` order.
       blocks: module paths of the decoder blocks (the pipeline candidate).
       stages: block indices per pipeline stage (one tuple with all blocks when
-        ``pp == 1``; empty without blocks).
+        ``pp == 1``; empty without blocks); with VPP a stage's chunks, ``(0, 1, 4, 5)``.
       chosen: the winning candidate (layout, predicted memory, time, collectives).
       candidates: every candidate, ranked, each with the reason it lost.
       excluded: ``(mesh, reason)`` for factorisations the shapes rule out.
@@ -320,6 +332,11 @@ class Plan:
             + f" | ZeRO-{self.zero_stage}"
             + (
                 f" | pipeline {self.schedule}, {self.num_microbatches} micro-batches"
+                + (
+                    f", {lay.num_virtual_stages} virtual stages"
+                    if lay.num_virtual_stages > 1
+                    else ""
+                )
                 if lay.pp > 1
                 else " | no pipeline"
             )
@@ -346,11 +363,7 @@ class Plan:
         ]
         if lay.pp > 1:
             lines.append(
-                "stages: "
-                + "; ".join(
-                    f"{i}: blocks {s[0]}-{s[-1]}" if len(s) > 1 else f"{i}: block {s[0]}"
-                    for i, s in enumerate(self.stages)
-                )
+                "stages: " + "; ".join(f"{i}: {_blocks_text(s)}" for i, s in enumerate(self.stages))
             )
         lines.append(
             "unmatched (replicated): " + (", ".join(self.unmatched) if self.unmatched else "none")

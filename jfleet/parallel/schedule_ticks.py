@@ -85,6 +85,7 @@ def stage_ticks(
     *,
     remat: bool = False,
     loss_inside: bool = True,
+    num_virtual: int = 1,
 ) -> list[dict[str, int]]:
     """Per stage, how many units of each kind of work one training step runs.
 
@@ -103,7 +104,9 @@ def stage_ticks(
     * :func:`~jfleet.parallel.pipeline_forward.pipeline_forward` (``loss_inside=False``,
       the ``to_distributed`` stand-in): FThenB as above; 1F1B (the same program as FThenB
       with remat) runs ``M`` forwards, ``M`` recomputes and ``M`` backwards; ``2(P - 1)``
-      bubbles on every stage.
+      bubbles on every stage. With ``num_virtual = v > 1`` (VPP: 1F1B's program over
+      interleaved stages) a unit is one micro-batch through one of the stage's ``v``
+      chunks: ``v M`` of each kind and still ``2(P - 1)`` bubbles, each a chunk long.
 
     Example:
       >>> stage_ticks("1F1B", 2, 4)
@@ -112,6 +115,14 @@ def stage_ticks(
     """
     stats = schedule_stats(schedule, num_stages, num_microbatches)
     p, m = stats["num_stages"], stats["num_microbatches"]
+    if num_virtual > 1:
+        if schedule != "1F1B" or loss_inside:
+            raise ValueError(
+                f"num_virtual={num_virtual} counts the stand-in's VPP (schedule '1F1B', "
+                f"loss_inside=False); got schedule={schedule!r}, loss_inside={loss_inside}."
+            )
+        vm = num_virtual * m
+        return [dict(zip(TICK_KINDS, (vm, vm, vm, 2 * (p - 1)), strict=True))] * p
     out = []
     for stage in range(p):
         if schedule == "1F1B" and loss_inside:
@@ -125,7 +136,13 @@ def stage_ticks(
 
 
 def taken_branches(
-    schedule: str, stage: int, num_stages: int, num_microbatches: int, *, loss_inside: bool = True
+    schedule: str,
+    stage: int,
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    loss_inside: bool = True,
+    num_virtual: int = 1,
 ) -> Callable[[Any], tuple[int, ...]]:
     """``taken(conditional)``: how often ``stage`` takes each branch of a pipelined step's
     conditionals, for :func:`jfleet.testing.hlo.executed_flops`.
@@ -134,7 +151,8 @@ def taken_branches(
     of ``n`` ticks, ``(skip, work)``, whose work runs ``M`` times (not on 1F1B's last stage
     with the loss inside, which runs its forwards in the switch); 1F1B's three-way switch
     ``(skip, backward, last stage's forward + loss + backward)``; the head's cond (weight
-    1), taken on the last stage only.
+    1), taken on the last stage only. With ``num_virtual = v`` (the stand-in's VPP) the
+    work runs ``v M`` times, a chunk each.
 
     Example:
       >>> from types import SimpleNamespace as C
@@ -142,7 +160,7 @@ def taken_branches(
       >>> taken(C(weight=14, branch_flops=(0, 5, 9))), taken(C(weight=14, branch_flops=(0, 5)))
       ((6, 0, 8), (14, 0))
     """
-    m, last = num_microbatches, stage == num_stages - 1
+    m, last = num_microbatches * num_virtual, stage == num_stages - 1
 
     def taken(c: Any) -> tuple[int, ...]:
         n, branches = c.weight, len(c.branch_flops)

@@ -114,6 +114,7 @@ def check_microbatches(schedule: str, num_stages: int, num_microbatches: int) ->
     if schedule == "VPP" and num_microbatches % num_stages:
         raise ValueError(
             f"interleaved stages (VPP) run micro-batches in groups of the pipeline degree "
-            f"{num_stages}; accumulate_steps={num_microbatches} is not a multiple of it: use "
+            f"{num_stages}; accumulate_steps (micro-batches)={num_microbatches} is not a "
+            "multiple of it: use "
             f"{num_stages * max(1, -(-num_microbatches // num_stages))}."
         )

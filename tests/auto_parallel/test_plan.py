@@ -195,7 +195,14 @@ def test_six_and_twelve_devices_give_valid_plans(devices):
         for dim, entry in zip(p.shape, p.spec, strict=False):
             if entry is not None:
                 assert dim % sizes[entry] == 0, p.path
-    assert forced.stages == ((0, 1), (2, 3), (4, 5))
+    if forced.layout.num_virtual_stages == 1:
+        assert forced.stages == ((0, 1), (2, 3), (4, 5))
+    else:  # interleaved: stage s holds chunks s and s + 3
+        assert forced.layout.num_virtual_stages == 2
+        assert forced.stages == ((0, 3), (1, 4), (2, 5))
+    one = plan_for(model, device_num=devices, batch_size=24, seq_len=16,
+                   force_mesh={"dp": devices // 6, "mp": 2, "pp": 3}, schedule="1F1B")  # fmt: skip
+    assert one.stages == ((0, 1), (2, 3), (4, 5))
 
 
 def test_sequence_parallel_adds_sep_candidates():
@@ -324,6 +331,7 @@ def test_printed_plan_is_a_readable_table():
         batch_size=16,
         seq_len=16,
         force_mesh={"dp": 2, "pp": 2, "mp": 2},
+        schedule="FThenB",
     )
     text = str(plan)
     assert text.startswith("jfleet plan: dp2 x pp2 x mp2")
@@ -331,6 +339,14 @@ def test_printed_plan_is_a_readable_table():
     assert "| h[*].attn.c_attn.kernel | 32x96 | qkv | P(None, 'mp') |" in text
     assert "stages: 0: blocks 0-1; 1: blocks 2-3" in text
     assert "| wpe.embedding | 64x32 | position_embedding | P() |" in text
+    interleaved = plan_for(
+        shapes("gpt2"), device_num=8, batch_size=16, seq_len=16,
+        force_mesh={"dp": 2, "pp": 2, "mp": 2}, schedule="VPP", num_microbatches=2,
+    )  # fmt: skip
+    text = str(interleaved)
+    assert text.startswith("jfleet plan: dp2 x pp2 x mp2 (VPP v=2 M=2)")
+    assert "pipeline VPP, 2 micro-batches, 2 virtual stages" in text
+    assert "stages: 0: blocks 0, 2; 1: blocks 1, 3" in text
 
 
 def test_partition_specs_and_validation():

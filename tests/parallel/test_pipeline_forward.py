@@ -17,6 +17,7 @@ from jax.sharding import AxisType
 
 from jfleet.parallel.pipeline_forward import pipeline_forward, rows_fit
 from jfleet.parallel.pipeline_schedule import pipeline_loss, stage_ticks, taken_branches
+from jfleet.parallel.virtual_stages import interleaved_order
 from jfleet.testing import hlo
 from jfleet.testing.trees import assert_trees_close
 from jfleet.topology import DP, PP
@@ -49,11 +50,19 @@ def problem():
     return w, x, mask
 
 
-def stand_in_loss(mesh, schedule, rows, remat=False):
+def interleaved(w, v):
+    """``[P, L, ...]`` stage weights (layer ``s L + l``) restacked for ``v`` chunks a stage:
+    row ``s`` holds chunks ``s, s + P, ...`` of ``L / v`` layers (differentiable)."""
+    flat = w.reshape(STAGES * LAYERS, *w.shape[2:])
+    return flat[jnp.array(interleaved_order(STAGES * LAYERS, STAGES, v))].reshape(w.shape)
+
+
+def stand_in_loss(mesh, schedule, rows, remat=False, v=1):
     def loss(w, x, mask):
         y = pipeline_forward(
-            stage_fn, w, x, mask, jnp.float32(0.9), mesh=mesh, num_microbatches=M,
-            schedule=schedule, remat=remat, rows_over_pp=rows,
+            stage_fn, interleaved(w, v) if v > 1 else w, x, mask, jnp.float32(0.9), mesh=mesh,
+            num_microbatches=M, schedule=schedule, remat=remat, rows_over_pp=rows,
+            num_virtual=v,
         )  # fmt: skip
         return jnp.mean(y**2), y
 
@@ -61,16 +70,17 @@ def stand_in_loss(mesh, schedule, rows, remat=False):
 
 
 @pytest.mark.parametrize(
-    "schedule, rows, remat",
+    "schedule, rows, remat, v",
     [
-        ("FThenB", False, False),
-        ("FThenB", True, True),
-        ("1F1B", False, False),
-        ("1F1B", True, False),
+        ("FThenB", False, False, 1),
+        ("FThenB", True, True, 1),
+        ("1F1B", False, False, 1),
+        ("1F1B", True, False, 1),
+        ("VPP", True, False, 2),  # interleaved: 2 chunks of 1 layer per stage
     ],
 )
 def test_the_stand_in_is_the_sequential_model_in_values_and_gradients(
-    mesh, problem, schedule, rows, remat
+    mesh, problem, schedule, rows, remat, v
 ):
     w, x, mask = problem
 
@@ -79,7 +89,7 @@ def test_the_stand_in_is_the_sequential_model_in_values_and_gradients(
         return jnp.mean(y**2), y
 
     want = jax.jit(jax.value_and_grad(one_device, (0, 1), has_aux=True))(w, x)
-    loss = stand_in_loss(mesh, schedule, rows, remat)
+    loss = stand_in_loss(mesh, schedule, rows, remat, v)
     got = jax.jit(jax.value_and_grad(lambda w, x: loss(w, x, mask), (0, 1), has_aux=True))(w, x)
     assert_trees_close(got, want, rtol=1e-5, atol=1e-5)
     y = got[0][1]
@@ -111,21 +121,22 @@ def ideal_parts(problem):
 
 
 @pytest.mark.parametrize(
-    "entry, schedule, remat",
+    "entry, schedule, remat, v",
     [
-        ("stand-in", "1F1B", False),
-        ("stand-in", "FThenB", True),
-        ("pipeline_loss", "1F1B", False),
-        ("pipeline_loss", "FThenB", True),
-        ("stand-in", "FThenB", False),
+        ("stand-in", "1F1B", False, 1),
+        ("stand-in", "FThenB", True, 1),
+        ("pipeline_loss", "1F1B", False, 1),
+        ("pipeline_loss", "FThenB", True, 1),
+        ("stand-in", "FThenB", False, 1),
+        ("stand-in", "1F1B", False, 2),  # VPP: 1F1B's program over 2 chunks a stage
     ],
 )
 def test_executed_dot_flops_per_device_are_the_schedules_own_work(
-    mesh, problem, ideal_parts, entry, schedule, remat
+    mesh, problem, ideal_parts, entry, schedule, remat, v
 ):
     w, x, mask = problem
     if entry == "stand-in":
-        loss = stand_in_loss(mesh, schedule, rows=True, remat=remat)
+        loss = stand_in_loss(mesh, schedule, rows=True, remat=remat, v=v)
         step = jax.grad(lambda w, x: loss(w, x, mask)[0], (0, 1))
     else:  # a head without dots: the stages are all the work
 
@@ -141,15 +152,17 @@ def test_executed_dot_flops_per_device_are_the_schedules_own_work(
 
     text = jax.jit(step).lower(w, x).compile().as_text()
     loss_inside = entry == "pipeline_loss"
-    ticks = stage_ticks(schedule, STAGES, M, remat=remat, loss_inside=loss_inside)
+    ticks = stage_ticks(schedule, STAGES, M, remat=remat, loss_inside=loss_inside, num_virtual=v)
     executed = max(
-        hlo.executed_flops(text, taken_branches(schedule, s, STAGES, M, loss_inside=loss_inside))
+        hlo.executed_flops(
+            text, taken_branches(schedule, s, STAGES, M, loss_inside=loss_inside, num_virtual=v)
+        )
         for s in range(STAGES)
     )
     forward, dense_step = ideal_parts
     devices = mesh.size
     slowest = max(ticks, key=lambda t: t["recompute"])
-    per_unit = forward / devices / M  # one micro-batch's forward through one stage
+    per_unit = forward / devices / M / v  # one micro-batch's forward through one chunk
     ideal = dense_step / devices + slowest["recompute"] * per_unit
     assert executed == pytest.approx(ideal, rel=0.05), (executed, ideal)
     # the program holds the bubbles' work in branches not taken: dot_flops counts them
@@ -157,3 +170,35 @@ def test_executed_dot_flops_per_device_are_the_schedules_own_work(
 
 
 # the program holds branches not all taken
+
+
+def test_interleaved_loops_have_v_m_plus_p_minus_1_ticks_of_which_p_minus_1_bubbles(mesh, problem):
+    """VPP's bubble, structurally: each loop's bubble-skipping cond runs v M + P - 1 times
+    and works v M of them (a chunk each), so the idle share is (P - 1) / (v M + P - 1)."""
+    w, x, mask = problem
+    for v, want in ((1, M + STAGES - 1), (2, 2 * M + STAGES - 1)):
+        loss = stand_in_loss(mesh, "1F1B", rows=True, v=v)
+        step = jax.grad(lambda w, x, loss=loss: loss(w, x, mask)[0], (0, 1))
+        text = jax.jit(step).lower(w, x).compile().as_text()
+        looped = [c.weight for c in hlo.conditionals(text) if c.weight > 1]
+        assert looped and set(looped) == {want}, (v, looped)
+        ticks = stage_ticks("1F1B", STAGES, M, loss_inside=False, num_virtual=v)[0]
+        bubble = ticks["bubble"] / (2 * want)  # both loops' idle ticks over all ticks
+        assert bubble == pytest.approx((STAGES - 1) / (v * M + STAGES - 1))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"schedule": "VPP", "num_virtual": 1}, r"'VPP' with num_virtual=1.*num_virtual >= 2"),
+        ({"schedule": "FThenB", "num_virtual": 2}, r"'FThenB' with num_virtual=2"),
+        ({"schedule": "VPP", "num_virtual": 2, "num_microbatches": 2},
+         r"groups of the pipeline degree 4; accumulate_steps \(micro-batches\)=2.*use 4"),
+        ({"schedule": "VPP", "num_virtual": 3}, r"do not split into 3 chunks"),
+    ],
+)  # fmt: skip
+def test_interleaving_errors_name_the_setting_and_the_fix(mesh, problem, kwargs, message):
+    w, x, mask = problem
+    kwargs = {"num_microbatches": M, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        pipeline_forward(stage_fn, w, x, mask, 1.0, mesh=mesh, **kwargs)

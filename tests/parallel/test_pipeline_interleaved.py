@@ -244,7 +244,7 @@ def test_pp2_dp4_trains_like_one_device(schedule, v):
                       r"num_virtual_pipeline_stages >= 2"),
         ("FThenB", 2, 4, r"'FThenB' runs one chunk per stage.*num_virtual_pipeline_stages=2"),
         ("ZBH1", 2, 4, r"'ZBH1' runs one chunk per stage"),
-        ("VPP", 2, 3, r"accumulate_steps=3 is not a multiple of it: use 4"),
+        ("VPP", 2, 3, r"accumulate_steps \(micro-batches\)=3 is not a multiple of it: use 4"),
     ],
 )  # fmt: skip
 def test_schedule_and_virtual_stage_combinations_are_checked(schedule, v, acc, message):
