@@ -59,3 +59,32 @@ def test_1f1b_temp_memory_is_flat_in_the_micro_batches_where_fthenb_grows():
     one = {m: temp_bytes("1F1B", m) for m in (4, 16)}
     assert one[16] <= fthenb[16] / 2, (one, fthenb)
     assert one[16] - one[4] < (fthenb[16] - fthenb[4]) / 3, (one, fthenb)
+
+
+def test_a_forced_vpp_plan_trains_like_one_device_and_checkpoints_as_the_plain_model():
+    """VPP through to_distributed: 4 blocks over pp 2 in 2 interleaved chunks a stage
+    (device 0 holds blocks 0 and 2), 10 steps equal one device's; the logical checkpoint
+    view is the plain model's per-block parameters."""
+    from jfleet.checkpoint import layout
+    from tests.auto_parallel.test_to_distributed import adam_one_device
+
+    def deeper():
+        return TinyLlama(vocab=64, width=32, heads=8, kv_heads=4, layers=4)
+
+    config = ToDistributedConfig(
+        force_mesh={"dp": 2, "pp": 2, "mp": 2}, schedule="VPP", num_microbatches=2
+    )
+    plain = deeper()
+    model, opt, loader = to_distributed(deeper(), optax.adam(1e-2), lm_batches(10), config=config)
+    plan = get_plan(model)
+    assert plan.layout.name == "dp2 x pp2 x mp2 (VPP v=2 M=2)"
+    assert plan.stages == ((0, 2), (1, 3))
+    stand_in = model.layers
+    assert isinstance(stand_in, PipelinedBlocks) and stand_in.num_virtual_stages == 2
+    flat = layout.logical_leaves(model, model)
+    for i in range(4):  # device s, unit k holds block k P + s: the plain model's order
+        want = plain.layers[i].mlp.up_proj.kernel[...]
+        np.testing.assert_array_equal(flat[f"layers.{i}.mlp.up_proj.kernel"], want)
+    losses = train(model, opt, loader)
+    want = adam_one_device(deeper(), lm_batches(10))
+    np.testing.assert_allclose(losses, want, rtol=0, atol=TOL)

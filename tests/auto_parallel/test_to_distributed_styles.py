@@ -113,6 +113,32 @@ def test_the_recomputing_1f1b_stand_in_trains_public_styles_like_one_device():
     np.testing.assert_allclose(losses, one_device("gemma_alternating"), rtol=TOL, atol=TOL)
 
 
+def test_interleaved_vpp_trains_the_flax_minigpt_style_like_one_device():
+    """The Flax tutorial's MiniGPT (``nnx.MultiHeadAttention`` blocks in an ``nnx.List``)
+    at 4 blocks: dp2 x pp2 x mp2 with 2 interleaved chunks a stage, 10 steps equal one
+    device's."""
+    from jfleet.testing.nnx_styles import MAX_SEQ, MiniGPT
+
+    style = STYLES["mha"]
+
+    def build(rngs):
+        return MiniGPT(MAX_SEQ, style.vocab, style.width, style.heads, style.hidden, 4, rngs=rngs)
+
+    want, _ = train_one_device(
+        build(nnx.Rngs(0)), optax.adam(1e-2), style.batches(STEPS), style.loss_fn
+    )
+    config = ToDistributedConfig(
+        force_mesh={"dp": 2, "pp": 2, "mp": 2}, schedule="VPP", num_microbatches=2
+    )
+    model, opt, loader = to_distributed(
+        build(nnx.Rngs(0)), optax.adam(1e-2), style.batches(STEPS), config=config
+    )
+    assert get_plan(model).layout.name == "dp2 x pp2 x mp2 (VPP v=2 M=2)"
+    step = make_train_step(style.loss_fn)
+    got = [float(step(model, opt, batch)) for batch in loader]
+    np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
+
+
 # ------------------------------------------------------------------ what cannot be split
 def test_blocks_with_dropout_streams_are_refused_a_pipeline_at_planning_time():
     style = STYLES["dropout"]
