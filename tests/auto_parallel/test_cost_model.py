@@ -161,6 +161,7 @@ def test_a_memory_budget_between_the_schedules_picks_1f1b():
     kw = {"device_num": 8, "batch_size": 16, "seq_len": 512, "recompute": False}
     kw |= {"profile": "h100"}
     kw |= {"force_mesh": {"dp": 4, "pp": 2}, "num_microbatches": 2, "zero_stage": 0}
+    kw |= {"num_virtual_stages": 1}  # one chunk a stage (VPP: the test after this one)
     roomy = plan_for(model, **kw)
     by_schedule = {c.layout.schedule: c for c in roomy.candidates}
     fthenb, one_f = by_schedule["FThenB"].memory.total, by_schedule["1F1B"].memory.total

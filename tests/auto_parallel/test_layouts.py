@@ -31,7 +31,16 @@ def test_enumeration_respects_the_shapes():
     }
     assert all(lay.size == 8 and lay.sep == 1 for lay in layouts)
     assert {lay.zero_stage for lay in layouts if lay.sharding > 1} == {1, 2, 3}
-    assert {lay.schedule for lay in layouts if lay.pp > 1} == {"FThenB", "1F1B"}
+    assert {lay.schedule for lay in layouts if lay.pp > 1} == {"FThenB", "1F1B", "VPP"}
+    # VPP: M a multiple of pp and pp x 2 chunks dividing the 4 blocks (pp 2 only)
+    vpp = [lay for lay in layouts if lay.schedule == "VPP"]
+    assert vpp and all(lay.pp == 2 and lay.num_virtual_stages == 2 for lay in vpp)
+    assert all(lay.num_microbatches % 2 == 0 and not lay.recompute for lay in vpp)
+    assert all(lay.num_virtual_stages == 1 for lay in layouts if lay.schedule != "VPP")
+    forced, why = enumerate_layouts(
+        found, WORK, device_num=8, force_mesh={"dp": 2, "pp": 4}, schedule="VPP"
+    )
+    assert forced == [] and "pp x 2 virtual stages dividing the 4 blocks" in dict(why)["dp2 x pp4"]
     two_nodes, _ = enumerate_layouts(found, WORK, device_num=2, node_num=4)
     assert max(lay.mp for lay in two_nodes) == 2
 
@@ -169,7 +178,9 @@ def test_layout_views():
         < Layout(dp=4, sharding=2, zero_stage=3).complexity()
     )
     assert mesh_name({"mp": 4, "dp": 2}) == "dp2 x mp4"  # always in mesh order
-    assert SCHEDULES == ("FThenB", "1F1B")
+    assert SCHEDULES == ("FThenB", "1F1B", "VPP")
+    vpp = Layout(dp=2, pp=2, mp=2, schedule="VPP", num_microbatches=4, num_virtual_stages=2)
+    assert vpp.name == "dp2 x pp2 x mp2 (VPP v=2 M=4)"
 
 
 def test_layout_and_workload_validation():
@@ -177,8 +188,14 @@ def test_layout_and_workload_validation():
         Layout(dp=8, zero_stage=1)
     with pytest.raises(ValueError, match="sharding=2 without a ZeRO stage"):
         Layout(sharding=2)
-    with pytest.raises(ValueError, match=r"pp=2 needs schedule in \('FThenB', '1F1B'\)"):
+    with pytest.raises(ValueError, match=r"pp=2 needs schedule in \('FThenB', '1F1B', 'VPP'\)"):
         Layout(pp=2, dp=4)
+    with pytest.raises(ValueError, match=r"schedule='VPP' with num_virtual_stages=1"):
+        Layout(pp=2, dp=4, schedule="VPP", num_microbatches=2)
+    with pytest.raises(ValueError, match=r"schedule='1F1B' with num_virtual_stages=2"):
+        Layout(pp=2, dp=4, schedule="1F1B", num_microbatches=2, num_virtual_stages=2)
+    with pytest.raises(ValueError, match=r"groups of pp=4; num_microbatches=2"):
+        Layout(pp=4, dp=2, schedule="VPP", num_microbatches=2, num_virtual_stages=2)
     with pytest.raises(ValueError, match="only apply with pp > 1"):
         Layout(dp=2, num_microbatches=2)
     with pytest.raises(ValueError, match="mp=0 must be an int >= 1"):
