@@ -328,10 +328,15 @@ def program_key(candidate: Candidate) -> tuple:
     return (tuple(lay.degrees.items()), lay.zero_stage, lay.num_microbatches, "1F1B")
 
 
-def measure(size: Size, rounds: int, limit: int | None, seed: int = 0) -> SizeResult:
-    """Plans, builds and times every candidate of ``size`` (the first ``limit`` when given)."""
+def measure(
+    size: Size, rounds: int, limit: int | None, seed: int = 0, only: str | None = None
+) -> SizeResult:
+    """Plans, builds and times every candidate of ``size`` (the first ``limit`` when given;
+    with ``only``, those whose name holds it, and the baseline)."""
     start = time.perf_counter()
     candidates, chosen = plan_candidates(size)
+    if only:
+        candidates = [c for c in candidates if only in c.layout.name or c.layout.name == BASELINE]
     if limit is not None:
         keep = candidates[:limit]
         keep += [c for c in candidates if c.layout.name == BASELINE and c not in keep]
@@ -502,6 +507,17 @@ def render(results: list[SizeResult], rounds: int, argv: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _joined(earlier: SizeResult, new: list[SizeResult]) -> SizeResult:
+    """``earlier`` with the candidates ``new`` timed at its size that it lacks (each ratio
+    is to the baseline of its own rounds, so the two runs' ratios compare)."""
+    for r in new:
+        if r.size.name == earlier.size.name:
+            have = {t.name for t in earlier.timed}
+            earlier.timed += [t for t in r.timed if t.name not in have]
+            earlier.command = f"{earlier.command}` + `{r.command}"
+    return earlier
+
+
 def main(argv: list[str] | None = None) -> int:
     """Measures every size, prints the tables and writes them into RESULTS.md."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -510,6 +526,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per group")
     parser.add_argument("--limit", type=int, default=None, help="time only the first N")
     parser.add_argument("--json", default=None, help="also write every measurement here")
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="time only the candidates whose name holds this (and dp8); with --merge they "
+        "join the merged size's candidates",
+    )
     parser.add_argument(
         "--merge", default=None, help="a --json file of sizes timed earlier, shown too"
     )
@@ -527,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown sizes {unknown}; known: {sorted(SIZES)}")
     shown = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--no-write"]
-    results = [measure(SIZES[n], args.rounds, args.limit) for n in names]
+    results = [measure(SIZES[n], args.rounds, args.limit, only=args.only) for n in names]
     for r in results:
         r.command = " ".join(["python benchmarks/planner_ranking.py", *shown])
     if args.merge:
@@ -535,7 +557,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.repredict:
             for r in earlier:
                 repredict(r)
-        results = [r for r in earlier if r.size.name not in names] + results
+        if args.only:  # the new candidates join the earlier timings of their size
+            results = [_joined(r, results) for r in earlier]
+        else:
+            results = [r for r in earlier if r.size.name not in names] + results
         results.sort(key=lambda r: list(SIZES).index(r.size.name))
     if args.json:
         Path(args.json).write_text(json.dumps([as_dict(r) for r in results], indent=1))

@@ -26,10 +26,16 @@ weights per tick) is stacked.
     last projection) and ``M`` backwards; activation memory: ``M`` stage inputs plus one
     micro-batch's internals (the name follows Paddle's ``schedule_mode``: with the loss
     outside, the bound on memory comes from the recompute, not from interleaving).
+  * ``"VPP"`` (``num_virtual = v >= 2``): 1F1B's program over interleaved stages. Device
+    ``s`` holds chunks ``s, s + P, ...`` of the stack; both loops run ``v M + P - 1`` ticks
+    of one chunk each, the last stage's output (and stage 0's cotangent) going round the
+    ring to the next chunk, so the bubble is ``(P - 1) / (v M + P - 1)``. It stashes
+    ``v M`` chunk inputs and keeps one chunk's internals; ``M`` a multiple of ``P``.
 
-Both schedules run ``2(M + P - 1)`` collective-permutes per training step (one per tick and
-direction), plus one all-reduce of the output over ``pp`` (``rows_over_pp=False``) or one
-reduce-scatter (``rows_over_pp=True``), and the same again for the input cotangent.
+The schedules run ``2(v M + P - 1)`` collective-permutes per training step (one per tick and
+direction; ``v = 1`` but for VPP), plus one all-reduce of the output over ``pp``
+(``rows_over_pp=False``) or one reduce-scatter (``rows_over_pp=True``), and the same again
+for the input cotangent.
 
 Batch layout: by default the batch is split over the data axes and every stage gets the
 output for its replica's whole batch (a ``psum`` over ``pp``), so the code after the stack

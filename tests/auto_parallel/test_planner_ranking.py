@@ -69,3 +69,25 @@ def test_measurements_round_trip_through_json():
     assert back.rounds == 2 and back.size == result.size and back.chosen == "dp8"
     assert [t.candidate for t in back.timed] == [t.candidate for t in timed]
     assert back.pick_vs_fastest() == result.pick_vs_fastest()
+
+
+def test_candidates_timed_later_join_their_size_once():
+    """``--only VPP --merge F``: the new run's candidates join F's size; its baseline and
+    any candidate F already has are not added twice."""
+    c = _candidates()
+    earlier = pr.SizeResult(
+        pr.SIZES["example"],
+        [pr.Timed(candidate=c["dp8"], ratios=[1.0]), pr.Timed(candidate=c["fthenb"], ratios=[0.9])],
+        "dp8", 60.0, command="first",
+    )  # fmt: skip
+    new = pr.SizeResult(
+        pr.SIZES["example"],
+        [pr.Timed(candidate=c["dp8"], ratios=[1.0]), pr.Timed(candidate=c["1f1b"], ratios=[1.2]),
+         pr.Timed(candidate=c["fthenb"], ratios=[0.7])],
+        "dp8", 10.0, command="second",
+    )  # fmt: skip
+    other = pr.SizeResult(pr.SIZES["wide"], [pr.Timed(candidate=c["fthenb_rc"])], "dp8", 1.0)
+    joined = pr._joined(earlier, [other, new])
+    assert [t.name for t in joined.timed] == [c[k].layout.name for k in ("dp8", "fthenb", "1f1b")]
+    assert joined.by_name(c["fthenb"].layout.name).ratios == [0.9]  # the earlier timing kept
+    assert joined.command == "first` + `second"
