@@ -149,26 +149,33 @@ def reference(setting: Setting) -> Reference:
     return Reference(step, forward(setting.blocks) - forward(0))
 
 
-def measure(text: str, schedule: str, stages: int, m: int, *, loss_inside: bool) -> float:
-    """Executed dot FLOPs per device: the slowest stage's."""
+def measure(
+    text: str, schedule: str, stages: int, m: int, *, loss_inside: bool, v: int = 1
+) -> float:
+    """Executed dot FLOPs per device: the slowest stage's (``v`` chunks a stage)."""
     return max(
-        hlo.executed_flops(text, taken_branches(schedule, s, stages, m, loss_inside=loss_inside))
+        hlo.executed_flops(
+            text, taken_branches(schedule, s, stages, m, loss_inside=loss_inside, num_virtual=v)
+        )
         for s in range(stages)
     )
 
 
-def row(entry, schedule, degrees, m, compiled, ref, *, loss_inside) -> Row:
+def row(entry, schedule, degrees, m, compiled, ref, *, loss_inside, v=1) -> Row:
+    """One table row; ``schedule`` ``"VPP"`` is the stand-in's 1F1B over ``v`` chunks."""
     text = compiled.as_text()
     stages = degrees["pp"]
+    counted = "1F1B" if schedule == "VPP" else schedule
     ticks = max(
-        stage_ticks(schedule, stages, m, loss_inside=loss_inside), key=lambda t: t["recompute"]
+        stage_ticks(counted, stages, m, loss_inside=loss_inside, num_virtual=v),
+        key=lambda t: t["recompute"],
     )
     return Row(
         entry=entry,
-        schedule=schedule,
+        schedule=schedule if v == 1 else f"{schedule} v={v}",
         layout=layout_name(degrees),
         m=m,
-        executed=measure(text, schedule, stages, m, loss_inside=loss_inside),
+        executed=measure(text, counted, stages, m, loss_inside=loss_inside, v=v),
         ideal=ref.step + (ref.blocks_forward if ticks["recompute"] else 0.0),
         dp8=ref.step,
         bubble=ticks["bubble"],
@@ -178,12 +185,16 @@ def row(entry, schedule, degrees, m, compiled, ref, *, loss_inside) -> Row:
 
 
 def stand_in_rows(setting: Setting, degrees: dict, m: int, ref: Reference) -> list[Row]:
-    """``to_distributed``'s stand-in, FThenB (GPipe) and 1F1B."""
+    """``to_distributed``'s stand-in: FThenB (GPipe), 1F1B, and VPP (2 interleaved chunks a
+    stage) where ``pp x 2`` divides the blocks and ``pp`` divides ``M``."""
     out = []
-    for schedule in ("FThenB", "1F1B"):
+    pp = degrees["pp"]
+    interleaves = setting.blocks % (2 * pp) == 0 and m % pp == 0
+    for schedule in ("FThenB", "1F1B", *(("VPP",) if interleaves else ())):
         model, opt, batch = distribute(setting, degrees, m, schedule)
         compiled = make_train_step(lm_loss).lower(model, opt, batch).compile()
-        out.append(row("stand-in", schedule, degrees, m, compiled, ref, loss_inside=False))
+        v = 2 if schedule == "VPP" else 1
+        out.append(row("stand-in", schedule, degrees, m, compiled, ref, loss_inside=False, v=v))
     return out
 
 
@@ -336,6 +347,18 @@ def findings(rows: list[Row]) -> list[str]:
             f"{gpipe.vs_dp8:.2f}x (no recompute); pipeline_loss 1F1B (PipelineLayer's "
             f"schedule) {inside.vs_dp8:.2f}x. Temp memory: 1F1B {one.temp / MiB:.1f} MiB, "
             f"FThenB {gpipe.temp / MiB:.1f} MiB."
+        )
+    vpp = pick.get(("stand-in", "VPP v=2", "dp2 x pp2 x mp2", 4))
+    one_f = pick.get(("stand-in", "1F1B", "dp2 x pp2 x mp2", 4))
+    if vpp and one_f:
+        out.append(
+            f"- Stand-in VPP (2 chunks a stage) at dp2 x pp2 x mp2, M=4: {vpp.vs_ideal:.2f}x "
+            f"its ideal (1F1B's work) against 1F1B's {one_f.vs_ideal:.2f}x; bubble "
+            f"{vpp.bubble} of 2 x (2 x 4 + 1) chunk ticks ({vpp.bubble / 18:.3f} = (P - 1) / "
+            f"(vM + P - 1)) against 1F1B's {one_f.bubble} of 2 x (4 + 1) stage ticks "
+            f"({one_f.bubble / 10:.3f}); {vpp.permutes} collective-permutes against "
+            f"{one_f.permutes}; temp "
+            f"{vpp.temp / MiB:.1f} MiB against {one_f.temp / MiB:.1f} MiB."
         )
     worst = max(rows, key=lambda r: r.vs_ideal, default=None)
     if worst:

@@ -60,38 +60,29 @@ def test_predictions_match_the_compiled_step(degrees, stage, microbatches):
     assert 0.98 <= row.flops_ratio <= 1.02, row  # measured: 1.000 (the limit is 10%)
 
 
-def test_the_1f1b_stand_in_matches_the_compiled_step():
+@pytest.mark.parametrize(
+    ("schedule", "workload", "name"),
+    [
+        ("1F1B", SMALL, "1F1B M=2"),
+        ("VPP", cost_model_check.Workload(layers=4, batch=8), "VPP v=2 M=2"),
+    ],
+)
+def test_the_recomputing_stand_ins_match_the_compiled_step(schedule, workload, name):
     """to_distributed's 1F1B stand-in (stage inputs stashed, the stage recomputed in its
-    own backward loop, bubbles skipped, rows split over pp): memory within 25%, collective
-    bytes within 15%, executed dot FLOPs (the slowest stage's, conditionals weighted by
-    the ticks that take them) within 10%. FThenB is ``CHECKED``'s dp2 x pp2 x mp2 row."""
+    own backward loop, bubbles skipped, rows split over pp) and its VPP (2 chunks of one
+    block a stage, chunk inputs stashed, v M + P - 1 ticks a loop; measured 0.85, 1.07,
+    1.05): memory within 25%, collective bytes within 15%, executed dot FLOPs (the slowest
+    stage's, conditionals weighted by the ticks that take them) within 10%. FThenB is
+    ``CHECKED``'s dp2 x pp2 x mp2 row."""
     row = cost_model_check.check(
-        SMALL,
+        workload,
         {"dp": 2, "pp": 2, "mp": 2},
         0,
         2,
-        schedule="1F1B",
+        schedule=schedule,
         compiler_options=cost_model_check.FAST_COMPILE,
     )
-    assert "1F1B" in row.name
-    assert 0.75 <= row.memory_ratio <= 1.25, row
-    assert 0.85 <= row.bytes_ratio <= 1.15, row
-    assert 0.9 <= row.flops_ratio <= 1.1, row
-
-
-def test_the_vpp_stand_in_matches_the_compiled_step():
-    """to_distributed's interleaved stand-in (2 chunks of one block a stage, chunk inputs
-    stashed, v M + P - 1 ticks a loop): memory within 25%, bytes within 15%, executed dot
-    FLOPs within 10% (measured: 0.85, 1.07, 1.05)."""
-    row = cost_model_check.check(
-        cost_model_check.Workload(layers=4, batch=8),
-        {"dp": 2, "pp": 2, "mp": 2},
-        0,
-        2,
-        schedule="VPP",
-        compiler_options=cost_model_check.FAST_COMPILE,
-    )
-    assert "VPP v=2 M=2" in row.name
+    assert name in row.name
     assert 0.75 <= row.memory_ratio <= 1.25, row
     assert 0.85 <= row.bytes_ratio <= 1.15, row
     assert 0.9 <= row.flops_ratio <= 1.1, row
