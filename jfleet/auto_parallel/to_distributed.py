@@ -357,6 +357,18 @@ def _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len
             f"config.schedule={config.schedule!r} is not a pipeline schedule; use one of "
             f"{list(SCHEDULES)} (or None to let the cost model compare them)."
         )
+    v = config.num_virtual_pipeline_stages
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise ValueError(
+            f"config.num_virtual_pipeline_stages={v!r} must be an int >= 1 (chunks per pipeline "
+            "stage; 2 or more interleave them under schedule 'VPP') or None."
+        )
+    if v is not None and (v > 1) != (config.schedule == "VPP") and config.schedule is not None:
+        raise ValueError(
+            f"config.schedule={config.schedule!r} with config.num_virtual_pipeline_stages={v}: "
+            "'VPP' interleaves 2 or more chunks per stage, the other schedules run one; give "
+            "them in agreement (or leave one None)."
+        )
     if config.plan is not None:
         plan = Plan.from_json(config.plan) if isinstance(config.plan, str) else config.plan
         if not isinstance(plan, Plan):

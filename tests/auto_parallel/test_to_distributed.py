@@ -346,6 +346,15 @@ class NoParams(nnx.Module):
         (lambda: to_distributed(llama(), optax.sgd(0.1), lm_batches(1),
                                 config=ToDistributedConfig(schedule="2F2B")),
          ValueError, "'2F2B' is not a pipeline schedule"),
+        (lambda: to_distributed(llama(), optax.sgd(0.1), lm_batches(1),
+                                config=ToDistributedConfig(num_virtual_pipeline_stages=0)),
+         ValueError, r"config.num_virtual_pipeline_stages=0 must be an int >= 1"),
+        (lambda: to_distributed(llama(), optax.sgd(0.1), lm_batches(1), config=ToDistributedConfig(
+            schedule="FThenB", num_virtual_pipeline_stages=2)),
+         ValueError, r"config.schedule='FThenB' with config.num_virtual_pipeline_stages=2"),
+        (lambda: to_distributed(llama(), optax.sgd(0.1), lm_batches(1), config=ToDistributedConfig(
+            force_mesh={"dp": 4, "pp": 2}, schedule="VPP")),
+         ValueError, r"dp4 x pp2: VPP needs .* pp x 2 virtual stages dividing the 2 blocks"),
         (lambda: to_distributed(llama(), optax.sgd(0.1), []),
          ValueError, "no batch"),
         (lambda: to_distributed(llama(), optax.sgd(0.1), lm_batches(1), config={"dp": 8}),
@@ -354,7 +363,8 @@ class NoParams(nnx.Module):
          ValueError, "not returned by to_distributed"),
     ],
     ids=["too-many-devices", "no-params", "batch-not-divisible", "mesh-product",
-         "not-an-optimizer", "1f1b", "empty-loader", "config-type", "get-plan"],
+         "not-an-optimizer", "1f1b", "vpp-count", "vpp-schedule", "vpp-blocks", "empty-loader",
+         "config-type", "get-plan"],
 )  # fmt: skip
 def test_bad_inputs_are_clear_errors(call, error, match):
     with pytest.raises(error, match=match):
