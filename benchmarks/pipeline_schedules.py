@@ -275,7 +275,7 @@ def table_rows(setting: Setting, degrees: dict, m: int, ref: Reference) -> list[
         name = f"{schedule} v={v}" if v > 1 else schedule
         out.append(
             Row("pipeline_loss", name, layout_name(degrees), m, executed,
-                ref.step + extra * ref.blocks_forward, ref.step, stats["bubble_ticks"], 0,
+                ref.step + extra * ref.blocks_forward, ref.step, stats["bubble_ticks"],
                 compiled.memory_analysis().temp_size_in_bytes,
                 hlo.summarize(text)["collective-permute"].count)
         )  # fmt: skip
