@@ -122,7 +122,7 @@ def stage_ticks(
                 f"loss_inside=False); got schedule={schedule!r}, loss_inside={loss_inside}."
             )
         vm = num_virtual * m
-        return [dict(zip(TICK_KINDS, (vm, vm, vm, 2 * (p - 1)), strict=True))] * p
+        return [dict(zip(TICK_KINDS, (vm, vm, vm, 2 * (p - 1)), strict=True)) for _ in range(p)]
     out = []
     for stage in range(p):
         if schedule == "1F1B" and loss_inside:
