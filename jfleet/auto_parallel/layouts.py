@@ -43,6 +43,7 @@ from collections.abc import Iterable, Mapping
 import jax.numpy as jnp
 
 from jfleet.auto_parallel.patterns import ModelPatterns
+from jfleet.parallel.virtual_stages import check_chunks_agree
 from jfleet.topology import AXIS_NAMES, DP, MP, PP, SEP, SHARDING
 
 __all__ = [
@@ -194,11 +195,11 @@ class Layout:
                 "only apply with pp > 1."
             )
         interleaved = self.num_virtual_stages > 1
-        if (self.schedule == "VPP") != interleaved:
-            raise ValueError(
-                f"schedule={self.schedule!r} with num_virtual_stages={self.num_virtual_stages}: "
-                "'VPP' interleaves 2 or more chunks per stage, the other schedules run one."
-            )
+        if self.schedule is None and interleaved:
+            raise ValueError(f"num_virtual_stages={self.num_virtual_stages} needs pp > 1.")
+        check_chunks_agree(
+            self.schedule, self.num_virtual_stages, names=("schedule", "num_virtual_stages")
+        )
         if interleaved and self.num_microbatches % self.pp:
             raise ValueError(
                 f"VPP runs micro-batches in groups of pp={self.pp}; num_microbatches="

@@ -39,6 +39,7 @@ from jfleet.auto_parallel.layouts import (
 from jfleet.auto_parallel.patterns import ModelPatterns, match_patterns, path_str
 from jfleet.auto_parallel.plan import ParamPlan, Plan, _mib, _secs
 from jfleet.auto_parallel.profiles import HardwareProfile, get_profile
+from jfleet.parallel.virtual_stages import check_chunks_agree
 from jfleet.placement import Placement
 from jfleet.topology import AXIS_NAMES, MP, PP, SEP
 
@@ -209,11 +210,7 @@ def plan_for(
         _positive_int("num_microbatches", num_microbatches)
     if num_virtual_stages is not None:
         interleaved = _positive_int("num_virtual_stages", num_virtual_stages) > 1
-        if schedule is not None and (schedule == "VPP") != interleaved:
-            raise ValueError(
-                f"num_virtual_stages={num_virtual_stages} with schedule={schedule!r}: 'VPP' "
-                "interleaves 2 or more chunks per stage, the other schedules run one."
-            )
+        check_chunks_agree(schedule, num_virtual_stages, names=("schedule", "num_virtual_stages"))
         if interleaved:
             schedule = "VPP"
     if zero_stage is not None and zero_stage not in (0, 1, 2, 3):

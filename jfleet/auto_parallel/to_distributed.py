@@ -67,6 +67,7 @@ from jfleet.auto_parallel.scanned_blocks import ScannedBlocks, scan_blocks
 from jfleet.data import ShardedLoader, batch_shape, peek
 from jfleet.distributed_model import apply_distributed_settings
 from jfleet.distributed_optimizer import DistributedOptimizer
+from jfleet.parallel.virtual_stages import check_chunks_agree
 from jfleet.placement import Placement, check_divides
 from jfleet.strategy import DistributedStrategy
 from jfleet.topology import DP, MP, PP, SEP, SHARDING
@@ -363,12 +364,9 @@ def _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len
             f"config.num_virtual_pipeline_stages={v!r} must be an int >= 1 (chunks per pipeline "
             "stage; 2 or more interleave them under schedule 'VPP') or None."
         )
-    if v is not None and (v > 1) != (config.schedule == "VPP") and config.schedule is not None:
-        raise ValueError(
-            f"config.schedule={config.schedule!r} with config.num_virtual_pipeline_stages={v}: "
-            "'VPP' interleaves 2 or more chunks per stage, the other schedules run one; give "
-            "them in agreement (or leave one None)."
-        )
+    if v is not None:
+        names = ("config.schedule", "config.num_virtual_pipeline_stages")
+        check_chunks_agree(config.schedule, v, names=names)
     if config.plan is not None:
         plan = Plan.from_json(config.plan) if isinstance(config.plan, str) else config.plan
         if not isinstance(plan, Plan):

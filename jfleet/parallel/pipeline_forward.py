@@ -154,12 +154,7 @@ def pipeline_forward(
       (Array([16., 16., 16.], dtype=float32), P(('dp', 'pp'),))
     """
     v = virtual.check_virtual(num_virtual)
-    if (schedule == "VPP") != (v > 1) and schedule != "1F1B":
-        raise ValueError(
-            f"schedule={schedule!r} with num_virtual={v}: interleaved stages run "
-            "schedule 'VPP' (or '1F1B') with num_virtual >= 2, and 'FThenB' runs one chunk "
-            "per stage (num_virtual=1)."
-        )
+    virtual.check_chunks_agree(schedule, v, one_f_one_b_interleaves=True)
     schedule = "VPP" if v > 1 else schedule
     spec = _validate(
         stage_fn,

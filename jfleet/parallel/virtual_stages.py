@@ -22,7 +22,7 @@ from typing import Any
 import jax
 
 __all__ = ["TABLE_RUN", "chunked", "interleaved_order", "layer_of", "layer_order_params"]
-__all__ += ["check_microbatches", "check_virtual", "pipeline_schedule_for"]
+__all__ += ["check_chunks_agree", "check_microbatches", "check_virtual", "pipeline_schedule_for"]
 
 #: The schedules run by :mod:`jfleet.parallel.pipeline_executor` (the others by
 #: :mod:`jfleet.parallel.pipeline_schedule`).
@@ -103,6 +103,36 @@ def pipeline_schedule_for(schedule: str, v: int) -> str:
             "use schedule_mode '1F1B'."
         )
     return schedule
+
+
+def check_chunks_agree(
+    schedule: str | None,
+    v: int,
+    *,
+    names: tuple[str, str] = ("schedule", "num_virtual"),
+    one_f_one_b_interleaves: bool = False,
+) -> None:
+    """``schedule`` and ``v`` chunks per stage agree: ``"VPP"`` interleaves 2 or more, the
+    other schedules run one (with ``one_f_one_b_interleaves``, Paddle's rule, ``"1F1B"`` may
+    have more: it then runs ``"VPP"``). ``None`` (a schedule still to choose) agrees with any
+    ``v``. ``names`` are the caller's names for the two settings, for the message.
+
+    Raises:
+      ValueError: they disagree.
+
+    Example:
+      >>> check_chunks_agree("VPP", 2)
+      >>> check_chunks_agree("1F1B", 2, one_f_one_b_interleaves=True)  # runs VPP
+      >>> check_chunks_agree(None, 4)  # a schedule still to choose
+    """
+    if schedule is None or (schedule == "1F1B" and one_f_one_b_interleaves):
+        return
+    if (schedule == "VPP") != (v > 1):
+        s_name, v_name = names
+        raise ValueError(
+            f"{s_name}={schedule!r} with {v_name}={v}: 'VPP' (interleaved stages) needs "
+            f"{v_name} >= 2 and the other schedules run one chunk per stage ({v_name}=1)."
+        )
 
 
 def check_microbatches(schedule: str, num_stages: int, num_microbatches: int) -> None:
