@@ -112,9 +112,9 @@ def mesh_factory(fleet_reset: None) -> Callable[..., Any]:
         import jax
 
         from jfleet import fleet
+        from jfleet.mesh.topology import AXIS_NAMES
         from jfleet.testing import make_strategy
         from jfleet.testing.devices import require_devices
-        from jfleet.topology import AXIS_NAMES
 
         unknown = sorted(set(degrees) - set(AXIS_NAMES))
         if unknown:

@@ -452,7 +452,8 @@ def render(rows: list[Row], style_rows: list[Row], workload: Workload) -> str:
         "all-reduce, not ZeRO's two-step reduction). The tensor-parallel all-reduces sit in "
         "the loops' bodies, counted on every tick. Recompute without a pipeline saves "
         "memory only inside a loop on XLA:CPU (scanned blocks; the ZeRO-3 row keeps its "
-        "blocks unrolled and recomputes with the forward pass, see `jfleet/recompute.py`).",
+        "blocks unrolled and recomputes with the forward pass, see "
+        "`jfleet/parallel/recompute.py`).",
         "",
         "## NNX-style zoo",
         "",

@@ -53,8 +53,9 @@ import inspect, os, sys, time
 import jax
 jax.config.update("jax_num_cpu_devices", 2)
 import optax
-import jfleet.engine
-from jfleet import fleet, watchdog
+import jfleet.training.engine
+from jfleet import fleet
+from jfleet.runtime import watchdog
 from jfleet.models import TinyLM, lm_batches, lm_loss
 
 rank = int(os.environ["PADDLE_TRAINER_ID"])
@@ -112,7 +113,7 @@ print("DONE_AT", repr(time.time()), flush=True)
 
 
 NOTES = """\
-What sets each time (`jfleet/watchdog.py`): an exception, about one poll of the abort record
+What sets each time (`jfleet/runtime/watchdog.py`): an exception, about one poll of the abort record
 (0.25 s); an early exit, the grace a waiting peer gets (`EXIT_GRACE_S` = 3 s); a hang,
 `JFLEET_STEP_TIMEOUT`; a killed peer, `JFLEET_PEER_TIMEOUT`, then 1.5 s for a main thread
 blocked in a collective (which cannot receive `PeerFailedError`) or the script's own handler.

@@ -35,8 +35,8 @@ import optax
 from benchmarks.results_file import environment, write_section
 from benchmarks.zero_memory import BaselineStep
 from jfleet import fleet, make_train_step
+from jfleet.mesh.placement import resolve_placement
 from jfleet.models import TinyLM, lm_batches, lm_loss
-from jfleet.placement import resolve_placement
 
 SECTION = "host_overhead"
 CASES = {

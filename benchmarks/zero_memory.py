@@ -59,9 +59,9 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks.results_file import environment, write_section
 from jfleet import DistributedStrategy, fleet, make_train_step
+from jfleet.mesh.placement import Placement
 from jfleet.models import TinyLM, lm_batches, lm_loss
 from jfleet.optim.loss_scale import finite_flags
-from jfleet.placement import Placement
 from jfleet.testing import hlo
 
 MiB = 2**20

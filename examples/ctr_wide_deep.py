@@ -35,8 +35,8 @@ from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from jfleet import fleet
+from jfleet.mesh.topology import DATA_AXES
 from jfleet.ps import CtrAccessor, SparseSGDRule, SparseTable, hash_ids
-from jfleet.topology import DATA_AXES
 
 SALT = np.uint64(0x5EED5EED5EED5EED)
 

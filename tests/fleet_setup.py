@@ -7,8 +7,8 @@ from typing import Any
 from jax.sharding import Mesh
 
 from jfleet import fleet
-from jfleet.strategy import DistributedStrategy
 from jfleet.testing import make_strategy
+from jfleet.training.strategy import DistributedStrategy
 
 #: The variables that describe a job's processes (Paddle's, JAX's and jfleet's timeouts).
 PROCESS_ENV_VARS = (

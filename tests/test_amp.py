@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jfleet.amp import (
+from jfleet.precision.amp import (
     DEFAULT_BLACK_LIST,
     DEFAULT_WHITE_LIST,
     AmpPolicy,
@@ -288,7 +288,7 @@ def _manual_mlp(model, x, half):
 
 
 def test_auto_cast_equals_a_manual_cast_and_restores_on_exit():
-    from jfleet.amp import auto_cast
+    from jfleet.precision.amp import auto_cast
 
     model = MLP(nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (3, 4))
@@ -312,8 +312,8 @@ def test_decorate_o2_casts_params_and_adds_master_weights():
     import optax
 
     from jfleet import fleet
-    from jfleet.amp import decorate
     from jfleet.optim.master_weights import MasterWeightsState
+    from jfleet.precision.amp import decorate
 
     model, tx = decorate(MLP(nnx.Rngs(0)), optax.sgd(0.1), level="O2", dtype="float16")
     assert _param_dtypes(model) == {
@@ -342,8 +342,8 @@ def test_decorate_o2_gives_an_nnx_optimizer_master_weights():
     a new nnx.Optimizer over the cast parameters, whose step updates fp32 masters."""
     import optax
 
-    from jfleet.amp import decorate
     from jfleet.optim.master_weights import MasterWeightsState
+    from jfleet.precision.amp import decorate
 
     model = MLP(nnx.Rngs(0))
     kernel = np.asarray(model.fc.kernel[...])  # fp32, before decorate
@@ -390,13 +390,13 @@ def _trained(model):
 
 
 def _enter(model, **kwargs):
-    from jfleet.amp import auto_cast
+    from jfleet.precision.amp import auto_cast
 
     with auto_cast(model, **kwargs):
         pass
 
 
 def _decorate(models, **kwargs):
-    from jfleet.amp import decorate
+    from jfleet.precision.amp import decorate
 
     return decorate(models, level="O2", **kwargs)

@@ -11,8 +11,8 @@ from flax import nnx
 
 from jfleet import fleet, make_train_step
 from jfleet.auto_parallel import to_distributed
-from jfleet.batch_norm import SyncBatchNorm, is_sync, replicas_of
 from jfleet.optim.communication import mean_communication
+from jfleet.precision.batch_norm import SyncBatchNorm, is_sync, replicas_of
 from jfleet.testing import hlo
 from jfleet.testing.reference import train_one_device
 from jfleet.testing.trees import assert_trees_close

@@ -19,14 +19,14 @@ from jfleet.auto_parallel import ToDistributedConfig
 from jfleet.auto_parallel.blocks import PipelinedBlocks
 from jfleet.auto_parallel.to_distributed import to_distributed
 from jfleet.checkpoint import CheckpointManager, layout
-from jfleet.data import ShardedLoader
-from jfleet.engine import make_train_step
+from jfleet.mesh.placement import Placement
+from jfleet.mesh.topology import DP, MP, PP, SHARDING
 from jfleet.models import TinyLM, lm_batches, lm_loss
 from jfleet.models.llama import TinyLlama
 from jfleet.parallel.pipeline_layer import LayerDesc, PipelineLayer
-from jfleet.placement import Placement
 from jfleet.testing import assert_trees_close, make_strategy
-from jfleet.topology import DP, MP, PP, SHARDING
+from jfleet.training.data import ShardedLoader
+from jfleet.training.engine import make_train_step
 from tests.subprocess_util import run_python
 
 # A failed tensorstore read (the truncated-file case) leaves callbacks that report to Orbax's

@@ -1,4 +1,4 @@
-"""Tests for jfleet/collective.py: single-process semantics and one real 2-process job."""
+"""Tests for jfleet/mesh/collective.py: single-process semantics and one real 2-process job."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jfleet.collective import all_gather, all_reduce, barrier, broadcast_one_to_all
+from jfleet.mesh.collective import all_gather, all_reduce, barrier, broadcast_one_to_all
 from tests.subprocess_util import paddle_launch_envs, run_many
 
 
@@ -62,8 +62,8 @@ CHILD = """
 import jax
 jax.config.update("jax_num_cpu_devices", 4)
 import numpy as np
-from jfleet.collective import all_gather, all_reduce, barrier, broadcast_one_to_all
-from jfleet.role_maker import PaddleCloudRoleMaker, initialize_distributed
+from jfleet.mesh.collective import all_gather, all_reduce, barrier, broadcast_one_to_all
+from jfleet.runtime.role_maker import PaddleCloudRoleMaker, initialize_distributed
 
 rm = PaddleCloudRoleMaker()
 rank = rm.worker_index()
@@ -94,8 +94,8 @@ barrier("second")
 # Group collectives on global arrays across the two processes (dp2 x mp4: the dp groups
 # span both processes, each mp group lies in one). Each process holds its own tensor.
 import jax.numpy as jnp
-from jfleet.collective import broadcast, reduce
-from jfleet.topology import build_hybrid_communicate_group
+from jfleet.mesh.collective import broadcast, reduce
+from jfleet.mesh.topology import build_hybrid_communicate_group
 
 hcg = build_hybrid_communicate_group({"dp_degree": 2, "mp_degree": 4})
 assert hcg.global_rank == 4 * rank, hcg.global_rank

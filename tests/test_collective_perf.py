@@ -19,12 +19,12 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jfleet import collective_perf as cp
 from jfleet import fleet
-from jfleet.collective_perf.__main__ import default_mesh, main
 from jfleet.fleet.perf import PerfMethods
+from jfleet.mesh import collective_perf as cp
+from jfleet.mesh.collective_perf.__main__ import default_mesh, main
+from jfleet.mesh.topology import DP, MP, PP, SHARDING
 from jfleet.testing.hlo import collectives
-from jfleet.topology import DP, MP, PP, SHARDING
 from tests.fleet_setup import init_fleet
 from tests.subprocess_util import paddle_launch_envs, run_many
 

@@ -1,4 +1,4 @@
-"""Tests for jfleet/consistency.py in one process: fingerprints, messages, the protocol.
+"""Tests for jfleet/runtime/consistency.py in one process: fingerprints, messages, the protocol.
 
 The multi-process protocol runs here against a fake key-value store standing in for the
 coordination service, with the process layout faked as 2 processes; the real thing is
@@ -13,8 +13,10 @@ import jax
 import numpy as np
 import pytest
 
-from jfleet import _coordination, consistency
-from jfleet.consistency import (
+from jfleet.mesh.topology import DP, MP
+from jfleet.runtime import consistency
+from jfleet.runtime import coordination as _coordination
+from jfleet.runtime.consistency import (
     ConsistencyTimeoutError,
     InconsistentBatchError,
     InconsistentJobError,
@@ -26,8 +28,7 @@ from jfleet.consistency import (
     describe_ranks,
     fingerprint,
 )
-from jfleet.strategy import DistributedStrategy
-from jfleet.topology import DP, MP
+from jfleet.training.strategy import DistributedStrategy
 
 
 def hybrid(dp: int, mp: int) -> DistributedStrategy:

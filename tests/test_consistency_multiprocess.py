@@ -40,7 +40,7 @@ jax.config.update("jax_num_cpu_devices", 4)
 import numpy as np
 import optax
 from jfleet import fleet
-from jfleet.consistency import InconsistentBatchError, InconsistentJobError
+from jfleet.runtime.consistency import InconsistentBatchError, InconsistentJobError
 from jfleet.models import TinyLM, lm_batches, lm_loss
 
 rank = int(os.environ["PADDLE_TRAINER_ID"])

@@ -11,10 +11,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jfleet import fleet
-from jfleet.data import ShardedLoader, batch_shape, peek
-from jfleet.placement import Placement
+from jfleet.mesh.placement import Placement
+from jfleet.mesh.topology import DATA_AXES, DP, MP, SHARDING
 from jfleet.testing import make_strategy
-from jfleet.topology import DATA_AXES, DP, MP, SHARDING
+from jfleet.training.data import ShardedLoader, batch_shape, peek
 
 
 @pytest.fixture

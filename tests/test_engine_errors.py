@@ -10,7 +10,7 @@ from flax import nnx
 
 from jfleet import DistributedStrategy, fleet, group_sharded_parallel, make_train_step
 from jfleet.models import TinyLM, lm_batches, lm_loss
-from jfleet.recompute import apply_recompute
+from jfleet.parallel.recompute import apply_recompute
 from tests.fleet_setup import init_fleet
 
 

@@ -14,8 +14,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jfleet import DistributedOptimizer, fleet, make_train_step
-from jfleet.engine import _CompileCache
 from jfleet.optim import hyperparams
+from jfleet.training.engine import _CompileCache
 from tests.fleet_setup import init_fleet
 
 FP32 = dict(rtol=1e-5, atol=1e-6)

@@ -19,10 +19,10 @@ from jax.sharding import AxisType
 
 from jfleet import fleet
 from jfleet import fleet as fleet_module
-from jfleet.fleet import fleet_base
-from jfleet.role_maker import PaddleCloudRoleMaker, UserDefinedRoleMaker
-from jfleet.strategy import DistributedStrategy
+from jfleet.runtime.role_maker import PaddleCloudRoleMaker, UserDefinedRoleMaker
 from jfleet.testing import make_strategy
+from jfleet.training import run
+from jfleet.training.strategy import DistributedStrategy
 from tests.fleet_setup import clear_process_env
 
 NOOP_MESSAGE = "mean nothing under SPMD"
@@ -40,7 +40,7 @@ def _single_process_env(monkeypatch):
 
 def init_as_worker(monkeypatch, current_id: int, worker_num: int):
     """``fleet.init`` with a ``worker_num``-worker role maker, without jax.distributed."""
-    monkeypatch.setattr(fleet_base, "initialize_distributed", lambda role_maker: False)
+    monkeypatch.setattr(run, "initialize_distributed", lambda role_maker: False)
     endpoints = [f"127.0.0.1:{6170 + i}" for i in range(worker_num)]
     role_maker = UserDefinedRoleMaker(
         current_id=current_id, worker_num=worker_num, worker_endpoints=endpoints

@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 
 from jfleet import Placement, fleet, make_train_step
-from jfleet.amp import decorate
 from jfleet.fleet.fleet_base import Fleet
+from jfleet.precision.amp import decorate
 from tests.fleet_setup import init_fleet
 
 F32 = jnp.dtype(jnp.float32)

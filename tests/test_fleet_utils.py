@@ -14,7 +14,6 @@ from flax import nnx
 
 import jfleet.distributed as dist
 from jfleet import fleet
-from jfleet.amp import GradScaler
 from jfleet.distributed.sharding import load_group_sharded_model, save_group_sharded_model
 from jfleet.fleet import _noop
 from jfleet.fleet import meta_optimizers as mo
@@ -22,6 +21,7 @@ from jfleet.fleet import meta_parallel as mpar
 from jfleet.fleet.base import topology
 from jfleet.fleet.utils import hybrid_parallel_util as hpu
 from jfleet.fleet.utils import mix_precision_utils as mpu
+from jfleet.precision.amp import GradScaler
 from jfleet.testing import make_strategy
 
 

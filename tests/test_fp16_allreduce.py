@@ -13,10 +13,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jfleet import fleet, make_train_step
+from jfleet.mesh.topology import DATA_AXES
 from jfleet.models import TinyLM, lm_batches, lm_loss
 from jfleet.optim.communication import GradientCommunication, data_axes, mean_communication
 from jfleet.testing import assert_trees_close, hlo, make_strategy, train_one_device
-from jfleet.topology import DATA_AXES
 
 STEPS = 3
 # fp16 keeps 11 significant bits: each replica's gradient (~1e-2) rounds by ~5e-6 before

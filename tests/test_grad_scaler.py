@@ -10,9 +10,9 @@ import pytest
 from flax import nnx
 
 from jfleet import DistributedStrategy, fleet, group_sharded_parallel
-from jfleet.amp import GradScaler, auto_cast
-from jfleet.grad_scaler import distributed_scaler
 from jfleet.optim import hyperparams
+from jfleet.precision.amp import GradScaler, auto_cast
+from jfleet.precision.grad_scaler import distributed_scaler
 from jfleet.testing import assert_trees_close
 
 FP16 = dict(rtol=2e-3, atol=5e-4)

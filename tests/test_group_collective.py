@@ -1,4 +1,4 @@
-"""Tests for the group collectives of jfleet/collective.py (jfleet/group_collective.py).
+"""Tests for the group collectives of jfleet/mesh/collective.py (jfleet/mesh/group_collective.py).
 
 Every result is compared with Paddle's per-rank semantics computed in NumPy from the
 group membership written out by hand for dp2 x mp4 (rank = 4 * dp + mp): each rank holds
@@ -16,8 +16,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jfleet import collective, fleet
-from jfleet.collective import (
+from jfleet import fleet
+from jfleet.mesh import collective
+from jfleet.mesh.collective import (
     ReduceOp,
     all_gather,
     all_reduce,
@@ -33,7 +34,7 @@ from jfleet.collective import (
     scatter,
     wait,
 )
-from jfleet.topology import DP, MP, CommunicateTopology, HybridCommunicateGroup
+from jfleet.mesh.topology import DP, MP, CommunicateTopology, HybridCommunicateGroup
 from tests.fleet_setup import init_fleet
 
 WORLD = 8

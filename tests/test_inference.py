@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jfleet import fleet
-from jfleet.inference import load_inference_model, save_inference_model
+from jfleet.checkpoint.inference import load_inference_model, save_inference_model
 from jfleet.models.llama import TinyLlama
 from jfleet.models.parallel_gpt import TinyGPT
 from tests.fleet_setup import init_fleet
@@ -91,7 +91,7 @@ def test_a_fresh_process_without_the_model_classes_loads_and_runs_it(llama, tmp_
         import sys
         sys.modules["jfleet.models"] = None  # the model's classes cannot be imported
         import jax, numpy as np
-        from jfleet.inference import load_inference_model
+        from jfleet.checkpoint.inference import load_inference_model
         model = load_inference_model({dirname!r})
         x = (np.arange(24, dtype=np.int32).reshape(3, 8) * 7) % {VOCAB}
         np.testing.assert_allclose(
@@ -250,7 +250,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", 4)
 import numpy as np
 from jfleet import fleet
-from jfleet.inference import save_inference_model
+from jfleet.checkpoint.inference import save_inference_model
 from jfleet.models.parallel_gpt import TinyGPT
 
 strategy = fleet.DistributedStrategy()

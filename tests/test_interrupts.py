@@ -13,9 +13,10 @@ import optax
 import pytest
 from flax import nnx
 
-from jfleet import fleet, interrupts, make_train_step
-from jfleet.engine import StepStateLostError, TrainStep, _raise_if_lost
+from jfleet import fleet, make_train_step
 from jfleet.models import TinyLM, lm_batches, lm_loss
+from jfleet.runtime import interrupts
+from jfleet.training.engine import StepStateLostError, TrainStep, _raise_if_lost
 from tests.fleet_setup import init_fleet
 from tests.subprocess_util import run_python
 
@@ -225,7 +226,8 @@ import jax
 jax.config.update("jax_num_cpu_devices", 2)
 import numpy as np, optax
 from flax import nnx
-from jfleet import fleet, interrupts
+from jfleet import fleet
+from jfleet.runtime import interrupts
 from jfleet.models import TinyLM, lm_batches, lm_loss
 
 fleet.init(is_collective=True, log_level="WARNING")
@@ -265,7 +267,7 @@ def test_sigterm_runs_the_hook_once_at_a_step_boundary_and_exits_143():
 
 SIGTERM_IN_GC_CALLBACK_CHILD = """
 import gc, os, signal, time
-from jfleet import interrupts
+from jfleet.runtime import interrupts
 
 interrupts.on_termination(lambda: print("HOOK", flush=True))
 sent = []

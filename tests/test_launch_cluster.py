@@ -13,7 +13,7 @@ from jfleet.launch.cluster import Scheduler, detect
 from jfleet.launch.env import worker_env
 from jfleet.launch.ports import hold_free_ports, is_free
 from jfleet.launch.rendezvous import Node, RendezvousClient, RendezvousServer
-from jfleet.role_maker import PaddleCloudRoleMaker
+from jfleet.runtime.role_maker import PaddleCloudRoleMaker
 
 # ------------------------------------------------------------------------------ flags
 

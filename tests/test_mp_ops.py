@@ -12,7 +12,6 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jfleet import fleet
-from jfleet.collective import ReduceOp
 from jfleet.fleet.layers.mpu.mp_ops import (
     _c_concat,
     _c_identity,
@@ -22,6 +21,7 @@ from jfleet.fleet.layers.mpu.mp_ops import (
     _mp_allreduce,
 )
 from jfleet.fleet.utils.sequence_parallel_utils import GatherOp, ScatterOp
+from jfleet.mesh.collective import ReduceOp
 from jfleet.testing import make_strategy
 
 K = jax.random.split(jax.random.key(0), 6)

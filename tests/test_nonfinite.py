@@ -13,8 +13,8 @@ from flax import nnx
 
 from jfleet import fleet, make_train_step
 from jfleet.models import TinyLM, lm_batches, lm_loss
-from jfleet.nonfinite import NonFiniteError
-from jfleet.strategy import DistributedStrategy
+from jfleet.precision.nonfinite import NonFiniteError
+from jfleet.training.strategy import DistributedStrategy
 from tests.fleet_setup import init_fleet
 
 

@@ -78,7 +78,7 @@ def test_lr_scheduler_is_applied_and_set_lr_never_recompiles():
 
 
 def _compiled(model):
-    from jfleet.engine import TrainStep, cached_step
+    from jfleet.training.engine import TrainStep, cached_step
 
     cache = cached_step(TrainStep, loss_fn, model.placement)._cache
     return list(cache._hashed.values()) + [fn for _, fn in cache._unhashable]

@@ -1,4 +1,4 @@
-"""Tests for jfleet/placement.py on its own: where parameters, ZeRO state and batches live."""
+"""Tests for jfleet/mesh/placement.py on its own: where parameters, ZeRO state and batches live."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jfleet import fleet
-from jfleet.distributed_model import DistributedModel
-from jfleet.placement import ParallelPlan, Placement, check_divides, resolve_placement
-from jfleet.topology import DP, MP, SHARDING
+from jfleet.mesh.placement import ParallelPlan, Placement, check_divides, resolve_placement
+from jfleet.mesh.topology import DP, MP, SHARDING
+from jfleet.training.distributed_model import DistributedModel
 from tests.fleet_setup import fleet_mesh, init_fleet
 
 HYBRID = {"dp_degree": 2, "sharding_degree": 2, "mp_degree": 2}

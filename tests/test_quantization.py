@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from jfleet import fleet
-from jfleet.quantization import (
+from jfleet.precision.quantization import (
     QUANTIZABLE,
     QatConfig,
     QuantStat,

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jfleet import recompute as recompute_module
-from jfleet.recompute import (
+from jfleet.parallel import recompute as recompute_module
+from jfleet.parallel.recompute import (
     apply_recompute,
     is_in_recompute,
     is_recomputed,

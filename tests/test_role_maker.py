@@ -1,4 +1,4 @@
-"""Tests for jfleet/role_maker.py: environment parsing, layouts, validation."""
+"""Tests for jfleet/runtime/role_maker.py: environment parsing, layouts, validation."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from jfleet.role_maker import (
+from jfleet.runtime.role_maker import (
     PaddleCloudRoleMaker,
     Role,
     UserDefinedRoleMaker,
@@ -293,7 +293,7 @@ def fake_jax_init(env, monkeypatch):
     """jax.distributed.initialize and the watchdog replaced by recorders (no real job)."""
     import jax
 
-    from jfleet import role_maker, watchdog
+    from jfleet.runtime import role_maker, watchdog
 
     calls = {"init": [], "watchdog": []}
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
@@ -355,7 +355,7 @@ def test_connect_deadline_prints_and_exits(monkeypatch, capsys):
     """Past the timeout the process says who is missing and exits (os._exit, faked)."""
     import threading
 
-    from jfleet import role_maker
+    from jfleet.runtime import role_maker
 
     exited = threading.Event()
     codes = []

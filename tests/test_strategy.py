@@ -14,8 +14,8 @@ import pickle
 import numpy as np
 import pytest
 
-from jfleet import strategy as strategy_module
-from jfleet.strategy import (
+from jfleet.training import strategy as strategy_module
+from jfleet.training.strategy import (
     SPMD_NOOP_SETTINGS,
     ConfigKeyError,
     DistributedStrategy,

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 
 from jfleet import fleet
-from jfleet._strategy_schema import NCCL_SECTIONS, RULES, SCHEMA, ListOf, complete_order
-from jfleet.strategy import (
+from jfleet.training.strategy import (
     ConfigAttributeError,
     ConfigKeyError,
     DistributedStrategy,
     StrategyKeyError,
 )
+from jfleet.training.strategy_schema import NCCL_SECTIONS, RULES, SCHEMA, ListOf, complete_order
 
 
 def _sections(schema: dict = SCHEMA, path: tuple = ()) -> list[tuple[str, ...]]:

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jfleet.topology import (
+from jfleet.mesh.topology import (
     CommunicateTopology,
     Group,
     HybridCommunicateGroup,

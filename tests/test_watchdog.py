@@ -14,8 +14,9 @@ import time
 import jax.numpy as jnp
 import pytest
 
-from jfleet import _coordination, consistency, watchdog
-from jfleet.watchdog import (
+from jfleet.runtime import consistency, watchdog
+from jfleet.runtime import coordination as _coordination
+from jfleet.runtime.watchdog import (
     ABORT_EXIT_CODE,
     EXIT_GRACE_S,
     STALE_S,

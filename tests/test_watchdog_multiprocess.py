@@ -20,7 +20,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.fault_bench import Outcome, run, table
-from jfleet.watchdog import ABORT_EXIT_CODE
+from jfleet.runtime.watchdog import ABORT_EXIT_CODE
 
 STEP_TIMEOUT_S = 10
 PEER_TIMEOUT_S = 5

@@ -13,19 +13,19 @@
 import tempfile
 
 import jax.numpy as jnp
-import jfleet.distributed as dist
 import numpy as np
 import optax
 import paddle_swap
 from flax import nnx
 from flax.nnx import Linear
+
+import jfleet.distributed as dist
 from jfleet.distributed.sharding import (
     group_sharded_parallel,
     save_group_sharded_model,
 )
-
-from jfleet import amp
 from jfleet.optim import clip_by_global_norm
+from jfleet.precision import amp
 
 epoch = 1  # PORT: 10 epochs of 20 steps take minutes on emulated CPU devices
 paddle_swap.seed(2022)

@@ -13,7 +13,6 @@ import random
 import unittest
 
 import jax.numpy as jnp
-import jfleet.distributed as dist
 import numpy as np
 import optax
 import paddle_swap
@@ -21,6 +20,7 @@ from flax import nnx
 from flax.nnx import Module as Layer
 from flax.nnx import Sequential
 
+import jfleet.distributed as dist
 from jfleet import fleet
 from jfleet.fleet.meta_parallel import PipelineLayer
 from jfleet.optim import lr

@@ -1,5 +1,10 @@
 """Auto-parallel analysis: find a model's parts, predict every layout, choose a plan.
 
+The auto-parallel layer (``to_distributed``), above training: it plans and applies a
+run.
+
+May import: runtime, mesh, optim, parallel, precision, training.
+
 * :mod:`jfleet.auto_parallel.dataflow` — :func:`trace_model` traces one forward call
   abstractly and follows every parameter through it: which projection's output dimension
   reaches which projection's contracted dimension, and every product's FLOPs.

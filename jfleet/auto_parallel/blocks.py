@@ -34,13 +34,13 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jfleet._logging import logger
+from jfleet.mesh.layer_mesh import constrain
+from jfleet.mesh.topology import DATA_AXES, PP
 from jfleet.parallel import stack
 from jfleet.parallel import virtual_stages as virtual
-from jfleet.parallel.mesh_context import constrain
 from jfleet.parallel.pipeline_forward import pipeline_forward, rows_fit
-from jfleet.recompute import remat_class
-from jfleet.topology import DATA_AXES, PP
+from jfleet.parallel.recompute import remat_class
+from jfleet.runtime.log import logger
 
 __all__ = [
     "PipelinedBlocks",

@@ -143,8 +143,8 @@ from jfleet.auto_parallel.step_work import (
     step_flops,
     tp_reductions,
 )
-from jfleet.placement import Placement
-from jfleet.topology import AXIS_NAMES, DP, MP, PP, SEP, SHARDING
+from jfleet.mesh.placement import Placement
+from jfleet.mesh.topology import AXIS_NAMES, DP, MP, PP, SEP, SHARDING
 
 __all__ = [
     "Candidate",

@@ -43,8 +43,8 @@ from collections.abc import Iterable, Mapping
 import jax.numpy as jnp
 
 from jfleet.auto_parallel.patterns import ModelPatterns
+from jfleet.mesh.topology import AXIS_NAMES, DP, MP, PP, SEP, SHARDING
 from jfleet.parallel.virtual_stages import check_chunks_agree
-from jfleet.topology import AXIS_NAMES, DP, MP, PP, SEP, SHARDING
 
 __all__ = [
     "OPTIMIZER_MOMENTS",

@@ -65,7 +65,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jfleet._logging import logger
 from jfleet.auto_parallel.dataflow import Trace, TraceError, trace_model
 from jfleet.auto_parallel.pairs import (
     attention_roles,
@@ -75,8 +74,9 @@ from jfleet.auto_parallel.pairs import (
     name_hint,
     pairs,
 )
+from jfleet.mesh.topology import MP
 from jfleet.parallel.alike import block_period
-from jfleet.topology import MP
+from jfleet.runtime.log import logger
 
 __all__ = [
     "COLUMN_ROLES",
@@ -418,7 +418,7 @@ def _find_blocks(modules, params) -> tuple[list[tuple], str | None]:
 
 # ------------------------------------------------------------------ entry point
 def _trace(model, inputs, forward, token, notes) -> tuple[Trace | None, tuple | None]:
-    from jfleet.data import batch_shape
+    from jfleet.training.data import batch_shape
 
     if inputs is not None:
         trace = trace_model(model, inputs, forward)

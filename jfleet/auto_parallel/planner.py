@@ -27,7 +27,6 @@ from flax import nnx
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
-from jfleet._logging import logger
 from jfleet.auto_parallel.cost_model import Candidate, estimate, rank
 from jfleet.auto_parallel.layouts import (
     OPTIMIZER_MOMENTS,
@@ -39,9 +38,10 @@ from jfleet.auto_parallel.layouts import (
 from jfleet.auto_parallel.patterns import ModelPatterns, match_patterns, path_str
 from jfleet.auto_parallel.plan import ParamPlan, Plan, _mib, _secs
 from jfleet.auto_parallel.profiles import HardwareProfile, get_profile
+from jfleet.mesh.placement import Placement
+from jfleet.mesh.topology import AXIS_NAMES, MP, PP, SEP
 from jfleet.parallel.virtual_stages import check_chunks_agree
-from jfleet.placement import Placement
-from jfleet.topology import AXIS_NAMES, MP, PP, SEP
+from jfleet.runtime.log import logger
 
 __all__ = ["plan_for"]
 

@@ -42,8 +42,6 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jfleet import _context, fleet
-from jfleet._logging import logger
 from jfleet.auto_parallel.block_check import (
     ARRAY,
     TREE,
@@ -64,13 +62,20 @@ from jfleet.auto_parallel.plan import Plan
 from jfleet.auto_parallel.planner import plan_for
 from jfleet.auto_parallel.profiles import HardwareProfile
 from jfleet.auto_parallel.scanned_blocks import ScannedBlocks, scan_blocks
-from jfleet.data import ShardedLoader, batch_shape, peek
-from jfleet.distributed_model import apply_distributed_settings
-from jfleet.distributed_optimizer import DistributedOptimizer
+from jfleet.mesh import context as _context
+from jfleet.mesh.placement import Placement, check_divides
+from jfleet.mesh.topology import DP, MP, PP, SEP, SHARDING
 from jfleet.parallel.virtual_stages import check_chunks_agree
-from jfleet.placement import Placement, check_divides
-from jfleet.strategy import DistributedStrategy
-from jfleet.topology import DP, MP, PP, SEP, SHARDING
+from jfleet.runtime.log import logger
+from jfleet.runtime.role_maker import PaddleCloudRoleMaker
+from jfleet.training.data import ShardedLoader, batch_shape, peek
+from jfleet.training.distributed_model import apply_distributed_settings
+from jfleet.training.distributed_optimizer import (
+    DistributedOptimizer,
+    make_distributed_optimizer,
+)
+from jfleet.training.run import start_run
+from jfleet.training.strategy import DistributedStrategy
 
 __all__ = ["ToDistributedConfig", "get_plan", "to_distributed"]
 
@@ -297,7 +302,8 @@ def to_distributed(
         per_sample = _per_sample_args(model, plan.blocks, first, config.forward)
     scan = config.scan_layers and _scannable(model, plan, first, config.forward)
     _apply(model, plan, placement, per_sample, scan=scan)
-    dist = fleet.distributed_optimizer(tx)
+    dist = make_distributed_optimizer(tx, strategy)
+    _context.replace(optimizer=dist)  # what fleet's optimizer getters read
     dist.wrt = wrt
     dist.init(model, placement)
     _PLANS[model] = plan
@@ -599,19 +605,15 @@ def _default_profile() -> str:
 
 
 def _init_fleet(plan: Plan, strategy: DistributedStrategy, n: int) -> Placement:
-    """``fleet.init`` with the plan's degrees (and the user's meta-optimizer settings)."""
+    """Starts the run (``fleet.init``'s work) with the plan's degrees and the user's
+    meta-optimizer settings."""
     degrees = plan.mesh_shape
     strategy.hybrid_configs = {f"{a}_degree": n for a, n in degrees.items()}
     strategy.sharding = plan.zero_stage > 0
     if plan.zero_stage:
         strategy.sharding_configs = {"stage": plan.zero_stage}
-    fleet.init(
-        is_collective=True,
-        strategy=strategy,
-        log_level=logger.getEffectiveLevel(),
-        devices=_mesh_devices(n),
-    )
-    mesh = fleet.get_hybrid_communicate_group().mesh
+    run = start_run(PaddleCloudRoleMaker(is_collective=True), strategy, _mesh_devices(n))
+    mesh = run.mesh
     return Placement(mesh=mesh, zero_stage=plan.zero_stage)
 
 

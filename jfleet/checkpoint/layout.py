@@ -37,9 +37,9 @@ from jax.sharding import PartitionSpec as P
 
 from jfleet.auto_parallel.blocks import PipelinedBlocks
 from jfleet.auto_parallel.scanned_blocks import ScannedBlocks
-from jfleet.distributed_model import DistributedModel
 from jfleet.parallel.pipeline_layer import PipelineLayer
 from jfleet.parallel.virtual_stages import layer_of
+from jfleet.training.distributed_model import DistributedModel
 
 __all__ = ["logical_leaves", "running_values", "state_leaves"]
 

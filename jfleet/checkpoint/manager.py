@@ -40,9 +40,9 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jfleet import _context
-from jfleet._logging import logger
 from jfleet.checkpoint import layout
+from jfleet.mesh import context as _context
+from jfleet.runtime.log import logger
 
 __all__ = ["CheckpointManager"]
 

@@ -33,8 +33,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jfleet._logging import logger
 from jfleet.checkpoint import layout
+from jfleet.runtime.log import logger
 
 __all__ = ["load_model", "load_state_dict", "save_model", "save_state_dict", "saved_names"]
 

@@ -1,5 +1,10 @@
 """Paddle's ``paddle.distributed`` names: ``import jfleet.distributed as dist``.
 
+The facade layer above ``fleet`` (Paddle's ``paddle.distributed`` holds ``fleet``).
+
+May import: runtime, mesh, optim, parallel, precision, training, auto_parallel,
+checkpoint, launch, models, ps, fleet.
+
 The collectives are :mod:`jfleet.collective`'s (group collectives inside ``shard_map``
 and on global arrays); ``fleet`` is :mod:`jfleet.fleet`; ``dist.sharding`` holds
 ``group_sharded_parallel`` and ``save_group_sharded_model``; ``save_state_dict`` /
@@ -16,24 +21,25 @@ Example:
 
 from __future__ import annotations
 
-from jfleet import _context, fleet
+from jfleet import fleet
 from jfleet.checkpoint.state_dict import load_state_dict as load_state_dict
 from jfleet.checkpoint.state_dict import save_state_dict as save_state_dict
-from jfleet.collective import ReduceOp as ReduceOp
-from jfleet.collective import all_gather as all_gather
-from jfleet.collective import all_reduce as all_reduce
-from jfleet.collective import barrier as barrier
-from jfleet.collective import broadcast as broadcast
-from jfleet.collective import get_backend as get_backend
-from jfleet.collective import get_rank as get_rank
-from jfleet.collective import get_world_size as get_world_size
-from jfleet.collective import local_value as local_value
-from jfleet.collective import new_group as new_group
-from jfleet.collective import reduce as reduce
-from jfleet.collective import reduce_scatter as reduce_scatter
-from jfleet.collective import scatter as scatter
-from jfleet.collective import wait as wait
 from jfleet.distributed import sharding as sharding
+from jfleet.mesh import context as _context
+from jfleet.mesh.collective import ReduceOp as ReduceOp
+from jfleet.mesh.collective import all_gather as all_gather
+from jfleet.mesh.collective import all_reduce as all_reduce
+from jfleet.mesh.collective import barrier as barrier
+from jfleet.mesh.collective import broadcast as broadcast
+from jfleet.mesh.collective import get_backend as get_backend
+from jfleet.mesh.collective import get_rank as get_rank
+from jfleet.mesh.collective import get_world_size as get_world_size
+from jfleet.mesh.collective import local_value as local_value
+from jfleet.mesh.collective import new_group as new_group
+from jfleet.mesh.collective import reduce as reduce
+from jfleet.mesh.collective import reduce_scatter as reduce_scatter
+from jfleet.mesh.collective import scatter as scatter
+from jfleet.mesh.collective import wait as wait
 
 __all__ = [
     "ReduceOp",

@@ -1,5 +1,11 @@
 """The Fleet facade: ``fleet.init`` and the module-level functions Paddle users call.
 
+The facade layer: Paddle's ``paddle.distributed.fleet`` tree on top of the layers; its
+submodules never import the package's own ``__init__``.
+
+May import: runtime, mesh, optim, parallel, precision, training, auto_parallel,
+checkpoint, launch, models, ps.
+
 As in Paddle, ``jfleet.fleet``'s functions are bound to one process-wide
 :class:`~jfleet.fleet.fleet_base.Fleet` object, so a ported script reads the same::
 
@@ -24,7 +30,7 @@ the :class:`~jfleet.topology.HybridCommunicateGroup` getters. The layers are und
 ``fleet.meta_parallel`` as in Paddle.
 
 This package is the facade only: nothing else in jfleet imports it (the run it starts
-is in :mod:`jfleet._context`), except ``to_distributed``, which calls ``fleet.init``.
+is in :mod:`jfleet.mesh.context`), except ``to_distributed``, which calls ``fleet.init``.
 
 Example:
   >>> from jfleet import fleet
@@ -35,6 +41,8 @@ Example:
   4
 """
 
+from jfleet.checkpoint.inference import load_inference_model as load_inference_model
+from jfleet.checkpoint.inference import save_inference_model as save_inference_model
 from jfleet.fleet import base as base
 from jfleet.fleet import layers as layers
 from jfleet.fleet import meta_optimizers as meta_optimizers
@@ -43,17 +51,16 @@ from jfleet.fleet import recompute as recompute
 from jfleet.fleet import scaler as scaler
 from jfleet.fleet import utils as utils
 from jfleet.fleet.fleet_base import Fleet as Fleet
+from jfleet.fleet.fleet_base import fleet as _the_fleet
 from jfleet.fleet.scaler import distributed_scaler as distributed_scaler
 from jfleet.fleet.util_base import UtilBase as UtilBase
-from jfleet.inference import load_inference_model as load_inference_model
-from jfleet.inference import save_inference_model as save_inference_model
-from jfleet.role_maker import PaddleCloudRoleMaker as PaddleCloudRoleMaker
-from jfleet.role_maker import Role as Role
-from jfleet.role_maker import UserDefinedRoleMaker as UserDefinedRoleMaker
-from jfleet.strategy import DistributedStrategy as DistributedStrategy
-from jfleet.topology import CommunicateTopology as CommunicateTopology
-from jfleet.topology import HybridCommunicateGroup as HybridCommunicateGroup
-from jfleet.topology import ParallelMode as ParallelMode
+from jfleet.mesh.topology import CommunicateTopology as CommunicateTopology
+from jfleet.mesh.topology import HybridCommunicateGroup as HybridCommunicateGroup
+from jfleet.mesh.topology import ParallelMode as ParallelMode
+from jfleet.runtime.role_maker import PaddleCloudRoleMaker as PaddleCloudRoleMaker
+from jfleet.runtime.role_maker import Role as Role
+from jfleet.runtime.role_maker import UserDefinedRoleMaker as UserDefinedRoleMaker
+from jfleet.training.strategy import DistributedStrategy as DistributedStrategy
 
 __all__ = [
     "CommunicateTopology",
@@ -112,8 +119,9 @@ __all__ = [
     "world_size",
 ]
 
-_fleet = Fleet()
-fleet = _fleet  # Paddle's ``fleet.fleet``: the Fleet object these functions are bound to
+_fleet = fleet = (
+    _the_fleet  # Paddle's ``fleet.fleet``: the Fleet object these functions are bound to
+)
 
 init = _fleet.init
 worker_index = _fleet.worker_index

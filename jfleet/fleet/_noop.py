@@ -6,7 +6,7 @@ Example:
 
 from __future__ import annotations
 
-from jfleet._logging import logger
+from jfleet.runtime.log import logger
 
 _logged: set[str] = set()
 

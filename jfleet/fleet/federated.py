@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
-from jfleet import _context
+from jfleet.mesh import context as _context
 
 __all__ = ["FEDERATED_REASON", "FederatedMethods"]
 

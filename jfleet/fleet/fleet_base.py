@@ -1,6 +1,6 @@
 """The :class:`Fleet` object behind :mod:`jfleet.fleet`'s module functions.
 
-Its state (role maker, strategy, hybrid group) lives in :mod:`jfleet._context`, where
+Its state (role maker, strategy, hybrid group) lives in :mod:`jfleet.mesh.context`, where
 layers, placement and the engine read it; the object adds the getters Paddle users call
 and the last distributed optimizer (for ``get_loss_scaling``).
 
@@ -17,35 +17,36 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import optax
 from flax import nnx
 
 import jfleet.checkpoint.state_dict as _state_dict
-from jfleet import _context, collective, consistency
-from jfleet._logging import logger, set_log_level
-from jfleet.distributed_model import DistributedModel, prepare_model
-from jfleet.distributed_optimizer import DistributedOptimizer
 from jfleet.fleet.federated import FederatedMethods
 from jfleet.fleet.perf import PerfMethods
 from jfleet.fleet.ps_methods import PSMethods
 from jfleet.fleet.static_methods import StaticMethods
 from jfleet.fleet.util_base import UtilBase
-from jfleet.optim.compiler import compile_strategy
-from jfleet.parallel.pipeline_layer import PipelineLayer
-from jfleet.parallel.pipeline_parallel import pipeline_model
-from jfleet.parallel.random import apply_tensor_init_seed, get_rng_state_tracker, set_init_mode
-from jfleet.placement import Placement
-from jfleet.role_maker import (
-    PaddleCloudRoleMaker,
-    RoleMakerBase,
-    initialize_distributed,
-)
-from jfleet.strategy import SPMD_NOOP_SETTINGS, DistributedStrategy
-from jfleet.topology import (
+from jfleet.mesh import collective
+from jfleet.mesh import context as _context
+from jfleet.mesh.placement import Placement
+from jfleet.mesh.topology import (
     CommunicateTopology,
     HybridCommunicateGroup,
-    build_hybrid_communicate_group,
 )
+from jfleet.parallel.pipeline_layer import PipelineLayer
+from jfleet.parallel.random import get_rng_state_tracker, set_init_mode
+from jfleet.runtime.log import logger, set_log_level
+from jfleet.runtime.role_maker import (
+    PaddleCloudRoleMaker,
+    RoleMakerBase,
+)
+from jfleet.training.distributed_model import DistributedModel, prepare_model
+from jfleet.training.distributed_optimizer import (
+    DistributedOptimizer,
+    make_distributed_optimizer,
+)
+from jfleet.training.pipeline_parallel import pipeline_model
+from jfleet.training.run import start_run
+from jfleet.training.strategy import DistributedStrategy
 
 
 class Fleet(PerfMethods, StaticMethods, FederatedMethods, PSMethods):
@@ -70,8 +71,18 @@ class Fleet(PerfMethods, StaticMethods, FederatedMethods, PSMethods):
         set_init_mode("replicable")
         _context.clear()
         self._ps_reset()
-        self._optimizer: DistributedOptimizer | None = None
         self._model: nnx.Module | None = None
+
+    @property
+    def _optimizer(self) -> DistributedOptimizer | None:
+        """The run's distributed optimizer (``fleet.distributed_optimizer`` or
+        ``to_distributed`` made it); None before one, and after a new ``fleet.init``."""
+        run = _context.current()
+        return None if run is None else run.optimizer
+
+    @_optimizer.setter
+    def _optimizer(self, optimizer: DistributedOptimizer | None) -> None:
+        _context.replace(optimizer=optimizer)
 
     def _require_init(self, what: str) -> _context.Run:
         return _context.require(f"fleet.{what}()")
@@ -137,38 +148,9 @@ class Fleet(PerfMethods, StaticMethods, FederatedMethods, PSMethods):
                 "DistributedStrategy; build one with fleet.DistributedStrategy()."
             )
         set_log_level(log_level)
-        if initialize_distributed(role_maker):
-            logger.info(
-                "jax.distributed initialised: process %d of %d",
-                jax.process_index(),
-                jax.process_count(),
-            )
-        if devices is not None:
-            devices = list(devices)
-            if not devices or len({id(d) for d in devices}) != len(devices):
-                raise ValueError(
-                    f"devices={devices!r} must list each device once, at least one; default: "
-                    "every device of the run."
-                )
-        hcg = build_hybrid_communicate_group(strategy.hybrid_configs, devices)
-        consistency.check_init(strategy, hcg.mesh)  # several processes: all must agree
-        _context.set_run(_context.Run(role_maker=role_maker, strategy=strategy, hcg=hcg))
+        start_run(role_maker, strategy, devices)
         if not role_maker.is_collective:
             self._ps_started(strategy)
-        self._optimizer = None
-        apply_tensor_init_seed(strategy)
-        ignored = strategy.spmd_noop_settings()
-        if ignored:
-            logger.info(
-                "these settings mean nothing under SPMD and are ignored: %s",
-                "; ".join(f"{name} ({_noop_reason(name)})" for name in ignored),
-            )
-        logger.info(
-            "fleet initialised: %d process(es), %d devices, mesh %s",
-            self.worker_num(),
-            hcg.mesh.devices.size,
-            dict(hcg.mesh.shape),
-        )
         return self
 
     # ------------------------------------------------------------ processes
@@ -283,28 +265,8 @@ class Fleet(PerfMethods, StaticMethods, FederatedMethods, PSMethods):
                     "from fleet.init's; the mesh stays as fleet.init built it"
                 )
             _context.replace(strategy=strategy)
-        wrt = nnx.Param
-        if isinstance(optimizer, nnx.Optimizer):
-            wrt = optimizer.wrt
-            optimizer = optimizer.tx
-        if not isinstance(optimizer, optax.GradientTransformation):
-            raise TypeError(
-                f"optimizer={optimizer!r} ({type(optimizer).__name__}) is neither an optax "
-                "GradientTransformation nor an nnx.Optimizer; pass e.g. optax.adam(1e-3)."
-            )
-        compiled = compile_strategy(optimizer, self.strategy)
-        dist = DistributedOptimizer(
-            compiled.tx,
-            inner_tx=optimizer,
-            applied_meta_list=compiled.applied_meta_list,
-            has_loss_scaling=bool(compiled.amp and compiled.amp.loss_scaling),
-            wrt=wrt,
-            communication=compiled.communication,
-            localsgd=compiled.localsgd,
-        )
-        self._optimizer = dist
-        logger.info("meta-optimizers applied: %s", list(compiled.applied_meta_list) or "none")
-        return dist
+        self._optimizer = make_distributed_optimizer(optimizer, self.strategy)
+        return self._optimizer
 
     def distributed_model(self, model: nnx.Module) -> DistributedModel:
         """Places an NNX model for the strategy and wraps it for ``train_batch``.
@@ -393,7 +355,7 @@ class Fleet(PerfMethods, StaticMethods, FederatedMethods, PSMethods):
                 f"fleet.save: fetch={fetch!r} without feed; pass feed= (example inputs) to save "
                 "an inference model, or neither to save the persistables."
             )
-        from jfleet.inference import save_inference_model
+        from jfleet.checkpoint.inference import save_inference_model
 
         save_inference_model(dirname, model, list(feed), forward=fetch)
 
@@ -527,5 +489,6 @@ def _ignore_static(what: str, **given: Any) -> None:
             logger.info("fleet.%s: %s is ignored (no static programs under JAX)", what, name)
 
 
-def _noop_reason(name: str) -> str:
-    return SPMD_NOOP_SETTINGS.get(name, "no effect under SPMD")
+#: The process's one Fleet object (Paddle's ``fleet.fleet``); ``jfleet.fleet``'s module
+#: functions are its bound methods.
+fleet = Fleet()

@@ -18,14 +18,15 @@ from typing import Any
 
 from flax import nnx
 
-from jfleet import _context, fleet
-from jfleet._logging import logger
-from jfleet.distributed_model import DistributedModel, prepare_model
-from jfleet.distributed_optimizer import DistributedOptimizer
-from jfleet.grad_scaler import GradScaler
+from jfleet.fleet.fleet_base import fleet
+from jfleet.mesh import context as _context
+from jfleet.mesh.placement import Placement
+from jfleet.mesh.topology import DP, SHARDING
 from jfleet.optim.compiler import META_ORDER
-from jfleet.placement import Placement
-from jfleet.topology import DP, SHARDING
+from jfleet.precision.grad_scaler import GradScaler
+from jfleet.runtime.log import logger
+from jfleet.training.distributed_model import DistributedModel, prepare_model
+from jfleet.training.distributed_optimizer import DistributedOptimizer
 
 _LEVELS = {"os": 1, "os_g": 2, "p_g_os": 3}
 

@@ -26,9 +26,9 @@ Example:
 
 from typing import Any
 
-from jfleet import _context
-from jfleet.distributed_model import DistributedModel
 from jfleet.fleet.meta_optimizers._kinds import _Kind
+from jfleet.mesh import context as _context
+from jfleet.mesh.topology import ParallelMode
 from jfleet.parallel.cross_entropy import ParallelCrossEntropy as ParallelCrossEntropy
 from jfleet.parallel.cross_entropy import parallel_cross_entropy as parallel_cross_entropy
 from jfleet.parallel.layers import ColumnParallelLinear as ColumnParallelLinear
@@ -37,7 +37,6 @@ from jfleet.parallel.layers import VocabParallelEmbedding as VocabParallelEmbedd
 from jfleet.parallel.pipeline_layer import LayerDesc as LayerDesc
 from jfleet.parallel.pipeline_layer import PipelineLayer as PipelineLayer
 from jfleet.parallel.pipeline_layer import SharedLayerDesc as SharedLayerDesc
-from jfleet.parallel.pipeline_parallel import PipelineParallel as PipelineParallel
 from jfleet.parallel.random import RNGStatesTracker as RNGStatesTracker
 from jfleet.parallel.random import get_init_mode as get_init_mode
 from jfleet.parallel.random import get_rng_state_tracker as get_rng_state_tracker
@@ -66,7 +65,8 @@ from jfleet.parallel.sequence import (
 from jfleet.parallel.sequence import (
     scatter_to_sequence_parallel as scatter_to_sequence_parallel,
 )
-from jfleet.topology import ParallelMode
+from jfleet.training.distributed_model import DistributedModel
+from jfleet.training.pipeline_parallel import PipelineParallel as PipelineParallel
 
 
 class _ModelKind(metaclass=_Kind):
@@ -82,7 +82,7 @@ class _ModelKind(metaclass=_Kind):
         )
 
     def __new__(cls, layers: Any, hcg: Any = None, strategy: Any = None, **kwargs: Any) -> Any:
-        from jfleet.fleet import fleet  # the facade's Fleet object, at call time
+        from jfleet.fleet.fleet_base import fleet  # the facade's Fleet object, at call time
 
         return fleet.distributed_model(layers)
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from jfleet.collective_perf import PerfResult, collective_perf, perf_once
-from jfleet.topology import Group, HybridCommunicateGroup
+from jfleet.mesh.collective_perf import PerfResult, collective_perf, perf_once
+from jfleet.mesh.topology import Group, HybridCommunicateGroup
 
 __all__ = ["PerfMethods"]
 

@@ -37,9 +37,10 @@ from typing import Any
 
 import jax
 
-from jfleet import _context, collective
-from jfleet._logging import logger
+from jfleet.mesh import collective
+from jfleet.mesh import context as _context
 from jfleet.ps import lifecycle, registry, storage
+from jfleet.runtime.log import logger
 
 __all__ = ["PSMethods"]
 

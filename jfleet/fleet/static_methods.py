@@ -46,13 +46,13 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jfleet.amp import AmpPolicy
-from jfleet.distributed_optimizer import DistributedOptimizer
-from jfleet.engine import TrainStep, cached_step
+from jfleet.checkpoint.inference import load_inference_model, save_inference_model
 from jfleet.fleet._noop import log_noop
-from jfleet.inference import load_inference_model, save_inference_model
 from jfleet.optim.compiler import amp_settings
-from jfleet.quantization import QatConfig, quantize_model
+from jfleet.precision.amp import AmpPolicy
+from jfleet.precision.quantization import QatConfig, quantize_model
+from jfleet.training.distributed_optimizer import DistributedOptimizer
+from jfleet.training.engine import TrainStep, cached_step
 
 __all__ = ["StaticMethods"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from jfleet import collective
+from jfleet.mesh import collective
 
 if TYPE_CHECKING:
     from jfleet.fleet.fleet_base import Fleet

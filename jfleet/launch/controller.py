@@ -36,13 +36,13 @@ from collections import deque
 from pathlib import Path
 from typing import IO, Any
 
-from jfleet._env import seconds
 from jfleet.launch.args import LaunchArgs
 from jfleet.launch.cluster import Scheduler
 from jfleet.launch.env import endpoints, global_rank, worker_env
 from jfleet.launch.ports import HeldPort, hold_free_ports
 from jfleet.launch.rendezvous import Node, RendezvousClient, RendezvousServer
-from jfleet.role_maker import DEFAULT_INIT_TIMEOUT_S, INIT_TIMEOUT_ENV
+from jfleet.runtime.env import seconds
+from jfleet.runtime.role_maker import DEFAULT_INIT_TIMEOUT_S, INIT_TIMEOUT_ENV
 
 __all__ = ["GRACE_S", "TAIL_LINES", "exit_code_of", "grace_seconds", "run"]
 

@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from jfleet._logging import logger
+from jfleet.runtime.log import logger
 
 __all__ = ["Node", "RendezvousClient", "RendezvousServer"]
 

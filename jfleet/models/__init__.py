@@ -1,5 +1,10 @@
 """Reference models for the docs, examples, notebooks, benchmarks and tests.
 
+Reference models (beside ``checkpoint``, ``launch`` and ``ps``, none importing another).
+
+May import: runtime, mesh, optim, parallel, precision, training, auto_parallel (they use
+parallel alone).
+
 Each is a small decoder written in plain Flax NNX (no distributed code) unless its name
 says otherwise; all train on the token batches of :mod:`jfleet.models.tiny_lm`.
 

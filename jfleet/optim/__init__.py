@@ -1,4 +1,9 @@
-"""Paddle Fleet meta-optimizers as Optax gradient transformations.
+"""Paddle Fleet meta-optimizers as Optax gradient transformations, and the strategy compiler.
+
+The optim layer: each meta-optimizer is an ``optax.GradientTransformation`` factory;
+``compiler`` turns a strategy's settings into one chain.
+
+May import: runtime, mesh.
 
 Example:
   >>> import optax

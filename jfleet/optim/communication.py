@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jfleet.topology import DATA_AXES
+from jfleet.mesh.topology import DATA_AXES
 
 __all__ = [
     "GradientCommunication",

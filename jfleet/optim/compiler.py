@@ -53,8 +53,8 @@ from typing import Any
 
 import optax
 
-from jfleet import _context
-from jfleet._logging import logger
+from jfleet.mesh import context as _context
+from jfleet.mesh.topology import DATA_AXES
 from jfleet.optim.communication import GradientCommunication, fp16_allreduce
 from jfleet.optim.dgc import dgc_communication, dgc_momentum, momentum_of
 from jfleet.optim.gradient_merge import gradient_merge
@@ -62,7 +62,7 @@ from jfleet.optim.lamb_lars import lamb_from, lars_from
 from jfleet.optim.localsgd import LocalSGDConfig
 from jfleet.optim.loss_scale import dynamic_loss_scaling
 from jfleet.optim.master_weights import master_weights as _master_weights
-from jfleet.topology import DATA_AXES
+from jfleet.runtime.log import logger
 
 # Pairs Paddle's meta-optimizer black lists forbid.
 _CONFLICTS = (

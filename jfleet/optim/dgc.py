@@ -47,9 +47,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jfleet.mesh.topology import DATA_AXES
 from jfleet.optim.communication import GradientCommunication, data_axes
 from jfleet.optim.hyperparams import inner_hyperparams, learning_rate_state, readable_fix
-from jfleet.topology import DATA_AXES
 
 __all__ = [
     "DGCMomentumState",

@@ -45,7 +45,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jfleet.parallel.mesh_context import named
+from jfleet.mesh.layer_mesh import named
 
 __all__ = [
     "DynamicLossScalingState",

@@ -1,1 +1,10 @@
-"""Tensor-, sequence- and (later) pipeline-parallel building blocks on the fleet's mesh."""
+"""The parallel layer: tensor / sequence-parallel layers, the block stacker, pipelines.
+
+``layers``, ``sequence`` and ``cross_entropy`` are Megatron's column / row / vocabulary-
+parallel layers on the fleet's mesh; ``stack`` stacks repeated blocks; ``pipeline_*``,
+``stages``, ``segment`` and ``virtual_stages`` build and run pipeline schedules (FThenB,
+1F1B, VPP, ZB-H1) in one ``shard_map``; ``recompute`` is activation recomputation;
+``loss`` the one loss check every step and pipeline shares.
+
+May import: runtime, mesh, optim.
+"""

@@ -54,8 +54,8 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jfleet.parallel.mesh_context import layer_mesh, mp_degree, shard_map_mesh
-from jfleet.topology import MP
+from jfleet.mesh.layer_mesh import layer_mesh, mp_degree, shard_map_mesh
+from jfleet.mesh.topology import MP
 
 __all__ = ["ParallelCrossEntropy", "parallel_cross_entropy"]
 

@@ -3,7 +3,7 @@
 Each layer keeps its *global* parameter (``[in, out]`` kernel, ``[vocab, hidden]``
 table) as one ``jax.Array`` split over the mesh's ``mp`` axis, with the split in the
 Param's ``out_sharding`` metadata, so the engine and ZeRO place it from there. The
-forward pass only pins activations (:func:`~jfleet.parallel.mesh_context.constrain`)
+forward pass only pins activations (:func:`~jfleet.mesh.layer_mesh.constrain`)
 and XLA inserts Megatron's collectives:
 
 * :class:`ColumnParallelLinear` — kernel ``(None, "mp")``, bias ``("mp",)``; the
@@ -66,15 +66,15 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jfleet.parallel import random as tp_random
-from jfleet.parallel.mesh_context import (
+from jfleet.mesh.layer_mesh import (
     constrain,
     layer_mesh,
     mp_degree,
     named,
     shard_map_mesh,
 )
-from jfleet.topology import DATA_AXES, MP
+from jfleet.mesh.topology import DATA_AXES, MP
+from jfleet.parallel import random as tp_random
 
 __all__ = [
     "ColumnParallelLinear",
@@ -128,7 +128,7 @@ def init_sharded(
     Example:
       >>> import jax
       >>> from jfleet import fleet
-      >>> from jfleet.parallel.mesh_context import layer_mesh, named
+      >>> from jfleet.mesh.layer_mesh import layer_mesh, named
       >>> _ = fleet.init(is_collective=True, log_level="WARNING")
       >>> x = init_sharded(default_kernel_init, jax.random.key(0), (4, 8), jnp.float32,
       ...                  named(layer_mesh(), None, "dp"))
@@ -188,7 +188,7 @@ def activation_entries(mesh: Mesh, shape: Sequence[int], last: Any) -> tuple[Any
 
     Example:
       >>> from jfleet import fleet
-      >>> from jfleet.parallel.mesh_context import layer_mesh
+      >>> from jfleet.mesh.layer_mesh import layer_mesh
       >>> _ = fleet.init(is_collective=True, log_level="WARNING")
       >>> activation_entries(layer_mesh(), (8, 3, 4), "mp")[0]
       ('dp', 'sharding')

@@ -55,6 +55,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 
+from jfleet.mesh.topology import DATA_AXES, PP
 from jfleet.parallel import pipeline_table as tables
 from jfleet.parallel.pipeline_schedule import (
     HeadFn,
@@ -73,7 +74,6 @@ from jfleet.parallel.pipeline_schedule import (
     _vary,
     _zeros,
 )
-from jfleet.topology import DATA_AXES, PP
 
 __all__ = ["table_pipeline_loss"]
 

@@ -69,6 +69,8 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jfleet.mesh.placement import check_divides
+from jfleet.mesh.topology import DATA_AXES, PP
 from jfleet.parallel import virtual_stages as virtual
 from jfleet.parallel.pipeline_schedule import (
     SavedStage,
@@ -85,8 +87,6 @@ from jfleet.parallel.pipeline_schedule import (
     _vary,
     stage_vjp,
 )
-from jfleet.placement import check_divides
-from jfleet.topology import DATA_AXES, PP
 
 
 def pipeline_forward(

@@ -53,16 +53,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jfleet import _context
-from jfleet._logging import logger
-from jfleet.amp import cast_floating
-from jfleet.engine import scalar_loss
+from jfleet.mesh import context as _context
+from jfleet.mesh.layer_mesh import layer_mesh
+from jfleet.mesh.placement import Placement
+from jfleet.mesh.topology import MP, PP
 from jfleet.parallel import pipeline_executor, pipeline_schedule, segment, stack
 from jfleet.parallel import virtual_stages as virtual
-from jfleet.parallel.mesh_context import layer_mesh
+from jfleet.parallel.loss import cast_floating, scalar_loss
 from jfleet.parallel.stages import FlatStages, ParamView, Run, params_in_order
-from jfleet.placement import Placement
-from jfleet.topology import MP, PP
+from jfleet.runtime.log import logger
 
 __all__ = ["LayerDesc", "PipelineLayer", "SharedLayerDesc"]
 

@@ -76,6 +76,8 @@ from jax.custom_derivatives import SymbolicZero
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jfleet.mesh.placement import check_divides
+from jfleet.mesh.topology import DATA_AXES, PP
 from jfleet.parallel.schedule_ticks import (  # noqa: F401  (re-exported)
     SCHEDULES,
     TICK_KINDS,
@@ -84,8 +86,6 @@ from jfleet.parallel.schedule_ticks import (  # noqa: F401  (re-exported)
     stage_ticks,
     taken_branches,
 )
-from jfleet.placement import check_divides
-from jfleet.topology import DATA_AXES, PP
 
 #: ``stage_fn(params_of_one_stage, x, side, shared) -> y``, for both entry points.
 StageFn = Callable[[Any, Any, Any, Any], Any]

@@ -56,7 +56,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jfleet import _context
+from jfleet.mesh import context as _context
 
 __all__ = [
     "INIT_MODES",

@@ -43,11 +43,11 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jfleet._logging import logger
-from jfleet.group_collective import manual_axes
+from jfleet.mesh.group_collective import manual_axes
+from jfleet.mesh.layer_mesh import constrain, layer_mesh, mp_degree
+from jfleet.mesh.topology import DATA_AXES, MP
 from jfleet.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from jfleet.parallel.mesh_context import constrain, layer_mesh, mp_degree
-from jfleet.topology import DATA_AXES, MP
+from jfleet.runtime.log import logger
 
 
 def _seq_entries(x: jax.Array, seq_axis: int, seq: Any, mesh: Mesh) -> tuple[Any, ...]:

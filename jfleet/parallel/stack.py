@@ -54,8 +54,8 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from jfleet.mesh.topology import PP
 from jfleet.parallel.alike import block_period, first_difference, first_mismatch
-from jfleet.topology import PP
 
 __all__ = [
     "CARRIED",

@@ -43,8 +43,8 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from jfleet.mesh.topology import PP
 from jfleet.parallel.stack import check_params_only
-from jfleet.topology import PP
 
 __all__ = ["FlatStages", "ParamView", "Run", "Slot", "params_in_order"]
 

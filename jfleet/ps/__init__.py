@@ -1,5 +1,10 @@
 """Parameter-server mode as SPMD: sparse embedding tables sharded over the devices.
 
+An operational subsystem (beside ``checkpoint``, ``launch`` and ``models``, none
+importing another).
+
+May import: runtime, mesh, optim, parallel, precision, training, auto_parallel.
+
 :mod:`~jfleet.ps.table` (the table: pull / push kernels), :mod:`~jfleet.ps.accessor`
 (Paddle's ``CtrCommonAccessor``: statistics and sparse SGD rules), :mod:`~jfleet.ps.hashing`
 (feature ids to rows), :mod:`~jfleet.ps.lifecycle` (``set_date``, ``shrink``),

@@ -36,8 +36,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jfleet._logging import logger
 from jfleet.ps.table import SparseTable, TableState
+from jfleet.runtime.log import logger
 
 __all__ = ["day_number", "set_date", "shrink"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jfleet._logging import logger
+from jfleet.runtime.log import logger
 
 __all__ = ["clear", "get", "next_id", "register", "table_ids", "tables"]
 

@@ -35,9 +35,9 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jfleet import role_maker as _rm
-from jfleet._logging import logger
-from jfleet.role_maker import Role, RoleMakerBase
+from jfleet.runtime import role_maker as _rm
+from jfleet.runtime.log import logger
+from jfleet.runtime.role_maker import Role, RoleMakerBase
 
 __all__ = ["PSRoleMaker"]
 

@@ -43,10 +43,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jfleet import collective
-from jfleet._logging import logger
+from jfleet.mesh import collective
 from jfleet.ps.accessor import CtrAccessor
 from jfleet.ps.table import STATS, SparseTable, TableState
+from jfleet.runtime.log import logger
 
 __all__ = ["MODES", "load_table", "save_cache", "save_cache_table", "save_table"]
 

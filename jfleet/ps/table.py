@@ -39,8 +39,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jfleet import _context
-from jfleet.parallel.mesh_context import layer_mesh
+from jfleet.mesh import context as _context
+from jfleet.mesh.layer_mesh import layer_mesh
 from jfleet.ps import registry
 from jfleet.ps.accessor import CtrAccessor
 from jfleet.ps.hashing import SparseBatch, prepare

@@ -1,5 +1,10 @@
 """Tools for testing and measuring jfleet runs, and for testing your own parallel code.
 
+The top layer: users' test tools; nothing in jfleet imports it.
+
+May import: runtime, mesh, optim, parallel, precision, training, auto_parallel,
+checkpoint, launch, models, ps, fleet, distributed.
+
 * :mod:`~jfleet.testing.assertions`: trains like one device, sharded as meant, the compiled
   step's collectives and memory.
 * :mod:`~jfleet.testing.devices`: emulated CPU devices set before JAX starts, and the check

@@ -36,11 +36,11 @@ from jax.sharding import PartitionSpec as P
 from jfleet import fleet
 from jfleet.auto_parallel.to_distributed import ToDistributedConfig, to_distributed
 from jfleet.checkpoint.layout import logical_leaves
-from jfleet.engine import make_train_step
-from jfleet.strategy import DistributedStrategy
 from jfleet.testing import hlo
 from jfleet.testing.devices import require_devices
 from jfleet.testing.reference import train_one_device
+from jfleet.training.engine import make_train_step
+from jfleet.training.strategy import DistributedStrategy
 
 __all__ = [
     "assert_collectives",

@@ -25,10 +25,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jfleet.distributed_model import apply_model_settings
 from jfleet.optim.compiler import amp_settings, compile_strategy
 from jfleet.optim.loss_scale import loss_scale_of
-from jfleet.strategy import DistributedStrategy
+from jfleet.training.distributed_model import apply_model_settings
+from jfleet.training.strategy import DistributedStrategy
 
 __all__ = ["train_one_device"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from jfleet.strategy import DistributedStrategy
+from jfleet.training.strategy import DistributedStrategy
 
 __all__ = ["make_strategy"]
 

@@ -8,8 +8,8 @@ from jax.sharding import PartitionSpec as P
 
 from jfleet.auto_parallel import Layout, Workload, enumerate_layouts, match_patterns
 from jfleet.auto_parallel.layouts import SCHEDULES, mesh_name, shape_problem
+from jfleet.mesh.topology import AXIS_NAMES
 from jfleet.models.llama import TinyLlama
-from jfleet.topology import AXIS_NAMES
 from tests.auto_parallel.conv_net import ConvNet
 
 WORK = Workload(batch_size=16, seq_len=64)

@@ -18,9 +18,9 @@ from jax.sharding import PartitionSpec as P
 from jfleet.auto_parallel import ToDistributedConfig, get_plan
 from jfleet.auto_parallel.blocks import PipelinedBlocks, pipeline_blocks
 from jfleet.auto_parallel.to_distributed import to_distributed
+from jfleet.mesh.topology import DP, PP
 from jfleet.models import lm_batches
 from jfleet.models.llama import TinyLlama
-from jfleet.topology import DP, PP
 from tests.auto_parallel.test_to_distributed import TOL, llama, single_device_losses, train
 
 

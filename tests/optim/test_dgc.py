@@ -10,10 +10,10 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from jfleet.mesh.topology import DP
 from jfleet.optim import hyperparams
 from jfleet.optim.dgc import dgc_communication, dgc_momentum, momentum_of, sparsity_index
 from jfleet.testing import hlo
-from jfleet.topology import DP
 
 R = 8
 M = 0.9

@@ -13,9 +13,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jfleet import fleet
+from jfleet.mesh.layer_mesh import named
+from jfleet.mesh.topology import DATA_AXES, MP
 from jfleet.parallel.cross_entropy import ParallelCrossEntropy, parallel_cross_entropy
-from jfleet.parallel.mesh_context import named
-from jfleet.topology import DATA_AXES, MP
 from tests.fleet_setup import fleet_mesh, init_fleet
 
 IGNORE = -100

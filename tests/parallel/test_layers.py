@@ -11,16 +11,16 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jfleet import DistributedStrategy, fleet, make_train_step
+from jfleet.mesh.layer_mesh import named
+from jfleet.mesh.topology import DATA_AXES, MP
 from jfleet.parallel import random as tp_random
 from jfleet.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from jfleet.parallel.mesh_context import named
 from jfleet.parallel.random import get_rng_state_tracker
 from jfleet.testing import hlo
-from jfleet.topology import DATA_AXES, MP
 from tests.fleet_setup import fleet_mesh, init_fleet
 
 HYBRIDS = {

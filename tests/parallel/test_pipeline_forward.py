@@ -15,12 +15,12 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AxisType
 
+from jfleet.mesh.topology import DP, PP
 from jfleet.parallel.pipeline_forward import pipeline_forward, rows_fit
 from jfleet.parallel.pipeline_schedule import pipeline_loss, stage_ticks, taken_branches
 from jfleet.parallel.virtual_stages import interleaved_order
 from jfleet.testing import hlo
 from jfleet.testing.trees import assert_trees_close
-from jfleet.topology import DP, PP
 
 STAGES, LAYERS, D, M, BATCH = 4, 2, 32, 4, 64
 

@@ -18,12 +18,12 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jfleet import DistributedStrategy, fleet
+from jfleet.mesh.topology import MP, PP
 from jfleet.models import lm_batches
 from jfleet.models.parallel_gpt import GPTBlock, TinyGPT, gpt_loss
 from jfleet.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from jfleet.parallel.pipeline_layer import LayerDesc, PipelineLayer, SharedLayerDesc
 from jfleet.parallel.pipeline_schedule import SCHEDULES
-from jfleet.topology import MP, PP
 
 VOCAB, WIDTH, HEADS, HIDDEN, BLOCKS = 32, 16, 2, 32, 4
 TOL = dict(rtol=1e-5, atol=1e-6)

@@ -22,14 +22,14 @@ import pytest
 from flax import nnx
 
 from jfleet import fleet
-from jfleet.amp import apply_amp
-from jfleet.engine import TrainStep, cached_step
 from jfleet.fleet.meta_parallel import ColumnParallelLinear, ParallelCrossEntropy
 from jfleet.parallel import segment, stack
 from jfleet.parallel.pipeline_layer import LayerDesc, PipelineLayer, SharedLayerDesc
-from jfleet.parallel.pipeline_parallel import _PipelineObjective
 from jfleet.parallel.stages import FlatStages, Run
+from jfleet.precision.amp import apply_amp
 from jfleet.testing import make_strategy, train_one_device
+from jfleet.training.engine import TrainStep, cached_step
+from jfleet.training.pipeline_parallel import _PipelineObjective
 
 V, W, L, BATCH = 16, 8, 4, 8
 FP32 = dict(rtol=1e-5, atol=1e-5)

@@ -25,8 +25,8 @@ from jfleet.models.parallel_gpt import TinyGPT, gpt_loss
 from jfleet.optim import hyperparams, lr
 from jfleet.optim.clip import clip_by_global_norm
 from jfleet.parallel.pipeline_layer import LayerDesc, PipelineLayer
-from jfleet.parallel.pipeline_parallel import PipelineParallel
 from jfleet.testing import assert_trees_close, make_strategy, train_one_device
+from jfleet.training.pipeline_parallel import PipelineParallel
 
 from .test_pipeline_layer import BLOCKS, HEADS, HIDDEN, VOCAB, WIDTH, as_tinygpt, ce, gpt_descs
 
@@ -232,7 +232,8 @@ def test_pp_not_dividing_the_devices_fails_at_fleet_init():
 
 def test_meta_parallel_exports_the_pipeline_names():
     import jfleet.fleet.meta_parallel as mp
-    from jfleet.parallel import pipeline_layer, pipeline_parallel
+    from jfleet.parallel import pipeline_layer
+    from jfleet.training import pipeline_parallel
 
     assert mp.PipelineLayer is pipeline_layer.PipelineLayer
     assert mp.LayerDesc is pipeline_layer.LayerDesc

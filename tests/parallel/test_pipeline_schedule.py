@@ -18,9 +18,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jfleet import fleet
+from jfleet.mesh.topology import DP, MP, PP
 from jfleet.parallel.pipeline_schedule import SCHEDULES, pipeline_loss, schedule_stats
 from jfleet.testing import hlo
-from jfleet.topology import DP, MP, PP
 
 D, LAYERS, CLASSES, MICRO = 16, 2, 5, 2
 RTOL, ATOL = 1e-5, 1e-6

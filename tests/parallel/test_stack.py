@@ -11,9 +11,9 @@ from flax import nnx
 from jax.sharding import AxisType
 
 from jfleet.auto_parallel.blocks import PipelinedBlocks, pipeline_blocks
+from jfleet.mesh.topology import DP, MP, PP
 from jfleet.parallel import stack
 from jfleet.parallel.pipeline_forward import pipeline_forward
-from jfleet.topology import DP, MP, PP
 
 D, BATCH, SEQ = 4, 8, 3
 #: Compile with LLVM's optimisations off (as test_pipeline_schedule does).

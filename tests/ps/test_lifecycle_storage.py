@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
+from jfleet.mesh.topology import DP
 from jfleet.ps import (
     CtrAccessor,
     SparseSGDRule,
@@ -19,7 +20,6 @@ from jfleet.ps import (
     set_date,
     shrink,
 )
-from jfleet.topology import DP
 
 ROWS, DIM = 64, 2
 

@@ -9,8 +9,8 @@ import optax
 from flax import nnx
 from jax.sharding import AxisType
 
+from jfleet.mesh.topology import DP
 from jfleet.ps import CtrAccessor, SparseSGDRule, SparseTable
-from jfleet.topology import DP
 
 FIELDS, DIM, BATCH, STEPS = 3, 8, 16, 6
 

@@ -11,7 +11,7 @@ import pytest
 
 from jfleet import fleet
 from jfleet.ps import PSRoleMaker, SparseTable
-from jfleet.role_maker import PaddleCloudRoleMaker, Role, UserDefinedRoleMaker
+from jfleet.runtime.role_maker import PaddleCloudRoleMaker, Role, UserDefinedRoleMaker
 
 SERVERS = "10.0.0.1:6000,10.0.0.2:6000"
 SEED = Path("/work/shared/seeds/paddle_fleet_fleet.py.txt")

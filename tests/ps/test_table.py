@@ -12,9 +12,9 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jfleet.mesh.topology import DP
 from jfleet.ps import CtrAccessor, SparseSGDRule, SparseTable, hash_ids, prepare
 from jfleet.testing import hlo
-from jfleet.topology import DP
 
 DIM = 4
 

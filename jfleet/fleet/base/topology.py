@@ -16,10 +16,10 @@ Example:
 
 from typing import Any
 
-from jfleet import _context
-from jfleet.topology import CommunicateTopology as CommunicateTopology
-from jfleet.topology import HybridCommunicateGroup as HybridCommunicateGroup
-from jfleet.topology import ParallelMode as ParallelMode
+from jfleet.mesh import context as _context
+from jfleet.mesh.topology import CommunicateTopology as CommunicateTopology
+from jfleet.mesh.topology import HybridCommunicateGroup as HybridCommunicateGroup
+from jfleet.mesh.topology import ParallelMode as ParallelMode
 
 
 def __getattr__(name: str) -> Any:

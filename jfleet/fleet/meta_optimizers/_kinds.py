@@ -36,9 +36,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from jfleet import _context
-from jfleet.distributed_optimizer import DistributedOptimizer
-from jfleet.grad_scaler import GradScaler
+from jfleet.mesh import context as _context
+from jfleet.precision.grad_scaler import GradScaler
+from jfleet.training.distributed_optimizer import DistributedOptimizer
 
 __all__ = [
     "AMPOptimizer",
@@ -69,7 +69,7 @@ class _OptimizerKind(metaclass=_Kind):
         return isinstance(obj, DistributedOptimizer) and cls._name in obj.applied_meta_list
 
     def __new__(cls, optimizer: Any, hcg: Any = None, strategy: Any = None) -> Any:
-        from jfleet.fleet import fleet  # the facade's Fleet object, at call time
+        from jfleet.fleet.fleet_base import fleet  # the facade's Fleet object, at call time
 
         return fleet.distributed_optimizer(optimizer, strategy)
 
@@ -149,6 +149,6 @@ class HybridParallelGradScaler(metaclass=_Kind):
         return isinstance(obj, GradScaler)
 
     def __new__(cls, scaler: Any, hcg: Any = None) -> Any:
-        from jfleet.grad_scaler import distributed_scaler
+        from jfleet.precision.grad_scaler import distributed_scaler
 
         return distributed_scaler(scaler)

@@ -6,8 +6,8 @@ Example:
   'recompute'
 """
 
-from jfleet.recompute import recompute as recompute
-from jfleet.recompute import recompute_hybrid as recompute_hybrid
-from jfleet.recompute import recompute_sequential as recompute_sequential
+from jfleet.parallel.recompute import recompute as recompute
+from jfleet.parallel.recompute import recompute_hybrid as recompute_hybrid
+from jfleet.parallel.recompute import recompute_sequential as recompute_sequential
 
 __all__ = ["recompute", "recompute_hybrid", "recompute_sequential"]

@@ -16,10 +16,10 @@ from jfleet.fleet.utils import hybrid_parallel_util as hybrid_parallel_util
 from jfleet.fleet.utils import log_util as log_util
 from jfleet.fleet.utils import mix_precision_utils as mix_precision_utils
 from jfleet.fleet.utils import sequence_parallel_utils as sequence_parallel_utils
-from jfleet.recompute import is_in_recompute as is_in_recompute
-from jfleet.recompute import recompute as recompute
-from jfleet.recompute import recompute_hybrid as recompute_hybrid
-from jfleet.recompute import recompute_sequential as recompute_sequential
+from jfleet.parallel.recompute import is_in_recompute as is_in_recompute
+from jfleet.parallel.recompute import recompute as recompute
+from jfleet.parallel.recompute import recompute_hybrid as recompute_hybrid
+from jfleet.parallel.recompute import recompute_sequential as recompute_sequential
 
 __all__ = [
     "hybrid_parallel_util",

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from jfleet.distributed_optimizer import DistributedOptimizer
 from jfleet.fleet._noop import log_noop
-from jfleet.topology import Group, HybridCommunicateGroup
+from jfleet.mesh.topology import Group, HybridCommunicateGroup
+from jfleet.training.distributed_optimizer import DistributedOptimizer
 
 __all__ = [
     "broadcast_dp_parameters",

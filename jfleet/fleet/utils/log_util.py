@@ -5,7 +5,7 @@ Example:
   'jfleet'
 """
 
-from jfleet._logging import logger as logger
-from jfleet._logging import set_log_level as set_log_level
+from jfleet.runtime.log import logger as logger
+from jfleet.runtime.log import set_log_level as set_log_level
 
 __all__ = ["logger", "set_log_level"]

@@ -29,8 +29,8 @@ from typing import Any
 import optax
 from flax import nnx
 
-from jfleet.amp import GradScaler
 from jfleet.optim.master_weights import master_weights
+from jfleet.precision.amp import GradScaler
 
 __all__ = ["MixPrecisionLayer", "MixPrecisionOptimizer", "MixPrecisionScaler"]
 

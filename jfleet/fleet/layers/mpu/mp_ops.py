@@ -56,9 +56,10 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jfleet.collective import ReduceOp
+from jfleet.mesh.collective import ReduceOp
+from jfleet.mesh.layer_mesh import constrain, layer_mesh
+from jfleet.mesh.topology import MP, Group
 from jfleet.parallel.cross_entropy import parallel_cross_entropy
-from jfleet.parallel.mesh_context import constrain, layer_mesh
 from jfleet.parallel.sequence import (
     Axis,
     concat_over,
@@ -67,7 +68,6 @@ from jfleet.parallel.sequence import (
     sum_grad_over,
     sum_over,
 )
-from jfleet.topology import MP, Group
 
 __all__ = [
     "_c_concat",
