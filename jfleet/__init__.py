@@ -190,10 +190,10 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from jfleet.distributed.sharding import save_group_sharded_model as save_group_sharded_model
     from jfleet.fleet import meta_parallel as meta_parallel
     from jfleet.fleet.group_sharded import group_sharded_parallel as group_sharded_parallel
+    from jfleet.mesh.hybrid_group import HybridCommunicateGroup as HybridCommunicateGroup
     from jfleet.mesh.placement import ParallelPlan as ParallelPlan
     from jfleet.mesh.placement import Placement as Placement
     from jfleet.mesh.topology import CommunicateTopology as CommunicateTopology
-    from jfleet.mesh.topology import HybridCommunicateGroup as HybridCommunicateGroup
     from jfleet.mesh.topology import ParallelMode as ParallelMode
     from jfleet.precision.nonfinite import NonFiniteError as NonFiniteError
     from jfleet.runtime import interrupts as interrupts

@@ -95,7 +95,7 @@ barrier("second")
 # span both processes, each mp group lies in one). Each process holds its own tensor.
 import jax.numpy as jnp
 from jfleet.mesh.collective import broadcast, reduce
-from jfleet.mesh.topology import build_hybrid_communicate_group
+from jfleet.mesh.hybrid_group import build_hybrid_communicate_group
 
 hcg = build_hybrid_communicate_group({"dp_degree": 2, "mp_degree": 4})
 assert hcg.global_rank == 4 * rank, hcg.global_rank

@@ -34,7 +34,8 @@ from jfleet.mesh.collective import (
     scatter,
     wait,
 )
-from jfleet.mesh.topology import DP, MP, CommunicateTopology, HybridCommunicateGroup
+from jfleet.mesh.hybrid_group import HybridCommunicateGroup
+from jfleet.mesh.topology import DP, MP, CommunicateTopology
 from tests.fleet_setup import init_fleet
 
 WORLD = 8

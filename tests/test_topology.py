@@ -11,14 +11,8 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jfleet.mesh.topology import (
-    CommunicateTopology,
-    Group,
-    HybridCommunicateGroup,
-    ParallelMode,
-    axis_index,
-    build_hybrid_communicate_group,
-)
+from jfleet.mesh.hybrid_group import HybridCommunicateGroup, build_hybrid_communicate_group
+from jfleet.mesh.topology import CommunicateTopology, Group, ParallelMode, axis_index
 
 NAMES5 = ("data", "pipe", "sharding", "sep", "model")
 

@@ -79,7 +79,7 @@ def is_initialized() -> bool:
     """Whether ``fleet.init`` / :func:`init_parallel_env` has set up a run.
 
     Example:
-      >>> from jfleet import _context
+      >>> from jfleet.mesh import context as _context
       >>> _context.clear(); is_initialized()
       False
     """

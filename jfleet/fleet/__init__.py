@@ -26,7 +26,7 @@ object itself, as in Paddle.
 
 Rank answers are host answers: ``worker_index()`` is this process's index (what
 Paddle calls the trainer id); the coordinate of a device on a mesh axis comes from
-the :class:`~jfleet.topology.HybridCommunicateGroup` getters. The layers are under
+the :class:`~jfleet.mesh.hybrid_group.HybridCommunicateGroup` getters. The layers are under
 ``fleet.meta_parallel`` as in Paddle.
 
 This package is the facade only: nothing else in jfleet imports it (the run it starts
@@ -54,8 +54,8 @@ from jfleet.fleet.fleet_base import Fleet as Fleet
 from jfleet.fleet.fleet_base import fleet as _the_fleet
 from jfleet.fleet.scaler import distributed_scaler as distributed_scaler
 from jfleet.fleet.util_base import UtilBase as UtilBase
+from jfleet.mesh.hybrid_group import HybridCommunicateGroup as HybridCommunicateGroup
 from jfleet.mesh.topology import CommunicateTopology as CommunicateTopology
-from jfleet.mesh.topology import HybridCommunicateGroup as HybridCommunicateGroup
 from jfleet.mesh.topology import ParallelMode as ParallelMode
 from jfleet.runtime.role_maker import PaddleCloudRoleMaker as PaddleCloudRoleMaker
 from jfleet.runtime.role_maker import Role as Role

@@ -27,11 +27,9 @@ from jfleet.fleet.static_methods import StaticMethods
 from jfleet.fleet.util_base import UtilBase
 from jfleet.mesh import collective
 from jfleet.mesh import context as _context
+from jfleet.mesh.hybrid_group import HybridCommunicateGroup
 from jfleet.mesh.placement import Placement
-from jfleet.mesh.topology import (
-    CommunicateTopology,
-    HybridCommunicateGroup,
-)
+from jfleet.mesh.topology import CommunicateTopology
 from jfleet.parallel.pipeline_layer import PipelineLayer
 from jfleet.parallel.random import get_rng_state_tracker, set_init_mode
 from jfleet.runtime.log import logger, set_log_level

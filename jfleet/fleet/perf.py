@@ -22,7 +22,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from jfleet.mesh.collective_perf import PerfResult, collective_perf, perf_once
-from jfleet.mesh.topology import Group, HybridCommunicateGroup
+from jfleet.mesh.hybrid_group import HybridCommunicateGroup
+from jfleet.mesh.topology import Group
 
 __all__ = ["PerfMethods"]
 

@@ -6,7 +6,8 @@ run time), so nothing needs to reach up into the :mod:`jfleet.fleet` facade to l
 the mesh a run lives on.
 
 Example:
-  >>> from jfleet import _context, fleet
+  >>> from jfleet import fleet
+  >>> from jfleet.mesh import context as _context
   >>> _ = fleet.init(is_collective=True, log_level="WARNING")
   >>> dict(_context.require("example").mesh.shape)["dp"]
   8
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from jax.sharding import Mesh
 
-    from jfleet.mesh.topology import HybridCommunicateGroup
+    from jfleet.mesh.hybrid_group import HybridCommunicateGroup
     from jfleet.training.strategy import DistributedStrategy
 
 

@@ -195,6 +195,46 @@ def compile_strategy(
     """
     check_combinations(strategy)
     applied: list[str] = []
+    tx = _trust_ratio_optimizers(tx, strategy, applied)
+    communication = None
+    if strategy.dgc:
+        tx, communication = _dgc(tx, strategy.dgc_configs)
+        applied.append("DGCMomentumOptimizer")
+    if strategy.recompute:
+        applied.append("RecomputeOptimizer")
+    if strategy.qat:
+        applied.append("QATOptimizer")
+    amp = amp_settings(strategy)
+    tx = _loss_scaled(tx, strategy, amp, loss_scaling, applied)
+    if strategy.gradient_merge:
+        cfg = strategy.gradient_merge_configs
+        tx = gradient_merge(tx, k_steps=cfg["k_steps"], avg=cfg["avg"])
+        applied.append("GradientMergeOptimizer")
+    if master_weights or (amp is not None and amp.level == "O2"):
+        tx = _master_weights(tx)
+    if strategy.sharding or strategy.hybrid_configs["sharding_degree"] > 1:
+        applied.append("ShardingOptimizer")
+    localsgd = _localsgd(strategy, amp, loss_scaling)
+    if localsgd is not None:
+        applied.append(localsgd.meta_name)
+    if strategy.fp16_allreduce:
+        half = "bfloat16" if amp is not None and amp.dtype == "bfloat16" else "float16"
+        communication = fp16_allreduce(half)
+        applied.append("FP16AllReduceOptimizer")
+    applied.sort(key=META_ORDER.index)
+    return CompiledChain(
+        tx=tx,
+        applied_meta_list=tuple(applied),
+        amp=amp,
+        communication=communication,
+        localsgd=localsgd,
+    )
+
+
+def _trust_ratio_optimizers(
+    tx: optax.GradientTransformation, strategy: Any, applied: list[str]
+) -> optax.GradientTransformation:
+    """LAMB / LARS from the strategy around ``tx`` (each recorded in ``applied``)."""
     if strategy.lamb:
         cfg = strategy.lamb_configs
         tx = lamb_from(
@@ -213,15 +253,17 @@ def compile_strategy(
             exclude_from_weight_decay=tuple(cfg["exclude_from_weight_decay"]),
         )
         applied.append("LarsOptimizer")
-    communication = None
-    if strategy.dgc:
-        tx, communication = _dgc(tx, strategy.dgc_configs)
-        applied.append("DGCMomentumOptimizer")
-    if strategy.recompute:
-        applied.append("RecomputeOptimizer")
-    if strategy.qat:
-        applied.append("QATOptimizer")
-    amp = amp_settings(strategy)
+    return tx
+
+
+def _loss_scaled(
+    tx: optax.GradientTransformation,
+    strategy: Any,
+    amp: Any,
+    loss_scaling: Mapping[str, Any] | None,
+    applied: list[str],
+) -> optax.GradientTransformation:
+    """fp16 loss scaling from a GradScaler or from ``strategy.amp`` (never both)."""
     if loss_scaling is not None:
         if amp is not None and amp.loss_scaling:
             raise ValueError(
@@ -247,29 +289,7 @@ def compile_strategy(
             logger.info("AMP with %s: no loss scaling (it has fp32's range)", amp.dtype)
         if "AMPOptimizer" not in applied:
             applied.append("AMPOptimizer")
-    if strategy.gradient_merge:
-        cfg = strategy.gradient_merge_configs
-        tx = gradient_merge(tx, k_steps=cfg["k_steps"], avg=cfg["avg"])
-        applied.append("GradientMergeOptimizer")
-    if master_weights or (amp is not None and amp.level == "O2"):
-        tx = _master_weights(tx)
-    if strategy.sharding or strategy.hybrid_configs["sharding_degree"] > 1:
-        applied.append("ShardingOptimizer")
-    localsgd = _localsgd(strategy, amp, loss_scaling)
-    if localsgd is not None:
-        applied.append(localsgd.meta_name)
-    if strategy.fp16_allreduce:
-        half = "bfloat16" if amp is not None and amp.dtype == "bfloat16" else "float16"
-        communication = fp16_allreduce(half)
-        applied.append("FP16AllReduceOptimizer")
-    applied.sort(key=META_ORDER.index)
-    return CompiledChain(
-        tx=tx,
-        applied_meta_list=tuple(applied),
-        amp=amp,
-        communication=communication,
-        localsgd=localsgd,
-    )
+    return tx
 
 
 def _dgc(

@@ -323,15 +323,7 @@ def lamb_from(
 
     def init_fn(params: optax.Params) -> LambState:
         rates(params, warn=True)  # validates names, warns about patterns matching nothing
-        zeros = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=_compute_dtype(p)), params)
-        one = jnp.ones((), jnp.float32)
-        return LambState(
-            mu=zeros,
-            nu=jax.tree.map(jnp.copy, zeros),
-            beta1_pow=one,
-            beta2_pow=one,
-            inner_state=clock.init(params),
-        )
+        return _lamb_init(params, clock.init(params))
 
     def update_fn(
         updates: optax.Updates,
@@ -357,20 +349,10 @@ def lamb_from(
         )
         out, mus, nus = [], [], []
         for g, p, m, v, rate in leaves:
-            cd = m.dtype
-            g32, p32 = g.astype(cd), p.astype(cd)
-            b1c, b2c, epsc = b1.astype(cd), b2.astype(cd), eps.astype(cd)
-            m = b1c * m + (1 - b1c) * g32
-            v = b2c * v + (1 - b2c) * g32 * g32
-            m_hat = m / (1 - beta1_pow.astype(cd))
-            v_hat = v / (1 - beta2_pow.astype(cd))
-            r = m_hat / (jnp.sqrt(v_hat) + epsc) + rate * p32
-            if rate > 0 or always_adapt:
-                p_norm, r_norm = _norm(p32), _norm(r)
-                trust = jnp.where((p_norm > 0) & (r_norm > 0), p_norm / r_norm, 1.0)
-            else:
-                trust = 1.0
-            out.append((-(lr.astype(cd) * trust) * r).astype(p.dtype))
+            update, m, v = _lamb_leaf(
+                g, p, m, v, rate, (lr, b1, b2, eps), (beta1_pow, beta2_pow), always_adapt
+            )
+            out.append(update)
             mus.append(m)
             nus.append(v)
         new_state = LambState(
@@ -383,6 +365,47 @@ def lamb_from(
         return treedef.unflatten(out), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _lamb_init(params: optax.Params, inner_state: Any) -> LambState:
+    """Zero moments (in each parameter's compute dtype) and unit beta powers."""
+    zeros = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=_compute_dtype(p)), params)
+    one = jnp.ones((), jnp.float32)
+    return LambState(
+        mu=zeros,
+        nu=jax.tree.map(jnp.copy, zeros),
+        beta1_pow=one,
+        beta2_pow=one,
+        inner_state=inner_state,
+    )
+
+
+def _lamb_leaf(
+    g: jax.Array,
+    p: jax.Array,
+    m: jax.Array,
+    v: jax.Array,
+    rate: float,
+    hyper: tuple[jax.Array, ...],
+    pows: tuple[jax.Array, jax.Array],
+    always_adapt: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One parameter's LAMB step: (update, new first moment, new second moment)."""
+    lr, b1, b2, eps = hyper
+    cd = m.dtype
+    g32, p32 = g.astype(cd), p.astype(cd)
+    b1c, b2c, epsc = b1.astype(cd), b2.astype(cd), eps.astype(cd)
+    m = b1c * m + (1 - b1c) * g32
+    v = b2c * v + (1 - b2c) * g32 * g32
+    m_hat = m / (1 - pows[0].astype(cd))
+    v_hat = v / (1 - pows[1].astype(cd))
+    r = m_hat / (jnp.sqrt(v_hat) + epsc) + rate * p32
+    if rate > 0 or always_adapt:
+        p_norm, r_norm = _norm(p32), _norm(r)
+        trust = jnp.where((p_norm > 0) & (r_norm > 0), p_norm / r_norm, 1.0)
+    else:
+        trust = 1.0
+    return (-(lr.astype(cd) * trust) * r).astype(p.dtype), m, v
 
 
 # ----------------------------------------------------------------------------------- LARS

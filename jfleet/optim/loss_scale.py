@@ -213,6 +213,61 @@ def dynamic_loss_scaling(
         >>> updates["w"].tolist(), int(state.bad_steps)
         ([0.0, 0.0], 1)
     """
+    _check_scaling_args(
+        inner,
+        init_loss_scaling,
+        incr_every_n_steps,
+        decr_every_n_nan_or_inf,
+        incr_ratio,
+        decr_ratio,
+        use_dynamic_loss_scaling,
+    )
+    inner = optax.with_extra_args_support(inner)
+    init_scale = float(init_loss_scaling)
+    incr_n = int(incr_every_n_steps)
+    decr_n = int(decr_every_n_nan_or_inf)
+    incr_ratio = float(incr_ratio)
+    decr_ratio = float(decr_ratio)
+
+    def init_fn(params: optax.Params) -> DynamicLossScalingState:
+        return _initial_state(params, init_scale, inner)
+
+    def update_fn(
+        updates: optax.Updates,
+        state: DynamicLossScalingState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, DynamicLossScalingState]:
+        grads = _unscaled(updates, state.loss_scale)
+        finite = all_finite(grads)
+        new_updates, new_inner = inner.update(grads, state.inner_state, params, **extra_args)
+        new_updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates)
+        new_inner = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old), new_inner, state.inner_state
+        )
+        scale = state.loss_scale
+        if use_dynamic_loss_scaling:
+            scale, good, bad = _paddle_scale_rule(
+                state, finite, incr_n, decr_n, incr_ratio, decr_ratio
+            )
+        else:
+            good, bad = state.good_steps, state.bad_steps
+
+        return new_updates, DynamicLossScalingState(scale, good, bad, new_inner)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _check_scaling_args(
+    inner: Any,
+    init_loss_scaling: Any,
+    incr_every_n_steps: Any,
+    decr_every_n_nan_or_inf: Any,
+    incr_ratio: Any,
+    decr_ratio: Any,
+    use_dynamic_loss_scaling: Any,
+) -> None:
+    """``dynamic_loss_scaling``'s static arguments, checked (Paddle's ranges)."""
     if not (hasattr(inner, "init") and hasattr(inner, "update")):
         raise TypeError(
             f"inner={inner!r} must be an optax.GradientTransformation (with init and "
@@ -247,63 +302,53 @@ def dynamic_loss_scaling(
             "True (Paddle's default) or False for a fixed scale."
         )
 
-    inner = optax.with_extra_args_support(inner)
-    init_scale = float(init_loss_scaling)
-    incr_n = int(incr_every_n_steps)
-    decr_n = int(decr_every_n_nan_or_inf)
-    incr_ratio = float(incr_ratio)
-    decr_ratio = float(decr_ratio)
 
-    def init_fn(params: optax.Params) -> DynamicLossScalingState:
-        loss_scale = jnp.asarray(init_scale, jnp.float32)
-        good = jnp.zeros([], jnp.int32)
-        bad = jnp.zeros([], jnp.int32)
-        sharding = _replicated_sharding(params)
-        if sharding is not None:
-            # Same placement as the scalars that a jitted update over these params returns.
-            loss_scale, good, bad = jax.device_put((loss_scale, good, bad), sharding)
-        return DynamicLossScalingState(loss_scale, good, bad, inner.init(params))
+def _initial_state(
+    params: optax.Params, init_scale: float, inner: optax.GradientTransformation
+) -> DynamicLossScalingState:
+    """The scale and counters, placed as a jitted update over ``params`` returns them."""
+    loss_scale = jnp.asarray(init_scale, jnp.float32)
+    good = jnp.zeros([], jnp.int32)
+    bad = jnp.zeros([], jnp.int32)
+    sharding = _replicated_sharding(params)
+    if sharding is not None:
+        loss_scale, good, bad = jax.device_put((loss_scale, good, bad), sharding)
+    return DynamicLossScalingState(loss_scale, good, bad, inner.init(params))
 
-    def update_fn(
-        updates: optax.Updates,
-        state: DynamicLossScalingState,
-        params: optax.Params | None = None,
-        **extra_args: Any,
-    ) -> tuple[optax.Updates, DynamicLossScalingState]:
-        scale = state.loss_scale
 
-        def unscale(g):
-            if not _is_floating(g):
-                return g
-            return (g.astype(jnp.float32) / scale).astype(g.dtype)
+def _unscaled(updates: optax.Updates, scale: jax.Array) -> optax.Updates:
+    """Gradients of ``loss * scale`` divided by ``scale`` in float32, in their dtypes."""
 
-        grads = jax.tree.map(unscale, updates)
-        finite = all_finite(grads)
+    def unscale(g):
+        if not _is_floating(g):
+            return g
+        return (g.astype(jnp.float32) / scale).astype(g.dtype)
 
-        new_updates, new_inner = inner.update(grads, state.inner_state, params, **extra_args)
-        new_updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates)
-        new_inner = jax.tree.map(
-            lambda new, old: jnp.where(finite, new, old), new_inner, state.inner_state
-        )
+    return jax.tree.map(unscale, updates)
 
-        if use_dynamic_loss_scaling:
-            good = jnp.where(finite, state.good_steps + 1, 0).astype(jnp.int32)
-            bad = jnp.where(finite, 0, state.bad_steps + 1).astype(jnp.int32)
-            decrease = jnp.logical_and(jnp.logical_not(finite), bad == decr_n)
-            increase = jnp.logical_and(finite, good == incr_n)
-            floor = jnp.minimum(scale, jnp.float32(1.0))
-            decreased = jnp.maximum(scale * jnp.float32(decr_ratio), floor)
-            grown = scale * jnp.float32(incr_ratio)
-            increased = jnp.where(jnp.isfinite(grown), grown, scale)
-            scale = jnp.where(decrease, decreased, jnp.where(increase, increased, scale))
-            good = jnp.where(increase, 0, good).astype(jnp.int32)
-            bad = jnp.where(decrease, 0, bad).astype(jnp.int32)
-        else:
-            good, bad = state.good_steps, state.bad_steps
 
-        return new_updates, DynamicLossScalingState(scale, good, bad, new_inner)
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+def _paddle_scale_rule(
+    state: DynamicLossScalingState,
+    finite: jax.Array,
+    incr_n: int,
+    decr_n: int,
+    incr_ratio: float,
+    decr_ratio: float,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The next (scale, good_steps, bad_steps) by Paddle's rule (traced: ``jnp.where``)."""
+    scale = state.loss_scale
+    good = jnp.where(finite, state.good_steps + 1, 0).astype(jnp.int32)
+    bad = jnp.where(finite, 0, state.bad_steps + 1).astype(jnp.int32)
+    decrease = jnp.logical_and(jnp.logical_not(finite), bad == decr_n)
+    increase = jnp.logical_and(finite, good == incr_n)
+    floor = jnp.minimum(scale, jnp.float32(1.0))
+    decreased = jnp.maximum(scale * jnp.float32(decr_ratio), floor)
+    grown = scale * jnp.float32(incr_ratio)
+    increased = jnp.where(jnp.isfinite(grown), grown, scale)
+    scale = jnp.where(decrease, decreased, jnp.where(increase, increased, scale))
+    good = jnp.where(increase, 0, good).astype(jnp.int32)
+    bad = jnp.where(decrease, 0, bad).astype(jnp.int32)
+    return scale, good, bad
 
 
 def _unwrap(x: Any) -> Any:

@@ -43,14 +43,12 @@ Example:
 from __future__ import annotations
 
 import functools
-import inspect
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jfleet.mesh import context as _context
@@ -59,128 +57,17 @@ from jfleet.mesh.placement import Placement
 from jfleet.mesh.topology import MP, PP
 from jfleet.parallel import pipeline_executor, pipeline_schedule, segment, stack
 from jfleet.parallel import virtual_stages as virtual
+from jfleet.parallel.layer_desc import (
+    LayerDesc,
+    SharedLayerDesc,
+    build_entry,
+    entry_name,
+)
 from jfleet.parallel.loss import cast_floating, scalar_loss
 from jfleet.parallel.stages import FlatStages, ParamView, Run, params_in_order
 from jfleet.runtime.log import logger
 
 __all__ = ["LayerDesc", "PipelineLayer", "SharedLayerDesc"]
-
-
-# ------------------------------------------------------------------ descriptions
-class LayerDesc:
-    """A layer described now and built later: ``layer_func(*inputs, **kwargs, rngs=rngs)``.
-
-    Args:
-      layer_func: the layer class (an ``nnx.Module`` subclass) or a factory returning one.
-      *inputs: positional arguments for it.
-      **kwargs: keyword arguments for it (``rngs`` is added when it accepts one).
-
-    Raises:
-      TypeError: ``layer_func`` is not callable.
-
-    Example:
-      >>> from flax import nnx
-      >>> desc = LayerDesc(nnx.Linear, 2, 3)
-      >>> desc.build_layer(nnx.Rngs(0)).kernel.shape
-      (2, 3)
-      >>> desc.same_as(LayerDesc(nnx.Linear, 2, 3)), desc.same_as(LayerDesc(nnx.Linear, 3, 2))
-      (True, False)
-    """
-
-    def __init__(self, layer_func: Callable[..., Any], *inputs: Any, **kwargs: Any) -> None:
-        if not callable(layer_func):
-            raise TypeError(
-                f"LayerDesc(layer_func={layer_func!r}): layer_func must be a layer class or a "
-                "function building one."
-            )
-        self.layer_func = layer_func
-        self.inputs = inputs
-        self.kwargs = kwargs
-
-    @property
-    def name(self) -> str:
-        """The class (or factory) name, what ``seg_method='layer:...'`` matches."""
-        return _callable_name(self.layer_func)
-
-    def build_layer(self, rngs: nnx.Rngs | None = None) -> Any:
-        """Builds the layer, drawing its parameters from ``rngs`` (default ``nnx.Rngs(0)``)."""
-        kwargs = dict(self.kwargs)
-        if "rngs" not in kwargs and _takes_rngs(self.layer_func):
-            kwargs["rngs"] = rngs if rngs is not None else nnx.Rngs(0)
-        return self.layer_func(*self.inputs, **kwargs)
-
-    build = build_layer
-
-    def same_as(self, other: Any) -> bool:
-        """Whether ``other`` describes the same layer (type, class, arguments all equal)."""
-        return (
-            type(other) is type(self)
-            and other.layer_func is self.layer_func
-            and _equal(other.inputs, self.inputs)
-            and _equal(other.kwargs, self.kwargs)
-        )
-
-    def __repr__(self) -> str:
-        args = [repr(a) for a in self.inputs] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
-        return f"{type(self).__name__}({', '.join([self.name, *args])})"
-
-
-class SharedLayerDesc(LayerDesc):
-    """A layer shared by every description with the same ``key`` (a tied weight).
-
-    The first description with a key builds the layer; later ones reuse that very
-    module, so the tied parameter is one ``nnx.Param`` and its gradient sums all uses.
-    ``forward_func(layer, x)`` says how an occurrence uses the layer (default
-    ``layer(x)``): the LM head of a tied embedding is ``lambda emb, x: emb.attend(x)``.
-
-    Args:
-      key: the sharing key.
-      layer_func: the layer class or factory (as :class:`LayerDesc`).
-      forward_func: ``forward_func(layer, x)`` for this occurrence, or None.
-      shared_weight_attr: the tied parameter's attribute name on the layer (Paddle's
-        argument; checked to exist). ``"weight"`` for jfleet's and Paddle's embeddings,
-        ``"embedding"`` for ``nnx.Embed``.
-      *inputs: positional arguments for ``layer_func``.
-      **kwargs: keyword arguments for ``layer_func``.
-
-    Raises:
-      TypeError: ``layer_func`` or ``forward_func`` not callable.
-
-    Example:
-      >>> from flax import nnx
-      >>> embed = SharedLayerDesc("emb", nnx.Embed, None, "embedding", 16, 4)
-      >>> head = SharedLayerDesc("emb", nnx.Embed, lambda e, x: e.attend(x), "embedding", 16, 4)
-      >>> model = PipelineLayer([embed, LayerDesc(nnx.Linear, 4, 4), head], num_stages=1)
-      >>> model.pre[0].layer is model.post[0].layer
-      True
-    """
-
-    def __init__(
-        self,
-        key: Any,
-        layer_func: Callable[..., Any],
-        forward_func: Callable[[Any, Any], Any] | None = None,
-        shared_weight_attr: str = "weight",
-        *inputs: Any,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(layer_func, *inputs, **kwargs)
-        if forward_func is not None and not callable(forward_func):
-            raise TypeError(
-                f"SharedLayerDesc(key={key!r}): forward_func={forward_func!r} must be callable "
-                "as forward_func(layer, x), or None."
-            )
-        self.layer_name = key
-        self.forward_func = forward_func
-        self.shared_weight_attr = shared_weight_attr
-
-    @property
-    def key(self) -> Any:
-        """The sharing key (Paddle calls it ``layer_name``)."""
-        return self.layer_name
-
-    def __repr__(self) -> str:
-        return f"SharedLayerDesc(key={self.layer_name!r}, {super().__repr__()})"
 
 
 _Run = Run  # the entries of ``pre`` / ``post``
@@ -283,7 +170,7 @@ class PipelineLayer(nnx.Module):
             logger.info("PipelineLayer: recompute_ctx means nothing under SPMD and is ignored")
         stages = _resolve_stages(num_stages, topology)
         self.loss_fns = _check_loss_fns(loss_fn)
-        names = [_entry_name(e) for e in layers]
+        names = [entry_name(e) for e in layers]
         parts = segment.segment_layers(names, stages * v, seg_method)
         self.num_stages = stages
         self.num_virtual_stages = v
@@ -292,7 +179,7 @@ class PipelineLayer(nnx.Module):
 
         rngs = rngs if rngs is not None else nnx.Rngs(seed)
         shared: dict[Any, list[tuple[SharedLayerDesc, str, Any]]] = {}
-        built = [_build_entry(d, rngs, shared) for d in layers]
+        built = [build_entry(d, rngs, shared) for d in layers]
         body = _stacked_body(layers, parts, built)
         if body is None and v > 1:
             raise ValueError(
@@ -491,41 +378,10 @@ class PipelineLayer(nnx.Module):
                 f"the PipelineLayer has num_stages={self.num_stages} but the mesh's {PP!r} axis "
                 f"has size {size}; build it with num_stages={size} (pp_degree)."
             )
-        batch = jax.tree.leaves(inputs)[0].shape[0]
-        if self.stages is not None:
-            parts = self.stages.pipeline_parts(
-                self.segment_parts, inputs, self.shared_layers, self._shared_at,
-                remat_interval=self.recompute_interval, tensor_parallel=mesh.shape.get(MP, 1),
-            )  # fmt: skip
-            x, run_stage, stage_params, rows, post, tied, pre = parts
-            first = stack.batch_first_leaves(pre, inputs)
-            split, carried, side, shared = stack.stage_inputs(x, batch=batch, batch_first=first)
-
-            def stage_fn(rows: Any, carried: Any, side: Any, shared: Any) -> list:
-                return split.carried_of(run_stage(rows, split.activation_of(carried, side, shared)))
-        else:
-            x = self.run_pre(inputs)
-            first = stack.batch_first_leaves(self.run_pre, inputs)
-            split, carried, side, shared = stack.stage_inputs(x, batch=batch, batch_first=first)
-            body_def, body_state = nnx.split(self.body)
-            stage_params = nnx.to_pure_dict(body_state)
-            stage_fn = stack.stage_function(body_def, split, remat_interval=self.recompute_interval)
-            rows, tied = {}, self.post
-
-            def post(rows: Any, out: Any, runs: Any) -> Any:
-                for run in runs:
-                    out = run(out)
-                return out
-
-        head_def, head_state, head_rest = nnx.split(_Head(tied, loss_fn), nnx.Param, ...)
-        head_params = (rows, nnx.to_pure_dict(head_state))
-        whole = jax.lax.stop_gradient(shared[: split.num_shared])  # the activation's whole leaves
-
-        def head_fn(params: Any, y: list, target: tuple) -> jax.Array:
-            (rows, pure), (labels, side) = params, target
-            h = nnx.merge(head_def, pure, head_rest)
-            out = post(rows, split.activation_of(y, side, whole), h.shared)
-            return _loss_value(h.loss, out, labels)
+        parts = self._stage_parts(inputs, mesh)
+        carried, side, shared = parts.carried, parts.side, parts.shared
+        head_fn, head_params = _head_function(parts, loss_fn)
+        stage_fn, stage_params = parts.stage_fn, parts.stage_params
 
         # On CPU half-precision values cross the pipeline in float32 (stack.widened_stage).
         wide = stack.widens_on(mesh)
@@ -552,6 +408,38 @@ class PipelineLayer(nnx.Module):
             **extra,
         )
 
+    def _stage_parts(self, inputs: Any, mesh: jax.sharding.Mesh) -> _StageParts:
+        """The stage function, its parameters and the activation's leaves, split for the
+        schedule: from the per-stage buffers (stages of different layers) or the stacked
+        body."""
+        batch = jax.tree.leaves(inputs)[0].shape[0]
+        if self.stages is not None:
+            parts = self.stages.pipeline_parts(
+                self.segment_parts, inputs, self.shared_layers, self._shared_at,
+                remat_interval=self.recompute_interval, tensor_parallel=mesh.shape.get(MP, 1),
+            )  # fmt: skip
+            x, run_stage, stage_params, rows, post, tied, pre = parts
+            first = stack.batch_first_leaves(pre, inputs)
+            split, carried, side, shared = stack.stage_inputs(x, batch=batch, batch_first=first)
+
+            def stage_fn(rows: Any, carried: Any, side: Any, shared: Any) -> list:
+                return split.carried_of(run_stage(rows, split.activation_of(carried, side, shared)))
+        else:
+            x = self.run_pre(inputs)
+            first = stack.batch_first_leaves(self.run_pre, inputs)
+            split, carried, side, shared = stack.stage_inputs(x, batch=batch, batch_first=first)
+            body_def, body_state = nnx.split(self.body)
+            stage_params = nnx.to_pure_dict(body_state)
+            stage_fn = stack.stage_function(body_def, split, remat_interval=self.recompute_interval)
+            rows, tied = {}, self.post
+
+            def post(rows: Any, out: Any, runs: Any) -> Any:
+                for run in runs:
+                    out = run(out)
+                return out
+
+        return _StageParts(stage_fn, stage_params, rows, post, tied, split, carried, side, shared)
+
     def _loss_fn(self, idx: int) -> Callable[..., Any]:
         if not self.loss_fns:
             raise ValueError(
@@ -576,43 +464,6 @@ def _loss_value(loss_fn: Callable[..., Any], output: Any, labels: Any) -> jax.Ar
 
 def _attr(node: Any, name: str) -> Any:
     return node[int(name)] if isinstance(node, nnx.List | list | tuple) else getattr(node, name)
-
-
-# ------------------------------------------------------------------ building helpers
-def _callable_name(fn: Any) -> str:
-    if isinstance(fn, functools.partial):
-        return _callable_name(fn.func)
-    return getattr(fn, "__name__", type(fn).__name__)
-
-
-def _entry_name(entry: Any) -> str:
-    if isinstance(entry, LayerDesc):
-        return entry.name
-    if isinstance(entry, nnx.Module):
-        return type(entry).__name__
-    return _callable_name(entry)
-
-
-def _takes_rngs(fn: Any) -> bool:
-    if isinstance(fn, type) and fn.__init__ is object.__init__:  # a layer without __init__
-        return False
-    # an nnx.Module class's own signature is its metaclass's (*args, **kwargs): read __init__
-    target = fn.__init__ if isinstance(fn, type) else fn
-    try:
-        params = inspect.signature(target).parameters
-    except (TypeError, ValueError):
-        return True
-    return "rngs" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    try:
-        same = a == b
-    except Exception:  # arrays and other objects without a plain ==
-        return False
-    return same if isinstance(same, bool | np.bool_) else False
 
 
 def _check_layers(layers: Any) -> list[Any]:
@@ -732,48 +583,32 @@ def _log_flat(stages: FlatStages, parts: list[int], layers: list[Any]) -> None:
     )
 
 
-def _build_entry(entry: Any, rngs: nnx.Rngs, shared: dict) -> tuple[Any, Any, str | None]:
-    """``(layer, func, key)``: the built layer (or None), its function and its tied-layer key.
+class _StageParts(NamedTuple):
+    """What ``PipelineLayer.pipeline_loss`` hands the schedule, besides the head."""
 
-    The first :class:`SharedLayerDesc` of a key builds the layer; later ones of the same
-    class reuse it; one of another class (Paddle's LM head next to the embedding) builds its
-    own layer whose ``shared_weight_attr`` is the first one's parameter (one shape).
-    """
-    if isinstance(entry, SharedLayerDesc):
-        entries = shared.setdefault(entry.key, [])
-        same = [e for e in entries if e[0].layer_func is entry.layer_func]
-        if same:
-            _, name, layer = same[0]
-            return layer, entry.forward_func, name
-        layer = entry.build_layer(rngs)
-        _check_shared_attr(entry, layer)
-        name = str(entry.key) if not entries else f"{entry.key}:{entry.name}"
-        if entries:
-            first, _, first_layer = entries[0]
-            tied = getattr(first_layer, first.shared_weight_attr)
-            own, want = getattr(layer, entry.shared_weight_attr)[...], tied[...]
-            if own.shape != want.shape or own.dtype != want.dtype:
-                raise ValueError(
-                    f"SharedLayerDesc key {entry.key!r}: {entry.name}.{entry.shared_weight_attr} "
-                    f"is {own.dtype}{list(own.shape)} but {first.name}."
-                    f"{first.shared_weight_attr} is {want.dtype}{list(want.shape)}; a "
-                    "tied weight has one shape: build both layers with the same sizes (the LM "
-                    "head's weight as the embedding's [vocab, hidden])."
-                )
-            setattr(layer, entry.shared_weight_attr, tied)
-        entries.append((entry, name, layer))
-        return layer, entry.forward_func, name
-    if isinstance(entry, LayerDesc):
-        return entry.build_layer(rngs), None, None
-    if isinstance(entry, nnx.Module):
-        return entry, None, None
-    return None, entry, None
+    stage_fn: Callable[..., Any]
+    stage_params: Any
+    rows: Any
+    post: Callable[..., Any]
+    tied: Any
+    split: Any
+    carried: Any
+    side: Any
+    shared: Any
 
 
-def _check_shared_attr(entry: SharedLayerDesc, layer: Any) -> None:
-    if not hasattr(layer, entry.shared_weight_attr):
-        params = [".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(layer))]
-        raise ValueError(
-            f"SharedLayerDesc key {entry.key!r}: {entry.name} has no attribute "
-            f"shared_weight_attr={entry.shared_weight_attr!r}; its parameters: {params}."
-        )
+def _head_function(parts: _StageParts, loss_fn: Callable[..., Any]) -> tuple[Callable, Any]:
+    """The last stage's head (post layers + ``loss_fn``) as a function of its parameters,
+    and those parameters."""
+    head_def, head_state, head_rest = nnx.split(_Head(parts.tied, loss_fn), nnx.Param, ...)
+    head_params = (parts.rows, nnx.to_pure_dict(head_state))
+    whole = jax.lax.stop_gradient(parts.shared[: parts.split.num_shared])  # whole leaves
+    split, post = parts.split, parts.post
+
+    def head_fn(params: Any, y: list, target: tuple) -> jax.Array:
+        (rows, pure), (labels, side) = params, target
+        h = nnx.merge(head_def, pure, head_rest)
+        out = post(rows, split.activation_of(y, side, whole), h.shared)
+        return _loss_value(h.loss, out, labels)
+
+    return head_fn, head_params

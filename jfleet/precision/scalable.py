@@ -23,13 +23,11 @@ from typing import Any, Protocol, runtime_checkable
 
 @runtime_checkable
 class ScalableOptimizer(Protocol):
-    """An optimizer that takes loss scaling and master weights (``DistributedOptimizer``)."""
+    """An optimizer that takes loss scaling and master weights (``DistributedOptimizer``).
 
-    def init(self, model: Any, placement: Any = None) -> Any:
-        """Binds the optimizer to ``model`` and makes its state."""
-
-    def step(self, model: Any, grads: Any) -> None:
-        """Applies ``grads`` to ``model``."""
+    Only methods that identify the kind are listed (``init`` / ``step`` also exist, but an
+    ``nnx.Optimizer`` has them as well, and ``step`` is its step-count variable).
+    """
 
     def minimize(self, loss_fn: Callable[..., Any], model: Any, batch: Any) -> Any:
         """One step on ``batch``; returns the loss."""

@@ -590,7 +590,7 @@ def make_distributed_optimizer(optimizer: Any, strategy: Any) -> DistributedOpti
       >>> s = DistributedStrategy()
       >>> s.gradient_merge = True
       >>> make_distributed_optimizer(optax.sgd(0.1), s).applied_meta_list
-      ['GradientMergeOptimizer']
+      ('GradientMergeOptimizer',)
     """
     wrt = nnx.Param
     if isinstance(optimizer, nnx.Optimizer):

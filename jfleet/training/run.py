@@ -12,7 +12,7 @@ Example:
   >>> strategy.hybrid_configs = {"dp_degree": 4, "mp_degree": 2}
   >>> run = start_run(PaddleCloudRoleMaker(is_collective=True), strategy)
   >>> dict(run.mesh.shape)
-  {'pp': 1, 'dp': 4, 'sharding': 1, 'sep': 1, 'mp': 2}
+  {'dp': 4, 'pp': 1, 'sharding': 1, 'sep': 1, 'mp': 2}
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import jax
 
 from jfleet.mesh import context as _context
-from jfleet.mesh.topology import build_hybrid_communicate_group
+from jfleet.mesh.hybrid_group import build_hybrid_communicate_group
 from jfleet.parallel.random import apply_tensor_init_seed
 from jfleet.runtime import consistency
 from jfleet.runtime.log import logger

@@ -17,8 +17,8 @@ Example:
 from typing import Any
 
 from jfleet.mesh import context as _context
+from jfleet.mesh.hybrid_group import HybridCommunicateGroup as HybridCommunicateGroup
 from jfleet.mesh.topology import CommunicateTopology as CommunicateTopology
-from jfleet.mesh.topology import HybridCommunicateGroup as HybridCommunicateGroup
 from jfleet.mesh.topology import ParallelMode as ParallelMode
 
 

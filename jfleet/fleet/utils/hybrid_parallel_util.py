@@ -19,7 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 from jfleet.fleet._noop import log_noop
-from jfleet.mesh.topology import Group, HybridCommunicateGroup
+from jfleet.mesh.hybrid_group import HybridCommunicateGroup
+from jfleet.mesh.topology import Group
 from jfleet.training.distributed_optimizer import DistributedOptimizer
 
 __all__ = [

@@ -20,7 +20,8 @@ import jax
 
 from jfleet.mesh.collective_perf.report import format_table, parse_size, plot
 from jfleet.mesh.collective_perf.timing import OPS, WORLD, _check_op, _positive_int, group_of, sweep
-from jfleet.mesh.topology import AXIS_NAMES, DP, MP, build_hybrid_communicate_group
+from jfleet.mesh.hybrid_group import build_hybrid_communicate_group
+from jfleet.mesh.topology import AXIS_NAMES, DP, MP
 from jfleet.runtime.log import set_log_level
 from jfleet.runtime.role_maker import PaddleCloudRoleMaker, initialize_distributed
 

@@ -24,7 +24,8 @@ from jax.sharding import PartitionSpec as P
 
 from jfleet.mesh import context as _context
 from jfleet.mesh.group_collective import ReduceOp, _mesh_for, _spec_on, kernel
-from jfleet.mesh.topology import DP, MP, SHARDING, Group, HybridCommunicateGroup
+from jfleet.mesh.hybrid_group import HybridCommunicateGroup
+from jfleet.mesh.topology import DP, MP, SHARDING, Group
 from jfleet.runtime.log import logger
 
 __all__ = [
@@ -170,7 +171,7 @@ def group_of(hcg: HybridCommunicateGroup, name: str) -> Group:
       ValueError: an unknown or repeated axis.
 
     Example:
-      >>> from jfleet.mesh.topology import build_hybrid_communicate_group
+      >>> from jfleet.mesh.hybrid_group import build_hybrid_communicate_group
       >>> hcg = build_hybrid_communicate_group({"dp_degree": 2, "mp_degree": 4})
       >>> group_of(hcg, "world").nranks, group_of(hcg, "dp+mp").nranks
       (8, 8)
@@ -192,7 +193,7 @@ def default_group(comm_type: str, hcg: HybridCommunicateGroup) -> Group | None:
     the model-parallel group (``mp``) for allgather and reduce_scatter.
 
     Example:
-      >>> from jfleet.mesh.topology import build_hybrid_communicate_group
+      >>> from jfleet.mesh.hybrid_group import build_hybrid_communicate_group
       >>> hcg = build_hybrid_communicate_group({"dp_degree": 2, "mp_degree": 4})
       >>> default_group("broadcast", hcg).name, default_group("allgather", hcg).nranks
       ('dp', 4)
@@ -269,7 +270,7 @@ def collective_fn(op: str, mesh: Mesh, axes: Sequence[str], spec: P | None = Non
     Example:
       >>> import numpy as np
       >>> from jax.sharding import PartitionSpec as P
-      >>> from jfleet.mesh.topology import build_hybrid_communicate_group
+      >>> from jfleet.mesh.hybrid_group import build_hybrid_communicate_group
       >>> mesh = build_hybrid_communicate_group({"dp_degree": 8}).mesh
       >>> f = collective_fn("allreduce", mesh, mesh.axis_names)
       >>> np.asarray(f(np.ones(2, np.float32))).reshape(8, 2)[3]
@@ -335,7 +336,7 @@ def measure(
 
     Example:
       >>> import numpy as np
-      >>> from jfleet.mesh.topology import build_hybrid_communicate_group
+      >>> from jfleet.mesh.hybrid_group import build_hybrid_communicate_group
       >>> hcg = build_hybrid_communicate_group({"dp_degree": 2, "mp_degree": 4})
       >>> r = measure("allgather", np.zeros(256, np.float32), group_of(hcg, "mp"), round=2)
       >>> r.nbytes, r.total_bytes, r.busbw_gbps == r.algbw_gbps * 0.75
@@ -486,7 +487,7 @@ def collective_perf(
         int of at least 4 bytes, a threshold that is not a number, an unknown group.
 
     Example:
-      >>> from jfleet.mesh.topology import build_hybrid_communicate_group
+      >>> from jfleet.mesh.hybrid_group import build_hybrid_communicate_group
       >>> hcg = build_hybrid_communicate_group({"dp_degree": 2, "mp_degree": 4})
       >>> [(r.op, r.group, r.nbytes) for r in collective_perf("reduce", 2, {64: -1}, hcg)]
       [('reduce', 'dp', 64)]
@@ -532,7 +533,7 @@ def sweep(
     groups of one rank are skipped with an INFO line.
 
     Example:
-      >>> from jfleet.mesh.topology import build_hybrid_communicate_group
+      >>> from jfleet.mesh.hybrid_group import build_hybrid_communicate_group
       >>> hcg = build_hybrid_communicate_group({"dp_degree": 2, "mp_degree": 4})
       >>> len(sweep(hcg, ["allreduce"], ["dp", "mp", "pp"], [64], round=1))  # pp: 1 rank
       2
