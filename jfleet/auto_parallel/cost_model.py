@@ -163,7 +163,7 @@ _ONE_BLOCK_WORK = 1.3
 #: residuals, x one block's activations (XLA:CPU, TinyLlama width 128 at dp8 and dp2 x mp4).
 _SCAN_WORK = 0.5
 #: FThenB's stand-in keeps its M micro-batches' residuals: the matmul outputs
-#: (``pipeline_schedule.SavedStage``), x the activations. Fitted on XLA:CPU (TinyLlama,
+#: (``pipeline_parts.SavedStage``), x the activations. Fitted on XLA:CPU (TinyLlama,
 #: 2-4 blocks, dp2 x pp2 x mp2 M=2 and dp2 x pp4 M=4): 0.16-0.85 keeps all within 25%.
 _FTHENB_KEPT = 0.5
 #: A scan over layers without recompute keeps each block's matmul outputs only

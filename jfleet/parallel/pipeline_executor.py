@@ -57,23 +57,23 @@ from jax.sharding import Mesh
 
 from jfleet.mesh.topology import DATA_AXES, PP
 from jfleet.parallel import pipeline_table as tables
-from jfleet.parallel.pipeline_schedule import (
+from jfleet.parallel.pipeline_parts import (
     HeadFn,
     StageFn,
-    _acc_dtype,
-    _check_head,
-    _check_stage,
-    _differentiable,
-    _reduced,
-    _select,
-    _split,
-    _stage_call,
-    _take,
-    _unsplit,
-    _validate,
-    _vary,
-    _zeros,
+    acc_dtype,
+    check_head,
+    check_stage,
+    from_microbatches,
+    reduced_loss,
+    select,
+    stage_call,
+    take,
+    to_microbatches,
+    validate,
+    vary,
+    zeros_like_tree,
 )
+from jfleet.parallel.pipeline_schedule import _differentiable
 
 __all__ = ["table_pipeline_loss"]
 
@@ -131,7 +131,7 @@ def table_pipeline_loss(
       ...                     w, (), x, t, mesh=mesh, schedule="ZBH1", num_microbatches=2)
       Array(1., dtype=float32)
     """
-    spec = _validate(
+    spec = validate(
         stage_fn,
         head_fn,
         stage_params,
@@ -162,7 +162,7 @@ def table_pipeline_loss(
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Run:
-    spec: Any  # pipeline_schedule._Pipeline
+    spec: Any  # pipeline_parts.PipelineSpec
     table: tables.ScheduleTable
 
     def plan(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -187,37 +187,37 @@ def _local(run, forward_only, with_dx, stage_params, head_params, inputs, target
     spec = run.spec
     m, axes = spec.num_microbatches, spec.manual_axes
     scale = 1.0 / (m * spec.data_size)
-    params = _vary(jax.tree.map(lambda a: a[0], stage_params), axes)  # [v, ...]
-    head = _vary(head_params, axes)
-    x_mb = _vary(_split(inputs, spec), axes)
-    t_mb = _split(targets, spec)
-    call = _stage_call(spec, _vary(_split(side, spec), axes), _vary(shared, axes))
+    params = vary(jax.tree.map(lambda a: a[0], stage_params), axes)  # [v, ...]
+    head = vary(head_params, axes)
+    x_mb = vary(to_microbatches(inputs, spec), axes)
+    t_mb = to_microbatches(targets, spec)
+    call = stage_call(spec, vary(to_microbatches(side, spec), axes), vary(shared, axes))
     stage = lax.axis_index(spec.pp_axis)
-    act = _take(x_mb, 0)
-    _check_stage(call, _take(params, 0), act)
-    _check_head(spec, head, act, _take(t_mb, 0))
+    act = take(x_mb, 0)
+    check_stage(call, take(params, 0), act)
+    check_head(spec, head, act, take(t_mb, 0))
     rows, plan = run.plan()
     branches = _branches(spec, call, head, act, params, forward_only)
 
     def tick(carry, row):
         recv_x, recv_g, xs, gs, d_params, d_head, d_x_all, losses = carry
         r = {k: lax.dynamic_index_in_dim(a, stage, 0, keepdims=False) for k, a in row.items()}
-        xs = _put(xs, recv_x, r["recv_x"])  # what arrived, before this tick's op reads it
-        gs = _put(gs, recv_g, r["recv_g"])
+        xs = put(xs, recv_x, r["recv_x"])  # what arrived, before this tick's op reads it
+        gs = put(gs, recv_g, r["recv_g"])
         i, c = r["mb"], r["chunk"]
-        x = _select(r["first"] == 1, _take(x_mb, i), _take(xs, r["x_slot"]))
-        g = _take(gs, r["g_slot"])
+        x = select(r["first"] == 1, take(x_mb, i), take(xs, r["x_slot"]))
+        g = take(gs, r["g_slot"])
         y, dx, dw, dh, loss, g = lax.switch(
-            r["branch"], branches, _take(params, c), x, g, i, _take(t_mb, i)
+            r["branch"], branches, take(params, c), x, g, i, take(t_mb, i)
         )
-        gs = _put(gs, g, r["g_slot"])  # the head's cotangent (the others write back g)
-        d_params = _put(d_params, jax.tree.map(jnp.add, _take(d_params, c), dw), c)
+        gs = put(gs, g, r["g_slot"])  # the head's cotangent (the others write back g)
+        d_params = put(d_params, jax.tree.map(jnp.add, take(d_params, c), dw), c)
         d_head = jax.tree.map(jnp.add, d_head, dh)
         if with_dx:
             first = (r["first"] == 1) & (
                 (r["branch"] == tables.RUN_B) | (r["branch"] == tables.RUN_BI)
             )
-            d_x_all = _put(d_x_all, _select(first, dx, _take(d_x_all, i)), i)
+            d_x_all = put(d_x_all, select(first, dx, take(d_x_all, i)), i)
         losses = losses.at[i].add(loss)  # zero but on the last chunk's F
         return (
             _ring(y, spec, 1),
@@ -231,21 +231,21 @@ def _local(run, forward_only, with_dx, stage_params, head_params, inputs, target
         ), None
 
     def acc(tree):
-        return jax.tree.map(lambda a: jnp.zeros_like(a, dtype=_acc_dtype(a)), tree)
+        return jax.tree.map(lambda a: jnp.zeros_like(a, dtype=acc_dtype(a)), tree)
 
     init = (
-        _zeros(act),
-        _zeros(act),
+        zeros_like_tree(act),
+        zeros_like_tree(act),
         jax.tree.map(lambda a: jnp.zeros((plan["x_slots"], *a.shape), a.dtype), act),
         jax.tree.map(lambda a: jnp.zeros((plan["g_slots"], *a.shape), a.dtype), act),
         acc(params),
         acc(head),
-        _zeros(x_mb) if with_dx else None,
+        zeros_like_tree(x_mb) if with_dx else None,
         jnp.zeros((m,), jnp.float32),
     )
-    carry, _ = lax.scan(tick, _vary(init, axes), {k: jnp.asarray(v) for k, v in rows.items()})
+    carry, _ = lax.scan(tick, vary(init, axes), {k: jnp.asarray(v) for k, v in rows.items()})
     *_, d_params, d_head, d_x_all, losses = carry
-    reduced = _reduced(spec, losses, scale)
+    reduced = reduced_loss(spec, losses, scale)
     if forward_only:
         return reduced
 
@@ -255,11 +255,11 @@ def _local(run, forward_only, with_dx, stage_params, head_params, inputs, target
 
     d_stage = jax.tree.map(lambda d: d[None], finish(d_params, spec.data_axes, params))
     d_head = finish(d_head, axes, head_params)
-    d_x = _unsplit(finish(d_x_all, (spec.pp_axis,), x_mb)) if with_dx else None
+    d_x = from_microbatches(finish(d_x_all, (spec.pp_axis,), x_mb)) if with_dx else None
     return reduced, (d_stage, d_head, d_x)
 
 
-def _put(tree: Any, value: Any, i: jax.Array) -> Any:
+def put(tree: Any, value: Any, i: jax.Array) -> Any:
     return jax.tree.map(
         lambda a, v: lax.dynamic_update_index_in_dim(a, v.astype(a.dtype), i, 0), tree, value
     )
@@ -269,16 +269,16 @@ def _branches(spec, call, head, act, params, forward_only) -> list[Callable[...,
     """The ops' bodies, ``(w, x, g, i, target) -> (y, dx, dw, d_head, loss, g)``, in the
     order of ``pipeline_table.RUN_*``."""
     axes = spec.manual_axes
-    zero_loss = _vary(jnp.zeros((), jnp.float32), axes)
+    zero_loss = vary(jnp.zeros((), jnp.float32), axes)
     w0 = jax.tree.map(lambda a: a[0], params)
 
     def out(y=None, dx=None, dw=None, dh=None, loss=None, g=None):
-        return _vary(
+        return vary(
             (
-                _zeros(act) if y is None else y,
-                _zeros(act) if dx is None else dx,
-                _zeros(w0) if dw is None else dw,
-                _zeros(head) if dh is None else dh,
+                zeros_like_tree(act) if y is None else y,
+                zeros_like_tree(act) if dx is None else dx,
+                zeros_like_tree(w0) if dw is None else dw,
+                zeros_like_tree(head) if dh is None else dh,
                 zero_loss if loss is None else loss,
                 g,
             ),

@@ -15,7 +15,7 @@ weights per tick) is stacked.
 
   * ``"FThenB"`` (GPipe): the forward stashes, per micro-batch, the stage's matmul (and
     convolution) outputs and the other residuals of its ``jax.vjp`` except the weights
-    (:class:`~jfleet.parallel.pipeline_schedule.SavedStage`: the stage runs under
+    (:class:`~jfleet.parallel.pipeline_parts.SavedStage`: the stage runs under
     ``jax.checkpoint`` saving only matmul outputs); the backward pulls back from them,
     recomputing only elementwise work. Executed work per stage: ``M`` forwards and ``M``
     backwards; activation memory: every micro-batch's matmul outputs.
@@ -72,20 +72,20 @@ from jax.sharding import PartitionSpec as P
 from jfleet.mesh.placement import check_divides
 from jfleet.mesh.topology import DATA_AXES, PP
 from jfleet.parallel import virtual_stages as virtual
-from jfleet.parallel.pipeline_schedule import (
+from jfleet.parallel.pipeline_parts import (
+    PipelineSpec,
     SavedStage,
     StageFn,
-    _backward_ticks,
-    _check_stage,
-    _forward_ticks,
-    _Pipeline,
-    _split,
-    _stage_call,
-    _take,
-    _unsplit,
-    _validate,
-    _vary,
+    backward_ticks,
+    check_stage,
+    forward_ticks,
+    from_microbatches,
+    stage_call,
     stage_vjp,
+    take,
+    to_microbatches,
+    validate,
+    vary,
 )
 
 
@@ -156,7 +156,7 @@ def pipeline_forward(
     v = virtual.check_virtual(num_virtual)
     virtual.check_chunks_agree(schedule, v, one_f_one_b_interleaves=True)
     schedule = "VPP" if v > 1 else schedule
-    spec = _validate(
+    spec = validate(
         stage_fn,
         _no_head,
         stage_params,
@@ -186,7 +186,7 @@ def pipeline_forward(
     return _pipelined(spec, rows, saving, v)(stage_params, inputs, side, shared)
 
 
-def _check_chunks(spec: _Pipeline, stage_params: Any, v: int) -> None:
+def _check_chunks(spec: PipelineSpec, stage_params: Any, v: int) -> None:
     """Interleaved stages: 2+ stages, micro-batches in groups of ``P``, ``v`` chunks a row."""
     p = spec.num_stages
     if p < 2:
@@ -211,24 +211,24 @@ def _no_head(*_: Any) -> jax.Array:
     return jnp.zeros((), jnp.float32)
 
 
-def _batch_spec(spec: _Pipeline, rows: bool) -> P:
+def _batch_spec(spec: PipelineSpec, rows: bool) -> P:
     axes = (*spec.data_axes, spec.pp_axis) if rows else spec.data_axes
     return P(axes) if axes else P()
 
 
-def _stash_spec(spec: _Pipeline) -> P:
+def _stash_spec(spec: PipelineSpec) -> P:
     """What a device stashed, as one block per device of a leading axis."""
     return P((spec.pp_axis, *spec.data_axes))
 
 
-def _gather(tree: Any, spec: _Pipeline, rows: bool) -> Any:
+def _gather(tree: Any, spec: PipelineSpec, rows: bool) -> Any:
     """This replica's whole batch from its stages' shares (``rows_over_pp``)."""
     if not rows:
         return tree
     return jax.tree.map(lambda a: lax.all_gather(a, spec.pp_axis, axis=0, tiled=True), tree)
 
 
-def _scatter(tree: Any, spec: _Pipeline, rows: bool) -> Any:
+def _scatter(tree: Any, spec: PipelineSpec, rows: bool) -> Any:
     """The sum over stages: whole on every stage, or each stage's rows (``rows_over_pp``)."""
     if not rows:
         return lax.psum(tree, spec.pp_axis)
@@ -238,7 +238,7 @@ def _scatter(tree: Any, spec: _Pipeline, rows: bool) -> Any:
 
 
 def _mapped(
-    spec: _Pipeline, rows: bool, mode: str, saving: bool = False, v: int = 1
+    spec: PipelineSpec, rows: bool, mode: str, saving: bool = False, v: int = 1
 ) -> Callable[..., Any]:
     """The jitted ``shard_map`` of one pass: ``"forward"``, ``"stash"`` (forward + what
     the backward needs: the stage inputs, or with ``saving`` the matmul outputs) or
@@ -263,7 +263,7 @@ def _mapped(
     return jax.jit(mapped)
 
 
-def _pipelined(spec: _Pipeline, rows: bool, saving: bool, v: int) -> Callable[..., Any]:
+def _pipelined(spec: PipelineSpec, rows: bool, saving: bool, v: int) -> Callable[..., Any]:
     """``f(stage_params, inputs, side, shared) -> y`` whose VJP is the backward loop: it
     recomputes each stage from its stashed input, or (``saving``) pulls back from the
     stashed matmul outputs."""
@@ -296,33 +296,33 @@ def _prepare(spec, rows, v, stage_params, side, shared):
     """This device's stage parameters (``[v, K, ...]`` chunks when ``v > 1``), its stage
     call and index."""
     axes = spec.manual_axes
-    params = _vary(jax.tree.map(lambda a: a[0], stage_params), axes)
+    params = vary(jax.tree.map(lambda a: a[0], stage_params), axes)
     if v > 1:
         params = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), params)
-    side_mb = _vary(_split(_gather(side, spec, rows), spec), axes)
-    return params, _stage_call(spec, side_mb, _vary(shared, axes)), lax.axis_index(spec.pp_axis)
+    side_mb = vary(to_microbatches(_gather(side, spec, rows), spec), axes)
+    return params, stage_call(spec, side_mb, vary(shared, axes)), lax.axis_index(spec.pp_axis)
 
 
 def _local_forward(spec, rows, mode, saving, v, stage_params, inputs, side, shared):
     """One device's forward: the GPipe loop, the last stage's output (and the stash)."""
     axes = spec.manual_axes
     params, call, stage = _prepare(spec, rows, v, stage_params, side, shared)
-    x_mb = _vary(_split(_gather(inputs, spec, rows), spec), axes)
-    _check_stage(call, _take(params, 0) if v > 1 else params, _take(x_mb, 0))
+    x_mb = vary(to_microbatches(_gather(inputs, spec, rows), spec), axes)
+    check_stage(call, take(params, 0) if v > 1 else params, take(x_mb, 0))
 
     def run(x, i, c=None):
-        return _vary(call(params if c is None else _take(params, c), x, i), axes)
+        return vary(call(params if c is None else take(params, c), x, i), axes)
 
     stash: Any = mode == "stash"
     if stash and saving:
-        saved = SavedStage(call, params, _take(x_mb, 0))
+        saved = SavedStage(call, params, take(x_mb, 0))
         run, stash = saved.forward, saved.shapes
-    got = _forward_ticks(spec, run, x_mb, stage, stash=stash, virtual=v)
+    got = forward_ticks(spec, run, x_mb, stage, stash=stash, virtual=v)
     stash = stash is not False
     outs = got[0] if stash else got
     last = stage == spec.num_stages - 1
     outs = jax.tree.map(lambda a: jnp.where(last, a, jnp.zeros_like(a)), outs)
-    y = _scatter(_unsplit(outs), spec, rows)
+    y = _scatter(from_microbatches(outs), spec, rows)
     return (y, jax.tree.map(lambda a: a[None], got[1])) if stash else y
 
 
@@ -331,24 +331,24 @@ def _local_backward(spec, rows, saving, v, stage_params, ins, side, shared, g):
     the input cotangent (stage 0's, summed or scattered over ``pp``)."""
     axes = spec.manual_axes
     params, call, stage = _prepare(spec, rows, v, stage_params, side, shared)
-    ins = _vary(jax.tree.map(lambda a: a[0], ins), axes)
-    g_mb = _vary(_split(_gather(g, spec, rows), spec), axes)
+    ins = vary(jax.tree.map(lambda a: a[0], ins), axes)
+    g_mb = vary(to_microbatches(_gather(g, spec, rows), spec), axes)
     if saving:
-        vjp = SavedStage(call, params, _take(g_mb, 0)).backward
+        vjp = SavedStage(call, params, take(g_mb, 0)).backward
     elif v > 1:
 
         def vjp(x, g, i, c):  # recompute chunk c, pull back through it
-            return stage_vjp(call, _take(params, c))(x, g, i)
+            return stage_vjp(call, take(params, c))(x, g, i)
 
     else:
         vjp = stage_vjp(call, params)
-    d_params, d_x = _backward_ticks(spec, vjp, params, ins, g_mb, stage, virtual=v)
+    d_params, d_x = backward_ticks(spec, vjp, params, ins, g_mb, stage, virtual=v)
     if spec.data_axes:
         d_params = lax.psum(d_params, spec.data_axes)
     d_params = jax.tree.map(
         lambda d, p: d.astype(p.dtype).reshape(p.shape[1:])[None], d_params, stage_params
     )
-    return d_params, _scatter(_unsplit(d_x), spec, rows)
+    return d_params, _scatter(from_microbatches(d_x), spec, rows)
 
 
 def rows_fit(batch: int, mesh: Mesh, num_microbatches: int, data_axes: tuple = DATA_AXES) -> bool:

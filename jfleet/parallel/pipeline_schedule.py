@@ -22,7 +22,7 @@ How it runs:
 Schedules (:mod:`jfleet.parallel.schedule_ticks` counts their ticks, work and collectives):
   * ``"FThenB"`` (GPipe): the forward of every micro-batch (``M + P - 1`` ticks), stashing
     per micro-batch what its backward needs, then the backward loop (``M + P - 1`` ticks,
-    :func:`_backward_ticks`: ``jax.vjp`` + ``ppermute`` to the previous stage, shared with
+    :func:`backward_ticks`: ``jax.vjp`` + ``ppermute`` to the previous stage, shared with
     the ``to_distributed`` stand-in). Without remat the stash is the stage's matmul outputs
     (:class:`SavedStage`; elementwise work is recomputed); with ``remat=True`` only each
     micro-batch's stage input, and the backward recomputes the stage. Both skip their
@@ -63,9 +63,7 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -76,8 +74,30 @@ from jax.custom_derivatives import SymbolicZero
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jfleet.mesh.placement import check_divides
 from jfleet.mesh.topology import DATA_AXES, PP
+from jfleet.parallel.pipeline_parts import (
+    HeadFn,
+    PipelineSpec,
+    SavedStage,
+    StageFn,
+    acc_dtype,
+    backward_ticks,
+    check_head,
+    check_stage,
+    forward_ticks,
+    from_microbatches,
+    put,
+    reduced_loss,
+    select,
+    shift,
+    stage_call,
+    stage_vjp,
+    take,
+    to_microbatches,
+    validate,
+    vary,
+    zeros_like_tree,
+)
 from jfleet.parallel.schedule_ticks import (  # noqa: F401  (re-exported)
     SCHEDULES,
     TICK_KINDS,
@@ -86,36 +106,6 @@ from jfleet.parallel.schedule_ticks import (  # noqa: F401  (re-exported)
     stage_ticks,
     taken_branches,
 )
-
-#: ``stage_fn(params_of_one_stage, x, side, shared) -> y``, for both entry points.
-StageFn = Callable[[Any, Any, Any, Any], Any]
-HeadFn = Callable[[Any, Any, Any], jax.Array]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Pipeline:
-    """The static description of one pipelined loss (validated by :func:`pipeline_loss`)."""
-
-    stage_fn: StageFn
-    head_fn: HeadFn
-    mesh: Mesh
-    schedule: str
-    num_microbatches: int
-    pp_axis: str
-    data_axes: tuple[str, ...]
-    remat: bool
-
-    @property
-    def num_stages(self) -> int:
-        return self.mesh.shape[self.pp_axis]
-
-    @property
-    def manual_axes(self) -> tuple[str, ...]:
-        return (self.pp_axis, *self.data_axes)
-
-    @property
-    def data_size(self) -> int:
-        return math.prod(self.mesh.shape[a] for a in self.data_axes)
 
 
 def pipeline_loss(
@@ -190,7 +180,7 @@ def pipeline_loss(
       ...               w, (), x, t, mesh=mesh, schedule="FThenB", num_microbatches=2)
       Array(1., dtype=float32)
     """
-    spec = _validate(
+    spec = validate(
         stage_fn,
         head_fn,
         stage_params,
@@ -206,88 +196,13 @@ def pipeline_loss(
     return out if micro_losses else out[0]
 
 
-def _validate(
-    stage_fn, head_fn, stage_params, batched, *, mesh, schedule, num_microbatches, pp_axis,
-    data_axes, remat,
-) -> _Pipeline:  # fmt: skip
-    """Checks the arguments; ``batched`` maps names to the pytrees split into micro-batches."""
-    _check_schedule(schedule)
-    m = num_microbatches
-    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
-        raise ValueError(f"num_microbatches={m!r} must be an integer >= 1.")
-    for name, fn in (("stage_fn", stage_fn), ("head_fn", head_fn)):
-        if not callable(fn):
-            raise TypeError(f"{name}={fn!r} is not callable.")
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh={mesh!r} is not a jax.sharding.Mesh.")
-    if pp_axis not in mesh.axis_names:
-        raise ValueError(
-            f"the mesh has axes {mesh.axis_names} and no pipeline axis pp_axis={pp_axis!r}; "
-            "build it with one (fleet.init with hybrid_configs={'pp_degree': N})."
-        )
-    if isinstance(data_axes, str):
-        data_axes = (data_axes,)
-    if pp_axis in data_axes:
-        raise ValueError(f"pp_axis={pp_axis!r} cannot also be a data axis (data_axes={data_axes}).")
-    data_axes = tuple(a for a in data_axes if a in mesh.axis_names)
-    stages = mesh.shape[pp_axis]
-
-    bad = [
-        f"{jax.tree_util.keystr(path) or '<root>'}: {getattr(leaf, 'shape', ())}"
-        for path, leaf in jax.tree_util.tree_leaves_with_path(stage_params)
-        if not getattr(leaf, "shape", ()) or leaf.shape[0] != stages
-    ]
-    if bad:
-        raise ValueError(
-            f"stage_params leaves need a leading stage axis of size {stages} (the mesh's "
-            f"{pp_axis!r} size); these do not: {'; '.join(bad)}."
-        )
-
-    rows = set()
-    for name, tree in batched.items():
-        rows |= _batch_rows(tree, name, optional=name == "side")
-    if len(rows) != 1:
-        raise ValueError(
-            f"{', '.join(batched)} must share one batch size on their leading axis; got "
-            f"{sorted(rows)}."
-        )
-    (batch,) = rows
-    dp = math.prod(mesh.shape[a] for a in data_axes)
-    local = batch // dp if batch % dp == 0 else None
-    fits = [k for k in range(1, local + 1) if local % k == 0] if local else []
-    check_divides(
-        f"the batch of {batch} rows",
-        batch,
-        [("num_microbatches", m), *((a, mesh.shape[a]) for a in data_axes)],
-        f"the batch must be num_microbatches x micro-batch size x the data-parallel size {dp}"
-        + (f"; num_microbatches dividing {local}: {fits}" if fits else ""),
-        label="micro-batch count x data-parallel size",
-    )
-    return _Pipeline(stage_fn, head_fn, mesh, schedule, m, pp_axis, data_axes, bool(remat))
-
-
-def _batch_rows(tree: Any, name: str, optional: bool = False) -> set[int]:
-    leaves = jax.tree_util.tree_leaves_with_path(tree)
-    if not leaves and not optional:
-        raise ValueError(f"{name} has no arrays; pass a [B, ...] array.")
-    rows = set()
-    for path, leaf in leaves:
-        shape = getattr(leaf, "shape", ())
-        if not shape:
-            raise ValueError(
-                f"{name}{jax.tree_util.keystr(path)} is a scalar; it needs a leading batch axis."
-            )
-        rows.add(shape[0])
-    return rows
-
-
 #: ``local(forward_only, with_dx, stage_params, head_params, inputs, targets, side, shared)``:
 #: one device's share of a pipelined loss inside the ``shard_map`` (this module's
 #: :func:`_local_step`, or the table executor's).
 Local = Callable[..., Any]
 
 
-def _differentiable(spec: _Pipeline, local: Local | None = None) -> Callable[..., jax.Array]:
+def _differentiable(spec: PipelineSpec, local: Local | None = None) -> Callable[..., jax.Array]:
     """``f(stage_params, head_params, inputs, targets, side, shared) -> (loss, losses)`` with
     the schedule's VJP: the forward runs the whole training schedule (``local``) and keeps
     the gradients; the backward scales them by the loss's cotangent (targets, side and
@@ -327,7 +242,7 @@ def _is_primal(x: Any) -> bool:
     return hasattr(x, "perturbed") and hasattr(x, "value")
 
 
-def _sharded(spec: _Pipeline, local: Local, *, forward_only: bool, with_dx: bool) -> Callable:
+def _sharded(spec: PipelineSpec, local: Local, *, forward_only: bool, with_dx: bool) -> Callable:
     """The jitted ``shard_map`` computing the loss (and, unless forward_only, the grads)."""
     pp, data = spec.pp_axis, spec.data_axes
     batch_spec = P(data) if data else P()
@@ -353,77 +268,6 @@ def _sharded(spec: _Pipeline, local: Local, *, forward_only: bool, with_dx: bool
     return jax.jit(mapped)
 
 
-def _varying(x: jax.Array) -> frozenset:
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        vma = aval.manual_axis_type.varying
-    return frozenset(vma)
-
-
-def _vary(tree: Any, axes: tuple[str, ...]) -> Any:
-    """Casts every leaf to varying over ``axes`` (those it already varies over are kept)."""
-
-    def one(x):
-        missing = tuple(a for a in axes if a not in _varying(x))
-        return lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(one, tree)
-
-
-def _zeros(tree: Any) -> Any:
-    return jax.tree.map(jnp.zeros_like, tree)
-
-
-def _shapes(tree: Any) -> Any:
-    return jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", tree)
-
-
-def _split(tree: Any, spec: _Pipeline) -> Any:
-    """``[B, ...]`` leaves as ``[M, B / M, ...]``: the micro-batches, consecutive rows."""
-    m = spec.num_microbatches
-    return jax.tree.map(lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:]), tree)
-
-
-def _unsplit(tree: Any) -> Any:
-    return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), tree)
-
-
-def _stage_call(spec: _Pipeline, side_mb: Any, shared: Any) -> Callable[..., Any]:
-    """``call(params, x, i)``: ``stage_fn`` on micro-batch ``i``'s activation ``x``.
-
-    The side and shared inputs are closed over, so no gradient reaches them.
-    """
-
-    def call(params: Any, x: Any, i: jax.Array) -> Any:
-        return spec.stage_fn(params, x, _take(side_mb, i), shared)
-
-    return call
-
-
-def _check_stage(call: Callable[..., Any], params: Any, x: Any) -> None:
-    """Traces ``stage_fn`` on one micro-batch: a clear error for a bad return."""
-    y = jax.eval_shape(call, params, x, jnp.zeros((), jnp.int32))
-    if jax.tree.structure(y) != jax.tree.structure(x) or _shapes(y) != _shapes(x):
-        raise ValueError(
-            "stage_fn must return an activation of its input's structure, shapes and dtypes "
-            f"(it is passed to the next stage); for x = {_shapes(x)} it returned {_shapes(y)}."
-        )
-
-
-def _check_head(spec: _Pipeline, head: Any, x: Any, target: Any) -> None:
-    loss = jax.eval_shape(spec.head_fn, head, x, target)
-    if getattr(loss, "shape", None) != ():
-        raise ValueError(
-            "head_fn must return a scalar loss for one micro-batch; it returned "
-            f"{jax.tree.map(lambda a: a.shape, loss)}."
-        )
-
-
-def _acc_dtype(x: jax.Array) -> Any:
-    return jnp.promote_types(x.dtype, jnp.float32)
-
-
 def _local_step(
     spec, forward_only, with_dx, stage_params, head_params, inputs, targets, side, shared
 ):
@@ -432,18 +276,18 @@ def _local_step(
     scale = 1.0 / (m * spec.data_size)
     # Vary everything over every manual axis first: a vjp with respect to a value that is
     # invariant over an axis would return a cotangent already summed over that axis.
-    params = _vary(jax.tree.map(lambda a: a[0], stage_params), axes)
-    head = _vary(head_params, axes)
-    x_mb = _vary(_split(inputs, spec), axes)
-    t_mb = _split(targets, spec)
-    call = _stage_call(spec, _vary(_split(side, spec), axes), _vary(shared, axes))
+    params = vary(jax.tree.map(lambda a: a[0], stage_params), axes)
+    head = vary(head_params, axes)
+    x_mb = vary(to_microbatches(inputs, spec), axes)
+    t_mb = to_microbatches(targets, spec)
+    call = stage_call(spec, vary(to_microbatches(side, spec), axes), vary(shared, axes))
     stage = lax.axis_index(spec.pp_axis)
-    _check_stage(call, params, _take(x_mb, 0))
-    _check_head(spec, head, _take(x_mb, 0), _take(t_mb, 0))
+    check_stage(call, params, take(x_mb, 0))
+    check_head(spec, head, take(x_mb, 0), take(t_mb, 0))
 
     if forward_only:
         losses = _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage)
-        return _reduced(spec, losses, scale)
+        return reduced_loss(spec, losses, scale)
     run = _fthenb if spec.schedule == "FThenB" else _one_f_one_b
     losses, (d_stage, d_head, d_x) = run(spec, call, params, head, x_mb, t_mb, stage, with_dx)
 
@@ -454,214 +298,8 @@ def _local_step(
     d_stage = jax.tree.map(lambda d: d[None], finish(d_stage, spec.data_axes, params))
     d_head = finish(d_head, axes, head_params)
     if with_dx:
-        d_x = _unsplit(finish(d_x, (spec.pp_axis,), x_mb))
-    return _reduced(spec, losses, scale), (d_stage, d_head, d_x if with_dx else None)
-
-
-def _reduced(spec: _Pipeline, losses: jax.Array, scale: float) -> tuple[jax.Array, jax.Array]:
-    """The mean loss and the per-micro-batch losses (mean over replicas) from this device's."""
-    axes = spec.manual_axes
-    return lax.psum(jnp.sum(losses), axes) * scale, lax.psum(losses, axes) / spec.data_size
-
-
-def _shift(tree: Any, spec: _Pipeline, direction: int, circular: bool = False) -> Any:
-    """Sends to the next stage (direction 1) or the previous one (-1); edges get zeros
-    (or, ``circular``, the other end's)."""
-    p = spec.num_stages
-    if p == 1:
-        return _zeros(tree)
-    if circular:
-        perm = [(i, (i + direction) % p) for i in range(p)]
-    else:
-        perm = [(i, i + direction) for i in range(p) if 0 <= i + direction < p]
-    return jax.tree.map(lambda a: lax.ppermute(a, spec.pp_axis, perm), tree)
-
-
-def _take(tree: Any, i: jax.Array) -> Any:
-    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
-
-
-def _put(tree: Any, value: Any, i: jax.Array) -> Any:
-    return jax.tree.map(lambda a, v: lax.dynamic_update_index_in_dim(a, v, i, 0), tree, value)
-
-
-def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
-    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
-
-
-def _unit(u: jax.Array, m: int, p: int, v: int) -> tuple[jax.Array, jax.Array]:
-    """``(micro-batch, chunk)`` of a stage's ``u``-th forward unit: groups of ``P``
-    micro-batches through chunk 0, then chunk 1, ... (Megatron's interleaved order)."""
-    if v == 1:
-        return u, jnp.zeros_like(u)
-    group, within = u // (v * p), u % (v * p)
-    return group * p + within % p, within // p
-
-
-def _forward_ticks(spec, run, x_mb, stage, *, stash=False, virtual=1):
-    """The forward GPipe loop (``v M + P - 1`` ticks): every micro-batch through every stage.
-
-    ``run(x, i)`` runs this device's stage on activation ``x`` of micro-batch ``i``; a
-    ``lax.cond`` skips its bubble ticks. Returns the stage's outputs ``[M, ...]`` (the last
-    stage's are the stack's), and with ``stash=True`` also its inputs ``[M, ...]`` (what a
-    recomputing backward loop needs); with ``stash`` a pytree of shapes, ``run`` returns
-    ``(y, saved)`` and ``saved`` is stashed per micro-batch instead (:class:`SavedStage`).
-
-    ``virtual = v > 1`` (``M`` a multiple of ``P``): ``run(x, i, c)`` runs chunk ``c``;
-    stage ``s`` runs :func:`_unit` ``t - s``; the last stage's chunk-``c`` output goes
-    round to stage 0 (circular ``ppermute``) just in time for chunk ``c + 1``. Bubble
-    ``(P - 1) / (v M + P - 1)``; the stash is ``[v M, ...]`` (``c M + i``).
-
-    No caller differentiates this loop: under autodiff a ``cond`` returns its residuals as
-    outputs that vary per tick, the stage's weights among them (needed for the input's
-    cotangent), so the scan would stack a copy of the weights per tick (measured, pp4 x
-    dp2: f32[19,4,256,256] at M=16 for a 4-layer 256-wide stage, temp 9.5 -> 25.3 MiB,
-    with or without ``jax.checkpoint`` around the branch). The backward is
-    :func:`_backward_ticks`, inside a ``jax.custom_vjp``.
-    """
-    m, p, axes, v = spec.num_microbatches, spec.num_stages, spec.manual_axes, virtual
-    act = _take(x_mb, 0)
-    saving = stash not in (False, True)  # run returns (y, saved); saved is stashed
-    if saving and v > 1:
-        raise NotImplementedError("interleaved stages stash chunk inputs (recompute) only")
-
-    def tick(carry, t):
-        received, outs, ins = carry
-        u = t - stage
-        valid = (u >= 0) & (u < v * m)
-        fi, c = _unit(jnp.clip(u, 0, v * m - 1), m, p, v)
-        x = _select((stage == 0) & (c == 0), _take(x_mb, fi), received)
-
-        def work(x):
-            return run(x, fi, c) if v > 1 else run(x, fi)
-
-        if saving:
-            none = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stash)
-            idle = _vary((_zeros(act), none), axes)
-            y, kept = lax.cond(valid, lambda x: _vary(work(x), axes), lambda _: idle, x)
-        else:
-            y, kept = lax.cond(valid, work, lambda _: _zeros(act), x), x
-        done = valid & (c == v - 1)
-        outs = _put(outs, _select(done, y, _take(outs, fi)), fi)
-        if stash is not False:
-            k = c * m + fi
-            ins = _put(ins, _select(valid, kept, _take(ins, k)), k)
-        return (_shift(y, spec, 1, circular=v > 1), outs, ins), None
-
-    if saving:
-        kept0 = jax.tree.map(lambda a: jnp.zeros((m, *a.shape), a.dtype), stash)
-    elif stash:
-        kept0 = jax.tree.map(lambda a: jnp.zeros((v * m, *a.shape[1:]), a.dtype), x_mb)
-    else:
-        kept0 = None
-    init = _vary((_zeros(act), _zeros(x_mb), kept0), axes)
-    (_, outs, ins), _ = lax.scan(tick, init, jnp.arange(v * m + p - 1))
-    return (outs, ins) if stash is not False else outs
-
-
-def _saves_matmuls(prim: Any, *_: Any, **__: Any) -> bool:
-    return prim.name in ("dot_general", "conv_general_dilated")
-
-
-class SavedStage:
-    """A stage whose backward pulls back from saved matmul outputs, not the weights.
-
-    ``forward(x, i) -> (y, saved)`` runs ``call(params, x, i)`` under ``jax.checkpoint``
-    saving only matmul (and convolution) outputs and returns the residuals of its
-    ``jax.vjp`` without the parameters; ``backward(saved, g, i) -> (d_params, d_x)`` puts
-    the parameters back and pulls ``g`` back (elementwise work recomputed, no matmul).
-    Stashing ``saved`` per micro-batch outside any differentiated loop keeps one copy of
-    the weights: a ``lax.cond`` differentiated inside the loop would stack them per tick.
-
-    Attributes:
-      shapes: the saved residuals of one micro-batch (``jax.ShapeDtypeStruct``s).
-    """
-
-    def __init__(self, call: Callable[..., Any], params: Any, x: Any) -> None:
-        self.call, self.params = call, params
-        where: list[int | None] = []
-
-        def probe(params: Any, x: Any) -> list:
-            leaves = jax.tree.leaves(self._linear(params, x, jnp.zeros((), jnp.int32))[1])
-            flat = jax.tree.leaves(params)
-            where[:] = [next((k for k, q in enumerate(flat) if q is a), None) for a in leaves]
-            return [a for a, w in zip(leaves, where, strict=True) if w is None]
-
-        self.shapes = jax.eval_shape(probe, params, x)
-        self.where = tuple(where)
-
-    def _linear(self, params: Any, x: Any, i: jax.Array) -> Any:
-        fn = jax.checkpoint(lambda p, x: self.call(p, x, i), policy=_saves_matmuls)
-        return jax.vjp(fn, params, x)
-
-    def forward(self, x: Any, i: jax.Array) -> tuple[Any, list]:
-        y, pull = self._linear(self.params, x, i)
-        leaves = jax.tree.leaves(pull)
-        return y, [a for a, w in zip(leaves, self.where, strict=True) if w is None]
-
-    def backward(self, saved: list, g: Any, i: jax.Array) -> Any:
-        tree = jax.tree.structure(jax.eval_shape(lambda x: self._linear(self.params, x, i)[1], g))
-        kept, flat = iter(saved), jax.tree.leaves(self.params)
-        leaves = [next(kept) if w is None else flat[w] for w in self.where]
-        return jax.tree.unflatten(tree, leaves)(g)
-
-
-def _backward_ticks(spec, vjp, params, ins, g_last, stage, *, virtual=1):
-    """The backward loop of a recomputing GPipe (``v M + P - 1`` ticks), bubbles skipped.
-
-    At tick ``t`` stage ``s`` runs the backward of micro-batch ``t - (P - 1 - s)``:
-    ``vjp(x, g, i) -> (d_params, d_x)`` pulls ``g`` back from what the forward stashed for
-    micro-batch ``i``, ``ins[i]`` (its stage input, recomputing the stage, or the stage's
-    saved matmul outputs), ``g`` being the last stage's ``g_last[i]`` or the cotangent the
-    next stage sent the tick before (``lax.ppermute`` to the previous stage). A
-    ``lax.cond`` skips the ``P - 1`` bubble ticks. Returns the parameter gradients summed
-    over micro-batches (fp32 or wider) and the input cotangents ``[M, ...]`` (stage 0's;
-    zeros elsewhere).
-
-    ``virtual = v > 1``: the forward's units in reverse, ``vjp(x, g, i, c)`` through chunk
-    ``c`` of ``params`` ``[v, ...]``; stage 0's cotangent goes round to the last stage.
-    """
-    m, p, axes, v = spec.num_microbatches, spec.num_stages, spec.manual_axes, virtual
-    act = _take(g_last, 0)
-    chunk = _take(params, 0) if v > 1 else params
-    zero = _vary((_zeros(chunk), _zeros(act)), axes)
-
-    def tick(carry, t):
-        received, d_params, d_x = carry
-        u = t - (p - 1 - stage)
-        valid = (u >= 0) & (u < v * m)
-        bi, c = _unit(v * m - 1 - jnp.clip(u, 0, v * m - 1), m, p, v)
-        g = _select((stage == p - 1) & (c == v - 1), _take(g_last, bi), received)
-
-        def work(x, g):
-            return _vary(vjp(x, g, bi, c) if v > 1 else vjp(x, g, bi), axes)
-
-        dp, dx = lax.cond(valid, work, lambda x, g: zero, _take(ins, c * m + bi), g)
-        if v > 1:
-            summed = jax.tree.map(lambda a, d: a + d.astype(a.dtype), _take(d_params, c), dp)
-            d_params = _put(d_params, summed, c)
-        else:
-            d_params = jax.tree.map(lambda a, d: a + d.astype(a.dtype), d_params, dp)
-        d_x = _put(d_x, _select(valid & (stage == 0) & (c == 0), dx, _take(d_x, bi)), bi)
-        return (_shift(dx, spec, -1, circular=v > 1), d_params, d_x), None
-
-    acc = jax.tree.map(lambda a: jnp.zeros_like(a, dtype=_acc_dtype(a)), params)
-    init = _vary((_zeros(act), acc, _zeros(g_last)), axes)
-    (_, d_params, d_x), _ = lax.scan(tick, init, jnp.arange(v * m + p - 1))
-    return d_params, d_x
-
-
-def stage_vjp(call: Callable[..., Any], params: Any) -> Callable[..., Any]:
-    """``vjp(x, g, i) -> (d_params, d_x)``: recompute ``call(params, x, i)`` and pull ``g`` back.
-
-    The backward tick of both recomputing loops (1F1B's and the recomputing GPipe's).
-    """
-
-    def vjp(x: Any, g: Any, i: jax.Array) -> Any:
-        _, pull = jax.vjp(lambda params, x: call(params, x, i), params, x)
-        return pull(g)
-
-    return vjp
+        d_x = from_microbatches(finish(d_x, (spec.pp_axis,), x_mb))
+    return reduced_loss(spec, losses, scale), (d_stage, d_head, d_x if with_dx else None)
 
 
 def _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage):
@@ -671,7 +309,7 @@ def _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage):
     device's head loss per micro-batch ``[M]`` (zeros off the last stage).
     """
     p, axes = spec.num_stages, spec.manual_axes
-    outs = _forward_ticks(spec, lambda x, i: _vary(call(params, x, i), axes), x_mb, stage)
+    outs = forward_ticks(spec, lambda x, i: vary(call(params, x, i), axes), x_mb, stage)
 
     def heads():
         def one(yt):
@@ -679,24 +317,24 @@ def _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage):
 
         # vmap, not lax.map: a loss that opens its own shard_map over mp (ParallelCrossEntropy)
         # does not lower inside a differentiated scan here
-        return _vary(jax.vmap(one)((outs, t_mb)), axes)
+        return vary(jax.vmap(one)((outs, t_mb)), axes)
 
     zeros = jnp.zeros((spec.num_microbatches,), jnp.float32)
-    return lax.cond(stage == p - 1, heads, lambda: _vary(zeros, axes))
+    return lax.cond(stage == p - 1, heads, lambda: vary(zeros, axes))
 
 
 def _fthenb(spec, call, params, head, x_mb, t_mb, stage, with_dx):
     """GPipe: a forward loop stashing per micro-batch what the backward needs (the stage
     input with ``remat``, else the stage's saved matmul outputs, :class:`SavedStage`), the
-    head's value and gradient on the last stage, then :func:`_backward_ticks`; every
+    head's value and gradient on the last stage, then :func:`backward_ticks`; every
     bubble tick skipped."""
     p, axes = spec.num_stages, spec.manual_axes
     if spec.remat:
-        run, stash, vjp = lambda x, i: _vary(call(params, x, i), axes), True, None
+        run, stash, vjp = lambda x, i: vary(call(params, x, i), axes), True, None
     else:
-        saved = SavedStage(call, params, _take(x_mb, 0))
+        saved = SavedStage(call, params, take(x_mb, 0))
         run, stash, vjp = saved.forward, saved.shapes, saved.backward
-    outs, ins = _forward_ticks(spec, run, x_mb, stage, stash=stash)
+    outs, ins = forward_ticks(spec, run, x_mb, stage, stash=stash)
 
     def heads(head, outs):
         def one(head, y, t):
@@ -707,13 +345,13 @@ def _fthenb(spec, call, params, head, x_mb, t_mb, stage, with_dx):
             return jnp.sum(losses), losses
 
         (_, losses), grads = jax.value_and_grad(total, (0, 1), has_aux=True)(head, outs)
-        return _vary((losses, *grads), axes)
+        return vary((losses, *grads), axes)
 
     no_loss = jnp.zeros((spec.num_microbatches,), jnp.float32)
-    zeros = _vary((no_loss, _zeros(head), _zeros(outs)), axes)
+    zeros = vary((no_loss, zeros_like_tree(head), zeros_like_tree(outs)), axes)
     losses, d_head, g_last = lax.cond(stage == p - 1, heads, lambda *_: zeros, head, outs)
     vjp = vjp or stage_vjp(call, params)
-    d_stage, d_x = _backward_ticks(spec, vjp, params, ins, g_last, stage)
+    d_stage, d_x = backward_ticks(spec, vjp, params, ins, g_last, stage)
     return losses, (d_stage, d_head, d_x if with_dx else None)
 
 
@@ -726,55 +364,55 @@ def _one_f_one_b(spec, call, params, head, x_mb, t_mb, stage, with_dx):
     m, p, axes = spec.num_microbatches, spec.num_stages, spec.manual_axes
     head_fn = spec.head_fn
     slots = max(2 * (p - 1), 1)
-    act = _take(x_mb, 0)
+    act = take(x_mb, 0)
     last = stage == p - 1
-    zero_loss = _vary(jnp.zeros((), jnp.float32), axes)
+    zero_loss = vary(jnp.zeros((), jnp.float32), axes)
 
     def forward(x, i):
-        return _vary(call(params, x, i), axes)
+        return vary(call(params, x, i), axes)
 
     vjp = stage_vjp(call, params)
 
     def backward(x, g, i):
         d_params, d_x = vjp(x, g, i)
-        return _vary((zero_loss, d_params, _zeros(head), d_x), axes)
+        return vary((zero_loss, d_params, zeros_like_tree(head), d_x), axes)
 
     def last_stage(x, target, i):
         def full(params, head, x):
             return jnp.asarray(head_fn(head, call(params, x, i), target), jnp.float32)
 
         loss, grads = jax.value_and_grad(full, argnums=(0, 1, 2))(params, head, x)
-        return _vary((loss, *grads), axes)
+        return vary((loss, *grads), axes)
 
     def skip(*_):
-        return (zero_loss, _zeros(params), _zeros(head), _zeros(act))
+        return (zero_loss, zeros_like_tree(params), zeros_like_tree(head), zeros_like_tree(act))
 
     def tick(carry, t):
         received_x, received_g, stash, d_stage, d_head, d_x_all, losses = carry
         f, b = t - stage, t - 2 * (p - 1) + stage
         f_valid, b_valid = (f >= 0) & (f < m), (b >= 0) & (b < m)
         fi, bi = jnp.clip(f, 0, m - 1), jnp.clip(b, 0, m - 1)
-        x = _select(stage == 0, _take(x_mb, fi), received_x)
-        x_back = _take(stash, bi % slots)  # read before this tick's write to the ring
-        y = lax.cond(f_valid & ~last, lambda x: forward(x, fi), lambda _: _zeros(act), x)
+        x = select(stage == 0, take(x_mb, fi), received_x)
+        x_back = take(stash, bi % slots)  # read before this tick's write to the ring
+        y = lax.cond(f_valid & ~last, lambda x: forward(x, fi), lambda _: zeros_like_tree(act), x)
         branch = jnp.where(last, jnp.where(f_valid, 2, 0), jnp.where(b_valid, 1, 0))
         loss, dp, dh, dx = lax.switch(
             branch,
             (skip, lambda x, g, t: backward(x, g, bi), lambda x, g, t: last_stage(x, t, fi)),
-            _select(last, x, x_back),
+            select(last, x, x_back),
             received_g,
-            _take(t_mb, fi),
+            take(t_mb, fi),
         )
         slot = f % slots  # f, not the clipped fi: a bubble tick must not hit a live slot
-        stash = _put(stash, _select(f_valid, x, _take(stash, slot)), slot)
+        stash = put(stash, select(f_valid, x, take(stash, slot)), slot)
         d_stage = jax.tree.map(lambda a, d: a + d.astype(a.dtype), d_stage, dp)
         d_head = jax.tree.map(lambda a, d: a + d.astype(a.dtype), d_head, dh)
         if with_dx:
             keep = b_valid & (stage == 0)
-            d_x_all = _put(d_x_all, _select(keep, dx, _take(d_x_all, bi)), bi)
+            d_x_all = put(d_x_all, select(keep, dx, take(d_x_all, bi)), bi)
         carry = (
-            _shift(y, spec, 1),
-            _shift(dx, spec, -1),
+            shift(y, spec, 1),
+            shift(dx, spec, -1),
             stash,
             d_stage,
             d_head,
@@ -784,15 +422,15 @@ def _one_f_one_b(spec, call, params, head, x_mb, t_mb, stage, with_dx):
         return carry, None
 
     init = (
-        _zeros(act),
-        _zeros(act),
+        zeros_like_tree(act),
+        zeros_like_tree(act),
         jax.tree.map(lambda a: jnp.zeros((slots, *a.shape), a.dtype), act),
-        jax.tree.map(lambda a: jnp.zeros_like(a, dtype=_acc_dtype(a)), params),
-        jax.tree.map(lambda a: jnp.zeros_like(a, dtype=_acc_dtype(a)), head),
-        _zeros(x_mb) if with_dx else None,
+        jax.tree.map(lambda a: jnp.zeros_like(a, dtype=acc_dtype(a)), params),
+        jax.tree.map(lambda a: jnp.zeros_like(a, dtype=acc_dtype(a)), head),
+        zeros_like_tree(x_mb) if with_dx else None,
         jnp.zeros((m,), jnp.float32),
     )
-    init = _vary(init, axes)
+    init = vary(init, axes)
     carry, _ = lax.scan(tick, init, jnp.arange(m + 2 * (p - 1)))
     _, _, _, d_stage, d_head, d_x_all, losses = carry
     return losses, (d_stage, d_head, d_x_all)
