@@ -106,7 +106,8 @@ def render(results: dict, rounds: int, steps: int, command: str) -> str:
     lines += [
         "",
         "The engine's call holds, besides the jitted step: the fast path's checks "
-        "(same model and optimizer objects, graph unchanged: `jfleet.training.graph_watch.GraphWatch`), "
+        "(same model and optimizer objects, graph unchanged: "
+        "`jfleet.training.graph_watch.GraphWatch`), "
         "reading and writing back each variable's value, the batch placement, the "
         "non-finite guard's bookkeeping and the atomic (signal-safe) install.",
     ]
