@@ -28,13 +28,8 @@ from jax import lax
 from jax.sharding import Mesh
 
 from jfleet.mesh.placement import check_divides
-from jfleet.parallel.schedule_ticks import (  # noqa: F401  (re-exported)
-    SCHEDULES,
-    TICK_KINDS,
+from jfleet.parallel.schedule_ticks import (
     _check_schedule,
-    schedule_stats,
-    stage_ticks,
-    taken_branches,
 )
 
 #: ``stage_fn(params_of_one_stage, x, side, shared) -> y``, for both entry points.
