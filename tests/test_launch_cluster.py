@@ -15,6 +15,8 @@ from jfleet.launch.ports import hold_free_ports, is_free
 from jfleet.launch.rendezvous import Node, RendezvousClient, RendezvousServer
 from jfleet.role_maker import PaddleCloudRoleMaker
 
+TOKEN = b"test-token-0123456789"
+
 # ------------------------------------------------------------------------------ flags
 
 
@@ -234,12 +236,16 @@ def _register(c: RendezvousClient, rank: int, port: int) -> None:
 
 
 def test_rendezvous_ranks_relays_the_failure_restarts_and_ends():
-    server = RendezvousServer.bind("127.0.0.1", 0, nnodes=2, timeout_s=5, max_restart=1)
+    server = RendezvousServer.bind(
+        "127.0.0.1", 0, token=TOKEN, nnodes=2, timeout_s=5, max_restart=1
+    )
     server.start()
-    ranked = RendezvousClient.connect(server.address, timeout_s=5)
+    ranked = RendezvousClient.connect(
+        server.address, token=TOKEN, nnodes=server.nnodes, timeout_s=5
+    )
     _register(ranked, 1, 7001)  # arrives first but asked for rank 1
     time.sleep(0.1)
-    other = RendezvousClient.connect(server.address, timeout_s=5)
+    other = RendezvousClient.connect(server.address, token=TOKEN, nnodes=server.nnodes, timeout_s=5)
     _register(other, -1, 7000)
     starts = [ranked.receive(5), other.receive(5)]
     assert [s["node_rank"] for s in starts] == [1, 0]
@@ -269,9 +275,11 @@ def test_rendezvous_ranks_relays_the_failure_restarts_and_ends():
 
 
 def test_rendezvous_names_the_nodes_that_never_show():
-    server = RendezvousServer.bind("127.0.0.1", 0, nnodes=3, timeout_s=0.5, max_restart=0)
+    server = RendezvousServer.bind(
+        "127.0.0.1", 0, token=TOKEN, nnodes=3, timeout_s=0.5, max_restart=0
+    )
     server.start()
-    c = RendezvousClient.connect(server.address, timeout_s=5)
+    c = RendezvousClient.connect(server.address, token=TOKEN, nnodes=server.nnodes, timeout_s=5)
     _register(c, 0, 7000)
     end = c.receive(5)
     assert (end["type"], end["code"]) == ("end", 1)
@@ -281,9 +289,14 @@ def test_rendezvous_names_the_nodes_that_never_show():
 
 
 def test_rendezvous_refuses_two_nodes_with_one_rank():
-    server = RendezvousServer.bind("127.0.0.1", 0, nnodes=2, timeout_s=5, max_restart=0)
+    server = RendezvousServer.bind(
+        "127.0.0.1", 0, token=TOKEN, nnodes=2, timeout_s=5, max_restart=0
+    )
     server.start()
-    a, b = (RendezvousClient.connect(server.address, timeout_s=5) for _ in range(2))
+    a, b = (
+        RendezvousClient.connect(server.address, token=TOKEN, nnodes=server.nnodes, timeout_s=5)
+        for _ in range(2)
+    )
     _register(a, 1, 7000)
     _register(b, 1, 7001)
     assert "two launchers were given --rank 1" in a.receive(5)["error"]

@@ -117,10 +117,11 @@ def _failure(f: Any) -> dict[str, Any]:
         out["log"] = _text(f["log"], "failure.log")
     if "interrupted" in f:
         out["interrupted"] = f["interrupted"] is True
-    tail = f.get("tail", [])
-    if not isinstance(tail, list) or len(tail) > MAX_TAIL_LINES:
-        raise BadMessageError(f"failure.tail is not a list of at most {MAX_TAIL_LINES} lines")
-    out["tail"] = [_text(line, "failure.tail line") for line in tail]
+    if "tail" in f:
+        tail = f["tail"]
+        if not isinstance(tail, list) or len(tail) > MAX_TAIL_LINES:
+            raise BadMessageError(f"failure.tail is not a list of at most {MAX_TAIL_LINES} lines")
+        out["tail"] = [_text(line, "failure.tail line") for line in tail]
     return out
 
 
