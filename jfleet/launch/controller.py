@@ -145,13 +145,18 @@ class _Log:
             self._file = None
 
 
+def _is_gloo(line: bytes) -> bool:
+    """Whether a worker's output line is Gloo's connection chatter (kept in its log only)."""
+    return line.lstrip().startswith(b"[Gloo]")
+
+
 def _echo(stream: IO[bytes], log: IO[bytes], prefix: bytes) -> None:
     """Copies a worker's output to its log file and, prefixed, to the console (Gloo's
     connection chatter only to the file)."""
     for line in iter(stream.readline, b""):
         log.write(line)
         log.flush()
-        if line.lstrip().startswith(b"[Gloo]"):
+        if _is_gloo(line):
             continue
         sys.stdout.buffer.write(prefix + line)
         sys.stdout.buffer.flush()
@@ -172,7 +177,7 @@ class _Worker:
             self.echo.join(2)
         try:
             with open(self.log_path, "rb") as f:
-                lines = deque(f, maxlen=n)
+                lines = deque((line for line in f if not _is_gloo(line)), maxlen=n)
         except OSError:
             return []
         return [line.decode(errors="replace").rstrip("\n")[:MAX_TEXT] for line in lines]
