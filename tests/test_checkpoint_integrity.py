@@ -54,7 +54,7 @@ DAMAGES = ("flip1", "flip16", "truncate", "empty", "delete")
 
 
 def test_every_damaged_file_is_an_error_or_a_faithful_restore(tmp_path, caplog):
-    model, opt = linear()
+    model, opt = linear(width=32)  # a 4 KiB kernel: stored in a data file, not inlined
     model.kernel[...] = model.kernel[...] * 3  # not the fresh model's values
     pristine = tmp_path / "pristine"
     with CheckpointManager(pristine, async_save=False) as mngr:
@@ -69,7 +69,7 @@ def test_every_damaged_file_is_an_error_or_a_faithful_restore(tmp_path, caplog):
             copy = tmp_path / f"c{i}_{how}"
             shutil.copytree(pristine, copy)
             _damage(copy / rel, how)
-            fresh, fresh_opt = linear(seed=1)
+            fresh, fresh_opt = linear(seed=1, width=32)
             try:
                 with CheckpointManager(copy, async_save=False) as mngr:
                     meta = mngr.restore(1, model=fresh, optimizer=fresh_opt)
