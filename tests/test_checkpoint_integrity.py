@@ -204,3 +204,16 @@ def test_an_unfinished_save_is_reported_once(tmp_path, caplog):
     said = [r.getMessage() for r in caplog.records if "unfinished save" in r.getMessage()]
     assert len(said) == 1 and "an unfinished save of step 2" in said[0], said
     assert not any("already exists" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("spec", [("a", "b"), ("b", None), (None, None)], ids=str)
+def test_the_checksum_does_not_depend_on_the_layout(spec):
+    values = np.linspace(-3, 3, 8 * 12, dtype=np.float32).reshape(8, 12)
+    mesh = jax.make_mesh((4, 2), ("a", "b"))
+    placed = jax.device_put(values, jax.NamedSharding(mesh, jax.P(*spec)))
+    assert fingerprints({"w": placed}) == fingerprints({"w": values})
+    for dtype in (np.int8, np.float16, np.bool_):
+        small = (values > 0).astype(dtype)
+        assert fingerprints({"w": jax.device_put(small, placed.sharding)}) == fingerprints(
+            {"w": small}
+        )

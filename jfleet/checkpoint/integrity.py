@@ -2,11 +2,12 @@
 
 **Checksums.** Orbax's arrays are stored by TensorStore without a checksum on their data
 (zarr3 only checksums the shard index), so a flipped bit restores silently. At save,
-:func:`fingerprints` computes for every leaf a 64-bit checksum of its *logical* value on the
-devices, in one jitted pass: two sums over the elements' bits, each element weighted by a
-function of its index, modulo 2**32. Any single flipped bit changes the first sum (the
-weight is odd), the layout on disk or on the mesh does not matter (restoring on another
-mesh gives the same checksum), and only the 8 bytes per leaf leave the devices. The
+:func:`fingerprints` computes for every leaf a 64-bit checksum of its *logical* value: two
+sums over the elements' bits, each element weighted by a function of its global index,
+modulo 2**32. Sums over disjoint blocks add up, so each process sums the blocks it holds
+(each block once, however many devices replicate it) on the host and the processes add
+their shares; any single flipped bit changes the first sum (the weight is odd), and the
+layout on disk or on the mesh does not matter (another mesh gives the same checksum). The
 checksums are stored in the step's ``meta`` item (written atomically with the arrays) and,
 with :func:`json_digest`, a SHA-256 of the JSON items; :func:`verify` compares them with
 the restored values before anything is written into the model.
@@ -38,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["WriterLock", "fingerprints", "json_digest", "verify"]
@@ -47,48 +47,64 @@ LOCK_NAME = ".jfleet-writer.lock"
 _GOLDEN = np.uint32(0x9E3779B1)
 
 
-def _words(x: jax.Array) -> jax.Array:
-    """``x``'s bits as uint32 words (last axis widened for 64-bit types)."""
-    size = jnp.dtype(x.dtype).itemsize
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint32)
+def _words(block: np.ndarray) -> np.ndarray:
+    """``block``'s bits as uint32 words (a last axis of 2 for 64-bit types)."""
+    block = np.ascontiguousarray(block)
+    size = block.dtype.itemsize
     if size == 8:
-        return jax.lax.bitcast_convert_type(x, jnp.uint32)  # (..., 2)
-    kind = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[size]
-    return jax.lax.bitcast_convert_type(x, kind).astype(jnp.uint32)
+        return block.view(np.uint32).reshape(*block.shape, 2)
+    kind = {1: np.uint8, 2: np.uint16, 4: np.uint32}[size]
+    return block.view(kind).astype(np.uint32, copy=False)
 
 
-def _fingerprint(x: jax.Array) -> jax.Array:
-    words = _words(x)
-    if words.ndim == 0:
-        words = words[None]
-    index = jnp.zeros(words.shape, jnp.uint32)
-    stride = np.uint32(1)
-    for dim in reversed(range(words.ndim)):  # the row-major index, modulo 2**32
-        index = index + jax.lax.broadcasted_iota(jnp.uint32, words.shape, dim) * stride
-        stride = np.uint32((int(stride) * words.shape[dim]) % (1 << 32))
-    first = jnp.sum(words * (index * np.uint32(2) + np.uint32(1)), dtype=jnp.uint32)
+def _block_sums(block: np.ndarray, offsets: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
+    """The two sums (uint32) of one block of an array of ``shape``, at ``offsets``."""
+    words = _words(block if block.ndim else block.reshape(1))
+    shape = (*(shape or (1,)), *words.shape[len(shape or (1,)) :])
+    offsets = (*offsets, *(0 for _ in range(len(shape) - len(offsets))))
+    index = np.zeros(words.shape, np.uint32)
+    stride = 1
+    for dim in reversed(range(words.ndim)):  # the row-major global index, modulo 2**32
+        along = (np.arange(words.shape[dim], dtype=np.uint64) + offsets[dim]) * stride
+        view = [1] * words.ndim
+        view[dim] = -1
+        index += (along % (1 << 32)).astype(np.uint32).reshape(view)
+        stride = (stride * shape[dim]) % (1 << 32)
+    first = np.sum(words * (index * np.uint32(2) + np.uint32(1)), dtype=np.uint32)
     mixed = (words ^ (index * _GOLDEN)) * np.uint32(0x85EBCA77)
-    second = jnp.sum(mixed ^ (mixed >> np.uint32(15)), dtype=jnp.uint32)
-    return jnp.stack([first, second])
+    second = np.sum(mixed ^ (mixed >> np.uint32(15)), dtype=np.uint32)
+    return np.array([first, second], np.uint32)
 
 
-@jax.jit
-def _fingerprints(tree: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    return {k: _fingerprint(v) for k, v in tree.items()}
+def _partial(x: Any) -> np.ndarray:
+    """This process's share of ``x``'s sums: each distinct block once (its replica 0)."""
+    if not isinstance(x, jax.Array):
+        return _block_sums(np.asarray(x), (), np.shape(x))
+    total = np.zeros(2, np.uint32)
+    for shard in x.addressable_shards:
+        if shard.replica_id == 0:
+            offsets = tuple(sl.start or 0 for sl in shard.index)
+            total += _block_sums(np.asarray(shard.data), offsets, x.shape)
+    return total
 
 
 def fingerprints(flat: dict[str, Any]) -> dict[str, str]:
     """``{leaf: checksum}`` of a flat dict of arrays (hex strings; see the module docstring).
 
+    Every process must call it (a multi-process job adds up the processes' shares).
+
     Example:
       >>> import jax.numpy as jnp
-      >>> fingerprints({"b": jnp.zeros(3)}) == fingerprints({"b": jnp.zeros(3)})
+      >>> fingerprints({"b": jnp.zeros(3)}) == fingerprints({"b": np.zeros(3, np.float32)})
       True
     """
-    arrays = {k: v for k, v in flat.items() if isinstance(v, (jax.Array, np.ndarray))}
-    sums = jax.device_get(_fingerprints(arrays))
-    return {k: f"{int(s[0]):08x}{int(s[1]):08x}" for k, s in sorted(sums.items())}
+    keys = sorted(k for k, v in flat.items() if isinstance(v, (jax.Array, np.ndarray)))
+    sums = np.stack([_partial(flat[k]) for k in keys]) if keys else np.zeros((0, 2), np.uint32)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        sums = np.sum(multihost_utils.process_allgather(sums), axis=0, dtype=np.uint32)
+    return {k: f"{int(s[0]):08x}{int(s[1]):08x}" for k, s in zip(keys, sums, strict=True)}
 
 
 def json_digest(*items: Any) -> str:
