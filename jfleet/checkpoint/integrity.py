@@ -3,10 +3,11 @@
 **Checksums.** Orbax's arrays are stored by TensorStore without a checksum on their data
 (zarr3 only checksums the shard index), so a flipped bit restores silently. At save,
 :func:`fingerprints` computes for every leaf a 64-bit checksum of its *logical* value: two
-sums over the elements' bits, each element weighted by a function of its global index,
-modulo 2**32. Sums over disjoint blocks add up, so each process sums the blocks it holds
-(each block once, however many devices replicate it) on the host and the processes add
-their shares; any single flipped bit changes the first sum (the weight is odd), and the
+sums over the elements' bits (as 32-bit words) modulo 2**32, one weighting each word by an
+odd function of its global index, the other summing the squared words. Sums over
+disjoint blocks add up, so each process sums the blocks it holds (each block once, however
+many devices replicate it) on the host and the processes add their shares; any single
+flipped bit changes the first sum (the weight is odd), and the
 layout on disk or on the mesh does not matter (another mesh gives the same checksum). The
 checksums are stored in the step's ``meta`` item (written atomically with the arrays) and,
 with :func:`json_digest`, a SHA-256 of the JSON items; :func:`verify` compares them with
@@ -44,7 +45,7 @@ import numpy as np
 __all__ = ["WriterLock", "fingerprints", "json_digest", "verify"]
 
 LOCK_NAME = ".jfleet-writer.lock"
-_GOLDEN = np.uint32(0x9E3779B1)
+_WRAP = 1 << 32
 
 
 def _words(block: np.ndarray) -> np.ndarray:
@@ -58,34 +59,37 @@ def _words(block: np.ndarray) -> np.ndarray:
 
 
 def _block_sums(block: np.ndarray, offsets: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
-    """The two sums (uint32) of one block of an array of ``shape``, at ``offsets``."""
+    """The two sums (uint32) of one block of an array of ``shape``, at ``offsets``.
+
+    The first, sum of ``word * (2 * global index + 1)``, is computed from the block's
+    marginal sums (the index is linear in the coordinates): one pass per dimension, no
+    index array. The second is the sum of the squared words.
+    """
     words = _words(block if block.ndim else block.reshape(1))
     shape = (*(shape or (1,)), *words.shape[len(shape or (1,)) :])
     offsets = (*offsets, *(0 for _ in range(len(shape) - len(offsets))))
-    index = np.zeros(words.shape, np.uint32)
+    first = int(np.sum(words, dtype=np.uint32))
     stride = 1
-    for dim in reversed(range(words.ndim)):  # the row-major global index, modulo 2**32
-        along = (np.arange(words.shape[dim], dtype=np.uint64) + offsets[dim]) * stride
-        view = [1] * words.ndim
-        view[dim] = -1
-        index += (along % (1 << 32)).astype(np.uint32).reshape(view)
-        stride = (stride * shape[dim]) % (1 << 32)
-    first = np.sum(words * (index * np.uint32(2) + np.uint32(1)), dtype=np.uint32)
-    mixed = (words ^ (index * _GOLDEN)) * np.uint32(0x85EBCA77)
-    second = np.sum(mixed ^ (mixed >> np.uint32(15)), dtype=np.uint32)
-    return np.array([first, second], np.uint32)
+    for dim in reversed(range(words.ndim)):
+        others = tuple(a for a in range(words.ndim) if a != dim)
+        marginal = np.sum(words, axis=others, dtype=np.uint32) if others else words
+        along = (np.arange(words.shape[dim], dtype=np.uint64) + offsets[dim]) * (2 * stride)
+        first += int(np.sum(marginal * (along % _WRAP).astype(np.uint32), dtype=np.uint32))
+        stride = (stride * shape[dim]) % _WRAP
+    second = int(np.sum(words * words, dtype=np.uint32))
+    return np.array([first % _WRAP, second], np.uint32)
 
 
 def _partial(x: Any) -> np.ndarray:
     """This process's share of ``x``'s sums: each distinct block once (its replica 0)."""
     if not isinstance(x, jax.Array):
         return _block_sums(np.asarray(x), (), np.shape(x))
-    total = np.zeros(2, np.uint32)
+    total = np.zeros(2, np.uint64)
     for shard in x.addressable_shards:
         if shard.replica_id == 0:
             offsets = tuple(sl.start or 0 for sl in shard.index)
             total += _block_sums(np.asarray(shard.data), offsets, x.shape)
-    return total
+    return (total % _WRAP).astype(np.uint32)
 
 
 def fingerprints(flat: dict[str, Any]) -> dict[str, str]:
@@ -103,7 +107,8 @@ def fingerprints(flat: dict[str, Any]) -> dict[str, str]:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        sums = np.sum(multihost_utils.process_allgather(sums), axis=0, dtype=np.uint32)
+        shares = multihost_utils.process_allgather(sums).astype(np.uint64)
+        sums = (np.sum(shares, axis=0) % _WRAP).astype(np.uint32)
     return {k: f"{int(s[0]):08x}{int(s[1]):08x}" for k, s in zip(keys, sums, strict=True)}
 
 
