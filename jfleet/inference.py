@@ -67,6 +67,7 @@ MANIFEST = "manifest.json"
 FORWARD = "forward.jaxexport"
 PARAMS = "params.npz"
 BATCH = "b"
+_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")  # jax.export's names
 
 
 def save_inference_model(
@@ -270,20 +271,23 @@ def load_inference_model(dirname: str | os.PathLike) -> InferenceModel:
     fix = "re-save the model with save_inference_model, or restore the file from a copy"
     with open(path, "rb") as f:
         data = f.read()
+    listed = os.path.join(dirname, MANIFEST)
     if hashlib.sha256(data).hexdigest() != manifest["forward_sha256"]:
         raise ValueError(
-            f"{path} does not match its manifest's SHA-256 (damaged, or swapped for another "
-            f"forward); {fix}."
+            f"{path} does not match the SHA-256 its manifest {listed} records (damaged, or "
+            f"swapped for another forward); {fix}."
         )
     try:
         exported = jax.export.deserialize(bytearray(data))
     except Exception as error:  # flatbuffer / MLIR errors of a file the manifest vouched for
-        raise ValueError(f"{path} cannot be deserialised ({type(error).__name__}); {fix}.") from None
+        raise ValueError(
+            f"{path} cannot be deserialised ({type(error).__name__}); {fix}."
+        ) from None
     want = len(manifest["params"]) + len(manifest["inputs"])
     if len(exported.in_avals) != want or len(exported.out_avals) != len(manifest["outputs"]):
         raise ValueError(
             f"{path} takes {len(exported.in_avals)} arguments and gives "
-            f"{len(exported.out_avals)} outputs; its manifest says {want} and "
+            f"{len(exported.out_avals)} outputs; its manifest {listed} says {want} and "
             f"{len(manifest['outputs'])}; {fix}."
         )
     return InferenceModel(dirname, exported, params, manifest)
@@ -321,7 +325,7 @@ def _is_key(x: Any) -> bool:
 
 
 def _check_platforms(platforms: Sequence[str]) -> list[str]:
-    known = ("cpu", "cuda", "rocm", "tpu")
+    known = _PLATFORMS
     given = [platforms] if isinstance(platforms, str) else list(platforms)
     bad = [p for p in given if p not in known]
     if bad or not given:
@@ -399,7 +403,9 @@ def _specs_ok(value: Any) -> bool:
 
 
 def _is_sha256(value: Any) -> bool:
-    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+    return (
+        isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+    )
 
 
 def read_manifest(path: str) -> dict[str, Any]:
@@ -435,9 +441,9 @@ def read_manifest(path: str) -> dict[str, Any]:
         "params": lambda v: isinstance(v, list) and all(_param_entry_ok(e) for e in v),
         "params_sha256": _is_sha256,
         "forward_sha256": _is_sha256,
-        "platforms": lambda v: isinstance(v, list)
-        and v
-        and all(isinstance(p, str) and p in _PLATFORMS for p in v),
+        "platforms": lambda v: (
+            isinstance(v, list) and v and all(isinstance(p, str) and p in _PLATFORMS for p in v)
+        ),
         "versions": lambda v: isinstance(v, dict),
     }
     for key, ok in checks.items():
@@ -474,20 +480,28 @@ def _sha256(path: str) -> str:
 def _load_params(dirname: str, manifest: dict) -> list[np.ndarray]:
     path = os.path.join(dirname, PARAMS)
     fix = "re-save the model with save_inference_model, or restore the file from a copy"
+    listed = os.path.join(dirname, MANIFEST)
     if _sha256(path) != manifest.get("params_sha256"):
         raise ValueError(
-            f"{path} does not match its manifest's SHA-256 (truncated or corrupted); {fix}."
+            f"{path} does not match the SHA-256 its manifest {listed} records (truncated or "
+            f"corrupted); {fix}."
         )
     params = []
     try:
         with np.load(path, allow_pickle=False) as data:
+            missing = [e["path"] for e in manifest["params"] if e["path"] not in data.files]
+            if missing or len(data.files) != len(manifest["params"]):
+                raise ValueError(
+                    f"{path} holds parameters {sorted(data.files)[:5]}...; its manifest {listed} "
+                    f"lists {len(manifest['params'])} (e.g. missing {missing[:3]}); {fix}."
+                )
             for entry in manifest["params"]:
                 x = data[entry["path"]]
                 if list(x.shape) != entry["shape"] or str(x.dtype) != entry["dtype"]:
                     raise ValueError(
                         f"{path}: parameter {entry['path']} has shape {x.shape} dtype "
-                        f"{x.dtype}; the manifest says {entry['shape']} {entry['dtype']}; "
-                        f"{fix}."
+                        f"{x.dtype}; the manifest {listed} says {entry['shape']} "
+                        f"{entry['dtype']}; {fix}."
                     )
                 params.append(x)
     except (zipfile.BadZipFile, KeyError, OSError, EOFError) as e:
