@@ -312,3 +312,21 @@ def test_an_unwritable_log_dir_is_an_error_before_any_worker_starts(tmp_path, ca
     assert launch(["--log_dir", str(taken / "logs"), str(script)]) == 1
     err = capsys.readouterr().err
     assert f"Not a directory: '{taken / 'logs'}'; check --log_dir" in err, err
+
+
+@pytest.mark.parametrize(
+    ("environ", "argv", "message"),
+    [
+        ({"PADDLE_RANK": "x"}, [], r"PADDLE_RANK='x' is not an integer"),
+        ({"PADDLE_NNODES": "2:4"}, [], r"PADDLE_NNODES='2:4': elastic ranges"),
+        ({"PADDLE_RANK": "3", "PADDLE_NNODES": "2"}, [], r"PADDLE_RANK=3 is out of range for PA"),
+        ({"PADDLE_MASTER": "10.0.0.1"}, [], r"PADDLE_MASTER='10.0.0.1': expected ip:port"),
+        ({"PADDLE_LOG_LEVEL": "loud"}, [], r"PADDLE_LOG_LEVEL='loud' is not a level"),
+        ({"POD_IP": "127.0.0.1:1,10.6.6.6"}, [], r"POD_IP='127.0.0.1:1,10.6.6.6' is not a hos"),
+        ({}, ["--host", "10.0.0.1 10.0.0.2"], r"--host='10.0.0.1 10.0.0.2' is not a hostname"),
+        ({"PADDLE_RANK": "x"}, ["--rank", "y"], r"--rank='y' is not an integer"),  # flag wins
+    ],
+)
+def test_values_from_the_environment_are_named_by_their_variable(environ, argv, message):
+    with pytest.raises(ValueError, match=message):
+        parse_args([*argv, "t.py"], environ=environ)
