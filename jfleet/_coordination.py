@@ -18,6 +18,8 @@ Example:
 from __future__ import annotations
 
 import json
+import os
+import socket
 from typing import Any
 
 PREFIX = "jfleet/"
@@ -94,3 +96,25 @@ def get_dir(prefix: str) -> dict[str, Any]:
     for key, raw in c.key_value_dir_get(full):
         out[key[len(full) :].lstrip("/")] = json.loads(raw)
     return out
+
+
+def bind_address(coordinator: str) -> str | None:
+    """Where process 0's coordination service listens: the coordinator's own address
+    (resolved), not every interface as JAX's default ``[::]:port``.
+
+    None (JAX decides) when ``$JAX_COORDINATOR_BIND_ADDRESS`` is set, or when the host does
+    not resolve (then JAX's own error names it).
+
+    Example:
+      >>> bind_address("127.0.0.1:6170")
+      '127.0.0.1:6170'
+    """
+    if os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", "").strip():
+        return None
+    host, _, port = coordinator.rpartition(":")
+    host = host.strip("[]")
+    try:
+        address = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0][4][0]
+    except (OSError, ValueError):
+        return None
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"

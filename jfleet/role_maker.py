@@ -30,7 +30,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jfleet import watchdog
+from jfleet import _coordination, watchdog
 from jfleet._env import seconds
 from jfleet._logging import logger
 
@@ -664,28 +664,6 @@ def not_connected_message(
     )
 
 
-def coordinator_bind_address(coordinator: str) -> str | None:
-    """Where process 0's coordination service listens: the coordinator's own address
-    (resolved), not every interface as JAX's default ``[::]:port``.
-
-    None (JAX decides) when ``$JAX_COORDINATOR_BIND_ADDRESS`` is set, or when the host does
-    not resolve (then JAX's own error names it).
-
-    Example:
-      >>> coordinator_bind_address("127.0.0.1:6170")
-      '127.0.0.1:6170'
-    """
-    if os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", "").strip():
-        return None
-    host, _, port = coordinator.rpartition(":")
-    host = host.strip("[]")
-    try:
-        address = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0][4][0]
-    except (OSError, ValueError):
-        return None
-    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
-
-
 def _connect(connect: Any, *, rank: int, num: int, coordinator: str, timeout: int) -> None:
     """Runs ``connect()`` (JAX's, which aborts the process on its own deadline with a
     message naming no rank); after ``timeout`` seconds, says who is missing and exits."""
@@ -809,7 +787,7 @@ def initialize_distributed(
             initialization_timeout=init_timeout + _JAX_DEADLINE_GRACE_S,
             heartbeat_timeout_seconds=heartbeat,
             shutdown_timeout_seconds=shutdown,
-            coordinator_bind_address=coordinator_bind_address(str(coordinator)),
+            coordinator_bind_address=_coordination.bind_address(str(coordinator)),
         )
 
     try:
