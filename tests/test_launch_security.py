@@ -244,7 +244,7 @@ print("TOTAL", total, flush=True)
 
 
 def _attack(address: str, stop: threading.Event) -> list[bytes]:
-    """Hostile lines and 100 idle connections against the master until ``stop``."""
+    """Hostile lines and 500 idle connections against the master until ``stop``."""
     host, port = _host_port(address)
     heard, idle = [], []
     deadline = time.monotonic() + 60
@@ -254,7 +254,7 @@ def _attack(address: str, stop: threading.Event) -> list[bytes]:
                 with socket.create_connection((host, port), timeout=5) as s:
                     s.sendall(payload)
                     heard.append(_read_until_closed(s))
-            while len(idle) < 100:
+            while len(idle) < 500:
                 idle.append(socket.create_connection((host, port), timeout=5))
             break
         except OSError:
@@ -295,3 +295,14 @@ def test_a_two_node_job_finishes_under_attack_and_the_coordinator_binds_the_mast
     assert not (tmp_path / "wrong").exists()  # the wrong-token launcher started nothing
     assert "dropped a connection from 127.0.0.1:" in err0, err0
     assert heard and all(h.count(b"\n") <= 1 for h in heard), heard  # a hello, nothing else
+
+
+def test_the_coordinator_binds_its_own_address_unless_told_otherwise(monkeypatch):
+    from jfleet._coordination import bind_address
+
+    monkeypatch.delenv("JAX_COORDINATOR_BIND_ADDRESS", raising=False)
+    assert bind_address("127.0.0.1:6170") == "127.0.0.1:6170"
+    assert bind_address("localhost:6170") in ("127.0.0.1:6170", "[::1]:6170")
+    assert bind_address("no-such-host.invalid:6170") is None  # JAX's error names it
+    monkeypatch.setenv("JAX_COORDINATOR_BIND_ADDRESS", "10.0.0.1:6170")
+    assert bind_address("127.0.0.1:6170") is None  # JAX reads the variable
