@@ -421,6 +421,7 @@ def test_colliding_saves_foreign_files_and_in_flight_restores(tmp_path):
         ):
             mngr.restore(8, model=model, optimizer=opt)
     assert sorted(p.name for p in run.iterdir()) == [
+        ".jfleet-writer.lock",
         "2",
         "8.orbax-checkpoint-tmp-1",
         "notes.txt",

@@ -163,7 +163,7 @@ def test_another_format_version_is_a_clear_error(llama, tmp_path):
     manifest = json.loads((target / "manifest.json").read_text())
     manifest["format_version"] = 99
     (target / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ValueError, match=r"manifest.json has format_version=99; .* reads format"):
+    with pytest.raises(ValueError, match=r"manifest.json: format_version=99, not 2; .* reads form"):
         load_inference_model(target)
 
 

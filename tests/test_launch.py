@@ -27,10 +27,13 @@ from jfleet.testing import train_one_device
 from tests.subprocess_util import REPO_ROOT, free_port, spawn
 
 EXAMPLES = REPO_ROOT / "examples"
+#: The job token every multi-node launcher of these tests shares.
+TOKEN = "test-token-0123456789abcdef"
 
 
 def start(args: list[str], *, env: dict[str, str] | None = None) -> subprocess.Popen:
     """One launcher (its own session), output captured; DEBUG logs the workers' pids."""
+    env = {"JFLEET_JOB_TOKEN": TOKEN, **(env or {})}
     return spawn(["-m", "jfleet.launch", "--log_level", "DEBUG", *args], env=env)
 
 

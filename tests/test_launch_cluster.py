@@ -15,6 +15,8 @@ from jfleet.launch.ports import hold_free_ports, is_free
 from jfleet.launch.rendezvous import Node, RendezvousClient, RendezvousServer
 from jfleet.runtime.role_maker import PaddleCloudRoleMaker
 
+TOKEN = b"test-token-0123456789"
+
 # ------------------------------------------------------------------------------ flags
 
 
@@ -234,12 +236,16 @@ def _register(c: RendezvousClient, rank: int, port: int) -> None:
 
 
 def test_rendezvous_ranks_relays_the_failure_restarts_and_ends():
-    server = RendezvousServer.bind("127.0.0.1", 0, nnodes=2, timeout_s=5, max_restart=1)
+    server = RendezvousServer.bind(
+        "127.0.0.1", 0, token=TOKEN, nnodes=2, timeout_s=5, max_restart=1
+    )
     server.start()
-    ranked = RendezvousClient.connect(server.address, timeout_s=5)
+    ranked = RendezvousClient.connect(
+        server.address, token=TOKEN, nnodes=server.nnodes, timeout_s=5
+    )
     _register(ranked, 1, 7001)  # arrives first but asked for rank 1
     time.sleep(0.1)
-    other = RendezvousClient.connect(server.address, timeout_s=5)
+    other = RendezvousClient.connect(server.address, token=TOKEN, nnodes=server.nnodes, timeout_s=5)
     _register(other, -1, 7000)
     starts = [ranked.receive(5), other.receive(5)]
     assert [s["node_rank"] for s in starts] == [1, 0]
@@ -269,9 +275,11 @@ def test_rendezvous_ranks_relays_the_failure_restarts_and_ends():
 
 
 def test_rendezvous_names_the_nodes_that_never_show():
-    server = RendezvousServer.bind("127.0.0.1", 0, nnodes=3, timeout_s=0.5, max_restart=0)
+    server = RendezvousServer.bind(
+        "127.0.0.1", 0, token=TOKEN, nnodes=3, timeout_s=0.5, max_restart=0
+    )
     server.start()
-    c = RendezvousClient.connect(server.address, timeout_s=5)
+    c = RendezvousClient.connect(server.address, token=TOKEN, nnodes=server.nnodes, timeout_s=5)
     _register(c, 0, 7000)
     end = c.receive(5)
     assert (end["type"], end["code"]) == ("end", 1)
@@ -281,9 +289,14 @@ def test_rendezvous_names_the_nodes_that_never_show():
 
 
 def test_rendezvous_refuses_two_nodes_with_one_rank():
-    server = RendezvousServer.bind("127.0.0.1", 0, nnodes=2, timeout_s=5, max_restart=0)
+    server = RendezvousServer.bind(
+        "127.0.0.1", 0, token=TOKEN, nnodes=2, timeout_s=5, max_restart=0
+    )
     server.start()
-    a, b = (RendezvousClient.connect(server.address, timeout_s=5) for _ in range(2))
+    a, b = (
+        RendezvousClient.connect(server.address, token=TOKEN, nnodes=server.nnodes, timeout_s=5)
+        for _ in range(2)
+    )
     _register(a, 1, 7000)
     _register(b, 1, 7001)
     assert "two launchers were given --rank 1" in a.receive(5)["error"]
@@ -299,3 +312,21 @@ def test_an_unwritable_log_dir_is_an_error_before_any_worker_starts(tmp_path, ca
     assert launch(["--log_dir", str(taken / "logs"), str(script)]) == 1
     err = capsys.readouterr().err
     assert f"Not a directory: '{taken / 'logs'}'; check --log_dir" in err, err
+
+
+@pytest.mark.parametrize(
+    ("environ", "argv", "message"),
+    [
+        ({"PADDLE_RANK": "x"}, [], r"PADDLE_RANK='x' is not an integer"),
+        ({"PADDLE_NNODES": "2:4"}, [], r"PADDLE_NNODES='2:4': elastic ranges"),
+        ({"PADDLE_RANK": "3", "PADDLE_NNODES": "2"}, [], r"PADDLE_RANK=3 is out of range for PA"),
+        ({"PADDLE_MASTER": "10.0.0.1"}, [], r"PADDLE_MASTER='10.0.0.1': expected ip:port"),
+        ({"PADDLE_LOG_LEVEL": "loud"}, [], r"PADDLE_LOG_LEVEL='loud' is not a level"),
+        ({"POD_IP": "127.0.0.1:1,10.6.6.6"}, [], r"POD_IP='127.0.0.1:1,10.6.6.6' is not a hos"),
+        ({}, ["--host", "10.0.0.1 10.0.0.2"], r"--host='10.0.0.1 10.0.0.2' is not a hostname"),
+        ({"PADDLE_RANK": "x"}, ["--rank", "y"], r"--rank='y' is not an integer"),  # flag wins
+    ],
+)
+def test_values_from_the_environment_are_named_by_their_variable(environ, argv, message):
+    with pytest.raises(ValueError, match=message):
+        parse_args([*argv, "t.py"], environ=environ)

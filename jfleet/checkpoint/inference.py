@@ -8,7 +8,14 @@ and writes three files into a directory:
 - ``params.npz``: the parameters as plain arrays keyed by their model path (no pickle),
   gathered from whatever sharding they had;
 - ``manifest.json``: format version, input / output specs, parameter paths, shapes and
-  dtypes, the parameter file's SHA-256, jfleet and jax versions.
+  dtypes, the SHA-256 of the parameter file and of the forward file, jfleet and jax
+  versions.
+
+:func:`load_inference_model` checks every field of the manifest, that both files match
+their SHA-256 before either is used (a swapped or damaged forward never runs) and that
+this process's backend is one of the exported platforms, exactly. The hashes detect damage
+and a file swapped on its own; whoever can rewrite the whole directory can rewrite the
+manifest too (see ``SECURITY.md``).
 
 :func:`load_inference_model` needs none of the model's Python classes: it returns an
 :class:`InferenceModel`, a callable that runs on this process's first local device.
@@ -55,11 +62,12 @@ from jax.sharding import Mesh
 
 from jfleet.runtime.log import logger
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the manifest records the forward file's SHA-256
 MANIFEST = "manifest.json"
 FORWARD = "forward.jaxexport"
 PARAMS = "params.npz"
 BATCH = "b"
+_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")  # jax.export's names
 
 
 def save_inference_model(
@@ -157,6 +165,7 @@ def save_inference_model(
             for n, p in zip(names, flat, strict=True)
         ],
         "params_sha256": _sha256(params_path + ".tmp"),
+        "forward_sha256": _sha256(os.path.join(dirname, FORWARD) + ".tmp"),
         "platforms": list(exported.platforms),
         "versions": {"jfleet": _jfleet_version(), "jax": jax.__version__},
     }
@@ -249,15 +258,7 @@ def load_inference_model(dirname: str | os.PathLike) -> InferenceModel:
                 f"{os.path.join(dirname, name)} is missing: {dirname!r} is not a complete "
                 f"inference model; {fix}."
             )
-    with open(os.path.join(dirname, MANIFEST)) as f:
-        manifest = json.load(f)
-    version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise ValueError(
-            f"{os.path.join(dirname, MANIFEST)} has format_version={version!r}; this jfleet "
-            f"reads format_version={FORMAT_VERSION}; re-export the model with this jfleet "
-            "(or load it with the jfleet that wrote it)."
-        )
+    manifest = read_manifest(os.path.join(dirname, MANIFEST))
     backend = jax.default_backend()
     if backend not in manifest["platforms"]:
         raise ValueError(
@@ -266,8 +267,29 @@ def load_inference_model(dirname: str | os.PathLike) -> InferenceModel:
             f"platforms=[..., {backend!r}])."
         )
     params = _load_params(dirname, manifest)
-    with open(os.path.join(dirname, FORWARD), "rb") as f:
-        exported = jax.export.deserialize(bytearray(f.read()))
+    path = os.path.join(dirname, FORWARD)
+    fix = "re-save the model with save_inference_model, or restore the file from a copy"
+    with open(path, "rb") as f:
+        data = f.read()
+    listed = os.path.join(dirname, MANIFEST)
+    if hashlib.sha256(data).hexdigest() != manifest["forward_sha256"]:
+        raise ValueError(
+            f"{path} does not match the SHA-256 its manifest {listed} records (damaged, or "
+            f"swapped for another forward); {fix}."
+        )
+    try:
+        exported = jax.export.deserialize(bytearray(data))
+    except Exception as error:  # flatbuffer / MLIR errors of a file the manifest vouched for
+        raise ValueError(
+            f"{path} cannot be deserialised ({type(error).__name__}); {fix}."
+        ) from None
+    want = len(manifest["params"]) + len(manifest["inputs"])
+    if len(exported.in_avals) != want or len(exported.out_avals) != len(manifest["outputs"]):
+        raise ValueError(
+            f"{path} takes {len(exported.in_avals)} arguments and gives "
+            f"{len(exported.out_avals)} outputs; its manifest {listed} says {want} and "
+            f"{len(manifest['outputs'])}; {fix}."
+        )
     return InferenceModel(dirname, exported, params, manifest)
 
 
@@ -303,7 +325,7 @@ def _is_key(x: Any) -> bool:
 
 
 def _check_platforms(platforms: Sequence[str]) -> list[str]:
-    known = ("cpu", "cuda", "rocm", "tpu")
+    known = _PLATFORMS
     given = [platforms] if isinstance(platforms, str) else list(platforms)
     bad = [p for p in given if p not in known]
     if bad or not given:
@@ -363,6 +385,86 @@ def _export(fn: Callable, param_specs: list, inputs: tuple, platforms: Sequence[
         ) from e
 
 
+def _manifest_error(path: str, what: str) -> ValueError:
+    return ValueError(
+        f"{path}: {what}; re-export the model with save_inference_model (this jfleet reads "
+        f"format_version={FORMAT_VERSION}), or restore the file from a copy."
+    )
+
+
+def _specs_ok(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(spec, list)
+        and spec
+        and isinstance(spec[-1], str)
+        and all((type(d) is int and d >= 0) or d == BATCH for d in spec[:-1])
+        for spec in value
+    )
+
+
+def _is_sha256(value: Any) -> bool:
+    return (
+        isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+    )
+
+
+def read_manifest(path: str) -> dict[str, Any]:
+    """An artefact's ``manifest.json``, every field checked.
+
+    Raises:
+      ValueError: not JSON, not an object, another format version, or a field missing or
+        of the wrong kind; the message names the file and the field.
+
+    Example:
+      >>> import tempfile, os
+      >>> p = os.path.join(tempfile.mkdtemp(), "manifest.json")
+      >>> _ = open(p, "w").write("[1]")
+      >>> read_manifest(p)
+      Traceback (most recent call last):
+      ...
+      ValueError: ...manifest.json: expected a JSON object, got list; re-export the model ...
+    """
+    try:
+        with open(path, "rb") as f:
+            manifest = json.loads(f.read())
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise _manifest_error(path, f"not readable as JSON ({error})") from None
+    if not isinstance(manifest, dict):
+        raise _manifest_error(path, f"expected a JSON object, got {type(manifest).__name__}")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION or isinstance(version, bool):
+        raise _manifest_error(path, f"format_version={version!r}, not {FORMAT_VERSION}")
+    checks = {
+        "inputs": _specs_ok,
+        "outputs": _specs_ok,
+        "output_tree": lambda v: isinstance(v, str),
+        "params": lambda v: isinstance(v, list) and all(_param_entry_ok(e) for e in v),
+        "params_sha256": _is_sha256,
+        "forward_sha256": _is_sha256,
+        "platforms": lambda v: (
+            isinstance(v, list) and v and all(isinstance(p, str) and p in _PLATFORMS for p in v)
+        ),
+        "versions": lambda v: isinstance(v, dict),
+    }
+    for key, ok in checks.items():
+        if key not in manifest or not ok(manifest[key]):
+            raise _manifest_error(path, f"field {key!r} is missing or malformed")
+    return manifest
+
+
+def _param_entry_ok(entry: Any) -> bool:
+    if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+        return False
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        return False
+    try:
+        np.dtype(entry.get("dtype"))
+    except TypeError:
+        return False
+    return isinstance(entry.get("dtype"), str)
+
+
 def _spec(aval: Any) -> list:
     return [d if isinstance(d, int) else str(d) for d in aval.shape] + [str(aval.dtype)]
 
@@ -378,20 +480,28 @@ def _sha256(path: str) -> str:
 def _load_params(dirname: str, manifest: dict) -> list[np.ndarray]:
     path = os.path.join(dirname, PARAMS)
     fix = "re-save the model with save_inference_model, or restore the file from a copy"
+    listed = os.path.join(dirname, MANIFEST)
     if _sha256(path) != manifest.get("params_sha256"):
         raise ValueError(
-            f"{path} does not match its manifest's SHA-256 (truncated or corrupted); {fix}."
+            f"{path} does not match the SHA-256 its manifest {listed} records (truncated or "
+            f"corrupted); {fix}."
         )
     params = []
     try:
         with np.load(path, allow_pickle=False) as data:
+            missing = [e["path"] for e in manifest["params"] if e["path"] not in data.files]
+            if missing or len(data.files) != len(manifest["params"]):
+                raise ValueError(
+                    f"{path} holds parameters {sorted(data.files)[:5]}...; its manifest {listed} "
+                    f"lists {len(manifest['params'])} (e.g. missing {missing[:3]}); {fix}."
+                )
             for entry in manifest["params"]:
                 x = data[entry["path"]]
                 if list(x.shape) != entry["shape"] or str(x.dtype) != entry["dtype"]:
                     raise ValueError(
                         f"{path}: parameter {entry['path']} has shape {x.shape} dtype "
-                        f"{x.dtype}; the manifest says {entry['shape']} {entry['dtype']}; "
-                        f"{fix}."
+                        f"{x.dtype}; the manifest {listed} says {entry['shape']} "
+                        f"{entry['dtype']}; {fix}."
                     )
                 params.append(x)
     except (zipfile.BadZipFile, KeyError, OSError, EOFError) as e:

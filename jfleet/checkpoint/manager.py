@@ -30,8 +30,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +44,59 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jfleet.checkpoint import layout
+from jfleet.checkpoint.integrity import WriterLock, fingerprints, json_digest, verify
 from jfleet.mesh import context as _context
 from jfleet.runtime.log import logger
 
 __all__ = ["CheckpointManager"]
 
 _FINISHED = "_CHECKPOINT_METADATA"  # Orbax writes it into a step's directory on commit
+_SUMS = "checksums"  # the meta item's record of the arrays' and JSON items' checksums
+_TMP = re.compile(r"(\d+)\.orbax-checkpoint-tmp")
+
+
+def _prefixed(flat: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return {f"{part}/{k}": v for part, leaves in flat.items() for k, v in leaves.items()}
+
+
+def _verified(got: Any, restored: dict[str, dict], step: int, where: Path) -> dict[str, Any]:
+    """The checkpoint's description once its arrays and JSON items match their checksums."""
+    meta = dict(got.meta)
+    sums = meta.pop(_SUMS, None)
+    if sums is None:
+        logger.warning(
+            "checkpoint: %s has no checksums (saved by an older jfleet): not verified", where
+        )
+        return meta
+    if not isinstance(sums, dict) or json_digest(got.loader, meta) != sums.get("json"):
+        raise ValueError(
+            f"checkpoint {where} (step {step}) is damaged: its description or data position "
+            f"(files under {where}/meta, {where}/loader) does not match its checksum; "
+            "restore another step (all_steps())."
+        )
+    verify(sums.get("arrays", {}), fingerprints(_prefixed(restored)), step=step, where=where)
+    return meta
+
+
+def _unfinished(directory: Path) -> dict[int, list[Path]]:
+    """``{step: [its temporary directories]}`` of saves not finished."""
+    names = os.listdir(directory) if directory.is_dir() else []
+    found: dict[int, list[Path]] = {}
+    for name in names:
+        if m := _TMP.match(name):
+            found.setdefault(int(m.group(1)), []).append(directory / name)
+    return found
+
+
+def _report_unfinished(directory: Path) -> None:
+    """Says once which saves were left unfinished (killed midway); Orbax ignores them."""
+    for step in sorted(_unfinished(directory)):
+        logger.warning(
+            "checkpoint: an unfinished save of step %d in %s was ignored (the process saving "
+            "it stopped midway); the complete steps are intact",
+            step,
+            directory,
+        )
 
 
 def _description(model: nnx.Module, step: int, extra: Any) -> dict[str, Any]:
@@ -131,16 +181,42 @@ class CheckpointManager:
                 "path that does not exist yet); pass another path."
             )
         self._started: set[int] = set()  # steps this manager saved (some maybe in flight)
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
-            enable_async_checkpointing=async_save,
-        )
+        self._lock = WriterLock(self.directory)
+        self._options = {"max_to_keep": max_to_keep, "enable_async_checkpointing": async_save}
+        _report_unfinished(self.directory)
+        self._mngr = self._orbax()
+
+    def _orbax(self) -> ocp.CheckpointManager:
         handlers = {
             "state": ocp.StandardCheckpointHandler(),
             "loader": ocp.JsonCheckpointHandler(),
             "meta": ocp.JsonCheckpointHandler(),
         }
-        self._mngr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        options = ocp.CheckpointManagerOptions(**self._options)
+        return ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+    def _settle(self) -> None:
+        """Waits for the saves in flight; a failed one is reported once, then forgotten.
+
+        Raises:
+          RuntimeError: a background save failed (its step has no checkpoint and may be
+            saved again).
+        """
+        try:
+            self._mngr.wait_until_finished()
+        except Exception as error:
+            done = set(self._finished_steps())
+            failed = sorted(self._started - done)
+            self._started &= done
+            with contextlib.suppress(Exception):
+                self._mngr.close()
+            self._mngr = self._orbax()  # Orbax would raise the same error at every call
+            raise RuntimeError(
+                f"the background save of step(s) {failed} to {self.directory} failed "
+                f"({type(error).__name__}: {error}); no checkpoint was written for them (the "
+                "earlier ones are intact): fix the cause (e.g. free disk space) and save "
+                "again; the same step may be saved again."
+            ) from error
 
     def save(
         self,
@@ -162,23 +238,39 @@ class CheckpointManager:
         """
         if step % self.save_interval_steps:
             return False
+        if jax.process_index() == 0:
+            self._lock.acquire()
+        self._settle()
         self._check_new(int(step))
+        if self._lock.held:  # the only writer: a temporary directory of the step is a dead save's
+            for leftover in _unfinished(self.directory).get(int(step), []):
+                shutil.rmtree(leftover, ignore_errors=True)
         _bind(model, optimizer)
         if jax.tree.leaves(nnx.state(model, nnx.RngState)):
             logger.info(
                 "checkpoint: the model's random-number state (nnx.RngState) is not saved; "
                 "a resumed run draws dropout masks from its own fresh RNG state"
             )
-        state = {
-            "model": layout.nest(layout.logical_leaves(model, model)),
-            "optimizer": layout.nest(layout.logical_leaves(model, optimizer)),
+        flat = {
+            "model": layout.logical_leaves(model, model),
+            "optimizer": layout.logical_leaves(model, optimizer),
+        }
+        position = None if loader is None else loader.state()
+        meta = _description(model, int(step), extra)
+        meta[_SUMS] = {
+            "arrays": fingerprints(_prefixed(flat)),
+            "json": json_digest(position, meta),
         }
         args = ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            loader=ocp.args.JsonSave(None if loader is None else loader.state()),
-            meta=ocp.args.JsonSave(_description(model, int(step), extra)),
+            state=ocp.args.StandardSave({k: layout.nest(v) for k, v in flat.items()}),
+            loader=ocp.args.JsonSave(position),
+            meta=ocp.args.JsonSave(meta),
         )
-        saved = self._mngr.save(int(step), args=args)
+        try:
+            saved = self._mngr.save(int(step), args=args)
+        except Exception:
+            self._mngr = self._orbax()  # a failed synchronous save: the step may be retried
+            raise
         self._started.add(int(step))
         if saved:
             logger.info("checkpoint: saving step %d to %s", step, self.directory)
@@ -207,7 +299,7 @@ class CheckpointManager:
             is named), the running mesh does not divide a stored leaf's shape (the leaf and
             the axis are named) or a file is damaged.
         """
-        self._mngr.wait_until_finished()  # this manager's own save of the step may be in flight
+        self._settle()  # this manager's own save of the step may be in flight
         steps = self.all_steps()
         if step is None:
             if not steps:
@@ -246,8 +338,10 @@ class CheckpointManager:
                 f"checkpoint {where} could not be read ({type(error).__name__}: {error}); a "
                 "file is damaged or truncated: restore another step (all_steps())."
             ) from error
-        layout.running_values(model, model, layout.flatten(got.state["model"]))
-        layout.running_values(model, optimizer, layout.flatten(got.state["optimizer"]))
+        restored = {part: layout.flatten(got.state[part]) for part in ("model", "optimizer")}
+        meta = _verified(got, restored, step, where)
+        layout.running_values(model, model, restored["model"])
+        layout.running_values(model, optimizer, restored["optimizer"])
         if loader is not None:
             if got.loader is None:
                 raise ValueError(
@@ -255,7 +349,7 @@ class CheckpointManager:
                     "loader=; restore without loader= (the loader starts from its first batch)."
                 )
             loader.restore(got.loader)
-        return dict(got.meta)
+        return meta
 
     def _check(self, where: Path, step: int, target: dict[str, dict]) -> None:
         """Refuses a checkpoint whose leaves differ from the running objects' (first named)."""
@@ -306,9 +400,7 @@ class CheckpointManager:
         # a listing of the directory: reloading Orbax's manager here would lose its
         # bookkeeping of in-flight saves (max_to_keep would keep one too many)
         names = os.listdir(self.directory) if self.directory.is_dir() else []
-        steps = sorted(
-            int(n) for n in names if n.isdigit() and (self.directory / n / _FINISHED).is_file()
-        )
+        steps = self._finished_steps()
         if step in steps or step in self._started:
             raise ValueError(
                 f"step {step} already has a checkpoint in {self.directory} (saved or being "
@@ -336,6 +428,12 @@ class CheckpointManager:
                 "directory."
             )
 
+    def _finished_steps(self) -> list[int]:
+        names = os.listdir(self.directory) if self.directory.is_dir() else []
+        return sorted(
+            int(n) for n in names if n.isdigit() and (self.directory / n / _FINISHED).is_file()
+        )
+
     def all_steps(self) -> list[int]:
         """The steps with a complete checkpoint, oldest first.
 
@@ -360,12 +458,20 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def wait_until_finished(self) -> None:
-        """Blocks until background saves are written."""
-        self._mngr.wait_until_finished()
+        """Blocks until background saves are written.
+
+        Raises:
+          RuntimeError: a background save failed (reported once; see :meth:`save`).
+        """
+        self._settle()
 
     def close(self) -> None:
-        """Waits for background saves and releases the manager."""
-        self._mngr.close()
+        """Waits for background saves, releases the manager and the directory's lock."""
+        try:
+            self._settle()
+        finally:
+            self._mngr.close()
+            self._lock.release()
 
     def __enter__(self) -> CheckpointManager:
         return self

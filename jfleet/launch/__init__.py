@@ -37,8 +37,11 @@ import sys
 from collections.abc import Sequence
 
 from jfleet.launch.args import LaunchArgs, parse_args
+from jfleet.launch.auth import job_token
 from jfleet.launch.cluster import Scheduler, detect
 from jfleet.launch.controller import grace_seconds, run
+from jfleet.runtime.env import seconds
+from jfleet.runtime.role_maker import DEFAULT_INIT_TIMEOUT_S, INIT_TIMEOUT_ENV
 
 __all__ = ["LaunchArgs", "launch", "main", "parse_args", "resolve"]
 
@@ -97,6 +100,8 @@ def launch(argv: Sequence[str]) -> int:
         scheduler = detect() if args.master is None else None
         args = resolve(args, scheduler)
         grace_seconds(os.environ)
+        seconds(INIT_TIMEOUT_ENV, DEFAULT_INIT_TIMEOUT_S, whole=True)
+        job_token(os.environ, nnodes=args.nnodes)
     except ValueError as error:
         message = str(error).removeprefix("jfleet.launch: ")
         print(f"[jfleet.launch] error: {message}", file=sys.stderr, flush=True)

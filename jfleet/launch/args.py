@@ -21,6 +21,8 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from jfleet.launch.schema import BadMessageError, check_host
+
 __all__ = ["LaunchArgs", "parse_args", "parse_master"]
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -196,13 +198,13 @@ def _int(flag: str, value: str, *, low: int, what: str) -> int:
     return n
 
 
-def _nnodes(value: str) -> int:
+def _nnodes(flag: str, value: str) -> int:
     if ":" in value:
         raise ValueError(
-            f"--nnodes={value!r}: elastic ranges (min:max) are not supported; give a fixed "
+            f"{flag}={value!r}: elastic ranges (min:max) are not supported; give a fixed "
             "node count, e.g. --nnodes 2."
         )
-    return _int("--nnodes", value, low=1, what="the number of nodes, e.g. --nnodes 2")
+    return _int(flag, value, low=1, what="the number of nodes, e.g. --nnodes 2")
 
 
 def _devices(flag: str, value: str) -> tuple[str, ...]:
@@ -264,9 +266,11 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
             raise ValueError(f"jfleet.launch: {flag} is not supported: {UNSUPPORTED[flag]}.")
     ns = _parser().parse_args(own)
     raw = {k: v for k, v in vars(ns).items() if v is not None}
+    names = {field: f"--{field}" for field in raw}  # how errors name each value
     for var, field in ENV_FLAGS.items():
         if field not in raw and env.get(var, "").strip():
             raw[field] = env[var].strip()
+            names[field] = var
     if script is None and module is None:
         raise ValueError(
             "jfleet.launch: no training script given; usage: python -m jfleet.launch "
@@ -287,11 +291,11 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
                 "an alias of --devices); give one of them."
             )
     if "devices" in raw or "gpus" in raw:
-        flag = "--devices" if "devices" in raw else "--gpus"
+        flag = names["devices"] if "devices" in raw else "--gpus"
         devices = _devices(flag, raw.get("devices", raw.get("gpus", "")))
     if "nproc_per_node" in raw:
         nproc = _int(
-            "--nproc_per_node", raw["nproc_per_node"], low=1, what="the processes per node"
+            names["nproc_per_node"], raw["nproc_per_node"], low=1, what="the processes per node"
         )
     else:
         nproc = len(devices) if devices else 1
@@ -301,20 +305,21 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
             f"among --nproc_per_node={nproc} processes; give a multiple of {nproc} devices "
             "or another --nproc_per_node."
         )
-    nnodes = _nnodes(raw["nnodes"]) if "nnodes" in raw else 1
+    nnodes = _nnodes(names["nnodes"], raw["nnodes"]) if "nnodes" in raw else 1
     rank = -1
     if "rank" in raw:
-        rank = _int("--rank", raw["rank"], low=-1, what="this node's rank, or -1")
+        rank = _int(names["rank"], raw["rank"], low=-1, what="this node's rank, or -1")
     if rank >= nnodes:
+        nodes_name = names.get("nnodes", "--nnodes")
         raise ValueError(
-            f"--rank={rank} is out of range for --nnodes={nnodes}; node ranks are "
+            f"{names['rank']}={rank} is out of range for {nodes_name}={nnodes}; node ranks are "
             f"0..{nnodes - 1} (or -1: assigned in arrival order)."
         )
-    master = parse_master(raw["master"]) if "master" in raw else None
+    master = parse_master(raw["master"], flag=names["master"]) if "master" in raw else None
     level = raw.get("log_level", "INFO").upper()
     if level not in LOG_LEVELS:
         raise ValueError(
-            f"--log_level={raw['log_level']!r} is not a level; use one of {LOG_LEVELS}."
+            f"{names['log_level']}={raw['log_level']!r} is not a level; use one of {LOG_LEVELS}."
         )
     start_port = None
     if "start_port" in raw:
@@ -324,13 +329,23 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
     max_restart = 0
     if "max_restart" in raw:
         max_restart = _int(
-            "--max_restart", raw["max_restart"], low=0, what="the restarts allowed (0: none)"
+            names["max_restart"], raw["max_restart"], low=0, what="the restarts allowed (0: none)"
         )
     job_id = raw.get("job_id", "default")
     if not job_id or not all(c.isalnum() or c in "-_." for c in job_id):
         raise ValueError(
-            f"--job_id={job_id!r}: use letters, digits, '-', '_' or '.' (it names log files)."
+            f"{names.get('job_id', '--job_id')}={job_id!r}: use letters, digits, '-', '_' or "
+            "'.' (it names log files)."
         )
+    host = raw.get("host")
+    if host is not None:
+        try:
+            host = check_host(host)
+        except BadMessageError:
+            raise ValueError(
+                f"{names['host']}={host!r} is not a hostname or an IP address (one address, "
+                "no port); give the address other nodes reach this node at, e.g. --host 10.0.0.2."
+            ) from None
     return LaunchArgs(
         nproc_per_node=nproc,
         nnodes=nnodes,
@@ -342,7 +357,7 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
         job_id=job_id,
         start_port=start_port,
         max_restart=max_restart,
-        host=raw.get("host"),
+        host=host,
         training_script=script,
         module=module,
         training_script_args=tuple(script_args),

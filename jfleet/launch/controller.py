@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -37,12 +38,16 @@ from pathlib import Path
 from typing import IO, Any
 
 from jfleet.launch.args import LaunchArgs
+from jfleet.launch.auth import job_token
 from jfleet.launch.cluster import Scheduler
 from jfleet.launch.env import endpoints, global_rank, worker_env
 from jfleet.launch.ports import HeldPort, hold_free_ports
 from jfleet.launch.rendezvous import Node, RendezvousClient, RendezvousServer
+from jfleet.launch.schema import MAX_TEXT
+from jfleet.launch.wire import HandshakeError
 from jfleet.runtime.env import seconds
 from jfleet.runtime.role_maker import DEFAULT_INIT_TIMEOUT_S, INIT_TIMEOUT_ENV
+from jfleet.runtime.watchdog import ABORT_EXIT_CODE
 
 __all__ = ["GRACE_S", "TAIL_LINES", "exit_code_of", "grace_seconds", "run"]
 
@@ -52,6 +57,7 @@ GRACE_ENV = "JFLEET_KILL_GRACE"
 #: Log lines of a failed worker printed by the launchers.
 TAIL_LINES = 20
 PREFIX = "[jfleet.launch]"
+_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*")
 _LEVELS = {"DEBUG": 10, "INFO": 20, "WARNING": 30, "ERROR": 40, "CRITICAL": 50}
 
 
@@ -139,11 +145,19 @@ class _Log:
             self._file = None
 
 
+def _is_gloo(line: bytes) -> bool:
+    """Whether a worker's output line is Gloo's connection chatter (kept in its log only)."""
+    return line.lstrip().startswith(b"[Gloo]")
+
+
 def _echo(stream: IO[bytes], log: IO[bytes], prefix: bytes) -> None:
-    """Copies a worker's output to its log file and, prefixed, to the console."""
+    """Copies a worker's output to its log file and, prefixed, to the console (Gloo's
+    connection chatter only to the file)."""
     for line in iter(stream.readline, b""):
         log.write(line)
         log.flush()
+        if _is_gloo(line):
+            continue
         sys.stdout.buffer.write(prefix + line)
         sys.stdout.buffer.flush()
     stream.close()
@@ -163,10 +177,33 @@ class _Worker:
             self.echo.join(2)
         try:
             with open(self.log_path, "rb") as f:
-                lines = deque(f, maxlen=n)
+                lines = deque((line for line in f if not _is_gloo(line)), maxlen=n)
         except OSError:
             return []
-        return [line.decode(errors="replace").rstrip("\n") for line in lines]
+        return [line.decode(errors="replace").rstrip("\n")[:MAX_TEXT] for line in lines]
+
+
+def _first_failure(workers: list[_Worker], codes: list[int | None]) -> _Worker | None:
+    """The failed worker to report: one that failed on its own before one that the
+    watchdog stopped because a peer failed (exit code 70), else the lowest rank."""
+    failed = [w for w, c in zip(workers, codes, strict=True) if c not in (None, 0)]
+    failed.sort(key=lambda w: w.proc.returncode == ABORT_EXIT_CODE)
+    return failed[0] if failed else None
+
+
+def error_line(tail: list[str]) -> str | None:
+    """The line of a log tail that says what went wrong: the watchdog's verdict or the
+    exception's last line (None when there is neither).
+
+    Example:
+      >>> error_line(["Traceback (most recent call last):", "  x", "ValueError: bad lr"])
+      'ValueError: bad lr'
+    """
+    for line in reversed(tail):
+        text = line.strip()
+        if text.startswith("jfleet.watchdog:") or _EXCEPTION.match(text):
+            return text[:300]
+    return None
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -218,13 +255,15 @@ class _Launcher:
             seconds(INIT_TIMEOUT_ENV, DEFAULT_INIT_TIMEOUT_S, env=environ, whole=True)
         )
         self.grace_s = grace_seconds(environ)
+        self.token = job_token(environ, nnodes=args.nnodes)
 
     # ---------------------------------------------------------------- the job
     def _serve(self, master: str | None) -> tuple[RendezvousServer | None, str]:
         """Starts the master when this node is node 0; returns it and the address to use."""
         args = self.args
-        kwargs = {"nnodes": args.nnodes, "timeout_s": self.timeout_s}
-        kwargs["max_restart"] = args.max_restart
+        kwargs: dict[str, Any] = {"nnodes": args.nnodes, "timeout_s": self.timeout_s}
+        kwargs.update(max_restart=args.max_restart, token=self.token)
+        kwargs["log"] = lambda message: self.log(message, "WARNING")
         if master is None:  # one node, nobody else: a private master on loopback
             server = RendezvousServer.bind("127.0.0.1", 0, **kwargs)
             server.start()
@@ -288,14 +327,17 @@ class _Launcher:
 
     def _failure(self, worker: _Worker, node_rank: int) -> dict[str, Any]:
         rc = worker.proc.returncode
+        tail = worker.tail()
+        what = f"worker rank {worker.rank} (node {node_rank}) {_describe(rc)}"
+        line = error_line(tail)
         return {
             "rank": worker.rank,
             "node_rank": node_rank,
             "returncode": rc,
             "exit_code": exit_code_of(rc),
-            "what": f"worker rank {worker.rank} (node {node_rank}) {_describe(rc)}",
+            "what": what if line is None else f"{what}: {line}",
             "log": str(worker.log_path),
-            "tail": worker.tail(),
+            "tail": tail,
         }
 
     def _stop(self, sig: int = signal.SIGTERM) -> None:
@@ -374,9 +416,7 @@ class _Launcher:
             if not self.workers or reported:
                 continue
             codes = [w.proc.poll() for w in self.workers]
-            failed = next(
-                (w for w, c in zip(self.workers, codes, strict=False) if c not in (None, 0)), None
-            )
+            failed = _first_failure(self.workers, codes)
             if failed is not None:
                 reported = True
                 failure = self._failure(failed, node_rank)
@@ -400,8 +440,15 @@ class _Launcher:
         server, address = self._serve(master)
         try:
             client = RendezvousClient.connect(
-                address, timeout_s=self.timeout_s, stop=lambda: self.interrupt is not None
+                address,
+                token=self.token,
+                nnodes=args.nnodes,
+                timeout_s=self.timeout_s,
+                stop=lambda: self.interrupt is not None,
             )
+        except HandshakeError as error:
+            self.log(f"error: {error}", "ERROR")
+            return 1
         except InterruptedError as error:
             self.log(str(error), "ERROR")
             return 128 + (self.interrupt or signal.SIGINT)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from jfleet.launch.args import LaunchArgs
+from jfleet.launch.auth import TOKEN_ENV, TOKEN_FILE_ENV
 from jfleet.launch.cluster import SCRUBBED
 from jfleet.launch.rendezvous import Node
 
@@ -61,7 +62,8 @@ def worker_env(
     eps = endpoints(nodes)
     rank = global_rank(nodes, node_rank, local_rank)
     coordinator = eps[0]
-    env = {k: v for k, v in base.items() if k not in SCRUBBED}
+    hidden = (*SCRUBBED, TOKEN_ENV, TOKEN_FILE_ENV)  # the job token stays with the launchers
+    env = {k: v for k, v in base.items() if k not in hidden}
     env.update(
         {
             "PADDLE_TRAINER_ID": str(rank),

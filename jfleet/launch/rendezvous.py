@@ -1,6 +1,8 @@
 """The nodes' rendezvous: a tiny TCP service on node 0 that ranks nodes and ends the job.
 
-Every launcher (node 0's included) connects to ``--master`` and speaks JSON lines:
+Every launcher (node 0's included) connects to ``--master``, proves that it knows the job
+token and checks that the master does (:mod:`jfleet.launch.auth`), then speaks signed JSON
+lines (:mod:`jfleet.launch.wire`, each checked by :mod:`jfleet.launch.schema`):
 
   node -> master   ``register {host, nproc, ports, rank}``   (once per attempt)
   master -> node   ``start {attempt, node_rank, nodes}``       when all ``nnodes`` registered
@@ -12,12 +14,19 @@ Every launcher (node 0's included) connects to ``--master`` and speaks JSON line
 Node ranks: a launcher given ``--rank`` gets it; the others fill the free ranks in
 arrival order, and keep them over restarts. A node that does not register within the
 timeout, or whose connection drops, ends the job (``end`` with an error naming it).
-The master serves one job and exits after ``end``.
+A connection that fails the handshake, or sends a line that does not pass, is closed and
+logged with its address; it never reaches the job, and only registered nodes hear ``stop``
+and ``end`` (which carry log lines). At most :data:`MAX_PENDING` connections may be
+handshaking at once (the oldest is dropped for a new one) and each has
+:data:`~jfleet.launch.wire.HANDSHAKE_TIMEOUT_S` seconds. The master serves one job and
+exits after ``end``.
 
 Example:
-  >>> server = RendezvousServer.bind("127.0.0.1", 0, nnodes=1, timeout_s=5, max_restart=0)
+  >>> token = b"0123456789abcdef"
+  >>> server = RendezvousServer.bind(
+  ...     "127.0.0.1", 0, nnodes=1, timeout_s=5, max_restart=0, token=token)
   >>> server.start()
-  >>> c = RendezvousClient.connect(server.address, timeout_s=5)
+  >>> c = RendezvousClient.connect(server.address, token=token, nnodes=1, timeout_s=5)
   >>> c.send({"type": "register", "host": "127.0.0.1", "nproc": 1, "ports": [7001], "rank": -1})
   True
   >>> c.receive(5)["nodes"]
@@ -30,99 +39,60 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import queue
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from jfleet.launch.schema import Node
+from jfleet.launch.wire import Connection, HandshakeError, admit, join
 from jfleet.runtime.log import logger
+from jfleet.runtime.watchdog import ABORT_EXIT_CODE
 
 __all__ = ["Node", "RendezvousClient", "RendezvousServer"]
 
-
-@dataclasses.dataclass(frozen=True)
-class Node:
-    """A node as the job sees it: the host others reach it at, its workers, their ports."""
-
-    host: str
-    nproc: int
-    ports: tuple[int, ...]
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Node:
-        return cls(str(d["host"]), int(d["nproc"]), tuple(int(p) for p in d["ports"]))
-
-
-class _Connection:
-    """A socket speaking JSON lines; a reader thread puts messages (None at EOF) on a queue."""
-
-    def __init__(self, sock: socket.socket, inbox: queue.Queue, tag: Any) -> None:
-        self.sock = sock
-        self._lock = threading.Lock()
-        self._closed = False
-        self._reader = threading.Thread(target=self._read, args=(inbox, tag), daemon=True)
-
-    def start(self) -> _Connection:
-        """Starts reading (after the owner has filed the connection)."""
-        self._reader.start()
-        return self
-
-    def _read(self, inbox: queue.Queue, tag: Any) -> None:
-        buffer = b""
-        try:
-            while True:
-                chunk = self.sock.recv(65536)
-                if not chunk:
-                    break
-                buffer += chunk
-                while b"\n" in buffer:
-                    line, buffer = buffer.split(b"\n", 1)
-                    if line.strip():
-                        inbox.put((tag, json.loads(line)))
-        except (OSError, ValueError):
-            pass
-        inbox.put((tag, None))
-
-    def send(self, message: dict[str, Any]) -> bool:
-        """Sends one message; False when the peer is gone."""
-        data = (json.dumps(message) + "\n").encode()
-        with self._lock:
-            if self._closed:
-                return False
-            try:
-                self.sock.sendall(data)
-            except OSError:
-                return False
-        return True
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
+#: Connections that may be handshaking at once (a new one drops the oldest).
+MAX_PENDING = 32
+#: Authenticated connections allowed per node of the job (a token holder's retries).
+MAX_NODES_PER_SLOT = 4
+#: Rejected connections logged one by one before the master only counts them.
+MAX_LOGGED = 20
 
 
 class RendezvousClient:
-    """A launcher's connection to the master."""
+    """A launcher's authenticated connection to the master."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, conn_args: tuple, nnodes: int) -> None:
         self._inbox: queue.Queue = queue.Queue()
-        self._conn = _Connection(sock, self._inbox, None).start()
+        self.rejected: str | None = None
+        self._conn = Connection(
+            sock, *conn_args, self._inbox, None, nnodes=nnodes, on_bad=self._bad
+        ).start()
+
+    def _bad(self, tag: Any, reason: str) -> None:
+        self.rejected = reason
+        logger.error("jfleet.launch: a message from the rendezvous master failed: %s", reason)
 
     @classmethod
     def connect(
-        cls, address: str, *, timeout_s: float, stop: Callable[[], bool] = lambda: False
+        cls,
+        address: str,
+        *,
+        token: bytes,
+        nnodes: int,
+        timeout_s: float,
+        stop: Callable[[], bool] = lambda: False,
     ) -> RendezvousClient:
-        """Connects to ``host:port``, retrying until ``timeout_s`` (node 0 may start later).
+        """Connects to ``host:port``, retrying until ``timeout_s`` (node 0 may start later),
+        and checks that the master knows ``token``.
 
         Raises:
           TimeoutError: nothing accepted the connection in time.
           InterruptedError: ``stop()`` turned true while retrying (a signal).
+          HandshakeError: the master did not prove the token.
         """
         host, _, port = address.rpartition(":")
         deadline = time.monotonic() + timeout_s
@@ -131,8 +101,7 @@ class RendezvousClient:
                 raise InterruptedError(f"interrupted while connecting to --master {address}")
             try:
                 sock = socket.create_connection((host, int(port)), timeout=5)
-                sock.settimeout(None)
-                return cls(sock)
+                break
             except OSError as error:
                 if time.monotonic() > deadline:
                     raise TimeoutError(
@@ -141,6 +110,12 @@ class RendezvousClient:
                         "the address and the firewall."
                     ) from None
                 time.sleep(0.2)
+        try:
+            session = join(sock, token, address)
+        except HandshakeError:
+            sock.close()
+            raise
+        return cls(sock, session, nnodes)
 
     def send(self, message: dict[str, Any]) -> bool:
         """Sends one message; False when the master is gone."""
@@ -158,6 +133,14 @@ class RendezvousClient:
         self._conn.close()
 
 
+def _consequence(first: dict[str, Any], later: dict[str, Any]) -> bool:
+    """Whether ``first`` is a worker stopping because a peer failed (the watchdog's exit code)
+    and ``later`` an ordinary failure: its cause, to be reported instead."""
+    return first.get("exit_code") == ABORT_EXIT_CODE != later.get("exit_code") and not first.get(
+        "interrupted"
+    )
+
+
 class RendezvousServer:
     """The master: ranks ``nnodes`` launchers, relays the first failure, decides restarts.
 
@@ -166,23 +149,36 @@ class RendezvousServer:
       nnodes: nodes to wait for.
       timeout_s: seconds to wait for every node to register (each attempt).
       max_restart: restarts of the whole job after a failure.
+      token: the job token every node must prove.
+      log: where rejected connections are reported (default: the ``jfleet`` logger).
     """
 
     def __init__(
-        self, sock: socket.socket, *, nnodes: int, timeout_s: float, max_restart: int
+        self,
+        sock: socket.socket,
+        *,
+        nnodes: int,
+        timeout_s: float,
+        max_restart: int,
+        token: bytes,
+        log: Callable[[str], None] | None = None,
     ) -> None:
         self._listener = sock
         self.nnodes = nnodes
         self.timeout_s = timeout_s
         self.max_restart = max_restart
+        self._token = token
+        self._log = log or logger.warning
         self._inbox: queue.Queue = queue.Queue()
-        self._conns: dict[int, _Connection] = {}
+        self._conns: dict[int, Connection] = {}  # authenticated
+        self._peers: dict[int, str] = {}
+        self._pending: OrderedDict[int, socket.socket] = OrderedDict()
+        self._lock = threading.Lock()
+        self.rejected = 0
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def bind(
-        cls, host: str, port: int, *, nnodes: int, timeout_s: float, max_restart: int
-    ) -> RendezvousServer:
+    def bind(cls, host: str, port: int, **kwargs: Any) -> RendezvousServer:
         """Binds ``host:port`` (0: any port) and listens.
 
         Raises:
@@ -191,11 +187,11 @@ class RendezvousServer:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             sock.bind((host, port))
-            sock.listen(max(nnodes, 16))
+            sock.listen(64)
         except OSError:
             sock.close()
             raise
-        return cls(sock, nnodes=nnodes, timeout_s=timeout_s, max_restart=max_restart)
+        return cls(sock, **kwargs)
 
     @property
     def address(self) -> str:
@@ -213,16 +209,56 @@ class RendezvousServer:
             self._thread.join(timeout_s)
 
     # ------------------------------------------------------------------ internals
+    def _reject(self, peer: str, reason: str) -> None:
+        with self._lock:
+            self.rejected += 1
+            n = self.rejected
+        if n <= MAX_LOGGED:
+            self._log(f"rendezvous: dropped a connection from {peer}: {reason}")
+        if n == MAX_LOGGED:
+            self._log(f"rendezvous: {n} connections dropped; further ones are not logged")
+
     def _accept(self) -> None:
         next_id = 0
         while True:
             try:
-                sock, _ = self._listener.accept()
+                sock, addr = self._listener.accept()
             except OSError:
                 return
-            conn = self._conns[next_id] = _Connection(sock, self._inbox, next_id)
-            conn.start()
+            with self._lock:
+                if len(self._pending) >= MAX_PENDING:  # drop the oldest handshake
+                    _, old = self._pending.popitem(last=False)
+                    with contextlib.suppress(OSError):
+                        old.shutdown(socket.SHUT_RDWR)
+                self._pending[next_id] = sock
+            peer = f"{addr[0]}:{addr[1]}"
+            threading.Thread(target=self._admit, args=(sock, next_id, peer), daemon=True).start()
             next_id += 1
+
+    def _admit(self, sock: socket.socket, cid: int, peer: str) -> None:
+        """Handshakes a new connection; files it when the node proved the token."""
+        try:
+            session = admit(sock, self._token)
+        except (HandshakeError, OSError) as error:
+            self._reject(peer, f"handshake failed ({error})")
+            with self._lock:
+                self._pending.pop(cid, None)
+            sock.close()
+            return
+        with self._lock:
+            full = len(self._conns) >= MAX_NODES_PER_SLOT * self.nnodes
+            if self._pending.pop(cid, None) is None or full:  # dropped meanwhile, or too many
+                sock.close()
+                return
+            conn = Connection(
+                sock, *session, self._inbox, cid, nnodes=self.nnodes, on_bad=self._bad_line
+            )
+            self._conns[cid] = conn
+            self._peers[cid] = peer
+        conn.start()
+
+    def _bad_line(self, cid: int, reason: str) -> None:
+        self._reject(self._peers.get(cid, "?"), f"an authenticated line failed: {reason}")
 
     def _broadcast(self, message: dict[str, Any]) -> None:
         for conn in list(self._conns.values()):
@@ -260,10 +296,16 @@ class RendezvousServer:
                 if cid in nodes or cid in ranks:
                     return f"node {ranks.get(cid, '?')}'s launcher disconnected while registering."
                 continue
-            if msg.get("type") != "register":
+            if msg["type"] != "register" or cid in nodes:
                 continue
             nodes[cid] = Node.from_json(msg)
-            wanted[cid] = int(msg.get("rank", -1))
+            wanted[cid] = msg["rank"]
+        endpoints = [(n.host, p) for n in nodes.values() for p in n.ports]
+        if len(set(endpoints)) != len(endpoints):
+            return (
+                "two nodes registered the same host and port; give each node its own --host "
+                f"(registered: {sorted(f'{n.host}:{list(n.ports)}' for n in nodes.values())})."
+            )
         if not ranks:  # first attempt: given ranks, then arrival order
             taken: dict[int, int] = {}
             for cid, r in wanted.items():
@@ -287,7 +329,7 @@ class RendezvousServer:
                 self._end(1, error=nodes)
                 return
             ordered = sorted(nodes, key=lambda cid: ranks[cid])
-            listing = [dataclasses.asdict(nodes[cid]) for cid in ordered]
+            listing = [nodes[cid].to_json() for cid in ordered]
             for cid in ordered:
                 self._conns[cid].send(
                     {"type": "start", "attempt": attempt, "node_rank": ranks[cid], "nodes": listing}
@@ -327,6 +369,8 @@ class RendezvousServer:
             elif msg["type"] == "failed" and failure is None:
                 failure = msg["failure"]
                 self._broadcast({"type": "stop", "failure": failure})
+            elif msg["type"] == "failed" and _consequence(failure, msg["failure"]):
+                failure = msg["failure"]  # the cause, reported just after its consequence
             elif msg["type"] == "stopped":
                 stopped.add(cid)
             if failure is None and len(done) == len(ranks):

@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 from jfleet.mesh import collective
 from jfleet.ps.accessor import CtrAccessor
 from jfleet.ps.table import STATS, SparseTable, TableState
+from jfleet.ps.table_files import TableFileError, read_meta, read_parts
 from jfleet.runtime.log import logger
 
 __all__ = ["MODES", "load_table", "save_cache", "save_cache_table", "save_table"]
@@ -163,7 +164,8 @@ def load_table(table: SparseTable, path: str | Path, mode: int = 0) -> int:
     Raises:
       FileNotFoundError: nothing saved there.
       ValueError: a mode other than 0, 1, 2; a saved table of another ``num_rows``, ``dim``
-        or SGD rule.
+        or SGD rule; a damaged or inconsistent file (:class:`~jfleet.ps.table_files.TableFileError`,
+        naming the file and the field).
     """
     mode = _check_mode("load_one_table", mode)
     src = Path(path) / str(table.table_id)
@@ -172,8 +174,14 @@ def load_table(table: SparseTable, path: str | Path, mode: int = 0) -> int:
             f"load_one_table(table_id={table.table_id}, path={str(path)!r}): no saved table at "
             f"{src} (expected {src / 'meta.json'}); save one with fleet.save_one_table."
         )
-    meta = json.loads((src / "meta.json").read_text())
-    saved = CtrAccessor.from_dict(meta["accessor"]).embed_sgd_rule.name
+    meta = read_meta(src / "meta.json")
+    try:
+        saved = CtrAccessor.from_dict(meta["accessor"]).embed_sgd_rule.name
+    except (TypeError, KeyError, ValueError) as error:
+        raise TableFileError(
+            f"{src / 'meta.json'}: accessor is not a saved CtrAccessor ({error!r}); save the "
+            "table again with fleet.save_one_table, or load another copy."
+        ) from None
     here = (table.num_rows, table.dim, table.accessor.embed_sgd_rule.name)
     if (meta["num_rows"], meta["dim"], saved) != here:
         raise ValueError(
@@ -181,9 +189,13 @@ def load_table(table: SparseTable, path: str | Path, mode: int = 0) -> int:
             f"rule={saved!r}; table {table.table_id} has num_rows={here[0]}, dim={here[1]}, "
             f"rule={here[2]!r}. Rows are hash buckets: build the table with the saved settings."
         )
-    parts = [np.load(src / f"part-{p:05d}.npz") for p in range(meta["processes"])]
-    data = {name: np.concatenate([p[name] for p in parts]) for name in parts[0].files}
-    rows = data.pop("rows")
+    if meta["table_id"] != table.table_id:
+        raise TableFileError(
+            f"{src / 'meta.json'}: table_id={meta['table_id']} but it lies in the directory of "
+            f"table {table.table_id}; load the directory of the table it was saved from."
+        )
+    spec = {k: (v.shape[1:], np.dtype(v.dtype)) for k, v in _fields(table.state).items()}
+    rows, data = read_parts(src, meta, spec)
     base = table.state if mode == 1 else table.fresh_state()
     table.state = table.set_rows(base, rows, _from_fields(data))
     if mode != 1 and meta.get("day") is not None:

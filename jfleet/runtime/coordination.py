@@ -17,7 +17,10 @@ Example:
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import os
+import socket
 from typing import Any
 
 PREFIX = "jfleet/"
@@ -94,3 +97,33 @@ def get_dir(prefix: str) -> dict[str, Any]:
     for key, raw in c.key_value_dir_get(full):
         out[key[len(full) :].lstrip("/")] = json.loads(raw)
     return out
+
+
+def bind_address(coordinator: str) -> str | None:
+    """Where process 0's coordination service listens: the coordinator's own address,
+    not every interface (JAX's default ``[::]:port``).
+
+    None (JAX's default) when ``$JAX_COORDINATOR_BIND_ADDRESS`` is set (JAX reads it), when
+    the host does not resolve, or when a host name resolves to a loopback address (as
+    ``/etc/hosts`` often maps the machine's own name): binding that would shut out the
+    other machines.
+
+    Example:
+      >>> bind_address("127.0.0.1:6170"), bind_address("[::1]:6170")
+      ('127.0.0.1:6170', '[::1]:6170')
+    """
+    if os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", "").strip():
+        return None
+    host, _, port = coordinator.rpartition(":")
+    host = host.strip("[]")
+    try:
+        literal = ipaddress.ip_address(host)
+    except ValueError:
+        literal = None
+    try:
+        address = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0][4][0]
+    except (OSError, ValueError):
+        return None
+    if literal is None and ipaddress.ip_address(address).is_loopback and host != "localhost":
+        return None
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"

@@ -30,6 +30,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jfleet.runtime import coordination as _coordination
 from jfleet.runtime import watchdog
 from jfleet.runtime.env import seconds
 from jfleet.runtime.log import logger
@@ -787,6 +788,7 @@ def initialize_distributed(
             initialization_timeout=init_timeout + _JAX_DEADLINE_GRACE_S,
             heartbeat_timeout_seconds=heartbeat,
             shutdown_timeout_seconds=shutdown,
+            coordinator_bind_address=_coordination.bind_address(str(coordinator)),
         )
 
     try:

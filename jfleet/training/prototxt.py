@@ -14,7 +14,15 @@ The reader accepts that, Paddle's own output (``str(proto)``), ``#`` comments, a
 optional ``:`` before a ``{`` block, ``[a, b]`` lists, repeated ``name: value`` lines for
 list fields, and ``,`` or ``;`` between fields. It returns untyped :class:`Entry` trees;
 typing them against a schema is the caller's job. Errors are :class:`PrototxtError`
-(a ``ValueError``) naming the line.
+(a ``ValueError``) naming the line; blocks nest at most :data:`MAX_DEPTH` deep.
+
+Example:
+  >>> parse("a { b: 1 }")[0].value[0].value.text
+  '1'
+  >>> parse("a {" * 100)
+  Traceback (most recent call last):
+  ...
+  jfleet.training.prototxt.PrototxtError: line 1: blocks nested more than 32 deep; ...
 """
 
 from __future__ import annotations
@@ -62,6 +70,8 @@ _TOKEN = re.compile(
     re.VERBOSE,
 )
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+#: The deepest nesting of blocks read (a strategy file nests three levels).
+MAX_DEPTH = 32
 
 
 @dataclass(frozen=True)
@@ -90,6 +100,7 @@ class _Parser:
     def __init__(self, tokens: list[_Tok]) -> None:
         self._tokens = tokens
         self._pos = 0
+        self._depth = 0
 
     def _peek(self) -> _Tok | None:
         return self._tokens[self._pos] if self._pos < len(self._tokens) else None
@@ -132,7 +143,15 @@ class _Parser:
             tok = self._peek()
         if self._is(tok, "{"):
             self._take()
-            return Entry(name.text, name.line, "block", self.block(tok.line))
+            if self._depth >= MAX_DEPTH:
+                raise PrototxtError(
+                    f"line {tok.line}: blocks nested more than {MAX_DEPTH} deep; a strategy "
+                    "file nests a few levels: check the braces (is a '}' missing?)."
+                )
+            self._depth += 1
+            entries = self.block(tok.line)
+            self._depth -= 1
+            return Entry(name.text, name.line, "block", entries)
         if not colon:
             got = "the end of the file" if tok is None else repr(tok.text)
             raise PrototxtError(
