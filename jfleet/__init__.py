@@ -12,6 +12,8 @@ Example:
 from jfleet import auto_parallel as auto_parallel
 from jfleet import fleet as fleet
 from jfleet import interrupts as interrupts
+from jfleet._devices import emulate_devices as emulate_devices
+from jfleet._devices import emulate_from_env as _emulate_from_env
 from jfleet.auto_parallel import ToDistributedConfig as ToDistributedConfig
 from jfleet.auto_parallel import to_distributed as to_distributed
 from jfleet.consistency import ConsistencyTimeoutError as ConsistencyTimeoutError
@@ -39,3 +41,5 @@ from jfleet.topology import ParallelMode as ParallelMode
 from jfleet.watchdog import PeerFailedError as PeerFailedError
 
 __version__ = "0.1.0"
+
+_emulate_from_env()  # JFLEET_CPU_DEVICES (importing jfleet starts no JAX backend)

@@ -43,6 +43,7 @@ import optax
 from flax import nnx
 
 from jfleet import _context, fleet
+from jfleet._devices import fix_hint
 from jfleet._logging import logger
 from jfleet.auto_parallel.block_check import (
     ARRAY,
@@ -125,13 +126,18 @@ class ToDistributedConfig:
       forward: how the model is called on a batch, ``forward(model, batch) -> arrays``, for
         the trace the plan is read from (which projections pair up, the FLOPs) and for the
         pipeline checks. A loss function ``(model, batch) -> loss`` works too. Default:
-        ``model(x)`` with ``x`` the batch itself (an array), its first entry (a tuple or
-        list) or its ``input_ids`` / ``tokens`` / ``inputs`` / ``input`` / ``x`` entry (a
-        dict). Give it when the model needs more (positions, a mask, a cache)::
+        ``loss_fn`` when given, else ``model(x)`` with ``x`` the batch itself (an array),
+        its first entry (a tuple or list) or its ``input_ids`` / ``tokens`` / ``inputs`` /
+        ``input`` / ``x`` / ``image`` / ``images`` / ``pixel_values`` entry (a dict).
+        Give it when the model needs more (positions, a mask, a cache)::
 
           ToDistributedConfig(
               forward=lambda model, batch: model(batch["tokens"], batch["positions"]))
 
+      loss_fn: the training loss ``loss_fn(model, batch) -> scalar``, traced in place of
+        ``forward`` when that is not given: whatever the loss feeds the model (a dict
+        batch's ``image`` / ``label``, positions, a mask) the trace sees, e.g.
+        ``ToDistributedConfig(loss_fn=my_loss)``.
       scan_layers: without a pipeline, run alike decoder blocks (or blocks repeating with
         a period) as one ``lax.scan``
         (:class:`~jfleet.auto_parallel.scanned_blocks.ScannedBlocks`), so the compiled
@@ -156,9 +162,11 @@ class ToDistributedConfig:
     per_sample_args: tuple[int | str, ...] | None = None
     forward: Callable[[nnx.Module, Any], Any] | None = None
     scan_layers: bool = True
+    loss_fn: Callable[[nnx.Module, Any], Any] | None = None
 
 
-_INPUT_KEYS = ("input_ids", "tokens", "inputs", "input", "x")
+#: The dict keys read as the model's input when neither ``forward`` nor ``loss_fn`` is given.
+_INPUT_KEYS = ("input_ids", "tokens", "inputs", "input", "x", "image", "images", "pixel_values")
 
 
 def _model_call(batch: Any, forward: Callable | None) -> tuple[Any, Callable | None]:
@@ -184,8 +192,9 @@ def _model_call(batch: Any, forward: Callable | None) -> tuple[Any, Callable | N
                 return batch[key], None
         raise ValueError(
             f"the loader's batches are dicts with keys {sorted(batch)}, none of them a known "
-            f"model input {_INPUT_KEYS}; pass ToDistributedConfig(forward=lambda model, "
-            "batch: model(batch[...])) calling the model as your training step does."
+            f"model input {_INPUT_KEYS}; pass your training loss as "
+            "ToDistributedConfig(loss_fn=loss_fn), or ToDistributedConfig(forward=lambda "
+            "model, batch: model(batch[...])) calling the model as your training step does."
         )
     if isinstance(batch, tuple | list):
         return batch[0], None
@@ -257,6 +266,8 @@ def to_distributed(
         raise TypeError(
             f"config={config!r} ({type(config).__name__}) is not a ToDistributedConfig."
         )
+    if config.forward is None and config.loss_fn is not None:
+        config = dataclasses.replace(config, forward=config.loss_fn)  # trace the loss
     if not isinstance(model, nnx.Module):
         raise TypeError(
             f"model is a {type(model).__name__}, not an nnx.Module; pass a Flax NNX module."
@@ -336,7 +347,7 @@ def _device_counts(device_num: int | None, node_num: int) -> tuple[int, int]:
         raise ValueError(
             f"device_num={device_num} x node_num={node_num} = {device_num * node_num} devices "
             f"asked for, but only {present} are present; use device_num <= "
-            f"{present // node_num}."
+            f"{present // node_num}. " + fix_hint(device_num * node_num)
         )
     return device_num, node_num
 

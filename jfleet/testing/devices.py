@@ -14,7 +14,7 @@ Example:
 
 from __future__ import annotations
 
-import os
+from jfleet._devices import fix_hint, set_process_devices
 
 __all__ = ["NotEnoughDevicesError", "emulate_cpu_devices", "require_devices"]
 
@@ -41,21 +41,7 @@ def emulate_cpu_devices(n: int) -> None:
         set it instead).
     """
     _check_count(n, "n")
-    import jax
-
-    try:
-        jax.config.update("jax_num_cpu_devices", n)  # raises once the backend has started
-        if "JAX_PLATFORMS" not in os.environ:
-            os.environ["JAX_PLATFORMS"] = "cpu"  # children inherit it
-            jax.config.update("jax_platforms", "cpu")
-    except RuntimeError as err:
-        have = len(jax.devices())
-        if have != n:
-            raise RuntimeError(
-                f"JAX already started with {have} device(s), so it cannot emulate {n}: set "
-                "the count before any JAX computation (pytest --jfleet-devices N, or "
-                "jfleet.testing.emulate_cpu_devices(N) at the top of conftest.py)."
-            ) from err
+    set_process_devices(n)
 
 
 def require_devices(n: int, what: str = "this test") -> None:
@@ -72,5 +58,6 @@ def require_devices(n: int, what: str = "this test") -> None:
         raise NotEnoughDevicesError(
             f"{what} needs {n} devices, but this process has {have}: run pytest with "
             f"--jfleet-devices {n} (or `jfleet_devices = {n}` in the pytest ini file), or mark "
-            f"the test @pytest.mark.jfleet_devices({n}) to run it in a child process."
+            f"the test @pytest.mark.jfleet_devices({n}) to run it in a child process. "
+            + fix_hint(n)
         )
