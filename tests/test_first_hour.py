@@ -68,3 +68,18 @@ def test_a_plain_model_under_pp_points_to_pipeline_layer_and_to_distributed():
     fleet.init(is_collective=True, strategy=make_strategy(dict(pp_degree=2)))
     with pytest.raises(TypeError, match=r"PipelineLayer.*jfleet.to_distributed"):
         fleet.distributed_model(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+
+
+def test_the_notebooks_extra_installs_what_the_readme_notebook_command_needs():
+    import tomllib
+
+    from tests.subprocess_util import REPO_ROOT
+
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    extras = extras["optional-dependencies"]
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert 'pip install -e ".[notebooks]"' in readme and "jupyter nbconvert" in readme
+    for extra in ("notebooks", "dev"):
+        assert any(req.startswith("nbconvert") for req in extras[extra]), extra
+    assert any(req.startswith("sphinx") for req in extras["dev"])
+    assert run_python("import nbconvert, ipykernel").returncode == 0
