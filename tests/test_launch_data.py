@@ -44,7 +44,7 @@ def losses(argv: list[str], timeout: float) -> list[float]:
         out, err = proc.communicate()
         raise AssertionError(f"{argv} ran past {timeout}s\n{out}\n{err}") from None
     assert proc.returncode == 0, f"{argv} exited {proc.returncode}\n{out}\n{err}"
-    return [float(x) for x in re.findall(r"^(?:\[rank 0\] )?loss (\S+)$", out, re.M)]
+    return [float(x) for x in re.findall(r"^(?:\[rank 0\] )?(?:step .*)?loss (\S+)$", out, re.M)]
 
 
 def test_a_script_with_local_rows_runs_unchanged_under_the_launcher(tmp_path):
@@ -66,3 +66,12 @@ def test_a_script_with_local_rows_runs_unchanged_under_the_launcher(tmp_path):
     assert len(one) == 3, one
     assert len(two) == 3, two
     np.testing.assert_allclose(two, one, rtol=1e-5)  # the same global batches and steps
+
+
+def test_the_fleet_example_gives_one_process_losses_under_the_launcher(tmp_path):
+    args = ["examples/train_fleet.py", "--steps", "3", "--log-every", "1"]
+    one = losses(args, timeout=120)
+    launch = ["-m", "jfleet.launch", "--nproc_per_node", "2", "--log_dir", str(tmp_path)]
+    two = losses([*launch, *args], timeout=180)
+    assert len(one) == 3 and len(two) == 3, (one, two)
+    np.testing.assert_allclose(two, one, atol=1e-4)  # printed to 4 decimals
