@@ -217,6 +217,12 @@ def assert_trains_like_one_device(
       NotEnoughDevicesError: the layout needs more devices than this process has.
 
     The fleet stays initialised with the layout's mesh afterwards.
+
+    Example:
+      >>> import optax
+      >>> from jfleet.models import TinyLM, lm_batches, lm_loss
+      >>> assert_trains_like_one_device(
+      ...     TinyLM, optax.sgd(0.1), lm_batches(1), loss_fn=lm_loss, layout={"dp": 8})
     """
     data = list(itertools.islice(batches, steps) if steps is not None else batches)
     if not data:
@@ -233,9 +239,8 @@ def assert_trains_like_one_device(
     leaves = _leaf_report(got, want, rtol, atol)
     if not bad.any() and not leaves:
         return
-    lines = [
-        f"{_describe(layout)} does not train like one device (rtol={rtol:.3g}, atol={atol:.3g} x max(1, |leaf|)):"
-    ]
+    tolerance = f"rtol={rtol:.3g}, atol={atol:.3g} x max(1, |leaf|)"
+    lines = [f"{_describe(layout)} does not train like one device ({tolerance}):"]
     if bad.any():
         i = int(np.argmax(bad))
         lines.append(
@@ -407,6 +412,10 @@ def assert_collectives(
       AssertionError: a count or byte total differs; the message lists the program's
         collectives.
       ValueError: an unknown kind.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> summary = assert_collectives(jax.jit(jnp.sin), jnp.ones(4), expected={"all-reduce": 0})
     """
     unknown = sorted((set(expected) | set(expected_bytes or {})) - set(hlo._ALL_KINDS))
     if unknown:
@@ -455,6 +464,11 @@ def assert_peak_memory_below(step: Any, limit: int, *args: Any, **kwargs: Any) -
     Raises:
       AssertionError: it needs ``limit`` or more; the message has the breakdown.
       ValueError: ``limit`` is not a positive number.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> assert_peak_memory_below(jax.jit(jnp.sin), 1 << 20, jnp.ones(4)) < 1 << 20
+      True
     """
     if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0:
         raise ValueError(f"limit={limit!r}: expected a positive number of bytes.")

@@ -20,7 +20,15 @@ __all__ = ["NotEnoughDevicesError", "emulate_cpu_devices", "require_devices"]
 
 
 class NotEnoughDevicesError(RuntimeError):
-    """A test needs more devices than this process has."""
+    """A test needs more devices than this process has.
+
+    Example:
+      >>> try:
+      ...     require_devices(1024)
+      ... except NotEnoughDevicesError as err:
+      ...     print(str(err).split(":")[0])
+      this test needs 1024 devices, but this process has 8
+    """
 
 
 def _check_count(n: int, name: str) -> None:
@@ -39,6 +47,10 @@ def emulate_cpu_devices(n: int) -> None:
       ValueError: ``n`` is not a positive int.
       RuntimeError: JAX already started with another count (the message says where to
         set it instead).
+
+    Example:
+      >>> import jax
+      >>> emulate_cpu_devices(jax.device_count())  # started already: the same count is fine
     """
     _check_count(n, "n")
     set_process_devices(n)
@@ -49,6 +61,9 @@ def require_devices(n: int, what: str = "this test") -> None:
 
     Raises:
       NotEnoughDevicesError: fewer; the message names the pytest option that fixes it.
+
+    Example:
+      >>> require_devices(2, "a dp2 test")
     """
     _check_count(n, "n")
     import jax

@@ -47,6 +47,10 @@ def assert_trees_close(
 
     Raises:
       AssertionError: structures, dtypes or values differ.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> assert_trees_close({"b": jnp.zeros(2)}, {"b": jnp.full(2, 1e-7)}, rtol=0, atol=1e-6)
     """
     got, want = _plain(got), _plain(want)
     chex.assert_trees_all_equal_structs(got, want)
