@@ -82,6 +82,12 @@ def test_docs_links_in_the_readme_exist():
         assert (ROOT / link).exists(), link
 
 
+def test_every_relative_link_in_the_guides_exists():
+    for path in DOCS:
+        for link in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", path.read_text()):
+            assert (path.parent / link).exists(), f"{path.name} links to {link}"
+
+
 @pytest.mark.parametrize("path", DOCS, ids=[p.name for p in DOCS])
 def test_every_python_block_of_a_guide_runs(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
