@@ -49,9 +49,10 @@ def emulate_devices(n: int) -> None:
     """Makes JAX run on ``n`` emulated CPU devices in all (this process's share of them).
 
     Call it before anything starts JAX's backend (the first ``jax.devices()`` or array
-    operation). Sets ``jax_num_cpu_devices`` and, unless ``JAX_PLATFORMS`` is set, the CPU
-    platform. Under a launcher with ``p`` processes each gets ``n / p``; a launcher's
-    ``--devices`` share (``JAX_NUM_CPU_DEVICES``) wins.
+    operation). Sets ``jax_num_cpu_devices`` only: on a machine with GPUs or TPUs JAX still
+    runs on them (the call changes nothing there), so a script may call it unconditionally.
+    Under a launcher with ``p`` processes each gets ``n / p``; a launcher's ``--devices``
+    share (``JAX_NUM_CPU_DEVICES``) wins.
 
     Args:
       n: devices of the whole job, a positive int.
@@ -67,28 +68,32 @@ def emulate_devices(n: int) -> None:
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"emulate_devices(n={n!r}): expected a positive int (a device count).")
-    set_process_devices(_per_process(n))
+    set_process_devices(_per_process(n), force_cpu=False)
 
 
-def set_process_devices(local: int) -> None:
+def set_process_devices(local: int, *, force_cpu: bool = True) -> None:
     """Sets this process's CPU device count before JAX starts (the same count after is fine).
+
+    Args:
+      local: CPU devices of this process.
+      force_cpu: also make CPU the platform, unless ``JAX_PLATFORMS`` is set (tests).
 
     Raises:
       RuntimeError: JAX already started with another count.
 
     Example:
       >>> import jax
-      >>> set_process_devices(len(jax.local_devices()))
+      >>> set_process_devices(len(jax.local_devices(backend="cpu")))
     """
     import jax
 
     try:
         jax.config.update("jax_num_cpu_devices", local)  # raises once the backend started
-        if "JAX_PLATFORMS" not in os.environ:
+        if force_cpu and "JAX_PLATFORMS" not in os.environ:
             os.environ["JAX_PLATFORMS"] = "cpu"  # children inherit it
             jax.config.update("jax_platforms", "cpu")
     except RuntimeError as err:
-        have = len(jax.local_devices())
+        have = len(jax.local_devices(backend="cpu"))
         if have != local:
             raise RuntimeError(
                 f"JAX already started with {have} device(s), so it cannot emulate {local}: "
