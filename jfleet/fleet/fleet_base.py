@@ -173,76 +173,180 @@ class Fleet(PerfMethods, StaticMethods, FederatedMethods, PSMethods):
 
     # ------------------------------------------------------------ processes
     def worker_index(self) -> int:
-        """This process's index among the workers (Paddle's trainer id)."""
+        """This process's index among the workers (Paddle's trainer id).
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> fleet.worker_index(), fleet.rank()
+          (0, 0)
+        """
         return self._require_init("worker_index").role_maker.worker_index()
 
     rank = worker_index
 
     def worker_num(self) -> int:
-        """The number of worker processes."""
+        """The number of worker processes.
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> fleet.worker_num(), fleet.world_size(), fleet.nranks()
+          (1, 1, 1)
+        """
         return self._require_init("worker_num").role_maker.worker_num()
 
     world_size = worker_num
 
     def is_first_worker(self) -> bool:
-        """Whether this process is worker 0."""
+        """Whether this process is worker 0.
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> fleet.is_first_worker()
+          True
+        """
         return self._require_init("is_first_worker").role_maker.is_first_worker()
 
     def is_worker(self) -> bool:
-        """Always True in collective mode."""
+        """Always True in collective mode.
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> fleet.is_worker()
+          True
+        """
         return self._require_init("is_worker").role_maker.is_worker()
 
     def is_server(self) -> bool:
-        """Always False in collective mode (no parameter servers)."""
+        """Always False in collective mode (no parameter servers).
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> fleet.is_server()
+          False
+        """
         return self._require_init("is_server").role_maker.is_server()
 
     def server_num(self) -> int:
-        """0 in collective mode."""
+        """0 in collective mode.
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> fleet.server_num()
+          0
+        """
         return self._require_init("server_num").role_maker.server_num()
 
     def node_num(self) -> int:
-        """The number of distinct hosts among the worker endpoints."""
+        """The number of distinct hosts among the worker endpoints.
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> fleet.node_num()
+          1
+        """
         return self._require_init("node_num").role_maker.node_num()
 
     def local_rank(self) -> int:
-        """This process's index among the processes on its host."""
+        """This process's index among the processes on its host.
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> fleet.local_rank(), fleet.rank_in_node()
+          (0, 0)
+        """
         return self._require_init("local_rank").role_maker.local_rank()
 
     rank_in_node = local_rank
     nranks = worker_num
 
     def local_device_ids(self) -> list[int]:
-        """Ids of the devices this process drives."""
+        """Ids of the devices this process drives.
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> len(fleet.local_device_ids())
+          8
+        """
         self._require_init("local_device_ids")
         return [d.id for d in jax.local_devices()]
 
     def world_device_ids(self) -> list[int]:
-        """Ids of every device of the run, in Paddle rank order."""
+        """Ids of every device of the run, in Paddle rank order.
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> len(fleet.world_device_ids())
+          8
+        """
         self._require_init("world_device_ids")
         return [d.id for d in jax.devices()]
 
     def worker_endpoints(self, to_string: bool = False) -> list[str] | str:
-        """The workers' ``host:port`` endpoints (a comma-joined string if ``to_string``)."""
+        """The workers' ``host:port`` endpoints (a comma-joined string if ``to_string``).
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> fleet.worker_endpoints()  # one process, not launched: no endpoints
+          []
+        """
         endpoints = list(self._require_init("worker_endpoints").role_maker.worker_endpoints())
         return ",".join(endpoints) if to_string else endpoints
 
     def barrier_worker(self) -> None:
-        """Blocks until every worker process reaches this call."""
+        """Blocks until every worker process reaches this call.
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> fleet.barrier_worker()
+        """
         self._require_init("barrier_worker")
         collective.barrier()
 
     def all_reduce(self, value: Any, mode: str = "sum") -> Any:
-        """Reduces a host value across worker processes (``sum|mean|max|min``)."""
+        """Reduces a host value across worker processes (``sum|mean|max|min``).
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> int(fleet.all_reduce(3))
+          3
+        """
         self._require_init("all_reduce")
         return collective.all_reduce(value, mode)
 
     # ------------------------------------------------------------- topology
     def get_hybrid_communicate_group(self) -> HybridCommunicateGroup:
-        """The hybrid group: the mesh and Paddle's group and rank getters."""
+        """The hybrid group: the mesh and Paddle's group and rank getters.
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> fleet.get_hybrid_communicate_group().get_data_parallel_world_size()
+          8
+        """
         return self._require_init("get_hybrid_communicate_group").hcg
 
     def get_hybrid_parallel_topology(self) -> CommunicateTopology:
-        """The :class:`CommunicateTopology` behind the hybrid group."""
+        """The :class:`CommunicateTopology` behind the hybrid group.
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> fleet.get_hybrid_parallel_topology().world_size()
+          8
+        """
         return self._require_init("get_hybrid_parallel_topology").hcg.topology()
 
     # ------------------------------------------------------------- training
