@@ -115,6 +115,14 @@ class Fleet(PerfMethods, StaticMethods, FederatedMethods, PSMethods):
           jfleet.consistency.InconsistentJobError: (several processes) the processes'
             strategies, meshes, process counts or package versions differ; raised on
             every process, naming each one's value.
+
+        Example:
+          >>> from jfleet import fleet
+          >>> strategy = fleet.DistributedStrategy()
+          >>> strategy.hybrid_configs = {"dp_degree": 2, "mp_degree": 4}
+          >>> _ = fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
+          >>> dict(fleet.get_hybrid_communicate_group().mesh.shape)["mp"]
+          4
         """
         if not isinstance(is_collective, bool):
             raise TypeError(
@@ -369,6 +377,15 @@ class Fleet(PerfMethods, StaticMethods, FederatedMethods, PSMethods):
         Raises:
           TypeError: not an optimizer. ValueError / NotImplementedError: see
           :func:`jfleet.optim.compiler.compile_strategy`.
+
+        Example:
+          >>> import optax
+          >>> from jfleet import fleet
+          >>> strategy = fleet.DistributedStrategy()
+          >>> strategy.gradient_merge = True
+          >>> _ = fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
+          >>> fleet.distributed_optimizer(optax.sgd(0.1)).applied_meta_list
+          ('GradientMergeOptimizer',)
         """
         self._require_init("distributed_optimizer")
         if strategy is not None:
@@ -427,6 +444,17 @@ class Fleet(PerfMethods, StaticMethods, FederatedMethods, PSMethods):
           TypeError: not an ``nnx.Module``, or not a ``PipelineLayer`` with
             pp_degree > 1. ValueError: a ``PipelineLayer`` whose ``num_stages`` is
             not the pp degree. NotImplementedError: a Paddle schedule jfleet lacks.
+
+        Example:
+          >>> import optax
+          >>> from jfleet import fleet
+          >>> from jfleet.models import TinyLM, lm_batches, lm_loss
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> model = fleet.distributed_model(TinyLM())
+          >>> opt = fleet.distributed_optimizer(optax.sgd(0.1))
+          >>> loss = model.train_batch(lm_batches(1)[0], opt, loss_fn=lm_loss)
+          >>> loss.shape
+          ()
         """
         run = self._require_init("distributed_model")
         placement = Placement.from_fleet()
@@ -578,7 +606,21 @@ class Fleet(PerfMethods, StaticMethods, FederatedMethods, PSMethods):
         _state_dict.load_model(path, model, optimizer)
 
     def get_loss_scaling(self) -> float:
-        """The current fp16 loss scale of the last distributed optimizer."""
+        """The current fp16 loss scale of the last distributed optimizer.
+
+        Example:
+          >>> import optax
+          >>> from jfleet import fleet
+          >>> strategy = fleet.DistributedStrategy()
+          >>> strategy.amp = True
+          >>> strategy.amp_configs = {"dtype": "float16", "init_loss_scaling": 1024.0}
+          >>> _ = fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
+          >>> from flax import nnx
+          >>> model = fleet.distributed_model(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+          >>> _ = fleet.distributed_optimizer(optax.sgd(0.1)).init(model)
+          >>> fleet.get_loss_scaling()
+          1024.0
+        """
         self._require_init("get_loss_scaling")
         if self._optimizer is None or not self._optimizer.has_loss_scaling:
             raise RuntimeError(
