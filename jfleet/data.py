@@ -61,6 +61,15 @@ class ShardedLoader:
       TypeError: ``placement`` is not a ``Placement``.
       ValueError: (while iterating) a batch whose size the data-parallel size does not
         divide.
+
+    Example:
+      >>> import numpy as np
+      >>> from jfleet import fleet
+      >>> from jfleet.placement import Placement
+      >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+      >>> loader = ShardedLoader([{"x": np.ones((16, 4))}] * 2, Placement.from_fleet())
+      >>> [batch["x"].shape for batch in loader]
+      [(16, 4), (16, 4)]
     """
 
     def __init__(self, loader: Iterable[Any], placement: Placement, first: Any = None) -> None:

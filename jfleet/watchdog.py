@@ -123,7 +123,12 @@ def peer_record(rank: int) -> dict | None:
 
 
 class PeerFailedError(RuntimeError):
-    """A peer process died or stopped responding; raised in each survivor's main thread."""
+    """A peer process died or stopped responding; raised in each survivor's main thread.
+
+    Example:
+      >>> issubclass(PeerFailedError, RuntimeError)  # try / finally sees it on the survivors
+      True
+    """
 
 
 @dataclasses.dataclass(frozen=True)

@@ -145,6 +145,12 @@ class ToDistributedConfig:
         (``model.layers[3]`` reachable). Blocks that cannot be stacked (dropout RNG
         streams, batch statistics, blocks that differ) and ZeRO-3 plans (the step gathers
         the whole stack at once) stay unrolled either way.
+
+    Example:
+      >>> import dataclasses
+      >>> config = ToDistributedConfig(force_mesh={"dp": 2, "mp": 4})
+      >>> dataclasses.replace(config, zero_stage=1).force_mesh
+      {'dp': 2, 'mp': 4}
     """
 
     input_spec: Any = None
@@ -213,6 +219,14 @@ def get_plan(model: nnx.Module) -> Plan:
 
     Raises:
       ValueError: ``model`` was not returned by ``to_distributed``.
+
+    Example:
+      >>> import optax
+      >>> from jfleet.models import TinyLM, lm_batches
+      >>> config = ToDistributedConfig(force_mesh={"dp": 8})
+      >>> model, _, _ = to_distributed(TinyLM(), optax.sgd(0.1), lm_batches(1), config=config)
+      >>> get_plan(model).layout.name
+      'dp8'
     """
     plan = _PLANS.get(model) if isinstance(model, nnx.Module) else None
     if plan is None:
@@ -260,6 +274,13 @@ def to_distributed(
         strategy asking for recompute, a model already returned; a model whose traced call fails
         (``TraceError``: the message names the model and suggests ``config.forward``), a ``forward``
         returning no arrays.
+
+    Example:
+      >>> import optax
+      >>> from jfleet.models import TinyLM, lm_batches
+      >>> model, opt, loader = to_distributed(TinyLM(), optax.sgd(0.1), lm_batches(1))
+      >>> get_plan(model).layout.size  # every device of this process
+      8
     """
     config = ToDistributedConfig() if config is None else config
     if not isinstance(config, ToDistributedConfig):
