@@ -11,12 +11,13 @@ current one plus a fixed stride), so the loss falls from ln(64) ~ 4.2 towards 0;
 script exits with status 1 if the final loss is not below the first.
 
 Set JAX_PLATFORMS (e.g. ``JAX_PLATFORMS=cuda``) to train on real accelerators instead;
-then ``--devices`` is ignored and the degrees must multiply to the device count. Under
-``python -m jfleet.launch`` (several processes) the launcher gives each process its devices,
-``fleet.init`` joins them into one mesh and each process trains on its own rows of every
-batch; the losses are those of one process::
+then ``--devices`` is ignored and the degrees must multiply to the device count. The same
+script runs unchanged under ``python -m jfleet.launch`` (several processes): ``--devices``
+is the job's total (``jfleet.emulate_devices`` gives each process its share), ``fleet.init``
+joins the processes into one mesh, and each passes ``jfleet.data.local_rows`` of every
+global batch; the losses are those of one process::
 
-    python -m jfleet.launch --nproc_per_node 2 --devices 0,1,2,3,4,5,6,7 examples/train_fleet.py
+    python -m jfleet.launch --nproc_per_node 2 examples/train_fleet.py
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import jax
 import optax
 
+import jfleet
 from jfleet import fleet
 from jfleet.models import TinyLM, lm_loss, stride_batches
+from jfleet.training.data import local_rows
 
 VOCAB = 64
 AMP_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -66,8 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if os.environ["JAX_PLATFORMS"] == "cpu" and "JAX_NUM_CPU_DEVICES" not in os.environ:
-        jax.config.update("jax_num_cpu_devices", args.devices)  # alone (not launched)
+    if os.environ["JAX_PLATFORMS"] == "cpu":
+        jfleet.emulate_devices(args.devices)  # the job's devices, split over its processes
 
     # 1. the strategy: Paddle's switches and configs, unchanged
     strategy = fleet.DistributedStrategy()
@@ -92,13 +95,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # 3. the training loop; with several processes each passes its own rows of a batch
     losses = []
-    rank, world = fleet.worker_index(), fleet.worker_num()
     for step, batch in enumerate(stride_batches(args.steps, batch=args.batch), start=1):
-        rows = {
-            k: v[rank * args.batch // world : (rank + 1) * args.batch // world]
-            for k, v in batch.items()
-        }
-        loss = float(model.train_batch(rows, optimizer, loss_fn=lm_loss))
+        loss = float(model.train_batch(local_rows(batch), optimizer, loss_fn=lm_loss))
         losses.append(loss)
         if step == 1 or step % args.log_every == 0 or step == args.steps:
             print(f"step {step:4d}/{args.steps}  loss {loss:.4f}", flush=True)

@@ -45,54 +45,55 @@ _EXPORTS: dict[str, str] = {
     "save_group_sharded_model": "jfleet.distributed.sharding",
     "meta_parallel": "jfleet.fleet",
     "group_sharded_parallel": "jfleet.fleet.group_sharded",
-    "ParallelPlan": "jfleet.mesh.placement",
-    "Placement": "jfleet.mesh.placement",
-    "CommunicateTopology": "jfleet.mesh.topology",
-    "HybridCommunicateGroup": "jfleet.mesh.topology",
-    "ParallelMode": "jfleet.mesh.topology",
-    "NonFiniteError": "jfleet.precision.nonfinite",
-    "ConsistencyTimeoutError": "jfleet.runtime.consistency",
-    "InconsistentBatchError": "jfleet.runtime.consistency",
-    "InconsistentJobError": "jfleet.runtime.consistency",
-    "on_termination": "jfleet.runtime.interrupts",
-    "PaddleCloudRoleMaker": "jfleet.runtime.role_maker",
-    "Role": "jfleet.runtime.role_maker",
-    "UserDefinedRoleMaker": "jfleet.runtime.role_maker",
-    "PeerFailedError": "jfleet.runtime.watchdog",
-    "ShardedLoader": "jfleet.training.data",
-    "DistributedModel": "jfleet.training.distributed_model",
-    "DistributedOptimizer": "jfleet.training.distributed_optimizer",
-    "make_eval_step": "jfleet.training.engine",
-    "make_train_step": "jfleet.training.engine",
-    "DistributedStrategy": "jfleet.training.strategy",
+    "ParallelPlan": "jfleet.placement",
+    "Placement": "jfleet.placement",
+    "CommunicateTopology": "jfleet.topology",
+    "HybridCommunicateGroup": "jfleet.topology",
+    "ParallelMode": "jfleet.topology",
+    "NonFiniteError": "jfleet.nonfinite",
+    "ConsistencyTimeoutError": "jfleet.consistency",
+    "InconsistentBatchError": "jfleet.consistency",
+    "InconsistentJobError": "jfleet.consistency",
+    "on_termination": "jfleet.interrupts",
+    "PaddleCloudRoleMaker": "jfleet.role_maker",
+    "Role": "jfleet.role_maker",
+    "UserDefinedRoleMaker": "jfleet.role_maker",
+    "PeerFailedError": "jfleet.watchdog",
+    "ShardedLoader": "jfleet.data",
+    "DistributedModel": "jfleet.distributed_model",
+    "DistributedOptimizer": "jfleet.distributed_optimizer",
+    "make_eval_step": "jfleet.engine",
+    "make_train_step": "jfleet.engine",
+    "DistributedStrategy": "jfleet.strategy",
+    "emulate_devices": "jfleet.runtime.devices",
 }
 
 #: Stable module paths of earlier releases (named by the README, docs and Paddle ports) ->
-#: the module's home. ``import jfleet.amp`` gives the very module ``jfleet.precision.amp``.
+#: the module's home. ``import jfleet.amp`` gives the very module ``jfleet.amp``.
 _MODULE_ALIASES: dict[str, str] = {
-    "jfleet.watchdog": "jfleet.runtime.watchdog",
-    "jfleet.consistency": "jfleet.runtime.consistency",
-    "jfleet.interrupts": "jfleet.runtime.interrupts",
-    "jfleet.role_maker": "jfleet.runtime.role_maker",
-    "jfleet.topology": "jfleet.mesh.topology",
-    "jfleet.placement": "jfleet.mesh.placement",
-    "jfleet.collective": "jfleet.mesh.collective",
-    "jfleet.group_collective": "jfleet.mesh.group_collective",
-    "jfleet.collective_perf": "jfleet.mesh.collective_perf",
-    "jfleet.recompute": "jfleet.parallel.recompute",
-    "jfleet.amp": "jfleet.precision.amp",
-    "jfleet.grad_scaler": "jfleet.precision.grad_scaler",
-    "jfleet.quantization": "jfleet.precision.quantization",
-    "jfleet.batch_norm": "jfleet.precision.batch_norm",
-    "jfleet.nonfinite": "jfleet.precision.nonfinite",
-    "jfleet.engine": "jfleet.training.engine",
-    "jfleet.replicas": "jfleet.training.replicas",
-    "jfleet.data": "jfleet.training.data",
-    "jfleet.distributed_model": "jfleet.training.distributed_model",
-    "jfleet.distributed_optimizer": "jfleet.training.distributed_optimizer",
-    "jfleet.strategy": "jfleet.training.strategy",
-    "jfleet.inference": "jfleet.checkpoint.inference",
-    "jfleet.parallel.pipeline_parallel": "jfleet.training.pipeline_parallel",
+    "jfleet.watchdog": "jfleet.watchdog",
+    "jfleet.consistency": "jfleet.consistency",
+    "jfleet.interrupts": "jfleet.interrupts",
+    "jfleet.role_maker": "jfleet.role_maker",
+    "jfleet.topology": "jfleet.topology",
+    "jfleet.placement": "jfleet.placement",
+    "jfleet.collective": "jfleet.collective",
+    "jfleet.group_collective": "jfleet.group_collective",
+    "jfleet.collective_perf": "jfleet.collective_perf",
+    "jfleet.recompute": "jfleet.recompute",
+    "jfleet.amp": "jfleet.amp",
+    "jfleet.grad_scaler": "jfleet.grad_scaler",
+    "jfleet.quantization": "jfleet.quantization",
+    "jfleet.batch_norm": "jfleet.batch_norm",
+    "jfleet.nonfinite": "jfleet.nonfinite",
+    "jfleet.engine": "jfleet.engine",
+    "jfleet.replicas": "jfleet.replicas",
+    "jfleet.data": "jfleet.data",
+    "jfleet.distributed_model": "jfleet.distributed_model",
+    "jfleet.distributed_optimizer": "jfleet.distributed_optimizer",
+    "jfleet.strategy": "jfleet.strategy",
+    "jfleet.inference": "jfleet.inference",
+    "jfleet.parallel.pipeline_parallel": "jfleet.parallel.pipeline_parallel",
 }
 
 _SUBPACKAGES = (
@@ -163,6 +164,9 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
 if not any(isinstance(f, _AliasFinder) for f in sys.meta_path):
     sys.meta_path.insert(0, _AliasFinder())
 
+# JFLEET_CPU_DEVICES, read at ``import jfleet`` (imports JAX only when it is set).
+importlib.import_module("jfleet.runtime.devices").emulate_from_env()
+
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
@@ -200,6 +204,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from jfleet.runtime.consistency import ConsistencyTimeoutError as ConsistencyTimeoutError
     from jfleet.runtime.consistency import InconsistentBatchError as InconsistentBatchError
     from jfleet.runtime.consistency import InconsistentJobError as InconsistentJobError
+    from jfleet.runtime.devices import emulate_devices as emulate_devices
     from jfleet.runtime.interrupts import on_termination as on_termination
     from jfleet.runtime.role_maker import PaddleCloudRoleMaker as PaddleCloudRoleMaker
     from jfleet.runtime.role_maker import Role as Role

@@ -208,6 +208,10 @@ def get_profile(profile: str | HardwareProfile | None = None) -> HardwareProfile
     Raises:
       ValueError: an unknown name.
       TypeError: neither a name nor a profile.
+
+    Example:
+      >>> get_profile("h100").name
+      'h100'
     """
     if profile is None:
         return _CPU

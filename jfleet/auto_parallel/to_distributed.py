@@ -66,6 +66,7 @@ from jfleet.mesh import context as _context
 from jfleet.mesh.placement import Placement, check_divides
 from jfleet.mesh.topology import DP, MP, PP, SEP, SHARDING
 from jfleet.parallel.virtual_stages import check_chunks_agree
+from jfleet.runtime.devices import fix_hint
 from jfleet.runtime.log import logger
 from jfleet.runtime.role_maker import PaddleCloudRoleMaker
 from jfleet.training.data import ShardedLoader, batch_shape, peek
@@ -130,13 +131,18 @@ class ToDistributedConfig:
       forward: how the model is called on a batch, ``forward(model, batch) -> arrays``, for
         the trace the plan is read from (which projections pair up, the FLOPs) and for the
         pipeline checks. A loss function ``(model, batch) -> loss`` works too. Default:
-        ``model(x)`` with ``x`` the batch itself (an array), its first entry (a tuple or
-        list) or its ``input_ids`` / ``tokens`` / ``inputs`` / ``input`` / ``x`` entry (a
-        dict). Give it when the model needs more (positions, a mask, a cache)::
+        ``loss_fn`` when given, else ``model(x)`` with ``x`` the batch itself (an array),
+        its first entry (a tuple or list) or its ``input_ids`` / ``tokens`` / ``inputs`` /
+        ``input`` / ``x`` / ``image`` / ``images`` / ``pixel_values`` entry (a dict).
+        Give it when the model needs more (positions, a mask, a cache)::
 
           ToDistributedConfig(
               forward=lambda model, batch: model(batch["tokens"], batch["positions"]))
 
+      loss_fn: the training loss ``loss_fn(model, batch) -> scalar``, traced in place of
+        ``forward`` when that is not given: whatever the loss feeds the model (a dict
+        batch's ``image`` / ``label``, positions, a mask) the trace sees, e.g.
+        ``ToDistributedConfig(loss_fn=my_loss)``.
       scan_layers: without a pipeline, run alike decoder blocks (or blocks repeating with
         a period) as one ``lax.scan``
         (:class:`~jfleet.auto_parallel.scanned_blocks.ScannedBlocks`), so the compiled
@@ -144,6 +150,12 @@ class ToDistributedConfig:
         (``model.layers[3]`` reachable). Blocks that cannot be stacked (dropout RNG
         streams, batch statistics, blocks that differ) and ZeRO-3 plans (the step gathers
         the whole stack at once) stay unrolled either way.
+
+    Example:
+      >>> import dataclasses
+      >>> config = ToDistributedConfig(force_mesh={"dp": 2, "mp": 4})
+      >>> dataclasses.replace(config, zero_stage=1).force_mesh
+      {'dp': 2, 'mp': 4}
     """
 
     input_spec: Any = None
@@ -161,9 +173,11 @@ class ToDistributedConfig:
     per_sample_args: tuple[int | str, ...] | None = None
     forward: Callable[[nnx.Module, Any], Any] | None = None
     scan_layers: bool = True
+    loss_fn: Callable[[nnx.Module, Any], Any] | None = None
 
 
-_INPUT_KEYS = ("input_ids", "tokens", "inputs", "input", "x")
+#: The dict keys read as the model's input when neither ``forward`` nor ``loss_fn`` is given.
+_INPUT_KEYS = ("input_ids", "tokens", "inputs", "input", "x", "image", "images", "pixel_values")
 
 
 def _model_call(batch: Any, forward: Callable | None) -> tuple[Any, Callable | None]:
@@ -189,8 +203,9 @@ def _model_call(batch: Any, forward: Callable | None) -> tuple[Any, Callable | N
                 return batch[key], None
         raise ValueError(
             f"the loader's batches are dicts with keys {sorted(batch)}, none of them a known "
-            f"model input {_INPUT_KEYS}; pass ToDistributedConfig(forward=lambda model, "
-            "batch: model(batch[...])) calling the model as your training step does."
+            f"model input {_INPUT_KEYS}; pass your training loss as "
+            "ToDistributedConfig(loss_fn=loss_fn), or ToDistributedConfig(forward=lambda "
+            "model, batch: model(batch[...])) calling the model as your training step does."
         )
     if isinstance(batch, tuple | list):
         return batch[0], None
@@ -209,6 +224,14 @@ def get_plan(model: nnx.Module) -> Plan:
 
     Raises:
       ValueError: ``model`` was not returned by ``to_distributed``.
+
+    Example:
+      >>> import optax
+      >>> from jfleet.models import TinyLM, lm_batches
+      >>> config = ToDistributedConfig(force_mesh={"dp": 8})
+      >>> model, _, _ = to_distributed(TinyLM(), optax.sgd(0.1), lm_batches(1), config=config)
+      >>> get_plan(model).layout.name
+      'dp8'
     """
     plan = _PLANS.get(model) if isinstance(model, nnx.Module) else None
     if plan is None:
@@ -256,12 +279,21 @@ def to_distributed(
         strategy asking for recompute, a model already returned; a model whose traced call fails
         (``TraceError``: the message names the model and suggests ``config.forward``), a ``forward``
         returning no arrays.
+
+    Example:
+      >>> import optax
+      >>> from jfleet.models import TinyLM, lm_batches
+      >>> model, opt, loader = to_distributed(TinyLM(), optax.sgd(0.1), lm_batches(1))
+      >>> get_plan(model).layout.size  # every device of this process
+      8
     """
     config = ToDistributedConfig() if config is None else config
     if not isinstance(config, ToDistributedConfig):
         raise TypeError(
             f"config={config!r} ({type(config).__name__}) is not a ToDistributedConfig."
         )
+    if config.forward is None and config.loss_fn is not None:
+        config = dataclasses.replace(config, forward=config.loss_fn)  # trace the loss
     if not isinstance(model, nnx.Module):
         raise TypeError(
             f"model is a {type(model).__name__}, not an nnx.Module; pass a Flax NNX module."
@@ -342,7 +374,7 @@ def _device_counts(device_num: int | None, node_num: int) -> tuple[int, int]:
         raise ValueError(
             f"device_num={device_num} x node_num={node_num} = {device_num * node_num} devices "
             f"asked for, but only {present} are present; use device_num <= "
-            f"{present // node_num}."
+            f"{present // node_num}. " + fix_hint(device_num * node_num)
         )
     return device_num, node_num
 

@@ -70,6 +70,12 @@ def init_parallel_env() -> None:
 
     Starts the processes of a multi-process job and builds the mesh (pure data parallel
     over every device); a run that ``fleet.init`` already set up is kept as it is.
+
+    Example:
+      >>> import jfleet.distributed as dist
+      >>> dist.init_parallel_env()
+      >>> dist.is_initialized(), dist.get_world_size()  # a rank per device
+      (True, 8)
     """
     if _context.current() is None:
         fleet.init(is_collective=True, log_level="WARNING")

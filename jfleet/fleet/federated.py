@@ -58,6 +58,12 @@ class FederatedMethods:
 
         Raises:
           RuntimeError: ``fleet.init`` was not called (as for the other role questions).
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> fleet.is_coordinator()
+          False
         """
         _context.require("fleet.is_coordinator()")
         return False

@@ -124,6 +124,14 @@ class Fleet(PerfMethods, StaticMethods, FederatedMethods, PSMethods):
           jfleet.consistency.InconsistentJobError: (several processes) the processes'
             strategies, meshes, process counts or package versions differ; raised on
             every process, naming each one's value.
+
+        Example:
+          >>> from jfleet import fleet
+          >>> strategy = fleet.DistributedStrategy()
+          >>> strategy.hybrid_configs = {"dp_degree": 2, "mp_degree": 4}
+          >>> _ = fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
+          >>> dict(fleet.get_hybrid_communicate_group().mesh.shape)["mp"]
+          4
         """
         if not isinstance(is_collective, bool):
             raise TypeError(
@@ -153,76 +161,180 @@ class Fleet(PerfMethods, StaticMethods, FederatedMethods, PSMethods):
 
     # ------------------------------------------------------------ processes
     def worker_index(self) -> int:
-        """This process's index among the workers (Paddle's trainer id)."""
+        """This process's index among the workers (Paddle's trainer id).
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> fleet.worker_index(), fleet.rank()
+          (0, 0)
+        """
         return self._require_init("worker_index").role_maker.worker_index()
 
     rank = worker_index
 
     def worker_num(self) -> int:
-        """The number of worker processes."""
+        """The number of worker processes.
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> fleet.worker_num(), fleet.world_size(), fleet.nranks()
+          (1, 1, 1)
+        """
         return self._require_init("worker_num").role_maker.worker_num()
 
     world_size = worker_num
 
     def is_first_worker(self) -> bool:
-        """Whether this process is worker 0."""
+        """Whether this process is worker 0.
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> fleet.is_first_worker()
+          True
+        """
         return self._require_init("is_first_worker").role_maker.is_first_worker()
 
     def is_worker(self) -> bool:
-        """Always True in collective mode."""
+        """Always True in collective mode.
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> fleet.is_worker()
+          True
+        """
         return self._require_init("is_worker").role_maker.is_worker()
 
     def is_server(self) -> bool:
-        """Always False in collective mode (no parameter servers)."""
+        """Always False in collective mode (no parameter servers).
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> fleet.is_server()
+          False
+        """
         return self._require_init("is_server").role_maker.is_server()
 
     def server_num(self) -> int:
-        """0 in collective mode."""
+        """0 in collective mode.
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> fleet.server_num()
+          0
+        """
         return self._require_init("server_num").role_maker.server_num()
 
     def node_num(self) -> int:
-        """The number of distinct hosts among the worker endpoints."""
+        """The number of distinct hosts among the worker endpoints.
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> fleet.node_num()
+          1
+        """
         return self._require_init("node_num").role_maker.node_num()
 
     def local_rank(self) -> int:
-        """This process's index among the processes on its host."""
+        """This process's index among the processes on its host.
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> fleet.local_rank(), fleet.rank_in_node()
+          (0, 0)
+        """
         return self._require_init("local_rank").role_maker.local_rank()
 
     rank_in_node = local_rank
     nranks = worker_num
 
     def local_device_ids(self) -> list[int]:
-        """Ids of the devices this process drives."""
+        """Ids of the devices this process drives.
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> len(fleet.local_device_ids())
+          8
+        """
         self._require_init("local_device_ids")
         return [d.id for d in jax.local_devices()]
 
     def world_device_ids(self) -> list[int]:
-        """Ids of every device of the run, in Paddle rank order."""
+        """Ids of every device of the run, in Paddle rank order.
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> len(fleet.world_device_ids())
+          8
+        """
         self._require_init("world_device_ids")
         return [d.id for d in jax.devices()]
 
     def worker_endpoints(self, to_string: bool = False) -> list[str] | str:
-        """The workers' ``host:port`` endpoints (a comma-joined string if ``to_string``)."""
+        """The workers' ``host:port`` endpoints (a comma-joined string if ``to_string``).
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> fleet.worker_endpoints()  # one process, not launched: no endpoints
+          []
+        """
         endpoints = list(self._require_init("worker_endpoints").role_maker.worker_endpoints())
         return ",".join(endpoints) if to_string else endpoints
 
     def barrier_worker(self) -> None:
-        """Blocks until every worker process reaches this call."""
+        """Blocks until every worker process reaches this call.
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> fleet.barrier_worker()
+        """
         self._require_init("barrier_worker")
         collective.barrier()
 
     def all_reduce(self, value: Any, mode: str = "sum") -> Any:
-        """Reduces a host value across worker processes (``sum|mean|max|min``)."""
+        """Reduces a host value across worker processes (``sum|mean|max|min``).
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> int(fleet.all_reduce(3))
+          3
+        """
         self._require_init("all_reduce")
         return collective.all_reduce(value, mode)
 
     # ------------------------------------------------------------- topology
     def get_hybrid_communicate_group(self) -> HybridCommunicateGroup:
-        """The hybrid group: the mesh and Paddle's group and rank getters."""
+        """The hybrid group: the mesh and Paddle's group and rank getters.
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> fleet.get_hybrid_communicate_group().get_data_parallel_world_size()
+          8
+        """
         return self._require_init("get_hybrid_communicate_group").hcg
 
     def get_hybrid_parallel_topology(self) -> CommunicateTopology:
-        """The :class:`CommunicateTopology` behind the hybrid group."""
+        """The :class:`CommunicateTopology` behind the hybrid group.
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> fleet.get_hybrid_parallel_topology().world_size()
+          8
+        """
         return self._require_init("get_hybrid_parallel_topology").hcg.topology()
 
     # ------------------------------------------------------------- training
@@ -245,6 +357,15 @@ class Fleet(PerfMethods, StaticMethods, FederatedMethods, PSMethods):
         Raises:
           TypeError: not an optimizer. ValueError / NotImplementedError: see
           :func:`jfleet.optim.compiler.compile_strategy`.
+
+        Example:
+          >>> import optax
+          >>> from jfleet import fleet
+          >>> strategy = fleet.DistributedStrategy()
+          >>> strategy.gradient_merge = True
+          >>> _ = fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
+          >>> fleet.distributed_optimizer(optax.sgd(0.1)).applied_meta_list
+          ('GradientMergeOptimizer',)
         """
         self._require_init("distributed_optimizer")
         if strategy is not None:
@@ -283,6 +404,17 @@ class Fleet(PerfMethods, StaticMethods, FederatedMethods, PSMethods):
           TypeError: not an ``nnx.Module``, or not a ``PipelineLayer`` with
             pp_degree > 1. ValueError: a ``PipelineLayer`` whose ``num_stages`` is
             not the pp degree. NotImplementedError: a Paddle schedule jfleet lacks.
+
+        Example:
+          >>> import optax
+          >>> from jfleet import fleet
+          >>> from jfleet.models import TinyLM, lm_batches, lm_loss
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> model = fleet.distributed_model(TinyLM())
+          >>> opt = fleet.distributed_optimizer(optax.sgd(0.1))
+          >>> loss = model.train_batch(lm_batches(1)[0], opt, loss_fn=lm_loss)
+          >>> loss.shape
+          ()
         """
         run = self._require_init("distributed_model")
         placement = Placement.from_fleet()
@@ -434,7 +566,21 @@ class Fleet(PerfMethods, StaticMethods, FederatedMethods, PSMethods):
         _state_dict.load_model(path, model, optimizer)
 
     def get_loss_scaling(self) -> float:
-        """The current fp16 loss scale of the last distributed optimizer."""
+        """The current fp16 loss scale of the last distributed optimizer.
+
+        Example:
+          >>> import optax
+          >>> from jfleet import fleet
+          >>> strategy = fleet.DistributedStrategy()
+          >>> strategy.amp = True
+          >>> strategy.amp_configs = {"dtype": "float16", "init_loss_scaling": 1024.0}
+          >>> _ = fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
+          >>> from flax import nnx
+          >>> model = fleet.distributed_model(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+          >>> _ = fleet.distributed_optimizer(optax.sgd(0.1)).init(model)
+          >>> fleet.get_loss_scaling()
+          1024.0
+        """
         self._require_init("get_loss_scaling")
         if self._optimizer is None or not self._optimizer.has_loss_scaling:
             raise RuntimeError(

@@ -68,6 +68,19 @@ def group_sharded_parallel(
       ValueError: an unknown level, or offload / exclude_layer, which jfleet does
         not provide.
       TypeError: ``scaler`` is not a ``GradScaler``.
+
+    Example:
+      >>> import optax
+      >>> from jfleet import fleet
+      >>> from jfleet.models import TinyLM, lm_batches, lm_loss
+      >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+      >>> from jfleet import group_sharded_parallel
+      >>> strategy = fleet.DistributedStrategy()
+      >>> strategy.hybrid_configs = {"sharding_degree": 8}
+      >>> _ = fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
+      >>> model, opt, _ = group_sharded_parallel(TinyLM(), optax.adam(1e-3), level="os_g")
+      >>> opt.applied_meta_list
+      ('ShardingOptimizer',)
     """
     if level not in _LEVELS:
         raise ValueError(

@@ -99,6 +99,17 @@ class PerfMethods:
 
         Returns:
           The :class:`~jfleet.collective_perf.PerfResult`, or None.
+
+        Example:
+          >>> import numpy as np
+          >>> from jfleet import fleet
+          >>> strategy = fleet.DistributedStrategy()
+          >>> strategy.hybrid_configs = {"dp_degree": 2, "mp_degree": 4}
+          >>> _ = fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
+          >>> x = np.ones(1024, np.float32)
+          >>> hcg = fleet.get_hybrid_communicate_group()
+          >>> fleet.allreduce_perf(3, x, hcg.get_data_parallel_group(), x.nbytes, -1).op
+          'allreduce'
         """
         result = perf_once(
             "allreduce", iteration, x, group, perf_size, perf_threshold_time, log=not warmup
@@ -114,7 +125,19 @@ class PerfMethods:
         perf_threshold_time: float,
     ) -> PerfResult | None:
         """Times reduces of ``x`` to the group's first rank (a psum kept there; XLA has no
-        reduce-to-one collective). Arguments and result as :meth:`allreduce_perf`."""
+        reduce-to-one collective). Arguments and result as :meth:`allreduce_perf`.
+
+        Example:
+          >>> import numpy as np
+          >>> from jfleet import fleet
+          >>> strategy = fleet.DistributedStrategy()
+          >>> strategy.hybrid_configs = {"dp_degree": 2, "mp_degree": 4}
+          >>> _ = fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
+          >>> x = np.ones(1024, np.float32)
+          >>> hcg = fleet.get_hybrid_communicate_group()
+          >>> fleet.reduce_perf(3, x, hcg.get_data_parallel_group(), x.nbytes, -1).op
+          'reduce'
+        """
         return perf_once("reduce", iteration, x, group, perf_size, perf_threshold_time)
 
     def broadcast_perf(
@@ -126,7 +149,19 @@ class PerfMethods:
         perf_threshold_time: float,
     ) -> PerfResult | None:
         """Times broadcasts of ``x`` from the group's first rank (collective-broadcast on
-        GPU, a masked psum on CPU). Arguments and result as :meth:`allreduce_perf`."""
+        GPU, a masked psum on CPU). Arguments and result as :meth:`allreduce_perf`.
+
+        Example:
+          >>> import numpy as np
+          >>> from jfleet import fleet
+          >>> strategy = fleet.DistributedStrategy()
+          >>> strategy.hybrid_configs = {"dp_degree": 2, "mp_degree": 4}
+          >>> _ = fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
+          >>> x = np.ones(1024, np.float32)
+          >>> hcg = fleet.get_hybrid_communicate_group()
+          >>> fleet.broadcast_perf(3, x, hcg.get_data_parallel_group(), x.nbytes, -1).op
+          'broadcast'
+        """
         return perf_once("broadcast", iteration, x, group, perf_size, perf_threshold_time)
 
     def allgather_perf(
@@ -139,7 +174,19 @@ class PerfMethods:
     ) -> PerfResult | None:
         """Times all-gathers (``lax.all_gather`` along dimension 0) of ``x``; the bandwidth
         counts the gathered ``nranks * nbytes``. Arguments and result as
-        :meth:`allreduce_perf`."""
+        :meth:`allreduce_perf`.
+
+        Example:
+          >>> import numpy as np
+          >>> from jfleet import fleet
+          >>> strategy = fleet.DistributedStrategy()
+          >>> strategy.hybrid_configs = {"dp_degree": 2, "mp_degree": 4}
+          >>> _ = fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
+          >>> x = np.ones(1024, np.float32)
+          >>> hcg = fleet.get_hybrid_communicate_group()
+          >>> fleet.allgather_perf(3, x, hcg.get_model_parallel_group(), x.nbytes, -1).op
+          'allgather'
+        """
         return perf_once("allgather", iteration, x, group, perf_size, perf_threshold_time)
 
     def reduce_scatter_perf(
@@ -152,5 +199,17 @@ class PerfMethods:
     ) -> PerfResult | None:
         """Times reduce-scatters (``lax.psum_scatter`` along dimension 0) of ``x``, whose
         first dimension the group size must divide (a ValueError says so; Paddle logs and
-        stops). Arguments and result as :meth:`allreduce_perf`."""
+        stops). Arguments and result as :meth:`allreduce_perf`.
+
+        Example:
+          >>> import numpy as np
+          >>> from jfleet import fleet
+          >>> strategy = fleet.DistributedStrategy()
+          >>> strategy.hybrid_configs = {"dp_degree": 2, "mp_degree": 4}
+          >>> _ = fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
+          >>> x = np.ones(1024, np.float32)
+          >>> hcg = fleet.get_hybrid_communicate_group()
+          >>> fleet.reduce_scatter_perf(3, x, hcg.get_model_parallel_group(), x.nbytes, -1).op
+          'reduce_scatter'
+        """
         return perf_once("reduce_scatter", iteration, x, group, perf_size, perf_threshold_time)

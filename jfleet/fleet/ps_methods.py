@@ -75,6 +75,15 @@ class PSMethods:
 
         Raises:
           ValueError: collective mode (no servers there).
+
+        Example:
+          >>> import tempfile
+          >>> from jfleet import fleet
+          >>> from jfleet.ps import SparseTable
+          >>> _ = fleet.init(is_collective=False, log_level="WARNING")
+          >>> table = SparseTable(64, 2, table_id=0)
+          >>> fleet.server_index()
+          0
         """
         role_maker = self._ps_run("server_index").role_maker
         if role_maker.is_collective:
@@ -86,7 +95,17 @@ class PSMethods:
 
     def server_endpoints(self, to_string: bool = False) -> list[str] | str:
         """The table-shard hosts' endpoints (see :mod:`jfleet.ps.role_maker`); ``[]`` in
-        collective mode."""
+        collective mode.
+
+        Example:
+          >>> import tempfile
+          >>> from jfleet import fleet
+          >>> from jfleet.ps import SparseTable
+          >>> _ = fleet.init(is_collective=False, log_level="WARNING")
+          >>> table = SparseTable(64, 2, table_id=0)
+          >>> len(fleet.server_endpoints())
+          0
+        """
         endpoints = list(self._ps_run("server_endpoints").role_maker._get_pserver_endpoints())
         return ",".join(endpoints) if to_string else endpoints
 
@@ -98,6 +117,14 @@ class PSMethods:
 
         Raises:
           ValueError: a directory but no table built yet.
+
+        Example:
+          >>> import tempfile
+          >>> from jfleet import fleet
+          >>> from jfleet.ps import SparseTable
+          >>> _ = fleet.init(is_collective=False, log_level="WARNING")
+          >>> table = SparseTable(64, 2, table_id=0)
+          >>> fleet.init_server()  # no directory: the tables are already on the devices
         """
         self._ps_run("init_server")
         dirname = args[0] if args else kwargs.pop("dirname", None)
@@ -116,7 +143,16 @@ class PSMethods:
             storage.load_table(table, Path(dirname), mode)
 
     def run_server(self) -> None:
-        """Returns at once: the tables are served by the collectives inside each step (logged)."""
+        """Returns at once: the tables are served by the collectives inside each step (logged).
+
+        Example:
+          >>> import tempfile
+          >>> from jfleet import fleet
+          >>> from jfleet.ps import SparseTable
+          >>> _ = fleet.init(is_collective=False, log_level="WARNING")
+          >>> table = SparseTable(64, 2, table_id=0)
+          >>> fleet.run_server()  # returns at once: serving happens inside the steps
+        """
         self._ps_run("run_server")
         logger.info(
             "fleet.run_server: nothing to run; every process holds a shard of every sparse "
@@ -135,7 +171,16 @@ class PSMethods:
             )
 
     def init_worker(self, scopes: Any = None) -> None:
-        """Marks this process's training started (no communicator to start; logged)."""
+        """Marks this process's training started (no communicator to start; logged).
+
+        Example:
+          >>> import tempfile
+          >>> from jfleet import fleet
+          >>> from jfleet.ps import SparseTable
+          >>> _ = fleet.init(is_collective=False, log_level="WARNING")
+          >>> table = SparseTable(64, 2, table_id=0)
+          >>> fleet.init_worker()
+        """
         self._ps_run("init_worker")
         if scopes is not None:
             logger.info("fleet.init_worker ignores scopes (no static scopes under JAX)")
@@ -143,7 +188,17 @@ class PSMethods:
         logger.info("fleet.init_worker: training on process %d", jax.process_index())
 
     def stop_worker(self) -> None:
-        """Blocks until every process has finished training (a barrier)."""
+        """Blocks until every process has finished training (a barrier).
+
+        Example:
+          >>> import tempfile
+          >>> from jfleet import fleet
+          >>> from jfleet.ps import SparseTable
+          >>> _ = fleet.init(is_collective=False, log_level="WARNING")
+          >>> table = SparseTable(64, 2, table_id=0)
+          >>> fleet.init_worker()
+          >>> fleet.stop_worker()  # waits for every process
+        """
         self._ps_run("stop_worker")
         collective.barrier()
         logger.info("fleet.stop_worker: every process has stopped training")
@@ -151,26 +206,69 @@ class PSMethods:
     # --------------------------------------------------------------- tables
     def save_one_table(self, table_id: int, path: str, mode: int) -> int:
         """Saves table ``table_id`` under ``path/<table_id>`` (0 all, 1 delta, 2 base); returns
-        the rows saved."""
+        the rows saved.
+
+        Example:
+          >>> import tempfile
+          >>> from jfleet import fleet
+          >>> from jfleet.ps import SparseTable
+          >>> _ = fleet.init(is_collective=False, log_level="WARNING")
+          >>> table = SparseTable(64, 2, table_id=0)
+          >>> fleet.save_one_table(0, tempfile.mkdtemp(), 0)  # rows saved: none pushed yet
+          0
+        """
         self._ps_run("save_one_table")
         return storage.save_table(registry.get(table_id), path, mode)
 
     def load_one_table(self, table_id: int, path: str, mode: int) -> int:
-        """Loads table ``table_id`` from ``path/<table_id>``; returns the rows read."""
+        """Loads table ``table_id`` from ``path/<table_id>``; returns the rows read.
+
+        Example:
+          >>> import tempfile
+          >>> from jfleet import fleet
+          >>> from jfleet.ps import SparseTable
+          >>> _ = fleet.init(is_collective=False, log_level="WARNING")
+          >>> table = SparseTable(64, 2, table_id=0)
+          >>> path = tempfile.mkdtemp()
+          >>> fleet.save_one_table(0, path, 0)
+          0
+          >>> fleet.load_one_table(0, path, 0)
+          0
+        """
         self._ps_run("load_one_table")
         return storage.load_table(registry.get(table_id), path, mode)
 
     def save_cache_table(
         self, table_id: int, pass_id: int, mem_cache_key_threshold: int = 4000000000
     ) -> int:
-        """Chooses table ``table_id``'s hottest rows to cache; returns how many."""
+        """Chooses table ``table_id``'s hottest rows to cache; returns how many.
+
+        Example:
+          >>> import tempfile
+          >>> from jfleet import fleet
+          >>> from jfleet.ps import SparseTable
+          >>> _ = fleet.init(is_collective=False, log_level="WARNING")
+          >>> table = SparseTable(64, 2, table_id=0)
+          >>> fleet.save_cache_table(0, 0)
+          0
+        """
         self._ps_run("save_cache_table")
         table = registry.get(table_id)
         return storage.save_cache_table(table, pass_id, mem_cache_key_threshold)
 
     def save_cache_model(self, dirname: str, **configs: Any) -> int:
         """Saves the cache rows of table ``configs["table_id"]`` (default 0) under ``dirname``;
-        returns how many. Paddle's ``mode`` and other keys are ignored (logged)."""
+        returns how many. Paddle's ``mode`` and other keys are ignored (logged).
+
+        Example:
+          >>> import tempfile
+          >>> from jfleet import fleet
+          >>> from jfleet.ps import SparseTable
+          >>> _ = fleet.init(is_collective=False, log_level="WARNING")
+          >>> table = SparseTable(64, 2, table_id=0)
+          >>> fleet.save_cache_model(tempfile.mkdtemp(), table_id=0)
+          0
+        """
         self._ps_run("save_cache_model")
         table = registry.get(configs.pop("table_id", 0))
         if configs:
@@ -179,16 +277,45 @@ class PSMethods:
 
     def check_save_pre_patch_done(self) -> bool:
         """Whether the tables' pre-patch save has finished: always True here, since every
-        save writes its files before it returns (Paddle's PS saves in the background)."""
+        save writes its files before it returns (Paddle's PS saves in the background).
+
+        Example:
+          >>> import tempfile
+          >>> from jfleet import fleet
+          >>> from jfleet.ps import SparseTable
+          >>> _ = fleet.init(is_collective=False, log_level="WARNING")
+          >>> table = SparseTable(64, 2, table_id=0)
+          >>> fleet.check_save_pre_patch_done()
+          True
+        """
         self._ps_run("check_save_pre_patch_done")
         return True
 
     def set_date(self, table_id: int, day_id: int | str) -> None:
-        """Moves table ``table_id`` to day ``day_id`` (``"YYYYMMDD"`` or an int), decaying it."""
+        """Moves table ``table_id`` to day ``day_id`` (``"YYYYMMDD"`` or an int), decaying it.
+
+        Example:
+          >>> import tempfile
+          >>> from jfleet import fleet
+          >>> from jfleet.ps import SparseTable
+          >>> _ = fleet.init(is_collective=False, log_level="WARNING")
+          >>> table = SparseTable(64, 2, table_id=0)
+          >>> fleet.set_date(0, "20250101")
+        """
         self._ps_run("set_date")
         lifecycle.set_date(registry.get(table_id), day_id)
 
     def shrink(self, threshold: float | None = None) -> dict[int, int]:
-        """Evicts low-score and long-unseen rows of every table; returns ``{table_id: rows}``."""
+        """Evicts low-score and long-unseen rows of every table; returns ``{table_id: rows}``.
+
+        Example:
+          >>> import tempfile
+          >>> from jfleet import fleet
+          >>> from jfleet.ps import SparseTable
+          >>> _ = fleet.init(is_collective=False, log_level="WARNING")
+          >>> table = SparseTable(64, 2, table_id=0)
+          >>> fleet.shrink()
+          {0: 0}
+        """
         self._ps_run("shrink")
         return {t.table_id: lifecycle.shrink(t, threshold) for t in registry.tables()}

@@ -49,6 +49,14 @@ class Placement:
       zero_axis: the mesh axis ZeRO shards over: ``"sharding"`` (Paddle's
         sharding group) or ``"dp"`` (``group_sharded_parallel`` without a sharding
         axis).
+
+    Example:
+      >>> from jfleet import fleet
+      >>> strategy = fleet.DistributedStrategy()
+      >>> strategy.hybrid_configs = {"dp_degree": 2, "sharding_degree": 4}
+      >>> _ = fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
+      >>> Placement.from_fleet().data_parallel_size
+      8
     """
 
     mesh: Mesh

@@ -77,7 +77,12 @@ MESH_TO_TOPO = {v: k for k, v in TOPO_TO_MESH.items()}
 
 
 class ParallelMode(enum.IntEnum):
-    """Paddle's parallel modes, with Paddle's integer values."""
+    """Paddle's parallel modes, with Paddle's integer values.
+
+    Example:
+      >>> ParallelMode.TENSOR_PARALLEL.name
+      'TENSOR_PARALLEL'
+    """
 
     DATA_PARALLEL = 0
     TENSOR_PARALLEL = 1

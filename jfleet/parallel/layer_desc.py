@@ -29,10 +29,18 @@ __all__ = ["LayerDesc", "SharedLayerDesc"]
 class LayerDesc:
     """A layer described now and built later: ``layer_func(*inputs, **kwargs, rngs=rngs)``.
 
+    Do not pass ``rngs``: the :class:`~jfleet.parallel.pipeline_layer.PipelineLayer`
+    builds every layer from one ``nnx.Rngs`` (its ``seed`` or ``rngs`` argument) and adds
+    ``rngs=`` to each layer whose ``layer_func`` takes it (a parameter named ``rngs`` or
+    ``**kwargs``), so the same seed gives the same parameters whatever ``num_stages``.
+    An ``rngs=`` given here is used as it is, drawing that layer's parameters from its
+    own stream.
+
     Args:
       layer_func: the layer class (an ``nnx.Module`` subclass) or a factory returning one.
       *inputs: positional arguments for it.
-      **kwargs: keyword arguments for it (``rngs`` is added when it accepts one).
+      **kwargs: keyword arguments for it (``rngs`` is added when it accepts one and is
+        not given).
 
     Raises:
       TypeError: ``layer_func`` is not callable.

@@ -57,6 +57,10 @@ class NonFiniteError(FloatingPointError):
       step: the step number (calls of this train step, from 1).
       leaf: the first non-finite leaf: ``"loss"`` or a gradient path such as
         ``"grads['blocks'][0]['mlp']['kernel']"``.
+
+    Example:
+      >>> issubclass(NonFiniteError, FloatingPointError)  # catch either
+      True
     """
 
     def __init__(self, step: int, leaf: str) -> None:

@@ -81,15 +81,30 @@ _HYBRID_KEYS_END = "_degree"
 
 
 class InconsistentJobError(ValueError):
-    """The processes of one job disagree on what they run (strategy, mesh, versions)."""
+    """The processes of one job disagree on what they run (strategy, mesh, versions).
+
+    Example:
+      >>> issubclass(InconsistentJobError, ValueError)
+      True
+    """
 
 
 class InconsistentBatchError(InconsistentJobError):
-    """The processes of one job pass local batches of different structure, shape or dtype."""
+    """The processes of one job pass local batches of different structure, shape or dtype.
+
+    Example:
+      >>> issubclass(InconsistentBatchError, InconsistentJobError)
+      True
+    """
 
 
 class ConsistencyTimeoutError(TimeoutError):
-    """A peer published nothing to compare within ``$JFLEET_CONSISTENCY_TIMEOUT`` seconds."""
+    """A peer published nothing to compare within ``$JFLEET_CONSISTENCY_TIMEOUT`` seconds.
+
+    Example:
+      >>> issubclass(ConsistencyTimeoutError, TimeoutError)
+      True
+    """
 
 
 def timeout_s() -> float:

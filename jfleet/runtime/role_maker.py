@@ -66,7 +66,12 @@ _PS_ROLE_MAKERS: dict[type, Any] = {}  # is_collective=False builders: jfleet.ps
 
 
 class Role(enum.IntEnum):
-    """The role of a process, with Paddle's values."""
+    """The role of a process, with Paddle's values.
+
+    Example:
+      >>> Role.WORKER.name, int(Role.WORKER)
+      ('WORKER', 1)
+    """
 
     WORKER = 1
     SERVER = 2

@@ -3,7 +3,7 @@
 With several processes (``jax.distributed``), ``start()`` runs a daemon thread in each
 process that publishes a heartbeat record about once a second through the coordination
 service's key-value store (:mod:`jfleet.runtime.coordination`, keys
-``jfleet/watchdog/...``): rank,
+``jfleet/runtime/watchdog/...``): rank,
 host, pid, steps started and completed (the engine calls :func:`step_started` at a step's
 entry and :func:`step_dispatched` with its loss; the thread learns that the step completed
 from ``loss.is_ready()``), and how long it has been in that state. Process 0 (which hosts the
@@ -124,7 +124,12 @@ def peer_record(rank: int) -> dict | None:
 
 
 class PeerFailedError(RuntimeError):
-    """A peer process died or stopped responding; raised in each survivor's main thread."""
+    """A peer process died or stopped responding; raised in each survivor's main thread.
+
+    Example:
+      >>> issubclass(PeerFailedError, RuntimeError)  # try / finally sees it on the survivors
+      True
+    """
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,8 @@ checkpoint, launch, models, ps, fleet, distributed.
   deadline, reaped.
 * :mod:`~jfleet.testing.reference`: the same training on one device, to compare with.
 * :mod:`~jfleet.testing.strategies`: a strategy from keyword settings.
-* :mod:`~jfleet.testing.trees`: tree assertions (values, dtypes, structure) on chex.
+* :mod:`~jfleet.testing.trees`: tree assertions (values, dtypes, structure) on chex, and
+  :func:`state_as_numpy` (any model's variables under per-layer paths, to compare runs).
 
 The pytest plugin that uses them (``--jfleet-devices``, fixtures, a marker) is the
 top-level module ``pytest_jfleet``, installed with jfleet.
@@ -32,6 +33,7 @@ from jfleet.testing.assertions import assert_collectives as assert_collectives
 from jfleet.testing.assertions import assert_peak_memory_below as assert_peak_memory_below
 from jfleet.testing.assertions import assert_sharded_as as assert_sharded_as
 from jfleet.testing.assertions import assert_trains_like_one_device as assert_trains_like_one_device
+from jfleet.testing.assertions import default_tolerance as default_tolerance
 from jfleet.testing.devices import NotEnoughDevicesError as NotEnoughDevicesError
 from jfleet.testing.devices import emulate_cpu_devices as emulate_cpu_devices
 from jfleet.testing.devices import require_devices as require_devices
@@ -40,3 +42,4 @@ from jfleet.testing.processes import run_processes as run_processes
 from jfleet.testing.reference import train_one_device as train_one_device
 from jfleet.testing.strategies import make_strategy as make_strategy
 from jfleet.testing.trees import assert_trees_close as assert_trees_close
+from jfleet.testing.trees import state_as_numpy as state_as_numpy

@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import itertools
 import math
@@ -35,10 +36,10 @@ from jax.sharding import PartitionSpec as P
 
 from jfleet import fleet
 from jfleet.auto_parallel.to_distributed import ToDistributedConfig, to_distributed
-from jfleet.checkpoint.layout import logical_leaves
 from jfleet.testing import hlo
 from jfleet.testing.devices import require_devices
 from jfleet.testing.reference import train_one_device
+from jfleet.testing.trees import state_as_numpy
 from jfleet.training.engine import make_train_step
 from jfleet.training.strategy import DistributedStrategy
 
@@ -47,6 +48,7 @@ __all__ = [
     "assert_peak_memory_below",
     "assert_sharded_as",
     "assert_trains_like_one_device",
+    "default_tolerance",
 ]
 
 #: ``trainer(model, optimizer, batches, loss_fn) -> losses``, training ``model`` in place.
@@ -80,6 +82,8 @@ def _train_distributed(
     if isinstance(layout, Mapping):
         layout = ToDistributedConfig(force_mesh=dict(layout))
     if isinstance(layout, ToDistributedConfig):
+        if layout.forward is None and layout.loss_fn is None:
+            layout = dataclasses.replace(layout, loss_fn=loss_fn)  # trace what trains
         device_num = _devices_needed(layout)
         built = model_fn()
         initial = _params(built)
@@ -121,12 +125,30 @@ def _devices_needed(layout: Any) -> int | None:
     return None
 
 
-def _params(model: nnx.Module) -> dict[str, np.ndarray]:
-    return {k: np.asarray(v) for k, v in logical_leaves(model, model).items()}
+_params = state_as_numpy
+
+#: fp32 tolerance of one device against itself in another reduction order (1 + log2 d).
+BASE_TOLERANCE = 1e-5
+
+
+def default_tolerance(devices: int) -> float:
+    """The default ``rtol`` / ``atol`` of a run on ``devices`` devices: ``1e-5 (1 + log2 d)``.
+
+    A sum split over ``d`` devices adds about ``log2 d`` roundings to each reduction, so the
+    fp32 bound grows with the depth of the reduction tree, not with the device count.
+
+    Example:
+      >>> default_tolerance(1), default_tolerance(8)
+      (1e-05, 4e-05)
+    """
+    return BASE_TOLERANCE * (1 + math.log2(max(devices, 1)))
 
 
 def _leaf_report(got: dict[str, Any], want: dict[str, Any], rtol: float, atol: float) -> list[str]:
-    """One line per leaf that differs (missing, extra, shape or values), in model order."""
+    """One line per leaf that differs (missing, extra, shape or values), in model order.
+
+    ``atol`` is relative to the leaf's magnitude: ``atol * max(1, max |want|)``.
+    """
     lines = [f"'{k}': missing from the parallel run" for k in want if k not in got]
     lines += [f"'{k}': only in the parallel run" for k in got if k not in want]
     for key in (k for k in want if k in got):
@@ -135,7 +157,9 @@ def _leaf_report(got: dict[str, Any], want: dict[str, Any], rtol: float, atol: f
         if a.shape != b.shape:
             lines.append(f"'{key}': shape {a.shape}, want {b.shape}")
             continue
-        bad = ~np.isclose(a, b, rtol=rtol, atol=atol) | (np.isfinite(a) != np.isfinite(b))
+        scale = max(1.0, float(np.max(np.abs(b), initial=0.0, where=np.isfinite(b))))
+        bad = ~np.isclose(a, b, rtol=rtol, atol=atol * scale)
+        bad |= np.isfinite(a) != np.isfinite(b)
         if bad.any():
             diff = np.where(np.isfinite(a - b), np.abs(a - b), np.inf)
             at = np.unravel_index(int(np.argmax(diff)), a.shape) if a.ndim else ()
@@ -155,8 +179,8 @@ def assert_trains_like_one_device(
     loss_fn: Callable[[nnx.Module, Any], jax.Array],
     layout: Layout,
     steps: int | None = None,
-    rtol: float = 1e-5,
-    atol: float = 1e-5,
+    rtol: float | None = None,
+    atol: float | None = None,
 ) -> None:
     """Training under ``layout`` gives one device's per-step losses and final parameters.
 
@@ -168,7 +192,9 @@ def assert_trains_like_one_device(
       model_fn: builds the plain model, e.g. ``lambda: MyModel(rngs=nnx.Rngs(0))``.
       optimizer: the Optax transform both runs use.
       batches: whole global batches (NumPy or JAX pytrees); read once.
-      loss_fn: ``loss_fn(model, batch) -> scalar``.
+      loss_fn: ``loss_fn(model, batch) -> scalar``; ``to_distributed`` layouts also trace
+        it to read the model (so dict batches such as ``{"image": ..., "label": ...}``
+        need nothing more), unless the config gives ``forward`` or ``loss_fn``.
       layout: degrees of a forced mesh (``{"dp": 2, "mp": 4}``: ``to_distributed`` with
         ``force_mesh``), a :class:`~jfleet.auto_parallel.ToDistributedConfig`, a
         :class:`~jfleet.strategy.DistributedStrategy` (``fleet.init``, then the model is
@@ -178,7 +204,11 @@ def assert_trains_like_one_device(
         in place. Parameters are compared under the plain model's per-layer paths
         (pipelined or scanned stacks are split back, as checkpoints store them).
       steps: train on the first ``steps`` batches (default: all).
-      rtol, atol: the tolerance of ``np.isclose`` for losses and parameters.
+      rtol, atol: the tolerance for losses and parameters: a value passes when
+        ``|got - want| <= atol * max(1, max |leaf|) + rtol * |want|``, the absolute part
+        scaled by the magnitude of its leaf (for a loss: of that loss). Default for both:
+        :func:`default_tolerance` of the layout's devices, ``1e-5 (1 + log2 d)`` (fp32 in
+        another reduction order: 4e-5 on 8 devices); pass larger values for half precision.
 
     Raises:
       AssertionError: a loss or a parameter differs; the message names the first
@@ -187,6 +217,12 @@ def assert_trains_like_one_device(
       NotEnoughDevicesError: the layout needs more devices than this process has.
 
     The fleet stays initialised with the layout's mesh afterwards.
+
+    Example:
+      >>> import optax
+      >>> from jfleet.models import TinyLM, lm_batches, lm_loss
+      >>> assert_trains_like_one_device(
+      ...     TinyLM, optax.sgd(0.1), lm_batches(1), loss_fn=lm_loss, layout={"dp": 8})
     """
     data = list(itertools.islice(batches, steps) if steps is not None else batches)
     if not data:
@@ -194,12 +230,17 @@ def assert_trains_like_one_device(
     needed = _devices_needed(layout)
     if needed is not None:
         require_devices(needed, _describe(layout))
+    default = default_tolerance(needed or jax.device_count())
+    rtol = default if rtol is None else rtol
+    atol = default if atol is None else atol
     got_l, want_l, got, want = _both_runs(model_fn, optimizer, data, loss_fn, layout)
-    bad = ~np.isclose(got_l, want_l, rtol=rtol, atol=atol) | ~np.isfinite(got_l)
+    scale = np.maximum(1.0, np.abs(want_l))
+    bad = ~np.isclose(got_l, want_l, rtol=rtol, atol=atol * scale) | ~np.isfinite(got_l)
     leaves = _leaf_report(got, want, rtol, atol)
     if not bad.any() and not leaves:
         return
-    lines = [f"{_describe(layout)} does not train like one device (rtol={rtol}, atol={atol}):"]
+    tolerance = f"rtol={rtol:.3g}, atol={atol:.3g} x max(1, |leaf|)"
+    lines = [f"{_describe(layout)} does not train like one device ({tolerance}):"]
     if bad.any():
         i = int(np.argmax(bad))
         lines.append(
@@ -371,6 +412,10 @@ def assert_collectives(
       AssertionError: a count or byte total differs; the message lists the program's
         collectives.
       ValueError: an unknown kind.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> summary = assert_collectives(jax.jit(jnp.sin), jnp.ones(4), expected={"all-reduce": 0})
     """
     unknown = sorted((set(expected) | set(expected_bytes or {})) - set(hlo._ALL_KINDS))
     if unknown:
@@ -419,6 +464,11 @@ def assert_peak_memory_below(step: Any, limit: int, *args: Any, **kwargs: Any) -
     Raises:
       AssertionError: it needs ``limit`` or more; the message has the breakdown.
       ValueError: ``limit`` is not a positive number.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> assert_peak_memory_below(jax.jit(jnp.sin), 1 << 20, jnp.ones(4)) < 1 << 20
+      True
     """
     if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0:
         raise ValueError(f"limit={limit!r}: expected a positive number of bytes.")

@@ -14,13 +14,21 @@ Example:
 
 from __future__ import annotations
 
-import os
+from jfleet.runtime.devices import fix_hint, set_process_devices
 
 __all__ = ["NotEnoughDevicesError", "emulate_cpu_devices", "require_devices"]
 
 
 class NotEnoughDevicesError(RuntimeError):
-    """A test needs more devices than this process has."""
+    """A test needs more devices than this process has.
+
+    Example:
+      >>> try:
+      ...     require_devices(1024)
+      ... except NotEnoughDevicesError as err:
+      ...     print(str(err).split(":")[0])
+      this test needs 1024 devices, but this process has 8
+    """
 
 
 def _check_count(n: int, name: str) -> None:
@@ -39,23 +47,13 @@ def emulate_cpu_devices(n: int) -> None:
       ValueError: ``n`` is not a positive int.
       RuntimeError: JAX already started with another count (the message says where to
         set it instead).
+
+    Example:
+      >>> import jax
+      >>> emulate_cpu_devices(jax.device_count())  # started already: the same count is fine
     """
     _check_count(n, "n")
-    import jax
-
-    try:
-        jax.config.update("jax_num_cpu_devices", n)  # raises once the backend has started
-        if "JAX_PLATFORMS" not in os.environ:
-            os.environ["JAX_PLATFORMS"] = "cpu"  # children inherit it
-            jax.config.update("jax_platforms", "cpu")
-    except RuntimeError as err:
-        have = len(jax.devices())
-        if have != n:
-            raise RuntimeError(
-                f"JAX already started with {have} device(s), so it cannot emulate {n}: set "
-                "the count before any JAX computation (pytest --jfleet-devices N, or "
-                "jfleet.testing.emulate_cpu_devices(N) at the top of conftest.py)."
-            ) from err
+    set_process_devices(n)
 
 
 def require_devices(n: int, what: str = "this test") -> None:
@@ -63,6 +61,9 @@ def require_devices(n: int, what: str = "this test") -> None:
 
     Raises:
       NotEnoughDevicesError: fewer; the message names the pytest option that fixes it.
+
+    Example:
+      >>> require_devices(2, "a dp2 test")
     """
     _check_count(n, "n")
     import jax
@@ -72,5 +73,6 @@ def require_devices(n: int, what: str = "this test") -> None:
         raise NotEnoughDevicesError(
             f"{what} needs {n} devices, but this process has {have}: run pytest with "
             f"--jfleet-devices {n} (or `jfleet_devices = {n}` in the pytest ini file), or mark "
-            f"the test @pytest.mark.jfleet_devices({n}) to run it in a child process."
+            f"the test @pytest.mark.jfleet_devices({n}) to run it in a child process. "
+            + fix_hint(n)
         )

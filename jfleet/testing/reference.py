@@ -53,6 +53,13 @@ def train_one_device(
 
     Returns:
       The float losses of the steps, and the model's parameters after them.
+
+    Example:
+      >>> import optax
+      >>> from jfleet.models import TinyLM, lm_batches, lm_loss
+      >>> losses, params = train_one_device(TinyLM(), optax.sgd(0.5), lm_batches(2), lm_loss)
+      >>> losses.shape
+      (2,)
     """
     scaled = False
     if strategy is not None:

@@ -26,6 +26,10 @@ def make_strategy(hybrid: Mapping[str, Any] | None = None, **settings: Any) -> D
 
     Raises:
       The strategy's own errors for unknown names or bad values.
+
+    Example:
+      >>> make_strategy({"dp_degree": 2}, amp=True).amp
+      True
     """
     strategy = DistributedStrategy()
     if hybrid:

@@ -1,4 +1,10 @@
-"""Tree assertions for comparing a parallel run with its single-device reference (on chex).
+"""Comparing a parallel run with its single-device reference: trees on chex, models as NumPy.
+
+* :func:`assert_trees_close`: two pytrees (or ``nnx.State`` s) with one structure, dtypes
+  and values within tolerance.
+* :func:`state_as_numpy`: any model's variables as ``{per-layer path: np.ndarray}``, the
+  same keys whether the model is plain, wrapped by ``fleet.distributed_model``, or returned
+  by ``to_distributed`` with pipelined or scanned blocks, so any two runs compare.
 
 Example:
   >>> import jax.numpy as jnp
@@ -12,9 +18,12 @@ from typing import Any
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-__all__ = ["assert_trees_close"]
+from jfleet.checkpoint.layout import logical_leaves
+
+__all__ = ["assert_trees_close", "state_as_numpy"]
 
 
 def _plain(tree: Any) -> Any:
@@ -38,6 +47,10 @@ def assert_trees_close(
 
     Raises:
       AssertionError: structures, dtypes or values differ.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> assert_trees_close({"b": jnp.zeros(2)}, {"b": jnp.full(2, 1e-7)}, rtol=0, atol=1e-6)
     """
     got, want = _plain(got), _plain(want)
     chex.assert_trees_all_equal_structs(got, want)
@@ -45,3 +58,33 @@ def assert_trees_close(
         chex.assert_trees_all_equal_dtypes(got, want)
     wide = lambda t: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), t)  # noqa: E731
     chex.assert_trees_all_close(wide(got), wide(want), rtol=rtol, atol=atol)
+
+
+def state_as_numpy(model: nnx.Module) -> dict[str, np.ndarray]:
+    """The model's variables as host NumPy arrays under the plain model's per-layer paths.
+
+    Sharded arrays are gathered; a ``fleet.distributed_model`` wrapper adds no prefix;
+    pipelined ``[pp, L/pp, ...]`` and scanned ``[1, L, ...]`` block stacks are split back
+    into ``layers.0...``, ``layers.1...`` (as checkpoints store them). Two runs of one model
+    on any meshes give the same keys and shapes. Every array must be addressable by this
+    process (one process, or replicated).
+
+    Args:
+      model: a plain NNX model, a ``DistributedModel``, or a model ``to_distributed``
+        returned.
+
+    Returns:
+      ``{dotted path: np.ndarray}`` in the model's order.
+
+    Example:
+      >>> from jfleet.models import TinyLM
+      >>> a, b = state_as_numpy(TinyLM()), state_as_numpy(TinyLM())
+      >>> sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+      True
+    """
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            f"model={type(model).__name__}: expected an nnx.Module (a plain model, a "
+            "DistributedModel or one to_distributed returned)."
+        )
+    return {k: np.asarray(v) for k, v in logical_leaves(model, model).items()}

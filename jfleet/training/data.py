@@ -7,6 +7,13 @@ returns one; a Fleet script wraps its own loader in one for the run's placement
 (``Placement.from_fleet()``). :func:`peek` and :func:`batch_shape` read a loader's first
 batch for planning.
 
+With several processes each passes its own rows. :func:`local_rows` cuts them from a
+global batch (in one process it returns the batch as it is), so one script runs unchanged
+in one process and under ``python -m jfleet.launch --nproc_per_node 2``::
+
+    for batch in batches:                     # every process reads the same global batch
+        loss = model.train_batch(local_rows(batch), opt, loss_fn=loss_fn)
+
 Example:
   >>> import jax, numpy as np
   >>> from jfleet.mesh.placement import Placement
@@ -28,7 +35,7 @@ import numpy as np
 
 from jfleet.mesh.placement import Placement
 
-__all__ = ["ShardedLoader", "batch_shape", "peek"]
+__all__ = ["ShardedLoader", "batch_shape", "local_rows", "peek"]
 
 
 class ShardedLoader:
@@ -54,6 +61,15 @@ class ShardedLoader:
       TypeError: ``placement`` is not a ``Placement``.
       ValueError: (while iterating) a batch whose size the data-parallel size does not
         divide.
+
+    Example:
+      >>> import numpy as np
+      >>> from jfleet import fleet
+      >>> from jfleet.mesh.placement import Placement
+      >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+      >>> loader = ShardedLoader([{"x": np.ones((16, 4))}] * 2, Placement.from_fleet())
+      >>> [batch["x"].shape for batch in loader]
+      [(16, 4), (16, 4)]
     """
 
     def __init__(self, loader: Iterable[Any], placement: Placement, first: Any = None) -> None:
@@ -184,3 +200,39 @@ def _has_shape(x: Any) -> bool:
 def _shape(x: Any) -> tuple[int | None, ...]:
     shape = x.shape if _has_shape(x) else np.shape(x)
     return tuple(None if d is None or int(d) < 0 else int(d) for d in shape)
+
+
+def local_rows(batch: Any, placement: Placement | None = None) -> Any:
+    """This process's rows of a global batch: what it passes to ``train_batch`` or a loader.
+
+    In one process the batch comes back as it is. With several processes each keeps the
+    rows its devices hold on the data axes (``dp x sharding``), in order, so every process
+    can read the same global batch and the job trains on exactly that batch.
+
+    Args:
+      batch: a pytree of arrays (NumPy, JAX on the host), each with the global batch as its
+        leading dimension; 0-d leaves are kept whole.
+      placement: whose data axes split the batch (default: the run's,
+        ``Placement.from_fleet()``).
+
+    Returns:
+      The same structure with this process's rows of each leaf.
+
+    Example:
+      >>> import numpy as np
+      >>> local_rows({"x": np.arange(8)})["x"].shape  # one process: the whole batch
+      (8,)
+    """
+    if jax.process_count() == 1:
+        return batch
+    placement = Placement.from_fleet() if placement is None else placement
+
+    def one(x: Any) -> Any:
+        x = np.asarray(x)
+        if x.ndim == 0:
+            return x
+        held = placement.batch_sharding(x.ndim).addressable_devices_indices_map(x.shape)
+        spans = sorted({index[0].indices(x.shape[0])[:2] for index in held.values()})
+        return np.concatenate([x[start:stop] for start, stop in spans])
+
+    return jax.tree.map(one, batch)

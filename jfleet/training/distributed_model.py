@@ -52,6 +52,15 @@ class DistributedModel(nnx.Module):
 
     Calls go to the wrapped module. Inside your own ``@nnx.jit`` step pass the
     ``DistributedModel`` (or ``.module``) consistently with the optimizer.
+
+    Example:
+      >>> import optax
+      >>> from jfleet import fleet
+      >>> from jfleet.models import TinyLM, lm_batches, lm_loss
+      >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+      >>> model = fleet.distributed_model(TinyLM())
+      >>> isinstance(model, DistributedModel), type(model.module).__name__
+      (True, 'TinyLM')
     """
 
     def __init__(self, module: nnx.Module, placement: Placement) -> None:

@@ -168,6 +168,15 @@ class DistributedOptimizer(nnx.Optimizer):
         and the leaves of ``opt_state`` that differ between replicas (``replica_leaves``
         marks them: moments, accumulators) have a leading replica dimension; the model
         holds the parameters of the last average. Only the engine's steps train it.
+
+    Example:
+      >>> import optax
+      >>> from jfleet import fleet
+      >>> from jfleet.models import TinyLM, lm_batches, lm_loss
+      >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+      >>> opt = fleet.distributed_optimizer(optax.sgd(0.1))
+      >>> isinstance(opt, DistributedOptimizer), opt.applied_meta_list
+      (True, ())
     """
 
     def __init__(

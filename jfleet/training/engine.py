@@ -559,10 +559,33 @@ def make_train_step(
 
     Raises:
       ValueError: ``nonfinite`` is not one of the three modes.
+
+    Example:
+      >>> import optax
+      >>> from jfleet import fleet
+      >>> from jfleet.models import TinyLM, lm_batches, lm_loss
+      >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+      >>> from jfleet import make_train_step
+      >>> model = fleet.distributed_model(TinyLM())
+      >>> opt = fleet.distributed_optimizer(optax.sgd(0.1))
+      >>> step = make_train_step(lm_loss)
+      >>> float(step(model, opt, lm_batches(1)[0])) > 0
+      True
     """
     return TrainStep(loss_fn, placement, nonfinite)
 
 
 def make_eval_step(loss_fn: LossFn, *, placement: Placement | None = None) -> EvalStep:
-    """The engine's evaluation step ``step(model, batch) -> loss``."""
+    """The engine's evaluation step ``step(model, batch) -> loss``.
+
+    Example:
+      >>> import optax
+      >>> from jfleet import fleet
+      >>> from jfleet.models import TinyLM, lm_batches, lm_loss
+      >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+      >>> from jfleet import make_eval_step
+      >>> evaluate = make_eval_step(lm_loss)
+      >>> float(evaluate(fleet.distributed_model(TinyLM()), lm_batches(1)[0])) > 0
+      True
+    """
     return EvalStep(loss_fn, placement)

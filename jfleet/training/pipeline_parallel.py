@@ -302,7 +302,9 @@ def pipeline_model(model: Any, strategy: Any, placement: Placement) -> PipelineP
             f"pp_degree={pp} needs the model as a PipelineLayer, got "
             f"{type(model).__name__}: describe it as PipelineLayer([LayerDesc(Embedding, ...), "
             "LayerDesc(Block, ...), ..., LayerDesc(Head, ...)], loss_fn=...) (from "
-            "jfleet.fleet.meta_parallel), or set pp_degree=1."
+            "jfleet.fleet.meta_parallel); or keep the plain model and let "
+            "jfleet.to_distributed(model, optimizer, loader, config=ToDistributedConfig("
+            f"force_mesh={{'pp': {pp}, ...}})) pipeline its repeated blocks; or set pp_degree=1."
         )
     if model.num_stages != pp:
         raise ValueError(
