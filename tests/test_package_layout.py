@@ -205,7 +205,7 @@ def _jfleet_imports(path: Path) -> list[tuple[int, str]]:
 
 def test_jfleet_imports_its_modules_by_their_homes():
     """Inside the package, no import goes through an alias of an earlier release
-    (``jfleet.precision.amp``): aliases would hide the import from the layer check."""
+    (``jfleet.amp``): aliases would hide the import from the layer check."""
     missing = [
         f"{module}:{line} {name}"
         for module, path in MODULES.items()
@@ -340,14 +340,16 @@ def test_public_names_load_lazily_and_old_paths_alias_their_homes():
     code = (
         "import sys, jfleet\n"
         "assert 'jax' not in sys.modules\n"
-        "import jfleet.precision.amp, jfleet.precision.amp, jfleet.training.strategy\n"
-        "assert jfleet.precision.amp is jfleet.precision.amp\n"
-        "assert jfleet.precision.amp.__spec__.name == 'jfleet.precision.amp'\n"
-        "from jfleet.mesh.collective_perf import timing\n"
+        "import jfleet.amp, jfleet.precision.amp, jfleet.strategy\n"
+        "assert jfleet.amp is jfleet.precision.amp\n"
+        "assert jfleet.amp.__spec__.name == 'jfleet.precision.amp'\n"
+        "from jfleet.collective_perf import timing\n"
         "import jfleet.mesh.collective_perf.timing as t2\n"
         "assert timing is t2\n"
-        "assert jfleet.DistributedStrategy is jfleet.training.strategy.DistributedStrategy\n"
+        "assert jfleet.DistributedStrategy is jfleet.strategy.DistributedStrategy\n"
         "assert 'to_distributed' in dir(jfleet)\n"
+        "missing = [n for n in jfleet.__all__ if getattr(jfleet, n, None) is None]\n"
+        "assert not missing, missing\n"
         "try:\n    jfleet.no_such_name\nexcept AttributeError as e:\n    print('ERR', e)\n"
         "print('OK')"
     )
