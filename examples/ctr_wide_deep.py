@@ -32,10 +32,10 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from jfleet.topology import DATA_AXES
 from tqdm import tqdm
 
 from jfleet import fleet
-from jfleet.mesh.topology import DATA_AXES
 from jfleet.ps import CtrAccessor, SparseSGDRule, SparseTable, hash_ids
 
 SALT = np.uint64(0x5EED5EED5EED5EED)

@@ -51,14 +51,14 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
+from jfleet.role_maker import PaddleCloudRoleMaker, initialize_distributed
+from jfleet.topology import AXIS_NAMES, DP, SHARDING
 from tqdm import tqdm
 
 from jfleet import ToDistributedConfig, make_train_step, to_distributed
 from jfleet.auto_parallel import get_plan
-from jfleet.mesh.topology import AXIS_NAMES, DP, SHARDING
 from jfleet.models import lm_loss, stride_batches
 from jfleet.models.llama import TinyLlama
-from jfleet.runtime.role_maker import PaddleCloudRoleMaker, initialize_distributed
 
 VOCAB = 64
 AXES = AXIS_NAMES  # jfleet.topology's axis names, outermost first

@@ -31,11 +31,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import jax
 import optax
+from jfleet.data import local_rows
 
 import jfleet
 from jfleet import fleet
 from jfleet.models import TinyLM, lm_loss, stride_batches
-from jfleet.training.data import local_rows
 
 VOCAB = 64
 AMP_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}

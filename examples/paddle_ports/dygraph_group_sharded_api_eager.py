@@ -20,12 +20,12 @@ from flax import nnx
 from flax.nnx import Linear
 
 import jfleet.distributed as dist
+from jfleet import amp
 from jfleet.distributed.sharding import (
     group_sharded_parallel,
     save_group_sharded_model,
 )
 from jfleet.optim import clip_by_global_norm
-from jfleet.precision import amp
 
 epoch = 1  # PORT: 10 epochs of 20 steps take minutes on emulated CPU devices
 paddle_swap.seed(2022)

@@ -164,7 +164,7 @@ def local(x: Any) -> jax.Array:
     (``paddle.concat(gathered, axis=1)``) runs on the host's pieces (one process: the host
     is rank 0). This is ``jfleet.collective.local_value`` (Paddle's ``x._local_value()``).
     """
-    from jfleet.mesh.collective import local_value
+    from jfleet.collective import local_value
 
     return jnp.asarray(local_value(x))
 
