@@ -63,7 +63,8 @@ import jax
 jax.config.update("jax_num_cpu_devices", 4)
 import numpy as np
 from jfleet.mesh.collective import all_gather, all_reduce, barrier, broadcast_one_to_all
-from jfleet.runtime.role_maker import PaddleCloudRoleMaker, initialize_distributed
+from jfleet.runtime.role_maker import PaddleCloudRoleMaker
+from jfleet.runtime.startup import initialize_distributed
 
 rm = PaddleCloudRoleMaker()
 rank = rm.worker_index()

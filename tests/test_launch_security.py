@@ -229,7 +229,8 @@ JOB = """
 import os, psutil
 from jax.experimental import multihost_utils
 import numpy as np
-from jfleet.runtime.role_maker import PaddleCloudRoleMaker, initialize_distributed
+from jfleet.runtime.role_maker import PaddleCloudRoleMaker
+from jfleet.runtime.startup import initialize_distributed
 initialize_distributed(PaddleCloudRoleMaker(is_collective=True))
 import jax
 if jax.process_index() == 0:

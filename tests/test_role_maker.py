@@ -6,13 +6,8 @@ import time
 
 import pytest
 
-from jfleet.runtime.role_maker import (
-    PaddleCloudRoleMaker,
-    Role,
-    UserDefinedRoleMaker,
-    initialize_distributed,
-    not_connected_message,
-)
+from jfleet.runtime.role_maker import PaddleCloudRoleMaker, Role, UserDefinedRoleMaker
+from jfleet.runtime.startup import initialize_distributed, not_connected_message
 from tests.fleet_setup import clear_process_env
 from tests.subprocess_util import free_port
 
@@ -293,11 +288,11 @@ def fake_jax_init(env, monkeypatch):
     """jax.distributed.initialize and the watchdog replaced by recorders (no real job)."""
     import jax
 
-    from jfleet.runtime import role_maker, watchdog
+    from jfleet.runtime import startup, watchdog
 
     calls = {"init": [], "watchdog": []}
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
-    monkeypatch.setattr(role_maker, "_backend_started", lambda: False)
+    monkeypatch.setattr(startup, "_backend_started", lambda: False)
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls["init"].append(kw))
 
     def start(**kwargs):
@@ -355,7 +350,7 @@ def test_connect_deadline_prints_and_exits(monkeypatch, capsys):
     """Past the timeout the process says who is missing and exits (os._exit, faked)."""
     import threading
 
-    from jfleet.runtime import role_maker
+    from jfleet.runtime import startup
 
     exited = threading.Event()
     codes = []
@@ -364,14 +359,14 @@ def test_connect_deadline_prints_and_exits(monkeypatch, capsys):
         codes.append(code)
         exited.set()
 
-    monkeypatch.setattr(role_maker.os, "_exit", fake_exit)
+    monkeypatch.setattr(startup.os, "_exit", fake_exit)
     # A rank other than 0 probes the coordinator: nothing listens on this closed port.
-    role_maker._connect(
+    startup._connect(
         lambda: exited.wait(10), rank=1, num=2, coordinator=f"127.0.0.1:{free_port()}", timeout=1
     )
-    assert codes == [role_maker.NOT_CONNECTED_EXIT_CODE]
+    assert codes == [startup.NOT_CONNECTED_EXIT_CODE]
     assert "jfleet: rank 0 did not connect (nothing answers" in capsys.readouterr().err
     codes.clear()
-    role_maker._connect(lambda: None, rank=0, num=2, coordinator="127.0.0.1:1", timeout=1)
+    startup._connect(lambda: None, rank=0, num=2, coordinator="127.0.0.1:1", timeout=1)
     time.sleep(1.2)  # a connect that returned in time: the deadline never fires
     assert codes == []

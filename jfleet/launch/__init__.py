@@ -41,7 +41,7 @@ from jfleet.launch.auth import job_token
 from jfleet.launch.cluster import Scheduler, detect
 from jfleet.launch.controller import grace_seconds, run
 from jfleet.runtime.env import seconds
-from jfleet.runtime.role_maker import DEFAULT_INIT_TIMEOUT_S, INIT_TIMEOUT_ENV
+from jfleet.runtime.startup import DEFAULT_INIT_TIMEOUT_S, INIT_TIMEOUT_ENV
 
 __all__ = ["LaunchArgs", "launch", "main", "parse_args", "resolve"]
 

@@ -46,7 +46,7 @@ from jfleet.launch.rendezvous import Node, RendezvousClient, RendezvousServer
 from jfleet.launch.schema import MAX_TEXT
 from jfleet.launch.wire import HandshakeError
 from jfleet.runtime.env import seconds
-from jfleet.runtime.role_maker import DEFAULT_INIT_TIMEOUT_S, INIT_TIMEOUT_ENV
+from jfleet.runtime.startup import DEFAULT_INIT_TIMEOUT_S, INIT_TIMEOUT_ENV
 from jfleet.runtime.watchdog import ABORT_EXIT_CODE
 
 __all__ = ["GRACE_S", "TAIL_LINES", "exit_code_of", "grace_seconds", "run"]

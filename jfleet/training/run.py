@@ -27,7 +27,7 @@ from jfleet.mesh.hybrid_group import build_hybrid_communicate_group
 from jfleet.parallel.random import apply_tensor_init_seed
 from jfleet.runtime import consistency
 from jfleet.runtime.log import logger
-from jfleet.runtime.role_maker import initialize_distributed
+from jfleet.runtime.startup import initialize_distributed
 from jfleet.training.strategy import SPMD_NOOP_SETTINGS, DistributedStrategy
 
 

@@ -23,7 +23,8 @@ from jfleet.mesh.collective_perf.timing import OPS, WORLD, _check_op, _positive_
 from jfleet.mesh.hybrid_group import build_hybrid_communicate_group
 from jfleet.mesh.topology import AXIS_NAMES, DP, MP
 from jfleet.runtime.log import set_log_level
-from jfleet.runtime.role_maker import PaddleCloudRoleMaker, initialize_distributed
+from jfleet.runtime.role_maker import PaddleCloudRoleMaker
+from jfleet.runtime.startup import initialize_distributed
 
 __all__ = ["default_mesh", "main"]
 
