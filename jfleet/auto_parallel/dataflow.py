@@ -81,6 +81,8 @@ class Trace:
       lookups: 2-D parameters gathered from with indices computed from the inputs
         (embedding tables, ``nnx.Embed`` or a bare ``Param``).
       input_shapes: the traced inputs' shapes.
+      reads_inputs: projections contracted with the model's inputs themselves (float
+        features, not yet through any parameter): input projections, no pair's members.
     """
 
     paths: tuple[tuple, ...]
@@ -97,6 +99,7 @@ class Trace:
     cut: dict[int, str]
     lookups: frozenset[int]
     input_shapes: tuple[tuple[int, ...], ...]
+    reads_inputs: frozenset[int] = frozenset()
 
     def path(self, i: int) -> str:
         """Parameter ``i``'s dotted path."""
@@ -188,4 +191,5 @@ def trace_model(
         cut=dict(walk.cut),
         lookups=frozenset(walk.lookups),
         input_shapes=tuple(tuple(v.shape) for v in ivals),
+        reads_inputs=frozenset(walk.reads_inputs),
     )

@@ -24,6 +24,7 @@ from jfleet.topology import MP
 
 __all__ = [
     "COLUMN_ROLES",
+    "OPTIONAL_SPLIT_ROLES",
     "ROW_ROLES",
     "DotCost",
     "ModelDims",
@@ -36,6 +37,9 @@ __all__ = [
 COLUMN_ROLES = frozenset({"q", "k", "v", "qk", "kv", "qkv", "gate", "up", "gate_up"})
 #: Roles split on an input (contracted) dimension over ``mp``.
 ROW_ROLES = frozenset({"o", "down"})
+#: Roles kept whole where ``mp`` does not divide their units, rather than ruling the mesh out:
+#: grouped k / v heads, a small head (a 10-class classifier), an odd vocabulary.
+OPTIONAL_SPLIT_ROLES = frozenset({"k", "v", "kv", "head", "embedding"})
 
 
 def path_str(path: Sequence[Any]) -> str:
@@ -241,10 +245,12 @@ class ModelPatterns:
         )
 
     def split_dims(self) -> tuple[int, ...]:
-        """Every unit count a split needs ``mp`` to divide, outside the optional k / v splits."""
+        """Every unit count a split needs ``mp`` to divide, outside the optional splits
+        (:data:`OPTIONAL_SPLIT_ROLES`: k / v, the head, the token embedding, which stay whole
+        where ``mp`` cuts their units, the plan saying why)."""
         out = set()
         for p in self.params:
-            if p.split_dim is not None and p.role not in ("k", "v", "kv"):
+            if p.split_dim is not None and p.role not in OPTIONAL_SPLIT_ROLES:
                 out.add(p.units or p.shape[p.split_dim])
         return tuple(sorted(out))
 

@@ -165,26 +165,47 @@ def _is_norm(path: tuple, module: Any, params: dict) -> bool:
 
 
 # ------------------------------------------------------------------ embeddings, norms
-def find_embeddings(parts: Parts) -> None:
+def find_embeddings(parts: Parts, fed: frozenset = frozenset()) -> None:
     """The ``nnx.Embed`` tables: the token embedding (vocabulary parallel) and the others of
-    the model width (position / type embeddings, replicated); sets the width and vocab."""
+    its width (position / type embeddings, replicated); sets the width and vocab.
+
+    ``fed``: module paths of the tables the trace gathers from with indices computed from
+    the model's inputs (:attr:`~jfleet.auto_parallel.dataflow.Trace.lookups`). The token
+    embedding is one of them when there are any: a table indexed by positions made inside
+    the model (``arange``) or by relative-position buckets never is, whatever its shape.
+    Without a trace, or when several are fed, the tables' shapes and names decide.
+    """
     embeds = [(p, m) for p, m in parts.modules if isinstance(m, nnx.Embed)]
     if not embeds:
         return
-    feats = collections.Counter(m.features for _, m in embeds)
-    width = feats.most_common(1)[0][0]
-    same = [(p, m) for p, m in embeds if m.features == width]
-    heads_out = {d.n_out for d in parts.dense if d.n_in == width}
-    token = next(((p, m) for p, m in same if m.num_embeddings in heads_out and len(same) > 1), None)
-    if token is None:
-        named = [(p, m) for p, m in same if name_hint(str(p[-1]), _TOKEN_HINTS)]
-        token = named[0] if len(named) == 1 else max(same, key=lambda pm: pm[1].num_embeddings)
+    by_inputs = [(p, m) for p, m in embeds if p in fed]
+    if len(by_inputs) == 1:
+        token = by_inputs[0]
+        width = token[1].features
+        same = [(p, m) for p, m in embeds if m.features == width]
+    else:
+        candidates = by_inputs or embeds
+        feats = collections.Counter(m.features for _, m in candidates)
+        width = feats.most_common(1)[0][0]
+        same = [(p, m) for p, m in candidates if m.features == width]
+        token = _token_by_shape(parts, same, width)
     parts.width, parts.token, parts.vocab = width, token, token[1].num_embeddings
     for p, _ in same:
         if p == token[0]:
             parts.roles[(*p, "embedding")] = ("embedding", "table", 0, parts.vocab)
         else:
             parts.roles[(*p, "embedding")] = ("position_embedding", "table", None, 0)
+
+
+def _token_by_shape(parts: Parts, same: list, width: int) -> tuple:
+    """Among tables of the model width: the one whose vocabulary a dense layer produces,
+    else the one named like a token table, else the largest."""
+    heads_out = {d.n_out for d in parts.dense if d.n_in == width}
+    token = next(((p, m) for p, m in same if m.num_embeddings in heads_out and len(same) > 1), None)
+    if token is None:
+        named = [(p, m) for p, m in same if name_hint(str(p[-1]), _TOKEN_HINTS)]
+        token = named[0] if len(named) == 1 else max(same, key=lambda pm: pm[1].num_embeddings)
+    return token
 
 
 def find_norms(parts: Parts) -> None:

@@ -140,7 +140,7 @@ def trace_step(
         raise ValueError(
             "match_patterns got forward= but no inputs; pass the batch forward is called with."
         )
-    if parts.token is None:
+    if not any(isinstance(m, nnx.Embed) for _, m in parts.modules):
         parts.notes.append(
             "the model was not traced (no input given and no token embedding to make one); "
             "pass the first batch (to_distributed does) to find its projections"
@@ -152,6 +152,13 @@ def trace_step(
     except TraceError as err:
         parts.notes.append(f"the model was not traced on token ids {list(_DEFAULT_TOKENS)}: {err}")
         return None, None
+
+
+def _fed_tables(trace: Trace | None) -> frozenset:
+    """Module paths of the tables gathered from with indices computed from the inputs."""
+    if trace is None:
+        return frozenset()
+    return frozenset(trace.paths[i][:-1] for i in trace.lookups)
 
 
 # ------------------------------------------------------------------ step 2: projections
@@ -183,6 +190,7 @@ def find_pairs(trace: Trace | None, parts: Parts, blocks: Blocks) -> list[Pair]:
         i
         for i, path in enumerate(trace.paths)
         if parts.roles.get(path, ("",))[0] in ("embedding", "position_embedding")
+        or i in trace.reads_inputs
         or (
             vocab
             and blocks.of(path) is None
@@ -209,7 +217,8 @@ class PairRoles:
 def _attention_dims(trace: Trace, group: Pair, found: dict, split: dict, row_units: int):
     q_dim = contracted_size(trace, group.row)
     heads = max([row_units, *(h for h in trace.heads if q_dim % h == 0)])
-    kv = min(split[p][1] for p in group.producers if found[p] in ("k", "v", "kv", "qkv"))
+    kv_units = [split[p][1] for p in group.producers if found[p] in ("k", "v", "kv", "qkv")]
+    kv = min(kv_units) if kv_units else heads  # k / v not found: count no grouping
     return {
         "heads": heads,
         "kv_heads": kv if heads % kv == 0 else heads,
@@ -282,6 +291,11 @@ def _reason(i: int, trace: Trace | None, projections: set[int]) -> str:
         return "not traced"
     if i not in projections:
         return "not used as a projection (a dot_general / einsum operand) in the traced forward"
+    if i in trace.reads_inputs:
+        return (
+            "it projects the model's inputs themselves (an input projection): no pair is "
+            "split through it"
+        )
     if i in trace.cut:
         return (
             f"its output dimension is cut ({trace.cut[i]}) before it reaches another "
@@ -328,6 +342,26 @@ def param_infos(
 
 
 # ------------------------------------------------------------------ entry point
+def _read_trace(
+    trace: Trace | None, parts: Parts, blocks: Blocks
+) -> tuple[Trace | None, set[int], PairRoles]:
+    """projections -> pairs -> roles. A traced form these steps cannot read leaves the model
+    as the module tree showed it (its projections replicated) with a note naming the error,
+    never an exception out of the matcher."""
+    before = (dict(parts.roles), parts.token, parts.vocab, parts.width)
+    try:
+        projections = find_projections(trace, parts, blocks)
+        return trace, projections, name_roles(trace, find_pairs(trace, parts, blocks), parts)
+    except Exception as err:  # any internal failure becomes a named reason
+        parts.roles, parts.token, parts.vocab, parts.width = before
+        parts.notes.append(
+            f"the traced computation could not be read ({type(err).__name__}: {err}); its "
+            "projections stay replicated (data parallel). Please report the model's form."
+        )
+        logger.warning("match_patterns: %s", parts.notes[-1])
+        return None, set(), PairRoles()
+
+
 def match_patterns(
     model: nnx.Module,
     inputs: Any = None,
@@ -359,15 +393,13 @@ def match_patterns(
       ('fused', 'gelu', True, P('mp',))
     """
     parts = read_parts(model)
-    find_embeddings(parts)
-    find_norms(parts)
     trace, traced_tokens = trace_step(model, inputs, forward, parts)
+    find_embeddings(parts, _fed_tables(trace))
+    find_norms(parts)
     blocks = find_blocks(parts)
-    projections = find_projections(trace, parts, blocks)
-    groups = find_pairs(trace, parts, blocks)
-    found_roles = name_roles(trace, groups, parts)
+    read, projections, found_roles = _read_trace(trace, parts, blocks)
     tied = find_head(parts, blocks, bool(found_roles.attention or found_roles.mlp))
-    infos, replicated = param_infos(parts, blocks, trace, projections)
+    infos, replicated = param_infos(parts, blocks, read, projections)
     found = ModelPatterns(
         params=infos,
         dims=ModelDims(

@@ -185,6 +185,7 @@ class Walk:
         self.gates: list[tuple[frozenset, bool, frozenset, bool]] = []
         self.heads: list[int] = []
         self.lookups: set[int] = set()
+        self.reads_inputs: set[int] = set()  # projections of the inputs themselves
         self.cut: dict[int, str] = {}
 
     # ------------------------------------------------------------ helpers
@@ -330,8 +331,30 @@ class Walk:
             view = tuple(None if i in changed else a.view[i] for i in keep)
         return self._like([a], tags, bcast, view)
 
+    def _written(self, eqn: Any, args: list[Val]) -> Val:
+        """dynamic_update_slice / scatter: an update written into an operand (a KV cache).
+
+        The result keeps the operand's tags, and the update's on every dimension it spans
+        whole (the heads of keys written at a sequence position), so projections written
+        into a cache and read back keep their pairs.
+        """
+        name = eqn.primitive.name
+        operand, update = args[0], args[2 if name.startswith("scatter") else 1]
+        dst = _shape(eqn.outvars[0])
+        usrc = _shape(eqn.invars[2 if name.startswith("scatter") else 1])
+        if len(usrc) != len(dst):
+            return self._generic(args, eqn.outvars)[0]
+        tags = [
+            operand.tags[d] | (update.tags[d] if usrc[d] == dst[d] else EMPTY)
+            for d in range(len(dst))
+        ]
+        bcast = [operand.bcast[d] and update.bcast[d] for d in range(len(dst))]
+        return self._like([operand, update], tags, bcast)
+
     def _resized(self, eqn: Any, args: list[Val]) -> list[Val]:
         """slice, pad, concatenate, dynamic_slice, ...: dims whose size changes lose tags."""
+        if eqn.primitive.name == "dynamic_update_slice":
+            return [self._written(eqn, args)]
         out = []
         a = args[0]
         src = _shape(eqn.invars[0])
@@ -400,6 +423,8 @@ class Walk:
             w_tags = [frozenset({wv.view[i]}) if wv.view[i] is not None else EMPTY for i in wfree]
             tags = batch_tags + (w_tags + a_tags if pside == "l" else a_tags + w_tags)
             last = frozenset({param}) if param is not None else av.last
+            if param is not None and av.act and not av.grad:
+                self.reads_inputs.add(param)
             self.dots.append(Dot(flops, param, frozenset(splits), grads, last))
             n = len(out_shape)
             return Val(
@@ -492,6 +517,8 @@ class Walk:
         if name in _CUMULATIVE:
             axis = p["axis"]
             return [self._drop(ins[0], range(len(ins[0].tags)), frozenset({axis}))]
+        if name in ("scatter", "scatter-add", "scatter_add") and len(ins) >= 3:
+            return [self._written(eqn, ins)]
         if name in ("slice", "pad", "dynamic_slice", "dynamic_update_slice", "concatenate"):
             return self._resized(eqn, ins)
         if name == "split":

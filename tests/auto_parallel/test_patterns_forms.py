@@ -1,0 +1,76 @@
+"""The matcher on forms public code writes (issue 27): KV caches written in the training call,
+the token embedding found by dataflow (never by shape), forms that used to crash it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jfleet.auto_parallel.patterns import match_patterns
+from jfleet.testing.nnx_styles import LlamaCacheTransformer, ModelArgs
+from tests.auto_parallel.random_forms import Form, FormModel
+
+COL, ROW = P(None, "mp"), P("mp", None)
+
+
+def _cache_forward(model, batch):
+    """A fresh cache every step, written with a dynamic update and read back."""
+    logits, _ = model(batch["tokens"], cache=model.init_cache(batch["tokens"].shape[0]))
+    return logits
+
+
+def test_projections_written_into_a_kv_cache_keep_their_roles():
+    model = nnx.eval_shape(lambda: LlamaCacheTransformer(ModelArgs(), rngs=nnx.Rngs(0)))
+    batch = {"tokens": jax.ShapeDtypeStruct((2, 8), jnp.int32)}
+    found = match_patterns(model, batch, forward=_cache_forward)
+    roles = {p.path: (p.role, p.spec) for p in found.params if p.block == 1}
+    assert roles["layers.1.attention.wq.kernel"] == ("q", COL)
+    assert roles["layers.1.attention.wk.kernel"] == ("k", COL)
+    assert roles["layers.1.attention.wv.kernel"] == ("v", COL)
+    assert roles["layers.1.attention.wo.kernel"] == ("o", ROW)
+    assert (found.dims.heads, found.dims.kv_heads) == (4, ModelArgs().n_kv_heads or 4)
+
+
+@pytest.mark.parametrize("cache", ["update_slice", "scatter"])
+def test_a_cache_update_or_scatter_keeps_k_and_v(cache):
+    form = Form("separate", 2, cache, False, "none", "gelu", "tuple", "rms", "embed", "separate", 2)
+    model = nnx.eval_shape(lambda: FormModel(form, nnx.Rngs(0)))
+    found = match_patterns(model, model.inputs())
+    assert {found.role(f"blocks.0.attn.{n}.kernel") for n in "qkvo"} == {"q", "k", "v", "o"}
+    assert found.dims.kv_heads == 2 and not found.replicated_in_blocks
+
+
+class LearnedPositions(nnx.Module):
+    """A learned position table as wide as it is long (max_len == width == 16)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.pos = nnx.Embed(16, 16, rngs=rngs)  # listed first, and square
+        self.tokens = nnx.Embed(50, 16, rngs=rngs)
+        self.q = nnx.Linear(16, 16, rngs=rngs)  # a dense 16 -> 16, as the table's rows
+        self.o = nnx.Linear(16, 16, rngs=rngs)
+        self.head = nnx.Linear(16, 50, rngs=rngs)
+
+    def __call__(self, ids):
+        x = self.tokens(ids) + self.pos(jnp.arange(ids.shape[1]))
+        return self.head(x + self.o(nnx.relu(self.q(x))))
+
+
+def test_the_token_embedding_is_the_table_the_inputs_index_not_a_square_position_table():
+    found = match_patterns(LearnedPositions(nnx.Rngs(0)), jnp.zeros((2, 8), jnp.int32))
+    assert found.role("tokens.embedding") == "embedding"
+    assert found.role("pos.embedding") == "position_embedding"
+    assert (found.dims.vocab, found.dims.width, found.tied_head) == (50, 16, False)
+    assert found.role("head.kernel") == "head"
+
+
+def test_the_nanogpt_style_head_is_found_although_its_position_table_is_square():
+    from jfleet.testing.nnx_styles import STYLES
+
+    style = STYLES["dropout"]  # wpe is MAX_SEQ x width = 32 x 32
+    model = nnx.eval_shape(lambda: style.build(nnx.Rngs(0)))
+    found = match_patterns(model, jnp.zeros((2, 8), jnp.int32))
+    assert found.role("transformer.wte.embedding") == "embedding"
+    assert found.role("lm_head.kernel") == "head" and found.dims.vocab == 64
