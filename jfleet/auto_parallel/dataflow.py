@@ -83,6 +83,9 @@ class Trace:
       input_shapes: the traced inputs' shapes.
       reads_inputs: projections contracted with the model's inputs themselves (float
         features, not yet through any parameter): input projections, no pair's members.
+      activations: ``{projection: primitive}``: the first nonlinearity (``erf``,
+        ``logistic``, ``max``, ...) its input went through since the previous projection.
+      input_dtypes: the traced inputs' dtypes.
     """
 
     paths: tuple[tuple, ...]
@@ -100,6 +103,8 @@ class Trace:
     lookups: frozenset[int]
     input_shapes: tuple[tuple[int, ...], ...]
     reads_inputs: frozenset[int] = frozenset()
+    activations: dict[int, str] = dataclasses.field(default_factory=dict)
+    input_dtypes: tuple[str, ...] = ()
 
     def path(self, i: int) -> str:
         """Parameter ``i``'s dotted path."""
@@ -192,4 +197,6 @@ def trace_model(
         lookups=frozenset(walk.lookups),
         input_shapes=tuple(tuple(v.shape) for v in ivals),
         reads_inputs=frozenset(walk.reads_inputs),
+        activations=dict(walk.activations),
+        input_dtypes=tuple(str(v.dtype) for v in ivals),
     )

@@ -184,6 +184,8 @@ class ModelPatterns:
       traced_tokens: ``(batch, seq)`` of the traced input (``dots``' FLOPs are for it).
       replicated_in_blocks: ``(path, reason)`` of every decoder-block parameter left
         replicated that is not a norm or a row's bias.
+      activation: the MLP's activation as traced (``gelu``, ``silu``, ``relu``), or None.
+      inputs: ``(shape, dtype)`` of each traced input array.
       block_period: the blocks repeat every this many (1: all alike, static settings
         included; 2: alternating local / global attention, ...); None when they do not
         repeat (:func:`jfleet.parallel.stack.block_period`). A pipeline stacks super-blocks
@@ -204,6 +206,30 @@ class ModelPatterns:
     traced_tokens: tuple[int, int] | None = None
     replicated_in_blocks: tuple[tuple[str, str], ...] = ()
     block_period: int | None = 1
+    activation: str | None = None
+    inputs: tuple[tuple[tuple[int, ...], str], ...] = ()
+
+    @property
+    def input_kind(self) -> str:
+        """What the model reads, from its traced inputs: ``tokens`` (integer ids),
+        ``images`` (a float ``[batch, height, width, channels]``) or ``features``."""
+        arrays = [(shape, dtype) for shape, dtype in self.inputs if shape]
+        if not arrays or "int" in arrays[0][1]:
+            return "tokens"
+        return "images" if len(arrays[0][0]) == 4 else "features"
+
+    def workload(self, batch_size: int, seq_len: int) -> str:
+        """The workload in the words of :attr:`input_kind`: ``batch 16 x seq 8`` for tokens,
+        ``images 32 x 28x28x1``, ``features 8 x 6x5``.
+
+        >>> ModelPatterns(params=(), dims=ModelDims(), inputs=(((2, 28, 28, 1), "float32"),)
+        ...               ).workload(32, 28)
+        'images 32 x 28x28x1'
+        """
+        if self.input_kind == "tokens":
+            return f"batch {batch_size} x seq {seq_len}"
+        shape = next(shape for shape, _ in self.inputs if shape)
+        return f"{self.input_kind} {batch_size} x " + "x".join(str(n) for n in shape[1:])
 
     @property
     def unmatched(self) -> tuple[str, ...]:
@@ -263,8 +289,22 @@ class ModelPatterns:
             f"attention {self.attention} ({d.heads} heads, {d.kv_heads} kv heads)"
             if self.attention
             else "no attention",
-            f"mlp {self.mlp} (hidden {d.hidden})" if self.mlp else "no mlp",
+            f"mlp {self._mlp_kind} (hidden {d.hidden})" if self.mlp else "no mlp",
             f"{len(self.blocks)} x {self.block_class}" if self.blocks else "no repeated blocks",
-            {True: "tied head", False: "separate head", None: "no head"}[self.tied_head],
+            self._head_text(),
         ]
+        if self.input_kind != "tokens":
+            parts[1] = f"reads {self.input_kind}"
         return ", ".join(parts)
+
+    @property
+    def _mlp_kind(self) -> str | None:
+        if self.mlp == "gelu" and self.activation:
+            return self.activation  # one up projection: named by its traced activation
+        return self.mlp
+
+    def _head_text(self) -> str:
+        if self.tied_head is not None:
+            return "tied head" if self.tied_head else "separate head"
+        head = [p for p in self.params if p.role == "head" and p.kind == "kernel"]
+        return f"head of {head[0].shape[-1]} outputs" if head else "no head"

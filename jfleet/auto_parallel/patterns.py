@@ -119,6 +119,8 @@ __all__ = [
 #: Token ids a model with an embedding is traced on when no input is given.
 _DEFAULT_TOKENS = (2, 8)
 _ATTENTION_ROLES = frozenset({"q", "k", "v", "qk", "kv", "qkv", "o"})
+#: The MLP activation named by the first nonlinear primitive its hidden features took.
+_ACTIVATIONS = {"erf": "gelu", "erfc": "gelu", "tanh": "gelu", "logistic": "silu", "max": "relu"}
 
 
 # ------------------------------------------------------------------ step 1: trace
@@ -152,6 +154,12 @@ def trace_step(
     except TraceError as err:
         parts.notes.append(f"the model was not traced on token ids {list(_DEFAULT_TOKENS)}: {err}")
         return None, None
+
+
+def _inputs_of(trace: Trace | None) -> tuple[tuple[tuple[int, ...], str], ...]:
+    if trace is None:
+        return ()
+    return tuple(zip(trace.input_shapes, trace.input_dtypes, strict=True))
 
 
 def _fed_tables(trace: Trace | None) -> frozenset:
@@ -209,6 +217,7 @@ class PairRoles:
     attention: str | None = None
     mlp: str | None = None
     attention_bias: bool = False
+    activation: str | None = None
     dims: dict[str, int] = dataclasses.field(
         default_factory=lambda: {"heads": 0, "kv_heads": 0, "head_dim": 0, "hidden": 0}
     )
@@ -250,6 +259,7 @@ def name_roles(trace: Trace | None, groups: list[Pair], parts: Parts) -> PairRol
             out.dims.update(_attention_dims(trace, group, found, split, row_units))
         elif not group.attention and out.mlp is None:
             out.mlp = "swiglu" if {"gate", "gate_up"} & set(found.values()) else "gelu"
+            out.activation = _ACTIVATIONS.get(trace.activations.get(group.row, ""))
             out.dims["hidden"] = contracted_size(trace, group.row)
     for i, role in named.items():
         dim, units = split[i]
@@ -412,6 +422,8 @@ def match_patterns(
         norm=parts.norm,
         tied_head=tied,
         has_attention_bias=found_roles.attention_bias,
+        activation=found_roles.activation,
+        inputs=_inputs_of(trace),
         notes=tuple(parts.notes),
         dots=dot_costs(trace, blocks),
         traced_tokens=traced_tokens,

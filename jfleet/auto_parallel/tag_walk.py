@@ -85,7 +85,7 @@ class Val:
     grad: bool = False  # depends on a parameter
     last: frozenset = frozenset()
     score: bool = False  # an attention score / probability
-    nonlin: bool = False  # through a nonlinearity since the last projection
+    nonlin: str = ""  # the first nonlinearity since the last projection ("": none)
 
 
 EMPTY: frozenset = frozenset()
@@ -186,6 +186,7 @@ class Walk:
         self.heads: list[int] = []
         self.lookups: set[int] = set()
         self.reads_inputs: set[int] = set()  # projections of the inputs themselves
+        self.activations: dict[int, str] = {}  # the nonlinearity each projection's input took
         self.cut: dict[int, str] = {}
 
     # ------------------------------------------------------------ helpers
@@ -215,7 +216,7 @@ class Walk:
             "grad": any(a.grad for a in args),
             "last": frozenset().union(*(a.last for a in args)) if args else EMPTY,
             "score": any(a.score for a in args),
-            "nonlin": any(a.nonlin for a in args),
+            "nonlin": next((a.nonlin for a in args if a.nonlin), ""),
         }
         base.update(kw)
         return Val(tags=tuple(tags), bcast=tuple(bcast), view=view, **base)
@@ -233,8 +234,10 @@ class Walk:
             full = [(a, s) for a, s in arrays if s[d] == out_shape[d] and not a.bcast[d]]
             bcast.append(not full)
             sets = [a.tags[d] for a, _ in full if a.view is None]
-            if name in _ADDS and len([a for a, _ in acts if not a.bcast[d]]) > 1:
-                distinct = {a.tags[d] for a, s in acts if s[d] == out_shape[d] and not a.bcast[d]}
+            # a residual sum of two activations ends tags; a bias made of parameters does not
+            inputs = [(a, s) for a, s in acts if a.act]
+            if name in _ADDS and len([a for a, _ in inputs if not a.bcast[d]]) > 1:
+                distinct = {a.tags[d] for a, s in inputs if s[d] == out_shape[d] and not a.bcast[d]}
                 tags.append(next(iter(distinct)) if len(distinct) == 1 else EMPTY)
             else:
                 tags.append(frozenset().union(*sets) if sets else EMPTY)
@@ -250,11 +253,12 @@ class Walk:
                 d for d in range(n) if a.tags[d] and b.tags[d] and not (a.bcast[d] or b.bcast[d])
             ]
             if shared and not (a.score or b.score):
-                self.gates.append((a.last, a.nonlin, b.last, b.nonlin))
+                self.gates.append((a.last, bool(a.nonlin), b.last, bool(b.nonlin)))
         view = None
         if name in ("convert_element_type", "copy", "copy_p", "reduce_precision"):
             view = args[0].view
-        nonlin = name in _NONLINEAR or any(a.nonlin for a in args)
+        nonlin = next((a.nonlin for a in args if a.nonlin), "")
+        nonlin = nonlin or (name if name in _NONLINEAR else "")
         return self._like(args, tags, bcast, view, nonlin=nonlin)
 
     def _reshape(self, eqn: Any, a: Val) -> Val:
@@ -351,6 +355,31 @@ class Walk:
         bcast = [operand.bcast[d] and update.bcast[d] for d in range(len(dst))]
         return self._like([operand, update], tags, bcast)
 
+    def _table_rows(self, eqn: Any, table: Val) -> Val:
+        """Rows of a 2-D table picked by indices made inside the model (relative-position
+        buckets, ``arange`` positions): a view of the table's columns, so a bias built from
+        it (``[buckets, heads]`` added to attention scores) is split with the heads."""
+        out = _shape(eqn.outvars[0])
+        n = len(out)
+        whole = bool(out) and out[-1] == _shape(eqn.invars[0])[1]
+        view = (None,) * (n - 1) + (table.view[1],) if whole else None
+        return Val(tags=(EMPTY,) * n, bcast=(False,) * n, view=view, grad=True)
+
+    @staticmethod
+    def _strided(eqn: Any, src: Sequence[int], dst: Sequence[int]) -> frozenset:
+        """Dims a ``slice`` reads every ``k``-th element of, from one of the first ``k``
+        (``h[..., ::2]``, ``h[..., 1::2]``: interleaved gate / up, strided q / k / v). A
+        contiguous split of such a dim into units of ``k`` keeps every slice whole on one
+        rank, so its tags carry on, ``dst`` units."""
+        if eqn.primitive.name != "slice" or not eqn.params.get("strides"):
+            return frozenset()
+        start, strides = eqn.params["start_indices"], eqn.params["strides"]
+        return frozenset(
+            d
+            for d, k in enumerate(strides)
+            if k > 1 and start[d] < k and src[d] % k == 0 and dst[d] == src[d] // k
+        )
+
     def _resized(self, eqn: Any, args: list[Val]) -> list[Val]:
         """slice, pad, concatenate, dynamic_slice, ...: dims whose size changes lose tags."""
         if eqn.primitive.name == "dynamic_update_slice":
@@ -376,8 +405,12 @@ class Walk:
                 bcast = [all(b.bcast[d] for b in args) for d in range(len(dst))]
                 out.append(self._like(args, tags, bcast))
                 continue
-            val = self._drop(a, range(len(src)), changed, eqn.primitive.name)
-            out.append(self._like(args, val.tags, val.bcast, val.view))
+            strided = self._strided(eqn, src, dst) & changed
+            val = self._drop(a, range(len(src)), changed - strided, eqn.primitive.name)
+            tags = [
+                _retag(a.tags[d], dst[d]) if d in strided else val.tags[d] for d in range(len(dst))
+            ]
+            out.append(self._like(args, tags, val.bcast, val.view if not strided else None))
         return out
 
     # ------------------------------------------------------------ products
@@ -425,6 +458,8 @@ class Walk:
             last = frozenset({param}) if param is not None else av.last
             if param is not None and av.act and not av.grad:
                 self.reads_inputs.add(param)
+            if param is not None and av.nonlin:
+                self.activations.setdefault(param, av.nonlin)
             self.dots.append(Dot(flops, param, frozenset(splits), grads, last))
             n = len(out_shape)
             return Val(
@@ -509,6 +544,8 @@ class Walk:
                 owners = {t.param for t in table.view if t is not None}
                 if len(owners) == 1:
                     self.lookups.add(owners.pop())
+            elif table.view is not None and not indices.act and len(table.view) == 2:
+                return [self._table_rows(eqn, table)]
         if name in _REDUCTIONS:
             axes = set(p["axes"])
             keep = [i for i in range(len(ins[0].tags)) if i not in axes]

@@ -74,3 +74,48 @@ def test_the_nanogpt_style_head_is_found_although_its_position_table_is_square()
     found = match_patterns(model, jnp.zeros((2, 8), jnp.int32))
     assert found.role("transformer.wte.embedding") == "embedding"
     assert found.role("lm_head.kernel") == "head" and found.dims.vocab == 64
+
+
+def _form(**kw):
+    base = dict(
+        attn="separate", kv_heads=2, cache="none", bias=True, score_bias="none", mlp="gelu",
+        ret="array", norm="rms", inputs="embed", head="separate", layers=2,
+    )  # fmt: skip
+    form = Form(**{**base, **kw})
+    model = nnx.eval_shape(lambda: FormModel(form, nnx.Rngs(0)))
+    return model, match_patterns(model, model.inputs(8))
+
+
+def test_an_interleaved_gate_up_kernel_splits_contiguously_with_its_down_projection():
+    _, found = _form(mlp="fused_strided")  # gate, up = h[..., ::2], h[..., 1::2]
+    fused = "blocks.0.mlp.gate_up.kernel"
+    assert (found.role(fused), found.spec(fused)) == ("gate_up", COL)
+    assert found.role("blocks.0.mlp.down.kernel") == "down" and found.mlp == "swiglu"
+
+
+def test_a_strided_qkv_kernel_splits_by_heads():
+    _, found = _form(attn="fused_strided")  # q, k, v = h[..., 0::3], h[..., 1::3], ...
+    info = {p.path: p for p in found.params}["blocks.1.attn.qkv.kernel"]
+    assert (info.role, info.split_dim, info.units) == ("qkv", 1, 4)
+    assert found.attention == "fused"
+
+
+@pytest.mark.parametrize("score_bias", ["relative", "sinks"])
+def test_an_attention_bias_table_joins_the_heads_split(score_bias):
+    _, found = _form(score_bias=score_bias)
+    assert {found.role(f"blocks.0.attn.{n}.kernel") for n in "qkvo"} == {"q", "k", "v", "o"}
+    table = "rel.embedding" if score_bias == "relative" else "sinks"
+    info = {p.path: p for p in found.params}[f"blocks.0.attn.{table}"]
+    assert (info.split_dim, info.units) == (info.shape.index(4), 4)  # by the 4 query heads
+
+
+def test_a_small_head_stays_whole_at_mp4_with_its_reason_in_the_plan():
+    from jfleet.auto_parallel.planner import plan_for
+
+    model, found = _form(inputs="features", head="small", kv_heads=4)  # a 16 x 10 classifier
+    assert found.role("head.kernel") == "head" and 10 not in found.split_dims()
+    mesh = {"dp": 2, "mp": 4}
+    plan = plan_for(model, device_num=8, batch_size=8, seq_len=6, force_mesh=mesh, patterns=found)
+    head = {p.path: p for p in plan.params}["head.kernel"]
+    assert head.spec == P() and "mp=4 does not divide its 10" in head.replicated_why
+    assert plan.spec("blocks.0.attn.q.kernel") == COL
