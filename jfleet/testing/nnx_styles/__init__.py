@@ -14,6 +14,10 @@ copied) and a hand-written table of the dimension a Megatron layout splits in ea
 * ``gemma_alternating``: Gemma 2/3 (local and global blocks of one class).
 * ``dropout``: nanoGPT / minGPT (``nnx.Dict`` of ``wte``/``wpe``/``h``, ``nnx.Dropout``).
 
+:data:`FORMS` (:mod:`.forms`, models in :mod:`.beyond_lm`): a ViT, the MNIST CNN, a T5-style
+encoder-decoder, a Mixture-of-Experts decoder and the Llama reference trained through a KV
+cache: the forms of issue 27, with image or token batches.
+
 The models live in :mod:`.flax_tutorials`, :mod:`.gemma` and :mod:`.ports`; :mod:`.registry`
 holds :data:`STYLES`. Every name stays importable from ``jfleet.testing.nnx_styles``.
 
@@ -26,110 +30,94 @@ Example:
 
 from __future__ import annotations
 
-from jfleet.testing.nnx_styles._shared import MAX_SEQ as MAX_SEQ
-from jfleet.testing.nnx_styles.flax_tutorials import (
-    DenseGeneralAttention as DenseGeneralAttention,
+from jfleet.testing.nnx_styles._shared import (
+    MAX_SEQ,
 )
 from jfleet.testing.nnx_styles.flax_tutorials import (
-    DenseGeneralLayer as DenseGeneralLayer,
+    DenseGeneralAttention,
+    DenseGeneralLayer,
+    DenseGeneralLM,
+    DenseGeneralMlp,
+    MiniGPT,
+    MiniGPTBlock,
+    QkvEinsumBlock,
+    QkvEinsumLM,
+    TokenAndPositionEmbedding,
 )
-from jfleet.testing.nnx_styles.flax_tutorials import (
-    DenseGeneralLM as DenseGeneralLM,
-)
-from jfleet.testing.nnx_styles.flax_tutorials import (
-    DenseGeneralMlp as DenseGeneralMlp,
-)
-from jfleet.testing.nnx_styles.flax_tutorials import (
-    MiniGPT as MiniGPT,
-)
-from jfleet.testing.nnx_styles.flax_tutorials import (
-    MiniGPTBlock as MiniGPTBlock,
-)
-from jfleet.testing.nnx_styles.flax_tutorials import (
-    QkvEinsumBlock as QkvEinsumBlock,
-)
-from jfleet.testing.nnx_styles.flax_tutorials import (
-    QkvEinsumLM as QkvEinsumLM,
-)
-from jfleet.testing.nnx_styles.flax_tutorials import (
-    TokenAndPositionEmbedding as TokenAndPositionEmbedding,
+from jfleet.testing.nnx_styles.forms import (
+    FORMS,
 )
 from jfleet.testing.nnx_styles.gemma import (
-    Gemma3Block as Gemma3Block,
-)
-from jfleet.testing.nnx_styles.gemma import (
-    Gemma3FeedForward as Gemma3FeedForward,
-)
-from jfleet.testing.nnx_styles.gemma import (
-    Gemma3LM as Gemma3LM,
-)
-from jfleet.testing.nnx_styles.gemma import (
-    GemmaAttention as GemmaAttention,
-)
-from jfleet.testing.nnx_styles.gemma import (
-    GemmaBlock as GemmaBlock,
-)
-from jfleet.testing.nnx_styles.gemma import (
-    GemmaConfig as GemmaConfig,
-)
-from jfleet.testing.nnx_styles.gemma import (
-    GemmaEmbedder as GemmaEmbedder,
-)
-from jfleet.testing.nnx_styles.gemma import (
-    GemmaFeedForward as GemmaFeedForward,
-)
-from jfleet.testing.nnx_styles.gemma import (
-    GemmaLM as GemmaLM,
+    Gemma3Block,
+    Gemma3FeedForward,
+    Gemma3LM,
+    GemmaAttention,
+    GemmaBlock,
+    GemmaConfig,
+    GemmaEmbedder,
+    GemmaFeedForward,
+    GemmaLM,
 )
 from jfleet.testing.nnx_styles.ports import (
-    GPT as GPT,
+    GPT,
+    MLP,
+    Block,
+    CausalSelfAttention,
+    LlamaCacheAttention,
+    LlamaCacheBlock,
+    LlamaCacheTransformer,
+    LlamaFeedForward,
+    ModelArgs,
+    Qwen3Attention,
+    Qwen3Config,
+    Qwen3DecoderLayer,
+    Qwen3ForCausalLM,
+    Qwen3MLP,
+    Qwen3Model,
+    llama_forward,
 )
-from jfleet.testing.nnx_styles.ports import (
-    MLP as MLP,
+from jfleet.testing.nnx_styles.registry import (
+    STYLES,
+    Style,
 )
-from jfleet.testing.nnx_styles.ports import (
-    Block as Block,
-)
-from jfleet.testing.nnx_styles.ports import (
-    CausalSelfAttention as CausalSelfAttention,
-)
-from jfleet.testing.nnx_styles.ports import (
-    LlamaCacheAttention as LlamaCacheAttention,
-)
-from jfleet.testing.nnx_styles.ports import (
-    LlamaCacheBlock as LlamaCacheBlock,
-)
-from jfleet.testing.nnx_styles.ports import (
-    LlamaCacheTransformer as LlamaCacheTransformer,
-)
-from jfleet.testing.nnx_styles.ports import (
-    LlamaFeedForward as LlamaFeedForward,
-)
-from jfleet.testing.nnx_styles.ports import (
-    ModelArgs as ModelArgs,
-)
-from jfleet.testing.nnx_styles.ports import (
-    Qwen3Attention as Qwen3Attention,
-)
-from jfleet.testing.nnx_styles.ports import (
-    Qwen3Config as Qwen3Config,
-)
-from jfleet.testing.nnx_styles.ports import (
-    Qwen3DecoderLayer as Qwen3DecoderLayer,
-)
-from jfleet.testing.nnx_styles.ports import (
-    Qwen3ForCausalLM as Qwen3ForCausalLM,
-)
-from jfleet.testing.nnx_styles.ports import (
-    Qwen3MLP as Qwen3MLP,
-)
-from jfleet.testing.nnx_styles.ports import (
-    Qwen3Model as Qwen3Model,
-)
-from jfleet.testing.nnx_styles.ports import (
-    llama_forward as llama_forward,
-)
-from jfleet.testing.nnx_styles.registry import STYLES as STYLES
-from jfleet.testing.nnx_styles.registry import Style as Style
 
-__all__ = ["MAX_SEQ", "STYLES", "Style"]
+__all__ = [
+    "FORMS",
+    "GPT",
+    "MAX_SEQ",
+    "MLP",
+    "STYLES",
+    "Block",
+    "CausalSelfAttention",
+    "DenseGeneralAttention",
+    "DenseGeneralLM",
+    "DenseGeneralLayer",
+    "DenseGeneralMlp",
+    "Gemma3Block",
+    "Gemma3FeedForward",
+    "Gemma3LM",
+    "GemmaAttention",
+    "GemmaBlock",
+    "GemmaConfig",
+    "GemmaEmbedder",
+    "GemmaFeedForward",
+    "GemmaLM",
+    "LlamaCacheAttention",
+    "LlamaCacheBlock",
+    "LlamaCacheTransformer",
+    "LlamaFeedForward",
+    "MiniGPT",
+    "MiniGPTBlock",
+    "ModelArgs",
+    "QkvEinsumBlock",
+    "QkvEinsumLM",
+    "Qwen3Attention",
+    "Qwen3Config",
+    "Qwen3DecoderLayer",
+    "Qwen3ForCausalLM",
+    "Qwen3MLP",
+    "Qwen3Model",
+    "Style",
+    "TokenAndPositionEmbedding",
+    "llama_forward",
+]

@@ -24,7 +24,7 @@ from jfleet.testing.nnx_styles.ports import (
     llama_forward,
 )
 
-__all__ = ["STYLES", "Style"]
+__all__ = ["STYLES", "Style", "token_batches"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +68,7 @@ class Style:
     note: str
 
 
-def _batches(n: int, batch: int = 8, seq: int = 8, seed: int = 0, *, vocab: int) -> list[dict]:
+def token_batches(n: int, batch: int = 8, seq: int = 8, seed: int = 0, *, vocab: int) -> list[dict]:
     """``n`` batches of ``start, start + 3, start + 6, ... (mod vocab)`` from random starts."""
     if seq > MAX_SEQ:
         raise ValueError(f"seq={seq} is longer than MAX_SEQ={MAX_SEQ}.")
@@ -202,7 +202,7 @@ def _style(header: str, table: str) -> Style:
     return Style(
         name=name,
         build=_BUILDS[name],
-        batches=functools.partial(_batches, vocab=_SIZES[name][0]),
+        batches=functools.partial(token_batches, vocab=_SIZES[name][0]),
         loss_fn=loss_fn,
         forward=forward,
         splits={path: int(row[2]) for path, row in zip(paths, rows, strict=True)},
