@@ -119,3 +119,28 @@ def test_a_small_head_stays_whole_at_mp4_with_its_reason_in_the_plan():
     head = {p.path: p for p in plan.params}["head.kernel"]
     assert head.spec == P() and "mp=4 does not divide its 10" in head.replicated_why
     assert plan.spec("blocks.0.attn.q.kernel") == COL
+
+
+class ScaledBlock(nnx.Module):
+    """Reads ``scale`` in its call; ``layer_idx`` only bookkeeps."""
+
+    def __init__(self, i: int, scale: float):
+        self.layer_idx, self.scale = i, scale
+        self.linear = nnx.Linear(4, 4, rngs=nnx.Rngs(i))
+
+    def __call__(self, x):
+        return self.linear(x) * self.scale
+
+
+def test_blocks_differing_only_in_an_unread_attribute_are_one_stack():
+    from jfleet.parallel.alike import block_period, first_difference
+    from jfleet.testing.nnx_styles.beyond_lm import VisionTransformer
+
+    vit = nnx.eval_shape(lambda: VisionTransformer(rngs=nnx.Rngs(0)))
+    assert first_difference(vit.blocks[0], vit.blocks[1]) is None  # layer_idx 0 vs 1
+    assert match_patterns(vit, jnp.zeros((2, 8, 8, 3))).block_period == 1
+    same = [ScaledBlock(i, 2.0) for i in range(4)]
+    assert block_period(same) == 1
+    read = [ScaledBlock(i, float(i % 2)) for i in range(4)]  # scale is read: a real period
+    assert block_period(read) == 2
+    assert "scale" in first_difference(read[0], read[1])

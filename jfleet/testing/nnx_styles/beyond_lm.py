@@ -2,7 +2,8 @@
 
 * :class:`VisionTransformer`: a ViT as the Flax / big_vision NNX ports write it (a strided
   ``nnx.Conv`` patch embedding, a class token and learned positions as bare ``Param``\\ s,
-  ``nnx.MultiHeadAttention`` encoder blocks, a 10-class head that ``mp=4`` does not divide).
+  ``nnx.MultiHeadAttention`` encoder blocks that differ only in an unread ``layer_idx``, a
+  10-class head that ``mp=4`` does not divide).
 * :class:`MnistCnn`: the Flax MNIST tutorial's CNN (two convolutions, average pooling, a relu
   MLP read-out): no blocks, no attention.
 * :class:`EncoderDecoder`: a T5-style encoder-decoder (one shared token table, a learned
@@ -37,7 +38,8 @@ __all__ = ["EncoderDecoder", "MnistCnn", "MoeDecoder", "VisionTransformer", "cac
 
 # --- a ViT --------------------------------------------------------------------------------
 class ViTBlock(nnx.Module):
-    def __init__(self, dim: int, heads: int, mlp_dim: int, *, rngs: nnx.Rngs):
+    def __init__(self, dim: int, heads: int, mlp_dim: int, layer_idx: int, *, rngs: nnx.Rngs):
+        self.layer_idx = layer_idx  # bookkeeping no computation reads (as many ports keep)
         self.norm1 = nnx.LayerNorm(dim, rngs=rngs)
         self.attn = nnx.MultiHeadAttention(heads, dim, decode=False, rngs=rngs)
         self.norm2 = nnx.LayerNorm(dim, rngs=rngs)
@@ -58,7 +60,7 @@ class VisionTransformer(nnx.Module):
         n = (image // patch) ** 2 + 1
         self.cls_token = nnx.Param(jnp.zeros((1, 1, dim)))
         self.pos_embed = nnx.Param(0.02 * jax.random.normal(rngs.params(), (1, n, dim)))
-        self.blocks = nnx.List([ViTBlock(dim, heads, mlp_dim, rngs=rngs) for _ in range(depth)])
+        self.blocks = nnx.List([ViTBlock(dim, heads, mlp_dim, i, rngs=rngs) for i in range(depth)])
         self.norm = nnx.LayerNorm(dim, rngs=rngs)
         self.head = nnx.Linear(dim, num_classes, rngs=rngs)
 
