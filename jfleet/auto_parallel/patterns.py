@@ -11,16 +11,24 @@ reads the roles from the computation, not from names or kernel ranks:
   rotary, q/k norms, softmax, attention scores and values, gating). The consumer is split
   on that input dimension (row parallel), every producer on the output dimension feeding it
   (column parallel): the heads dimension for attention, hidden for MLPs, whatever the
-  kernel's rank or einsum equation. A bias added to a column's output is split with it.
+  kernel's rank or einsum equation. A bias added to a column's output is split with it,
+  and so is one added to attention scores (a relative-position table, per-head sinks: by
+  the query heads). Projections written into a KV cache (a dynamic update or a scatter)
+  and read back keep their pair; a fused kernel read by strided slices (``h[..., ::2]``,
+  ``h[..., 1::2]``) is split contiguously, each rank keeping whole (gate, up) pairs; a
+  projection of the raw inputs (float features) is no pair's member.
 * **role names**, for reports: producers meeting in attention scores are ``q`` (left side)
   and ``k`` (right side), those feeding the values ``v`` (one producer in several places:
   ``qkv``, ``kv``); the consumer is ``o``. Without attention: ``gate`` (the producer passed
   through a nonlinearity before a product), ``up``, ``gate_up`` (one stacked producer), and
   ``down``.
-* the **token embedding** (an ``nnx.Embed``; more than one ``Embed`` of the model width:
-  the one whose vocabulary the head produces, else one named like ``wte`` /
-  ``embed_tokens`` / ``tok``, else the largest), and **position / type embeddings** (the
-  other ``Embed`` tables of the model width), vocabulary parallel / replicated;
+* the **token embedding**, chosen by dataflow: the ``nnx.Embed`` (or bare ``Param`` table)
+  gathered from with indices computed from the model's inputs, never by shape (a learned
+  position table as wide as it is long, indexed by ``arange`` positions, is not it; nor is
+  a relative-position bias table). When several tables are fed by the inputs, or the model
+  is not traced: the one whose vocabulary the head produces, else one named like ``wte`` /
+  ``embed_tokens`` / ``tok``, else the largest. The other tables of its width are
+  **position / type embeddings** (replicated);
 * **norms**: the parameters of ``nnx.RMSNorm`` / ``nnx.LayerNorm`` modules (q/k norms of
   ``head_dim`` included), or of a module named ``*norm*`` holding only vectors: replicated;
 * the **LM head**: a dense ``width -> vocab`` or a bare ``[width, vocab]`` Param outside the
