@@ -186,11 +186,15 @@ def bias_splits(trace: Trace, split: dict[int, tuple[int, int]]) -> dict[int, tu
     """``{bias: (owner, dim or None, units)}`` for biases added to a projection's output."""
     out: dict[int, tuple] = {}
     for b, entries in trace.biases.items():
-        for bdim, tag in sorted(entries):
-            own = split.get(tag.param)
-            if own is not None and own[0] == tag.dim:
-                out[b] = (tag.param, bdim, own[1])
-                break
+        # a bias on attention scores meets q's and k's tags: split it like the most units (q)
+        owned = [
+            (-split[tag.param][1], bdim, tag)
+            for bdim, tag in sorted(entries)
+            if tag.param in split and split[tag.param][0] == tag.dim
+        ]
+        if owned:
+            units, bdim, tag = min(owned)
+            out[b] = (tag.param, bdim, -units)
         else:
             owners = sorted({tag.param for _, tag in entries})
             if len(owners) == 1:

@@ -191,6 +191,9 @@ class Plan:
       node_num: nodes.
       profile: the hardware profile.
       memory_budget: bytes per device.
+      workload: the inputs in their own words when they are not token ids (``images 32 x
+        28x28x1``; :meth:`~jfleet.auto_parallel.matched.ModelPatterns.workload`); empty:
+        ``batch x seq`` of tokens.
     """
 
     mesh: tuple[tuple[str, int], ...]
@@ -216,6 +219,7 @@ class Plan:
     node_num: int
     profile: HardwareProfile
     memory_budget: int
+    workload: str = ""
 
     # ------------------------------------------------------------ views
     @property
@@ -325,7 +329,8 @@ class Plan:
             f"{self.device_num}), profile {self.profile.name}, budget "
             f"{_mib(self.memory_budget)}/device",
             f"model: {self.architecture}",
-            f"workload: batch {self.batch_size} x seq {self.seq_len}, {self.dtype}, "
+            f"workload: {self.workload or f'batch {self.batch_size} x seq {self.seq_len}'}, "
+            f"{self.dtype}, "
             f"{self.optimizer}",
             "mesh: "
             + " ".join(f"{a}={n}" for a, n in self.mesh)
@@ -491,7 +496,7 @@ class Plan:
             "node_num": self.node_num,
             "profile": self.profile.to_dict(),
             "memory_budget": self.memory_budget,
-        }
+        } | ({"workload": self.workload} if self.workload else {})
 
     def to_json(self, indent: int | None = 2) -> str:
         """The plan as JSON text."""
@@ -546,6 +551,7 @@ class Plan:
                 node_num=d["node_num"],
                 profile=HardwareProfile(**d["profile"]),
                 memory_budget=d["memory_budget"],
+                workload=d.get("workload", ""),
             )
         except KeyError as err:
             raise ValueError(f"plan JSON lacks the field {err.args[0]!r}.") from err

@@ -420,7 +420,7 @@ def _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len
     inputs, forward = _model_call(first, config.forward)
     # once: the planner and the pipeline check share it
     patterns = match_patterns(model, inputs, forward=forward)
-    return plan_for(
+    plan = plan_for(
         model,
         patterns=patterns,
         device_num=device_num,
@@ -440,6 +440,9 @@ def _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len
         pipeline=_pipeline_problem(model, patterns, inputs, forward),
         scan_layers=config.scan_layers,
     )
+    if patterns.input_kind == "tokens":
+        return plan
+    return dataclasses.replace(plan, workload=patterns.workload(batch_size, seq_len))
 
 
 def _pipeline_problem(

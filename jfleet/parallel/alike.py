@@ -18,7 +18,10 @@ Example:
 
 from __future__ import annotations
 
+import ast
 import functools
+import inspect
+import textwrap
 import types
 from collections.abc import Sequence
 from typing import Any
@@ -92,6 +95,8 @@ def _difference(a: Any, b: Any, path: tuple, seen_a: dict, seen_b: dict) -> str 
             value_a, value_b = dict_a.get(key, _ABSENT), dict_b.get(key, _ABSENT)
             if value_a is _ABSENT or value_b is _ABSENT:
                 return _differs((*path, key), value_a, value_b)
+            if _static(value_a) and _static(value_b) and never_read(type(a), str(key)):
+                continue  # ``self.layer_idx = i`` that no method reads: no computation differs
             found = _difference(value_a, value_b, (*path, key), seen_a, seen_b)
             if found:
                 return found
@@ -107,6 +112,53 @@ def _difference(a: Any, b: Any, path: tuple, seen_a: dict, seen_b: dict) -> str 
                 return found
         return None
     return None if _same_static(a, b) else _differs(path, a, b)
+
+
+def _static(value: Any) -> bool:
+    """A plain Python value: no module, variable or array anywhere inside."""
+    found = lambda x: _is_graph_leaf(x) or _is_array(x)  # noqa: E731
+    return not any(found(x) for x in jax.tree_util.tree_leaves(value, is_leaf=found))
+
+
+@functools.cache
+def never_read(cls: type, name: str) -> bool:
+    """Whether no method of ``cls`` (its own code and its bases' outside Flax) but
+    ``__init__`` reads attribute ``name`` (``self.name`` or ``getattr(self, "name")``): an
+    attribute such as ``self.layer_idx = i`` kept for bookkeeping, which no computation of
+    the layer can depend on. False when a class's source cannot be read.
+
+    Flax's own layers read their settings: for them it is always False.
+
+    Example:
+      >>> from jfleet.testing.nnx_styles.beyond_lm import ViTBlock  # sets self.layer_idx
+      >>> never_read(ViTBlock, "layer_idx"), never_read(ViTBlock, "attn")
+      (True, False)
+      >>> never_read(nnx.Dropout, "rate")
+      False
+    """
+    if cls.__module__.split(".")[0] == "flax":
+        return False
+    for klass in cls.__mro__:
+        if klass is object or klass.__module__.split(".")[0] in ("flax", "builtins"):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            return False
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and node.name == "__init__":
+                continue
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+                for inner in ast.walk(node):
+                    if (
+                        isinstance(inner, ast.Attribute)
+                        and inner.attr == name
+                        and isinstance(inner.ctx, ast.Load)
+                    ):
+                        return False
+                    if isinstance(inner, ast.Constant) and inner.value == name:
+                        return False
+    return True
 
 
 def _attributes(node: Any) -> dict:

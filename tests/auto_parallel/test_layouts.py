@@ -59,14 +59,22 @@ def test_every_mesh_is_either_enumerated_or_excluded_with_a_reason():
     ("kw", "mesh", "reason"),
     [
         ({"heads": 4, "kv_heads": 4}, "mp8", "mp=8 does not divide the split unit count(s) [4]"),
-        ({"vocab": 510}, "dp2 x mp4", "mp=4 does not divide the split unit count(s) [510]"),
+        ({"hidden": 250}, "dp2 x mp4", "mp=4 does not divide the split unit count(s) [250]"),
         ({"layers": 6}, "dp2 x pp4", "pp=4 does not divide the 6 blocks"),
     ],
-    ids=["heads", "vocab", "blocks"],
+    ids=["heads", "hidden", "blocks"],
 )
 def test_an_excluded_mesh_names_its_reason(kw, mesh, reason):
     _, excluded = enumerate_layouts(_llama(**kw), WORK, device_num=8)
     assert dict(excluded)[mesh] == reason
+
+
+def test_an_odd_vocabulary_stays_whole_instead_of_excluding_the_mesh():
+    found = _llama(vocab=510)  # issue 27: the embedding and head are kept whole at mp=4
+    layouts, excluded = enumerate_layouts(found, WORK, device_num=8)
+    assert "dp2 x mp4" in {lay.mesh_name for lay in layouts} and "dp2 x mp4" not in dict(excluded)
+    head = next(p for p in found.params if p.role == "head")
+    assert (head.spec_for(2), head.spec_for(4)) == (P(None, "mp"), P())
 
 
 def test_kv_heads_mp_does_not_divide_stay_whole_and_q_o_are_split():

@@ -1,0 +1,123 @@
+"""A zoo of tiny decoder LMs written the way public Flax NNX code writes them.
+
+``jfleet.auto_parallel`` must find the roles of models it has never seen, not only those of
+:mod:`jfleet.models`. Each style is a family of classes with the naming, block container,
+call signature, config and layer types of one kind of public NNX code (imitated, nothing
+copied) and a hand-written table of the dimension a Megatron layout splits in each weight.
+
+* ``mha``: Flax's MiniGPT tutorial (``nnx.MultiHeadAttention``, ``nnx.Sequential`` MLP).
+* ``linear_general``: MaxText / T5X ``DenseGeneral`` layers (``nnx.LinearGeneral``).
+* ``einsum_gemma``: Flax's Gemma (``nnx.Einsum`` attention, MLP of bare ``nnx.Param``).
+* ``einsum_qkv``: Gemma's multi-head path in a tutorial (stacked ``qkv_einsum``).
+* ``gqa_qknorm`` / ``gqa_qknorm_mqa``: Qwen3 / Llama 3 ports (GQA, q/k norms, a config).
+* ``kv_cache``: Meta's Llama reference (``wq``..``wo``, ``w1``..``w3``, a KV cache).
+* ``gemma_alternating``: Gemma 2/3 (local and global blocks of one class).
+* ``dropout``: nanoGPT / minGPT (``nnx.Dict`` of ``wte``/``wpe``/``h``, ``nnx.Dropout``).
+
+:data:`FORMS` (:mod:`.forms`, models in :mod:`.beyond_lm`): a ViT, the MNIST CNN, a T5-style
+encoder-decoder, a Mixture-of-Experts decoder and the Llama reference trained through a KV
+cache: the forms of issue 27, with image or token batches.
+
+The models live in :mod:`.flax_tutorials`, :mod:`.gemma` and :mod:`.ports`; :mod:`.registry`
+holds :data:`STYLES`. Every name stays importable from ``jfleet.testing.nnx_styles``.
+
+Example:
+  >>> sorted(STYLES)[:3]
+  ['dropout', 'einsum_gemma', 'einsum_qkv']
+  >>> STYLES["einsum_gemma"].splits["layers.*.attn.kv_einsum.kernel"]
+  1
+"""
+
+from __future__ import annotations
+
+from jfleet.testing.nnx_styles._shared import (
+    MAX_SEQ,
+)
+from jfleet.testing.nnx_styles.flax_tutorials import (
+    DenseGeneralAttention,
+    DenseGeneralLayer,
+    DenseGeneralLM,
+    DenseGeneralMlp,
+    MiniGPT,
+    MiniGPTBlock,
+    QkvEinsumBlock,
+    QkvEinsumLM,
+    TokenAndPositionEmbedding,
+)
+from jfleet.testing.nnx_styles.forms import (
+    FORMS,
+)
+from jfleet.testing.nnx_styles.gemma import (
+    Gemma3Block,
+    Gemma3FeedForward,
+    Gemma3LM,
+    GemmaAttention,
+    GemmaBlock,
+    GemmaConfig,
+    GemmaEmbedder,
+    GemmaFeedForward,
+    GemmaLM,
+)
+from jfleet.testing.nnx_styles.ports import (
+    GPT,
+    MLP,
+    Block,
+    CausalSelfAttention,
+    LlamaCacheAttention,
+    LlamaCacheBlock,
+    LlamaCacheTransformer,
+    LlamaFeedForward,
+    ModelArgs,
+    Qwen3Attention,
+    Qwen3Config,
+    Qwen3DecoderLayer,
+    Qwen3ForCausalLM,
+    Qwen3MLP,
+    Qwen3Model,
+    llama_forward,
+)
+from jfleet.testing.nnx_styles.registry import (
+    STYLES,
+    Style,
+)
+
+__all__ = [
+    "FORMS",
+    "GPT",
+    "MAX_SEQ",
+    "MLP",
+    "STYLES",
+    "Block",
+    "CausalSelfAttention",
+    "DenseGeneralAttention",
+    "DenseGeneralLM",
+    "DenseGeneralLayer",
+    "DenseGeneralMlp",
+    "Gemma3Block",
+    "Gemma3FeedForward",
+    "Gemma3LM",
+    "GemmaAttention",
+    "GemmaBlock",
+    "GemmaConfig",
+    "GemmaEmbedder",
+    "GemmaFeedForward",
+    "GemmaLM",
+    "LlamaCacheAttention",
+    "LlamaCacheBlock",
+    "LlamaCacheTransformer",
+    "LlamaFeedForward",
+    "MiniGPT",
+    "MiniGPTBlock",
+    "ModelArgs",
+    "QkvEinsumBlock",
+    "QkvEinsumLM",
+    "Qwen3Attention",
+    "Qwen3Config",
+    "Qwen3DecoderLayer",
+    "Qwen3ForCausalLM",
+    "Qwen3MLP",
+    "Qwen3Model",
+    "Style",
+    "TokenAndPositionEmbedding",
+    "llama_forward",
+]

@@ -1,0 +1,197 @@
+"""The forms beyond the decoder LM (:mod:`.beyond_lm`) as :class:`~.registry.Style` entries.
+
+:data:`FORMS` holds a ViT and the MNIST CNN (image batches, class labels), a T5-style
+encoder-decoder, a Mixture-of-Experts decoder and the Llama reference trained through a fresh
+KV cache (token batches, next-token labels). Each entry's ``splits`` are absolute paths (``*``
+for a block index) of the weights a Megatron layout splits over ``mp``.
+
+Example:
+  >>> sorted(FORMS)
+  ['cnn', 'encoder_decoder', 'kv_cache_train', 'moe', 'vit']
+  >>> FORMS["vit"].batches(1)[0]["images"].shape
+  (8, 8, 8, 3)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jfleet.testing.nnx_styles.beyond_lm import (
+    EncoderDecoder,
+    MnistCnn,
+    MoeDecoder,
+    VisionTransformer,
+    cache_forward,
+)
+from jfleet.testing.nnx_styles.ports import LlamaCacheTransformer, ModelArgs
+from jfleet.testing.nnx_styles.registry import Style, token_batches
+
+__all__ = ["FORMS"]
+
+
+def image_batches(
+    n: int, batch: int = 8, seq: int = 8, seed: int = 0, *, channels: int
+) -> list[dict]:
+    """``n`` batches of ``{"images": float32 [batch, seq, seq, channels], "labels": int32
+    [batch]}``: the label is the brightest of 10 fixed pixel positions, so it can be learned."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        images = rng.normal(size=(batch, seq, seq, channels)).astype(np.float32)
+        labels = images[:, 0, :, 0].reshape(batch, -1)[:, :10].argmax(-1).astype(np.int32)
+        out.append({"images": images, "labels": labels})
+    return out
+
+
+def _loss(forward):
+    def loss_fn(model: nnx.Module, batch: dict) -> jax.Array:
+        logits = forward(model, batch).astype(jnp.float32)
+        labels = jnp.asarray(batch["labels"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    return loss_fn
+
+
+def _images(model: nnx.Module, batch: dict) -> jax.Array:
+    return model(jnp.asarray(batch["images"]))
+
+
+def _tokens(model: nnx.Module, batch: dict) -> jax.Array:
+    return model(jnp.asarray(batch["tokens"]))
+
+
+def _seq2seq(model: nnx.Module, batch: dict) -> jax.Array:
+    tokens = jnp.asarray(batch["tokens"])
+    return model(tokens, tokens)
+
+
+def _form(name, build, batches, forward, table, sizes, blocks_at, pipelines, note) -> Style:
+    rows = [line.split() for line in table.strip().splitlines()]
+    vocab, width, heads, kv_heads, head_dim, hidden, layers = sizes
+    return Style(
+        name=name,
+        build=build,
+        batches=batches,
+        loss_fn=_loss(forward),
+        forward=forward,
+        splits={r[0]: int(r[2]) for r in rows},
+        roles={r[0]: r[1] for r in rows},
+        shapes={r[0]: tuple(map(int, r[3].split("x"))) for r in rows},
+        kv_replicated_at=None,
+        vocab=vocab,
+        width=width,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        hidden=hidden,
+        layers=layers,
+        blocks_at=blocks_at,
+        pipelines=pipelines,
+        note=note,
+    )
+
+
+_ATTN = "\n".join(
+    f"{{p}}.{n}.kernel  {r}  {d}  32x32" for n, r, d in (("q", "q", 1), ("k", "k", 1),
+                                                         ("v", "v", 1), ("o", "o", 0))
+)  # fmt: skip
+
+FORMS: dict[str, Style] = {
+    "vit": _form(
+        "vit",
+        lambda rngs: VisionTransformer(rngs=rngs),
+        functools.partial(image_batches, channels=3),
+        _images,
+        """
+        blocks.*.attn.query.kernel  q     1  32x4x8
+        blocks.*.attn.key.kernel    k     1  32x4x8
+        blocks.*.attn.value.kernel  v     1  32x4x8
+        blocks.*.attn.out.kernel    o     0  4x8x32
+        blocks.*.fc1.kernel         up    1  32x64
+        blocks.*.fc2.kernel         down  0  64x32
+        """,
+        (10, 32, 4, 4, 8, 64, 2),
+        "blocks",
+        True,
+        "conv patches, class token; a 10-class head mp=4 leaves whole",
+    ),
+    "cnn": _form(
+        "cnn",
+        lambda rngs: MnistCnn(rngs=rngs),
+        functools.partial(image_batches, channels=1),
+        _images,
+        """
+        linear1.kernel  up    1  64x64
+        linear2.kernel  down  0  64x10
+        """,
+        (10, 64, 0, 0, 0, 64, 0),
+        "",
+        False,
+        "convolutions stay whole; the relu read-out is the one pair",
+    ),
+    "encoder_decoder": _form(
+        "encoder_decoder",
+        lambda rngs: EncoderDecoder(rngs=rngs),
+        functools.partial(token_batches, vocab=48),
+        _seq2seq,
+        "\n".join(
+            [
+                _ATTN.format(p=f"{s}.*.{a}")
+                for s, a in (
+                    ("encoder", "attn"),
+                    ("decoder", "self_attn"),
+                    ("decoder", "cross_attn"),
+                )
+            ]
+            + [
+                f"{s}.*.mlp.wi.kernel  up  1  32x64\n{s}.*.mlp.wo.kernel  down  0  64x32"
+                for s in ("encoder", "decoder")
+            ]
+        ),
+        (48, 32, 4, 4, 8, 64, 2),
+        "decoder",
+        False,
+        "two stacks; relative-position bias tables split by heads; one shared token table",
+    ),
+    "moe": _form(
+        "moe",
+        lambda rngs: MoeDecoder(rngs=rngs),
+        functools.partial(token_batches, vocab=48),
+        _tokens,
+        _ATTN.format(p="layers.*.attn")
+        + """
+        layers.*.moe.gate_up  gate_up  2  3x32x64
+        layers.*.moe.down     down     1  3x32x32
+        """,
+        (48, 32, 4, 4, 8, 32, 2),
+        "layers",
+        True,
+        "experts' interleaved gate/up split on hidden; the router stays whole",
+    ),
+    "kv_cache_train": _form(
+        "kv_cache_train",
+        lambda rngs: LlamaCacheTransformer(ModelArgs(), rngs=rngs),
+        functools.partial(token_batches, vocab=64),
+        cache_forward,
+        """
+        layers.*.attention.wq.kernel  q     1  32x32
+        layers.*.attention.wk.kernel  k     1  32x32
+        layers.*.attention.wv.kernel  v     1  32x32
+        layers.*.attention.wo.kernel  o     0  32x32
+        layers.*.feed_forward.w1.kernel  gate  1  32x96
+        layers.*.feed_forward.w3.kernel  up    1  32x96
+        layers.*.feed_forward.w2.kernel  down  0  96x32
+        """,
+        (64, 32, 4, 4, 8, 96, 2),
+        "layers",
+        False,
+        "a fresh cache each step: k / v written with a dynamic update, then read back",
+    ),
+}
+"""Issue 27's forms, by name."""
