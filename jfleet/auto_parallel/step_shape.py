@@ -1,0 +1,223 @@
+"""One layout's step, measured once: the quantities every cost term reads.
+
+:func:`step_shape` computes, for one :class:`~jfleet.auto_parallel.layouts.Layout` of a
+matched model, each parameter's ``mp`` spec and local bytes (once per candidate, with and
+without the ZeRO split), the blocks one pipeline stage holds, the local tokens per step
+and per micro-batch, and which program the step runs (pipelined, staged, scanned,
+recompute waiting for the backward). The cost terms (:mod:`jfleet.auto_parallel.cost_memory`,
+:mod:`jfleet.auto_parallel.cost_comm`, :func:`jfleet.auto_parallel.cost_model.estimate`)
+read only this.
+
+Example:
+  >>> from jfleet.auto_parallel.layouts import Layout, Workload
+  >>> from jfleet.auto_parallel.patterns import match_patterns
+  >>> from jfleet.models.llama import TinyLlama
+  >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, layers=2))
+  >>> s = step_shape(found, Workload(batch_size=16, seq_len=8), Layout(dp=2, mp=4),
+  ...                get_profile("cpu"), devices_per_node=8)
+  >>> s.tokens_local, s.stage_blocks, s.piped
+  (64, 2, False)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
+
+from jfleet.auto_parallel.layouts import Layout, Workload
+from jfleet.auto_parallel.patterns import ModelDims, ModelPatterns, ParamInfo
+from jfleet.auto_parallel.profiles import HardwareProfile, get_profile
+from jfleet.auto_parallel.step_work import layers_and_norms
+from jfleet.placement import Placement
+from jfleet.topology import AXIS_NAMES
+
+__all__ = ["StepShape", "group_bandwidth", "ring_bytes", "step_shape", "stored_leaves"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepShape:
+    """What one layout's step holds and processes per device (see :func:`step_shape`).
+
+    Attributes:
+      patterns, workload, layout, profile: the inputs.
+      devices_per_node: devices per node (intra- vs inter-node links).
+      specs: each parameter's ``mp`` spec at this layout, by path.
+      mine: the parameters one device's stage holds (blocks of stage 0, and the rest).
+      stage_blocks: decoder blocks per pipeline stage; norms: norms per layer.
+      tp_bytes: local parameter bytes after the ``mp`` split; z_bytes: after ZeRO's too.
+      block_tp, outside_tp, one_block_tp: ``tp_bytes`` of the stage's blocks, of the
+        rest, of one block.
+      local_seqs, local_seq: sequences and tokens per sequence per device.
+      tokens_local, tokens_mb, head_tokens: tokens per device per step, per
+        micro-batch, and those the embedding / head run on.
+      piped, staged, scanned, rows_over_pp, remat_waits, recompute: the program run
+        (see the cost model's docstring).
+      v: chunks per stage; chunk_blocks: blocks per chunk.
+      vocab: the vocabulary the head's logits span (0 without a head).
+    """
+
+    patterns: ModelPatterns
+    workload: Workload
+    layout: Layout
+    profile: HardwareProfile
+    devices_per_node: int
+    specs: Mapping[str, P]
+    mine: tuple[ParamInfo, ...]
+    stage_blocks: int
+    norms: int
+    tp_bytes: int
+    z_bytes: int
+    block_tp: int
+    outside_tp: int
+    one_block_tp: int
+    local_seqs: int
+    local_seq: int
+    tokens_local: int
+    tokens_mb: int
+    head_tokens: int
+    piped: bool
+    staged: bool
+    scanned: bool
+    rows_over_pp: bool
+    remat_waits: bool
+    recompute: bool
+    v: int
+    chunk_blocks: float
+    vocab: int
+
+    @property
+    def dims(self) -> ModelDims:
+        """The model's sizes."""
+        return self.patterns.dims
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes per activation element."""
+        return self.workload.act_bytes
+
+    def bandwidth(self, *group: str) -> float:
+        """Bytes/s of the links a group of mesh axes spans (:func:`group_bandwidth`)."""
+        return group_bandwidth(group, self.layout.degrees, self.profile, self.devices_per_node)
+
+
+def _local_elems(spec: P, shape: Sequence[int], sizes: Mapping[str, int]) -> int:
+    n = 1
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    for dim, entry in zip(shape, entries, strict=True):
+        axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+        n *= dim // math.prod(sizes[a] for a in axes)
+    return n
+
+
+def group_bandwidth(
+    group: Sequence[str], degrees: Mapping[str, int], profile: HardwareProfile, per_node: int
+) -> float:
+    """Intra-node bandwidth when the group's devices lie within one node, else inter-node."""
+    span = 1
+    for i, axis in enumerate(AXIS_NAMES):
+        if axis in group and degrees[axis] > 1:
+            stride = math.prod(degrees[a] for a in AXIS_NAMES[i + 1 :])
+            span = max(span, stride * degrees[axis])
+    return profile.intra_node_bandwidth if span <= per_node else profile.inter_node_bandwidth
+
+
+def stored_leaves(params: Sequence[ParamInfo], blocks: int, *, stacked: bool) -> int:
+    """How many arrays hold ``params``: one per parameter, or one per block parameter
+    kind when the blocks are stacked (a scan over layers, a pipeline stage)."""
+    in_blocks = sum(p.block is not None for p in params)
+    outside = len(params) - in_blocks
+    return outside + (in_blocks // max(blocks, 1) if stacked and blocks else in_blocks)
+
+
+def ring_bytes(kind: str, nbytes: float, n: int) -> float:
+    """Bytes each device sends in a ring ``kind`` collective of ``nbytes`` over ``n``."""
+    if n <= 1:
+        return 0.0
+    if kind == "all-reduce":
+        return 2 * (n - 1) / n * nbytes
+    if kind == "collective-permute":
+        return nbytes
+    return (n - 1) / n * nbytes
+
+
+def _param_bytes(patterns: ModelPatterns, layout: Layout, stage_blocks: int) -> dict:
+    """Each parameter's spec (once), and the stage's local bytes with and without ZeRO."""
+    deg, mp = layout.degrees, layout.mp
+    zero = None
+    if layout.zero_stage:
+        abstract = AbstractMesh(tuple(deg.values()), AXIS_NAMES)
+        zero = Placement(mesh=abstract, zero_stage=layout.zero_stage)
+    specs = {p.path: p.spec_for(mp) for p in patterns.params}
+    mine = tuple(p for p in patterns.params if p.block is None or p.block < stage_blocks)
+    tp_bytes = z_bytes = block_tp = 0
+    for p in mine:
+        itemsize = jnp.dtype(p.dtype).itemsize
+        spec = specs[p.path]
+        tp = _local_elems(spec, p.shape, deg) * itemsize
+        zspec = zero.zero_spec(spec, p.shape) if zero is not None else spec
+        tp_bytes += tp
+        z_bytes += tp if zero is None else _local_elems(zspec, p.shape, deg) * itemsize
+        block_tp += tp if p.block is not None else 0
+    return {
+        "specs": specs,
+        "mine": mine,
+        "tp_bytes": tp_bytes,
+        "z_bytes": z_bytes,
+        "block_tp": block_tp,
+        "outside_tp": tp_bytes - block_tp,
+        "one_block_tp": block_tp // stage_blocks if stage_blocks else 0,
+    }
+
+
+def step_shape(
+    patterns: ModelPatterns,
+    workload: Workload,
+    layout: Layout,
+    profile: HardwareProfile | str | None = None,
+    *,
+    devices_per_node: int,
+    scan_layers: bool = True,
+) -> StepShape:
+    """Measures one layout's step once for every cost term (arguments as ``estimate``'s)."""
+    profile = get_profile(profile)
+    pp, m = layout.pp, layout.num_microbatches
+    layers, norms = layers_and_norms(patterns)
+    stage_blocks = layers // pp
+    data = layout.data_degree
+    local_seqs = workload.batch_size // data
+    local_seq = workload.seq_len // layout.sep
+    tokens_local = local_seqs * local_seq
+    piped = pp > 1
+    # 1F1B's program (VPP: the same over v interleaved chunks); FThenB with recompute too
+    staged = piped and (layout.schedule in ("1F1B", "VPP") or layout.recompute)
+    rows_over_pp = piped and workload.batch_size % (data * pp) == 0
+    scanned = not piped and scan_layers and bool(patterns.blocks) and layout.zero_stage < 3
+    return StepShape(
+        patterns=patterns,
+        workload=workload,
+        layout=layout,
+        profile=profile,
+        devices_per_node=devices_per_node,
+        stage_blocks=stage_blocks,
+        norms=norms,
+        local_seqs=local_seqs,
+        local_seq=local_seq,
+        tokens_local=tokens_local,
+        tokens_mb=tokens_local // m,
+        head_tokens=tokens_local // pp if rows_over_pp else tokens_local,
+        piped=piped,
+        staged=staged,
+        scanned=scanned,
+        rows_over_pp=rows_over_pp,
+        remat_waits=layout.recompute and (piped or scanned or profile.remat_barriers_kept),
+        recompute=layout.recompute or staged,
+        v=layout.num_virtual_stages,
+        chunk_blocks=stage_blocks / layout.num_virtual_stages,
+        vocab=patterns.dims.vocab if patterns.tied_head is not None else 0,
+        **_param_bytes(patterns, layout, stage_blocks),
+    )
