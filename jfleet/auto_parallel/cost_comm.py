@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+from jfleet.auto_parallel.memo import cached
 from jfleet.auto_parallel.step_shape import StepShape, ring_bytes, stored_leaves
 from jfleet.auto_parallel.step_work import tp_reductions
 from jfleet.topology import DP, MP, PP, SEP, SHARDING
@@ -55,13 +56,15 @@ def tensor_parallel_time(s: StepShape, coll: dict[str, float]) -> float:
         return 0.0
     ab, h, pp, m = s.act_bytes, s.dims.width, s.layout.pp, s.layout.num_microbatches
     act = s.tokens_mb * h * ab
-    fwd, bwd = tp_reductions(s.patterns, mp, s.specs)
+    fwd, bwd = cached(
+        s.patterns, ("tp_reductions", mp), lambda: tp_reductions(s.patterns, mp, s.specs)
+    )
     # recompute runs the forward's all-reduces again in the backward pass. A pipeline
     # counts them on each of its M + P - 1 ticks: the compiled loop holds them at
     # every tick (jfleet.testing.hlo weights them by the trip count), bubble or not.
     per_mb = s.chunk_blocks * (fwd * (2 if s.recompute else 1) + bwd)  # a chunk per tick
     n_mb = per_mb * (s.v * m + pp - 1 if s.piped else m)
-    roles = {p.role for p in s.patterns.params}
+    roles = cached(s.patterns, ("roles",), lambda: {p.role for p in s.patterns.params})
     n_out = int("embedding" in roles) + int("head" in roles or bool(s.patterns.tied_head))
     out_bytes = n_out * s.head_tokens * h * ab
     stats = 2 * s.head_tokens * 4 if s.vocab else 0
@@ -119,7 +122,7 @@ def data_parallel_time(s: StepShape, coll: dict[str, float]) -> float:
     # all-gathers scanned, 39 unrolled, TinyLlama 4 blocks)
     gathers = 2 if (lay.zero_stage >= 3 and s.remat_waits) else 1
     coll["all_gather"] += gathers * s.tp_bytes
-    leaves = stored_leaves(s.mine, s.stage_blocks, stacked=s.piped or s.scanned)
+    leaves = stored_leaves(s.leaf_counts, s.stage_blocks, stacked=s.piped or s.scanned)
     t_dp += gathers * (leaves * lat + ring_bytes("all-gather", s.tp_bytes, shard) / bw_shard)
     return t_dp
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from jfleet.auto_parallel.cost_types import Memory
 from jfleet.auto_parallel.layouts import OPTIMIZER_MOMENTS
+from jfleet.auto_parallel.memo import cached
 from jfleet.auto_parallel.step_shape import StepShape
 from jfleet.auto_parallel.step_work import (
     ATTN_Q_ELEMS,
@@ -56,7 +57,9 @@ def per_layer_elems(s: StepShape) -> float:
     d, mp = s.dims, s.layout.mp
     sp = mp if s.workload.sequence_parallel else 1
     per_layer = NORM_ELEMS * s.norms * d.width / sp
-    attn_mp, mlp_mp = split_degrees(s.patterns, mp, s.specs)
+    attn_mp, mlp_mp = cached(
+        s.patterns, ("split_degrees", mp), lambda: split_degrees(s.patterns, mp, s.specs)
+    )
     if s.patterns.attention:
         per_layer += (
             ATTN_Q_ELEMS * d.q_dim + ATTN_SCORE_ELEMS * d.heads * s.workload.seq_len

@@ -140,6 +140,7 @@ from jfleet.auto_parallel.cost_types import (
     gib_text,
 )
 from jfleet.auto_parallel.layouts import Layout, Workload
+from jfleet.auto_parallel.memo import cached
 from jfleet.auto_parallel.patterns import ModelPatterns
 from jfleet.auto_parallel.profiles import HardwareProfile, get_profile
 from jfleet.auto_parallel.step_shape import StepShape, step_shape
@@ -163,7 +164,11 @@ def compute_time(s: StepShape) -> tuple[float, float, float]:
     """(compute seconds, bubble seconds, executed FLOPs) per device of one step."""
     lay, profile = s.layout, s.profile
     pp = lay.pp
-    fwd_blocks, step_blocks, step_outside = step_flops(s.patterns, s.workload, lay, s.specs)
+    work = s.workload
+    key = ("flops", lay.mp, lay.data_degree * lay.sep, work.tokens, work.seq_len)
+    fwd_blocks, step_blocks, step_outside = cached(
+        s.patterns, key, lambda: step_flops(s.patterns, work, lay, s.specs)
+    )
     block_flops = (step_blocks + (fwd_blocks if s.recompute else 0.0)) / pp
     outside_flops = step_outside / pp if s.rows_over_pp else step_outside
     peak = profile.flops(s.workload.dtype)
@@ -245,6 +250,23 @@ def _why_slower(c: Candidate, best: Candidate) -> str:
     return f"{shown} slower than the best: more {TIME_WORDS[worst]} time"
 
 
+def _simpler_first_among_ties(by_time: list[Candidate]) -> list[Candidate]:
+    """``by_time`` with each run of equal times (within ``_SAME``) sorted simplest first."""
+    ordered: list[Candidate] = []
+    i = 0
+    while i < len(by_time):
+        limit = by_time[i].time.total * (1 + _SAME)
+        j = i
+        while j < len(by_time) and by_time[j].time.total <= limit:
+            j += 1
+        tie = sorted(
+            by_time[i:j], key=lambda c: (c.layout.complexity(), c.memory.total, c.time.total)
+        )
+        ordered.extend(tie)
+        i = j
+    return ordered
+
+
 def rank(candidates: Sequence[Candidate], memory_budget: float) -> list[Candidate]:
     """Sorts candidates (fitting ones by time) and fills ``fits`` and ``reason``.
 
@@ -274,17 +296,9 @@ def rank(candidates: Sequence[Candidate], memory_budget: float) -> list[Candidat
     def key(c: Candidate) -> tuple:
         return (c.time.total, c.memory.total, c.layout.complexity())
 
-    fitting = sorted((c for c in candidates if c.memory.total <= memory_budget), key=key)
-    if fitting:
-        ordered: list[Candidate] = []
-        rest = list(fitting)
-        while rest:
-            head = rest[0]
-            tie = [c for c in rest if c.time.total <= head.time.total * (1 + _SAME)]
-            tie.sort(key=lambda c: (c.layout.complexity(), c.memory.total, c.time.total))
-            ordered.extend(tie)
-            rest = [c for c in rest if c not in tie]
-        fitting = ordered
+    fitting = _simpler_first_among_ties(
+        sorted((c for c in candidates if c.memory.total <= memory_budget), key=key)
+    )
     over = sorted(
         (c for c in candidates if c.memory.total > memory_budget),
         key=lambda c: (c.memory.total, c.time.total),

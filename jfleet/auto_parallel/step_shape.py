@@ -30,6 +30,7 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from jfleet.auto_parallel.layouts import Layout, Workload
+from jfleet.auto_parallel.memo import block_groups, cached
 from jfleet.auto_parallel.patterns import ModelDims, ModelPatterns, ParamInfo
 from jfleet.auto_parallel.profiles import HardwareProfile, get_profile
 from jfleet.auto_parallel.step_work import layers_and_norms
@@ -47,7 +48,8 @@ class StepShape:
       patterns, workload, layout, profile: the inputs.
       devices_per_node: devices per node (intra- vs inter-node links).
       specs: each parameter's ``mp`` spec at this layout, by path.
-      mine: the parameters one device's stage holds (blocks of stage 0, and the rest).
+      leaf_counts: how many parameters one device's stage holds (blocks of stage 0
+        first): (outside the blocks, in them).
       stage_blocks: decoder blocks per pipeline stage; norms: norms per layer.
       tp_bytes: local parameter bytes after the ``mp`` split; z_bytes: after ZeRO's too.
       block_tp, outside_tp, one_block_tp: ``tp_bytes`` of the stage's blocks, of the
@@ -67,7 +69,7 @@ class StepShape:
     profile: HardwareProfile
     devices_per_node: int
     specs: Mapping[str, P]
-    mine: tuple[ParamInfo, ...]
+    leaf_counts: tuple[int, int]
     stage_blocks: int
     norms: int
     tp_bytes: int
@@ -126,11 +128,11 @@ def group_bandwidth(
     return profile.intra_node_bandwidth if span <= per_node else profile.inter_node_bandwidth
 
 
-def stored_leaves(params: Sequence[ParamInfo], blocks: int, *, stacked: bool) -> int:
-    """How many arrays hold ``params``: one per parameter, or one per block parameter
-    kind when the blocks are stacked (a scan over layers, a pipeline stage)."""
-    in_blocks = sum(p.block is not None for p in params)
-    outside = len(params) - in_blocks
+def stored_leaves(counts: tuple[int, int], blocks: int, *, stacked: bool) -> int:
+    """How many arrays hold a stage's parameters (``counts``: outside and in its blocks):
+    one per parameter, or one per block parameter kind when the blocks are stacked (a
+    scan over layers, a pipeline stage)."""
+    outside, in_blocks = counts
     return outside + (in_blocks // max(blocks, 1) if stacked and blocks else in_blocks)
 
 
@@ -145,17 +147,17 @@ def ring_bytes(kind: str, nbytes: float, n: int) -> float:
     return (n - 1) / n * nbytes
 
 
-def _param_bytes(patterns: ModelPatterns, layout: Layout, stage_blocks: int) -> dict:
-    """Each parameter's spec (once), and the stage's local bytes with and without ZeRO."""
-    deg, mp = layout.degrees, layout.mp
+def _stage_bytes(
+    params: tuple[ParamInfo, ...], specs: Mapping[str, P], layout: Layout
+) -> tuple[int, int, int]:
+    """(local bytes after ``mp``, after ZeRO too, of those in blocks) of ``params``."""
+    deg = layout.degrees
     zero = None
     if layout.zero_stage:
         abstract = AbstractMesh(tuple(deg.values()), AXIS_NAMES)
         zero = Placement(mesh=abstract, zero_stage=layout.zero_stage)
-    specs = {p.path: p.spec_for(mp) for p in patterns.params}
-    mine = tuple(p for p in patterns.params if p.block is None or p.block < stage_blocks)
     tp_bytes = z_bytes = block_tp = 0
-    for p in mine:
+    for p in params:
         itemsize = jnp.dtype(p.dtype).itemsize
         spec = specs[p.path]
         tp = _local_elems(spec, p.shape, deg) * itemsize
@@ -163,15 +165,48 @@ def _param_bytes(patterns: ModelPatterns, layout: Layout, stage_blocks: int) -> 
         tp_bytes += tp
         z_bytes += tp if zero is None else _local_elems(zspec, p.shape, deg) * itemsize
         block_tp += tp if p.block is not None else 0
-    return {
-        "specs": specs,
-        "mine": mine,
-        "tp_bytes": tp_bytes,
-        "z_bytes": z_bytes,
-        "block_tp": block_tp,
-        "outside_tp": tp_bytes - block_tp,
-        "one_block_tp": block_tp // stage_blocks if stage_blocks else 0,
-    }
+    return tp_bytes, z_bytes, block_tp
+
+
+def param_specs(patterns: ModelPatterns, mp: int) -> Mapping[str, P]:
+    """Each parameter's spec at ``mp``, by path (computed once per model and degree)."""
+    return cached(
+        patterns, ("specs", mp), lambda: {p.path: p.spec_for(mp) for p in patterns.params}
+    )
+
+
+def _param_bytes(patterns: ModelPatterns, layout: Layout, stage_blocks: int) -> dict:
+    """The stage's parameters and their local bytes with and without ZeRO (once a mesh).
+
+    Identical blocks (:func:`~jfleet.auto_parallel.memo.block_groups`) are summed over
+    block 0 and multiplied by the stage's blocks.
+    """
+    specs = param_specs(patterns, layout.mp)
+
+    def compute() -> dict:
+        outside, first, uniform = block_groups(patterns)
+        if uniform:
+            out_b = _stage_bytes(outside, specs, layout)
+            one_b = _stage_bytes(first, specs, layout)
+            sizes = tuple(o + stage_blocks * b for o, b in zip(out_b, one_b, strict=True))
+            counts = (len(outside), len(first) * stage_blocks)
+        else:
+            mine = tuple(p for p in patterns.params if p.block is None or p.block < stage_blocks)
+            sizes = _stage_bytes(mine, specs, layout)
+            in_blocks = sum(p.block is not None for p in mine)
+            counts = (len(mine) - in_blocks, in_blocks)
+        tp_bytes, z_bytes, block_tp = sizes
+        return {
+            "tp_bytes": tp_bytes,
+            "z_bytes": z_bytes,
+            "block_tp": block_tp,
+            "outside_tp": tp_bytes - block_tp,
+            "one_block_tp": block_tp // stage_blocks if stage_blocks else 0,
+            "leaf_counts": counts,
+        }
+
+    key = ("bytes", layout.zero_stage, tuple(layout.degrees.items()), stage_blocks)
+    return {"specs": specs, **cached(patterns, key, compute)}
 
 
 def step_shape(

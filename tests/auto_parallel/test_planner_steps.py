@@ -77,21 +77,27 @@ def test_estimate_and_plan_for_are_short_named_steps():
         assert not too_long, f"{module.__name__}: {too_long}"
 
 
-def test_each_spec_is_computed_once_per_candidate(monkeypatch):
+def test_each_spec_is_computed_once_per_mp_degree(monkeypatch):
     found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, layers=2))
     calls = []
     real = ParamInfo.spec_for
 
     def counted(self, mp):
-        calls.append(self.path)
+        calls.append((self.path, mp))
         return real(self, mp)
 
     monkeypatch.setattr(ParamInfo, "spec_for", counted)
     work = Workload(batch_size=16, seq_len=8, sequence_parallel=True)
-    for lay in (Layout(dp=2, mp=4), Layout(pp=2, mp=2, dp=2, num_microbatches=2, schedule="1F1B")):
-        calls.clear()
+    layouts = [
+        Layout(dp=2, mp=4),
+        Layout(sharding=2, mp=4, zero_stage=3),
+        Layout(pp=2, mp=2, dp=2, num_microbatches=2, schedule="1F1B"),
+        Layout(pp=2, mp=2, dp=2, num_microbatches=4, schedule="FThenB", recompute=True),
+    ]
+    for lay in layouts:
         cost_model.estimate(found, work, lay, "cpu", devices_per_node=8)
-        assert sorted(calls) == sorted(p.path for p in found.params)
+    expected = [(p.path, mp) for mp in (4, 2) for p in found.params]
+    assert sorted(calls) == sorted(expected)
 
 
 def test_terms_sum_to_the_estimate():
