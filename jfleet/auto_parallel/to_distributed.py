@@ -67,6 +67,7 @@ from jfleet.auto_parallel.scanned_blocks import ScannedBlocks, scan_blocks
 from jfleet.data import ShardedLoader, batch_shape, peek
 from jfleet.distributed_model import apply_distributed_settings
 from jfleet.distributed_optimizer import DistributedOptimizer
+from jfleet.optim.compiler import amp_settings
 from jfleet.parallel.virtual_stages import check_chunks_agree
 from jfleet.placement import Placement, check_divides
 from jfleet.strategy import DistributedStrategy
@@ -401,7 +402,16 @@ def _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len
         recompute=config.recompute,
         pipeline=_pipeline_problem(model, patterns, inputs, forward),
         scan_layers=config.scan_layers,
+        dtype=_amp_dtype(config.strategy),
     )
+
+
+def _amp_dtype(user: DistributedStrategy | None) -> str | None:
+    """The strategy's AMP compute dtype, planned at its rates (None: the model's dtype)."""
+    run = _context.current()
+    strategy = user if user is not None or run is None else run.strategy
+    settings = amp_settings(strategy) if strategy is not None else None
+    return settings.dtype if settings is not None else None
 
 
 def _pipeline_problem(
