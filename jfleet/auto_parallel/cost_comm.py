@@ -29,6 +29,7 @@ from jfleet.topology import DP, MP, PP, SEP, SHARDING
 __all__ = [
     "COLLECTIVE_KINDS",
     "data_parallel_time",
+    "exposed",
     "new_counts",
     "pipeline_time",
     "sequence_time",
@@ -63,7 +64,7 @@ def tensor_parallel_time(s: StepShape, coll: dict[str, float]) -> float:
     # counts them on each of its M + P - 1 ticks: the compiled loop holds them at
     # every tick (jfleet.testing.hlo weights them by the trip count), bubble or not.
     per_mb = s.chunk_blocks * (fwd * (2 if s.recompute else 1) + bwd)  # a chunk per tick
-    n_mb = per_mb * (s.v * m + pp - 1 if s.piped else m)
+    n_mb = per_mb * (s.v * m + pp - 1 if s.piped else m * s.accumulate)
     roles = cached(s.patterns, ("roles",), lambda: {p.role for p in s.patterns.params})
     n_out = int("embedding" in roles) + int("head" in roles or bool(s.patterns.tied_head))
     out_bytes = n_out * s.head_tokens * h * ab
@@ -121,10 +122,28 @@ def data_parallel_time(s: StepShape, coll: dict[str, float]) -> float:
     # scanned or pipelined): XLA combines all-reduces, not these (measured: 13
     # all-gathers scanned, 39 unrolled, TinyLlama 4 blocks)
     gathers = 2 if (lay.zero_stage >= 3 and s.remat_waits) else 1
+    if lay.zero_stage >= 3:  # gathered again for every accumulation micro-batch
+        gathers *= s.accumulate
     coll["all_gather"] += gathers * s.tp_bytes
     leaves = stored_leaves(s.leaf_counts, s.stage_blocks, stacked=s.piped or s.scanned)
     t_dp += gathers * (leaves * lat + ring_bytes("all-gather", s.tp_bytes, shard) / bw_shard)
     return t_dp
+
+
+def exposed(t_dp: float, s: StepShape, compute: float) -> float:
+    """The part of the gradient reduction / ZeRO gathers not hidden under compute.
+
+    ``HardwareProfile.comm_overlap`` of it runs under the compute the schedule leaves
+    beside it: the backward pass (2/3 of the compute; the forward too for ZeRO-3's
+    gathers), of the last micro-batch only in a pipeline or under gradient accumulation
+    (the reduction waits for the last gradients).
+    """
+    overlap = s.profile.comm_overlap
+    if not overlap or not t_dp:
+        return t_dp
+    share = 1.0 if s.layout.zero_stage >= 3 else 2 / 3
+    window = compute * share / (s.v * s.layout.num_microbatches * s.accumulate)
+    return max(t_dp - overlap * window, t_dp * (1 - overlap))
 
 
 def pipeline_time(s: StepShape, coll: dict[str, float]) -> float:

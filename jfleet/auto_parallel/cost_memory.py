@@ -33,7 +33,14 @@ from jfleet.auto_parallel.step_work import (
     split_degrees,
 )
 
-__all__ = ["activation_bytes", "loop_traffic_time", "memory", "per_layer_elems"]
+__all__ = [
+    "activation_bytes",
+    "gradient_bytes",
+    "loop_traffic_time",
+    "memory",
+    "optimizer_bytes",
+    "per_layer_elems",
+]
 
 #: One block's backward working set on one micro-batch, x its activations, when no loop
 #: over the stage's blocks adds a residual stack (measured on XLA:CPU, TinyLlama width 128).
@@ -61,9 +68,9 @@ def per_layer_elems(s: StepShape) -> float:
         s.patterns, ("split_degrees", mp), lambda: split_degrees(s.patterns, mp, s.specs)
     )
     if s.patterns.attention:
-        per_layer += (
-            ATTN_Q_ELEMS * d.q_dim + ATTN_SCORE_ELEMS * d.heads * s.workload.seq_len
-        ) / attn_mp
+        # the masked scores and probabilities only where the trace materialises them
+        scores = ATTN_SCORE_ELEMS * d.heads * s.workload.seq_len if s.scores_materialised else 0
+        per_layer += (ATTN_Q_ELEMS * d.q_dim + scores) / attn_mp
     if s.patterns.mlp:
         per_layer += MLP_ELEMS[s.patterns.mlp] * d.hidden / mlp_mp
     return per_layer
@@ -88,11 +95,12 @@ def _layer_acts(s: StepShape, per_layer: float) -> float:
         return s.v * s.tokens_local * h + work_set  # v M chunk inputs + one unit's
     if s.piped:
         return _FTHENB_KEPT * s.tokens_local * per_layer * s.stage_blocks + work_set
+    # without a pipeline one accumulation micro-batch's activations are live (tokens_live)
     if s.remat_waits:
-        return s.tokens_local * h * s.stage_blocks + s.tokens_mb * per_layer * _ONE_BLOCK_WORK
+        return s.tokens_live * h * s.stage_blocks + s.tokens_mb * per_layer * _ONE_BLOCK_WORK
     # no recompute, or recompute XLA:CPU schedules with the forward pass (outside a loop
     # it removes jax.checkpoint's barriers before scheduling; jfleet.recompute)
-    layer_acts = s.tokens_local * per_layer * s.stage_blocks
+    layer_acts = s.tokens_live * per_layer * s.stage_blocks
     if s.scanned:  # matmul outputs kept, and the backward's working set beside them
         layer_acts = _SCANNED_KEPT * layer_acts + s.tokens_mb * per_layer * _SCAN_WORK
     return layer_acts
@@ -107,27 +115,52 @@ def activation_bytes(s: StepShape) -> int:
         # the backward loop carries the stacked blocks' gradients, accumulated over its
         # iterations, while the residuals are live
         activations += s.block_tp
+    if s.accumulate > 1:  # the accumulated gradients, live beside each micro-batch's
+        activations += s.outside_tp if s.scanned else s.tp_bytes
     return activations
 
 
 def memory(s: StepShape) -> Memory:
     """Predicted bytes per device: resident state, gradients, gathered weights, activations."""
     stage = s.layout.zero_stage
-    moments = OPTIMIZER_MOMENTS[s.workload.optimizer]
-    opt_mem = moments * (s.z_bytes if stage >= 1 else s.tp_bytes)
-    if moments:
-        opt_mem += 4  # the step count
     gathered = 0
     if stage >= 3:
         gathered = s.outside_tp + (s.one_block_tp if s.remat_waits else s.block_tp)
     return Memory(
         params=s.z_bytes if stage >= 3 else s.tp_bytes,
-        optimizer=opt_mem,
+        optimizer=optimizer_bytes(s),
         inputs=2 * s.local_seqs * s.local_seq * 4,  # token ids and labels, int32
-        grads=s.tp_bytes,
+        grads=gradient_bytes(s),
+        grad_copies=2 if s.profile.whole_grad_temp else 1,
         gathered=gathered,
         activations=activation_bytes(s),
     )
+
+
+def optimizer_bytes(s: StepShape) -> int:
+    """Optimizer state: the moments over the ZeRO shard (stage >= 1), the step count, and
+    for half-precision parameters fp32 moments and fp32 master copies (AMP O2,
+    ``jfleet.amp.decorate``: the optimizer updates the masters)."""
+    moments = OPTIMIZER_MOMENTS[s.workload.optimizer]
+    if s.z_master:
+        opt_mem = moments * s.z_fp32 + s.z_master
+    else:  # fp32 parameters: the moments in their dtype
+        opt_mem = moments * (s.z_bytes if s.layout.zero_stage >= 1 else s.tp_bytes)
+    if moments:
+        opt_mem += 4  # the step count
+    return opt_mem
+
+
+def gradient_bytes(s: StepShape) -> int:
+    """The local gradient the step holds at its end (see ``HardwareProfile.whole_grad_temp``).
+
+    Where the compiler materialises it whole (XLA:CPU) it is every local gradient, twice
+    with the reduction's output (``Memory.grad_copies``). Else it is reduce-scattered as
+    it is produced: at ZeRO-2 / 3 the shard stays, with one block's gradient in flight.
+    """
+    if s.profile.whole_grad_temp or s.layout.zero_stage < 2:
+        return s.tp_bytes
+    return s.tp_bytes // s.layout.sharding + s.one_block_tp
 
 
 def loop_traffic_time(s: StepShape) -> float:
@@ -144,6 +177,8 @@ def loop_traffic_time(s: StepShape) -> float:
         stashed = s.v * s.tokens_local * s.dims.width
     elif s.piped:
         stashed = _FTHENB_KEPT * s.tokens_local * per_layer_elems(s) * s.stage_blocks
+    if not s.profile.loop_traffic:
+        return 0.0
     weight_passes = 4 + int(s.layout.recompute or s.staged) if s.piped else 0
     loop_bytes = 2 * stashed * s.act_bytes + weight_passes * s.layout.num_microbatches * s.block_tp
     return loop_bytes / s.profile.memory_bandwidth

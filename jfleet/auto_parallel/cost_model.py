@@ -125,6 +125,7 @@ from collections.abc import Sequence
 
 from jfleet.auto_parallel.cost_comm import (
     data_parallel_time,
+    exposed,
     new_counts,
     pipeline_time,
     sequence_time,
@@ -153,6 +154,7 @@ __all__ = [
     "StepTime",
     "compute_time",
     "estimate",
+    "matmul_efficiency",
     "rank",
 ]
 
@@ -160,6 +162,26 @@ _SAME = 1e-9  # relative time difference treated as a tie (equal programs)
 
 
 # ------------------------------------------------------------------ estimation
+def matmul_efficiency(s: StepShape) -> float:
+    """The fraction of peak the step's matmuls reach: the profile's efficiency, and on a
+    profile with a roofline the memory bound of a micro-batch's widest projection.
+
+    A weight of ``k x n`` (``k`` the width, ``n`` the MLP's hidden or the query width over
+    ``mp``) applied to the micro-batch's ``m`` tokens does ``2 mkn`` flops and moves
+    ``(mk + kn + mn)`` elements; below ``peak / memory_bandwidth`` flops a byte it runs at
+    the memory's rate.
+    """
+    profile = s.profile
+    if not profile.roofline:
+        return profile.matmul_efficiency
+    d = s.dims
+    m, k = max(s.tokens_mb, 1), max(d.width, 1)
+    n = max(d.hidden, d.q_dim, d.width, 1) / s.layout.mp
+    intensity = 2 * m * k * n / (s.act_bytes * (m * k + k * n + m * n))
+    peak = profile.flops(s.workload.dtype) * profile.matmul_efficiency
+    return profile.matmul_efficiency * min(1.0, intensity * profile.memory_bandwidth / peak)
+
+
 def compute_time(s: StepShape) -> tuple[float, float, float]:
     """(compute seconds, bubble seconds, executed FLOPs) per device of one step."""
     lay, profile = s.layout, s.profile
@@ -171,7 +193,7 @@ def compute_time(s: StepShape) -> tuple[float, float, float]:
     )
     block_flops = (step_blocks + (fwd_blocks if s.recompute else 0.0)) / pp
     outside_flops = step_outside / pp if s.rows_over_pp else step_outside
-    peak = profile.flops(s.workload.dtype)
+    peak = profile.flops(s.workload.dtype) * matmul_efficiency(s)
     t_blocks = block_flops / peak
     t_head = outside_flops / peak
     bubble = 0.0
@@ -227,7 +249,7 @@ def estimate(
         compute=compute,
         bubble=bubble,
         tensor_parallel=tensor_parallel_time(s, coll),
-        data_parallel=data_parallel_time(s, coll),
+        data_parallel=exposed(data_parallel_time(s, coll), s, compute),
         pipeline=pipeline_time(s, coll),
         sequence=sequence_time(s, coll),
         memory_traffic=loop_traffic_time(s),

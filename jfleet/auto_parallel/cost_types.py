@@ -28,15 +28,19 @@ def gib_text(n: float) -> str:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Memory:
-    """Predicted bytes per device (see the module docstring for the formulas).
+    """Predicted bytes per device (formulas: :mod:`jfleet.auto_parallel.cost_model`).
 
     Attributes:
       params: resident parameters (ZeRO-3: the shard).
       optimizer: optimizer state.
       inputs: the batch.
-      grads: the local gradient the step materialises (before reduction).
+      grads: the local gradient the step holds at its end (the ZeRO-2 / 3 shard where
+        the profile reduce-scatters it as it is produced).
       gathered: ZeRO-3 parameters gathered for the step (0 otherwise).
       activations: activations live between the forward and the backward pass.
+      grad_copies: gradient-sized buffers at the end of the backward pass: 2 where the
+        whole local gradient is live beside the reduction's output (XLA:CPU), 1 where
+        gradients are reduced as they are produced.
     """
 
     params: int
@@ -45,6 +49,7 @@ class Memory:
     grads: int
     gathered: int
     activations: int
+    grad_copies: int = 2
 
     @property
     def resident(self) -> int:
@@ -54,7 +59,7 @@ class Memory:
     @property
     def temp(self) -> int:
         """Bytes of the step's temporaries at its peak."""
-        return max(self.activations + self.gathered, 2 * self.grads)
+        return max(self.activations + self.gathered, self.grad_copies * self.grads)
 
     @property
     def total(self) -> int:

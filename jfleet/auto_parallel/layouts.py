@@ -150,6 +150,10 @@ class Layout:
       recompute: recompute each block's activations in the backward pass.
       num_virtual_stages: ``v``, chunks per stage (``"VPP"``: at least 2, and ``M`` a
         multiple of ``pp``; 1 otherwise).
+      accumulate_steps: without a pipeline, the local batch runs as this many
+        micro-batches whose gradients are summed before one reduction and update
+        (gradient accumulation, the engine's gradient merge); 1 with a pipeline, whose
+        micro-batches are ``num_microbatches``.
 
     Raises:
       ValueError: a degree < 1, or an inconsistent stage / schedule / micro-batch /
@@ -170,9 +174,10 @@ class Layout:
     num_microbatches: int = 1
     recompute: bool = False
     num_virtual_stages: int = 1
+    accumulate_steps: int = 1
 
     def __post_init__(self) -> None:
-        for name in (*AXIS_NAMES, "num_microbatches", "num_virtual_stages"):
+        for name in (*AXIS_NAMES, "num_microbatches", "num_virtual_stages", "accumulate_steps"):
             value = getattr(self, name)
             if not _count_ok(value):
                 raise ValueError(f"{name}={value!r} must be an int >= 1.")
@@ -193,6 +198,11 @@ class Layout:
             raise ValueError(
                 f"schedule={self.schedule!r} / num_microbatches={self.num_microbatches} "
                 "only apply with pp > 1."
+            )
+        if self.pp > 1 and self.accumulate_steps != 1:
+            raise ValueError(
+                f"accumulate_steps={self.accumulate_steps} with pp={self.pp}: a pipeline's "
+                "micro-batches are num_microbatches; leave accumulate_steps at 1."
             )
         interleaved = self.num_virtual_stages > 1
         if self.schedule is None and interleaved:
@@ -236,6 +246,8 @@ class Layout:
             extra.append(f"VPP v={self.num_virtual_stages} M={self.num_microbatches}")
         elif self.pp > 1:
             extra.append(f"{self.schedule} M={self.num_microbatches}")
+        if self.accumulate_steps > 1:
+            extra.append(f"accumulate {self.accumulate_steps}")
         if self.recompute:
             extra.append("recompute")
         return self.mesh_name + (f" ({', '.join(extra)})" if extra else "")
@@ -245,7 +257,7 @@ class Layout:
         kinds = sum(d > 1 for a, d in self.degrees.items() if a != DP)
         return (
             kinds, self.zero_stage, self.recompute, self.pp, self.num_virtual_stages, self.mp,
-            self.sep,
+            self.sep, self.accumulate_steps,
         )  # fmt: skip
 
 
@@ -346,10 +358,12 @@ def _zero_problem(zero_stage: int | None, sharding: int) -> str | None:
     return None
 
 
-def _microbatch_options(local: int, pp: int, forced: int | None) -> list[int]:
+def _microbatch_options(local: int, pp: int, forced: int | None, wide: bool) -> list[int]:
     if forced is not None:
         return [forced] if local % forced == 0 else []
     divisors = _divisors(local)
+    if wide:  # every micro-batch size: M from pp up to the local batch
+        return [m for m in divisors if m >= pp] or [divisors[-1]]
     out = []
     for target in (pp, 2 * pp, 4 * pp):
         fit = [m for m in divisors if m >= target]
@@ -361,7 +375,12 @@ def _microbatch_options(local: int, pp: int, forced: int | None) -> list[int]:
 
 
 def _virtual_options(
-    patterns: ModelPatterns, schedule: str | None, pp: int, m: int, forced: int | None
+    patterns: ModelPatterns,
+    schedule: str | None,
+    pp: int,
+    m: int,
+    forced: int | None,
+    wide: bool = False,
 ) -> list[int]:
     """Chunks per stage to try: 1 for one-chunk schedules; for VPP those of
     :data:`VIRTUAL_OPTIONS` (or ``forced``) that interleave this pipeline: ``M`` a multiple
@@ -370,6 +389,8 @@ def _virtual_options(
         return [1]
     units = len(patterns.blocks) // (patterns.block_period or 1)
     options = [forced] if forced else list(VIRTUAL_OPTIONS)
+    if wide and not forced:
+        options = [v for v in _divisors(max(units // pp, 1)) if v > 1]
     return [v for v in options if v > 1 and m % pp == 0 and units % (pp * v) == 0]
 
 
@@ -408,6 +429,7 @@ def enumerate_layouts(
     zero_stage: int | None = None,
     recompute: bool | None = None,
     num_virtual_stages: int | None = None,
+    wide: bool = False,
 ) -> tuple[list[Layout], list[tuple[str, str]]]:
     """Every layout worth predicting, and the meshes excluded (with the reason).
 
@@ -424,6 +446,10 @@ def enumerate_layouts(
       num_virtual_stages: chunks per stage for ``"VPP"`` (default: :data:`VIRTUAL_OPTIONS`);
         VPP layouts are offered where ``M`` is a multiple of ``pp`` and ``pp x v`` divides
         the blocks (super-blocks).
+      wide: the search practitioners use: every micro-batch count ``M`` from ``pp`` up to
+        the local batch, every ``v`` dividing a stage's blocks, and without a pipeline
+        gradient accumulation over every divisor of the local batch (else ``M`` near
+        ``pp``, ``2 pp``, ``4 pp``, ``v`` of :data:`VIRTUAL_OPTIONS`, no accumulation).
 
     Returns:
       ``(layouts, excluded)``; ``excluded`` holds ``(mesh name, reason)`` pairs.
@@ -452,7 +478,7 @@ def enumerate_layouts(
         stages = ([zero_stage] if zero_stage else [1, 2, 3]) if deg[SHARDING] > 1 else [0]
         if deg[PP] > 1:
             local = workload.batch_size // (deg[DP] * deg[SHARDING])
-            ms = _microbatch_options(local, deg[PP], num_microbatches)
+            ms = _microbatch_options(local, deg[PP], num_microbatches, wide)
             if not ms:
                 excluded.append(
                     (
@@ -465,12 +491,14 @@ def enumerate_layouts(
             scheds = [schedule] if schedule else list(SCHEDULES)
         else:
             ms, scheds = [1], [None]
+        local = workload.batch_size // (deg[DP] * deg[SHARDING])
+        accumulations = _divisors(local) if wide and deg[PP] == 1 else [1]
         before = len(layouts)
         for stage, sched, m, rc in itertools.product(stages, scheds, ms, recompute_options):
             if sched in ("1F1B", "VPP") and rc and recompute is None:
                 continue  # 1F1B recomputes each stage anyway: the same layout twice
-            for v in _virtual_options(patterns, sched, deg[PP], m, num_virtual_stages):
-                layouts.append(
+            for v in _virtual_options(patterns, sched, deg[PP], m, num_virtual_stages, wide):
+                layouts.extend(
                     Layout(
                         **deg,
                         zero_stage=stage,
@@ -478,7 +506,9 @@ def enumerate_layouts(
                         num_microbatches=m,
                         recompute=rc,
                         num_virtual_stages=v,
+                        accumulate_steps=a,
                     )
+                    for a in accumulations
                 )
         if len(layouts) == before and deg[PP] > 1:
             excluded.append((name, _no_interleaving(patterns, deg[PP], ms, num_virtual_stages)))

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
+from jfleet.auto_parallel.attention_trace import scores_materialised
 from jfleet.auto_parallel.layouts import Layout, Workload
 from jfleet.auto_parallel.memo import block_groups, cached
 from jfleet.auto_parallel.patterns import ModelDims, ModelPatterns, ParamInfo
@@ -52,11 +53,19 @@ class StepShape:
         first): (outside the blocks, in them).
       stage_blocks: decoder blocks per pipeline stage; norms: norms per layer.
       tp_bytes: local parameter bytes after the ``mp`` split; z_bytes: after ZeRO's too.
+      z_fp32: ``z_bytes``' elements at 4 bytes (fp32 optimizer state); z_master: those
+        of half-precision parameters (their fp32 master copies under AMP).
       block_tp, outside_tp, one_block_tp: ``tp_bytes`` of the stage's blocks, of the
         rest, of one block.
       local_seqs, local_seq: sequences and tokens per sequence per device.
       tokens_local, tokens_mb, head_tokens: tokens per device per step, per
-        micro-batch, and those the embedding / head run on.
+        micro-batch (pipeline or gradient accumulation), and those the embedding / head
+        run on at once.
+      tokens_live: tokens whose activations a program without a pipeline holds at once
+        (one accumulation micro-batch's).
+      accumulate: gradient-accumulation micro-batches (``Layout.accumulate_steps``).
+      scores_materialised: whether the traced attention materialises its ``s x s``
+        scores (:func:`~jfleet.auto_parallel.attention_trace.scores_materialised`).
       piped, staged, scanned, rows_over_pp, remat_waits, recompute: the program run
         (see the cost model's docstring).
       v: chunks per stage; chunk_blocks: blocks per chunk.
@@ -74,6 +83,8 @@ class StepShape:
     norms: int
     tp_bytes: int
     z_bytes: int
+    z_fp32: int
+    z_master: int
     block_tp: int
     outside_tp: int
     one_block_tp: int
@@ -82,6 +93,9 @@ class StepShape:
     tokens_local: int
     tokens_mb: int
     head_tokens: int
+    tokens_live: int
+    accumulate: int
+    scores_materialised: bool
     piped: bool
     staged: bool
     scanned: bool
@@ -149,23 +163,27 @@ def ring_bytes(kind: str, nbytes: float, n: int) -> float:
 
 def _stage_bytes(
     params: tuple[ParamInfo, ...], specs: Mapping[str, P], layout: Layout
-) -> tuple[int, int, int]:
-    """(local bytes after ``mp``, after ZeRO too, of those in blocks) of ``params``."""
+) -> tuple[int, ...]:
+    """Local bytes of ``params`` after ``mp``, after ZeRO too, of those in blocks; and after
+    ZeRO at 4 bytes an element (fp32 optimizer state), of the fp32 masters of half ones."""
     deg = layout.degrees
     zero = None
     if layout.zero_stage:
         abstract = AbstractMesh(tuple(deg.values()), AXIS_NAMES)
         zero = Placement(mesh=abstract, zero_stage=layout.zero_stage)
-    tp_bytes = z_bytes = block_tp = 0
+    tp_bytes = z_bytes = block_tp = z_fp32 = z_master = 0
     for p in params:
         itemsize = jnp.dtype(p.dtype).itemsize
         spec = specs[p.path]
-        tp = _local_elems(spec, p.shape, deg) * itemsize
+        tp_elems = _local_elems(spec, p.shape, deg)
         zspec = zero.zero_spec(spec, p.shape) if zero is not None else spec
-        tp_bytes += tp
-        z_bytes += tp if zero is None else _local_elems(zspec, p.shape, deg) * itemsize
-        block_tp += tp if p.block is not None else 0
-    return tp_bytes, z_bytes, block_tp
+        z_elems = tp_elems if zero is None else _local_elems(zspec, p.shape, deg)
+        tp_bytes += tp_elems * itemsize
+        z_bytes += z_elems * itemsize
+        block_tp += tp_elems * itemsize if p.block is not None else 0
+        z_fp32 += 4 * z_elems
+        z_master += 4 * z_elems if itemsize < 4 else 0  # fp32 masters of half params
+    return tp_bytes, z_bytes, block_tp, z_fp32, z_master
 
 
 def param_specs(patterns: ModelPatterns, mp: int) -> Mapping[str, P]:
@@ -195,8 +213,10 @@ def _param_bytes(patterns: ModelPatterns, layout: Layout, stage_blocks: int) -> 
             sizes = _stage_bytes(mine, specs, layout)
             in_blocks = sum(p.block is not None for p in mine)
             counts = (len(mine) - in_blocks, in_blocks)
-        tp_bytes, z_bytes, block_tp = sizes
+        tp_bytes, z_bytes, block_tp, z_fp32, z_master = sizes
         return {
+            "z_fp32": z_fp32,
+            "z_master": z_master,
             "tp_bytes": tp_bytes,
             "z_bytes": z_bytes,
             "block_tp": block_tp,
@@ -227,6 +247,7 @@ def step_shape(
     local_seqs = workload.batch_size // data
     local_seq = workload.seq_len // layout.sep
     tokens_local = local_seqs * local_seq
+    accumulate = layout.accumulate_steps
     piped = pp > 1
     # 1F1B's program (VPP: the same over v interleaved chunks); FThenB with recompute too
     staged = piped and (layout.schedule in ("1F1B", "VPP") or layout.recompute)
@@ -243,8 +264,11 @@ def step_shape(
         local_seqs=local_seqs,
         local_seq=local_seq,
         tokens_local=tokens_local,
-        tokens_mb=tokens_local // m,
-        head_tokens=tokens_local // pp if rows_over_pp else tokens_local,
+        tokens_mb=tokens_local // (m * accumulate),
+        head_tokens=(tokens_local // pp if rows_over_pp else tokens_local) // accumulate,
+        tokens_live=tokens_local // accumulate,
+        accumulate=accumulate,
+        scores_materialised=scores_materialised(patterns),
         piped=piped,
         staged=staged,
         scanned=scanned,

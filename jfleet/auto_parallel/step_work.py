@@ -27,6 +27,7 @@ from collections.abc import Mapping
 
 from jax.sharding import PartitionSpec as P
 
+from jfleet.auto_parallel.attention_trace import fused_attention_flops
 from jfleet.auto_parallel.layouts import Layout, Workload
 from jfleet.auto_parallel.patterns import COLUMN_ROLES, ROW_ROLES, ModelPatterns
 
@@ -185,4 +186,9 @@ def step_flops(
         else:
             fwd_blocks += f
             step_blocks += step
+    fused = fused_attention_flops(patterns, workload.tokens / data, workload.seq_len)
+    if fused:  # a fused attention's products, split over mp with the heads
+        fused /= split_degrees(patterns, layout.mp, specs)[0]
+        fwd_blocks += fused
+        step_blocks += 3 * fused
     return fwd_blocks, step_blocks, step_outside

@@ -263,7 +263,7 @@ def test_pipeline_schedules_bubble_and_transfers():
 
 def test_links_across_nodes_are_slower():
     found = _llama()
-    h100 = dataclasses.replace(get_profile("h100"), collective_latency=0.0)
+    h100 = dataclasses.replace(get_profile("h100"), collective_latency=0.0, comm_overlap=0.0)
     inside = _est(found, Layout(dp=8), profile=h100, per_node=8).time.data_parallel
     across = _est(found, Layout(dp=8), profile=h100, per_node=4).time.data_parallel
     assert across / inside == pytest.approx(h100.intra_node_bandwidth / h100.inter_node_bandwidth)
