@@ -129,6 +129,54 @@ def _model_dtype(patterns: ModelPatterns) -> str:
     return counts.most_common(1)[0][0]
 
 
+def prune_dominated(candidates: list[Candidate]) -> list[Candidate]:
+    """``candidates`` without those another one beats on both time and memory.
+
+    A candidate is dropped when one at least as fast (within ``1e-9``: equal programs
+    tie) needs no more memory and is strictly better in one of the two.
+
+    >>> from jfleet.auto_parallel.cost_model import Collectives, Memory, StepTime
+    >>> from jfleet.auto_parallel.layouts import Layout
+    >>> def cand(dp, seconds, nbytes):
+    ...     mem = Memory(params=nbytes, optimizer=0, inputs=0, grads=0, gathered=0,
+    ...                  activations=0)
+    ...     return Candidate(layout=Layout(dp=dp), memory=mem,
+    ...                      time=StepTime(compute=seconds), collectives=Collectives())
+    >>> [c.layout.dp for c in prune_dominated([cand(1, 1.0, 9), cand(2, 2.0, 9),
+    ...                                         cand(4, 3.0, 1)])]
+    [1, 4]
+    """
+    by_time = sorted(candidates, key=lambda c: (c.time.total, c.memory.total))
+    kept: list[Candidate] = []
+    least = math.inf  # least memory among the faster ones kept
+    for c in by_time:
+        t, m = c.time.total, c.memory.total
+        if m >= least and kept and t > kept[-1].time.total * (1 + 1e-9):
+            continue
+        if m >= least and kept and t == kept[-1].time.total and m > kept[-1].memory.total:
+            continue
+        kept.append(c)
+        least = min(least, m)
+    return kept
+
+
+def _workload(
+    patterns: ModelPatterns,
+    batch_size: int,
+    seq_len: int,
+    dtype: str | None,
+    optimizer: str,
+    sequence_parallel: bool,
+) -> Workload:
+    return Workload(
+        batch_size=_positive_int("batch_size", batch_size),
+        seq_len=_positive_int("seq_len", seq_len),
+        dtype=dtype or _model_dtype(patterns),
+        optimizer=optimizer,
+        sequence_parallel=sequence_parallel,
+    )
+
+
 def _check_search(
     schedule: str | None,
     num_microbatches: int | None,
@@ -175,7 +223,7 @@ def _profile_budget(
     profile: str | HardwareProfile | None, memory_budget: float | None
 ) -> tuple[HardwareProfile, float]:
     prof = get_profile(profile)
-    budget = prof.memory_bytes if memory_budget is None else memory_budget
+    budget = prof.usable_memory if memory_budget is None else memory_budget
     if not budget > 0:
         raise ValueError(f"memory_budget={memory_budget!r} must be a positive number of bytes.")
     return prof, budget
@@ -304,6 +352,7 @@ def plan_for(
     patterns: ModelPatterns | None = None,
     scan_layers: bool = True,
     num_virtual_stages: int | None = None,
+    wide_search: bool = False,
 ) -> Plan:
     """Chooses the fastest layout of ``model`` that fits, by the cost model.
 
@@ -321,17 +370,19 @@ def plan_for(
       num_microbatches: pipeline micro-batches; default: compared.
       zero_stage: ZeRO stage (0 forbids a sharding axis); default: compared.
       sequence_parallel: Megatron sequence parallelism over ``mp``, and ``sep`` candidates.
-      optimizer: what the optimizer state is sized for (``adam``, ``momentum``, ``sgd``, ...).
-      recompute: force recompute on or off; default: compared.
+      optimizer: the state's kind (``adam``, ``momentum``, ``sgd``, ...); recompute: on
+        or off; default: compared.
       dtype: compute dtype; default the model's parameter dtype.
       pipeline: whether layouts with ``pp > 1`` may be chosen: True, or False / the reason
         they may not (from :func:`~jfleet.auto_parallel.block_check.pipeline_problem`).
       scan_layers: alike blocks run as one ``lax.scan`` when not pipelined (predicted so).
       patterns: ``match_patterns(model)``, when the caller has it; default: matched here.
       num_virtual_stages: chunks per stage of ``"VPP"`` layouts (2 or more); default 2.
+      wide_search: every ``M``, ``v`` and gradient accumulation (``enumerate_layouts``'s
+        ``wide``), dominated layouts pruned; for planning offline (it plans layouts
+        ``to_distributed`` does not run yet: accumulation).
 
-    Returns:
-      The :class:`Plan`.
+    Returns: The :class:`Plan`.
 
     Raises:
       TypeError: a non-module model, a non-dict ``force_mesh``, non-``ModelPatterns``.
@@ -350,18 +401,12 @@ def plan_for(
     forced = _checked_force(force_mesh, device_num, node_num, sequence_parallel)
     prof, budget = _profile_budget(profile, memory_budget)
     patterns = match_patterns(model) if patterns is None else _check_patterns(patterns, model)
-    workload = Workload(
-        batch_size=_positive_int("batch_size", batch_size),
-        seq_len=_positive_int("seq_len", seq_len),
-        dtype=dtype or _model_dtype(patterns),
-        optimizer=optimizer,
-        sequence_parallel=sequence_parallel,
-    )
+    workload = _workload(patterns, batch_size, seq_len, dtype, optimizer, sequence_parallel)
     name = type(model).__name__
     _report_patterns(patterns, name, forced, force_mesh)
     why_not_piped = _why_not_piped(pipeline, forced, force_mesh)
     search = dict(schedule=schedule, num_microbatches=num_microbatches, zero_stage=zero_stage)
-    search.update(recompute=recompute, num_virtual_stages=num_virtual_stages)
+    search.update(recompute=recompute, num_virtual_stages=num_virtual_stages, wide=wide_search)
     layouts, excluded = _candidate_layouts(
         patterns,
         workload,
@@ -378,6 +423,7 @@ def plan_for(
         estimate(patterns, workload, lay, prof, devices_per_node=device_num, scan_layers=scan)
         for lay in layouts
     ]
+    candidates = prune_dominated(candidates) if wide_search else candidates
     ranked = _choose(rank(candidates, budget), budget, forced, force_mesh)
     return _build_plan(
         patterns, workload, ranked, excluded, prof, budget, device_num, node_num, name

@@ -32,7 +32,7 @@ Built-in profiles (:data:`PROFILES`):
 * ``h200``: NVIDIA H200 SXM 141GB (H200 datasheet): the H100's compute, 141 GB HBM3e at
   4.8 TB/s, NVLink 900 GB/s, 400 Gb/s per GPU between nodes.
 
-Beyond the datasheets the GPU profiles reach ``matmul_efficiency`` (0.7) of peak in large
+Beyond the datasheets the GPU profiles reach ``matmul_efficiency`` (0.5) of peak in large
 matmuls, hide the gradient reduction and ZeRO gathers under the compute the schedule
 leaves beside them (``comm_overlap``), reduce-scatter gradients as they are produced
 (``whole_grad_temp=False``) and keep 5% of memory for the allocator (``memory_margin``);
@@ -217,7 +217,7 @@ _CPU = HardwareProfile(
 #: ``XLA_PYTHON_CLIENT_MEM_FRACTION=.95``: by default it preallocates 75%).
 _GPU = {
     "loop_traffic": False,
-    "matmul_efficiency": 0.7,
+    "matmul_efficiency": 0.5,
     "roofline": True,
     "comm_overlap": 1.0,
     "whole_grad_temp": False,
