@@ -15,7 +15,7 @@ from jfleet.models.llama import TinyLlama
 to_distributed_module = importlib.import_module("jfleet.auto_parallel.to_distributed")
 
 
-class _Planned(Exception):
+class _PlannedError(Exception):
     pass
 
 
@@ -24,11 +24,11 @@ def _planned_dtype(monkeypatch, strategy):
 
     def spy(model, **kwargs):
         seen.update(kwargs)
-        raise _Planned
+        raise _PlannedError
 
     monkeypatch.setattr(to_distributed_module, "plan_for", spy)
     config = ToDistributedConfig(strategy=strategy)
-    with pytest.raises(_Planned):
+    with pytest.raises(_PlannedError):
         to_distributed_module.to_distributed(
             TinyLlama(), optax.adam(1e-3), lm_batches(1, batch=8), device_num=8, config=config
         )
