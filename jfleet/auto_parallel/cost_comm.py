@@ -64,7 +64,7 @@ def tensor_parallel_time(s: StepShape, coll: dict[str, float]) -> float:
     # counts them on each of its M + P - 1 ticks: the compiled loop holds them at
     # every tick (jfleet.testing.hlo weights them by the trip count), bubble or not.
     per_mb = s.chunk_blocks * (fwd * (2 if s.recompute else 1) + bwd)  # a chunk per tick
-    n_mb = per_mb * (s.v * m + pp - 1 if s.piped else m * s.accumulate)
+    n_mb = per_mb * (s.v * m + pp - 1 if s.piped else m) * s.accumulate
     roles = cached(s.patterns, ("roles",), lambda: {p.role for p in s.patterns.params})
     n_out = int("embedding" in roles) + int("head" in roles or bool(s.patterns.tied_head))
     out_bytes = n_out * s.head_tokens * h * ab
@@ -154,7 +154,7 @@ def pipeline_time(s: StepShape, coll: dict[str, float]) -> float:
     lat, bw_pp, ab, h = s.profile.collective_latency, s.bandwidth(PP), s.act_bytes, s.dims.width
     # every schedule: one forward loop and one backward loop of v M + P - 1 ticks, one
     # collective-permute of a micro-batch's b s h per tick and direction
-    ticks = s.v * s.layout.num_microbatches + pp - 1
+    ticks = (s.v * s.layout.num_microbatches + pp - 1) * s.accumulate  # over A calls
     act = s.tokens_mb * h * ab
     coll["collective_permute"] += 2 * ticks * act
     t_pp = 2 * ticks * (lat + act / bw_pp)
@@ -163,7 +163,7 @@ def pipeline_time(s: StepShape, coll: dict[str, float]) -> float:
     # the cotangents): 2 all-gathers + 2 reduce-scatters of the local batch's b s h.
     # Otherwise the embedding and head run on every stage on the same values, and the
     # output and the input's cotangent are all-reduced over pp.
-    out = s.tokens_local * h * ab
+    out = s.tokens_live * h * ab * s.accumulate  # A calls of tokens_live each
     if s.rows_over_pp:
         coll["all_gather"] += 2 * out
         coll["reduce_scatter"] += 2 * out
@@ -180,7 +180,7 @@ def sequence_time(s: StepShape, coll: dict[str, float]) -> float:
     if sep <= 1 or not s.patterns.attention:
         return 0.0
     kv = s.tokens_mb * sep * 2 * s.dims.kv_dim / s.layout.mp * s.act_bytes
-    n = s.stage_blocks * s.layout.num_microbatches
+    n = s.stage_blocks * s.layout.num_microbatches * s.accumulate
     coll["all_gather"] += n * kv
     coll["reduce_scatter"] += n * kv
     lat = s.profile.collective_latency

@@ -92,10 +92,10 @@ def _layer_acts(s: StepShape, per_layer: float) -> float:
     looped = s.chunk_blocks > 1
     work_set = s.tokens_mb * per_layer * ((s.chunk_blocks + 1) if looped else _ONE_BLOCK_WORK)
     if s.staged:
-        return s.v * s.tokens_local * h + work_set  # v M chunk inputs + one unit's
+        return s.v * s.tokens_live * h + work_set  # v M chunk inputs + one unit's
     if s.piped:
-        return _FTHENB_KEPT * s.tokens_local * per_layer * s.stage_blocks + work_set
-    # without a pipeline one accumulation micro-batch's activations are live (tokens_live)
+        return _FTHENB_KEPT * s.tokens_live * per_layer * s.stage_blocks + work_set
+    # one accumulation step's activations are live (tokens_live: all of them when A = 1)
     if s.remat_waits:
         return s.tokens_live * h * s.stage_blocks + s.tokens_mb * per_layer * _ONE_BLOCK_WORK
     # no recompute, or recompute XLA:CPU schedules with the forward pass (outside a loop
@@ -116,7 +116,7 @@ def activation_bytes(s: StepShape) -> int:
         # iterations, while the residuals are live
         activations += s.block_tp
     if s.accumulate > 1:  # the accumulated gradients, live beside each micro-batch's
-        activations += s.outside_tp if s.scanned else s.tp_bytes
+        activations += s.outside_tp if (s.scanned or s.piped) else s.tp_bytes
     return activations
 
 
@@ -174,9 +174,9 @@ def loop_traffic_time(s: StepShape) -> float:
     # not a stash of all M.
     stashed = 0.0
     if s.staged:
-        stashed = s.v * s.tokens_local * s.dims.width
+        stashed = s.v * s.tokens_live * s.dims.width
     elif s.piped:
-        stashed = _FTHENB_KEPT * s.tokens_local * per_layer_elems(s) * s.stage_blocks
+        stashed = _FTHENB_KEPT * s.tokens_live * per_layer_elems(s) * s.stage_blocks
     if not s.profile.loop_traffic:
         return 0.0
     weight_passes = 4 + int(s.layout.recompute or s.staged) if s.piped else 0

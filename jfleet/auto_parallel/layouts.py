@@ -150,10 +150,9 @@ class Layout:
       recompute: recompute each block's activations in the backward pass.
       num_virtual_stages: ``v``, chunks per stage (``"VPP"``: at least 2, and ``M`` a
         multiple of ``pp``; 1 otherwise).
-      accumulate_steps: without a pipeline, the local batch runs as this many
-        micro-batches whose gradients are summed before one reduction and update
-        (gradient accumulation, the engine's gradient merge); 1 with a pipeline, whose
-        micro-batches are ``num_microbatches``.
+      accumulate_steps: the local batch runs as this many calls whose gradients are
+        summed before one reduction and update (gradient accumulation, the engine's
+        gradient merge); with a pipeline each call runs ``num_microbatches``.
 
     Raises:
       ValueError: a degree < 1, or an inconsistent stage / schedule / micro-batch /
@@ -198,11 +197,6 @@ class Layout:
             raise ValueError(
                 f"schedule={self.schedule!r} / num_microbatches={self.num_microbatches} "
                 "only apply with pp > 1."
-            )
-        if self.pp > 1 and self.accumulate_steps != 1:
-            raise ValueError(
-                f"accumulate_steps={self.accumulate_steps} with pp={self.pp}: a pipeline's "
-                "micro-batches are num_microbatches; leave accumulate_steps at 1."
             )
         interleaved = self.num_virtual_stages > 1
         if self.schedule is None and interleaved:
@@ -447,9 +441,9 @@ def enumerate_layouts(
         VPP layouts are offered where ``M`` is a multiple of ``pp`` and ``pp x v`` divides
         the blocks (super-blocks).
       wide: the search practitioners use: every micro-batch count ``M`` from ``pp`` up to
-        the local batch, every ``v`` dividing a stage's blocks, and without a pipeline
-        gradient accumulation over every divisor of the local batch (else ``M`` near
-        ``pp``, ``2 pp``, ``4 pp``, ``v`` of :data:`VIRTUAL_OPTIONS`, no accumulation).
+        the local batch, every ``v`` dividing a stage's blocks, and gradient accumulation
+        over every divisor of the local batch / ``M`` (else ``M`` near ``pp``, ``2 pp``,
+        ``4 pp``, ``v`` of :data:`VIRTUAL_OPTIONS`, no accumulation).
 
     Returns:
       ``(layouts, excluded)``; ``excluded`` holds ``(mesh name, reason)`` pairs.
@@ -492,7 +486,6 @@ def enumerate_layouts(
         else:
             ms, scheds = [1], [None]
         local = workload.batch_size // (deg[DP] * deg[SHARDING])
-        accumulations = _divisors(local) if wide and deg[PP] == 1 else [1]
         before = len(layouts)
         for stage, sched, m, rc in itertools.product(stages, scheds, ms, recompute_options):
             if sched in ("1F1B", "VPP") and rc and recompute is None:
@@ -508,7 +501,7 @@ def enumerate_layouts(
                         num_virtual_stages=v,
                         accumulate_steps=a,
                     )
-                    for a in accumulations
+                    for a in (_divisors(local // m) if wide else [1])
                 )
         if len(layouts) == before and deg[PP] > 1:
             excluded.append((name, _no_interleaving(patterns, deg[PP], ms, num_virtual_stages)))

@@ -61,8 +61,8 @@ class StepShape:
       tokens_local, tokens_mb, head_tokens: tokens per device per step, per
         micro-batch (pipeline or gradient accumulation), and those the embedding / head
         run on at once.
-      tokens_live: tokens whose activations a program without a pipeline holds at once
-        (one accumulation micro-batch's).
+      tokens_live: tokens one call of the step processes (all of them, or one
+        accumulation step's).
       accumulate: gradient-accumulation micro-batches (``Layout.accumulate_steps``).
       scores_materialised: whether the traced attention materialises its ``s x s``
         scores (:func:`~jfleet.auto_parallel.attention_trace.scores_materialised`).
@@ -251,7 +251,7 @@ def step_shape(
     piped = pp > 1
     # 1F1B's program (VPP: the same over v interleaved chunks); FThenB with recompute too
     staged = piped and (layout.schedule in ("1F1B", "VPP") or layout.recompute)
-    rows_over_pp = piped and workload.batch_size % (data * pp) == 0
+    rows_over_pp = piped and (workload.batch_size // accumulate) % (data * pp) == 0
     scanned = not piped and scan_layers and bool(patterns.blocks) and layout.zero_stage < 3
     return StepShape(
         patterns=patterns,
