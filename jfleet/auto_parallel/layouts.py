@@ -60,6 +60,10 @@ __all__ = [
 SCHEDULES = ("FThenB", "1F1B", "VPP")
 #: Chunks per stage the planner tries for VPP when not told.
 VIRTUAL_OPTIONS = (2,)
+#: The most gradient-accumulation steps a wide search tries with a pipeline (its
+#: micro-batch count M already sets the micro-batch size; accumulation only shrinks the
+#: stand-in's stash of M stage inputs).
+PIPELINE_ACCUMULATIONS = 4
 #: Optimizer state per parameter, in parameter-sized arrays.
 OPTIMIZER_MOMENTS = {"adam": 2, "adamw": 2, "lamb": 2, "momentum": 1, "lars": 1, "sgd": 0}
 
@@ -368,6 +372,16 @@ def _microbatch_options(local: int, pp: int, forced: int | None, wide: bool) -> 
     return sorted(set(out))
 
 
+def _accumulations(rows: int, *, piped: bool, wide: bool) -> list[int]:
+    """Gradient-accumulation steps to try over ``rows`` local sequences: none unless
+    ``wide``; every divisor without a pipeline; with one (whose micro-batches already
+    bound the working set) those up to :data:`PIPELINE_ACCUMULATIONS`."""
+    if not wide:
+        return [1]
+    divisors = _divisors(rows)
+    return [a for a in divisors if a <= PIPELINE_ACCUMULATIONS] if piped else divisors
+
+
 def _virtual_options(
     patterns: ModelPatterns,
     schedule: str | None,
@@ -501,7 +515,7 @@ def enumerate_layouts(
                         num_virtual_stages=v,
                         accumulate_steps=a,
                     )
-                    for a in (_divisors(local // m) if wide else [1])
+                    for a in _accumulations(local // m, piped=deg[PP] > 1, wide=wide)
                 )
         if len(layouts) == before and deg[PP] > 1:
             excluded.append((name, _no_interleaving(patterns, deg[PP], ms, num_virtual_stages)))

@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -134,12 +135,18 @@ def group_bandwidth(
     group: Sequence[str], degrees: Mapping[str, int], profile: HardwareProfile, per_node: int
 ) -> float:
     """Intra-node bandwidth when the group's devices lie within one node, else inter-node."""
+    span = _span(tuple(group), tuple(degrees[a] for a in AXIS_NAMES))
+    return profile.intra_node_bandwidth if span <= per_node else profile.inter_node_bandwidth
+
+
+@functools.lru_cache(maxsize=4096)
+def _span(group: tuple[str, ...], sizes: tuple[int, ...]) -> int:
+    """How many consecutive devices (row-major mesh order) a group of axes spans."""
     span = 1
     for i, axis in enumerate(AXIS_NAMES):
-        if axis in group and degrees[axis] > 1:
-            stride = math.prod(degrees[a] for a in AXIS_NAMES[i + 1 :])
-            span = max(span, stride * degrees[axis])
-    return profile.intra_node_bandwidth if span <= per_node else profile.inter_node_bandwidth
+        if axis in group and sizes[i] > 1:
+            span = max(span, math.prod(sizes[i + 1 :]) * sizes[i])
+    return span
 
 
 def stored_leaves(counts: tuple[int, int], blocks: int, *, stacked: bool) -> int:
@@ -241,7 +248,7 @@ def step_shape(
     """Measures one layout's step once for every cost term (arguments as ``estimate``'s)."""
     profile = get_profile(profile)
     pp, m = layout.pp, layout.num_microbatches
-    layers, norms = layers_and_norms(patterns)
+    layers, norms = cached(patterns, ("layers_and_norms",), lambda: layers_and_norms(patterns))
     stage_blocks = layers // pp
     data = layout.data_degree
     local_seqs = workload.batch_size // data
