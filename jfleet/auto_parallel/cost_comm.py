@@ -85,7 +85,22 @@ def tensor_parallel_time(s: StepShape, coll: dict[str, float]) -> float:
 
 
 def data_parallel_time(s: StepShape, coll: dict[str, float]) -> float:
-    """Gradient reduction over ``dp x sharding x sep`` and ZeRO's all-gathers."""
+    """Gradient reduction over ``dp x sharding x sep`` and ZeRO's all-gathers, once a call.
+
+    Under gradient accumulation every call reduces its gradients and runs the gathers
+    (the engine's gradient merge is an optax transformation after the reduction, its
+    update applied on the last call), so the step pays them ``accumulate`` times.
+    """
+    if s.accumulate == 1:
+        return _one_call_reduction(s, coll)
+    once = new_counts()
+    seconds = _one_call_reduction(s, once)
+    for kind, nbytes in once.items():
+        coll[kind] += s.accumulate * nbytes
+    return s.accumulate * seconds
+
+
+def _one_call_reduction(s: StepShape, coll: dict[str, float]) -> float:
     lay = s.layout
     red = lay.data_degree * lay.sep
     grads = s.tp_bytes
@@ -122,8 +137,6 @@ def data_parallel_time(s: StepShape, coll: dict[str, float]) -> float:
     # scanned or pipelined): XLA combines all-reduces, not these (measured: 13
     # all-gathers scanned, 39 unrolled, TinyLlama 4 blocks)
     gathers = 2 if (lay.zero_stage >= 3 and s.remat_waits) else 1
-    if lay.zero_stage >= 3:  # gathered again for every accumulation micro-batch
-        gathers *= s.accumulate
     coll["all_gather"] += gathers * s.tp_bytes
     leaves = stored_leaves(s.leaf_counts, s.stage_blocks, stacked=s.piped or s.scanned)
     t_dp += gathers * (leaves * lat + ring_bytes("all-gather", s.tp_bytes, shard) / bw_shard)
@@ -135,14 +148,15 @@ def exposed(t_dp: float, s: StepShape, compute: float) -> float:
 
     ``HardwareProfile.comm_overlap`` of it runs under the compute the schedule leaves
     beside it: the backward pass (2/3 of the compute; the forward too for ZeRO-3's
-    gathers), of the last micro-batch only in a pipeline or under gradient accumulation
-    (the reduction waits for the last gradients).
+    gathers), of the last micro-batch only in a pipeline (the reduction waits for the
+    last gradients); under gradient accumulation each call's reduction overlaps its own
+    backward.
     """
     overlap = s.profile.comm_overlap
     if not overlap or not t_dp:
         return t_dp
     share = 1.0 if s.layout.zero_stage >= 3 else 2 / 3
-    window = compute * share / (s.v * s.layout.num_microbatches * s.accumulate)
+    window = compute * share / (s.v * s.layout.num_microbatches)
     return max(t_dp - overlap * window, t_dp * (1 - overlap))
 
 

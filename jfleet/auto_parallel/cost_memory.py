@@ -115,8 +115,6 @@ def activation_bytes(s: StepShape) -> int:
         # the backward loop carries the stacked blocks' gradients, accumulated over its
         # iterations, while the residuals are live
         activations += s.block_tp
-    if s.accumulate > 1:  # the accumulated gradients, live beside each micro-batch's
-        activations += s.outside_tp if (s.scanned or s.piped) else s.tp_bytes
     return activations
 
 
@@ -129,7 +127,7 @@ def memory(s: StepShape) -> Memory:
     return Memory(
         params=s.z_bytes if stage >= 3 else s.tp_bytes,
         optimizer=optimizer_bytes(s),
-        inputs=2 * s.local_seqs * s.local_seq * 4,  # token ids and labels, int32
+        inputs=2 * s.tokens_live * 4,  # one call's token ids and labels, int32
         grads=gradient_bytes(s),
         grad_copies=2 if s.profile.whole_grad_temp else 1,
         gathered=gathered,
@@ -138,9 +136,11 @@ def memory(s: StepShape) -> Memory:
 
 
 def optimizer_bytes(s: StepShape) -> int:
-    """Optimizer state: the moments over the ZeRO shard (stage >= 1), the step count, and
-    for half-precision parameters fp32 moments and fp32 master copies (AMP O2,
-    ``jfleet.amp.decorate``: the optimizer updates the masters)."""
+    """Optimizer state: the moments over the ZeRO shard (stage >= 1), the step count, for
+    half-precision parameters fp32 moments and fp32 master copies (AMP O2,
+    ``jfleet.amp.decorate``: the optimizer updates the masters), and under gradient
+    accumulation the merged gradient (``jfleet.optim.gradient_merge``: an optax
+    transformation, its accumulator is optimizer state)."""
     moments = OPTIMIZER_MOMENTS[s.workload.optimizer]
     if s.z_master:
         opt_mem = moments * s.z_fp32 + s.z_master
@@ -148,6 +148,8 @@ def optimizer_bytes(s: StepShape) -> int:
         opt_mem = moments * (s.z_bytes if s.layout.zero_stage >= 1 else s.tp_bytes)
     if moments:
         opt_mem += 4  # the step count
+    if s.accumulate > 1:  # gradient merge's accumulator, placed as the optimizer state
+        opt_mem += s.z_bytes if s.layout.zero_stage >= 1 else s.tp_bytes
     return opt_mem
 
 

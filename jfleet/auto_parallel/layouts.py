@@ -154,9 +154,10 @@ class Layout:
       recompute: recompute each block's activations in the backward pass.
       num_virtual_stages: ``v``, chunks per stage (``"VPP"``: at least 2, and ``M`` a
         multiple of ``pp``; 1 otherwise).
-      accumulate_steps: the local batch runs as this many calls whose gradients are
-        summed before one reduction and update (gradient accumulation, the engine's
-        gradient merge); with a pipeline each call runs ``num_microbatches``.
+      accumulate_steps: the local batch runs as this many calls of the step, one update
+        on their summed gradients (gradient accumulation: the engine's gradient merge,
+        ``jfleet.optim.gradient_merge``, which reduces each call's gradients); with a
+        pipeline each call runs ``num_microbatches``.
 
     Raises:
       ValueError: a degree < 1, or an inconsistent stage / schedule / micro-batch /

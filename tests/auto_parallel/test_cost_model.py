@@ -61,6 +61,17 @@ def test_predictions_match_the_compiled_step(degrees, stage, microbatches):
 
 
 @pytest.mark.parametrize(
+    ("degrees", "stage"), [({"dp": 2, "mp": 4}, 0), ({"dp": 2, "sharding": 4}, 2)]
+)
+def test_gradient_accumulation_matches_the_engines_gradient_merge(degrees, stage):
+    """Layout(accumulate_steps=2) against one call of the strategy's gradient merge: the
+    accumulator is optimizer state, one call's activations and batch, every call reduces."""
+    workload = dataclasses.replace(SMALL, batch=16)  # 8 rows a call
+    memory, nbytes = cost_model_check.check_accumulation(workload, degrees, stage, 2)
+    assert 0.75 <= memory <= 1.25 and 0.85 <= nbytes <= 1.15, (memory, nbytes)
+
+
+@pytest.mark.parametrize(
     ("schedule", "workload", "name"),
     [
         ("1F1B", SMALL, "1F1B M=2"),
