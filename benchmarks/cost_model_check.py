@@ -63,6 +63,9 @@ from flax import nnx
 from benchmarks.results_file import environment, write_section
 from jfleet import make_train_step
 from jfleet.auto_parallel import Plan, ToDistributedConfig, get_plan, to_distributed
+from jfleet.auto_parallel.cost_model import estimate
+from jfleet.auto_parallel.layouts import Workload as LayoutWorkload
+from jfleet.auto_parallel.patterns import match_patterns
 from jfleet.models import lm_batches, lm_loss
 from jfleet.models.llama import TinyLlama
 from jfleet.parallel.schedule_ticks import taken_branches
@@ -237,16 +240,24 @@ def lower_step(
     *,
     schedule: str | None = None,
     recompute: bool = False,
+    accumulate: int = 1,
 ) -> tuple[jax.stages.Lowered, Plan]:
     """``to_distributed`` on this mesh, then the engine's step lowered for one batch.
 
     Resets fleet first (``to_distributed`` calls ``fleet.init``). Returns the lowered
-    step and the :class:`~jfleet.auto_parallel.Plan` that was applied.
+    step and the :class:`~jfleet.auto_parallel.Plan` that was applied. ``accumulate > 1``
+    runs the strategy's gradient merge over that many calls (``what``'s batch is one
+    call's).
     """
-    from jfleet import fleet
+    from jfleet import DistributedStrategy, fleet
 
     sub = subject(what)
     fleet._reset()
+    strategy = None
+    if accumulate > 1:
+        strategy = DistributedStrategy()
+        strategy.gradient_merge = True
+        strategy.gradient_merge_configs = {"k_steps": accumulate}
     config = ToDistributedConfig(
         force_mesh=degrees,
         zero_stage=stage,
@@ -254,6 +265,7 @@ def lower_step(
         schedule=schedule if microbatches else None,
         num_microbatches=microbatches,
         forward=sub.forward,
+        strategy=strategy,
     )
     model, opt, loader = to_distributed(sub.build(), optax.adam(1e-3), [sub.batch()], config=config)
     batch = next(iter(loader))
@@ -303,6 +315,31 @@ def check(
         measured_flops=executed_flops(text, plan),
         compile_seconds=seconds,
     )
+
+
+def check_accumulation(
+    workload: Workload, degrees: dict[str, int], stage: int, accumulate: int
+) -> tuple[float, float]:
+    """Gradient accumulation: the cost model's ``Layout(accumulate_steps=accumulate)`` at
+    ``workload``'s batch against the compiled step of one call of the engine's gradient
+    merge (``workload.batch / accumulate`` rows). Returns (memory, collective bytes)
+    ratios, predicted / compiled, per call."""
+    call = dataclasses.replace(workload, batch=workload.batch // accumulate)
+    lowered, plan = lower_step(call, degrees, stage, accumulate=accumulate)
+    compiled = lowered.compile(FAST_COMPILE)
+    m = compiled.memory_analysis()
+    measured = (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+    )
+    measured_bytes = sum(k.bytes for k in hlo.summarize(compiled.as_text()).values() if k.count)
+    found = match_patterns(workload.model())
+    work = LayoutWorkload(batch_size=workload.batch, seq_len=workload.seq)
+    layout = dataclasses.replace(plan.layout, accumulate_steps=accumulate)
+    c = estimate(found, work, layout, plan.profile, devices_per_node=plan.device_num)
+    return c.memory.total / measured, c.collectives.total / accumulate / measured_bytes
 
 
 def executed_flops(text: str, plan: Plan) -> float:

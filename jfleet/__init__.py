@@ -7,10 +7,11 @@ layers below it (see ``CONTRIBUTING.md``):
 - ``mesh``: topology and axis names, the current run, placement, collectives
 - ``optim``: meta-optimizers as Optax transforms and the strategy compiler
 - ``parallel``: tensor / sequence-parallel layers, the block stacker, pipelines
-- ``precision``: AMP, GradScaler, quantisation, batch-norm policy, the non-finite guard
+- ``precision``: AMP, GradScaler, quantisation, batch-norm policy, the non-finite guard;
+  ``models``, beside it: reference models built from the parallel layers
 - ``training``: the strategy, the engine, replicas, the distributed model and optimizer
 - ``auto_parallel``: ``to_distributed``: matching, the cost model, the planner
-- ``checkpoint``, ``ps``, ``launch``, ``models``: operational subsystems, reference models
+- ``checkpoint``, ``ps``, ``launch``: operational subsystems
 - ``fleet``, ``distributed``: Paddle's package trees (facades); ``testing``: users' test tools
 
 This file imports nothing eagerly: ``import jfleet.launch`` needs no JAX. The names below

@@ -3,7 +3,7 @@
 The auto-parallel layer (``to_distributed``), above training: it plans and applies a
 run.
 
-May import: runtime, mesh, optim, parallel, precision, training.
+May import: runtime, mesh, optim, parallel, models, precision, training.
 
 * :mod:`jfleet.auto_parallel.dataflow` — :func:`trace_model` traces one forward call
   abstractly and follows every parameter through it: which projection's output dimension

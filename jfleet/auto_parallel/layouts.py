@@ -60,6 +60,10 @@ __all__ = [
 SCHEDULES = ("FThenB", "1F1B", "VPP")
 #: Chunks per stage the planner tries for VPP when not told.
 VIRTUAL_OPTIONS = (2,)
+#: The most gradient-accumulation steps a wide search tries with a pipeline (its
+#: micro-batch count M already sets the micro-batch size; accumulation only shrinks the
+#: stand-in's stash of M stage inputs).
+PIPELINE_ACCUMULATIONS = 4
 #: Optimizer state per parameter, in parameter-sized arrays.
 OPTIMIZER_MOMENTS = {"adam": 2, "adamw": 2, "lamb": 2, "momentum": 1, "lars": 1, "sgd": 0}
 
@@ -150,6 +154,10 @@ class Layout:
       recompute: recompute each block's activations in the backward pass.
       num_virtual_stages: ``v``, chunks per stage (``"VPP"``: at least 2, and ``M`` a
         multiple of ``pp``; 1 otherwise).
+      accumulate_steps: the local batch runs as this many calls of the step, one update
+        on their summed gradients (gradient accumulation: the engine's gradient merge,
+        ``jfleet.optim.gradient_merge``, which reduces each call's gradients); with a
+        pipeline each call runs ``num_microbatches``.
 
     Raises:
       ValueError: a degree < 1, or an inconsistent stage / schedule / micro-batch /
@@ -170,9 +178,10 @@ class Layout:
     num_microbatches: int = 1
     recompute: bool = False
     num_virtual_stages: int = 1
+    accumulate_steps: int = 1
 
     def __post_init__(self) -> None:
-        for name in (*AXIS_NAMES, "num_microbatches", "num_virtual_stages"):
+        for name in (*AXIS_NAMES, "num_microbatches", "num_virtual_stages", "accumulate_steps"):
             value = getattr(self, name)
             if not _count_ok(value):
                 raise ValueError(f"{name}={value!r} must be an int >= 1.")
@@ -236,6 +245,8 @@ class Layout:
             extra.append(f"VPP v={self.num_virtual_stages} M={self.num_microbatches}")
         elif self.pp > 1:
             extra.append(f"{self.schedule} M={self.num_microbatches}")
+        if self.accumulate_steps > 1:
+            extra.append(f"accumulate {self.accumulate_steps}")
         if self.recompute:
             extra.append("recompute")
         return self.mesh_name + (f" ({', '.join(extra)})" if extra else "")
@@ -245,7 +256,7 @@ class Layout:
         kinds = sum(d > 1 for a, d in self.degrees.items() if a != DP)
         return (
             kinds, self.zero_stage, self.recompute, self.pp, self.num_virtual_stages, self.mp,
-            self.sep,
+            self.sep, self.accumulate_steps,
         )  # fmt: skip
 
 
@@ -346,10 +357,12 @@ def _zero_problem(zero_stage: int | None, sharding: int) -> str | None:
     return None
 
 
-def _microbatch_options(local: int, pp: int, forced: int | None) -> list[int]:
+def _microbatch_options(local: int, pp: int, forced: int | None, wide: bool) -> list[int]:
     if forced is not None:
         return [forced] if local % forced == 0 else []
     divisors = _divisors(local)
+    if wide:  # every micro-batch size: M from pp up to the local batch
+        return [m for m in divisors if m >= pp] or [divisors[-1]]
     out = []
     for target in (pp, 2 * pp, 4 * pp):
         fit = [m for m in divisors if m >= target]
@@ -360,8 +373,23 @@ def _microbatch_options(local: int, pp: int, forced: int | None) -> list[int]:
     return sorted(set(out))
 
 
+def _accumulations(rows: int, *, piped: bool, wide: bool) -> list[int]:
+    """Gradient-accumulation steps to try over ``rows`` local sequences: none unless
+    ``wide``; every divisor without a pipeline; with one (whose micro-batches already
+    bound the working set) those up to :data:`PIPELINE_ACCUMULATIONS`."""
+    if not wide:
+        return [1]
+    divisors = _divisors(rows)
+    return [a for a in divisors if a <= PIPELINE_ACCUMULATIONS] if piped else divisors
+
+
 def _virtual_options(
-    patterns: ModelPatterns, schedule: str | None, pp: int, m: int, forced: int | None
+    patterns: ModelPatterns,
+    schedule: str | None,
+    pp: int,
+    m: int,
+    forced: int | None,
+    wide: bool = False,
 ) -> list[int]:
     """Chunks per stage to try: 1 for one-chunk schedules; for VPP those of
     :data:`VIRTUAL_OPTIONS` (or ``forced``) that interleave this pipeline: ``M`` a multiple
@@ -370,6 +398,8 @@ def _virtual_options(
         return [1]
     units = len(patterns.blocks) // (patterns.block_period or 1)
     options = [forced] if forced else list(VIRTUAL_OPTIONS)
+    if wide and not forced:
+        options = [v for v in _divisors(max(units // pp, 1)) if v > 1]
     return [v for v in options if v > 1 and m % pp == 0 and units % (pp * v) == 0]
 
 
@@ -408,6 +438,7 @@ def enumerate_layouts(
     zero_stage: int | None = None,
     recompute: bool | None = None,
     num_virtual_stages: int | None = None,
+    wide: bool = False,
 ) -> tuple[list[Layout], list[tuple[str, str]]]:
     """Every layout worth predicting, and the meshes excluded (with the reason).
 
@@ -424,6 +455,10 @@ def enumerate_layouts(
       num_virtual_stages: chunks per stage for ``"VPP"`` (default: :data:`VIRTUAL_OPTIONS`);
         VPP layouts are offered where ``M`` is a multiple of ``pp`` and ``pp x v`` divides
         the blocks (super-blocks).
+      wide: the search practitioners use: every micro-batch count ``M`` from ``pp`` up to
+        the local batch, every ``v`` dividing a stage's blocks, and gradient accumulation
+        over every divisor of the local batch / ``M`` (else ``M`` near ``pp``, ``2 pp``,
+        ``4 pp``, ``v`` of :data:`VIRTUAL_OPTIONS`, no accumulation).
 
     Returns:
       ``(layouts, excluded)``; ``excluded`` holds ``(mesh name, reason)`` pairs.
@@ -452,7 +487,7 @@ def enumerate_layouts(
         stages = ([zero_stage] if zero_stage else [1, 2, 3]) if deg[SHARDING] > 1 else [0]
         if deg[PP] > 1:
             local = workload.batch_size // (deg[DP] * deg[SHARDING])
-            ms = _microbatch_options(local, deg[PP], num_microbatches)
+            ms = _microbatch_options(local, deg[PP], num_microbatches, wide)
             if not ms:
                 excluded.append(
                     (
@@ -465,12 +500,13 @@ def enumerate_layouts(
             scheds = [schedule] if schedule else list(SCHEDULES)
         else:
             ms, scheds = [1], [None]
+        local = workload.batch_size // (deg[DP] * deg[SHARDING])
         before = len(layouts)
         for stage, sched, m, rc in itertools.product(stages, scheds, ms, recompute_options):
             if sched in ("1F1B", "VPP") and rc and recompute is None:
                 continue  # 1F1B recomputes each stage anyway: the same layout twice
-            for v in _virtual_options(patterns, sched, deg[PP], m, num_virtual_stages):
-                layouts.append(
+            for v in _virtual_options(patterns, sched, deg[PP], m, num_virtual_stages, wide):
+                layouts.extend(
                     Layout(
                         **deg,
                         zero_stage=stage,
@@ -478,7 +514,9 @@ def enumerate_layouts(
                         num_microbatches=m,
                         recompute=rc,
                         num_virtual_stages=v,
+                        accumulate_steps=a,
                     )
+                    for a in _accumulations(local // m, piped=deg[PP] > 1, wide=wide)
                 )
         if len(layouts) == before and deg[PP] > 1:
             excluded.append((name, _no_interleaving(patterns, deg[PP], ms, num_virtual_stages)))

@@ -31,6 +31,7 @@ from jfleet.auto_parallel.cost_model import Candidate, estimate, rank
 from jfleet.auto_parallel.layouts import (
     OPTIMIZER_MOMENTS,
     SCHEDULES,
+    Layout,
     Workload,
     enumerate_layouts,
     shape_problem,
@@ -128,6 +129,208 @@ def _model_dtype(patterns: ModelPatterns) -> str:
     return counts.most_common(1)[0][0]
 
 
+def prune_dominated(candidates: list[Candidate]) -> list[Candidate]:
+    """``candidates`` without those another one beats on both time and memory.
+
+    A candidate is dropped when one at least as fast (within ``1e-9``: equal programs
+    tie) needs no more memory and is strictly better in one of the two.
+
+    >>> from jfleet.auto_parallel.cost_model import Collectives, Memory, StepTime
+    >>> from jfleet.auto_parallel.layouts import Layout
+    >>> def cand(dp, seconds, nbytes):
+    ...     mem = Memory(params=nbytes, optimizer=0, inputs=0, grads=0, gathered=0,
+    ...                  activations=0)
+    ...     return Candidate(layout=Layout(dp=dp), memory=mem,
+    ...                      time=StepTime(compute=seconds), collectives=Collectives())
+    >>> [c.layout.dp for c in prune_dominated([cand(1, 1.0, 9), cand(2, 2.0, 9),
+    ...                                         cand(4, 3.0, 1)])]
+    [1, 4]
+    """
+    by_time = sorted(candidates, key=lambda c: (c.time.total, c.memory.total))
+    kept: list[Candidate] = []
+    least = math.inf  # least memory among the faster ones kept
+    for c in by_time:
+        t, m = c.time.total, c.memory.total
+        if m >= least and kept and t > kept[-1].time.total * (1 + 1e-9):
+            continue
+        if m >= least and kept and t == kept[-1].time.total and m > kept[-1].memory.total:
+            continue
+        kept.append(c)
+        least = min(least, m)
+    return kept
+
+
+def _workload(
+    patterns: ModelPatterns,
+    batch_size: int,
+    seq_len: int,
+    dtype: str | None,
+    optimizer: str,
+    sequence_parallel: bool,
+) -> Workload:
+    return Workload(
+        batch_size=_positive_int("batch_size", batch_size),
+        seq_len=_positive_int("seq_len", seq_len),
+        dtype=dtype or _model_dtype(patterns),
+        optimizer=optimizer,
+        sequence_parallel=sequence_parallel,
+    )
+
+
+def _check_search(
+    schedule: str | None,
+    num_microbatches: int | None,
+    num_virtual_stages: int | None,
+    zero_stage: int | None,
+    optimizer: str,
+) -> str | None:
+    """Checks the search's restrictions; returns the schedule (``"VPP"`` for v > 1)."""
+    if schedule is not None and schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}.")
+    if num_microbatches is not None:
+        _positive_int("num_microbatches", num_microbatches)
+    if num_virtual_stages is not None:
+        interleaved = _positive_int("num_virtual_stages", num_virtual_stages) > 1
+        check_chunks_agree(schedule, num_virtual_stages, names=("schedule", "num_virtual_stages"))
+        if interleaved:
+            schedule = "VPP"
+    if zero_stage is not None and zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3 (or None).")
+    if optimizer not in OPTIMIZER_MOMENTS:
+        raise ValueError(
+            f"optimizer={optimizer!r} is not known to the cost model; use one of "
+            f"{sorted(OPTIMIZER_MOMENTS)}."
+        )
+    return schedule
+
+
+def _checked_force(
+    force_mesh: Mapping[str, int] | None, device_num: int, node_num: int, sequence_parallel: bool
+) -> dict | None:
+    """The forced degrees of every axis, or None."""
+    if force_mesh is None:
+        return None
+    forced = _check_force_mesh(force_mesh, device_num, node_num)
+    if forced[SEP] > 1 and not sequence_parallel:
+        raise ValueError(
+            f"force_mesh={dict(force_mesh)} has sep={forced[SEP]} but "
+            "sequence_parallel=False; pass sequence_parallel=True."
+        )
+    return forced
+
+
+def _profile_budget(
+    profile: str | HardwareProfile | None, memory_budget: float | None
+) -> tuple[HardwareProfile, float]:
+    prof = get_profile(profile)
+    budget = prof.usable_memory if memory_budget is None else memory_budget
+    if not budget > 0:
+        raise ValueError(f"memory_budget={memory_budget!r} must be a positive number of bytes.")
+    return prof, budget
+
+
+def _report_patterns(
+    patterns: ModelPatterns, name: str, forced: dict | None, force_mesh: Any
+) -> None:
+    """Logs what was not recognised; refuses a forced mp / pp without recognised parts."""
+    if not patterns.recognised:
+        logger.warning(
+            "%s: no transformer parts recognised (%s); planning data parallel only. "
+            "Unmatched parameters (kept replicated): %s%s",
+            name,
+            patterns.summary(),
+            ", ".join(patterns.unmatched) or "none",
+            "".join(f"; {n}" for n in patterns.notes),
+        )
+        if forced is not None and (forced[MP] > 1 or forced[PP] > 1):
+            raise ValueError(
+                f"force_mesh={dict(force_mesh)} asks for tensor or pipeline parallelism, but "
+                f"no transformer parts of {name} were recognised; use dp / sharding only."
+            )
+    elif patterns.replicated_in_blocks:
+        logger.warning(
+            "%s: decoder-block parameters kept whole on every mp rank: %s",
+            name,
+            "; ".join(_replicated_summary(patterns)),
+        )
+    if patterns.recognised and patterns.unmatched:
+        logger.info("unmatched parameters, kept replicated: %s", ", ".join(patterns.unmatched))
+
+
+def _why_not_piped(pipeline: bool | str, forced: dict | None, force_mesh: Any) -> str | None:
+    """Why ``pp > 1`` may not be chosen (None when it may)."""
+    if pipeline is True:
+        return None
+    why = pipeline if isinstance(pipeline, str) and pipeline else "the blocks cannot be pipelined"
+    if forced is not None and forced[PP] > 1:
+        raise ValueError(
+            f"force_mesh={dict(force_mesh)} asks for pp={forced[PP]}, but this model's "
+            f"blocks cannot be pipelined: {why} Use pp 1."
+        )
+    return why
+
+
+def _candidate_layouts(
+    patterns: ModelPatterns,
+    workload: Workload,
+    *,
+    device_num: int,
+    node_num: int,
+    forced: dict | None,
+    force_mesh: Any,
+    why_not_piped: str | None,
+    name: str,
+    search: dict[str, Any],
+) -> tuple[list[Layout], list[tuple[str, str]]]:
+    """Enumerates the layouts the shapes allow, filtered by what the model can run."""
+    if forced is not None:
+        problem = shape_problem(patterns, workload, forced, device_num)
+        if problem is not None:
+            raise ValueError(f"force_mesh={dict(force_mesh)} cannot be used: {problem}.")
+    layouts, excluded = enumerate_layouts(
+        patterns,
+        workload,
+        device_num=device_num,
+        node_num=node_num,
+        force_mesh=forced,
+        **search,
+    )
+    if not patterns.recognised:
+        layouts = [lay for lay in layouts if lay.pp == 1 and lay.mp == 1]
+    if why_not_piped is not None:
+        piped = dict.fromkeys(lay.mesh_name for lay in layouts if lay.pp > 1)
+        excluded = [*excluded, *((m, why_not_piped) for m in piped)]
+        layouts = [lay for lay in layouts if lay.pp == 1]
+    if not layouts:
+        raise ValueError(
+            f"no layout of {device_num * node_num} devices suits {name} with "
+            f"batch_size={workload.batch_size}, seq_len={workload.seq_len}: "
+            + "; ".join(f"{m}: {r}" for m, r in excluded)
+        )
+    return layouts, excluded
+
+
+def _choose(
+    ranked: list[Candidate], budget: float, forced: dict | None, force_mesh: Any
+) -> list[Candidate]:
+    """The ranked candidates, the chosen first; a forced mesh over budget is kept, warned."""
+    best = ranked[0]
+    if best.fits:
+        return ranked
+    message = (
+        f"no layout fits the memory budget of {_mib(budget)} per device; the smallest, "
+        f"{best.layout.name}, needs {_mib(best.memory.total)}. Raise memory_budget, "
+        "use a profile with more memory, or lower batch_size / seq_len."
+    )
+    if forced is None:
+        raise ValueError(message)
+    logger.warning("force_mesh=%s: %s Using it anyway.", dict(force_mesh), message)
+    best = min(ranked, key=lambda c: c.time.total)
+    return [dataclasses.replace(best, reason="best (forced, over budget)")] + [
+        c for c in ranked if c is not best
+    ]
+
+
 def plan_for(
     model: nnx.Module,
     *,
@@ -149,6 +352,7 @@ def plan_for(
     patterns: ModelPatterns | None = None,
     scan_layers: bool = True,
     num_virtual_stages: int | None = None,
+    wide_search: bool = False,
 ) -> Plan:
     """Chooses the fastest layout of ``model`` that fits, by the cost model.
 
@@ -158,189 +362,77 @@ def plan_for(
       node_num: nodes (tensor parallelism stays inside one).
       batch_size: global batch (sequences per step).
       seq_len: tokens per sequence.
-      profile: hardware profile name (``cpu``, ``a100``, ``h100``, ``h200``) or a
-        :class:`~jfleet.auto_parallel.profiles.HardwareProfile`; default ``cpu``.
+      profile: a name or profile :func:`~jfleet.auto_parallel.profiles.get_profile` takes.
       memory_budget: bytes per device; default the profile's memory.
       force_mesh: degrees that must be used (missing axes are 1), e.g.
         ``{"dp": 2, "mp": 4}``; their product must be ``device_num x node_num``.
-      schedule: pipeline schedule (``"FThenB"``, ``"1F1B"`` or ``"VPP"``, interleaved
-        stages); default: compared.
+      schedule: ``"FThenB"``, ``"1F1B"`` or ``"VPP"`` (interleaved); default: compared.
       num_microbatches: pipeline micro-batches; default: compared.
       zero_stage: ZeRO stage (0 forbids a sharding axis); default: compared.
-      sequence_parallel: Megatron sequence parallelism over ``mp``, and ``sep``
-        candidates.
-      optimizer: what the optimizer state is sized for (``adam``, ``momentum``, ``sgd``, ...).
-      recompute: force recompute on or off; default: compared.
+      sequence_parallel: Megatron sequence parallelism over ``mp``, and ``sep`` candidates.
+      optimizer: the state's kind (``adam``, ``momentum``, ``sgd``, ...); recompute: on
+        or off; default: compared.
       dtype: compute dtype; default the model's parameter dtype.
       pipeline: whether layouts with ``pp > 1`` may be chosen: True, or False / the reason
-        they may not (``to_distributed`` passes the reason the blocks cannot run as a
-        pipelined stack, from :func:`~jfleet.auto_parallel.block_check.pipeline_problem`).
-      scan_layers: whether alike blocks run as one ``lax.scan`` when not pipelined
-        (``ToDistributedConfig.scan_layers``); the cost model predicts either way.
-      patterns: what :func:`~jfleet.auto_parallel.patterns.match_patterns` found in
-        ``model``, when the caller has it already (``to_distributed`` matches once);
-        default: matched here.
+        they may not (from :func:`~jfleet.auto_parallel.block_check.pipeline_problem`).
+      scan_layers: alike blocks run as one ``lax.scan`` when not pipelined (predicted so).
+      patterns: ``match_patterns(model)``, when the caller has it; default: matched here.
       num_virtual_stages: chunks per stage of ``"VPP"`` layouts (2 or more); default 2.
+      wide_search: every ``M``, ``v`` and gradient accumulation (``enumerate_layouts``'s
+        ``wide``), dominated layouts pruned; for planning offline (it plans layouts
+        ``to_distributed`` does not run yet: accumulation).
 
-    Returns:
-      The :class:`Plan`.
+    Returns: The :class:`Plan`.
 
     Raises:
-      TypeError: ``model`` is not an ``nnx.Module``; ``force_mesh`` not a dict;
-        ``patterns`` not a ``ModelPatterns``.
-      ValueError: a model without parameters, a non-positive count, a forced mesh that
-        does not multiply out or does not suit the shapes, an unknown schedule or ZeRO
-        stage, ``patterns`` found in another model, or no layout that fits the memory
-        budget.
+      TypeError: a non-module model, a non-dict ``force_mesh``, non-``ModelPatterns``.
+      ValueError: a bad count, schedule or ZeRO stage; a forced mesh that does not
+        multiply out or suit the shapes; ``patterns`` of another model; nothing fits.
 
     Example:
       >>> from jfleet.models.llama import TinyLlama
       >>> model = TinyLlama()
-      >>> found = match_patterns(model)  # matched once, planned twice
-      >>> small = plan_for(model, patterns=found, device_num=8, batch_size=8, seq_len=8)
-      >>> large = plan_for(model, patterns=found, device_num=8, batch_size=64, seq_len=8)
-      >>> small.mesh_shape == large.mesh_shape, large.layout.name
-      (True, 'dp8')
+      >>> plan_for(model, device_num=8, batch_size=64, seq_len=8).layout.name
+      'dp8'
     """
     device_num = _positive_int("device_num", device_num)
     node_num = _positive_int("node_num", node_num)
-    if schedule is not None and schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}.")
-    if num_microbatches is not None:
-        _positive_int("num_microbatches", num_microbatches)
-    if num_virtual_stages is not None:
-        interleaved = _positive_int("num_virtual_stages", num_virtual_stages) > 1
-        check_chunks_agree(schedule, num_virtual_stages, names=("schedule", "num_virtual_stages"))
-        if interleaved:
-            schedule = "VPP"
-    if zero_stage is not None and zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3 (or None).")
-    if optimizer not in OPTIMIZER_MOMENTS:
-        raise ValueError(
-            f"optimizer={optimizer!r} is not known to the cost model; use one of "
-            f"{sorted(OPTIMIZER_MOMENTS)}."
-        )
-    forced = None
-    if force_mesh is not None:
-        forced = _check_force_mesh(force_mesh, device_num, node_num)
-        if forced[SEP] > 1 and not sequence_parallel:
-            raise ValueError(
-                f"force_mesh={dict(force_mesh)} has sep={forced[SEP]} but "
-                "sequence_parallel=False; pass sequence_parallel=True."
-            )
-    prof = get_profile(profile)
-    budget = prof.memory_bytes if memory_budget is None else memory_budget
-    if not budget > 0:
-        raise ValueError(f"memory_budget={memory_budget!r} must be a positive number of bytes.")
+    schedule = _check_search(schedule, num_microbatches, num_virtual_stages, zero_stage, optimizer)
+    forced = _checked_force(force_mesh, device_num, node_num, sequence_parallel)
+    prof, budget = _profile_budget(profile, memory_budget)
     patterns = match_patterns(model) if patterns is None else _check_patterns(patterns, model)
-    workload = Workload(
-        batch_size=_positive_int("batch_size", batch_size),
-        seq_len=_positive_int("seq_len", seq_len),
-        dtype=dtype or _model_dtype(patterns),
-        optimizer=optimizer,
-        sequence_parallel=sequence_parallel,
-    )
-    if not patterns.recognised:
-        logger.warning(
-            "%s: no transformer parts recognised (%s); planning data parallel only. "
-            "Unmatched parameters (kept replicated): %s%s",
-            type(model).__name__,
-            patterns.summary(),
-            ", ".join(patterns.unmatched) or "none",
-            "".join(f"; {n}" for n in patterns.notes),
-        )
-        if forced is not None and (forced[MP] > 1 or forced[PP] > 1):
-            raise ValueError(
-                f"force_mesh={dict(force_mesh)} asks for tensor or pipeline parallelism, but "
-                f"no transformer parts of {type(model).__name__} were recognised; use dp / "
-                "sharding only."
-            )
-    elif patterns.replicated_in_blocks:
-        logger.warning(
-            "%s: decoder-block parameters kept whole on every mp rank: %s",
-            type(model).__name__,
-            "; ".join(_replicated_summary(patterns)),
-        )
-    if patterns.recognised and patterns.unmatched:
-        logger.info("unmatched parameters, kept replicated: %s", ", ".join(patterns.unmatched))
-    why_not_piped = None
-    if pipeline is not True:
-        why_not_piped = (
-            pipeline if isinstance(pipeline, str) and pipeline else "the blocks cannot be pipelined"
-        )
-        if forced is not None and forced[PP] > 1:
-            raise ValueError(
-                f"force_mesh={dict(force_mesh)} asks for pp={forced[PP]}, but this model's "
-                f"blocks cannot be pipelined: {why_not_piped} Use pp 1."
-            )
-    if forced is not None:
-        problem = shape_problem(patterns, workload, forced, device_num)
-        if problem is not None:
-            raise ValueError(f"force_mesh={dict(force_mesh)} cannot be used: {problem}.")
-    layouts, excluded = enumerate_layouts(
+    workload = _workload(patterns, batch_size, seq_len, dtype, optimizer, sequence_parallel)
+    name = type(model).__name__
+    _report_patterns(patterns, name, forced, force_mesh)
+    why_not_piped = _why_not_piped(pipeline, forced, force_mesh)
+    search = dict(schedule=schedule, num_microbatches=num_microbatches, zero_stage=zero_stage)
+    search.update(recompute=recompute, num_virtual_stages=num_virtual_stages, wide=wide_search)
+    layouts, excluded = _candidate_layouts(
         patterns,
         workload,
         device_num=device_num,
         node_num=node_num,
-        force_mesh=forced,
-        schedule=schedule,
-        num_microbatches=num_microbatches,
-        zero_stage=zero_stage,
-        recompute=recompute,
-        num_virtual_stages=num_virtual_stages,
+        forced=forced,
+        force_mesh=force_mesh,
+        why_not_piped=why_not_piped,
+        name=name,
+        search=search,
     )
-    if not patterns.recognised:
-        layouts = [lay for lay in layouts if lay.pp == 1 and lay.mp == 1]
-    if why_not_piped is not None:
-        piped = dict.fromkeys(lay.mesh_name for lay in layouts if lay.pp > 1)
-        excluded = [*excluded, *((m, why_not_piped) for m in piped)]
-        layouts = [lay for lay in layouts if lay.pp == 1]
-    if not layouts:
-        raise ValueError(
-            f"no layout of {device_num * node_num} devices suits {type(model).__name__} "
-            f"with batch_size={batch_size}, seq_len={seq_len}: "
-            + "; ".join(f"{m}: {r}" for m, r in excluded)
-        )
-    # blocks that cannot run as one stack are neither pipelined nor scanned
-    scan = scan_layers and why_not_piped is None
+    scan = scan_layers and why_not_piped is None  # a stack that cannot pipeline is not scanned
     candidates = [
         estimate(patterns, workload, lay, prof, devices_per_node=device_num, scan_layers=scan)
         for lay in layouts
     ]
-    ranked = rank(candidates, budget)
-    best = ranked[0]
-    if not best.fits:
-        message = (
-            f"no layout fits the memory budget of {_mib(budget)} per device; the smallest, "
-            f"{best.layout.name}, needs {_mib(best.memory.total)}. Raise memory_budget, "
-            "use a profile with more memory, or lower batch_size / seq_len."
-        )
-        if forced is None:
-            raise ValueError(message)
-        logger.warning("force_mesh=%s: %s Using it anyway.", dict(force_mesh), message)
-        best = min(ranked, key=lambda c: c.time.total)
-        ranked = [dataclasses.replace(best, reason="best (forced, over budget)")] + [
-            c for c in ranked if c is not best
-        ]
-        best = ranked[0]
+    candidates = prune_dominated(candidates) if wide_search else candidates
+    ranked = _choose(rank(candidates, budget), budget, forced, force_mesh)
     return _build_plan(
-        patterns,
-        workload,
-        best,
-        ranked,
-        excluded,
-        prof,
-        budget,
-        device_num,
-        node_num,
-        type(model).__name__,
+        patterns, workload, ranked, excluded, prof, budget, device_num, node_num, name
     )
 
 
 def _build_plan(
     patterns: ModelPatterns,
     workload: Workload,
-    best: Candidate,
     ranked: list[Candidate],
     excluded: list[tuple[str, str]],
     profile: HardwareProfile,
@@ -349,6 +441,8 @@ def _build_plan(
     node_num: int,
     model_name: str,
 ) -> Plan:
+    """The plan of the chosen (first) candidate: each parameter's specs, the stages."""
+    best = ranked[0]
     lay = best.layout
     abstract = AbstractMesh(tuple(lay.degrees.values()), AXIS_NAMES)
     zero = Placement(mesh=abstract, zero_stage=lay.zero_stage)

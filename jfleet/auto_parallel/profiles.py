@@ -24,11 +24,20 @@ Built-in profiles (:data:`PROFILES`):
 * ``a100``: NVIDIA A100 SXM4 80GB (A100 datasheet): 19.5 TFLOP/s fp32, 156 TF32, 312
   bf16/fp16; 80 GB HBM2e at 2,039 GB/s; NVLink 3 600 GB/s total (300e9 per direction); HDR
   InfiniBand 200 Gb/s per GPU between nodes (DGX A100: 25e9 B/s).
+* ``a100-40gb``: NVIDIA A100 SXM4 40GB (A100 datasheet): as ``a100`` with 40 GB HBM2 at
+  1,555 GB/s.
 * ``h100``: NVIDIA H100 SXM5 80GB (H100 datasheet): 67 TFLOP/s fp32, 494.7 TF32, 989.4
-  bf16/fp16 dense; 80 GB HBM3 at 3.35 TB/s; NVLink 4 900 GB/s total (450e9 per
+  bf16/fp16 and 1,978.9 fp8 dense; 80 GB HBM3 at 3.35 TB/s; NVLink 4 900 GB/s total (450e9 per
   direction); NDR 400 Gb/s per GPU between nodes (DGX H100: 50e9 B/s).
 * ``h200``: NVIDIA H200 SXM 141GB (H200 datasheet): the H100's compute, 141 GB HBM3e at
   4.8 TB/s, NVLink 900 GB/s, 400 Gb/s per GPU between nodes.
+
+Beyond the datasheets the GPU profiles reach ``matmul_efficiency`` (0.5) of peak in large
+matmuls, hide the gradient reduction and ZeRO gathers under the compute the schedule
+leaves beside them (``comm_overlap``), reduce-scatter gradients as they are produced
+(``whole_grad_temp=False``) and keep 5% of memory for the allocator (``memory_margin``);
+the emulated ``cpu`` profile keeps the terms measured on XLA:CPU (the loops' memory
+traffic, whole local gradients, no overlap).
 
 ``float32`` on the GPU profiles is the TF32 tensor-core rate: with JAX's default matmul
 precision XLA runs float32 matmuls in TF32 on these GPUs. ``float32_highest`` is the
@@ -83,6 +92,25 @@ class HardwareProfile:
         residuals a pipeline or a scan over layers stashes and fetches with
         dynamic-update-slice / dynamic-slice / copy); default: 7x the intra-node link (HBM
         over NVLink on A100 and H100).
+      loop_traffic: whether the pipeline loops' memory traffic is charged as step time
+        (fitted on XLA:CPU, where it bounds pipelined steps; on the GPU profiles it hides
+        under the matmuls and is not charged).
+      matmul_efficiency: the fraction of ``peak_flops`` a large matmul reaches (cuBLAS on
+        a GEMM of a transformer's shapes); the step's compute runs at this x the roofline
+        below.
+      roofline: whether a micro-batch's matmuls are charged by the roofline (a weight of
+        ``k x n`` applied to ``m`` rows moves ``(mk + kn + mn)`` elements for ``2 mkn``
+        flops: below ``peak / memory_bandwidth`` flops per byte it is memory-bound).
+      comm_overlap: the fraction of the data-parallel reduction (and of ZeRO-3's
+        gathers) that runs under the compute the schedule leaves beside it (the backward
+        of the last micro-batch in a pipeline, the whole backward without one; the forward
+        too for the gathers); 0 charges every byte.
+      whole_grad_temp: whether the step materialises each device's whole local gradient
+        beside the reduction's output at the end of the backward (XLA:CPU, measured; ZeRO-2
+        saves nothing there). Else the gradients are reduce-scattered as they are produced
+        and only the ZeRO shard (and one block's in flight) stays live.
+      memory_margin: the fraction of ``memory_bytes`` kept out of the default budget for
+        the allocator's fragmentation and the runtime's own buffers.
 
     Raises:
       ValueError: a non-positive number, or no flops given.
@@ -99,6 +127,12 @@ class HardwareProfile:
     remat_barriers_kept: bool = True
     shared_cores: bool = False
     memory_bandwidth: float | None = None
+    loop_traffic: bool = True
+    matmul_efficiency: float = 1.0
+    roofline: bool = False
+    comm_overlap: float = 0.0
+    whole_grad_temp: bool = True
+    memory_margin: float = 0.0
 
     def __post_init__(self) -> None:
         flops = self.peak_flops
@@ -126,10 +160,16 @@ class HardwareProfile:
             bad["devices_per_node"] = self.devices_per_node
         if self.collective_latency < 0:
             bad["collective_latency"] = self.collective_latency
+        if not 0 < self.matmul_efficiency <= 1:
+            bad["matmul_efficiency"] = self.matmul_efficiency
+        for field in ("comm_overlap", "memory_margin"):
+            if not 0 <= getattr(self, field) < 1 + (field == "comm_overlap"):
+                bad[field] = getattr(self, field)
         if bad:
             raise ValueError(
                 f"profile {self.name!r}: {bad} must be positive (latency >= 0, "
-                "devices_per_node an int >= 1)."
+                "devices_per_node an int >= 1, matmul_efficiency in (0, 1], comm_overlap in "
+                "[0, 1], memory_margin in [0, 1))."
             )
 
     def flops(self, dtype: str) -> float:
@@ -144,6 +184,11 @@ class HardwareProfile:
         if "float32" in table:
             return table["float32"]
         return min(table.values())
+
+    @property
+    def usable_memory(self) -> float:
+        """The default memory budget: ``memory_bytes`` less the allocator margin."""
+        return self.memory_bytes * (1 - self.memory_margin)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (``HardwareProfile(**d)`` rebuilds it)."""
@@ -165,6 +210,19 @@ _CPU = HardwareProfile(
     shared_cores=True,
     memory_bandwidth=200e6,
 )
+#: What the GPU profiles share beyond their datasheets: the achievable matmul fraction (fitted
+#: on the calibration rows of ``benchmarks/published_configs.py``, see there), the overlap
+#: of the gradient reduction / ZeRO gathers with compute, gradients reduce-scattered as
+#: they are produced, and 5% of memory kept for the allocator (run JAX with
+#: ``XLA_PYTHON_CLIENT_MEM_FRACTION=.95``: by default it preallocates 75%).
+_GPU = {
+    "loop_traffic": False,
+    "matmul_efficiency": 0.5,
+    "roofline": True,
+    "comm_overlap": 1.0,
+    "whole_grad_temp": False,
+    "memory_margin": 0.05,
+}
 _A100 = HardwareProfile(
     name="a100",
     peak_flops={
@@ -178,6 +236,10 @@ _A100 = HardwareProfile(
     inter_node_bandwidth=25e9,
     devices_per_node=8,
     memory_bandwidth=2.039e12,
+    **_GPU,
+)
+_A100_40 = dataclasses.replace(
+    _A100, name="a100-40gb", memory_bytes=40 * 10**9, memory_bandwidth=1.555e12
 )
 _H100 = HardwareProfile(
     name="h100",
@@ -186,21 +248,26 @@ _H100 = HardwareProfile(
         "float32_highest": 67e12,
         "bfloat16": 989.4e12,
         "float16": 989.4e12,
+        "float8_e4m3fn": 1978.9e12,
+        "float8_e5m2": 1978.9e12,
     },
     memory_bytes=80 * 10**9,
     intra_node_bandwidth=450e9,
     inter_node_bandwidth=50e9,
     devices_per_node=8,
     memory_bandwidth=3.35e12,
+    **_GPU,
 )
 _H200 = dataclasses.replace(_H100, name="h200", memory_bytes=141 * 10**9, memory_bandwidth=4.8e12)
 
 #: The built-in profiles by name.
-PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (_CPU, _A100, _H100, _H200)}
+PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (_CPU, _A100, _A100_40, _H100, _H200)}
+PROFILES["a100-80gb"] = _A100
 
 
 def get_profile(profile: str | HardwareProfile | None = None) -> HardwareProfile:
-    """A profile by name (``cpu``, ``a100``, ``h100``, ``h200``), or ``profile`` itself.
+    """A profile by name (``cpu``, ``a100`` = ``a100-80gb``, ``a100-40gb``, ``h100``,
+    ``h200``), or ``profile`` itself.
 
     Args:
       profile: a name, a :class:`HardwareProfile`, or None for ``cpu``.

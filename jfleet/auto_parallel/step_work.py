@@ -23,9 +23,11 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from jax.sharding import PartitionSpec as P
 
+from jfleet.auto_parallel.attention_trace import fused_attention_flops
 from jfleet.auto_parallel.layouts import Layout, Workload
 from jfleet.auto_parallel.patterns import COLUMN_ROLES, ROW_ROLES, ModelPatterns
 
@@ -69,33 +71,51 @@ def layers_and_norms(patterns: ModelPatterns) -> tuple[int, int]:
     return 0, 0
 
 
-def split_set(patterns: ModelPatterns, mp: int) -> frozenset[tuple[str, int]]:
-    """``(path, dim)`` of every parameter split over ``mp`` at this degree."""
+def _specs(patterns: ModelPatterns, mp: int, specs: Mapping[str, P] | None) -> Mapping[str, P]:
+    """Each parameter's spec at ``mp``: ``specs`` when the caller computed them already."""
+    return specs if specs is not None else {p.path: p.spec_for(mp) for p in patterns.params}
+
+
+def split_set(
+    patterns: ModelPatterns, mp: int, specs: Mapping[str, P] | None = None
+) -> frozenset[tuple[str, int]]:
+    """``(path, dim)`` of every parameter split over ``mp`` at this degree.
+
+    ``specs`` (here and below): each parameter's ``spec_for(mp)`` by path, when the
+    caller has them (the cost model computes them once per layout).
+    """
     if mp <= 1:
         return frozenset()
+    specs = _specs(patterns, mp, specs)
     return frozenset(
         (p.path, p.split_dim)
         for p in patterns.params
-        if p.split_dim is not None and p.spec_for(mp) != P()
+        if p.split_dim is not None and specs[p.path] != P()
     )
 
 
-def kv_groups(patterns: ModelPatterns, mp: int) -> dict[str, int]:
+def kv_groups(
+    patterns: ModelPatterns, mp: int, specs: Mapping[str, P] | None = None
+) -> dict[str, int]:
     """``{path: gcd(kv heads, mp)}`` for k / v kernels kept whole at ``mp`` (> 1 groups)."""
+    specs = _specs(patterns, mp, specs)
     out = {}
     for p in patterns.params:
         if p.role in ("k", "v", "kv") and p.kind == "kernel" and p.split_dim is not None:
             g = math.gcd(p.units, mp)
-            if p.spec_for(mp) == P() and g > 1:
+            if specs[p.path] == P() and g > 1:
                 out[p.path] = g
     return out
 
 
-def split_degrees(patterns: ModelPatterns, mp: int) -> tuple[int, int]:
+def split_degrees(
+    patterns: ModelPatterns, mp: int, specs: Mapping[str, P] | None = None
+) -> tuple[int, int]:
     """How many ways ``mp`` splits the attention's and the MLP's activations (1 or ``mp``)."""
+    specs = _specs(patterns, mp, specs)
     attn = mlp = 1
     for p in patterns.params:
-        if p.kind == "kernel" and p.spec_for(mp) != P():
+        if p.kind == "kernel" and specs[p.path] != P():
             if p.role in ("q", "qk", "qkv"):
                 attn = mp
             elif p.role in ("up", "gate_up", "gate"):
@@ -103,20 +123,28 @@ def split_degrees(patterns: ModelPatterns, mp: int) -> tuple[int, int]:
     return attn, mlp
 
 
-def tp_reductions(patterns: ModelPatterns, mp: int) -> tuple[int, int]:
+def tp_reductions(
+    patterns: ModelPatterns, mp: int, specs: Mapping[str, P] | None = None
+) -> tuple[int, int]:
     """All-reduces per block: forward (one per split row), backward (one per split column)."""
+    specs = _specs(patterns, mp, specs)
     first = 0 if patterns.blocks else None
     kernels = [
         p
         for p in patterns.params
-        if p.kind == "kernel" and p.block == first and p.spec_for(mp) != P()
+        if p.kind == "kernel" and p.block == first and specs[p.path] != P()
     ]
     rows = sum(p.role in ROW_ROLES for p in kernels)
     columns = sum(p.role in COLUMN_ROLES for p in kernels)
     return rows, columns
 
 
-def step_flops(patterns: ModelPatterns, workload: Workload, layout: Layout) -> tuple[float, ...]:
+def step_flops(
+    patterns: ModelPatterns,
+    workload: Workload,
+    layout: Layout,
+    specs: Mapping[str, P] | None = None,
+) -> tuple[float, ...]:
     """Per-device dot FLOPs of one step: (blocks' forward, blocks' step, outside's step).
 
     Each traced product is scaled from the traced batch to the workload's (attention
@@ -131,8 +159,8 @@ def step_flops(patterns: ModelPatterns, workload: Workload, layout: Layout) -> t
         inside = sum(p.size for p in patterns.params if p.block is not None and len(p.shape) >= 2)
         per = 2 * workload.tokens / data
         return per * inside, 3 * per * inside, 3 * per * (kernels - inside)
-    split = split_set(patterns, layout.mp)
-    grouped = kv_groups(patterns, layout.mp)
+    split = split_set(patterns, layout.mp, specs)
+    grouped = kv_groups(patterns, layout.mp, specs)
     batch, seq = patterns.traced_tokens or (1, 1)
     scale = workload.tokens / (batch * seq)
     fwd_blocks = step_blocks = step_outside = 0.0
@@ -158,4 +186,9 @@ def step_flops(patterns: ModelPatterns, workload: Workload, layout: Layout) -> t
         else:
             fwd_blocks += f
             step_blocks += step
+    fused = fused_attention_flops(patterns, workload.tokens / data, workload.seq_len)
+    if fused:  # a fused attention's products, split over mp with the heads
+        fused /= split_degrees(patterns, layout.mp, specs)[0]
+        fwd_blocks += fused
+        step_blocks += 3 * fused
     return fwd_blocks, step_blocks, step_outside

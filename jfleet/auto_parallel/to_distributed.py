@@ -65,6 +65,7 @@ from jfleet.auto_parallel.scanned_blocks import ScannedBlocks, scan_blocks
 from jfleet.mesh import context as _context
 from jfleet.mesh.placement import Placement, check_divides
 from jfleet.mesh.topology import DP, MP, PP, SEP, SHARDING
+from jfleet.optim.compiler import amp_settings
 from jfleet.parallel.virtual_stages import check_chunks_agree
 from jfleet.runtime.devices import fix_hint
 from jfleet.runtime.log import logger
@@ -439,10 +440,19 @@ def _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len
         recompute=config.recompute,
         pipeline=_pipeline_problem(model, patterns, inputs, forward),
         scan_layers=config.scan_layers,
+        dtype=_amp_dtype(config.strategy),
     )
     if patterns.input_kind == "tokens":
         return plan
     return dataclasses.replace(plan, workload=patterns.workload(batch_size, seq_len))
+
+
+def _amp_dtype(user: DistributedStrategy | None) -> str | None:
+    """The strategy's AMP compute dtype, planned at its rates (None: the model's dtype)."""
+    run = _context.current()
+    strategy = user if user is not None or run is None else run.strategy
+    settings = amp_settings(strategy) if strategy is not None else None
+    return settings.dtype if settings is not None else None
 
 
 def _pipeline_problem(

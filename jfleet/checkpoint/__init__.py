@@ -1,9 +1,9 @@
 """Checkpoints on Orbax: save and resume a run across meshes, ZeRO stages and pipelines.
 
-An operational subsystem (beside ``launch``, ``ps`` and ``models``, none importing
-another): files a run writes and reads back, inference artefacts included.
+An operational subsystem (beside ``launch`` and ``ps``, none importing another): files a
+run writes and reads back, inference artefacts included.
 
-May import: runtime, mesh, optim, parallel, precision, training, auto_parallel.
+May import: runtime, mesh, optim, parallel, models, precision, training, auto_parallel.
 
 :class:`CheckpointManager` (``manager.py``) saves the model, the optimizer's whole state,
 a ``ShardedLoader``'s data position and a description of the run; ``layout.py`` maps the

@@ -2,8 +2,8 @@
 
 The facade layer above ``fleet`` (Paddle's ``paddle.distributed`` holds ``fleet``).
 
-May import: runtime, mesh, optim, parallel, precision, training, auto_parallel,
-checkpoint, launch, models, ps, fleet.
+May import: runtime, mesh, optim, parallel, models, precision, training, auto_parallel,
+checkpoint, launch, ps, fleet.
 
 The collectives are :mod:`jfleet.collective`'s (group collectives inside ``shard_map``
 and on global arrays); ``fleet`` is :mod:`jfleet.fleet`; ``dist.sharding`` holds

@@ -3,8 +3,8 @@
 The facade layer: Paddle's ``paddle.distributed.fleet`` tree on top of the layers; its
 submodules never import the package's own ``__init__``.
 
-May import: runtime, mesh, optim, parallel, precision, training, auto_parallel,
-checkpoint, launch, models, ps.
+May import: runtime, mesh, optim, parallel, models, precision, training, auto_parallel,
+checkpoint, launch, ps.
 
 As in Paddle, ``jfleet.fleet``'s functions are bound to one process-wide
 :class:`~jfleet.fleet.fleet_base.Fleet` object, so a ported script reads the same::

@@ -1,10 +1,10 @@
 """``python -m jfleet.launch``: Paddle's launcher for jfleet (JAX) jobs.
 
-An operational subsystem (beside ``checkpoint``, ``ps`` and ``models``, none importing
-another); it imports no JAX.
+An operational subsystem (beside ``checkpoint`` and ``ps``, none importing another); it
+imports no JAX.
 
-May import: runtime, mesh, optim, parallel, precision, training, auto_parallel (it uses
-runtime alone).
+May import: runtime, mesh, optim, parallel, models, precision, training, auto_parallel (it
+uses runtime alone).
 
 Starts ``--nproc_per_node`` worker processes on each of ``--nnodes`` nodes (one launcher
 per node), gives each the ``PADDLE_*`` and ``JAX_*`` variables that ``fleet.init`` reads,

@@ -1,9 +1,9 @@
 """Reference models for the docs, examples, notebooks, benchmarks and tests.
 
-Reference models (beside ``checkpoint``, ``launch`` and ``ps``, none importing another).
+Reference models, built from the parallel layer (beside ``precision``, neither importing
+the other); the planner's named model shapes build them abstractly.
 
-May import: runtime, mesh, optim, parallel, precision, training, auto_parallel (they use
-parallel alone).
+May import: runtime, mesh, optim, parallel.
 
 Each is a small decoder written in plain Flax NNX (no distributed code) unless its name
 says otherwise; all train on the token batches of :mod:`jfleet.models.tiny_lm`.

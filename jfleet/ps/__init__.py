@@ -1,9 +1,8 @@
 """Parameter-server mode as SPMD: sparse embedding tables sharded over the devices.
 
-An operational subsystem (beside ``checkpoint``, ``launch`` and ``models``, none
-importing another).
+An operational subsystem (beside ``checkpoint`` and ``launch``, none importing another).
 
-May import: runtime, mesh, optim, parallel, precision, training, auto_parallel.
+May import: runtime, mesh, optim, parallel, models, precision, training, auto_parallel.
 
 :mod:`~jfleet.ps.table` (the table: pull / push kernels), :mod:`~jfleet.ps.accessor`
 (Paddle's ``CtrCommonAccessor``: statistics and sparse SGD rules), :mod:`~jfleet.ps.hashing`

@@ -2,8 +2,8 @@
 
 The top layer: users' test tools; nothing in jfleet imports it.
 
-May import: runtime, mesh, optim, parallel, precision, training, auto_parallel,
-checkpoint, launch, models, ps, fleet, distributed.
+May import: runtime, mesh, optim, parallel, models, precision, training, auto_parallel,
+checkpoint, launch, ps, fleet, distributed.
 
 * :mod:`~jfleet.testing.assertions`: trains like one device, sharded as meant, the compiled
   step's collectives and memory.

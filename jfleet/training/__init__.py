@@ -7,5 +7,5 @@ one jitted training step; ``replicas`` combines data-parallel replicas' gradient
 optimizer; ``pipeline_parallel`` is Paddle's ``PipelineParallel.train_batch``; ``data``
 turns any iterable of batches into sharded global arrays.
 
-May import: runtime, mesh, optim, parallel, precision.
+May import: runtime, mesh, optim, parallel, models, precision.
 """

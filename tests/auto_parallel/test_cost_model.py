@@ -61,6 +61,17 @@ def test_predictions_match_the_compiled_step(degrees, stage, microbatches):
 
 
 @pytest.mark.parametrize(
+    ("degrees", "stage"), [({"dp": 2, "mp": 4}, 0), ({"dp": 2, "sharding": 4}, 2)]
+)
+def test_gradient_accumulation_matches_the_engines_gradient_merge(degrees, stage):
+    """Layout(accumulate_steps=2) against one call of the strategy's gradient merge: the
+    accumulator is optimizer state, one call's activations and batch, every call reduces."""
+    workload = dataclasses.replace(SMALL, batch=16)  # 8 rows a call
+    memory, nbytes = cost_model_check.check_accumulation(workload, degrees, stage, 2)
+    assert 0.75 <= memory <= 1.25 and 0.85 <= nbytes <= 1.15, (memory, nbytes)
+
+
+@pytest.mark.parametrize(
     ("schedule", "workload", "name"),
     [
         ("1F1B", SMALL, "1F1B M=2"),
@@ -263,7 +274,7 @@ def test_pipeline_schedules_bubble_and_transfers():
 
 def test_links_across_nodes_are_slower():
     found = _llama()
-    h100 = dataclasses.replace(get_profile("h100"), collective_latency=0.0)
+    h100 = dataclasses.replace(get_profile("h100"), collective_latency=0.0, comm_overlap=0.0)
     inside = _est(found, Layout(dp=8), profile=h100, per_node=8).time.data_parallel
     across = _est(found, Layout(dp=8), profile=h100, per_node=4).time.data_parallel
     assert across / inside == pytest.approx(h100.intra_node_bandwidth / h100.inter_node_bandwidth)

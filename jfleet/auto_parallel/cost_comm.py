@@ -1,0 +1,201 @@
+"""The cost model's communication terms: tensor parallel, gradient reduction, pipeline, sep.
+
+Each function reads one :class:`~jfleet.auto_parallel.step_shape.StepShape`, adds the
+collective bytes it issues to ``coll`` (counted as :mod:`jfleet.testing.hlo` counts a
+compiled step's) and returns its seconds; the formulas are in
+:mod:`jfleet.auto_parallel.cost_model`'s docstring. Every collective also pays the
+profile's latency.
+
+Example:
+  >>> from jfleet.auto_parallel.layouts import Layout, Workload
+  >>> from jfleet.auto_parallel.patterns import match_patterns
+  >>> from jfleet.auto_parallel.step_shape import step_shape
+  >>> from jfleet.models.llama import TinyLlama
+  >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, layers=2))
+  >>> s = step_shape(found, Workload(batch_size=16, seq_len=8), Layout(dp=8),
+  ...                "cpu", devices_per_node=8)
+  >>> coll = new_counts()
+  >>> data_parallel_time(s, coll) > 0, coll["all_reduce"] == s.tp_bytes
+  (True, True)
+"""
+
+from __future__ import annotations
+
+from jfleet.auto_parallel.memo import cached
+from jfleet.auto_parallel.step_shape import StepShape, ring_bytes, stored_leaves
+from jfleet.auto_parallel.step_work import tp_reductions
+from jfleet.mesh.topology import DP, MP, PP, SEP, SHARDING
+
+__all__ = [
+    "COLLECTIVE_KINDS",
+    "data_parallel_time",
+    "exposed",
+    "new_counts",
+    "pipeline_time",
+    "sequence_time",
+    "tensor_parallel_time",
+]
+
+COLLECTIVE_KINDS = (
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "collective_permute",
+    "all_to_all",
+)
+
+
+def new_counts() -> dict[str, float]:
+    """Zero bytes of every collective kind."""
+    return dict.fromkeys(COLLECTIVE_KINDS, 0.0)
+
+
+def tensor_parallel_time(s: StepShape, coll: dict[str, float]) -> float:
+    """``mp`` all-reduces of activations per block and micro-batch, and the embedding's / head's."""
+    mp = s.layout.mp
+    if mp <= 1:
+        return 0.0
+    ab, h, pp, m = s.act_bytes, s.dims.width, s.layout.pp, s.layout.num_microbatches
+    act = s.tokens_mb * h * ab
+    fwd, bwd = cached(
+        s.patterns, ("tp_reductions", mp), lambda: tp_reductions(s.patterns, mp, s.specs)
+    )
+    # recompute runs the forward's all-reduces again in the backward pass. A pipeline
+    # counts them on each of its M + P - 1 ticks: the compiled loop holds them at
+    # every tick (jfleet.testing.hlo weights them by the trip count), bubble or not.
+    per_mb = s.chunk_blocks * (fwd * (2 if s.recompute else 1) + bwd)  # a chunk per tick
+    n_mb = per_mb * (s.v * m + pp - 1 if s.piped else m) * s.accumulate
+    roles = cached(s.patterns, ("roles",), lambda: {p.role for p in s.patterns.params})
+    n_out = int("embedding" in roles) + int("head" in roles or bool(s.patterns.tied_head))
+    out_bytes = n_out * s.head_tokens * h * ab
+    stats = 2 * s.head_tokens * 4 if s.vocab else 0
+    if s.workload.sequence_parallel:
+        # each all-reduce becomes a reduce-scatter + an all-gather: the same wire bytes;
+        # hlo counts the reduce-scatter's input and the all-gather's output
+        coll["reduce_scatter"] += n_mb * act
+        coll["all_gather"] += n_mb * act
+    else:
+        coll["all_reduce"] += n_mb * act
+    coll["all_reduce"] += out_bytes + stats
+    count = n_mb + n_out + (2 if stats else 0)
+    lat = s.profile.collective_latency
+    return count * lat + (
+        ring_bytes("all-reduce", n_mb * act + out_bytes + stats, mp)
+    ) / s.bandwidth(MP)
+
+
+def data_parallel_time(s: StepShape, coll: dict[str, float]) -> float:
+    """Gradient reduction over ``dp x sharding x sep`` and ZeRO's all-gathers, once a call.
+
+    Under gradient accumulation every call reduces its gradients and runs the gathers
+    (the engine's gradient merge is an optax transformation after the reduction, its
+    update applied on the last call), so the step pays them ``accumulate`` times.
+    """
+    if s.accumulate == 1:
+        return _one_call_reduction(s, coll)
+    once = new_counts()
+    seconds = _one_call_reduction(s, once)
+    for kind, nbytes in once.items():
+        coll[kind] += s.accumulate * nbytes
+    return s.accumulate * seconds
+
+
+def _one_call_reduction(s: StepShape, coll: dict[str, float]) -> float:
+    lay = s.layout
+    red = lay.data_degree * lay.sep
+    grads = s.tp_bytes
+    lat = s.profile.collective_latency
+    t_dp = 0.0
+    if red <= 1:
+        return t_dp
+    if lay.zero_stage == 0:
+        coll["all_reduce"] += grads
+        return t_dp + lat + ring_bytes("all-reduce", grads, red) / s.bandwidth(DP, SHARDING, SEP)
+    zeroed = grads
+    if s.piped:
+        # the pipelined blocks' weights enter the pipeline's shard_map (manual over dp and
+        # sharding) replicated over the data axes, so their gradients leave it summed over
+        # dp x sharding: one all-reduce, not ZeRO's reduce-scatter; only the embedding's
+        # and the head's are reduced in the ZeRO layout
+        zeroed = s.outside_tp
+        coll["all_reduce"] += s.block_tp
+        t_dp += lat + ring_bytes("all-reduce", s.block_tp, red) / s.bandwidth(DP, SHARDING, SEP)
+    shard, bw_shard = lay.sharding, s.bandwidth(SHARDING)
+    if s.profile.reduce_scatter_native:
+        coll["reduce_scatter"] += zeroed
+        t_dp += lat + ring_bytes("reduce-scatter", zeroed, shard) / bw_shard
+    else:
+        coll["all_reduce"] += zeroed
+        t_dp += lat + ring_bytes("all-reduce", zeroed, shard) / bw_shard
+    if lay.dp * lay.sep > 1:
+        coll["all_reduce"] += zeroed / shard
+        t_dp += lat + ring_bytes("all-reduce", zeroed / shard, lay.dp * lay.sep) / s.bandwidth(
+            DP, SEP
+        )
+    # ZeRO's all-gathers (of the updated shards; at stage 3 of the parameters before use)
+    # are one per parameter leaf, as the step holds them (stacked when the blocks are
+    # scanned or pipelined): XLA combines all-reduces, not these (measured: 13
+    # all-gathers scanned, 39 unrolled, TinyLlama 4 blocks)
+    gathers = 2 if (lay.zero_stage >= 3 and s.remat_waits) else 1
+    coll["all_gather"] += gathers * s.tp_bytes
+    leaves = stored_leaves(s.leaf_counts, s.stage_blocks, stacked=s.piped or s.scanned)
+    t_dp += gathers * (leaves * lat + ring_bytes("all-gather", s.tp_bytes, shard) / bw_shard)
+    return t_dp
+
+
+def exposed(t_dp: float, s: StepShape, compute: float) -> float:
+    """The part of the gradient reduction / ZeRO gathers not hidden under compute.
+
+    ``HardwareProfile.comm_overlap`` of it runs under the compute the schedule leaves
+    beside it: the backward pass (2/3 of the compute; the forward too for ZeRO-3's
+    gathers), of the last micro-batch only in a pipeline (the reduction waits for the
+    last gradients); under gradient accumulation each call's reduction overlaps its own
+    backward.
+    """
+    overlap = s.profile.comm_overlap
+    if not overlap or not t_dp:
+        return t_dp
+    share = 1.0 if s.layout.zero_stage >= 3 else 2 / 3
+    window = compute * share / (s.v * s.layout.num_microbatches)
+    return max(t_dp - overlap * window, t_dp * (1 - overlap))
+
+
+def pipeline_time(s: StepShape, coll: dict[str, float]) -> float:
+    """Point-to-point transfers between stages, and the stack's input / output over ``pp``."""
+    pp = s.layout.pp
+    if pp <= 1:
+        return 0.0
+    lat, bw_pp, ab, h = s.profile.collective_latency, s.bandwidth(PP), s.act_bytes, s.dims.width
+    # every schedule: one forward loop and one backward loop of v M + P - 1 ticks, one
+    # collective-permute of a micro-batch's b s h per tick and direction
+    ticks = (s.v * s.layout.num_microbatches + pp - 1) * s.accumulate  # over A calls
+    act = s.tokens_mb * h * ab
+    coll["collective_permute"] += 2 * ticks * act
+    t_pp = 2 * ticks * (lat + act / bw_pp)
+    # to_distributed's stand-in runs only the blocks pipelined. With the rows split over
+    # pp it gathers its input over pp and reduce-scatters its output (and the reverse for
+    # the cotangents): 2 all-gathers + 2 reduce-scatters of the local batch's b s h.
+    # Otherwise the embedding and head run on every stage on the same values, and the
+    # output and the input's cotangent are all-reduced over pp.
+    out = s.tokens_live * h * ab * s.accumulate  # A calls of tokens_live each
+    if s.rows_over_pp:
+        coll["all_gather"] += 2 * out
+        coll["reduce_scatter"] += 2 * out
+        t_pp += 4 * (lat + ring_bytes("all-gather", out, pp) / bw_pp)
+    else:
+        coll["all_reduce"] += 2 * out
+        t_pp += 2 * (lat + ring_bytes("all-reduce", out, pp) / bw_pp)
+    return t_pp
+
+
+def sequence_time(s: StepShape, coll: dict[str, float]) -> float:
+    """``sep``: an all-gather of k and v per block forward, a reduce-scatter backward."""
+    sep = s.layout.sep
+    if sep <= 1 or not s.patterns.attention:
+        return 0.0
+    kv = s.tokens_mb * sep * 2 * s.dims.kv_dim / s.layout.mp * s.act_bytes
+    n = s.stage_blocks * s.layout.num_microbatches * s.accumulate
+    coll["all_gather"] += n * kv
+    coll["reduce_scatter"] += n * kv
+    lat = s.profile.collective_latency
+    return 2 * n * (lat + ring_bytes("all-gather", kv, sep) / s.bandwidth(SEP))

@@ -1,0 +1,289 @@
+"""One layout's step, measured once: the quantities every cost term reads.
+
+:func:`step_shape` computes, for one :class:`~jfleet.auto_parallel.layouts.Layout` of a
+matched model, each parameter's ``mp`` spec and local bytes (once per candidate, with and
+without the ZeRO split), the blocks one pipeline stage holds, the local tokens per step
+and per micro-batch, and which program the step runs (pipelined, staged, scanned,
+recompute waiting for the backward). The cost terms (:mod:`jfleet.auto_parallel.cost_memory`,
+:mod:`jfleet.auto_parallel.cost_comm`, :func:`jfleet.auto_parallel.cost_model.estimate`)
+read only this.
+
+Example:
+  >>> from jfleet.auto_parallel.layouts import Layout, Workload
+  >>> from jfleet.auto_parallel.patterns import match_patterns
+  >>> from jfleet.models.llama import TinyLlama
+  >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, layers=2))
+  >>> s = step_shape(found, Workload(batch_size=16, seq_len=8), Layout(dp=2, mp=4),
+  ...                get_profile("cpu"), devices_per_node=8)
+  >>> s.tokens_local, s.stage_blocks, s.piped
+  (64, 2, False)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping, Sequence
+
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
+
+from jfleet.auto_parallel.attention_trace import scores_materialised
+from jfleet.auto_parallel.layouts import Layout, Workload
+from jfleet.auto_parallel.memo import block_groups, cached
+from jfleet.auto_parallel.patterns import ModelDims, ModelPatterns, ParamInfo
+from jfleet.auto_parallel.profiles import HardwareProfile, get_profile
+from jfleet.auto_parallel.step_work import layers_and_norms
+from jfleet.mesh.placement import Placement
+from jfleet.mesh.topology import AXIS_NAMES
+
+__all__ = ["StepShape", "group_bandwidth", "ring_bytes", "step_shape", "stored_leaves"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepShape:
+    """What one layout's step holds and processes per device (see :func:`step_shape`).
+
+    Attributes:
+      patterns, workload, layout, profile: the inputs.
+      devices_per_node: devices per node (intra- vs inter-node links).
+      specs: each parameter's ``mp`` spec at this layout, by path.
+      leaf_counts: how many parameters one device's stage holds (blocks of stage 0
+        first): (outside the blocks, in them).
+      stage_blocks: decoder blocks per pipeline stage; norms: norms per layer.
+      tp_bytes: local parameter bytes after the ``mp`` split; z_bytes: after ZeRO's too.
+      z_fp32: ``z_bytes``' elements at 4 bytes (fp32 optimizer state); z_master: those
+        of half-precision parameters (their fp32 master copies under AMP).
+      block_tp, outside_tp, one_block_tp: ``tp_bytes`` of the stage's blocks, of the
+        rest, of one block.
+      local_seqs, local_seq: sequences and tokens per sequence per device.
+      tokens_local, tokens_mb, head_tokens: tokens per device per step, per
+        micro-batch (pipeline or gradient accumulation), and those the embedding / head
+        run on at once.
+      tokens_live: tokens one call of the step processes (all of them, or one
+        accumulation step's).
+      accumulate: gradient-accumulation micro-batches (``Layout.accumulate_steps``).
+      scores_materialised: whether the traced attention materialises its ``s x s``
+        scores (:func:`~jfleet.auto_parallel.attention_trace.scores_materialised`).
+      piped, staged, scanned, rows_over_pp, remat_waits, recompute: the program run
+        (see the cost model's docstring).
+      v: chunks per stage; chunk_blocks: blocks per chunk.
+      vocab: the vocabulary the head's logits span (0 without a head).
+    """
+
+    patterns: ModelPatterns
+    workload: Workload
+    layout: Layout
+    profile: HardwareProfile
+    devices_per_node: int
+    specs: Mapping[str, P]
+    leaf_counts: tuple[int, int]
+    stage_blocks: int
+    norms: int
+    tp_bytes: int
+    z_bytes: int
+    z_fp32: int
+    z_master: int
+    block_tp: int
+    outside_tp: int
+    one_block_tp: int
+    local_seqs: int
+    local_seq: int
+    tokens_local: int
+    tokens_mb: int
+    head_tokens: int
+    tokens_live: int
+    accumulate: int
+    scores_materialised: bool
+    piped: bool
+    staged: bool
+    scanned: bool
+    rows_over_pp: bool
+    remat_waits: bool
+    recompute: bool
+    v: int
+    chunk_blocks: float
+    vocab: int
+
+    @property
+    def dims(self) -> ModelDims:
+        """The model's sizes."""
+        return self.patterns.dims
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes per activation element."""
+        return self.workload.act_bytes
+
+    def bandwidth(self, *group: str) -> float:
+        """Bytes/s of the links a group of mesh axes spans (:func:`group_bandwidth`)."""
+        return group_bandwidth(group, self.layout.degrees, self.profile, self.devices_per_node)
+
+
+def _local_elems(spec: P, shape: Sequence[int], sizes: Mapping[str, int]) -> int:
+    n = 1
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    for dim, entry in zip(shape, entries, strict=True):
+        axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+        n *= dim // math.prod(sizes[a] for a in axes)
+    return n
+
+
+def group_bandwidth(
+    group: Sequence[str], degrees: Mapping[str, int], profile: HardwareProfile, per_node: int
+) -> float:
+    """Intra-node bandwidth when the group's devices lie within one node, else inter-node."""
+    span = _span(tuple(group), tuple(degrees[a] for a in AXIS_NAMES))
+    return profile.intra_node_bandwidth if span <= per_node else profile.inter_node_bandwidth
+
+
+@functools.lru_cache(maxsize=4096)
+def _span(group: tuple[str, ...], sizes: tuple[int, ...]) -> int:
+    """How many consecutive devices (row-major mesh order) a group of axes spans."""
+    span = 1
+    for i, axis in enumerate(AXIS_NAMES):
+        if axis in group and sizes[i] > 1:
+            span = max(span, math.prod(sizes[i + 1 :]) * sizes[i])
+    return span
+
+
+def stored_leaves(counts: tuple[int, int], blocks: int, *, stacked: bool) -> int:
+    """How many arrays hold a stage's parameters (``counts``: outside and in its blocks):
+    one per parameter, or one per block parameter kind when the blocks are stacked (a
+    scan over layers, a pipeline stage)."""
+    outside, in_blocks = counts
+    return outside + (in_blocks // max(blocks, 1) if stacked and blocks else in_blocks)
+
+
+def ring_bytes(kind: str, nbytes: float, n: int) -> float:
+    """Bytes each device sends in a ring ``kind`` collective of ``nbytes`` over ``n``."""
+    if n <= 1:
+        return 0.0
+    if kind == "all-reduce":
+        return 2 * (n - 1) / n * nbytes
+    if kind == "collective-permute":
+        return nbytes
+    return (n - 1) / n * nbytes
+
+
+def _stage_bytes(
+    params: tuple[ParamInfo, ...], specs: Mapping[str, P], layout: Layout
+) -> tuple[int, ...]:
+    """Local bytes of ``params`` after ``mp``, after ZeRO too, of those in blocks; and after
+    ZeRO at 4 bytes an element (fp32 optimizer state), of the fp32 masters of half ones."""
+    deg = layout.degrees
+    zero = None
+    if layout.zero_stage:
+        abstract = AbstractMesh(tuple(deg.values()), AXIS_NAMES)
+        zero = Placement(mesh=abstract, zero_stage=layout.zero_stage)
+    tp_bytes = z_bytes = block_tp = z_fp32 = z_master = 0
+    for p in params:
+        itemsize = jnp.dtype(p.dtype).itemsize
+        spec = specs[p.path]
+        tp_elems = _local_elems(spec, p.shape, deg)
+        zspec = zero.zero_spec(spec, p.shape) if zero is not None else spec
+        z_elems = tp_elems if zero is None else _local_elems(zspec, p.shape, deg)
+        tp_bytes += tp_elems * itemsize
+        z_bytes += z_elems * itemsize
+        block_tp += tp_elems * itemsize if p.block is not None else 0
+        z_fp32 += 4 * z_elems
+        z_master += 4 * z_elems if itemsize < 4 else 0  # fp32 masters of half params
+    return tp_bytes, z_bytes, block_tp, z_fp32, z_master
+
+
+def param_specs(patterns: ModelPatterns, mp: int) -> Mapping[str, P]:
+    """Each parameter's spec at ``mp``, by path (computed once per model and degree)."""
+    return cached(
+        patterns, ("specs", mp), lambda: {p.path: p.spec_for(mp) for p in patterns.params}
+    )
+
+
+def _param_bytes(patterns: ModelPatterns, layout: Layout, stage_blocks: int) -> dict:
+    """The stage's parameters and their local bytes with and without ZeRO (once a mesh).
+
+    Identical blocks (:func:`~jfleet.auto_parallel.memo.block_groups`) are summed over
+    block 0 and multiplied by the stage's blocks.
+    """
+    specs = param_specs(patterns, layout.mp)
+
+    def compute() -> dict:
+        outside, first, uniform = block_groups(patterns)
+        if uniform:
+            out_b = _stage_bytes(outside, specs, layout)
+            one_b = _stage_bytes(first, specs, layout)
+            sizes = tuple(o + stage_blocks * b for o, b in zip(out_b, one_b, strict=True))
+            counts = (len(outside), len(first) * stage_blocks)
+        else:
+            mine = tuple(p for p in patterns.params if p.block is None or p.block < stage_blocks)
+            sizes = _stage_bytes(mine, specs, layout)
+            in_blocks = sum(p.block is not None for p in mine)
+            counts = (len(mine) - in_blocks, in_blocks)
+        tp_bytes, z_bytes, block_tp, z_fp32, z_master = sizes
+        return {
+            "z_fp32": z_fp32,
+            "z_master": z_master,
+            "tp_bytes": tp_bytes,
+            "z_bytes": z_bytes,
+            "block_tp": block_tp,
+            "outside_tp": tp_bytes - block_tp,
+            "one_block_tp": block_tp // stage_blocks if stage_blocks else 0,
+            "leaf_counts": counts,
+        }
+
+    key = ("bytes", layout.zero_stage, tuple(layout.degrees.items()), stage_blocks)
+    return {"specs": specs, **cached(patterns, key, compute)}
+
+
+def step_shape(
+    patterns: ModelPatterns,
+    workload: Workload,
+    layout: Layout,
+    profile: HardwareProfile | str | None = None,
+    *,
+    devices_per_node: int,
+    scan_layers: bool = True,
+) -> StepShape:
+    """Measures one layout's step once for every cost term (arguments as ``estimate``'s)."""
+    profile = get_profile(profile)
+    pp, m = layout.pp, layout.num_microbatches
+    layers, norms = cached(patterns, ("layers_and_norms",), lambda: layers_and_norms(patterns))
+    stage_blocks = layers // pp
+    data = layout.data_degree
+    local_seqs = workload.batch_size // data
+    local_seq = workload.seq_len // layout.sep
+    tokens_local = local_seqs * local_seq
+    accumulate = layout.accumulate_steps
+    piped = pp > 1
+    # 1F1B's program (VPP: the same over v interleaved chunks); FThenB with recompute too
+    staged = piped and (layout.schedule in ("1F1B", "VPP") or layout.recompute)
+    rows_over_pp = piped and (workload.batch_size // accumulate) % (data * pp) == 0
+    scanned = not piped and scan_layers and bool(patterns.blocks) and layout.zero_stage < 3
+    return StepShape(
+        patterns=patterns,
+        workload=workload,
+        layout=layout,
+        profile=profile,
+        devices_per_node=devices_per_node,
+        stage_blocks=stage_blocks,
+        norms=norms,
+        local_seqs=local_seqs,
+        local_seq=local_seq,
+        tokens_local=tokens_local,
+        tokens_mb=tokens_local // (m * accumulate),
+        head_tokens=(tokens_local // pp if rows_over_pp else tokens_local) // accumulate,
+        tokens_live=tokens_local // accumulate,
+        accumulate=accumulate,
+        scores_materialised=scores_materialised(patterns),
+        piped=piped,
+        staged=staged,
+        scanned=scanned,
+        rows_over_pp=rows_over_pp,
+        remat_waits=layout.recompute and (piped or scanned or profile.remat_barriers_kept),
+        recompute=layout.recompute or staged,
+        v=layout.num_virtual_stages,
+        chunk_blocks=stage_blocks / layout.num_virtual_stages,
+        vocab=patterns.dims.vocab if patterns.tied_head is not None else 0,
+        **_param_bytes(patterns, layout, stage_blocks),
+    )
