@@ -7,30 +7,33 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import re
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 API = ROOT / "docs" / "api"
-PACKAGES = (
-    "jfleet",
-    "jfleet.fleet",
-    "jfleet.distributed",
-    "jfleet.testing",
-    "jfleet.auto_parallel",
-)
+
+
+def _conf():
+    """docs/api/conf.py, imported: its package list and its reading of what each exports."""
+    spec = importlib.util.spec_from_file_location("jfleet_api_conf", API / "conf.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+CONF = _conf()
+PACKAGES = CONF.PACKAGES
 
 
 def exported(package: str) -> set[str]:
-    module = importlib.import_module(package)
-    names = getattr(module, "__all__", None) or [n for n in vars(module) if n[0] != "_"]
-    return {n for n in names if not isinstance(getattr(module, n), types.ModuleType)}
+    return {name for name, _ in CONF.public_names(package)}
 
 
 #: Exported names whose docstring has no ``>>>`` example yet, and why (this list only shrinks).
