@@ -7,29 +7,50 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import inspect
 import re
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 API = ROOT / "docs" / "api"
-PACKAGES = (
-    "jfleet",
-    "jfleet.fleet",
-    "jfleet.distributed",
-    "jfleet.testing",
-    "jfleet.auto_parallel",
-)
+
+
+def _conf():
+    """docs/api/conf.py, imported: its package list and its reading of what each exports."""
+    spec = importlib.util.spec_from_file_location("jfleet_api_conf", API / "conf.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+CONF = _conf()
+PACKAGES = CONF.PACKAGES
 
 
 def exported(package: str) -> set[str]:
-    module = importlib.import_module(package)
-    names = getattr(module, "__all__", None) or [n for n in vars(module) if n[0] != "_"]
-    return {n for n in names if not isinstance(getattr(module, n), types.ModuleType)}
+    return {name for name, _ in CONF.public_names(package)}
+
+
+#: Exported names whose docstring has no ``>>>`` example yet, and why (this list only shrinks).
+WITHOUT_EXAMPLE = {
+    "jfleet.distributed.load_state_dict": "jfleet/checkpoint is another owner's, mid-change",
+    "jfleet.distributed.save_state_dict": "jfleet/checkpoint is another owner's, mid-change",
+    "jfleet.testing.run_processes": "spawns processes: too slow for a doctest",
+    "jfleet.auto_parallel.Candidate": "planner internals; its module is at the size limit",
+    "jfleet.auto_parallel.TraceError": "matcher internals; its module is at the size limit",
+    "jfleet.auto_parallel.trace_model": "matcher internals; its module is at the size limit",
+    "jfleet.auto_parallel.ModelDims": "matcher internals; its module is at the size limit",
+    "jfleet.auto_parallel.ModelPatterns": "matcher internals; its module is at the size limit",
+    "jfleet.auto_parallel.ParamInfo": "matcher internals; its module is at the size limit",
+    "jfleet.auto_parallel.PROFILES": "a dict: documented by its #: comment",
+    "jfleet.Role": "role_maker.py is at the 800-line limit",
+    "jfleet.fleet.Role": "role_maker.py is at the 800-line limit",
+}
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +93,14 @@ def test_every_exported_name_has_an_entry(built, package):
     html = (built / "reference" / f"{package}.html").read_text()
     shown = set(re.findall(r'<span class="sig-name descname"><span class="pre">(\w+)</span>', html))
     assert listed - shown == set(), f"{package}: entries missing from the built page"
+
+
+def test_every_exported_name_has_an_example_but_the_listed_few():
+    missing = set()
+    for package in PACKAGES:
+        module = importlib.import_module(package)
+        for name in exported(package):
+            if ">>>" not in (inspect.getdoc(getattr(module, name)) or ""):
+                missing.add(f"{package}.{name}")
+    assert missing - set(WITHOUT_EXAMPLE) == set(), "add a >>> example to their docstrings"
+    assert set(WITHOUT_EXAMPLE) - missing == set(), "they have one now: drop them from the list"

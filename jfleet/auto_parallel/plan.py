@@ -95,6 +95,19 @@ class ParamPlan:
         stage holds).
       replicated_why: for a decoder-block parameter kept whole on every ``mp`` rank (other
         than norms and rows' biases), the reason; else empty.
+
+    Example:
+      >>> import optax
+      >>> from jfleet.auto_parallel import ToDistributedConfig, get_plan, to_distributed
+      >>> from jfleet.models import lm_batches
+      >>> from jfleet.models.llama import TinyLlama
+      >>> config = ToDistributedConfig(force_mesh={"dp": 2, "mp": 4})
+      >>> model = TinyLlama(vocab=64, width=32, heads=8, kv_heads=4, layers=2)
+      >>> model, _, _ = to_distributed(model, optax.sgd(0.1), lm_batches(1), config=config)
+      >>> plan = get_plan(model)
+      >>> p = next(p for p in plan.params if p.path.endswith("q_proj.kernel"))
+      >>> p.role, p.spec
+      ('q', P(None, 'mp'))
     """
 
     path: str
@@ -194,6 +207,20 @@ class Plan:
       workload: the inputs in their own words when they are not token ids (``images 32 x
         28x28x1``; :meth:`~jfleet.auto_parallel.matched.ModelPatterns.workload`); empty:
         ``batch x seq`` of tokens.
+
+    Example:
+      >>> import optax
+      >>> from jfleet.auto_parallel import ToDistributedConfig, get_plan, to_distributed
+      >>> from jfleet.models import lm_batches
+      >>> from jfleet.models.llama import TinyLlama
+      >>> config = ToDistributedConfig(force_mesh={"dp": 2, "mp": 4})
+      >>> model = TinyLlama(vocab=64, width=32, heads=8, kv_heads=4, layers=2)
+      >>> model, _, _ = to_distributed(model, optax.sgd(0.1), lm_batches(1), config=config)
+      >>> plan = get_plan(model)
+      >>> plan.layout.name, plan.zero_stage
+      ('dp2 x mp4', 0)
+      >>> Plan.from_json(plan.to_json()).layout == plan.layout  # stored, reproduced
+      True
     """
 
     mesh: tuple[tuple[str, int], ...]

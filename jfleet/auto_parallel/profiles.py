@@ -114,6 +114,11 @@ class HardwareProfile:
 
     Raises:
       ValueError: a non-positive number, or no flops given.
+
+    Example:
+      >>> from jfleet.auto_parallel import get_profile
+      >>> isinstance(get_profile("h100"), HardwareProfile), get_profile("h100").name
+      (True, 'h100')
     """
 
     name: str

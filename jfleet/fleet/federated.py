@@ -42,15 +42,45 @@ class FederatedMethods:
     """Paddle's federated-learning calls, mixed into :class:`~jfleet.fleet.Fleet`."""
 
     def init_coordinator(self, scopes: Any = None) -> NoReturn:
-        """Paddle starts the coordinator here; raises :class:`NotImplementedError` (why: above)."""
+        """Paddle starts the coordinator here; raises :class:`NotImplementedError` (why: above).
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> try:
+          ...     fleet.init_coordinator()
+          ... except NotImplementedError as err:
+          ...     print(str(err).split(":")[0])
+          fleet.init_coordinator()
+        """
         _refuse("init_coordinator")
 
     def make_fl_strategy(self) -> NoReturn:
-        """Paddle builds the clients' federated strategy; raises :class:`NotImplementedError`."""
+        """Paddle builds the clients' federated strategy; raises :class:`NotImplementedError`.
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> try:
+          ...     fleet.make_fl_strategy()
+          ... except NotImplementedError as err:
+          ...     print(str(err).split(":")[0])
+          fleet.make_fl_strategy()
+        """
         _refuse("make_fl_strategy")
 
     def get_fl_client(self) -> NoReturn:
-        """Paddle returns this worker's federated client; raises :class:`NotImplementedError`."""
+        """Paddle returns this worker's federated client; raises :class:`NotImplementedError`.
+
+        Example:
+          >>> from jfleet import fleet
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> try:
+          ...     fleet.get_fl_client()
+          ... except NotImplementedError as err:
+          ...     print(str(err).split(":")[0])
+          fleet.get_fl_client()
+        """
         _refuse("get_fl_client")
 
     def is_coordinator(self) -> bool:

@@ -508,6 +508,16 @@ class Fleet(PerfMethods, StaticMethods, FederatedMethods, PSMethods):
 
         Raises:
           ValueError: ``mode`` is not 0 (Paddle's 1 / 2 save parameter-server tables).
+
+        Example:
+          >>> import tempfile
+          >>> from jfleet import fleet
+          >>> from jfleet.models import TinyLM
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> model = fleet.distributed_model(TinyLM())
+          >>> path = tempfile.mkdtemp()
+          >>> fleet.save_persistables(None, path)  # the model (and optimizer) of this run
+          >>> fleet.load_model(path)
         """
         _check_mode("save_persistables", mode)
         _ignore_static("save_persistables", executor=executor, main_program=main_program)
@@ -528,6 +538,16 @@ class Fleet(PerfMethods, StaticMethods, FederatedMethods, PSMethods):
 
         ``executor`` / ``scope`` / ``program`` / ``var_names`` are ignored (logged): every
         parameter is saved. :meth:`load_model` reads it (other variables keep their values).
+
+        Example:
+          >>> import tempfile
+          >>> from jfleet import fleet
+          >>> from jfleet.models import TinyLM
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> model = fleet.distributed_model(TinyLM())
+          >>> path = tempfile.mkdtemp()
+          >>> fleet.save_dense_params(None, path)  # parameters only
+          >>> fleet.load_model(path)
         """
         _ignore_static(
             "save_dense_params",
@@ -556,6 +576,16 @@ class Fleet(PerfMethods, StaticMethods, FederatedMethods, PSMethods):
         Raises:
           ValueError: ``mode`` is not 0; a parameter is missing from ``path``.
           FileNotFoundError: nothing saved at ``path``.
+
+        Example:
+          >>> import tempfile
+          >>> from jfleet import fleet
+          >>> from jfleet.models import TinyLM
+          >>> _ = fleet.init(is_collective=True, log_level="WARNING")
+          >>> model = fleet.distributed_model(TinyLM())
+          >>> path = tempfile.mkdtemp()
+          >>> fleet.save_persistables(None, path)
+          >>> fleet.load_model(path)  # read into the running shardings
         """
         _check_mode("load_model", mode)
         defaulted = model is None and optimizer is None

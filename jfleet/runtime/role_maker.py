@@ -51,12 +51,7 @@ _PS_ROLE_MAKERS: dict[type, Any] = {}  # is_collective=False builders: jfleet.ps
 
 
 class Role(enum.IntEnum):
-    """The role of a process, with Paddle's values.
-
-    Example:
-      >>> Role.WORKER.name, int(Role.WORKER)
-      ('WORKER', 1)
-    """
+    """The role of a process, with Paddle's values."""
 
     WORKER = 1
     SERVER = 2

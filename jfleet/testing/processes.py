@@ -119,7 +119,12 @@ class Child:
 
 
 class ProcessesFailedError(AssertionError):
-    """A child failed or ran past the deadline; the message holds every child's output."""
+    """A child failed or ran past the deadline; the message holds every child's output.
+
+    Example:
+      >>> issubclass(ProcessesFailedError, AssertionError)  # a failed test, with the output
+      True
+    """
 
     def __init__(self, message: str, children: Sequence[Child]) -> None:
         super().__init__(message)
