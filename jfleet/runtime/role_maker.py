@@ -51,7 +51,12 @@ _PS_ROLE_MAKERS: dict[type, Any] = {}  # is_collective=False builders: jfleet.ps
 
 
 class Role(enum.IntEnum):
-    """The role of a process, with Paddle's values."""
+    """The role of a process, with Paddle's values.
+
+    Example:
+      >>> int(Role.WORKER), Role(2).name
+      (1, 'SERVER')
+    """
 
     WORKER = 1
     SERVER = 2
