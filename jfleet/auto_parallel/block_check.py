@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 from collections.abc import Callable, Sequence
@@ -143,6 +144,8 @@ class BlockCall:
         it (True for the first call of the forward).
       differs: how its further arguments differ from the first block call's (a phrase),
         or None when they are the same (the same arrays, equal Python values).
+      learned: the further arguments computed from the model's parameters (an encoder's
+        output handed to decoder blocks): they need a gradient.
     """
 
     activation: tuple[Leaf, ...]
@@ -152,6 +155,7 @@ class BlockCall:
     same_structure: bool
     chained: bool = True
     differs: str | None = None
+    learned: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,13 +210,13 @@ def record_block_calls(
       ('array', 'float32[2,8,32]')
     """
     paths = _check_paths(model, block_paths)
-    graphdef, state = nnx.split(model)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     seen: dict[str, list[BlockCall]] = {p: [] for p in paths}
     chain = _Chain()
     saved = dict(vars(model))
 
-    def traced(state: Any) -> None:
-        fresh = nnx.merge(graphdef, state)
+    def traced(params: Any, rest: Any) -> list:
+        fresh = nnx.merge(graphdef, params, rest)
         for path in paths:
             block = module_at(fresh, path)
             block.__class__ = _recording_class(type(block), path, seen[path], chain)
@@ -224,9 +228,36 @@ def record_block_calls(
         finally:
             attributes.clear()
             attributes.update(saved)
+        return [leaf for _, leaf in chain.arguments]
 
-    jax.eval_shape(traced, state)
-    return [BlockCalls(p, tuple(seen[p])) for p in paths]
+    closed = jax.make_jaxpr(traced)(params, rest)
+    learned = collections.defaultdict(set)
+    depends = _depends_on_inputs(closed.jaxpr, len(jax.tree.leaves(params)))
+    for (key, _), dep in zip(chain.arguments, depends, strict=True):
+        if dep:
+            learned[key[:2]].add(key[2])
+    return [
+        BlockCalls(
+            p,
+            tuple(
+                dataclasses.replace(c, learned=tuple(sorted(learned[(p, i)])))
+                for i, c in enumerate(seen[p])
+            ),
+        )
+        for p in paths
+    ]
+
+
+def _depends_on_inputs(jaxpr: Any, n: int) -> list[bool]:
+    """Per output of ``jaxpr``, whether it is computed from one of its first ``n`` inputs
+    (through a nested call, any input counts for every output: conservative)."""
+    from jax.extend.core import Literal
+
+    found = set(jaxpr.invars[:n])
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, Literal) and v in found for v in eqn.invars):
+            found.update(eqn.outvars)
+    return [not isinstance(v, Literal) and v in found for v in jaxpr.outvars]
 
 
 def _check_paths(model: nnx.Module, block_paths: Sequence[str]) -> list[str]:
@@ -258,6 +289,8 @@ class _Chain:
     def __init__(self) -> None:
         self.last: list | None = None
         self.first: tuple | None = None
+        # ((path, call index, argument name), floating leaf) of every block call's arguments
+        self.arguments: list[tuple[tuple[str, int, str], Any]] = []
 
 
 def _recording_class(cls: type, path: str, calls: list, chain: _Chain) -> type:
@@ -280,6 +313,10 @@ def _recording_class(cls: type, path: str, calls: list, chain: _Chain) -> type:
             len(chain.last) == len(x_leaves)
             and all(a is b for a, b in zip(chain.last, x_leaves, strict=True))
         )
+        for name, value in [(str(i), v) for i, v in enumerate(args[1:])] + list(kwargs.items()):
+            for leaf in jax.tree.leaves(value, is_leaf=_is_graph_leaf):
+                if _is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.inexact):
+                    chain.arguments.append(((path, len(calls), name), leaf))
         if chain.first is None:
             chain.first = rest
         differs = _arguments_differ(chain.first, rest)
@@ -598,6 +635,14 @@ def _call_problem(path: str, call: BlockCall, first: str | None) -> str | None:
             f"{call.differs}); a pipeline hands every block the first block's arguments: "
             "compute such arguments once before the loop and let each block pick its "
             "behaviour from its own settings, or plan without a pipeline."
+        )
+    if call.learned:
+        where = ", ".join(Argument(n, "", "").where for n in call.learned)
+        return (
+            f"block {path} takes {where} computed from the model's parameters (an encoder's "
+            "output, say); a pipeline hands block arguments to every stage without a "
+            "gradient, so the layers computing it would train wrong: plan without a pipeline, "
+            "or pipeline a stack whose further arguments are inputs (masks, positions)."
         )
     for argument in call.arguments:
         if argument.kind == OBJECT:

@@ -33,7 +33,7 @@ CHOICES = {
     "norm": ("rms", "layer", "none"),
     "inputs": ("embed", "bare", "features", "embed_positions"),
     "head": ("separate", "tied", "small", "none"),
-    "layers": (1, 2, 3),
+    "layers": (1, 2),
 }
 
 

@@ -104,3 +104,13 @@ def test_the_plan_names_the_workload_and_parts_it_traced(name):
     if name == "encoder_decoder":  # the relative-position tables go with the heads
         bias = {p.path: p for p in plan.params}["encoder.0.attn.relative_attention_bias.embedding"]
         assert bias.spec == P(None, "mp") and plan.spec("shared.embedding") == P("mp", None)
+
+
+def test_decoder_blocks_taking_the_encoder_output_are_refused_a_pipeline_with_the_reason():
+    """The memory needs a gradient; a pipeline's block arguments get none (silently wrong)."""
+    form = FORMS["encoder_decoder"]
+    config = ToDistributedConfig(
+        force_mesh={"dp": 2, "pp": 2, "mp": 2}, forward=form.forward, num_microbatches=2
+    )
+    with pytest.raises(ValueError, match="computed from the model's parameters"):
+        to_distributed(form.build(nnx.Rngs(0)), optax.adam(1e-2), form.batches(2), config=config)

@@ -157,7 +157,8 @@ FORMS: dict[str, Style] = {
         (48, 32, 4, 4, 8, 64, 2),
         "decoder",
         False,
-        "two stacks; relative-position bias tables split by heads; one shared token table",
+        "two stacks; decoder blocks take the encoder's output (it needs a gradient: no "
+        "pipeline); relative-position bias tables split by heads; one shared token table",
     ),
     "moe": _form(
         "moe",
