@@ -276,7 +276,6 @@ def render_checksums(rows: list[ChecksumRow], repeats: int, command: str) -> str
         f"- times: medians of {repeats} rounds, with and without alternated in one process "
         "(a first round, which compiles, dropped); save synchronous (`async_save=False`), "
         "restore in place onto the same mesh, until the arrays are ready",
-        "",
         "- checksum time: the median time spent computing the checksums inside a save / "
         "restore with them, and its share: that time over the rest of the operation (the "
         "growth the checksums cause, measured directly; the end-to-end growth compares two "

@@ -9,6 +9,7 @@ gives back exactly the saved values and description, never other values.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import shutil
 import subprocess
@@ -217,3 +218,38 @@ def test_the_checksum_does_not_depend_on_the_layout(spec):
         assert fingerprints({"w": jax.device_put(small, placed.sharding)}) == fingerprints(
             {"w": small}
         )
+
+
+def test_a_checkpoint_saved_without_checksums_restores_with_a_warning(tmp_path, caplog):
+    model, opt = linear()
+    with CheckpointManager(tmp_path, async_save=False) as mngr:
+        mngr.save(1, model, opt, extra={"note": "old"})
+    meta_file = tmp_path / "1" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    del meta["checksums"]  # as an older jfleet wrote it
+    meta_file.write_text(json.dumps(meta))
+    fresh, fresh_opt = linear(seed=1)
+    with caplog.at_level(logging.WARNING, logger="jfleet"), CheckpointManager(tmp_path) as mngr:
+        assert mngr.restore(model=fresh, optimizer=fresh_opt)["extra"] == {"note": "old"}
+    np.testing.assert_array_equal(fresh.kernel[...], model.kernel[...])
+    assert any("has no checksums" in r.getMessage() for r in caplog.records)
+
+
+def test_a_failed_synchronous_save_can_be_retried_at_the_same_step(tmp_path, monkeypatch):
+    model, opt = linear()
+    mngr = CheckpointManager(tmp_path, async_save=False)
+    real = type(mngr._mngr).save
+    calls = []
+
+    def failing_once(self, *args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == 1:
+            raise OSError("injected: the disk went away")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(mngr._mngr), "save", failing_once)
+    with pytest.raises(OSError, match="injected"):
+        mngr.save(3, model, opt)
+    assert mngr.save(3, model, opt)  # the same step again
+    assert mngr.all_steps() == [3] and calls == [3, 3]
+    mngr.close()

@@ -8,6 +8,7 @@ master, and a launcher that refuses a fake master before starting any worker.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import re
@@ -307,3 +308,40 @@ def test_the_coordinator_binds_its_own_address_unless_told_otherwise(monkeypatch
     assert bind_address("no-such-host.invalid:6170") is None  # JAX's error names it
     monkeypatch.setenv("JAX_COORDINATOR_BIND_ADDRESS", "10.0.0.1:6170")
     assert bind_address("127.0.0.1:6170") is None  # JAX reads the variable
+
+
+def _pipe(a: socket.socket, b: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while data := a.recv(65536):
+            b.sendall(data)
+    with contextlib.suppress(OSError):
+        b.shutdown(socket.SHUT_WR)
+
+
+def _drops_the_first_then_relays(front: socket.socket, server: RendezvousServer) -> None:
+    """The first connection is cut after the hello (as under a flood); later ones are relayed."""
+    first, _ = front.accept()
+    first.sendall((json.dumps({"type": "hello", "nonce": new_nonce()}) + "\n").encode())
+    first.close()
+    conn, _ = front.accept()
+    upstream = socket.create_connection(_host_port(server.address), timeout=5)
+    upstream.settimeout(None)
+    conn.settimeout(None)
+    threading.Thread(target=_pipe, args=(conn, upstream), daemon=True).start()
+    threading.Thread(target=_pipe, args=(upstream, conn), daemon=True).start()
+
+
+def test_a_handshake_cut_short_is_tried_again(server):
+    front = socket.socket()
+    front.bind(("127.0.0.1", 0))
+    front.listen(4)
+    relay = threading.Thread(target=_drops_the_first_then_relays, args=(front, server))
+    relay.start()
+    address = f"127.0.0.1:{front.getsockname()[1]}"
+    c = RendezvousClient.connect(address, token=TOKEN, nnodes=1, timeout_s=10)
+    assert c.send(REGISTER) and c.receive(5)["type"] == "start"
+    c.send({"type": "done"})
+    assert c.receive(5)["code"] == 0
+    c.close()
+    relay.join(5)
+    front.close()

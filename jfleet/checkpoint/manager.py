@@ -13,6 +13,15 @@ a step that is not a checkpoint; :meth:`~CheckpointManager.restore` first waits 
 manager's own saves in flight. In a multi-process run every process writes its shards
 (``ocdbt.process_<i>``) and any process count restores them.
 
+Trust (:mod:`jfleet.checkpoint.integrity`): every array leaf's checksum and a digest of the
+JSON items are saved with the step and checked at restore, before anything is written
+into the model (a mismatch names the step and the leaf); a manager takes the directory's
+writer lock at its first save (a second writer is refused) and releases it on
+:meth:`~CheckpointManager.close`; a background save that failed (a full disk) is reported
+once, by the next call, and its step may then be saved again; a save left unfinished by a
+killed process is reported once when a manager opens the directory, and its leftovers are
+replaced when that step is saved again.
+
 Example:
   >>> import tempfile, optax
   >>> from flax import nnx

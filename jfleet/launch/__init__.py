@@ -91,8 +91,10 @@ def launch(argv: Sequence[str]) -> int:
 
     Returns:
       The exit status: 0 when every worker exited 0; the first failed worker's exit code
-      (128 + N for a worker killed by signal N); 2 for bad flags; 1 when the nodes could
-      not meet.
+      (128 + N for a worker killed by signal N); 2 for bad flags or settings (a
+      malformed ``JFLEET_*`` variable such as ``JFLEET_INIT_TIMEOUT=abc``, a multi-node job
+      without a job token); 1 when the nodes could not meet, or the master did not prove
+      the job token.
     """
     try:
         args = parse_args(argv)

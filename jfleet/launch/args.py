@@ -219,6 +219,24 @@ def _devices(flag: str, value: str) -> tuple[str, ...]:
     return ids
 
 
+def _job_id(flag: str, value: str) -> str:
+    if not value or not all(c.isalnum() or c in "-_." for c in value):
+        raise ValueError(
+            f"{flag}={value!r}: use letters, digits, '-', '_' or '.' (it names log files)."
+        )
+    return value
+
+
+def _host(flag: str, value: str) -> str:
+    try:
+        return check_host(value)
+    except BadMessageError:
+        raise ValueError(
+            f"{flag}={value!r} is not a hostname or an IP address (one address, no port); "
+            "give the address other nodes reach this node at, e.g. --host 10.0.0.2."
+        ) from None
+
+
 def _split_argv(argv: Sequence[str]) -> tuple[list[str], str | None, str | None, list[str]]:
     """(launcher tokens, script, module, script args): the first non-flag is the script."""
     own: list[str] = []
@@ -331,21 +349,8 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
         max_restart = _int(
             names["max_restart"], raw["max_restart"], low=0, what="the restarts allowed (0: none)"
         )
-    job_id = raw.get("job_id", "default")
-    if not job_id or not all(c.isalnum() or c in "-_." for c in job_id):
-        raise ValueError(
-            f"{names.get('job_id', '--job_id')}={job_id!r}: use letters, digits, '-', '_' or "
-            "'.' (it names log files)."
-        )
-    host = raw.get("host")
-    if host is not None:
-        try:
-            host = check_host(host)
-        except BadMessageError:
-            raise ValueError(
-                f"{names['host']}={host!r} is not a hostname or an IP address (one address, "
-                "no port); give the address other nodes reach this node at, e.g. --host 10.0.0.2."
-            ) from None
+    job_id = _job_id(names.get("job_id", "--job_id"), raw.get("job_id", "default"))
+    host = _host(names["host"], raw["host"]) if "host" in raw else None
     return LaunchArgs(
         nproc_per_node=nproc,
         nnodes=nnodes,

@@ -92,7 +92,8 @@ class RendezvousClient:
         Raises:
           TimeoutError: nothing accepted the connection in time.
           InterruptedError: ``stop()`` turned true while retrying (a signal).
-          HandshakeError: the master did not prove the token.
+          HandshakeError: the master did not prove the token, or refused this one (a
+            connection that merely ends during the handshake is tried again).
         """
         host, _, port = address.rpartition(":")
         deadline = time.monotonic() + timeout_s
@@ -101,7 +102,6 @@ class RendezvousClient:
                 raise InterruptedError(f"interrupted while connecting to --master {address}")
             try:
                 sock = socket.create_connection((host, int(port)), timeout=5)
-                break
             except OSError as error:
                 if time.monotonic() > deadline:
                     raise TimeoutError(
@@ -110,12 +110,14 @@ class RendezvousClient:
                         "the address and the firewall."
                     ) from None
                 time.sleep(0.2)
-        try:
-            session = join(sock, token, address)
-        except HandshakeError:
-            sock.close()
-            raise
-        return cls(sock, session, nnodes)
+                continue
+            try:
+                return cls(sock, join(sock, token, address), nnodes)
+            except HandshakeError as error:  # dropped under load: again, until the deadline
+                sock.close()
+                if error.final or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def send(self, message: dict[str, Any]) -> bool:
         """Sends one message; False when the master is gone."""

@@ -41,7 +41,15 @@ HANDSHAKE_TIMEOUT_S = 5.0
 
 
 class HandshakeError(ConnectionError):
-    """The peer did not prove that it knows the job token."""
+    """The peer did not prove that it knows the job token.
+
+    ``final`` is False when the connection merely ended or timed out (the master may have
+    dropped it under load: worth another try), True when the peer answered wrongly.
+    """
+
+    def __init__(self, message: str, *, final: bool = False) -> None:
+        super().__init__(message)
+        self.final = final
 
 
 class Lines:
@@ -79,21 +87,21 @@ def _read_json(lines: Lines, what: str) -> dict[str, Any]:
     except OSError:
         raise HandshakeError(f"no {what} within {HANDSHAKE_TIMEOUT_S:g} s") from None
     except AuthError as error:
-        raise HandshakeError(str(error)) from None
+        raise HandshakeError(str(error), final=True) from None
     if line is None:
         raise HandshakeError(f"the connection closed before the {what}")
     try:
         message = json.loads(line)
     except ValueError:
-        raise HandshakeError(f"the {what} is not JSON") from None
+        raise HandshakeError(f"the {what} is not JSON", final=True) from None
     if not isinstance(message, dict):
-        raise HandshakeError(f"the {what} is not a JSON object")
+        raise HandshakeError(f"the {what} is not a JSON object", final=True)
     return message
 
 
 def _nonce(value: Any) -> str:
     if not isinstance(value, str) or len(value) != 32:
-        raise HandshakeError("a malformed nonce")
+        raise HandshakeError("a malformed nonce", final=True)
     return value
 
 
@@ -116,7 +124,9 @@ def admit(sock: socket.socket, token: bytes) -> tuple[Channel, Lines]:
         raise HandshakeError("the first line is not an auth")
     nc = _nonce(reply.get("nonce"))
     if not verify(mac(token, "node", ns, nc), reply.get("mac")):
-        raise HandshakeError("a wrong job token")
+        with contextlib.suppress(OSError):  # say so: a node with another token stops
+            _send_raw(sock, {"type": "denied"})
+        raise HandshakeError("a wrong job token", final=True)
     try:
         _send_raw(sock, {"type": "welcome", "mac": mac(token, "master", nc, ns)})
     except OSError as error:
@@ -142,17 +152,19 @@ def join(sock: socket.socket, token: bytes, master: str) -> tuple[Channel, Lines
     try:
         hello = _read_json(lines, "hello")
         if hello.get("type") != "hello":
-            raise HandshakeError("the first line is not a hello")
+            raise HandshakeError("the first line is not a hello", final=True)
         ns = _nonce(hello.get("nonce"))
         nc = new_nonce()
         _send_raw(sock, {"type": "auth", "nonce": nc, "mac": mac(token, "node", ns, nc)})
         welcome = _read_json(lines, "welcome")
     except (HandshakeError, OSError) as error:
-        raise HandshakeError(f"{error}: {fix}.") from None
+        raise HandshakeError(f"{error}: {fix}.", final=getattr(error, "final", False)) from None
+    if welcome.get("type") == "denied":
+        raise HandshakeError(f"the master refused this launcher's job token: {fix}.", final=True)
     if welcome.get("type") != "welcome" or not verify(
         mac(token, "master", nc, ns), welcome.get("mac")
     ):
-        raise HandshakeError(f"the master did not prove the job token: {fix}.")
+        raise HandshakeError(f"the master did not prove the job token: {fix}.", final=True)
     sock.settimeout(None)
     return Channel.session(token, ns, nc, "node"), lines
 
