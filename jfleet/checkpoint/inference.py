@@ -105,24 +105,7 @@ def save_inference_model(
       >>> save_inference_model(tempfile.mkdtemp(), nnx.Linear(2, 2, rngs=nnx.Rngs(0)),
       ...                      (np.ones((1, 2), np.float32),))
     """
-    module = getattr(model, "module", model)
-    if not isinstance(module, nnx.Module):
-        raise TypeError(
-            f"save_inference_model got model of type {type(model).__name__}; expected an "
-            "nnx.Module or a DistributedModel; pass the model you trained."
-        )
-    inputs = tuple(example_inputs) if isinstance(example_inputs, list | tuple) else None
-    if inputs is None:
-        raise TypeError(
-            f"example_inputs={example_inputs!r} must be a tuple of arrays (the forward's "
-            "positional inputs); wrap a single input as (x,)."
-        )
-    for i, x in enumerate(inputs):
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise TypeError(
-                f"example_inputs[{i}] is a {type(x).__name__}; expected an array "
-                "(numpy or jax); convert it with np.asarray."
-            )
+    module, inputs = _checked_export_args(model, example_inputs)
     if platforms is None:
         platforms = list(dict.fromkeys([jax.default_backend(), "cpu"]))
     platforms = _check_platforms(platforms)
@@ -146,8 +129,35 @@ def save_inference_model(
             "the layers' mesh attribute."
         )
     os.makedirs(dirname, exist_ok=True)
-    if jax.process_index() != 0:
-        return
+    if jax.process_index() == 0:
+        _write_artefact(dirname, exported, names, flat)
+
+
+def _checked_export_args(model: Any, example_inputs: Any) -> tuple[nnx.Module, tuple]:
+    """The module to export (a ``DistributedModel``'s ``.module``) and the inputs, checked."""
+    module = getattr(model, "module", model)
+    if not isinstance(module, nnx.Module):
+        raise TypeError(
+            f"save_inference_model got model of type {type(model).__name__}; expected an "
+            "nnx.Module or a DistributedModel; pass the model you trained."
+        )
+    inputs = tuple(example_inputs) if isinstance(example_inputs, list | tuple) else None
+    if inputs is None:
+        raise TypeError(
+            f"example_inputs={example_inputs!r} must be a tuple of arrays (the forward's "
+            "positional inputs); wrap a single input as (x,)."
+        )
+    for i, x in enumerate(inputs):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(
+                f"example_inputs[{i}] is a {type(x).__name__}; expected an array "
+                "(numpy or jax); convert it with np.asarray."
+            )
+    return module, inputs
+
+
+def _write_artefact(dirname: Any, exported: Any, names: list, flat: list) -> None:
+    """The parameters, the serialised forward and the manifest (with their hashes)."""
     # each file is written under a temporary name and moved into place, the manifest last:
     # a crash leaves whole files, and a manifest that disagrees with them is refused on load
     params_path = os.path.join(dirname, PARAMS)

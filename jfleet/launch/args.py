@@ -273,22 +273,8 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
       >>> parse_args(["--nnodes", "2", "--master", "10.0.0.1:6170", "t.py"], environ={}).nnodes
       2
     """
-    env = os.environ if environ is None else environ
     own, script, module, script_args = _split_argv(list(argv))
-    if "-h" in own or "--help" in own:
-        print(USAGE)
-        raise SystemExit(0)
-    for token in own:
-        flag = token.split("=", 1)[0]
-        if flag in UNSUPPORTED:
-            raise ValueError(f"jfleet.launch: {flag} is not supported: {UNSUPPORTED[flag]}.")
-    ns = _parser().parse_args(own)
-    raw = {k: v for k, v in vars(ns).items() if v is not None}
-    names = {field: f"--{field}" for field in raw}  # how errors name each value
-    for var, field in ENV_FLAGS.items():
-        if field not in raw and env.get(var, "").strip():
-            raw[field] = env[var].strip()
-            names[field] = var
+    raw, names = _raw_settings(own, os.environ if environ is None else environ)
     if script is None and module is None:
         raise ValueError(
             "jfleet.launch: no training script given; usage: python -m jfleet.launch "
@@ -300,39 +286,8 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
             f"--run_mode={run_mode!r}: only 'collective' (SPMD) jobs exist in jfleet "
             "(parameter-server and rpc modes are not available); drop the flag."
         )
-    devices = None
-    if "devices" in raw and "gpus" in raw:
-        a, b = _devices("--devices", raw["devices"]), _devices("--gpus", raw["gpus"])
-        if a != b:
-            raise ValueError(
-                f"--devices={raw['devices']!r} and --gpus={raw['gpus']!r} disagree (--gpus is "
-                "an alias of --devices); give one of them."
-            )
-    if "devices" in raw or "gpus" in raw:
-        flag = names["devices"] if "devices" in raw else "--gpus"
-        devices = _devices(flag, raw.get("devices", raw.get("gpus", "")))
-    if "nproc_per_node" in raw:
-        nproc = _int(
-            names["nproc_per_node"], raw["nproc_per_node"], low=1, what="the processes per node"
-        )
-    else:
-        nproc = len(devices) if devices else 1
-    if devices is not None and len(devices) % nproc:
-        raise ValueError(
-            f"--devices={','.join(devices)!r} ({len(devices)} devices) cannot be split evenly "
-            f"among --nproc_per_node={nproc} processes; give a multiple of {nproc} devices "
-            "or another --nproc_per_node."
-        )
-    nnodes = _nnodes(names["nnodes"], raw["nnodes"]) if "nnodes" in raw else 1
-    rank = -1
-    if "rank" in raw:
-        rank = _int(names["rank"], raw["rank"], low=-1, what="this node's rank, or -1")
-    if rank >= nnodes:
-        nodes_name = names.get("nnodes", "--nnodes")
-        raise ValueError(
-            f"{names['rank']}={rank} is out of range for {nodes_name}={nnodes}; node ranks are "
-            f"0..{nnodes - 1} (or -1: assigned in arrival order)."
-        )
+    devices, nproc = _devices_and_nproc(raw, names)
+    nnodes, rank = _nodes_and_rank(raw, names)
     master = parse_master(raw["master"], flag=names["master"]) if "master" in raw else None
     level = raw.get("log_level", "INFO").upper()
     if level not in LOG_LEVELS:
@@ -367,3 +322,66 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
         module=module,
         training_script_args=tuple(script_args),
     )
+
+
+def _raw_settings(own: list[str], env: Mapping[str, str]) -> tuple[dict, dict]:
+    """The launcher's own flags as strings (Paddle's variables fill the unset ones), and
+    how errors name each value (``--rank`` or ``PADDLE_RANK``)."""
+    if "-h" in own or "--help" in own:
+        print(USAGE)
+        raise SystemExit(0)
+    for token in own:
+        flag = token.split("=", 1)[0]
+        if flag in UNSUPPORTED:
+            raise ValueError(f"jfleet.launch: {flag} is not supported: {UNSUPPORTED[flag]}.")
+    ns = _parser().parse_args(own)
+    raw = {k: v for k, v in vars(ns).items() if v is not None}
+    names = {field: f"--{field}" for field in raw}
+    for var, field in ENV_FLAGS.items():
+        if field not in raw and env.get(var, "").strip():
+            raw[field] = env[var].strip()
+            names[field] = var
+    return raw, names
+
+
+def _devices_and_nproc(raw: dict, names: dict) -> tuple[list[str] | None, int]:
+    """``--devices`` / ``--gpus`` (one list) and the processes per node that split it."""
+    devices = None
+    if "devices" in raw and "gpus" in raw:
+        a, b = _devices("--devices", raw["devices"]), _devices("--gpus", raw["gpus"])
+        if a != b:
+            raise ValueError(
+                f"--devices={raw['devices']!r} and --gpus={raw['gpus']!r} disagree (--gpus is "
+                "an alias of --devices); give one of them."
+            )
+    if "devices" in raw or "gpus" in raw:
+        flag = names["devices"] if "devices" in raw else "--gpus"
+        devices = _devices(flag, raw.get("devices", raw.get("gpus", "")))
+    if "nproc_per_node" in raw:
+        nproc = _int(
+            names["nproc_per_node"], raw["nproc_per_node"], low=1, what="the processes per node"
+        )
+    else:
+        nproc = len(devices) if devices else 1
+    if devices is not None and len(devices) % nproc:
+        raise ValueError(
+            f"--devices={','.join(devices)!r} ({len(devices)} devices) cannot be split evenly "
+            f"among --nproc_per_node={nproc} processes; give a multiple of {nproc} devices "
+            "or another --nproc_per_node."
+        )
+    return devices, nproc
+
+
+def _nodes_and_rank(raw: dict, names: dict) -> tuple[int, int]:
+    """``--nnodes`` and this node's ``--rank`` (-1: assigned in arrival order), checked."""
+    nnodes = _nnodes(names["nnodes"], raw["nnodes"]) if "nnodes" in raw else 1
+    rank = -1
+    if "rank" in raw:
+        rank = _int(names["rank"], raw["rank"], low=-1, what="this node's rank, or -1")
+    if rank >= nnodes:
+        nodes_name = names.get("nnodes", "--nnodes")
+        raise ValueError(
+            f"{names['rank']}={rank} is out of range for {nodes_name}={nnodes}; node ranks are "
+            f"0..{nnodes - 1} (or -1: assigned in arrival order)."
+        )
+    return nnodes, rank
