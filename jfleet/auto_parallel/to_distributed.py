@@ -42,6 +42,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jfleet.auto_parallel.apply_plan import apply_plan
 from jfleet.auto_parallel.block_check import (
     ARRAY,
     TREE,
@@ -52,19 +53,16 @@ from jfleet.auto_parallel.block_check import (
 from jfleet.auto_parallel.blocks import (
     PipelinedBlocks,
     container_of,
-    module_at,
-    pipeline_blocks,
-    wrap_blocks,
 )
+from jfleet.auto_parallel.config import ToDistributedConfig, check_config
 from jfleet.auto_parallel.layouts import OPTIMIZER_MOMENTS, SCHEDULES
-from jfleet.auto_parallel.patterns import ModelPatterns, match_patterns, path_str
+from jfleet.auto_parallel.patterns import ModelPatterns, match_patterns
 from jfleet.auto_parallel.plan import Plan
 from jfleet.auto_parallel.planner import plan_for
-from jfleet.auto_parallel.profiles import HardwareProfile
-from jfleet.auto_parallel.scanned_blocks import ScannedBlocks, scan_blocks
+from jfleet.auto_parallel.scanned_blocks import ScannedBlocks
 from jfleet.mesh import context as _context
 from jfleet.mesh.placement import Placement, check_divides
-from jfleet.mesh.topology import DP, MP, PP, SEP, SHARDING
+from jfleet.mesh.topology import DP, PP, SHARDING
 from jfleet.optim.compiler import amp_settings
 from jfleet.parallel.virtual_stages import check_chunks_agree
 from jfleet.runtime.devices import fix_hint
@@ -84,97 +82,6 @@ __all__ = ["ToDistributedConfig", "get_plan", "to_distributed"]
 _PLANS: weakref.WeakKeyDictionary[nnx.Module, Plan] = weakref.WeakKeyDictionary()
 #: Why the blocks cannot run as one stack (True: they can), from the planning trace.
 _BLOCK_PROBLEMS: weakref.WeakKeyDictionary[nnx.Module, str | bool] = weakref.WeakKeyDictionary()
-
-
-@dataclasses.dataclass(frozen=True)
-class ToDistributedConfig:
-    """What steers :func:`to_distributed` (every field optional).
-
-    Frozen: ``to_distributed`` only reads it, so one config can steer several calls; make a
-    changed copy with ``dataclasses.replace(config, zero_stage=1)``.
-
-    Attributes:
-      input_spec: one global batch's shapes: arrays or anything with ``.shape`` and
-        ``.dtype`` (``jax.ShapeDtypeStruct``, Paddle's ``InputSpec``), e.g.
-        ``[jax.ShapeDtypeStruct((64, 512), jnp.int32)]``; ``None`` / ``-1`` dimensions are
-        read from the loader's first batch (the default for everything). Gives the cost
-        model its batch size and sequence length.
-      sequence_parallel: split activations' sequence dimension over ``mp`` between the
-        blocks (Megatron sequence parallelism) and consider ``sep`` layouts.
-      profile: hardware profile name (``cpu``, ``a100``, ``h100``, ``h200``) or a
-        :class:`~jfleet.auto_parallel.profiles.HardwareProfile`; default: ``cpu`` on CPU
-        devices, else the profile named like the device kind, else ``h100``.
-      memory_budget: bytes per device the plan must fit (default: the profile's memory).
-      force_mesh: degrees to use, e.g. ``{"dp": 2, "pp": 2, "mp": 2}`` (missing axes 1).
-      schedule: pipeline schedule of the stand-in for the blocks, ``"FThenB"`` (GPipe),
-        ``"1F1B"`` (the loss stays in the model, so every forward precedes every backward;
-        1F1B stashes only each micro-batch's stage input and recomputes the stage in its
-        own backward loop: activation memory flat in the micro-batches) or ``"VPP"``
-        (1F1B's program over interleaved stages: each device holds ``v`` chunks of blocks,
-        the bubble shrinks to ``(P - 1) / (v M + P - 1)`` for ``v`` times the
-        point-to-point transfers and stashed chunk inputs;
-        :mod:`jfleet.parallel.pipeline_forward`); default: compared by the cost model.
-      num_microbatches: pipeline micro-batches (default: compared by the cost model).
-      num_virtual_pipeline_stages: chunks per stage for ``"VPP"`` (Paddle's
-        ``PipelineLayer`` argument; 2 or more selects VPP, 1 rules it out); default: the
-        cost model compares 2 with the one-chunk schedules.
-      zero_stage: ZeRO stage 0-3 (default: compared).
-      recompute: recompute block activations in the backward pass (default: compared).
-      plan: a :class:`Plan` (or its JSON) to apply instead of planning: reproduces a run.
-      strategy: a :class:`~jfleet.strategy.DistributedStrategy` whose AMP (model dtypes
-        and loss scaling), gradient merge, LAMB and LARS settings apply on top; its hybrid
-        and sharding settings are replaced by the plan's (use ``recompute`` above, not the
-        strategy's). Default: the strategy of an earlier ``fleet.init``, if any.
-      per_sample_args: which extra arguments of the decoder blocks hold one row per sample
-        (positions after the activation, or keyword names), for the pipelined stand-in to
-        split them into micro-batches; default: decided by shape
-        (:class:`~jfleet.auto_parallel.blocks.PipelinedBlocks`).
-      forward: how the model is called on a batch, ``forward(model, batch) -> arrays``, for
-        the trace the plan is read from (which projections pair up, the FLOPs) and for the
-        pipeline checks. A loss function ``(model, batch) -> loss`` works too. Default:
-        ``loss_fn`` when given, else ``model(x)`` with ``x`` the batch itself (an array),
-        its first entry (a tuple or list) or its ``input_ids`` / ``tokens`` / ``inputs`` /
-        ``input`` / ``x`` / ``image`` / ``images`` / ``pixel_values`` entry (a dict).
-        Give it when the model needs more (positions, a mask, a cache)::
-
-          ToDistributedConfig(
-              forward=lambda model, batch: model(batch["tokens"], batch["positions"]))
-
-      loss_fn: the training loss ``loss_fn(model, batch) -> scalar``, traced in place of
-        ``forward`` when that is not given: whatever the loss feeds the model (a dict
-        batch's ``image`` / ``label``, positions, a mask) the trace sees, e.g.
-        ``ToDistributedConfig(loss_fn=my_loss)``.
-      scan_layers: without a pipeline, run alike decoder blocks (or blocks repeating with
-        a period) as one ``lax.scan``
-        (:class:`~jfleet.auto_parallel.scanned_blocks.ScannedBlocks`), so the compiled
-        step stays the same size whatever the depth; False keeps them unrolled, one by one
-        (``model.layers[3]`` reachable). Blocks that cannot be stacked (dropout RNG
-        streams, batch statistics, blocks that differ) and ZeRO-3 plans (the step gathers
-        the whole stack at once) stay unrolled either way.
-
-    Example:
-      >>> import dataclasses
-      >>> config = ToDistributedConfig(force_mesh={"dp": 2, "mp": 4})
-      >>> dataclasses.replace(config, zero_stage=1).force_mesh
-      {'dp': 2, 'mp': 4}
-    """
-
-    input_spec: Any = None
-    sequence_parallel: bool = False
-    profile: str | HardwareProfile | None = None
-    memory_budget: float | None = None
-    force_mesh: Mapping[str, int] | None = None
-    schedule: str | None = None
-    num_microbatches: int | None = None
-    num_virtual_pipeline_stages: int | None = None
-    zero_stage: int | None = None
-    recompute: bool | None = None
-    plan: Plan | str | None = None
-    strategy: DistributedStrategy | None = None
-    per_sample_args: tuple[int | str, ...] | None = None
-    forward: Callable[[nnx.Module, Any], Any] | None = None
-    scan_layers: bool = True
-    loss_fn: Callable[[nnx.Module, Any], Any] | None = None
 
 
 #: The dict keys read as the model's input when neither ``forward`` nor ``loss_fn`` is given.
@@ -308,7 +215,7 @@ def to_distributed(
         )
     tx, wrt = _transform(optimizer)
     device_num, node_num = _device_counts(device_num, node_num)
-    _check_config(config)
+    check_config(config)
     first = peek(dataloader)
     batch_size, seq_len = batch_shape(first)
     if config.input_spec is not None:  # what it states wins; what it leaves open (-1) not
@@ -334,7 +241,7 @@ def to_distributed(
     if per_sample is None and plan.blocks and plan.mesh_shape[PP] > 1:
         per_sample = _per_sample_args(model, plan.blocks, first, config.forward)
     scan = config.scan_layers and _scannable(model, plan, first, config.forward)
-    _apply(model, plan, placement, per_sample, scan=scan)
+    apply_plan(model, plan, placement, per_sample, scan=scan)
     dist = make_distributed_optimizer(tx, strategy)
     _context.replace(optimizer=dist)  # what fleet's optimizer getters read
     dist.wrt = wrt
@@ -573,39 +480,6 @@ def _check_batch(plan: Plan, batch_size: int) -> None:
     )
 
 
-_PLANNING_FIELDS = (
-    "input_spec",
-    "sequence_parallel",
-    "profile",
-    "memory_budget",
-    "force_mesh",
-    "schedule",
-    "num_microbatches",
-    "num_virtual_pipeline_stages",
-    "zero_stage",
-    "recompute",
-)
-
-
-def _check_config(config: ToDistributedConfig) -> None:
-    if config.plan is not None:
-        defaults = ToDistributedConfig()
-        steering = [f for f in _PLANNING_FIELDS if getattr(config, f) != getattr(defaults, f)]
-        if steering:
-            raise ValueError(
-                f"config.plan is given together with {steering}: a given plan is applied as "
-                "it is; drop those settings, or drop plan to plan anew with them."
-            )
-    if config.strategy is not None:
-        if not isinstance(config.strategy, DistributedStrategy):
-            raise TypeError(f"config.strategy={config.strategy!r} is not a DistributedStrategy.")
-        if config.strategy.recompute:
-            raise ValueError(
-                "config.strategy.recompute=True: to_distributed recomputes whole decoder "
-                "blocks; set ToDistributedConfig(recompute=True) instead."
-            )
-
-
 def _strategy(user: DistributedStrategy | None) -> DistributedStrategy:
     """The user's strategy (or an earlier ``fleet.init``'s), copied for the plan's degrees."""
     run = _context.current()
@@ -660,72 +534,3 @@ def _init_fleet(plan: Plan, strategy: DistributedStrategy, n: int) -> Placement:
     run = start_run(PaddleCloudRoleMaker(is_collective=True), strategy, _mesh_devices(n))
     mesh = run.mesh
     return Placement(mesh=mesh, zero_stage=plan.zero_stage)
-
-
-def _padded(spec: Any, ndim: int) -> tuple:
-    """A spec as metadata: one entry per dimension."""
-    return tuple(spec) + (None,) * (ndim - len(spec))
-
-
-def _apply(
-    model: nnx.Module,
-    plan: Plan,
-    placement: Placement,
-    per_sample: tuple | None = None,
-    *,
-    scan: bool = False,
-) -> None:
-    """Annotates, restructures (pipeline, recompute, SP) and places ``model`` for ``plan``.
-
-    The layouts are the plan's, computed once by the planner: each parameter's
-    ``out_sharding`` is its ``spec`` and, with ZeRO, its ``optimizer_sharding`` (the
-    layout Flax gives its optimizer state) its ``zero_spec``. The parameters of a
-    pipelined stack, which the plan names block by block, take the stack's layout; those
-    of a scanned stack (``scan``) keep each block's, behind the stacked axes.
-    """
-    params = {p.path: p for p in plan.params}
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        spec = params[path_str(path)].spec
-        var.set_metadata(out_sharding=_padded(spec, var.ndim), mesh=placement.mesh)
-    degrees = plan.mesh_shape
-    seq_axes = tuple(
-        a for a in (SEP, MP) if degrees[a] > 1 and (a == SEP or plan.sequence_parallel)
-    )
-    seq_axes = seq_axes or None
-    if plan.blocks and degrees[PP] > 1:
-        container = container_of(model, plan.blocks)
-        pipeline_blocks(
-            model,
-            container,
-            mesh=placement.mesh,
-            num_microbatches=plan.num_microbatches,
-            recompute=plan.recompute,
-            seq_axes=seq_axes,
-            per_sample=per_sample,
-            schedule=plan.schedule or "FThenB",
-            num_virtual_stages=plan.layout.num_virtual_stages,
-        )
-    elif scan:
-        if plan.zero_stage:  # before stacking: the stack keeps each block's ZeRO layout
-            _set_zero_layouts(model, params)
-        scan_blocks(
-            model,
-            container_of(model, plan.blocks),
-            recompute=plan.recompute,
-            mesh=placement.mesh,
-            seq_axes=seq_axes,
-        )
-    elif plan.blocks and (plan.recompute or seq_axes):
-        blocks = [module_at(model, b) for b in plan.blocks]
-        wrap_blocks(blocks, recompute=plan.recompute, mesh=placement.mesh, seq_axes=seq_axes)
-    if plan.zero_stage:  # after the restructuring: stacking keeps the first block's metadata
-        _set_zero_layouts(model, params)
-    placement.place_params(model)
-
-
-def _set_zero_layouts(model: nnx.Module, params: dict) -> None:
-    """Each parameter the plan names, at its planned shape, gets the plan's ZeRO layout."""
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        entry = params.get(path_str(path))
-        if entry is not None and entry.shape == tuple(var.shape):
-            var.set_metadata(optimizer_sharding=_padded(entry.zero_spec, var.ndim))

@@ -1,0 +1,98 @@
+"""Applying a plan to a model: annotate, restructure (pipeline, scan, recompute, SP), place.
+
+:func:`apply_plan` writes each parameter's planned layout into its metadata, turns the
+plan's block list into a pipelined stack (``pp > 1``), a scanned stack or wrapped blocks,
+sets the ZeRO layouts and places the parameters on the mesh. ``to_distributed`` calls it
+after it has started the run for the plan.
+
+Example:
+  >>> _padded(("mp",), 3)
+  ('mp', None, None)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flax import nnx
+
+from jfleet.auto_parallel.blocks import (
+    container_of,
+    module_at,
+    pipeline_blocks,
+    wrap_blocks,
+)
+from jfleet.auto_parallel.patterns import path_str
+from jfleet.auto_parallel.plan import Plan
+from jfleet.auto_parallel.scanned_blocks import scan_blocks
+from jfleet.mesh.placement import Placement
+from jfleet.mesh.topology import MP, PP, SEP
+
+
+def _padded(spec: Any, ndim: int) -> tuple:
+    """A spec as metadata: one entry per dimension."""
+    return tuple(spec) + (None,) * (ndim - len(spec))
+
+
+def apply_plan(
+    model: nnx.Module,
+    plan: Plan,
+    placement: Placement,
+    per_sample: tuple | None = None,
+    *,
+    scan: bool = False,
+) -> None:
+    """Annotates, restructures (pipeline, recompute, SP) and places ``model`` for ``plan``.
+
+    The layouts are the plan's, computed once by the planner: each parameter's
+    ``out_sharding`` is its ``spec`` and, with ZeRO, its ``optimizer_sharding`` (the
+    layout Flax gives its optimizer state) its ``zero_spec``. The parameters of a
+    pipelined stack, which the plan names block by block, take the stack's layout; those
+    of a scanned stack (``scan``) keep each block's, behind the stacked axes.
+    """
+    params = {p.path: p for p in plan.params}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        spec = params[path_str(path)].spec
+        var.set_metadata(out_sharding=_padded(spec, var.ndim), mesh=placement.mesh)
+    degrees = plan.mesh_shape
+    seq_axes = tuple(
+        a for a in (SEP, MP) if degrees[a] > 1 and (a == SEP or plan.sequence_parallel)
+    )
+    seq_axes = seq_axes or None
+    if plan.blocks and degrees[PP] > 1:
+        container = container_of(model, plan.blocks)
+        pipeline_blocks(
+            model,
+            container,
+            mesh=placement.mesh,
+            num_microbatches=plan.num_microbatches,
+            recompute=plan.recompute,
+            seq_axes=seq_axes,
+            per_sample=per_sample,
+            schedule=plan.schedule or "FThenB",
+            num_virtual_stages=plan.layout.num_virtual_stages,
+        )
+    elif scan:
+        if plan.zero_stage:  # before stacking: the stack keeps each block's ZeRO layout
+            _set_zero_layouts(model, params)
+        scan_blocks(
+            model,
+            container_of(model, plan.blocks),
+            recompute=plan.recompute,
+            mesh=placement.mesh,
+            seq_axes=seq_axes,
+        )
+    elif plan.blocks and (plan.recompute or seq_axes):
+        blocks = [module_at(model, b) for b in plan.blocks]
+        wrap_blocks(blocks, recompute=plan.recompute, mesh=placement.mesh, seq_axes=seq_axes)
+    if plan.zero_stage:  # after the restructuring: stacking keeps the first block's metadata
+        _set_zero_layouts(model, params)
+    placement.place_params(model)
+
+
+def _set_zero_layouts(model: nnx.Module, params: dict) -> None:
+    """Each parameter the plan names, at its planned shape, gets the plan's ZeRO layout."""
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        entry = params.get(path_str(path))
+        if entry is not None and entry.shape == tuple(var.shape):
+            var.set_metadata(optimizer_sharding=_padded(entry.zero_spec, var.ndim))
