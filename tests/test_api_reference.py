@@ -38,15 +38,7 @@ def exported(package: str) -> set[str]:
 
 #: Exported names whose docstring has no ``>>>`` example yet, and why (this list only shrinks).
 WITHOUT_EXAMPLE = {
-    "jfleet.distributed.load_state_dict": "jfleet/checkpoint is another owner's, mid-change",
-    "jfleet.distributed.save_state_dict": "jfleet/checkpoint is another owner's, mid-change",
-    "jfleet.testing.run_processes": "spawns processes: too slow for a doctest",
     "jfleet.auto_parallel.Candidate": "planner internals; its module is at the size limit",
-    "jfleet.auto_parallel.TraceError": "matcher internals; its module is at the size limit",
-    "jfleet.auto_parallel.trace_model": "matcher internals; its module is at the size limit",
-    "jfleet.auto_parallel.ModelDims": "matcher internals; its module is at the size limit",
-    "jfleet.auto_parallel.ModelPatterns": "matcher internals; its module is at the size limit",
-    "jfleet.auto_parallel.ParamInfo": "matcher internals; its module is at the size limit",
     "jfleet.auto_parallel.PROFILES": "a dict: documented by its #: comment",
 }
 

@@ -50,7 +50,17 @@ __all__ = ["Dot", "Edge", "Tag", "Trace", "TraceError", "trace_model"]
 
 
 class TraceError(ValueError):
-    """The model could not be traced with the given input (the message says how to fix it)."""
+    """The model could not be traced with the given input (the message says how to fix it).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> try:
+      ...     trace_model(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), jnp.ones((2, 5)))
+      ... except TraceError as err:
+      ...     print(str(err)[:29])
+      tracing Linear(inputs) failed
+    """
 
 
 class _NotArraysError(Exception):
@@ -130,6 +140,13 @@ def trace_model(
     Raises:
       TraceError: the call fails (the message names the model and suggests ``forward``),
         or returns no arrays.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> trace = trace_model(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), jnp.ones((2, 4)))
+      >>> trace.input_shapes
+      ((2, 4),)
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     pleaves, ptree = jax.tree_util.tree_flatten_with_path(params)

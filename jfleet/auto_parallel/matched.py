@@ -67,6 +67,15 @@ class ParamInfo:
       split_dim: the dimension split over ``mp`` (None: replicated).
       units: the whole units along ``split_dim`` (heads, hidden features, vocabulary rows)
         that a split must not cut: ``mp`` must divide it.
+
+    Example:
+      >>> import numpy as np
+      >>> from jfleet.auto_parallel import match_patterns
+      >>> from jfleet.models.llama import TinyLlama
+      >>> model = TinyLlama(vocab=64, width=32, heads=4, kv_heads=2, layers=2)
+      >>> found = match_patterns(model, np.zeros((2, 8), np.int32))
+      >>> found.params[0].path, found.params[0].role, found.params[0].split_dim
+      ('embed_tokens.embedding', 'embedding', 0)
     """
 
     path: str
@@ -120,6 +129,15 @@ class ModelDims:
       head_dim: per-head size.
       hidden: MLP hidden size.
       layers: decoder blocks.
+
+    Example:
+      >>> import numpy as np
+      >>> from jfleet.auto_parallel import match_patterns
+      >>> from jfleet.models.llama import TinyLlama
+      >>> model = TinyLlama(vocab=64, width=32, heads=4, kv_heads=2, layers=2)
+      >>> found = match_patterns(model, np.zeros((2, 8), np.int32))
+      >>> found.dims.heads, found.dims.kv_heads, found.dims.layers
+      (4, 2, 2)
     """
 
     vocab: int = 0
@@ -190,6 +208,15 @@ class ModelPatterns:
         included; 2: alternating local / global attention, ...); None when they do not
         repeat (:func:`jfleet.parallel.stack.block_period`). A pipeline stacks super-blocks
         of one period.
+
+    Example:
+      >>> import numpy as np
+      >>> from jfleet.auto_parallel import match_patterns
+      >>> from jfleet.models.llama import TinyLlama
+      >>> model = TinyLlama(vocab=64, width=32, heads=4, kv_heads=2, layers=2)
+      >>> found = match_patterns(model, np.zeros((2, 8), np.int32))
+      >>> found.dims.width, len(found.blocks)
+      (32, 2)
     """
 
     params: tuple[ParamInfo, ...]

@@ -103,6 +103,15 @@ def save_state_dict(
     Raises:
       TypeError: ``state_dict`` is not a dict, or a value is not an array.
       ValueError: a bad key, or ``path`` is an existing file.
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp
+      >>> path = tempfile.mkdtemp() + "/sd"
+      >>> save_state_dict({"w": jnp.arange(4.0)}, path)
+      >>> target = {"w": jnp.zeros(4)}
+      >>> load_state_dict(target, path)
+      >>> target["w"].tolist()
+      [0.0, 1.0, 2.0, 3.0]
     """
     arrays = _checked(state_dict, "save_state_dict")
     _extras(process_group, coordinator_rank, unique_id)
@@ -189,6 +198,15 @@ def load_state_dict(
       FileNotFoundError: no directory at ``path``.
       TypeError / ValueError: a bad ``state_dict``; a name not saved, or saved with another
         shape.
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp
+      >>> path = tempfile.mkdtemp() + "/sd"
+      >>> save_state_dict({"b": jnp.ones(2)}, path)
+      >>> target = {"b": jnp.zeros(2)}
+      >>> load_state_dict(target, path)
+      >>> target["b"].tolist()
+      [1.0, 1.0]
     """
     targets = _checked(state_dict, "load_state_dict")
     _extras(process_group, coordinator_rank, unique_id)

@@ -331,6 +331,11 @@ def run_processes(
       ProcessesFailedError: a child ran past ``timeout`` (every child is then killed) or,
         with ``check``, exited non-zero; the message holds every child's output.
       ValueError / TypeError: a bad count, launcher or target.
+
+    Example:
+      >>> children = run_processes("import os; print(os.environ['PADDLE_TRAINER_ID'])", 2, 1)
+      >>> [c.stdout.strip() for c in children], [c.returncode for c in children]
+      (['0', '1'], [0, 0])
     """
     for name, value in (("n", n), ("devices_each", devices_each)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
