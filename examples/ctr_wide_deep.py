@@ -32,11 +32,11 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from jfleet.topology import DATA_AXES
 from tqdm import tqdm
 
 from jfleet import fleet
 from jfleet.ps import CtrAccessor, SparseSGDRule, SparseTable, hash_ids
+from jfleet.topology import DATA_AXES
 
 SALT = np.uint64(0x5EED5EED5EED5EED)
 

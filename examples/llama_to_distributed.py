@@ -26,12 +26,10 @@ Set JAX_PLATFORMS (e.g. ``JAX_PLATFORMS=cuda``) to train on real accelerators in
 
 Under ``python -m jfleet.launch`` (several processes, on one or several nodes) the script
 joins the job first (``jfleet.role_maker.initialize_distributed``: the launcher's
-``PADDLE_*`` variables), each process keeps the devices the launcher gave it, ``--devices``
-is the job's total, and each process's loader yields its share of every batch: rows
-``[i * B / n, (i + 1) * B / n)`` for process ``i`` of ``n``. That share is the process's part
-of the data axes when each process's devices hold their own batch rows (``dp`` / ``sharding``
-outermost; ``mp``, ``pp`` and ``sep`` inside a process); the script stops with an error for
-a plan that spreads them over processes.
+``PADDLE_*`` variables), each process keeps the devices the launcher gave it and
+``--devices`` is the job's total. Every process reads the same global batches:
+``ToDistributedConfig(global_batches=True)`` makes each keep the rows its devices hold, so
+the script has no per-process code.
 """
 
 from __future__ import annotations
@@ -48,17 +46,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import jax
-import numpy as np
 import optax
 from flax import nnx
-from jfleet.role_maker import PaddleCloudRoleMaker, initialize_distributed
-from jfleet.topology import AXIS_NAMES, DP, SHARDING
 from tqdm import tqdm
 
 from jfleet import ToDistributedConfig, make_train_step, to_distributed
 from jfleet.auto_parallel import get_plan
 from jfleet.models import lm_loss, stride_batches
 from jfleet.models.llama import TinyLlama
+from jfleet.role_maker import PaddleCloudRoleMaker, initialize_distributed
+from jfleet.topology import AXIS_NAMES
 
 VOCAB = 64
 AXES = AXIS_NAMES  # jfleet.topology's axis names, outermost first
@@ -116,45 +113,15 @@ def batches(steps: int, batch: int) -> Iterator[dict[str, Any]]:
     yield from stride_batches(steps, batch=batch, vocab=VOCAB)
 
 
-def local_batches(steps: int, batch: int) -> Iterator[dict[str, Any]]:
-    """This process's rows of every batch (all of them in a single process)."""
-    n, i = jax.process_count(), jax.process_index()
-    for b in batches(steps, batch):
-        yield {k: v[i * batch // n : (i + 1) * batch // n] for k, v in b.items()}
-
-
-def check_rows_per_process(mesh: jax.sharding.Mesh) -> None:
-    """Exits unless each process's devices hold their own block of rows, in process order."""
-    axes = [a for a in mesh.axis_names if a in (DP, SHARDING)]
-    rows: dict[int, set[int]] = {}
-    for index, device in zip(np.ndindex(mesh.devices.shape), mesh.devices.flat, strict=True):
-        row = int(
-            np.ravel_multi_index(
-                [index[mesh.axis_names.index(a)] for a in axes], [mesh.shape[a] for a in axes]
-            )
-        )
-        rows.setdefault(device.process_index, set()).add(row)
-    blocks = [sorted(rows[p]) for p in sorted(rows)]
-    flat = [r for block in blocks for r in block]
-    if flat != sorted(set(flat)):
-        raise SystemExit(
-            f"error: mesh {dict(mesh.shape)} spreads the batch rows of one process over "
-            "several processes; this example splits batches by process: pass --mesh with "
-            "mp x pp x sep dividing each process's devices (e.g. --mesh dp=4,mp=2)."
-        )
-
-
 def train_distributed(args: argparse.Namespace) -> list[float]:
-    config = ToDistributedConfig(force_mesh=args.mesh)
+    config = ToDistributedConfig(force_mesh=args.mesh, global_batches=True)
     model, optimizer, loader = to_distributed(
         build_model(),
         optax.adam(args.lr),
-        local_batches(args.steps, args.batch),
+        batches(args.steps, args.batch),
         device_num=args.devices,
         config=config,
     )
-    if jax.process_count() > 1:
-        check_rows_per_process(loader.placement.mesh)
     plan = get_plan(model)
     print(plan, end="\n\n")
     print(f"layout: {plan.layout.name}  mesh: {plan.mesh_shape}", flush=True)

@@ -31,10 +31,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import jax
 import optax
-from jfleet.data import local_rows
 
 import jfleet
 from jfleet import fleet
+from jfleet.data import local_rows
 from jfleet.models import TinyLM, lm_loss, stride_batches
 
 VOCAB = 64

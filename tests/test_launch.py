@@ -122,6 +122,11 @@ def test_two_nodes_train_llama_to_one_process_losses_and_a_concurrent_job_gets_o
     for rc, out, err in results:
         assert rc == 0, f"rc={rc}\n{out[-3000:]}\n{err[-3000:]}"
 
+    # the example has no per-process code (global batches); the consoles are quiet
+    for _, out, err in results[:2]:
+        console = (out + err).splitlines()
+        assert not [line for line in console if "[Gloo]" in line], console
+        assert not [line for line in console if "INFO:jfleet:" in line], console
     # every worker printed the same losses, equal to one device's
     logs = sorted((tmp_path / "node0").glob("workerlog.*")) + sorted(
         (tmp_path / "node1").glob("workerlog.*")

@@ -85,6 +85,10 @@ class ToDistributedConfig:
         (``model.layers[3]`` reachable). Blocks that cannot be stacked (dropout RNG
         streams, batch statistics, blocks that differ) and ZeRO-3 plans (the step gathers
         the whole stack at once) stay unrolled either way.
+      global_batches: every process's loader yields the whole global batch and each
+        process keeps its own rows (:func:`jfleet.data.local_rows`), so one script runs
+        unchanged in one process and under ``python -m jfleet.launch``; default False:
+        each process's loader yields its own rows (its share of every batch).
 
     Example:
       >>> import dataclasses
@@ -109,6 +113,7 @@ class ToDistributedConfig:
     forward: Callable[[nnx.Module, Any], Any] | None = None
     scan_layers: bool = True
     loss_fn: Callable[[nnx.Module, Any], Any] | None = None
+    global_batches: bool = False
 
 
 _PLANNING_FIELDS = (
@@ -128,6 +133,8 @@ _PLANNING_FIELDS = (
 def check_config(config: ToDistributedConfig) -> None:
     """A given plan with settings that would steer a new one, or a strategy that
     recomputes, is an error naming the settings."""
+    if not isinstance(config.global_batches, bool):
+        raise TypeError(f"config.global_batches={config.global_batches!r} must be a bool.")
     if config.plan is not None:
         defaults = ToDistributedConfig()
         steering = [f for f in _PLANNING_FIELDS if getattr(config, f) != getattr(defaults, f)]

@@ -217,7 +217,7 @@ def to_distributed(
     device_num, node_num = _device_counts(device_num, node_num)
     check_config(config)
     first = peek(dataloader)
-    batch_size, seq_len = batch_shape(first)
+    batch_size, seq_len = batch_shape(first, local=not config.global_batches)
     if config.input_spec is not None:  # what it states wins; what it leaves open (-1) not
         spec_batch, spec_seq = batch_shape(config.input_spec, local=False)
         if spec_batch is not None and batch_size is not None and spec_batch != batch_size:
@@ -248,7 +248,8 @@ def to_distributed(
     dist.init(model, placement)
     _PLANS[model] = plan
     logger.info("to_distributed: %s", plan.layout.name)
-    return model, dist, ShardedLoader(dataloader, placement, first)
+    loader = ShardedLoader(dataloader, placement, first, global_batches=config.global_batches)
+    return model, dist, loader
 
 
 # ------------------------------------------------------------------ steps

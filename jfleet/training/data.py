@@ -43,7 +43,10 @@ class ShardedLoader:
 
     A batch is an array, or a dict / tuple / list of arrays (any pytree of them); the
     leading dimension of each is the batch. In one process the loader yields the global
-    batch; with several processes each yields its local part. A re-iterable loader (a
+    batch; with several processes each yields its local part, or, with
+    ``global_batches=True``, every process yields the whole global batch and keeps its own
+    rows (:func:`local_rows`), so one script runs unchanged in one process and under the
+    launcher. A re-iterable loader (a
     list, a ``torch`` or ``grain`` loader) is re-iterated on every ``iter``; a one-shot
     iterator (a generator) is consumed once.
 
@@ -52,10 +55,13 @@ class ShardedLoader:
       placement: the :class:`~jfleet.placement.Placement` whose data axes split each batch.
       first: the batch :func:`peek` already took from a one-shot ``loader``; it is
         yielded first, so no batch is lost.
+      global_batches: the loader yields global batches in every process (each process
+        keeps its rows); default False: each process's loader yields its own part.
 
     Attributes:
       loader: the wrapped loader.
       placement: the :class:`~jfleet.placement.Placement` whose data axes split the batch.
+      global_batches: whether every process's loader yields the global batch.
 
     Raises:
       TypeError: ``placement`` is not a ``Placement``.
@@ -72,15 +78,25 @@ class ShardedLoader:
       [(16, 4), (16, 4)]
     """
 
-    def __init__(self, loader: Iterable[Any], placement: Placement, first: Any = None) -> None:
+    def __init__(
+        self,
+        loader: Iterable[Any],
+        placement: Placement,
+        first: Any = None,
+        *,
+        global_batches: bool = False,
+    ) -> None:
         if not isinstance(placement, Placement):
             raise TypeError(
                 f"placement={placement!r} ({type(placement).__name__}) is not a "
                 "jfleet.placement.Placement; pass Placement.from_fleet() (after fleet.init) "
                 "or Placement(mesh)."
             )
+        if not isinstance(global_batches, bool):
+            raise TypeError(f"global_batches={global_batches!r} must be a bool.")
         self.loader = loader
         self.placement = placement
+        self.global_batches = global_batches
         self._first = first
         self._position = 0
         self._skip = 0
@@ -95,6 +111,8 @@ class ShardedLoader:
         source = itertools.islice(source, skip, None)  # resuming: the batches already seen
         for batch in source:
             self._position += 1
+            if self.global_batches:
+                batch = local_rows(batch, self.placement)
             yield self.placement.shard_batch(batch)
 
     def state(self) -> dict[str, int]:
