@@ -412,6 +412,40 @@ def _flops(value: float) -> str:
     return f"{value / 1e6:.3f}"
 
 
+#: How the TinyLlama table's predictions are made (the formulas' summary).
+LLAMA_NOTES = (
+    "The formulas are in `jfleet/auto_parallel/cost_model.py`. Memory "
+    "is resident state (parameters, Adam moments, batch) plus the larger of two "
+    "temporary peaks: all activations (and ZeRO-3's gathered parameters) between forward "
+    "and backward, or the whole local gradient with the reduction's output at the end. "
+    "Collective bytes are the tensor-parallel all-reduces (forward after o and down; "
+    "backward one per column projection, as XLA reduces q, k and v's input gradients "
+    "separately), the vocabulary-parallel embedding and head, the gradient reduction "
+    "and ZeRO's parameter all-gather. Where ZeRO runs over the sharding axis alone the "
+    "prediction is a little high: XLA reduced the embedding's gradient as an all-to-all "
+    "of the token rows instead of an all-reduce of the table. FLOPs are the matmuls of "
+    "one step as executed (forward, and the backward's input and weight gradients), each "
+    "divided by the axes that split it; a pipeline's stage runs M micro-batches (bubble "
+    "ticks skip their work), 1F1B one more forward of them."
+)
+#: What the pipelined rows run.
+PIPELINE_NOTES = (
+    "Pipelined layouts run to_distributed's stand-in (`PipelinedBlocks` -> "
+    "`jfleet.parallel.pipeline_forward`, a forward and a backward loop of M + P - 1 ticks "
+    "inside a `shard_map`, bubble ticks skipped by `lax.cond`). FThenB keeps its M "
+    "micro-batches' residuals, 1F1B only their stage inputs and recomputes the stage in "
+    "its backward loop; both add one micro-batch's backward working set and the stage's "
+    "gradient accumulators. The batch rows split over the data axes x `pp`, so the "
+    "embedding and head run on 1 / P of them and the stack all-gathers its input and "
+    "reduce-scatters its output over `pp` (and the reverse for the cotangents); the "
+    "blocks' gradients leave the `shard_map` summed over `dp x sharding` (one "
+    "all-reduce, not ZeRO's two-step reduction). The tensor-parallel all-reduces sit in "
+    "the loops' bodies, counted on every tick. Recompute without a pipeline saves "
+    "memory only inside a loop on XLA:CPU (scanned blocks; the ZeRO-3 row keeps its "
+    "blocks unrolled and recomputes with the forward pass, see `jfleet/recompute.py`)."
+)
+
+
 def render(rows: list[Row], style_rows: list[Row], workload: Workload) -> str:
     """The Markdown section for RESULTS.md: the TinyLlama table, then the NNX-zoo table."""
     lines = [
@@ -463,33 +497,9 @@ def render(rows: list[Row], style_rows: list[Row], workload: Workload) -> str:
         f"({sum('pp' in r.name for r in rows)} pipelined). Outside a tolerance: "
         f"{_outliers(rows)}.",
         "",
-        "The formulas are in `jfleet/auto_parallel/cost_model.py`. Memory "
-        "is resident state (parameters, Adam moments, batch) plus the larger of two "
-        "temporary peaks: all activations (and ZeRO-3's gathered parameters) between forward "
-        "and backward, or the whole local gradient with the reduction's output at the end. "
-        "Collective bytes are the tensor-parallel all-reduces (forward after o and down; "
-        "backward one per column projection, as XLA reduces q, k and v's input gradients "
-        "separately), the vocabulary-parallel embedding and head, the gradient reduction "
-        "and ZeRO's parameter all-gather. Where ZeRO runs over the sharding axis alone the "
-        "prediction is a little high: XLA reduced the embedding's gradient as an all-to-all "
-        "of the token rows instead of an all-reduce of the table. FLOPs are the matmuls of "
-        "one step as executed (forward, and the backward's input and weight gradients), each "
-        "divided by the axes that split it; a pipeline's stage runs M micro-batches (bubble "
-        "ticks skip their work), 1F1B one more forward of them.",
+        LLAMA_NOTES,
         "",
-        "Pipelined layouts run to_distributed's stand-in (`PipelinedBlocks` -> "
-        "`jfleet.parallel.pipeline_forward`, a forward and a backward loop of M + P - 1 ticks "
-        "inside a `shard_map`, bubble ticks skipped by `lax.cond`). FThenB keeps its M "
-        "micro-batches' residuals, 1F1B only their stage inputs and recomputes the stage in "
-        "its backward loop; both add one micro-batch's backward working set and the stage's "
-        "gradient accumulators. The batch rows split over the data axes x `pp`, so the "
-        "embedding and head run on 1 / P of them and the stack all-gathers its input and "
-        "reduce-scatters its output over `pp` (and the reverse for the cotangents); the "
-        "blocks' gradients leave the `shard_map` summed over `dp x sharding` (one "
-        "all-reduce, not ZeRO's two-step reduction). The tensor-parallel all-reduces sit in "
-        "the loops' bodies, counted on every tick. Recompute without a pipeline saves "
-        "memory only inside a loop on XLA:CPU (scanned blocks; the ZeRO-3 row keeps its "
-        "blocks unrolled and recomputes with the forward pass, see `jfleet/recompute.py`).",
+        PIPELINE_NOTES,
         "",
         "## NNX-style zoo",
         "",
