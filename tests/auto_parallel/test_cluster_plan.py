@@ -16,6 +16,7 @@ from jfleet.auto_parallel.cost_model import estimate
 from jfleet.auto_parallel.layouts import Layout, Workload, enumerate_layouts
 from jfleet.auto_parallel.model_shapes import MODEL_SHAPES, ModelShape, abstract_model
 from jfleet.auto_parallel.patterns import match_patterns
+from jfleet.auto_parallel.plan import Plan
 from jfleet.auto_parallel.planner import prune_dominated
 from jfleet.auto_parallel.profiles import get_profile
 from jfleet.models.llama import TinyLlama
@@ -42,6 +43,8 @@ def test_offline_plan_needs_no_devices_and_plans_the_cluster():
     assert (p.device_num, p.node_num, p.dtype) == (8, 16, "bfloat16")
     assert p.chosen.fits and p.layout.size == 128
     assert p.layout.mp <= 8  # tensor parallel stays inside a node
+    again = Plan.from_json(p.to_json())  # accumulation and the GPU profile's fields kept
+    assert again.layout == p.layout and again.profile == p.profile
 
 
 def test_cli_plans_a_given_shape(capsys):
