@@ -160,3 +160,11 @@ def test_gpu_mfu_runs_at_tiny_size(capsys):
     assert gpu_mfu.main(["--tiny", "--steps", "1"]) == 0
     out = capsys.readouterr().out
     assert '"plan_dtype": "bfloat16"' in out and '"measured_s"' in out
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("comm_overlap", 1.5), ("memory_margin", 1.0), ("matmul_efficiency", 0.0)]
+)
+def test_profile_fractions_are_checked(field, value):
+    with pytest.raises(ValueError, match=field):
+        dataclasses.replace(get_profile("h100"), **{field: value})
