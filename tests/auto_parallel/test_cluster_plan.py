@@ -168,3 +168,18 @@ def test_gpu_mfu_runs_at_tiny_size(capsys):
 def test_profile_fractions_are_checked(field, value):
     with pytest.raises(ValueError, match=field):
         dataclasses.replace(get_profile("h100"), **{field: value})
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt"])
+def test_abstract_model_has_the_structure_of_a_full_build(arch):
+    from flax import nnx
+
+    from jfleet.auto_parallel.model_shapes import _build
+
+    shape = dataclasses.replace(SMALL, arch=arch, layers=3)
+    fast, full = abstract_model(shape), nnx.eval_shape(lambda: _build(shape))
+
+    def params(m):
+        return {k: (v.shape, v.dtype) for k, v in nnx.to_flat_state(nnx.state(m, nnx.Param))}
+
+    assert params(fast) == params(full)
