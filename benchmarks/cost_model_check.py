@@ -446,6 +446,33 @@ PIPELINE_NOTES = (
 )
 
 
+#: Gradient accumulation checked against the strategy's gradient merge: (mesh, ZeRO stage,
+#: accumulation steps), on the TinyLlama workload (one call: batch / steps rows).
+ACCUMULATION_LAYOUTS = (
+    ({"dp": 2, "mp": 4}, 0, 2),
+    ({"dp": 2, "sharding": 4}, 2, 2),
+    ({"sharding": 4, "mp": 2}, 3, 2),
+)
+
+
+def render_accumulation(results: list[tuple[str, int, float, float]]) -> str:
+    """The gradient-accumulation table: (layout name, steps, memory ratio, bytes ratio)."""
+    lines = [
+        "## Gradient accumulation",
+        "",
+        "`Layout(accumulate_steps=A)` predicted at the whole batch against one call of the "
+        "engine's gradient merge (`strategy.gradient_merge`, `k_steps=A`, batch / A rows a "
+        "call), compiled: the merged gradient is optimizer state, one call's batch and "
+        "activations are live, every call reduces its gradients. Ratios predicted / "
+        "compiled, per call.",
+        "",
+        "| layout | A | memory ratio | collective bytes ratio |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {n} | {a} | {m:.3f} | {b:.3f} |" for n, a, m, b in results]
+    return "\n".join(lines)
+
+
 def render(rows: list[Row], style_rows: list[Row], workload: Workload) -> str:
     """The Markdown section for RESULTS.md: the TinyLlama table, then the NNX-zoo table."""
     lines = [
@@ -591,7 +618,13 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"checked {row.subject} {row.name} ({row.compile_seconds:.1f} s)", file=sys.stderr
             )
-    section = render(rows, style_rows, workload)
+    accumulation = []
+    for degrees, stage, steps in ACCUMULATION_LAYOUTS:
+        memory, nbytes = check_accumulation(workload, degrees, stage, steps)
+        name = layout_id(degrees, stage, None)
+        accumulation.append((name, steps, memory, nbytes))
+        print(f"checked accumulation {name} A={steps}", file=sys.stderr)
+    section = render(rows, style_rows, workload) + "\n" + render_accumulation(accumulation) + "\n"
     print(section)
     if not args.no_write:
         print(f"written to {write_section(SECTION, section)}", file=sys.stderr)
