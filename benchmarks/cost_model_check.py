@@ -272,6 +272,18 @@ def lower_step(
     return make_train_step(sub.loss_fn).lower(model, opt, batch), get_plan(model)
 
 
+def compiled_memory(compiled: jax.stages.Compiled) -> int:
+    """The compiled step's peak per device: argument + output - alias + temp (outputs alias
+    the donated arguments; on CPU ``peak_memory_in_bytes`` leaves temp out)."""
+    m = compiled.memory_analysis()
+    return (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+    )
+
+
 def check(
     what: Workload | Style | Subject,
     degrees: dict[str, int],
@@ -295,13 +307,7 @@ def check(
     compiled = lowered.compile(compiler_options)
     seconds = time.perf_counter() - start
     text = compiled.as_text()
-    m = compiled.memory_analysis()
-    measured = (
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        - m.alias_size_in_bytes
-        + m.temp_size_in_bytes
-    )
+    measured = compiled_memory(compiled)
     kinds = {k: s.bytes for k, s in hlo.summarize(text).items() if s.count}
     return Row(
         subject=subject(what).name,
@@ -327,13 +333,7 @@ def check_accumulation(
     call = dataclasses.replace(workload, batch=workload.batch // accumulate)
     lowered, plan = lower_step(call, degrees, stage, accumulate=accumulate)
     compiled = lowered.compile(FAST_COMPILE)
-    m = compiled.memory_analysis()
-    measured = (
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        - m.alias_size_in_bytes
-        + m.temp_size_in_bytes
-    )
+    measured = compiled_memory(compiled)
     measured_bytes = sum(k.bytes for k in hlo.summarize(compiled.as_text()).values() if k.count)
     found = match_patterns(workload.model())
     work = LayoutWorkload(batch_size=workload.batch, seq_len=workload.seq)
@@ -412,6 +412,67 @@ def _flops(value: float) -> str:
     return f"{value / 1e6:.3f}"
 
 
+#: How the TinyLlama table's predictions are made (the formulas' summary).
+LLAMA_NOTES = (
+    "The formulas are in `jfleet/auto_parallel/cost_model.py`. Memory "
+    "is resident state (parameters, Adam moments, batch) plus the larger of two "
+    "temporary peaks: all activations (and ZeRO-3's gathered parameters) between forward "
+    "and backward, or the whole local gradient with the reduction's output at the end. "
+    "Collective bytes are the tensor-parallel all-reduces (forward after o and down; "
+    "backward one per column projection, as XLA reduces q, k and v's input gradients "
+    "separately), the vocabulary-parallel embedding and head, the gradient reduction "
+    "and ZeRO's parameter all-gather. Where ZeRO runs over the sharding axis alone the "
+    "prediction is a little high: XLA reduced the embedding's gradient as an all-to-all "
+    "of the token rows instead of an all-reduce of the table. FLOPs are the matmuls of "
+    "one step as executed (forward, and the backward's input and weight gradients), each "
+    "divided by the axes that split it; a pipeline's stage runs M micro-batches (bubble "
+    "ticks skip their work), 1F1B one more forward of them."
+)
+#: What the pipelined rows run.
+PIPELINE_NOTES = (
+    "Pipelined layouts run to_distributed's stand-in (`PipelinedBlocks` -> "
+    "`jfleet.parallel.pipeline_forward`, a forward and a backward loop of M + P - 1 ticks "
+    "inside a `shard_map`, bubble ticks skipped by `lax.cond`). FThenB keeps its M "
+    "micro-batches' residuals, 1F1B only their stage inputs and recomputes the stage in "
+    "its backward loop; both add one micro-batch's backward working set and the stage's "
+    "gradient accumulators. The batch rows split over the data axes x `pp`, so the "
+    "embedding and head run on 1 / P of them and the stack all-gathers its input and "
+    "reduce-scatters its output over `pp` (and the reverse for the cotangents); the "
+    "blocks' gradients leave the `shard_map` summed over `dp x sharding` (one "
+    "all-reduce, not ZeRO's two-step reduction). The tensor-parallel all-reduces sit in "
+    "the loops' bodies, counted on every tick. Recompute without a pipeline saves "
+    "memory only inside a loop on XLA:CPU (scanned blocks; the ZeRO-3 row keeps its "
+    "blocks unrolled and recomputes with the forward pass, see `jfleet/parallel/recompute.py`)."
+)
+
+
+#: Gradient accumulation checked against the strategy's gradient merge: (mesh, ZeRO stage,
+#: accumulation steps), on the TinyLlama workload (one call: batch / steps rows).
+ACCUMULATION_LAYOUTS = (
+    ({"dp": 2, "mp": 4}, 0, 2),
+    ({"dp": 2, "sharding": 4}, 2, 2),
+    ({"sharding": 4, "mp": 2}, 3, 2),
+)
+
+
+def render_accumulation(results: list[tuple[str, int, float, float]]) -> str:
+    """The gradient-accumulation table: (layout name, steps, memory ratio, bytes ratio)."""
+    lines = [
+        "## Gradient accumulation",
+        "",
+        "`Layout(accumulate_steps=A)` predicted at the whole batch against one call of the "
+        "engine's gradient merge (`strategy.gradient_merge`, `k_steps=A`, batch / A rows a "
+        "call), compiled: the merged gradient is optimizer state, one call's batch and "
+        "activations are live, every call reduces its gradients. Ratios predicted / "
+        "compiled, per call.",
+        "",
+        "| layout | A | memory ratio | collective bytes ratio |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {n} | {a} | {m:.3f} | {b:.3f} |" for n, a, m, b in results]
+    return "\n".join(lines)
+
+
 def render(rows: list[Row], style_rows: list[Row], workload: Workload) -> str:
     """The Markdown section for RESULTS.md: the TinyLlama table, then the NNX-zoo table."""
     lines = [
@@ -463,34 +524,9 @@ def render(rows: list[Row], style_rows: list[Row], workload: Workload) -> str:
         f"({sum('pp' in r.name for r in rows)} pipelined). Outside a tolerance: "
         f"{_outliers(rows)}.",
         "",
-        "The formulas are in `jfleet/auto_parallel/cost_model.py`. Memory "
-        "is resident state (parameters, Adam moments, batch) plus the larger of two "
-        "temporary peaks: all activations (and ZeRO-3's gathered parameters) between forward "
-        "and backward, or the whole local gradient with the reduction's output at the end. "
-        "Collective bytes are the tensor-parallel all-reduces (forward after o and down; "
-        "backward one per column projection, as XLA reduces q, k and v's input gradients "
-        "separately), the vocabulary-parallel embedding and head, the gradient reduction "
-        "and ZeRO's parameter all-gather. Where ZeRO runs over the sharding axis alone the "
-        "prediction is a little high: XLA reduced the embedding's gradient as an all-to-all "
-        "of the token rows instead of an all-reduce of the table. FLOPs are the matmuls of "
-        "one step as executed (forward, and the backward's input and weight gradients), each "
-        "divided by the axes that split it; a pipeline's stage runs M micro-batches (bubble "
-        "ticks skip their work), 1F1B one more forward of them.",
+        LLAMA_NOTES,
         "",
-        "Pipelined layouts run to_distributed's stand-in (`PipelinedBlocks` -> "
-        "`jfleet.parallel.pipeline_forward`, a forward and a backward loop of M + P - 1 ticks "
-        "inside a `shard_map`, bubble ticks skipped by `lax.cond`). FThenB keeps its M "
-        "micro-batches' residuals, 1F1B only their stage inputs and recomputes the stage in "
-        "its backward loop; both add one micro-batch's backward working set and the stage's "
-        "gradient accumulators. The batch rows split over the data axes x `pp`, so the "
-        "embedding and head run on 1 / P of them and the stack all-gathers its input and "
-        "reduce-scatters its output over `pp` (and the reverse for the cotangents); the "
-        "blocks' gradients leave the `shard_map` summed over `dp x sharding` (one "
-        "all-reduce, not ZeRO's two-step reduction). The tensor-parallel all-reduces sit in "
-        "the loops' bodies, counted on every tick. Recompute without a pipeline saves "
-        "memory only inside a loop on XLA:CPU (scanned blocks; the ZeRO-3 row keeps its "
-        "blocks unrolled and recomputes with the forward pass, see "
-        "`jfleet/parallel/recompute.py`).",
+        PIPELINE_NOTES,
         "",
         "## NNX-style zoo",
         "",
@@ -582,7 +618,13 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"checked {row.subject} {row.name} ({row.compile_seconds:.1f} s)", file=sys.stderr
             )
-    section = render(rows, style_rows, workload)
+    accumulation = []
+    for degrees, stage, steps in ACCUMULATION_LAYOUTS:
+        memory, nbytes = check_accumulation(workload, degrees, stage, steps)
+        name = layout_id(degrees, stage, None)
+        accumulation.append((name, steps, memory, nbytes))
+        print(f"checked accumulation {name} A={steps}", file=sys.stderr)
+    section = render(rows, style_rows, workload) + "\n" + render_accumulation(accumulation) + "\n"
     print(section)
     if not args.no_write:
         print(f"written to {write_section(SECTION, section)}", file=sys.stderr)

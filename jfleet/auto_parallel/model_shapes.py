@@ -16,8 +16,8 @@ Example:
   8
   >>> m = abstract_model(ModelShape(arch="llama", layers=2, width=64, heads=4, kv_heads=2,
   ...                               ffn=128, vocab=256, seq_len=32))
-  >>> type(m).__name__, m.lm_head.shape
-  ('TinyLlama', (64, 256))
+  >>> type(m).__name__, m.lm_head.shape, len(m.layers)
+  ('TinyLlama', (64, 256), 2)
 """
 
 from __future__ import annotations
@@ -109,17 +109,27 @@ MODEL_SHAPES: dict[str, ModelShape] = {
 
 
 def abstract_model(shape: ModelShape) -> nnx.Module:
-    """The shape as an abstract ``nnx.Module`` (``nnx.eval_shape``; fp32 parameters)."""
+    """The shape as an abstract ``nnx.Module`` (``nnx.eval_shape``; fp32 parameters).
+
+    One decoder block is built abstractly and cloned ``layers`` times (the same
+    parameter paths, shapes and dtypes as building them all: 0.5 s instead of half a
+    minute for an 80-layer 70B model).
+    """
+    one = dataclasses.replace(shape, layers=1)
+    model = nnx.eval_shape(lambda: _build(one))
+    name = "layers" if shape.arch == "llama" else "h"
+    block = getattr(model, name)[0]
+    setattr(model, name, nnx.List([nnx.clone(block) for _ in range(shape.layers)]))
+    return model
+
+
+def _build(shape: ModelShape) -> nnx.Module:
     if shape.arch == "llama":
-        return nnx.eval_shape(
-            lambda: TinyLlama(
-                vocab=shape.vocab, width=shape.width, heads=shape.heads,
-                kv_heads=shape.kv_heads, layers=shape.layers, hidden=shape.ffn,
-            )
+        return TinyLlama(
+            vocab=shape.vocab, width=shape.width, heads=shape.heads, kv_heads=shape.kv_heads,
+            layers=shape.layers, hidden=shape.ffn,
         )  # fmt: skip
-    return nnx.eval_shape(
-        lambda: TinyGPT2(
-            vocab=shape.vocab, width=shape.width, heads=shape.heads, layers=shape.layers,
-            hidden=shape.ffn, max_len=shape.seq_len,
-        )
+    return TinyGPT2(
+        vocab=shape.vocab, width=shape.width, heads=shape.heads, layers=shape.layers,
+        hidden=shape.ffn, max_len=shape.seq_len,
     )  # fmt: skip

@@ -167,9 +167,10 @@ class HardwareProfile:
             bad["collective_latency"] = self.collective_latency
         if not 0 < self.matmul_efficiency <= 1:
             bad["matmul_efficiency"] = self.matmul_efficiency
-        for field in ("comm_overlap", "memory_margin"):
-            if not 0 <= getattr(self, field) < 1 + (field == "comm_overlap"):
-                bad[field] = getattr(self, field)
+        if not 0 <= self.comm_overlap <= 1:
+            bad["comm_overlap"] = self.comm_overlap
+        if not 0 <= self.memory_margin < 1:
+            bad["memory_margin"] = self.memory_margin
         if bad:
             raise ValueError(
                 f"profile {self.name!r}: {bad} must be positive (latency >= 0, "

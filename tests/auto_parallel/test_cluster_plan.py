@@ -16,6 +16,7 @@ from jfleet.auto_parallel.cost_model import estimate
 from jfleet.auto_parallel.layouts import Layout, Workload, enumerate_layouts
 from jfleet.auto_parallel.model_shapes import MODEL_SHAPES, ModelShape, abstract_model
 from jfleet.auto_parallel.patterns import match_patterns
+from jfleet.auto_parallel.plan import Plan
 from jfleet.auto_parallel.planner import prune_dominated
 from jfleet.auto_parallel.profiles import get_profile
 from jfleet.models.llama import TinyLlama
@@ -42,6 +43,8 @@ def test_offline_plan_needs_no_devices_and_plans_the_cluster():
     assert (p.device_num, p.node_num, p.dtype) == (8, 16, "bfloat16")
     assert p.chosen.fits and p.layout.size == 128
     assert p.layout.mp <= 8  # tensor parallel stays inside a node
+    again = Plan.from_json(p.to_json())  # accumulation and the GPU profile's fields kept
+    assert again.layout == p.layout and again.profile == p.profile
 
 
 def test_cli_plans_a_given_shape(capsys):
@@ -157,3 +160,26 @@ def test_gpu_mfu_runs_at_tiny_size(capsys):
     assert gpu_mfu.main(["--tiny", "--steps", "1"]) == 0
     out = capsys.readouterr().out
     assert '"plan_dtype": "bfloat16"' in out and '"measured_s"' in out
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("comm_overlap", 1.5), ("memory_margin", 1.0), ("matmul_efficiency", 0.0)]
+)
+def test_profile_fractions_are_checked(field, value):
+    with pytest.raises(ValueError, match=field):
+        dataclasses.replace(get_profile("h100"), **{field: value})
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt"])
+def test_abstract_model_has_the_structure_of_a_full_build(arch):
+    from flax import nnx
+
+    from jfleet.auto_parallel.model_shapes import _build
+
+    shape = dataclasses.replace(SMALL, arch=arch, layers=3)
+    fast, full = abstract_model(shape), nnx.eval_shape(lambda: _build(shape))
+
+    def params(m):
+        return {k: (v.shape, v.dtype) for k, v in nnx.to_flat_state(nnx.state(m, nnx.Param))}
+
+    assert params(fast) == params(full)
