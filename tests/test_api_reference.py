@@ -38,7 +38,6 @@ def exported(package: str) -> set[str]:
 
 #: Exported names whose docstring has no ``>>>`` example yet, and why (this list only shrinks).
 WITHOUT_EXAMPLE = {
-    "jfleet.auto_parallel.Candidate": "planner internals; its module is at the size limit",
     "jfleet.auto_parallel.PROFILES": "a dict: documented by its #: comment",
 }
 

@@ -159,6 +159,14 @@ class Candidate:
       collectives: predicted collective bytes per device per step.
       fits: predicted total <= the memory budget.
       reason: ``"best"`` for the winner, else why it lost.
+
+    Example:
+      >>> from jfleet.auto_parallel import plan_for
+      >>> from jfleet.models.llama import TinyLlama
+      >>> plan = plan_for(TinyLlama(), device_num=8, batch_size=64, seq_len=8)
+      >>> best = plan.candidates[0]
+      >>> best.layout.name, best.fits, best.reason
+      ('dp8', True, 'best')
     """
 
     layout: Layout
