@@ -145,9 +145,24 @@ class _Log:
             self._file = None
 
 
-def _is_gloo(line: bytes) -> bool:
-    """Whether a worker's output line is Gloo's connection chatter (kept in its log only)."""
-    return line.lstrip().startswith(b"[Gloo]")
+def console_text(line: bytes) -> bytes | None:
+    r"""A worker's output line as the console shows it: Gloo's connection chatter (kept in
+    the worker's log only) is cut, also where it follows a progress bar's unfinished line
+    on the same stream; None when nothing is left.
+
+    Example:
+      >>> console_text(b"[Gloo] Rank 0 is connected to 1 peer ranks.\n") is None
+      True
+      >>> console_text(b"step 0%|  | 0/2\r[Gloo] Rank 0 is connected to 1 peer ranks.\n")
+      b'step 0%|  | 0/2\n'
+      >>> console_text(b"loss 1.5\n")
+      b'loss 1.5\n'
+    """
+    at = line.find(b"[Gloo]")
+    if at < 0:
+        return line
+    kept = line[:at].rstrip(b" \r\t")
+    return kept + b"\n" if kept.strip() else None
 
 
 def _echo(stream: IO[bytes], log: IO[bytes], prefix: bytes) -> None:
@@ -156,9 +171,10 @@ def _echo(stream: IO[bytes], log: IO[bytes], prefix: bytes) -> None:
     for line in iter(stream.readline, b""):
         log.write(line)
         log.flush()
-        if _is_gloo(line):
+        shown = console_text(line)
+        if shown is None:
             continue
-        sys.stdout.buffer.write(prefix + line)
+        sys.stdout.buffer.write(prefix + shown)
         sys.stdout.buffer.flush()
     stream.close()
 
@@ -177,7 +193,8 @@ class _Worker:
             self.echo.join(2)
         try:
             with open(self.log_path, "rb") as f:
-                lines = deque((line for line in f if not _is_gloo(line)), maxlen=n)
+                shown = (console_text(line) for line in f)
+                lines = deque((line for line in shown if line is not None), maxlen=n)
         except OSError:
             return []
         return [line.decode(errors="replace").rstrip("\n")[:MAX_TEXT] for line in lines]
