@@ -319,6 +319,27 @@ def test_no_function_over_100_lines(module):
     assert found == [], f"{module}: {found}; cut it into named steps"
 
 
+def code_lines(module: str, name: str) -> int:
+    """Lines of a top-level function's code, its docstring left out."""
+    tree = ast.parse(MODULES[module].read_text())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    body = fn.body[1:] if ast.get_docstring(fn) else fn.body
+    return fn.end_lineno - body[0].lineno + 1
+
+
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [
+        ("jfleet.auto_parallel.patterns", "match_patterns"),
+        ("jfleet.auto_parallel.cost_model", "estimate"),
+        ("jfleet.auto_parallel.planner", "plan_for"),
+    ],
+)
+def test_the_planners_core_reads_as_named_steps(module, name):
+    """Issue 25: matching, the cost model and the planner each call named steps."""
+    assert code_lines(module, name) <= 60
+
+
 def test_the_launcher_imports_no_jax():
     """``python -m jfleet.launch --help`` loads neither JAX nor NumPy: the package root
     is lazy and the launcher stands on the run-time layer alone."""
