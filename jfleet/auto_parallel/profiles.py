@@ -266,8 +266,22 @@ _H100 = HardwareProfile(
 )
 _H200 = dataclasses.replace(_H100, name="h200", memory_bytes=141 * 10**9, memory_bandwidth=4.8e12)
 
+class Profiles(dict):
+    """The built-in hardware profiles by name: a ``dict`` of :class:`HardwareProfile`.
+
+    ``cpu``, ``a100`` (= ``a100-80gb``), ``a100-40gb``, ``h100`` and ``h200``; add your own
+    with ``PROFILES["mine"] = dataclasses.replace(PROFILES["h100"], name="mine", ...)``.
+
+    Example:
+      >>> sorted(PROFILES)
+      ['a100', 'a100-40gb', 'a100-80gb', 'cpu', 'h100', 'h200']
+      >>> PROFILES["h100"].memory_bytes / 1e9
+      80.0
+    """
+
+
 #: The built-in profiles by name.
-PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (_CPU, _A100, _A100_40, _H100, _H200)}
+PROFILES: Profiles = Profiles({p.name: p for p in (_CPU, _A100, _A100_40, _H100, _H200)})
 PROFILES["a100-80gb"] = _A100
 
 
