@@ -127,6 +127,8 @@ def test_two_nodes_train_llama_to_one_process_losses_and_a_concurrent_job_gets_o
         console = (out + err).splitlines()
         assert not [line for line in console if "[Gloo]" in line], console
         assert not [line for line in console if "INFO:jfleet:" in line], console
+        records = [line for line in console if re.search(r"\[jfleet[ .]\w+\]", line)]
+        assert len(records) == len(set(records)), f"a record printed twice: {console}"
     # every worker printed the same losses, equal to one device's
     logs = sorted((tmp_path / "node0").glob("workerlog.*")) + sorted(
         (tmp_path / "node1").glob("workerlog.*")
