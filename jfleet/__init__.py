@@ -154,10 +154,9 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
         real = importlib.util.find_spec(home)
         if real is None:
             return None
-        spec = importlib.util.spec_from_loader(
-            fullname, _AliasLoader(home), is_package=real.submodule_search_locations is not None
-        )
-        if spec is not None and real.submodule_search_locations is not None:
+        # the real file as origin: ``runpy`` sets ``sys.argv[0]`` from it (``python -m``)
+        spec = importlib.machinery.ModuleSpec(fullname, _AliasLoader(home), origin=real.origin)
+        if real.submodule_search_locations is not None:
             spec.submodule_search_locations = list(real.submodule_search_locations)
         return spec
 

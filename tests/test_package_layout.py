@@ -364,6 +364,8 @@ def test_public_names_load_lazily_and_old_paths_alias_their_homes():
         "import jfleet.amp, jfleet.precision.amp, jfleet.strategy\n"
         "assert jfleet.amp is jfleet.precision.amp\n"
         "assert jfleet.amp.__spec__.name == 'jfleet.precision.amp'\n"
+        "import importlib.util\n"
+        "assert importlib.util.find_spec('jfleet.amp').origin.endswith('precision/amp.py')\n"
         "from jfleet.collective_perf import timing\n"
         "import jfleet.mesh.collective_perf.timing as t2\n"
         "assert timing is t2\n"

@@ -266,6 +266,7 @@ _H100 = HardwareProfile(
 )
 _H200 = dataclasses.replace(_H100, name="h200", memory_bytes=141 * 10**9, memory_bandwidth=4.8e12)
 
+
 class Profiles(dict):
     """The built-in hardware profiles by name: a ``dict`` of :class:`HardwareProfile`.
 

@@ -9,7 +9,7 @@
 Example:
   >>> from jfleet.fleet.utils import recompute, sequence_parallel_utils
   >>> recompute.__module__, sequence_parallel_utils.ScatterOp.__name__
-  ('jfleet.recompute', 'ScatterOp')
+  ('jfleet.parallel.recompute', 'ScatterOp')
 """
 
 from jfleet.fleet.utils import hybrid_parallel_util as hybrid_parallel_util
