@@ -59,6 +59,7 @@ def apply_plan(
         a for a in (SEP, MP) if degrees[a] > 1 and (a == SEP or plan.sequence_parallel)
     )
     seq_axes = seq_axes or None
+    selective = plan.layout.selective_recompute
     if plan.blocks and degrees[PP] > 1:
         container = container_of(model, plan.blocks)
         pipeline_blocks(
@@ -81,10 +82,17 @@ def apply_plan(
             recompute=plan.recompute,
             mesh=placement.mesh,
             seq_axes=seq_axes,
+            selective=selective,
         )
-    elif plan.blocks and (plan.recompute or seq_axes):
+    elif plan.blocks and (plan.recompute or selective or seq_axes):
         blocks = [module_at(model, b) for b in plan.blocks]
-        wrap_blocks(blocks, recompute=plan.recompute, mesh=placement.mesh, seq_axes=seq_axes)
+        wrap_blocks(
+            blocks,
+            recompute=plan.recompute,
+            mesh=placement.mesh,
+            seq_axes=seq_axes,
+            selective=selective,
+        )
     if plan.zero_stage:  # after the restructuring: stacking keeps the first block's metadata
         _set_zero_layouts(model, params)
     placement.place_params(model)

@@ -320,18 +320,26 @@ def wrap_blocks(
     recompute: bool,
     mesh: Mesh | None = None,
     seq_axes: tuple[str, ...] | None = None,
+    selective: bool = False,
 ) -> None:
     """Gives each block recompute and a sequence-parallel output constraint, in place.
 
     The blocks keep their parameters, paths and ``__init__``; their class becomes a
     subclass of the same name (:func:`jfleet.recompute.remat_class`, qualified name
     ``Block[to_distributed]``) whose ``__call__`` runs the original under ``nnx.remat``
-    (``recompute``) and pins the output's sequence dimension to ``seq_axes``.
+    (``recompute``; ``selective``: keeping its weight-matmul outputs,
+    ``dots_with_no_batch_dims_saveable``) and pins the output's sequence dimension to
+    ``seq_axes``.
     """
-    if not recompute and seq_axes is None:
+    if not (recompute or selective) and seq_axes is None:
         return
     after = None if seq_axes is None else SequenceConstraint(mesh, tuple(seq_axes))
+    policy = "dots_with_no_batch_dims_saveable" if selective and not recompute else None
     for block in blocks:
         block.__class__ = remat_class(
-            type(block), after=after, recompute=recompute, tag="to_distributed"
+            type(block),
+            policy=policy,
+            after=after,
+            recompute=recompute or selective,
+            tag="to_distributed",
         )

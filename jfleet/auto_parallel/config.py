@@ -53,7 +53,19 @@ class ToDistributedConfig:
         ``PipelineLayer`` argument; 2 or more selects VPP, 1 rules it out); default: the
         cost model compares 2 with the one-chunk schedules.
       zero_stage: ZeRO stage 0-3 (default: compared).
-      recompute: recompute block activations in the backward pass (default: compared).
+      recompute: recompute block activations in the backward pass: True (or ``"full"``)
+        whole blocks, ``"selective"`` (or Paddle's ``"core_attn"``) only each block's
+        attention core and elementwise work, keeping its weight-matmul outputs
+        (``jax.checkpoint`` with ``dots_with_no_batch_dims_saveable``; no pipeline),
+        False none (default: compared; selective under ``wide_search``).
+      accumulate_steps: run each loader batch as this many calls of the training step with
+        one optimizer update (gradient accumulation: the loader yields the batch in that
+        many equal slices and the optimizer merges their gradients through the strategy's
+        gradient merge, ``jfleet.optim.gradient_merge``). Default: 1, or compared by the
+        cost model where no layout fits without it or under ``wide_search``.
+      wide_search: the planner's wide search (``plan_for(wide_search=True)``): every
+        pipeline micro-batch count and virtual-stage count, gradient accumulation and
+        selective recompute, dominated layouts pruned (default False: the narrow search).
       plan: a :class:`Plan` (or its JSON) to apply instead of planning: reproduces a run.
       strategy: a :class:`~jfleet.strategy.DistributedStrategy` whose AMP (model dtypes
         and loss scaling), gradient merge, LAMB and LARS settings apply on top; its hybrid
@@ -106,7 +118,9 @@ class ToDistributedConfig:
     num_microbatches: int | None = None
     num_virtual_pipeline_stages: int | None = None
     zero_stage: int | None = None
-    recompute: bool | None = None
+    recompute: bool | str | None = None
+    accumulate_steps: int | None = None
+    wide_search: bool = False
     plan: Plan | str | None = None
     strategy: DistributedStrategy | None = None
     per_sample_args: tuple[int | str, ...] | None = None
@@ -127,6 +141,8 @@ _PLANNING_FIELDS = (
     "num_virtual_pipeline_stages",
     "zero_stage",
     "recompute",
+    "accumulate_steps",
+    "wide_search",
 )
 
 
@@ -135,6 +151,8 @@ def check_config(config: ToDistributedConfig) -> None:
     recomputes, is an error naming the settings."""
     if not isinstance(config.global_batches, bool):
         raise TypeError(f"config.global_batches={config.global_batches!r} must be a bool.")
+    if not isinstance(config.wide_search, bool):
+        raise TypeError(f"config.wide_search={config.wide_search!r} must be a bool.")
     if config.plan is not None:
         defaults = ToDistributedConfig()
         steering = [f for f in _PLANNING_FIELDS if getattr(config, f) != getattr(defaults, f)]
@@ -150,4 +168,13 @@ def check_config(config: ToDistributedConfig) -> None:
             raise ValueError(
                 "config.strategy.recompute=True: to_distributed recomputes whole decoder "
                 "blocks; set ToDistributedConfig(recompute=True) instead."
+            )
+        merge = config.strategy.gradient_merge
+        if merge and config.accumulate_steps not in (None, 1):
+            raise ValueError(
+                f"config.accumulate_steps={config.accumulate_steps} with a strategy whose "
+                "gradient_merge is on: to_distributed runs accumulation through the "
+                "strategy's gradient merge itself; drop one of the two (gradient_merge_configs"
+                f"['k_steps'] = {config.strategy.gradient_merge_configs['k_steps']} merges "
+                "whole loader batches)."
             )

@@ -40,6 +40,7 @@ __all__ = [
     "memory",
     "optimizer_bytes",
     "per_layer_elems",
+    "selective_kept_elems",
 ]
 
 #: One block's backward working set on one micro-batch, x its activations, when no loop
@@ -76,6 +77,27 @@ def per_layer_elems(s: StepShape) -> float:
     return per_layer
 
 
+#: Elements per token of the MLP's up projections (gate and up for SwiGLU), x hidden.
+_MLP_UP = {"swiglu": 2, "gelu": 1}
+
+
+def selective_kept_elems(s: StepShape) -> float:
+    """Elements per token one layer keeps under selective recompute: its input and its
+    weight-matmul outputs (split by ``mp`` as they split; a row projection's output is
+    whole before its all-reduce)."""
+    d, mp = s.dims, s.layout.mp
+    sp = mp if s.workload.sequence_parallel else 1
+    attn_mp, mlp_mp = cached(
+        s.patterns, ("split_degrees", mp), lambda: split_degrees(s.patterns, mp, s.specs)
+    )
+    kept = d.width / sp
+    if s.patterns.attention:
+        kept += (d.q_dim + 2 * d.kv_dim) / attn_mp + d.width
+    if s.patterns.mlp:
+        kept += _MLP_UP[s.patterns.mlp] * d.hidden / mlp_mp + d.width
+    return kept
+
+
 def _layer_acts(s: StepShape, per_layer: float) -> float:
     """Elements the stage's layers keep at the step's peak, by program."""
     # The pipelines are to_distributed's stand-in (blocks.PipelinedBlocks ->
@@ -98,6 +120,9 @@ def _layer_acts(s: StepShape, per_layer: float) -> float:
     # one accumulation step's activations are live (tokens_live: all of them when A = 1)
     if s.remat_waits:
         return s.tokens_live * h * s.stage_blocks + s.tokens_mb * per_layer * _ONE_BLOCK_WORK
+    if s.selective_waits:  # the kept matmul outputs, one block's recomputation beside them
+        kept = s.tokens_live * selective_kept_elems(s) * s.stage_blocks
+        return kept + s.tokens_mb * per_layer * (_SCAN_WORK if s.scanned else _ONE_BLOCK_WORK)
     # no recompute, or recompute XLA:CPU schedules with the forward pass (outside a loop
     # it removes jax.checkpoint's barriers before scheduling; jfleet.recompute)
     layer_acts = s.tokens_live * per_layer * s.stage_blocks

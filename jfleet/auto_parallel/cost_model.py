@@ -50,8 +50,15 @@ layer's working set where the recomputation waits for the backward pass: inside 
 (scanned or pipelined blocks), or on a compiler that keeps ``jax.checkpoint``'s barriers
 until it schedules (``HardwareProfile.remat_barriers_kept``); XLA:CPU removes them earlier
 and runs an unrolled recomputation with the forward pass, so there it keeps every activation
-(:mod:`jfleet.recompute`). The constants (1.25, 1.3, 0.5) are fitted to compiled temp memory
-of TinyLlama (width 128, 2-4 layers) on XLA:CPU.
+(:mod:`jfleet.recompute`). Selective recompute (``jax.checkpoint`` with
+``dots_with_no_batch_dims_saveable``) keeps per layer and token the block's input and
+its weight-matmul outputs — ``h`` + ``(q_dim + 2 kv_dim) / mp + h`` (q, k, v; o before
+its all-reduce) + ``2 F / mp + h`` (SwiGLU gate, up; down; GELU ``F``) — and one block's
+working set (0.5 of its activations in a scan, as without recompute; 1.3 unrolled), where
+its recomputation waits (scanned blocks, or barriers kept); the ``s x s`` scores, norms
+and activations are recomputed (measured on XLA:CPU, TinyLlama width 128, sequence 64
+and 256, dp8 and dp2 x mp4: 0.99-1.13 of the compiled memory). The constants (1.25,
+1.3, 0.5) are fitted to compiled temp memory of TinyLlama (width 128, 2-4 layers) on XLA:CPU.
 
 **Step time** (seconds; no overlap of communication with compute, so an upper bound):
 
@@ -63,7 +70,9 @@ of TinyLlama (width 128, 2-4 layers) on XLA:CPU.
   (``dp x sharding x sep``) and by ``mp`` only when a parameter split over ``mp`` at this
   degree splits the product (a product of a kernel left whole runs on every ``mp`` rank);
   the blocks' share divided by ``pp``; recompute (and 1F1B) adds one forward of the
-  blocks; embedding and head run on every stage, on ``1 / P`` of the rows when the rows
+  blocks, selective recompute one forward of their attention cores (the products of two
+  activations: scores and values, or a fused attention's); embedding and head run on
+  every stage, on ``1 / P`` of the rows when the rows
   split over pp. :attr:`Candidate.flops` is that count as executed (bubble ticks skip
   their work), what :func:`jfleet.testing.hlo.executed_flops` counts for the slowest
   stage of the compiled step. Without a trace, ``6 x`` the kernels' elements per token;
@@ -145,7 +154,7 @@ from jfleet.auto_parallel.memo import cached
 from jfleet.auto_parallel.patterns import ModelPatterns
 from jfleet.auto_parallel.profiles import HardwareProfile, get_profile
 from jfleet.auto_parallel.step_shape import StepShape, step_shape
-from jfleet.auto_parallel.step_work import step_flops
+from jfleet.auto_parallel.step_work import attention_core_flops, step_flops
 
 __all__ = [
     "Candidate",
@@ -192,6 +201,10 @@ def compute_time(s: StepShape) -> tuple[float, float, float]:
         s.patterns, key, lambda: step_flops(s.patterns, work, lay, s.specs)
     )
     block_flops = (step_blocks + (fwd_blocks if s.recompute else 0.0)) / pp
+    if s.selective:  # the attention cores run again in the backward pass
+        block_flops += cached(
+            s.patterns, ("core", *key), lambda: attention_core_flops(s.patterns, work, lay, s.specs)
+        )
     outside_flops = step_outside / pp if s.rows_over_pp else step_outside
     peak = profile.flops(s.workload.dtype) * matmul_efficiency(s)
     t_blocks = block_flops / peak

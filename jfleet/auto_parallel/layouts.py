@@ -49,6 +49,7 @@ from jfleet.parallel.virtual_stages import check_chunks_agree
 __all__ = [
     "OPTIMIZER_MOMENTS",
     "SCHEDULES",
+    "SELECTIVE",
     "Layout",
     "Workload",
     "enumerate_layouts",
@@ -64,6 +65,8 @@ VIRTUAL_OPTIONS = (2,)
 #: micro-batch count M already sets the micro-batch size; accumulation only shrinks the
 #: stand-in's stash of M stage inputs).
 PIPELINE_ACCUMULATIONS = 4
+#: ``recompute``'s value for selective recompute (:attr:`Layout.selective_recompute`).
+SELECTIVE = "selective"
 #: Optimizer state per parameter, in parameter-sized arrays.
 OPTIMIZER_MOMENTS = {"adam": 2, "adamw": 2, "lamb": 2, "momentum": 1, "lars": 1, "sgd": 0}
 
@@ -158,6 +161,11 @@ class Layout:
         on their summed gradients (gradient accumulation: the engine's gradient merge,
         ``jfleet.optim.gradient_merge``, which reduces each call's gradients); with a
         pipeline each call runs ``num_microbatches``.
+      selective_recompute: recompute only the attention core and the elementwise work of
+        each block, keeping its weight-matmul outputs (Megatron's ``selective``, Paddle's
+        ``recompute_granularity="core_attn"``; ``jax.checkpoint`` with
+        ``dots_with_no_batch_dims_saveable``). Excludes ``recompute`` (the whole block);
+        without a pipeline only (the pipelined stand-in recomputes whole stages).
 
     Raises:
       ValueError: a degree < 1, or an inconsistent stage / schedule / micro-batch /
@@ -179,6 +187,7 @@ class Layout:
     recompute: bool = False
     num_virtual_stages: int = 1
     accumulate_steps: int = 1
+    selective_recompute: bool = False
 
     def __post_init__(self) -> None:
         for name in (*AXIS_NAMES, "num_microbatches", "num_virtual_stages", "accumulate_steps"):
@@ -202,6 +211,12 @@ class Layout:
             raise ValueError(
                 f"schedule={self.schedule!r} / num_microbatches={self.num_microbatches} "
                 "only apply with pp > 1."
+            )
+        if self.selective_recompute and (self.recompute or self.pp > 1):
+            raise ValueError(
+                f"selective_recompute=True with recompute={self.recompute}, pp={self.pp}: "
+                "selective recompute keeps each block's weight-matmul outputs and runs without "
+                "a pipeline; use recompute=True (whole blocks) or pp=1."
             )
         interleaved = self.num_virtual_stages > 1
         if self.schedule is None and interleaved:
@@ -249,14 +264,16 @@ class Layout:
             extra.append(f"accumulate {self.accumulate_steps}")
         if self.recompute:
             extra.append("recompute")
+        if self.selective_recompute:
+            extra.append("selective recompute")
         return self.mesh_name + (f" ({', '.join(extra)})" if extra else "")
 
     def complexity(self) -> tuple:
         """Tie-break order: fewer parallel kinds, lower ZeRO stage, no recompute first."""
         kinds = sum(d > 1 for a, d in self.degrees.items() if a != DP)
         return (
-            kinds, self.zero_stage, self.recompute, self.pp, self.num_virtual_stages, self.mp,
-            self.sep, self.accumulate_steps,
+            kinds, self.zero_stage, self.recompute, self.selective_recompute, self.pp,
+            self.num_virtual_stages, self.mp, self.sep, self.accumulate_steps,
         )  # fmt: skip
 
 
@@ -373,11 +390,24 @@ def _microbatch_options(local: int, pp: int, forced: int | None, wide: bool) -> 
     return sorted(set(out))
 
 
-def _accumulations(rows: int, *, piped: bool, wide: bool) -> list[int]:
-    """Gradient-accumulation steps to try over ``rows`` local sequences: none unless
-    ``wide``; every divisor without a pipeline; with one (whose micro-batches already
-    bound the working set) those up to :data:`PIPELINE_ACCUMULATIONS`."""
-    if not wide:
+def _accumulations(
+    rows: int, *, piped: bool, wide: bool, forced: int | None = None, offered: bool = False
+) -> list[int]:
+    """Gradient-accumulation steps to try over ``rows`` local sequences (per call of a
+    pipeline: per micro-batch): ``forced`` alone where it divides them; none unless
+    ``wide`` or ``offered``; every divisor without a pipeline; with one (whose
+    micro-batches already bound the working set) those up to
+    :data:`PIPELINE_ACCUMULATIONS`.
+
+    >>> _accumulations(8, piped=False, wide=False), _accumulations(8, piped=False, wide=True)
+    ([1], [1, 2, 4, 8])
+    >>> _accumulations(8, piped=True, wide=False, forced=4), _accumulations(6, piped=False,
+    ...                                                                     wide=False, forced=4)
+    ([4], [])
+    """
+    if forced is not None:
+        return [forced] if rows % forced == 0 else []
+    if not (wide or offered):
         return [1]
     divisors = _divisors(rows)
     return [a for a in divisors if a <= PIPELINE_ACCUMULATIONS] if piped else divisors
@@ -436,9 +466,11 @@ def enumerate_layouts(
     schedule: str | None = None,
     num_microbatches: int | None = None,
     zero_stage: int | None = None,
-    recompute: bool | None = None,
+    recompute: bool | str | None = None,
     num_virtual_stages: int | None = None,
     wide: bool = False,
+    accumulate_steps: int | None = None,
+    accumulation: bool = False,
 ) -> tuple[list[Layout], list[tuple[str, str]]]:
     """Every layout worth predicting, and the meshes excluded (with the reason).
 
@@ -451,14 +483,21 @@ def enumerate_layouts(
       schedule: only this pipeline schedule.
       num_microbatches: only this micro-batch count (pipelined layouts).
       zero_stage: only this ZeRO stage (0: no sharding axis).
-      recompute: only with (True) or without (False) recompute.
+      recompute: only with (True) or without (False) recompute of whole blocks, or only
+        ``"selective"`` recompute (:attr:`Layout.selective_recompute`; meshes with
+        ``pp > 1`` are then excluded). Default: without and with; the wide search adds
+        selective recompute where there is no pipeline.
       num_virtual_stages: chunks per stage for ``"VPP"`` (default: :data:`VIRTUAL_OPTIONS`);
         VPP layouts are offered where ``M`` is a multiple of ``pp`` and ``pp x v`` divides
         the blocks (super-blocks).
       wide: the search practitioners use: every micro-batch count ``M`` from ``pp`` up to
         the local batch, every ``v`` dividing a stage's blocks, and gradient accumulation
         over every divisor of the local batch / ``M`` (else ``M`` near ``pp``, ``2 pp``,
-        ``4 pp``, ``v`` of :data:`VIRTUAL_OPTIONS`, no accumulation).
+        ``4 pp``, ``v`` of :data:`VIRTUAL_OPTIONS`, no accumulation, no selective
+        recompute).
+      accumulate_steps: only this gradient-accumulation count (a mesh whose local batch
+        / ``M`` it does not divide is excluded); accumulation: offer accumulation as the
+        wide search does in an otherwise narrow search (the planner's retry: none fits).
 
     Returns:
       ``(layouts, excluded)``; ``excluded`` holds ``(mesh name, reason)`` pairs.
@@ -474,7 +513,7 @@ def enumerate_layouts(
     """
     layouts: list[Layout] = []
     excluded: list[tuple[str, str]] = []
-    recompute_options = [False, True] if recompute is None else [bool(recompute)]
+    recompute_options = _recompute_options(patterns, recompute, wide)
     for sizes in _meshes(device_num * node_num, workload.sequence_parallel, force_mesh):
         deg = dict(zip(AXIS_NAMES, sizes, strict=True))
         name = mesh_name(deg)
@@ -501,23 +540,85 @@ def enumerate_layouts(
         else:
             ms, scheds = [1], [None]
         local = workload.batch_size // (deg[DP] * deg[SHARDING])
-        before = len(layouts)
-        for stage, sched, m, rc in itertools.product(stages, scheds, ms, recompute_options):
-            if sched in ("1F1B", "VPP") and rc and recompute is None:
-                continue  # 1F1B recomputes each stage anyway: the same layout twice
-            for v in _virtual_options(patterns, sched, deg[PP], m, num_virtual_stages, wide):
-                layouts.extend(
-                    Layout(
-                        **deg,
-                        zero_stage=stage,
-                        schedule=sched,
-                        num_microbatches=m,
-                        recompute=rc,
-                        num_virtual_stages=v,
-                        accumulate_steps=a,
-                    )
-                    for a in _accumulations(local // m, piped=deg[PP] > 1, wide=wide)
-                )
-        if len(layouts) == before and deg[PP] > 1:
-            excluded.append((name, _no_interleaving(patterns, deg[PP], ms, num_virtual_stages)))
+        accumulate = dict(forced=accumulate_steps, offered=accumulation, wide=wide)
+        options = itertools.product(stages, scheds, ms, recompute_options)
+        found = [
+            lay
+            for stage, sched, m, rc in options
+            if not (sched in ("1F1B", "VPP") and rc and recompute is None)  # 1F1B recomputes
+            for lay in _variants(patterns, deg, stage, sched, m, rc, local, accumulate,
+                                 num_virtual_stages)
+        ]  # fmt: skip
+        layouts.extend(found)
+        if not found:
+            excluded.append(
+                (name, _nothing_left(patterns, deg, local, ms, recompute, accumulate_steps,
+                                     num_virtual_stages))
+            )  # fmt: skip
     return layouts, excluded
+
+
+def _recompute_options(
+    patterns: ModelPatterns, recompute: bool | str | None, wide: bool
+) -> list[bool | str]:
+    """The recompute settings to try: the one forced, else off and whole blocks, and
+    selective in the wide search (for a model with blocks)."""
+    if recompute is not None:
+        return [SELECTIVE if recompute == SELECTIVE else bool(recompute)]
+    return [False, True, SELECTIVE] if wide and patterns.blocks else [False, True]
+
+
+def _variants(
+    patterns: ModelPatterns,
+    deg: Mapping[str, int],
+    stage: int,
+    sched: str | None,
+    m: int,
+    rc: bool | str,
+    local: int,
+    accumulate: dict,
+    forced_v: int | None,
+) -> list[Layout]:
+    """The layouts of one mesh, ZeRO stage, schedule, ``M`` and recompute setting: every
+    virtual-stage and accumulation count to try (none for selective with a pipeline)."""
+    if rc == SELECTIVE and deg[PP] > 1:
+        return []  # the pipelined stand-in recomputes whole stages
+    wide = accumulate["wide"]
+    return [
+        Layout(
+            **deg,
+            zero_stage=stage,
+            schedule=sched,
+            num_microbatches=m,
+            recompute=rc is True,
+            selective_recompute=rc == SELECTIVE,
+            num_virtual_stages=v,
+            accumulate_steps=a,
+        )
+        for v in _virtual_options(patterns, sched, deg[PP], m, forced_v, wide)
+        for a in _accumulations(local // m, piped=deg[PP] > 1, **accumulate)
+    ]
+
+
+def _nothing_left(
+    patterns: ModelPatterns,
+    deg: Mapping[str, int],
+    local: int,
+    ms: list[int],
+    recompute: bool | str | None,
+    accumulate_steps: int | None,
+    num_virtual_stages: int | None,
+) -> str:
+    """Why a mesh the shapes allow got no layout: the forced settings it cannot take."""
+    if recompute == SELECTIVE and deg[PP] > 1:
+        return (
+            f"selective recompute runs without a pipeline (pp={deg[PP]}: the pipelined "
+            "stand-in recomputes whole stages)"
+        )
+    if accumulate_steps is not None and all(local // m % accumulate_steps for m in ms):
+        per = " per pipeline micro-batch" if deg[PP] > 1 else ""
+        return (
+            f"accumulate_steps={accumulate_steps} does not divide the {local // ms[0]} "
+            f"sequences per data-parallel replica{per}"
+        )
+    return _no_interleaving(patterns, deg[PP], ms, num_virtual_stages)

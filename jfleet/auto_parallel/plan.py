@@ -373,6 +373,8 @@ class Plan:
                 else " | no pipeline"
             )
             + (" | recompute" if self.recompute else "")
+            + (" | selective recompute" if lay.selective_recompute else "")
+            + (f" | accumulate {lay.accumulate_steps}" if lay.accumulate_steps > 1 else "")
             + (" | sequence parallel" if self.sequence_parallel else ""),
             f"predicted per device: {_mib(mem.total)} (params {_mib(mem.params)}, optimizer "
             f"{_mib(mem.optimizer)}, grads {_mib(mem.grads)}, activations "

@@ -31,6 +31,7 @@ from jfleet.auto_parallel.cost_model import Candidate, estimate, rank
 from jfleet.auto_parallel.layouts import (
     OPTIMIZER_MOMENTS,
     SCHEDULES,
+    SELECTIVE,
     Layout,
     Workload,
     enumerate_layouts,
@@ -44,7 +45,7 @@ from jfleet.mesh.topology import AXIS_NAMES, MP, PP, SEP
 from jfleet.parallel.virtual_stages import check_chunks_agree
 from jfleet.runtime.log import logger
 
-__all__ = ["plan_for"]
+__all__ = ["plan_for", "recompute_setting"]
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -219,6 +220,33 @@ def _checked_force(
     return forced
 
 
+#: Names of the recompute settings (Megatron's ``recompute_granularity`` and Paddle's).
+_RECOMPUTE_NAMES = {"full": True, SELECTIVE: SELECTIVE, "core_attn": SELECTIVE}
+
+
+def recompute_setting(value: Any) -> bool | str | None:
+    """``recompute`` as the search takes it: None, True (whole blocks), False, or
+    ``"selective"`` (also Paddle's ``"core_attn"``); ``"full"`` is True.
+
+    >>> recompute_setting("core_attn"), recompute_setting("full"), recompute_setting(None)
+    ('selective', True, None)
+    """
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value in _RECOMPUTE_NAMES:
+        return _RECOMPUTE_NAMES[value]
+    raise ValueError(
+        f"recompute={value!r} is not a recompute setting; use True / 'full' (whole blocks), "
+        f"'selective' / 'core_attn' (the attention core and elementwise work), False, or None "
+        "(compared by the cost model)."
+    )
+
+
+def _accumulate_steps(value: Any) -> int | None:
+    """A forced gradient-accumulation count, checked (None: compared)."""
+    return None if value is None else _positive_int("accumulate_steps", value)
+
+
 def _profile_budget(
     profile: str | HardwareProfile | None, memory_budget: float | None
 ) -> tuple[HardwareProfile, float]:
@@ -331,6 +359,42 @@ def _choose(
     ]
 
 
+def _ranked_search(
+    patterns: ModelPatterns,
+    workload: Workload,
+    prof: HardwareProfile,
+    budget: float,
+    scan: bool,
+    where: dict[str, Any],
+    search: dict[str, Any],
+) -> tuple[list[Candidate], list[tuple[str, str]]]:
+    """The candidates of ``search`` predicted and ranked (dominated ones pruned in the wide
+    search), and the meshes excluded. When none fits a narrow search that was not told an
+    accumulation count, the search is run again with gradient accumulation offered (the
+    local batch in smaller calls)."""
+
+    def ranked_in(search: dict[str, Any]) -> tuple[list[Candidate], list]:
+        layouts, excluded = _candidate_layouts(patterns, workload, **where, search=search)
+        candidates = [
+            estimate(
+                patterns,
+                workload,
+                lay,
+                prof,
+                devices_per_node=where["device_num"],
+                scan_layers=scan,
+            )
+            for lay in layouts
+        ]
+        candidates = prune_dominated(candidates) if search["wide"] else candidates
+        return rank(candidates, budget), excluded
+
+    ranked, excluded = ranked_in(search)
+    if not ranked[0].fits and not search["wide"] and search["accumulate_steps"] is None:
+        ranked, excluded = ranked_in({**search, "accumulation": True})
+    return ranked, excluded
+
+
 def plan_for(
     model: nnx.Module,
     *,
@@ -346,13 +410,14 @@ def plan_for(
     zero_stage: int | None = None,
     sequence_parallel: bool = False,
     optimizer: str = "adam",
-    recompute: bool | None = None,
+    recompute: bool | str | None = None,
     dtype: str | None = None,
     pipeline: bool | str = True,
     patterns: ModelPatterns | None = None,
     scan_layers: bool = True,
     num_virtual_stages: int | None = None,
     wide_search: bool = False,
+    accumulate_steps: int | None = None,
 ) -> Plan:
     """Chooses the fastest layout of ``model`` that fits, by the cost model.
 
@@ -371,16 +436,19 @@ def plan_for(
       zero_stage: ZeRO stage (0 forbids a sharding axis); default: compared.
       sequence_parallel: Megatron sequence parallelism over ``mp``, and ``sep`` candidates.
       optimizer: the state's kind (``adam``, ``momentum``, ``sgd``, ...); recompute: on
-        or off; default: compared.
+        (True: whole blocks), off, or ``"selective"`` (each block's attention core and
+        elementwise work; no pipeline); default: compared (selective in the wide search).
       dtype: compute dtype; default the model's parameter dtype.
       pipeline: whether layouts with ``pp > 1`` may be chosen: True, or False / the reason
         they may not (from :func:`~jfleet.auto_parallel.block_check.pipeline_problem`).
       scan_layers: alike blocks run as one ``lax.scan`` when not pipelined (predicted so).
       patterns: ``match_patterns(model)``, when the caller has it; default: matched here.
       num_virtual_stages: chunks per stage of ``"VPP"`` layouts (2 or more); default 2.
-      wide_search: every ``M``, ``v`` and gradient accumulation (``enumerate_layouts``'s
-        ``wide``), dominated layouts pruned; for planning offline (it plans layouts
-        ``to_distributed`` does not run yet: accumulation).
+      wide_search: every ``M``, ``v``, gradient accumulation and selective recompute
+        (``enumerate_layouts``'s ``wide``), dominated layouts pruned.
+      accumulate_steps: gradient-accumulation calls per step (``Layout.accumulate_steps``);
+        default: 1 in the narrow search unless no layout fits without accumulating (then
+        every count is compared), compared in the wide one.
 
     Returns: The :class:`Plan`.
 
@@ -406,25 +474,13 @@ def plan_for(
     _report_patterns(patterns, name, forced, force_mesh)
     why_not_piped = _why_not_piped(pipeline, forced, force_mesh)
     search = dict(schedule=schedule, num_microbatches=num_microbatches, zero_stage=zero_stage)
-    search.update(recompute=recompute, num_virtual_stages=num_virtual_stages, wide=wide_search)
-    layouts, excluded = _candidate_layouts(
-        patterns,
-        workload,
-        device_num=device_num,
-        node_num=node_num,
-        forced=forced,
-        force_mesh=force_mesh,
-        why_not_piped=why_not_piped,
-        name=name,
-        search=search,
-    )
+    search.update(recompute=recompute_setting(recompute), num_virtual_stages=num_virtual_stages)
+    search.update(wide=wide_search, accumulate_steps=_accumulate_steps(accumulate_steps))
+    where = dict(device_num=device_num, node_num=node_num, forced=forced, force_mesh=force_mesh)
+    where.update(why_not_piped=why_not_piped, name=name)
     scan = scan_layers and why_not_piped is None  # a stack that cannot pipeline is not scanned
-    candidates = [
-        estimate(patterns, workload, lay, prof, devices_per_node=device_num, scan_layers=scan)
-        for lay in layouts
-    ]
-    candidates = prune_dominated(candidates) if wide_search else candidates
-    ranked = _choose(rank(candidates, budget), budget, forced, force_mesh)
+    ranked, excluded = _ranked_search(patterns, workload, prof, budget, scan, where, search)
+    ranked = _choose(ranked, budget, forced, force_mesh)
     return _build_plan(
         patterns, workload, ranked, excluded, prof, budget, device_num, node_num, name
     )

@@ -66,6 +66,9 @@ class ScannedBlocks(nnx.Module):
       period: ``p``, the blocks per stacked unit (1: every block alike).
       recompute: recompute each block in the backward pass (inside the scan); False
         keeps each block's matmul outputs (``dots_saveable``).
+      selective: (without ``recompute``) keep only each block's weight-matmul outputs and
+        recompute its attention core and elementwise work (selective recompute,
+        ``dots_with_no_batch_dims_saveable``).
       mesh: the mesh of the sequence-parallel constraint, or None.
       seq_axes: mesh axes the sequence dimension is split over between blocks, or None.
 
@@ -87,6 +90,7 @@ class ScannedBlocks(nnx.Module):
         recompute: bool = False,
         mesh: Mesh | None = None,
         seq_axes: tuple[str, ...] | None = None,
+        selective: bool = False,
     ) -> None:
         blocks = list(blocks)
         if not blocks:
@@ -103,6 +107,7 @@ class ScannedBlocks(nnx.Module):
         name = f"scanned {type(blocks[0]).__name__}"
         self.body = stack.stack_layers(blocks, 1, name, period=period)
         self.recompute = bool(recompute)
+        self.selective = bool(selective)
         self.mesh = mesh
         self.seq_axes = None if seq_axes is None else tuple(seq_axes)
 
@@ -132,8 +137,17 @@ class ScannedBlocks(nnx.Module):
             kwargs,
             remat_interval=1,
             after=after,
-            remat_policy=None if self.recompute else jax.checkpoint_policies.dots_saveable,
+            remat_policy=self._policy(),
         )
+
+    def _policy(self) -> Any:
+        """What each scanned block keeps for the backward pass: nothing (recompute), its
+        weight-matmul outputs (selective recompute), or every matmul output."""
+        if self.recompute:
+            return None
+        if self.selective:
+            return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        return jax.checkpoint_policies.dots_saveable
 
 
 def scan_blocks(
@@ -144,6 +158,7 @@ def scan_blocks(
     recompute: bool = False,
     mesh: Mesh | None = None,
     seq_axes: tuple[str, ...] | None = None,
+    selective: bool = False,
 ) -> ScannedBlocks:
     """Replaces the list at ``container`` (a dotted path) by a :class:`ScannedBlocks`.
 
@@ -163,7 +178,12 @@ def scan_blocks(
     """
     blocks = list(module_at(model, container))
     stand_in = ScannedBlocks(
-        blocks, period=period, recompute=recompute, mesh=mesh, seq_axes=seq_axes
+        blocks,
+        period=period,
+        recompute=recompute,
+        mesh=mesh,
+        seq_axes=seq_axes,
+        selective=selective,
     )
     parent, _, name = container.rpartition(".")
     setattr(module_at(model, parent), name, stand_in)

@@ -69,6 +69,9 @@ class StepShape:
         scores (:func:`~jfleet.auto_parallel.attention_trace.scores_materialised`).
       piped, staged, scanned, rows_over_pp, remat_waits, recompute: the program run
         (see the cost model's docstring).
+      selective: selective recompute (:attr:`~jfleet.auto_parallel.layouts.Layout.
+        selective_recompute`); selective_waits: its recomputation waits for the backward
+        pass (scanned blocks, or a compiler that keeps ``jax.checkpoint``'s barriers).
       v: chunks per stage; chunk_blocks: blocks per chunk.
       vocab: the vocabulary the head's logits span (0 without a head).
     """
@@ -103,6 +106,8 @@ class StepShape:
     rows_over_pp: bool
     remat_waits: bool
     recompute: bool
+    selective: bool
+    selective_waits: bool
     v: int
     chunk_blocks: float
     vocab: int
@@ -282,6 +287,8 @@ def step_shape(
         rows_over_pp=rows_over_pp,
         remat_waits=layout.recompute and (piped or scanned or profile.remat_barriers_kept),
         recompute=layout.recompute or staged,
+        selective=layout.selective_recompute,
+        selective_waits=layout.selective_recompute and (scanned or profile.remat_barriers_kept),
         v=layout.num_virtual_stages,
         chunk_blocks=stage_blocks / layout.num_virtual_stages,
         vocab=patterns.dims.vocab if patterns.tied_head is not None else 0,

@@ -38,6 +38,7 @@ __all__ = [
     "MLP_ELEMS",
     "NORM_ELEMS",
     "OUTSIDE_H_ELEMS",
+    "attention_core_flops",
     "kv_groups",
     "layers_and_norms",
     "split_degrees",
@@ -192,3 +193,33 @@ def step_flops(
         fwd_blocks += fused
         step_blocks += 3 * fused
     return fwd_blocks, step_blocks, step_outside
+
+
+def attention_core_flops(
+    patterns: ModelPatterns,
+    workload: Workload,
+    layout: Layout,
+    specs: Mapping[str, P] | None = None,
+) -> float:
+    """Per-device forward FLOPs of the blocks' attention cores (scores and values, no
+    weights): what selective recompute runs again in the backward pass (all blocks; the
+    caller divides by ``pp``).
+
+    >>> from jfleet.auto_parallel.patterns import match_patterns
+    >>> from jfleet.models.llama import TinyLlama
+    >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, layers=2),
+    ...                        np.zeros((2, 8), np.int32))
+    >>> attention_core_flops(found, Workload(batch_size=8, seq_len=8), Layout(dp=8))
+    16384.0
+    """
+    data = layout.data_degree * layout.sep
+    split = split_set(patterns, layout.mp, specs)
+    batch, seq = patterns.traced_tokens or (1, 1)
+    scale = workload.tokens / (batch * seq) * workload.seq_len / seq / data
+    out = sum(
+        d.flops * scale / (layout.mp if d.splits & split else 1)
+        for d in patterns.dots
+        if d.attention and d.block is not None
+    )
+    fused = fused_attention_flops(patterns, workload.tokens / data, workload.seq_len)
+    return out + fused / split_degrees(patterns, layout.mp, specs)[0]

@@ -234,7 +234,7 @@ def to_distributed(
         )
     plan = _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len, first)
     _check_batch(plan, batch_size)  # a given plan may be for another batch
-    strategy = _strategy(config.strategy)
+    strategy = _strategy(config.strategy, plan)
     placement = _init_fleet(plan, strategy, device_num * node_num)
     apply_distributed_settings(model, strategy, placement)
     per_sample = config.per_sample_args
@@ -248,11 +248,28 @@ def to_distributed(
     dist.init(model, placement)
     _PLANS[model] = plan
     logger.info("to_distributed: %s", plan.layout.name)
-    loader = ShardedLoader(dataloader, placement, first, global_batches=config.global_batches)
+    loader = _loader(dataloader, placement, first, config, plan)
     return model, dist, loader
 
 
 # ------------------------------------------------------------------ steps
+def _loader(
+    dataloader: Iterable[Any],
+    placement: Placement,
+    first: Any,
+    config: ToDistributedConfig,
+    plan: Plan,
+) -> ShardedLoader:
+    """The loader, sharded for the plan; each batch in ``accumulate_steps`` calls."""
+    return ShardedLoader(
+        dataloader,
+        placement,
+        first,
+        global_batches=config.global_batches,
+        accumulate_steps=plan.layout.accumulate_steps,
+    )
+
+
 def _transform(optimizer: Any) -> tuple[optax.GradientTransformation, Any]:
     if isinstance(optimizer, DistributedOptimizer):
         return optimizer.inner_tx, optimizer.wrt
@@ -349,16 +366,52 @@ def _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len
         pipeline=_pipeline_problem(model, patterns, inputs, forward),
         scan_layers=config.scan_layers,
         dtype=_amp_dtype(config.strategy),
+        wide_search=config.wide_search,
+        accumulate_steps=_search_accumulation(config),
     )
     if patterns.input_kind == "tokens":
         return plan
     return dataclasses.replace(plan, workload=patterns.workload(batch_size, seq_len))
 
 
+def _user_strategy(user: DistributedStrategy | None) -> DistributedStrategy | None:
+    """The strategy given, else an earlier ``fleet.init``'s (None: neither)."""
+    run = _context.current()
+    return user if user is not None or run is None else run.strategy
+
+
+def _search_accumulation(config: ToDistributedConfig) -> int | None:
+    """The accumulation the search may use: the config's; 1 when the user's strategy
+    merges gradients itself (its merge already spans whole loader batches)."""
+    strategy = _user_strategy(config.strategy)
+    if strategy is None or not strategy.gradient_merge:
+        return config.accumulate_steps
+    if config.accumulate_steps not in (None, 1):
+        raise ValueError(
+            f"config.accumulate_steps={config.accumulate_steps} while the strategy given to "
+            "fleet.init has gradient_merge on; drop one of the two."
+        )
+    return 1
+
+
+def _set_accumulation(strategy: DistributedStrategy, plan: Plan) -> None:
+    """Turns the strategy's gradient merge on for a plan that accumulates ``k`` calls."""
+    k = plan.layout.accumulate_steps
+    if k == 1:
+        return
+    if strategy.gradient_merge:
+        raise ValueError(
+            f"plan {plan.layout.name} accumulates {k} calls through gradient merge, but the "
+            "strategy already has gradient_merge on; pass a strategy without it (the plan "
+            "sets k_steps) or a plan without accumulation."
+        )
+    strategy.gradient_merge = True
+    strategy.gradient_merge_configs = {"k_steps": k, "avg": True}
+
+
 def _amp_dtype(user: DistributedStrategy | None) -> str | None:
     """The strategy's AMP compute dtype, planned at its rates (None: the model's dtype)."""
-    run = _context.current()
-    strategy = user if user is not None or run is None else run.strategy
+    strategy = _user_strategy(user)
     settings = amp_settings(strategy) if strategy is not None else None
     return settings.dtype if settings is not None else None
 
@@ -471,6 +524,9 @@ def _check_batch(plan: Plan, batch_size: int) -> None:
     if degrees[PP] > 1 and plan.num_microbatches > 1:
         parts.append(("pipeline micro-batches", plan.num_microbatches))
         label += " x pipeline micro-batches"
+    if plan.layout.accumulate_steps > 1:
+        parts.append(("gradient-accumulation steps", plan.layout.accumulate_steps))
+        label += " x gradient-accumulation steps"
     check_divides(
         f"the loader's batch size is {batch_size}",
         batch_size,
@@ -481,8 +537,16 @@ def _check_batch(plan: Plan, batch_size: int) -> None:
     )
 
 
-def _strategy(user: DistributedStrategy | None) -> DistributedStrategy:
-    """The user's strategy (or an earlier ``fleet.init``'s), copied for the plan's degrees."""
+def _strategy(user: DistributedStrategy | None, plan: Plan) -> DistributedStrategy:
+    """The user's strategy (or an earlier ``fleet.init``'s), copied for the plan's degrees,
+    with gradient merge on for a plan that accumulates."""
+    strategy = _users_strategy(user)
+    _set_accumulation(strategy, plan)
+    return strategy
+
+
+def _users_strategy(user: DistributedStrategy | None) -> DistributedStrategy:
+    """The user's strategy (or an earlier ``fleet.init``'s), copied."""
     run = _context.current()
     if user is None and run is not None:
         user = run.strategy

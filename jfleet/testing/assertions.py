@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jfleet import fleet
-from jfleet.auto_parallel.to_distributed import ToDistributedConfig, to_distributed
+from jfleet.auto_parallel.to_distributed import ToDistributedConfig, get_plan, to_distributed
 from jfleet.testing import hlo
 from jfleet.testing.devices import require_devices
 from jfleet.testing.reference import train_one_device
@@ -92,6 +92,10 @@ def _train_distributed(
         )
         step = make_train_step(loss_fn)
         losses = [float(step(model, opt, batch)) for batch in loader]
+        # gradient accumulation: k calls on equal slices per batch; their mean loss is
+        # the batch's (the loss a mean over equal slices)
+        k = get_plan(model).layout.accumulate_steps
+        losses = [float(np.mean(losses[i : i + k])) for i in range(0, len(losses), k)]
         return losses, _params(model), initial
     if isinstance(layout, DistributedStrategy):
         fleet.init(is_collective=True, strategy=layout, log_level="WARNING")

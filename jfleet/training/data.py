@@ -57,16 +57,21 @@ class ShardedLoader:
         yielded first, so no batch is lost.
       global_batches: the loader yields global batches in every process (each process
         keeps its rows); default False: each process's loader yields its own part.
+      accumulate_steps: yield each batch as this many consecutive equal slices of its rows
+        (of the global batch with ``global_batches``), one call of a training step whose
+        optimizer merges that many calls' gradients (gradient accumulation,
+        ``jfleet.optim.gradient_merge``); default 1: the batch whole.
 
     Attributes:
       loader: the wrapped loader.
       placement: the :class:`~jfleet.placement.Placement` whose data axes split the batch.
       global_batches: whether every process's loader yields the global batch.
+      accumulate_steps: slices each batch is yielded as.
 
     Raises:
       TypeError: ``placement`` is not a ``Placement``.
-      ValueError: (while iterating) a batch whose size the data-parallel size does not
-        divide.
+      ValueError: ``accumulate_steps`` not an int >= 1; (while iterating) a batch whose
+        size the data-parallel size (x ``accumulate_steps``) does not divide.
 
     Example:
       >>> import numpy as np
@@ -76,6 +81,10 @@ class ShardedLoader:
       >>> loader = ShardedLoader([{"x": np.ones((16, 4))}] * 2, Placement.from_fleet())
       >>> [batch["x"].shape for batch in loader]
       [(16, 4), (16, 4)]
+      >>> halves = ShardedLoader([{"x": np.ones((16, 4))}], Placement.from_fleet(),
+      ...                        accumulate_steps=2)
+      >>> [batch["x"].shape for batch in halves], len(halves)
+      ([(8, 4), (8, 4)], 2)
     """
 
     def __init__(
@@ -85,6 +94,7 @@ class ShardedLoader:
         first: Any = None,
         *,
         global_batches: bool = False,
+        accumulate_steps: int = 1,
     ) -> None:
         if not isinstance(placement, Placement):
             raise TypeError(
@@ -94,12 +104,20 @@ class ShardedLoader:
             )
         if not isinstance(global_batches, bool):
             raise TypeError(f"global_batches={global_batches!r} must be a bool.")
+        k = accumulate_steps
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(
+                f"accumulate_steps={k!r} must be an int >= 1 (calls each batch is split into)."
+            )
         self.loader = loader
         self.placement = placement
         self.global_batches = global_batches
+        self.accumulate_steps = k
         self._first = first
         self._position = 0
         self._skip = 0
+        self._slice = 0  # slices of the current batch yielded (accumulation)
+        self._skip_slices = 0
 
     def __iter__(self) -> Iterator[Any]:
         source = iter(self.loader)
@@ -107,13 +125,19 @@ class ShardedLoader:
             first, self._first = self._first, None
             source = source if first is None else itertools.chain([first], source)
         skip, self._skip = self._skip, 0
+        skip_slices, self._skip_slices = self._skip_slices, 0
         self._position = skip
         source = itertools.islice(source, skip, None)  # resuming: the batches already seen
         for batch in source:
-            self._position += 1
-            if self.global_batches:
-                batch = local_rows(batch, self.placement)
-            yield self.placement.shard_batch(batch)
+            parts = _slices(batch, self.accumulate_steps)
+            for j in range(skip_slices, len(parts)):
+                self._slice = (j + 1) % len(parts)
+                self._position += self._slice == 0  # the batch's last slice: it is done
+                part = parts[j]
+                if self.global_batches:
+                    part = local_rows(part, self.placement)
+                yield self.placement.shard_batch(part)
+            skip_slices = 0
 
     def state(self) -> dict[str, int]:
         """The data position: ``{"batches": n}``, the batches of this pass already yielded.
@@ -128,6 +152,8 @@ class ShardedLoader:
           >>> loader.restore({"batches": 2}); int(np.asarray(next(iter(loader)))[0, 0])
           2
         """
+        if self._slice:  # inside an accumulation: the slices of this batch already yielded
+            return {"batches": self._position, "slices": self._slice}
         return {"batches": self._position}
 
     def restore(self, state: dict[str, int]) -> None:
@@ -138,10 +164,39 @@ class ShardedLoader:
                 f"ShardedLoader.restore(state={state!r}): expected {{'batches': n}} with an "
                 "int n >= 0, as ShardedLoader.state() returns."
             )
+        slices = state.get("slices", 0)
+        if not isinstance(slices, int) or not 0 <= slices < self.accumulate_steps:
+            raise ValueError(
+                f"ShardedLoader.restore(state={state!r}): 'slices' must be an int in [0, "
+                f"{self.accumulate_steps}) for accumulate_steps={self.accumulate_steps}."
+            )
         self._skip = self._position = batches
+        self._skip_slices = self._slice = slices
 
     def __len__(self) -> int:
-        return len(self.loader)  # TypeError for loaders without a length, as for the original
+        # TypeError for loaders without a length, as for the original
+        return len(self.loader) * self.accumulate_steps
+
+
+def _slices(batch: Any, k: int) -> list[Any]:
+    """``batch`` as ``k`` consecutive equal slices of its rows (0-d leaves in each whole).
+
+    >>> [s["x"].tolist() for s in _slices({"x": np.arange(4)}, 2)]
+    [[0, 1], [2, 3]]
+    """
+    if k == 1:
+        return [batch]
+    sizes = {np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x)}
+    if len(sizes) != 1 or next(iter(sizes)) % k:
+        raise ValueError(
+            f"a batch with leading dimensions {sorted(sizes)} cannot be split into "
+            f"accumulate_steps={k} equal slices; yield batches whose rows are a multiple of {k}."
+        )
+    rows = next(iter(sizes)) // k
+    return [
+        jax.tree.map(lambda x, j=j: x[j * rows : (j + 1) * rows] if np.ndim(x) else x, batch)
+        for j in range(k)
+    ]
 
 
 def peek(loader: Iterable[Any]) -> Any:

@@ -1,0 +1,189 @@
+"""to_distributed runs the planner's gradient accumulation and selective recompute.
+
+Accumulation (``Layout.accumulate_steps``): the loader yields each batch as ``k`` slices
+and the strategy's gradient merge makes one update of them, so 10 Adam updates equal one
+device's on the whole batches. Selective recompute (``recompute="selective"``): each
+block keeps its weight-matmul outputs and recomputes the rest; values and gradients are
+those of no recompute.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jfleet import DistributedStrategy, fleet, make_train_step
+from jfleet.auto_parallel import ToDistributedConfig, get_plan, match_patterns, plan_for
+from jfleet.auto_parallel.layouts import Workload, enumerate_layouts
+from jfleet.auto_parallel.scanned_blocks import ScannedBlocks
+from jfleet.auto_parallel.to_distributed import to_distributed
+from jfleet.models import lm_batches, lm_loss
+from jfleet.models.llama import TinyLlama
+from jfleet.testing import assert_trains_like_one_device
+
+STEPS = 10
+
+
+def llama() -> TinyLlama:
+    return TinyLlama(vocab=64, width=32, heads=8, kv_heads=4, layers=2)
+
+
+@pytest.mark.parametrize(
+    ("mesh", "zero", "k"),
+    [({"dp": 2, "mp": 4}, None, 2), ({"dp": 2, "sharding": 2, "mp": 2}, 2, 4)],
+    ids=["dp2-mp4-accumulate2", "zero2-dp2-sharding2-mp2-accumulate4"],
+)
+def test_an_accumulating_plan_trains_like_one_device(mesh, zero, k):
+    """10 Adam updates, each of k calls on a slice of the batch, against one device on
+    the whole batches (fp32: losses and parameters within 1e-5 (1 + log2 8))."""
+    config = ToDistributedConfig(force_mesh=mesh, zero_stage=zero, accumulate_steps=k)
+    assert_trains_like_one_device(
+        llama, optax.adam(1e-2), lm_batches(STEPS), loss_fn=lm_loss, layout=config
+    )
+    plan = get_plan_of_last_run(config)
+    assert plan.layout.accumulate_steps == k
+    assert f"accumulate {k}" in plan.layout.name and f"| accumulate {k}" in str(plan)
+
+
+def get_plan_of_last_run(config: ToDistributedConfig):
+    """The plan of a fresh run with ``config`` (planning is deterministic)."""
+    fleet._fleet._reset()
+    model, _, _ = to_distributed(llama(), optax.adam(1e-2), lm_batches(1), config=config)
+    return get_plan(model)
+
+
+def test_the_loader_yields_k_slices_and_the_optimizer_merges_them():
+    config = ToDistributedConfig(force_mesh={"dp": 8}, accumulate_steps=2)
+    batches = lm_batches(2)
+    model, opt, loader = to_distributed(llama(), optax.sgd(0.1), batches, config=config)
+    calls = list(loader)
+    got = [np.asarray(b["tokens"]) for b in calls]
+    assert len(loader) == 4 and [g.shape for g in got] == [(8, 8)] * 4
+    np.testing.assert_array_equal(np.concatenate(got[:2]), batches[0]["tokens"])
+    params = lambda: jax.tree.leaves(jax.tree.map(np.asarray, nnx.state(model, nnx.Param)))  # noqa: E731
+    before = params()
+    step = make_train_step(lm_loss)
+    step(model, opt, calls[0])  # one call of two: no update yet
+    assert all(np.array_equal(a, b) for a, b in zip(before, params(), strict=True))
+    step(model, opt, calls[1])  # the second: one update on both slices' gradients
+    assert not all(np.array_equal(a, b) for a, b in zip(before, params(), strict=True))
+
+
+def test_the_loader_state_names_the_slices_of_an_unfinished_batch():
+    config = ToDistributedConfig(force_mesh={"dp": 8}, accumulate_steps=2)
+    _, _, loader = to_distributed(llama(), optax.sgd(0.1), lm_batches(3), config=config)
+    it = iter(loader)
+    next(it)
+    assert loader.state() == {"batches": 0, "slices": 1}
+    next(it)
+    assert loader.state() == {"batches": 1}
+    loader.restore({"batches": 1, "slices": 1})
+    rest = [np.asarray(b["tokens"]) for b in loader]
+    np.testing.assert_array_equal(np.concatenate(rest), lm_batches(3)[1]["tokens"][8:].tolist()
+                                  + lm_batches(3)[2]["tokens"].tolist())  # fmt: skip
+
+
+def test_accumulation_is_chosen_when_nothing_fits_without_it():
+    """The narrow search offers accumulation only when no layout fits the budget."""
+    model = llama()
+    args = dict(device_num=8, batch_size=64, seq_len=64, force_mesh={"dp": 8})
+    plain = plan_for(model, **args)
+    assert plain.layout.accumulate_steps == 1
+    tight = plain.chosen.memory.total - plain.chosen.memory.activations // 3
+    plan = plan_for(model, **args, memory_budget=tight, recompute=False)
+    assert plan.layout.accumulate_steps > 1 and plan.chosen.fits
+    assert plan.chosen.memory.total <= tight < plain.chosen.memory.total
+
+
+def test_accumulation_errors_name_the_value_and_the_fix():
+    strategy = DistributedStrategy()
+    strategy.gradient_merge = True
+    config = ToDistributedConfig(force_mesh={"dp": 8}, accumulate_steps=2, strategy=strategy)
+    with pytest.raises(ValueError, match="accumulate_steps=2 with a strategy whose"):
+        to_distributed(llama(), optax.sgd(0.1), lm_batches(1), config=config)
+    config = ToDistributedConfig(force_mesh={"dp": 8}, accumulate_steps=3)
+    with pytest.raises(ValueError, match="accumulate_steps=3 does not divide the 2 sequences"):
+        to_distributed(llama(), optax.sgd(0.1), lm_batches(1), config=config)
+
+
+def test_a_user_gradient_merge_keeps_the_search_from_accumulating():
+    strategy = DistributedStrategy()
+    strategy.gradient_merge = True
+    strategy.gradient_merge_configs = {"k_steps": 2}
+    config = ToDistributedConfig(wide_search=True, strategy=strategy, memory_budget=2**40)
+    model, _, loader = to_distributed(llama(), optax.sgd(0.1), lm_batches(1), config=config)
+    assert get_plan(model).layout.accumulate_steps == 1 and len(loader) == 1
+
+
+# ------------------------------------------------------------------ selective recompute
+def test_selective_recompute_trains_like_one_device():
+    config = ToDistributedConfig(force_mesh={"dp": 2, "mp": 4}, recompute="selective")
+    assert_trains_like_one_device(
+        llama, optax.adam(1e-2), lm_batches(STEPS), loss_fn=lm_loss, layout=config
+    )
+    plan = get_plan_of_last_run(config)
+    assert plan.layout.selective_recompute and not plan.recompute
+    assert "selective recompute" in str(plan)
+
+
+@pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
+def test_selective_recompute_gives_the_values_and_gradients_of_none(scan):
+    """The same blocks with and without selective recompute: loss and every gradient
+    equal; the selective program saves no product of two activations (the attention
+    core) for the backward pass, the one without recompute does."""
+    batch = lm_batches(1)[0]
+
+    def run(recompute):
+        fleet._fleet._reset()
+        config = ToDistributedConfig(force_mesh={"dp": 8}, recompute=recompute, scan_layers=scan)
+        model, _, loader = to_distributed(llama(), optax.sgd(0.1), [batch], config=config)
+        assert isinstance(model.layers, ScannedBlocks) == scan
+        b = next(iter(loader))
+        loss, grads = nnx.value_and_grad(lm_loss)(model, b)
+        return float(loss), jax.tree.map(np.asarray, nnx.to_pure_dict(grads)), model, b
+
+    want_loss, want, _, _ = run(False)
+    got_loss, got, model, b = run("selective")
+    assert got_loss == pytest.approx(want_loss, rel=1e-6)
+    flat_want, flat_got = jax.tree.leaves(want), jax.tree.leaves(got)
+    assert len(flat_got) == len(flat_want)
+    for g, w in zip(flat_got, flat_want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    program = str(jax.make_jaxpr(lambda m, b: nnx.grad(lm_loss)(m, b))(model, b))
+    assert "dots_with_no_batch_dims_saveable" in program or "remat" in program
+
+
+def test_the_wide_search_offers_selective_recompute_without_a_pipeline_only():
+    found = match_patterns(llama())
+    work = Workload(batch_size=16, seq_len=8)
+    narrow, _ = enumerate_layouts(found, work, device_num=8)
+    wide, _ = enumerate_layouts(found, work, device_num=8, wide=True)
+    assert not any(lay.selective_recompute for lay in narrow)
+    selective = [lay for lay in wide if lay.selective_recompute]
+    assert selective and all(lay.pp == 1 and not lay.recompute for lay in selective)
+    forced, excluded = enumerate_layouts(
+        found, work, device_num=8, recompute="selective", force_mesh={"dp": 4, "pp": 2}
+    )
+    assert forced == [] and "selective recompute runs without a pipeline" in excluded[0][1]
+
+
+def test_selective_recompute_is_predicted_between_none_and_full():
+    """Memory: selective below no recompute (scanned blocks, seq 256: the s x s scores
+    dominate what no recompute keeps); time: none < selective < full (the attention
+    core's FLOPs again, vs the whole forward)."""
+    from jfleet.auto_parallel.cost_model import estimate
+    from jfleet.auto_parallel.layouts import Layout
+
+    found = match_patterns(llama(), jnp.zeros((2, 8), jnp.int32))
+    work = Workload(batch_size=16, seq_len=256)
+    none, sel, full = (
+        estimate(found, work, Layout(dp=8, **kw), "h100", devices_per_node=8)
+        for kw in ({}, {"selective_recompute": True}, {"recompute": True})
+    )
+    assert none.memory.activations > sel.memory.activations
+    assert none.time.compute < sel.time.compute < full.time.compute
+    assert none.flops < sel.flops < full.flops
