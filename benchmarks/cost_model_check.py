@@ -63,9 +63,6 @@ from flax import nnx
 from benchmarks.results_file import environment, write_section
 from jfleet import make_train_step
 from jfleet.auto_parallel import Plan, ToDistributedConfig, get_plan, to_distributed
-from jfleet.auto_parallel.cost_model import estimate
-from jfleet.auto_parallel.layouts import Workload as LayoutWorkload
-from jfleet.auto_parallel.patterns import match_patterns
 from jfleet.models import lm_batches, lm_loss
 from jfleet.models.llama import TinyLlama
 from jfleet.parallel.schedule_ticks import taken_branches
@@ -131,10 +128,11 @@ LAYOUTS: tuple[tuple[dict[str, int], int, int | None], ...] = (
 
 #: ``(mesh degrees, ZeRO stage, micro-batches, schedule, recompute)`` checked beside
 #: :data:`LAYOUTS`: the stand-in's 1F1B (stage inputs stashed, the stage recomputed in
-#: its backward loop), its VPP (1F1B over 2 interleaved chunks a stage) and recompute
+#: its backward loop), its VPP (1F1B over 2 interleaved chunks a stage), recompute
 #: without a pipeline (scanned blocks at dp8; ZeRO-3 keeps its blocks unrolled, where
-#: XLA:CPU recomputes with the forward pass).
-SCHEDULE_LAYOUTS: tuple[tuple[dict[str, int], int, int | None, str | None, bool], ...] = (
+#: XLA:CPU recomputes with the forward pass) and selective recompute (scanned blocks
+#: keeping their weight-matmul outputs).
+SCHEDULE_LAYOUTS: tuple[tuple[dict[str, int], int, int | None, str | None, bool | str], ...] = (
     ({"dp": 2, "pp": 2, "mp": 2}, 0, 2, "1F1B", False),
     ({"dp": 4, "pp": 2}, 0, 4, "1F1B", False),
     ({"dp": 2, "pp": 4}, 0, 8, "1F1B", False),
@@ -143,6 +141,8 @@ SCHEDULE_LAYOUTS: tuple[tuple[dict[str, int], int, int | None, str | None, bool]
     ({"dp": 4, "pp": 2}, 0, 4, "VPP", False),
     ({"dp": 8}, 0, None, None, True),
     ({"sharding": 8}, 3, None, None, True),
+    ({"dp": 8}, 0, None, None, "selective"),
+    ({"dp": 2, "mp": 4}, 0, None, None, "selective"),
 )
 
 #: Batch and sequence length of the NNX-zoo checks (they differ, so a layout that confused
@@ -239,25 +239,21 @@ def lower_step(
     microbatches: int | None = None,
     *,
     schedule: str | None = None,
-    recompute: bool = False,
+    recompute: bool | str = False,
     accumulate: int = 1,
 ) -> tuple[jax.stages.Lowered, Plan]:
     """``to_distributed`` on this mesh, then the engine's step lowered for one batch.
 
     Resets fleet first (``to_distributed`` calls ``fleet.init``). Returns the lowered
     step and the :class:`~jfleet.auto_parallel.Plan` that was applied. ``accumulate > 1``
-    runs the strategy's gradient merge over that many calls (``what``'s batch is one
-    call's).
+    is ``ToDistributedConfig(accumulate_steps=accumulate)``: the loader yields ``what``'s
+    batch in that many calls, the strategy's gradient merge makes one update of them; the
+    step is lowered for one call.
     """
-    from jfleet import DistributedStrategy, fleet
+    from jfleet import fleet
 
     sub = subject(what)
     fleet._reset()
-    strategy = None
-    if accumulate > 1:
-        strategy = DistributedStrategy()
-        strategy.gradient_merge = True
-        strategy.gradient_merge_configs = {"k_steps": accumulate}
     config = ToDistributedConfig(
         force_mesh=degrees,
         zero_stage=stage,
@@ -265,7 +261,7 @@ def lower_step(
         schedule=schedule if microbatches else None,
         num_microbatches=microbatches,
         forward=sub.forward,
-        strategy=strategy,
+        accumulate_steps=accumulate if accumulate > 1 else None,
     )
     model, opt, loader = to_distributed(sub.build(), optax.adam(1e-3), [sub.batch()], config=config)
     batch = next(iter(loader))
@@ -291,7 +287,7 @@ def check(
     microbatches: int | None = None,
     *,
     schedule: str | None = None,
-    recompute: bool = False,
+    recompute: bool | str = False,
     compiler_options: dict | None = None,
 ) -> Row:
     """Applies, lowers, compiles and compares one layout of a TinyLlama workload or a style.
@@ -326,19 +322,17 @@ def check(
 def check_accumulation(
     workload: Workload, degrees: dict[str, int], stage: int, accumulate: int
 ) -> tuple[float, float]:
-    """Gradient accumulation: the cost model's ``Layout(accumulate_steps=accumulate)`` at
-    ``workload``'s batch against the compiled step of one call of the engine's gradient
-    merge (``workload.batch / accumulate`` rows). Returns (memory, collective bytes)
-    ratios, predicted / compiled, per call."""
-    call = dataclasses.replace(workload, batch=workload.batch // accumulate)
-    lowered, plan = lower_step(call, degrees, stage, accumulate=accumulate)
+    """Gradient accumulation: ``to_distributed`` told ``accumulate_steps=accumulate`` at
+    ``workload``'s batch (its plan's ``Layout(accumulate_steps=accumulate)``) against the
+    compiled step of one call (``workload.batch / accumulate`` rows, the strategy's
+    gradient merge). Returns (memory, collective bytes) ratios, predicted / compiled, per
+    call."""
+    lowered, plan = lower_step(workload, degrees, stage, accumulate=accumulate)
+    assert plan.layout.accumulate_steps == accumulate, plan.layout.name
     compiled = lowered.compile(FAST_COMPILE)
     measured = compiled_memory(compiled)
     measured_bytes = sum(k.bytes for k in hlo.summarize(compiled.as_text()).values() if k.count)
-    found = match_patterns(workload.model())
-    work = LayoutWorkload(batch_size=workload.batch, seq_len=workload.seq)
-    layout = dataclasses.replace(plan.layout, accumulate_steps=accumulate)
-    c = estimate(found, work, layout, plan.profile, devices_per_node=plan.device_num)
+    c = plan.chosen
     return c.memory.total / measured, c.collectives.total / accumulate / measured_bytes
 
 
@@ -460,11 +454,12 @@ def render_accumulation(results: list[tuple[str, int, float, float]]) -> str:
     lines = [
         "## Gradient accumulation",
         "",
+        "`to_distributed(..., config=ToDistributedConfig(accumulate_steps=A))`: its plan's "
         "`Layout(accumulate_steps=A)` predicted at the whole batch against one call of the "
-        "engine's gradient merge (`strategy.gradient_merge`, `k_steps=A`, batch / A rows a "
-        "call), compiled: the merged gradient is optimizer state, one call's batch and "
-        "activations are live, every call reduces its gradients. Ratios predicted / "
-        "compiled, per call.",
+        "step (the loader yields batch / A rows a call; the strategy's gradient merge, "
+        "`k_steps=A`, makes one update of A calls), compiled: the merged gradient is "
+        "optimizer state, one call's batch and activations are live, every call reduces its "
+        "gradients. Ratios predicted / compiled, per call.",
         "",
         "| layout | A | memory ratio | collective bytes ratio |",
         "|---|---|---|---|",

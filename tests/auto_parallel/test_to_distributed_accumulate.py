@@ -49,10 +49,11 @@ def test_an_accumulating_plan_trains_like_one_device(mesh, zero, k):
     assert f"accumulate {k}" in plan.layout.name and f"| accumulate {k}" in str(plan)
 
 
-def get_plan_of_last_run(config: ToDistributedConfig):
+def get_plan_of_last_run(config: ToDistributedConfig, batches=None):
     """The plan of a fresh run with ``config`` (planning is deterministic)."""
     fleet._fleet._reset()
-    model, _, _ = to_distributed(llama(), optax.adam(1e-2), lm_batches(1), config=config)
+    batches = lm_batches(1) if batches is None else batches[:1]
+    model, _, _ = to_distributed(llama(), optax.adam(1e-2), batches, config=config)
     return get_plan(model)
 
 
@@ -187,3 +188,32 @@ def test_selective_recompute_is_predicted_between_none_and_full():
     assert none.memory.activations > sel.memory.activations
     assert none.time.compute < sel.time.compute < full.time.compute
     assert none.flops < sel.flops < full.flops
+
+
+def test_the_wide_search_runs_through_to_distributed_under_a_tight_budget():
+    """ToDistributedConfig(wide_search=True) on dp8 with a budget the plain dp8 step
+    exceeds: the pick saves memory (accumulation, selective or full recompute) and
+    trains like one device."""
+    mesh, batches = {"dp": 8}, lm_batches(STEPS, seq=64)
+    plain = get_plan_of_last_run(ToDistributedConfig(force_mesh=mesh), batches).chosen.memory
+    budget = plain.total - plain.activations // 3
+    config = ToDistributedConfig(force_mesh=mesh, wide_search=True, memory_budget=budget)
+    assert_trains_like_one_device(llama, optax.adam(1e-2), batches, loss_fn=lm_loss, layout=config)
+    lay = get_plan_of_last_run(config, batches).layout
+    assert lay.accumulate_steps > 1 or lay.selective_recompute or lay.recompute, lay.name
+
+
+def test_the_wide_search_offers_sep_with_selective_recompute_and_accumulation():
+    """sep meshes are searched under sequence parallelism (where sep divides the
+    sequence), wide or narrow; the wide search crosses them with accumulation."""
+    plan = plan_for(
+        llama(), device_num=8, batch_size=16, seq_len=64, wide_search=True,
+        sequence_parallel=True,
+    )  # fmt: skip
+    seps = [c.layout for c in plan.candidates if c.layout.sep > 1]
+    assert seps and any(lay.accumulate_steps > 1 for lay in seps)
+    found = match_patterns(llama())
+    odd = Workload(batch_size=16, seq_len=6, sequence_parallel=True)
+    layouts, excluded = enumerate_layouts(found, odd, device_num=8, wide=True)
+    assert {lay.sep for lay in layouts} == {1, 2}  # 6 tokens: sep 4 and 8 do not divide
+    assert ("sep4 x mp2", "sep=4 does not divide seq_len=6") in excluded
