@@ -3,9 +3,9 @@
 :func:`plan` needs no devices: the model may be abstract (``nnx.eval_shape``), the cluster
 is a :class:`Cluster` (nodes x devices per node, a hardware profile, optionally the memory
 per device), and the search is the wide one practitioners use (every micro-batch count,
-virtual stages, gradient accumulation, ZeRO 0-3, recompute; dominated layouts pruned).
-The result is the same :class:`~jfleet.auto_parallel.plan.Plan` ``to_distributed``
-prints. The command line plans a named or given shape::
+virtual stages, gradient accumulation, ZeRO 0-3, full or selective recompute; dominated
+layouts pruned). The result is the same :class:`~jfleet.auto_parallel.plan.Plan`
+``to_distributed`` prints. The command line plans a named or given shape::
 
     python -m jfleet.auto_parallel.cluster_plan llama2-70b --nodes 8 --profile h100
     python -m jfleet.auto_parallel.cluster_plan --arch llama --layers 32 --width 4096 \\
