@@ -205,6 +205,7 @@ def attention_core_flops(
     weights): what selective recompute runs again in the backward pass (all blocks; the
     caller divides by ``pp``).
 
+    >>> import numpy as np
     >>> from jfleet.auto_parallel.patterns import match_patterns
     >>> from jfleet.models.llama import TinyLlama
     >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, layers=2),
