@@ -34,13 +34,21 @@ def llama() -> TinyLlama:
 
 @pytest.mark.parametrize(
     ("mesh", "zero", "k"),
-    [({"dp": 2, "mp": 4}, None, 2), ({"dp": 2, "sharding": 2, "mp": 2}, 2, 4)],
-    ids=["dp2-mp4-accumulate2", "zero2-dp2-sharding2-mp2-accumulate4"],
+    [
+        ({"dp": 2, "mp": 4}, None, 2),
+        ({"dp": 2, "sharding": 2, "mp": 2}, 2, 4),
+        ({"dp": 2, "pp": 2, "mp": 2}, None, 2),
+    ],
+    ids=["dp2-mp4-accumulate2", "zero2-dp2-sharding2-mp2-accumulate4", "dp2-pp2-mp2-accumulate2"],
 )
 def test_an_accumulating_plan_trains_like_one_device(mesh, zero, k):
-    """10 Adam updates, each of k calls on a slice of the batch, against one device on
-    the whole batches (fp32: losses and parameters within 1e-5 (1 + log2 8))."""
-    config = ToDistributedConfig(force_mesh=mesh, zero_stage=zero, accumulate_steps=k)
+    """10 Adam updates, each of k calls on a slice of the batch (a pipeline: each call
+    runs M = 2 micro-batches), against one device on the whole batches (fp32: losses and
+    parameters within 1e-5 (1 + log2 8))."""
+    microbatches = 2 if mesh.get("pp", 1) > 1 else None
+    config = ToDistributedConfig(
+        force_mesh=mesh, zero_stage=zero, accumulate_steps=k, num_microbatches=microbatches
+    )
     assert_trains_like_one_device(
         llama, optax.adam(1e-2), lm_batches(STEPS), loss_fn=lm_loss, layout=config
     )
@@ -217,3 +225,17 @@ def test_the_wide_search_offers_sep_with_selective_recompute_and_accumulation():
     layouts, excluded = enumerate_layouts(found, odd, device_num=8, wide=True)
     assert {lay.sep for lay in layouts} == {1, 2}  # 6 tokens: sep 4 and 8 do not divide
     assert ("sep4 x mp2", "sep=4 does not divide seq_len=6") in excluded
+
+
+def test_a_stored_accumulating_plan_is_reproduced():
+    first = get_plan_of_last_run(ToDistributedConfig(force_mesh={"dp": 8}, accumulate_steps=2))
+    fleet._fleet._reset()
+    again = ToDistributedConfig(plan=first.to_json())
+    model, _, loader = to_distributed(llama(), optax.sgd(0.1), lm_batches(3), config=again)
+    assert get_plan(model) == first and len(loader) == 6
+    fleet._fleet._reset()
+    strategy = DistributedStrategy()
+    strategy.gradient_merge = True
+    merged = ToDistributedConfig(plan=first.to_json(), strategy=strategy)
+    with pytest.raises(ValueError, match="already has gradient_merge on"):
+        to_distributed(llama(), optax.sgd(0.1), lm_batches(1), config=merged)
