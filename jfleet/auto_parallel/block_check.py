@@ -45,21 +45,27 @@ import numpy as np
 from flax import nnx
 from flax.nnx import graph as nnx_graph
 
+from jfleet.auto_parallel.block_extras import ACTIVATION, DROPPED, SUM, USED
 from jfleet.auto_parallel.blocks import module_at
 from jfleet.parallel.alike import block_period, first_mismatch
 
 __all__ = [
+    "ACTIVATION",
     "ARRAY",
+    "DROPPED",
     "NONE",
     "OBJECT",
     "SCALAR",
     "STATIC",
+    "SUM",
     "TREE",
+    "USED",
     "Argument",
     "BlockCall",
     "BlockCalls",
     "Leaf",
     "block_period",
+    "block_problems",
     "period_problem",
     "pipeline_problem",
     "record_block_calls",
@@ -146,6 +152,16 @@ class BlockCall:
         or None when they are the same (the same arrays, equal Python values).
       learned: the further arguments computed from the model's parameters (an encoder's
         output handed to decoder blocks): they need a gradient.
+      taken_from: per leaf of its activation, the position among the previous block call's
+        output leaves it is (None for the first call; -1 for a leaf that is none of them).
+      roles: per output leaf, from the traced forward's dataflow: :data:`ACTIVATION` (the
+        next block's activation, or every leaf when the output has the activation's
+        structure), :data:`SUM` (summed over the blocks into what the forward returns: an
+        auxiliary loss), :data:`DROPPED` (reaches nothing the forward returns: a cache or
+        state unused in training) or :data:`USED` (reaches the forward's output otherwise).
+      out_tree: the output's pytree structure.
+      out_avals: per output leaf, its shape and dtype (``jax.ShapeDtypeStruct``; None for a
+        leaf that is not an array).
     """
 
     activation: tuple[Leaf, ...]
@@ -156,6 +172,10 @@ class BlockCall:
     chained: bool = True
     differs: str | None = None
     learned: tuple[str, ...] = ()
+    taken_from: tuple[int, ...] | None = None
+    roles: tuple[str, ...] = ()
+    out_tree: Any = None
+    out_avals: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,7 +235,7 @@ def record_block_calls(
     chain = _Chain()
     saved = dict(vars(model))
 
-    def traced(params: Any, rest: Any) -> list:
+    def traced(params: Any, rest: Any) -> tuple[list, list, list]:
         fresh = nnx.merge(graphdef, params, rest)
         for path in paths:
             block = module_at(fresh, path)
@@ -224,28 +244,126 @@ def record_block_calls(
         attributes.clear()
         attributes.update(vars(fresh))
         try:
-            call()
+            result = call()
         finally:
             attributes.clear()
             attributes.update(saved)
-        return [leaf for _, leaf in chain.arguments]
+        outputs = [a for _, leaves in chain.outputs for a in leaves if a is not None]
+        returned = [a for a in jax.tree.leaves(result) if isinstance(a, jax.Array)]
+        return [leaf for _, leaf in chain.arguments], outputs, returned
 
     closed = jax.make_jaxpr(traced)(params, rest)
     learned = collections.defaultdict(set)
     depends = _depends_on_inputs(closed.jaxpr, len(jax.tree.leaves(params)))
-    for (key, _), dep in zip(chain.arguments, depends, strict=True):
+    for (key, _), dep in zip(chain.arguments, depends[: len(chain.arguments)], strict=True):
         if dep:
             learned[key[:2]].add(key[2])
+    roles = _output_roles(closed.jaxpr, chain, seen, len(chain.arguments))
     return [
         BlockCalls(
             p,
             tuple(
-                dataclasses.replace(c, learned=tuple(sorted(learned[(p, i)])))
+                dataclasses.replace(
+                    c, learned=tuple(sorted(learned[(p, i)])), roles=roles.get((p, i), ())
+                )
                 for i, c in enumerate(seen[p])
             ),
         )
         for p in paths
     ]
+
+
+def _output_roles(jaxpr: Any, chain: _Chain, seen: dict, skip: int) -> dict:
+    """Per block call ``(path, index)``, the role of each output leaf (see :class:`BlockCall`)
+    from the dataflow of the traced forward ``jaxpr``: its outputs are the ``skip`` argument
+    leaves, then every block call's output array leaves, then the forward's own arrays."""
+    from jax.extend.core import Literal
+
+    n_out = sum(a is not None for _, leaves in chain.outputs for a in leaves)
+    variables = iter(jaxpr.outvars[skip : skip + n_out])
+    out_vars = {
+        key: [None if a is None else _variable(next(variables)) for a in leaves]
+        for key, leaves in chain.outputs
+    }
+    live = {v for v in jaxpr.outvars[skip + n_out :] if not isinstance(v, Literal)}
+    for eqn in reversed(jaxpr.eqns):  # what the forward's output depends on
+        if any(v in live for v in eqn.outvars):
+            live.update(v for v in eqn.invars if not isinstance(v, Literal))
+    users = collections.defaultdict(list)
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if not isinstance(v, Literal):
+                users[v].append(eqn)
+    after_blocks = {v for vs in out_vars.values() for v in vs}
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, Literal) and v in after_blocks for v in eqn.invars):
+            after_blocks.update(eqn.outvars)
+    order = [key for key, _ in chain.outputs]
+    roles: dict = {}
+    for key in order:
+        path, index = key
+        record = seen[path][index]
+        following = _next_call(chain, key, seen)
+        if record.same_structure:
+            roles[key] = (ACTIVATION,) * len(record.outputs)
+            continue
+        activation = set(following.taken_from or ()) if following is not None else set()
+        if following is None:  # the last block: the place the other blocks hand on
+            later = [seen[p][i] for p, i in order[1:]]
+            activation = {t for c in later for t in (c.taken_from or ()) if t >= 0}
+        found = []
+        for j, var in enumerate(out_vars[key]):
+            if j in activation:
+                found.append(ACTIVATION)
+            elif var is None or var not in live:
+                found.append(DROPPED)
+            else:
+                summed = _summed(j, order, out_vars, users, after_blocks, seen)
+                found.append(SUM if summed else USED)
+        roles[key] = tuple(found)
+    return roles
+
+
+def _variable(v: Any) -> Any:
+    from jax.extend.core import Literal
+
+    return None if isinstance(v, Literal) else v
+
+
+def _next_call(chain: _Chain, key: tuple, seen: dict) -> BlockCall | None:
+    order = [k for k, _ in chain.outputs]
+    at = order.index(key)
+    if at + 1 >= len(order):
+        return None
+    path, index = order[at + 1]
+    return seen[path][index]
+
+
+def _summed(j: int, order: list, out_vars: dict, users: dict, after: set, seen: dict) -> bool:
+    """Whether output leaf ``j`` of every block call is added, in order, into one running
+    sum (``total = total + aux`` after each block) whose start is no block's output."""
+    from jax.extend.core import Literal
+
+    total = None
+    for key in order:
+        if len(out_vars[key]) <= j or seen[key[0]][key[1]].same_structure:
+            return False
+        var = out_vars[key][j]
+        adds = users.get(var, []) if var is not None else []
+        if len(adds) != 1 or adds[0].primitive.name not in ("add", "add_any"):
+            return False
+        (eqn,) = adds
+        others = [v for v in eqn.invars if v is not var]
+        if len(others) != 1:
+            return False
+        (other,) = others
+        if total is None:
+            if not isinstance(other, Literal) and other in after:
+                return False
+        elif other is not total or len(users.get(total, [])) != 1:
+            return False
+        total = eqn.outvars[0]
+    return total is not None
 
 
 def _depends_on_inputs(jaxpr: Any, n: int) -> list[bool]:
@@ -289,6 +407,8 @@ class _Chain:
     def __init__(self) -> None:
         self.last: list | None = None
         self.first: tuple | None = None
+        # ((path, call index), array leaves of the output (None: not an array)), in call order
+        self.outputs: list[tuple[tuple[str, int], list]] = []
         # ((path, call index, argument name), floating leaf) of every block call's arguments
         self.arguments: list[tuple[tuple[str, int, str], Any]] = []
 
@@ -306,13 +426,20 @@ def _recording_class(cls: type, path: str, calls: list, chain: _Chain) -> type:
         y = original(self, *args, **kwargs)
         y_leaves, y_tree = jax.tree.flatten(y)
         same = x_tree == y_tree and bool(args)
+        y_leaves, y = _fresh(y_leaves, y_tree, x_leaves)
         outputs = tuple(
             _leaf(a, passed_back=same and a is x_leaves[i]) for i, a in enumerate(y_leaves)
         )
+        taken = None
+        if chain.last is not None:
+            taken = tuple(
+                next((j for j, b in enumerate(chain.last) if b is a), -1) for a in x_leaves
+            )
         chained = chain.last is None or (
             len(chain.last) == len(x_leaves)
             and all(a is b for a, b in zip(chain.last, x_leaves, strict=True))
         )
+        chained = chained or (len(x_leaves) == 1 and taken is not None and taken[0] >= 0)
         for name, value in [(str(i), v) for i, v in enumerate(args[1:])] + list(kwargs.items()):
             for leaf in jax.tree.leaves(value, is_leaf=_is_graph_leaf):
                 if _is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.inexact):
@@ -321,6 +448,7 @@ def _recording_class(cls: type, path: str, calls: list, chain: _Chain) -> type:
             chain.first = rest
         differs = _arguments_differ(chain.first, rest)
         chain.last = list(y_leaves)
+        chain.outputs.append(((path, len(calls)), [a if _is_array(a) else None for a in y_leaves]))
         calls.append(
             BlockCall(
                 activation=tuple(_leaf(a) for a in x_leaves) if args else (),
@@ -330,6 +458,12 @@ def _recording_class(cls: type, path: str, calls: list, chain: _Chain) -> type:
                 same_structure=same,
                 chained=chained,
                 differs=differs,
+                taken_from=taken,
+                out_tree=y_tree,
+                out_avals=tuple(
+                    jax.ShapeDtypeStruct(np.shape(a), a.dtype) if _is_array(a) else None
+                    for a in y_leaves
+                ),
             )
         )
         return y
@@ -338,6 +472,24 @@ def _recording_class(cls: type, path: str, calls: list, chain: _Chain) -> type:
     sub.__qualname__ = f"{cls.__qualname__}[recording]"
     sub.__module__ = cls.__module__
     return sub
+
+
+def _fresh(leaves: list, tree: Any, taken: list) -> tuple[list, Any]:
+    """The block's output leaves as new traced values (an identity ``optimization_barrier``),
+    so the forward's uses of the output are told apart from the block's own uses of the same
+    values; leaves the block passed back from its activation stay as they are."""
+    at = [
+        i
+        for i, a in enumerate(leaves)
+        if isinstance(a, jax.core.Tracer) and not any(a is b for b in taken)
+    ]
+    if not at:
+        return leaves, jax.tree.unflatten(tree, leaves)
+    fresh = jax.lax.optimization_barrier([leaves[i] for i in at])
+    leaves = list(leaves)
+    for i, a in zip(at, fresh, strict=True):
+        leaves[i] = a
+    return leaves, jax.tree.unflatten(tree, leaves)
 
 
 def _is_array(x: Any) -> bool:
@@ -556,24 +708,67 @@ def pipeline_problem(
       >>> print(pipeline_problem(net, ["blocks.0", "blocks.1"], lambda: net(jnp.ones((2, 4)))))
       None
     """
+    return block_problems(model, block_paths, call, num_stages=num_stages)[0]
+
+
+def block_problems(
+    model: nnx.Module,
+    block_paths: Sequence[str],
+    call: Callable[[], Any],
+    *,
+    num_stages: int | None = None,
+) -> tuple[str | None, str | None]:
+    """Why the blocks cannot be pipelined, and why they cannot be scanned (or None each).
+
+    The pipeline's reason is :func:`pipeline_problem`'s. A scanned stack
+    (:mod:`~jfleet.auto_parallel.scanned_blocks`) further needs blocks holding only
+    parameters (no RNG streams) that return their activation alone.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> class Net(nnx.Module):
+      ...     def __init__(self):
+      ...         self.blocks = nnx.List([nnx.Linear(4, 4, rngs=nnx.Rngs(i)) for i in range(2)])
+      ...     def __call__(self, x):
+      ...         for block in self.blocks:
+      ...             x = block(x)
+      ...         return x
+      >>> net = Net()
+      >>> block_problems(net, ["blocks.0", "blocks.1"], lambda: net(jnp.ones((2, 4))))
+      (None, None)
+    """
     paths = _check_paths(model, block_paths)
     blocks = [module_at(model, p) for p in paths]
-    state = _state_problem(blocks, paths)
+    state = _state_problem(blocks, paths, streams=True)
     if state:
-        return state
+        return state, state
     names = [f"block {p}" for p in paths]
     _, reason = period_problem(blocks, num_stages=num_stages, names=names)
     if reason:
-        return reason
+        return reason, reason
     records = record_block_calls(model, paths, call)
     for record in records:
         if len(record.calls) != 1:
-            return _count_problem(record)
+            return (_count_problem(record),) * 2
+    trees = {str(r.calls[0].out_tree) for r in records}
     for index, record in enumerate(records):
         problem = _call_problem(record.path, record.calls[0], paths[0] if index else None)
+        if not problem and len(trees) > 1:
+            problem = (
+                f"block {record.path} returns a {record.calls[0].returns} of another structure "
+                f"than block {paths[0]}'s; pipelined blocks run one definition: return the "
+                "same structure from every block, or plan without a pipeline."
+            )
         if problem:
-            return problem
-    return None
+            return problem, problem
+    scan = _state_problem(blocks, paths)
+    if not scan and any(set(r.calls[0].roles) - {ACTIVATION} for r in records):
+        scan = (
+            f"block {paths[0]} returns {_described(records[0].calls[0].outputs)}, more than "
+            "its activation: a scanned stack hands on the activation alone"
+        )
+    return None, scan
 
 
 def state_problem(model: nnx.Module, block_paths: Sequence[str]) -> str | None:
@@ -591,10 +786,15 @@ def state_problem(model: nnx.Module, block_paths: Sequence[str]) -> str | None:
     return _state_problem([module_at(model, p) for p in paths], paths)
 
 
-def _state_problem(blocks: Sequence[nnx.Module], paths: Sequence[str]) -> str | None:
+def _state_problem(
+    blocks: Sequence[nnx.Module], paths: Sequence[str], streams: bool = False
+) -> str | None:
+    """The state other than ``nnx.Param`` the blocks hold (RNG streams allowed when
+    ``streams``: a pipeline draws their keys as the unpipelined blocks would)."""
     found = []
+    kept = nnx.Any(nnx.Param, nnx.RngState) if streams else nnx.Param
     for path, block in zip(paths, blocks, strict=True):
-        other = nnx.state(block, nnx.Not(nnx.Param))
+        other = nnx.state(block, nnx.Not(kept))
         for where, value in nnx.to_flat_state(other):
             dotted = ".".join(str(p) for p in (path, *where))
             found.append(f"{dotted} ({type(value).__name__})")
@@ -672,7 +872,19 @@ def _call_problem(path: str, call: BlockCall, first: str | None) -> str | None:
                     "stage gets the values that entered the stack: return them unchanged, or "
                     "plan without a pipeline."
                 )
+    elif _outputs_fine(call):
+        return None
     else:
+        used = [j for j, r in enumerate(call.roles) if r == USED]
+        if used:
+            return (
+                f"block {path} returns {_described(call.outputs)}, and its output part "
+                f"{used[0]} ({call.outputs[used[0]].text}) reaches the forward's output other "
+                "than as a running sum over the blocks (total = total + part after each "
+                "block); a pipeline runs all blocks as one call, so it hands on the activation, "
+                "sums such parts over the blocks or drops parts unused in training, but cannot "
+                "return each block's own: sum them, drop them, or plan without a pipeline."
+            )
         if call.returns == "array":
             returned = f"an array {call.outputs[0].text}"
         elif not call.outputs:
@@ -685,6 +897,22 @@ def _call_problem(path: str, call: BlockCall, first: str | None) -> str | None:
             "blocks), or plan without a pipeline."
         )
     return None
+
+
+def _outputs_fine(call: BlockCall) -> bool:
+    """A block taking one floating array and returning it among other arrays that are
+    summed over the blocks or unused (the roles the traced forward gave them)."""
+    if len(call.activation) != 1 or call.activation[0].kind != "float":
+        return False
+    if not call.roles or call.roles.count(ACTIVATION) != 1 or USED in call.roles:
+        return False
+    j = call.roles.index(ACTIVATION)
+    if call.outputs[j].text != call.activation[0].text:
+        return False
+    pairs = list(zip(call.outputs, call.roles, strict=True))
+    return all(o.kind == "float" for o, r in pairs if r == SUM) and all(
+        o.kind != "other" for o in call.outputs
+    )
 
 
 def _described(leaves: Sequence[Leaf]) -> str:

@@ -44,12 +44,14 @@ from flax import nnx
 
 from jfleet.auto_parallel.apply_plan import apply_plan
 from jfleet.auto_parallel.block_check import (
+    ACTIVATION,
     ARRAY,
     TREE,
-    pipeline_problem,
+    block_problems,
     record_block_calls,
     state_problem,
 )
+from jfleet.auto_parallel.block_extras import BlockOutputs
 from jfleet.auto_parallel.blocks import (
     PipelinedBlocks,
     container_of,
@@ -241,7 +243,10 @@ def to_distributed(
     if per_sample is None and plan.blocks and plan.mesh_shape[PP] > 1:
         per_sample = _per_sample_args(model, plan.blocks, first, config.forward)
     scan = config.scan_layers and _scannable(model, plan, first, config.forward)
-    apply_plan(model, plan, placement, per_sample, scan=scan)
+    outputs = None
+    if plan.blocks and plan.mesh_shape[PP] > 1:
+        outputs = _block_outputs(model, plan.blocks, first, config.forward)
+    apply_plan(model, plan, placement, per_sample, scan=scan, outputs=outputs)
     dist = make_distributed_optimizer(tx, strategy)
     _context.replace(optimizer=dist)  # what fleet's optimizer getters read
     dist.wrt = wrt
@@ -379,10 +384,10 @@ def _pipeline_problem(
     def call() -> Any:
         return forward(model, inputs) if forward is not None else model(inputs)
 
-    problem = pipeline_problem(model, list(patterns.blocks), call)
+    problem, scan = block_problems(model, list(patterns.blocks), call)
     if problem:
         logger.info("to_distributed: no pipeline: %s", problem)
-    _BLOCK_PROBLEMS[model] = problem or True
+    _BLOCK_PROBLEMS[model] = scan or True
     return problem or True
 
 
@@ -403,7 +408,7 @@ def _scannable(model: nnx.Module, plan: Plan, first: Any, forward: Callable | No
     if problem is None:  # a given plan: the forward was not traced
         inputs, fwd = _model_call(first, forward)
         call = (lambda: fwd(model, inputs)) if fwd is not None else (lambda: model(inputs))
-        problem = pipeline_problem(model, list(plan.blocks), call) or True
+        problem = block_problems(model, list(plan.blocks), call)[1] or True
     if problem is True:  # the strategy's settings (QAT's scales) may have added state since
         problem = state_problem(model, list(plan.blocks)) or True
     if problem is True:
@@ -421,6 +426,24 @@ def _leading(text: str) -> int | None:
     inside = text.partition("[")[2].partition("]")[0]
     head = inside.split(",")[0]
     return int(head) if head.strip().isdigit() else None
+
+
+def _block_outputs(
+    model: nnx.Module, blocks: tuple[str, ...], batch: Any, forward: Callable | None
+) -> BlockOutputs | None:
+    """How the forward uses a block's output beyond the activation it hands on (from the
+    traced dataflow), or None when the blocks return the activation alone."""
+    inputs, fwd = _model_call(batch, forward)
+
+    def call() -> Any:
+        return fwd(model, inputs) if fwd is not None else model(inputs)
+
+    first = record_block_calls(model, list(blocks), call)[0].calls[0]
+    if first.same_structure:
+        return None
+    at = first.roles.index(ACTIVATION)
+    rows = first.out_avals[at].shape[0]
+    return BlockOutputs(first.out_tree, first.roles, first.out_avals, rows)
 
 
 def _per_sample_args(
