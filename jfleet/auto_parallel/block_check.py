@@ -5,15 +5,19 @@
 computation. :func:`pipeline_problem` says why it would not, before the first step, in
 words for the user (or None):
 
-* the blocks hold state other than ``nnx.Param`` (dropout RNG streams, batch
-  statistics, caches);
+* the blocks hold state other than ``nnx.Param`` and RNG streams (batch statistics,
+  caches; dropout streams are drawn as the unpipelined blocks draw them,
+  :mod:`~jfleet.auto_parallel.block_extras`);
 * the blocks are not alike and do not repeat with a period
   (:func:`~jfleet.parallel.stack.block_period`), or ``num_stages`` does not divide the
   number of stacked units;
 * the forward does not run each block exactly once, in order, each taking the previous
   block's output and the same further arguments;
-* a block takes an object argument (a KV-cache module, a list of variables) or returns
-  more than its activation (``(x, aux_loss)``).
+* a block takes an object argument (a KV-cache module, a list of variables), or returns
+  more than its activation and the forward keeps a part of each block's output apart (a
+  list of per-block caches). Other outputs are fine when the traced dataflow shows them
+  summed over the blocks (``total = total + aux``) or unused (a cache training drops):
+  :attr:`BlockCall.roles`.
 
 The calls are seen by :func:`record_block_calls`, which traces the forward abstractly
 (``jax.eval_shape``: no FLOPs) on a copy of the model's state and leaves the model as it
@@ -663,7 +667,7 @@ def pipeline_problem(
 
     The checks, in order (the first failing one is the reason):
 
-    1. the blocks hold only ``nnx.Param``\\ s (no dropout RNG streams, batch statistics or
+    1. the blocks hold only ``nnx.Param``\\ s and RNG streams (no batch statistics or
        caches);
     2. they are alike or repeat with a period, and ``num_stages`` (if given) divides the
        number of stacked units (:func:`period_problem`);
@@ -676,7 +680,9 @@ def pipeline_problem(
        caches;
     7. each block takes a floating array (or a tuple of arrays with a floating one) and
        returns an activation of the same structure whose integer / boolean parts are the
-       ones it took, unchanged.
+       ones it took, unchanged; or takes one floating array and returns it among other
+       floating arrays the forward sums over the blocks or does not use (``(cache, x)``,
+       ``{"hidden": x, "aux": loss}``).
 
     Args:
       model: the NNX model; left exactly as it was.

@@ -112,6 +112,11 @@ class PipelinedBlocks(nnx.Module):
     per-sample side inputs too. The split, the stacking and the stage function are
     :mod:`jfleet.parallel.stack`'s, shared with ``PipelineLayer``.
 
+    Blocks may return more than the activation (``outputs``: the next activation, parts
+    summed over the blocks, parts dropped) and hold RNG streams (dropout): each pipelined
+    draw is its rows of the unpipelined block's whole-batch draw, and the streams' counts
+    advance as the unpipelined forward's (:mod:`~jfleet.auto_parallel.block_extras`).
+
     Attributes:
       body: the stacked block.
       num_layers: ``L``, the blocks replaced.
@@ -130,6 +135,8 @@ class PipelinedBlocks(nnx.Module):
         parallel), or None.
       per_sample: positions (after the activation) or keyword names of the per-sample
         block arguments, or None (decided by shape).
+      outputs: what a block returns besides its activation, or None.
+      streams: the blocks hold RNG streams.
     """
 
     def __init__(

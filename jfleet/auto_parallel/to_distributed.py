@@ -374,9 +374,11 @@ def _pipeline_problem(
     """True when the decoder blocks can run as a pipelined stack, else the reason why not.
 
     Checked at planning time on the traced forward
-    (:func:`~jfleet.auto_parallel.block_check.pipeline_problem`): parameters only (no
-    dropout RNG streams or caches), alike or repeating blocks, each called once in order
-    with the same further arguments (arrays, not cache objects), returning the activation.
+    (:func:`~jfleet.auto_parallel.block_check.block_problems`): parameters and RNG streams
+    only (no caches), alike or repeating blocks, each called once in order with the same
+    further arguments (arrays, not cache objects), returning the activation (and parts
+    summed over the blocks or unused). What keeps the blocks from a scan is kept for
+    :func:`_scannable`.
     """
     if not patterns.blocks:
         return True
