@@ -239,13 +239,8 @@ def to_distributed(
     strategy = _strategy(config.strategy)
     placement = _init_fleet(plan, strategy, device_num * node_num)
     apply_distributed_settings(model, strategy, placement)
-    per_sample = config.per_sample_args
-    if per_sample is None and plan.blocks and plan.mesh_shape[PP] > 1:
-        per_sample = _per_sample_args(model, plan.blocks, first, config.forward)
+    per_sample, outputs = _pipelined_blocks(model, plan, first, config)
     scan = config.scan_layers and _scannable(model, plan, first, config.forward)
-    outputs = None
-    if plan.blocks and plan.mesh_shape[PP] > 1:
-        outputs = _block_outputs(model, plan.blocks, first, config.forward)
     apply_plan(model, plan, placement, per_sample, scan=scan, outputs=outputs)
     dist = make_distributed_optimizer(tx, strategy)
     _context.replace(optimizer=dist)  # what fleet's optimizer getters read
@@ -428,6 +423,19 @@ def _leading(text: str) -> int | None:
     inside = text.partition("[")[2].partition("]")[0]
     head = inside.split(",")[0]
     return int(head) if head.strip().isdigit() else None
+
+
+def _pipelined_blocks(
+    model: nnx.Module, plan: Plan, first: Any, config: ToDistributedConfig
+) -> tuple[tuple[int | str, ...] | None, BlockOutputs | None]:
+    """A pipelined stack's per-sample block arguments and what its blocks return besides
+    the activation (both None without a pipeline)."""
+    if not plan.blocks or plan.mesh_shape[PP] == 1:
+        return config.per_sample_args, None
+    per_sample = config.per_sample_args
+    if per_sample is None:
+        per_sample = _per_sample_args(model, plan.blocks, first, config.forward)
+    return per_sample, _block_outputs(model, plan.blocks, first, config.forward)
 
 
 def _block_outputs(
