@@ -22,7 +22,7 @@ stages and hands on one activation from block to block. Blocks people write do m
   model equals the unpipelined one, whatever the mesh and the micro-batches, and a seed
   fixes every mask. After the step each stream's count has advanced by the draws of one
   block call (counted by tracing one block: :func:`draws_per_call`), as the unpipelined
-  forward advances it. Interleaved stages (``"VPP"``) are not supported with streams.
+  forward advances it.
 
 Example:
   >>> import jax
@@ -44,13 +44,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from jfleet.mesh.topology import PP
 from jfleet.parallel.row_keys import row_keys
 
 __all__ = [
     "ACTIVATION",
     "DROPPED",
     "SUM",
+    "UNITS",
     "USED",
     "BlockOutputs",
     "advance_streams",
@@ -222,15 +222,23 @@ def advance_streams(body: nnx.Module, draws: dict) -> None:
             node.count[...] = node.count[...] + jnp.asarray(n, node.count[...].dtype)
 
 
-def drawing_stage(stage_fn: Callable, body: nnx.Module, rows: int) -> tuple[Callable, Any, list]:
+UNITS = "__stacked_unit__"
+"""Key of the parameter entry :func:`drawing_stage` adds: each stacked unit's index."""
+
+
+def drawing_stage(
+    stage_fn: Callable, body: nnx.Module, params: dict, rows: int
+) -> tuple[Callable, dict, Any, list]:
     """A stage function whose block draws are slices of the whole batch's draws.
 
-    Returns ``(stage, side_extra, shared_extra)``: ``stage(params, carried, side, shared)``
-    expects ``side_extra`` (the rows' indices in the batch, int32 ``[rows]``) appended to the
-    side inputs and ``shared_extra`` (the stacked streams' key data ``[P, U, 2]`` and counts
-    ``[P, U]``) to the shared inputs; it gives ``stage_fn`` the parameters with this stage's
-    streams, their keys made :func:`~jfleet.parallel.row_keys.row_keys` for the micro-batch's
-    first row.
+    Returns ``(stage, params, side_extra, shared_extra)``: ``stage(params, carried, side,
+    shared)`` takes the returned ``params`` (``params`` with each stacked unit's index,
+    ``[P, U]`` float32 under :data:`UNITS`: the stage, or under interleaved stages the
+    chunk, finds its units' streams by it), ``side_extra`` (the rows' indices in the batch,
+    int32 ``[rows]``) appended to the side inputs and ``shared_extra`` (every unit's key
+    data ``[P U, 2]`` and counts ``[P U]``) to the shared inputs; it gives ``stage_fn`` the
+    parameters with the streams of its units, their keys made
+    :func:`~jfleet.parallel.row_keys.row_keys` for the micro-batch's first row.
     """
     flat = nnx.to_flat_state(nnx.state(body, nnx.RngState))
     paths = [tuple(path) for path, _ in flat]
@@ -239,13 +247,16 @@ def drawing_stage(stage_fn: Callable, body: nnx.Module, rows: int) -> tuple[Call
         jax.random.key_data(v[...]) if key else v[...]
         for (_, v), key in zip(flat, is_key, strict=True)
     ]
+    stages, units = values[0].shape[:2]
+    values = [a.reshape(stages * units, *a.shape[2:]) for a in values]
+    unit_ids = jnp.arange(stages * units, dtype=jnp.float32).reshape(stages, units)
 
     def stage(params: Any, carried: Any, side: Any, shared: Any) -> Any:
         *side, row_ids = side
         *shared, streams = shared
-        at = lax.axis_index(PP)
-        local = jax.tree.leaves(carried)[0].shape[0]
         full = jax.tree.map(lambda a: a, params)
+        at = lax.stop_gradient(full.pop(UNITS)).astype(jnp.int32)
+        local = jax.tree.leaves(carried)[0].shape[0]
         for path, key, value in zip(paths, is_key, streams, strict=True):
             value = value[at]
             if key:
@@ -256,4 +267,5 @@ def drawing_stage(stage_fn: Callable, body: nnx.Module, rows: int) -> tuple[Call
             node[path[-1]] = value
         return stage_fn(full, carried, list(side), list(shared))
 
-    return stage, jnp.arange(rows, dtype=jnp.int32), values
+    extended = {**params, UNITS: unit_ids}
+    return stage, extended, jnp.arange(rows, dtype=jnp.int32), values

@@ -187,12 +187,6 @@ class PipelinedBlocks(nnx.Module):
             order = virtual.interleaved_order(units, self.num_stages, v)
             blocks = [blocks[u * period + j] for u in order for j in range(period)]
         self.streams = bool(jax.tree.leaves(nnx.state(blocks[0], nnx.RngState)))
-        if self.streams and v > 1:
-            raise ValueError(
-                f"the {name} blocks hold RNG streams (dropout), and interleaved stages "
-                f"(num_virtual_stages={v}) do not draw their keys yet; use schedule "
-                "'FThenB' or '1F1B' (num_virtual_stages=1), or build dropout without rngs."
-            )
         self.outputs = outputs
         classes = [type(b) for b in blocks]
         if outputs is not None:  # the stack's state is (activation, running sums)
@@ -254,7 +248,7 @@ class PipelinedBlocks(nnx.Module):
             unit = nnx.merge(graphdef, jax.tree.map(lambda a: a[0, 0], nnx.to_pure_dict(state)))
             draws = draws_per_call(unit, entering, args, kwargs)
             rows = jax.tree.leaves(carried)[0].shape[0]
-            stage_fn, row_ids, streams = drawing_stage(stage_fn, self.body, rows)
+            stage_fn, params, row_ids, streams = drawing_stage(stage_fn, self.body, params, rows)
             side_in, shared_in = [*side_in, row_ids], [*shared_in, streams]
         stage_fn, params, carried_in = stack.widened_stage(
             stage_fn, params, carried, mesh=self.mesh
@@ -344,7 +338,7 @@ def pipeline_blocks(
 
     Raises:
       ValueError: blocks holding state other than ``nnx.Param`` and RNG streams (batch
-        statistics, caches), RNG streams under interleaved stages; blocks that are not
+        statistics, caches); blocks that are not
         alike and do not repeat (the message names the first differing attribute); or a
         count of blocks (of super-blocks) the ``pp`` size does not divide.
 
