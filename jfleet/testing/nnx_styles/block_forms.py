@@ -121,8 +121,8 @@ class DropoutDecoder(_Decoder):
     """``rate=None`` builds no dropout layers at all (the same parameters when ``rngs``
     has a separate ``dropout`` stream)."""
 
-    def __init__(self, rate: float | None = 0.1, *, rngs: nnx.Rngs):
-        super().__init__(DropoutBlock, rate, rngs=rngs)
+    def __init__(self, rate: float | None = 0.1, layers: int = 2, *, rngs: nnx.Rngs):
+        super().__init__(DropoutBlock, rate, layers=layers, rngs=rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         x = self.embed(tokens)
