@@ -97,7 +97,8 @@ _PIPELINE_ARGS = (
 )
 _CROSS = (
     "only the activation (and integer/bool side inputs passed back unchanged) can cross "
-    "pipeline stages"
+    "pipeline stages, with other outputs that are floating arrays summed over the blocks or "
+    "unused"
 )
 
 
@@ -485,7 +486,9 @@ def _fresh(leaves: list, tree: Any, taken: list) -> tuple[list, Any]:
     at = [
         i
         for i, a in enumerate(leaves)
-        if isinstance(a, jax.core.Tracer) and not any(a is b for b in taken)
+        if isinstance(a, jax.core.Tracer)
+        and not jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended)
+        and not any(a is b for b in taken)
     ]
     if not at:
         return leaves, jax.tree.unflatten(tree, leaves)
@@ -511,6 +514,8 @@ def _array_text(a: Any) -> str:
 def _leaf(a: Any, passed_back: bool = False) -> Leaf:
     if not _is_array(a):
         return Leaf("other", type(a).__name__, passed_back)
+    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended):  # a PRNG key
+        return Leaf("other", str(a.dtype), passed_back)
     dtype = jnp.dtype(a.dtype)
     kind = (
         "float"
@@ -899,8 +904,8 @@ def _call_problem(path: str, call: BlockCall, first: str | None) -> str | None:
             returned = f"a {call.returns} {_described(call.outputs)}"
         return (
             f"block {path} returns {returned} where it takes {_described(call.activation)} "
-            f"— {_CROSS}; return the activation alone (add auxiliary losses outside the "
-            "blocks), or plan without a pipeline."
+            f"— {_CROSS}; return the activation with such outputs only, or plan without a "
+            "pipeline."
         )
     return None
 

@@ -451,6 +451,12 @@ def _block_outputs(
     first = record_block_calls(model, list(blocks), call)[0].calls[0]
     if first.same_structure:
         return None
+    if first.roles.count(ACTIVATION) != 1:
+        raise ValueError(
+            f"the plan pipelines the blocks, but block {blocks[0]} returns a {first.returns} "
+            "none (or more than one) of whose parts is the next block's activation, so the "
+            "stack cannot hand one on; plan without a pipeline (config.force_mesh with pp 1)."
+        )
     at = first.roles.index(ACTIVATION)
     rows = first.out_avals[at].shape[0]
     return BlockOutputs(first.out_tree, first.roles, first.out_avals, rows)

@@ -88,6 +88,24 @@ class CacheOutDecoder(Decoder):
         return self.embed.attend(self.norm(x))
 
 
+class KeyOutBlock(Block):
+    """Returns a PRNG key beside the hidden state: no array a pipeline can carry."""
+
+    def __call__(self, x, positions):
+        return super().__call__(x, positions), jax.random.key(0)
+
+
+class KeyOutDecoder(Decoder):
+    block_class = KeyOutBlock
+
+    def __call__(self, tokens):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x, _ = layer(x, positions)
+        return x
+
+
 class StatsBlock(Block):
     """Holds a batch statistic (state other than nnx.Param and RNG streams)."""
 
@@ -228,6 +246,12 @@ CASES = {
         {},
         r"block layers\.0 returns \(float32\[4,8,16\], float32\[\]\), and its output part 1 "
         r"\(float32\[\]\) reaches the forward's output other than as a running sum",
+    ),
+    "key-output": (
+        KeyOutDecoder,
+        {},
+        r"block layers\.0 returns a tuple \(float32\[4,8,16\], key<fry>\) where it takes "
+        r"float32\[4,8,16\] — only the activation",
     ),
     "changed-int": (
         ShiftingDecoder,
