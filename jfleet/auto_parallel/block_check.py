@@ -240,7 +240,7 @@ def record_block_calls(
     chain = _Chain()
     saved = dict(vars(model))
 
-    def traced(params: Any, rest: Any) -> tuple[list, list, list]:
+    def traced(params: Any, rest: Any) -> tuple[list, list, list, list]:
         fresh = nnx.merge(graphdef, params, rest)
         for path in paths:
             block = module_at(fresh, path)
@@ -254,8 +254,9 @@ def record_block_calls(
             attributes.clear()
             attributes.update(saved)
         outputs = [a for _, leaves in chain.outputs for a in leaves if a is not None]
+        entries = [a for leaves in chain.entries.values() for a in leaves]
         returned = [a for a in jax.tree.leaves(result) if isinstance(a, jax.Array)]
-        return [leaf for _, leaf in chain.arguments], outputs, returned
+        return [leaf for _, leaf in chain.arguments], outputs, entries, returned
 
     closed = jax.make_jaxpr(traced)(params, rest)
     learned = collections.defaultdict(set)
@@ -281,16 +282,19 @@ def record_block_calls(
 def _output_roles(jaxpr: Any, chain: _Chain, seen: dict, skip: int) -> dict:
     """Per block call ``(path, index)``, the role of each output leaf (see :class:`BlockCall`)
     from the dataflow of the traced forward ``jaxpr``: its outputs are the ``skip`` argument
-    leaves, then every block call's output array leaves, then the forward's own arrays."""
+    leaves, every block call's output array leaves, the floating activation leaves each
+    call received, then the forward's own arrays."""
     from jax.extend.core import Literal
 
     n_out = sum(a is not None for _, leaves in chain.outputs for a in leaves)
-    variables = iter(jaxpr.outvars[skip : skip + n_out])
+    variables = iter(jaxpr.outvars[skip:])
     out_vars = {
         key: [None if a is None else _variable(next(variables)) for a in leaves]
         for key, leaves in chain.outputs
     }
-    live = {v for v in jaxpr.outvars[skip + n_out :] if not isinstance(v, Literal)}
+    entry_vars = {key: [next(variables) for _ in leaves] for key, leaves in chain.entries.items()}
+    n_in = sum(len(v) for v in entry_vars.values())
+    live = {v for v in jaxpr.outvars[skip + n_out + n_in :] if not isinstance(v, Literal)}
     for eqn in reversed(jaxpr.eqns):  # what the forward's output depends on
         if any(v in live for v in eqn.outvars):
             live.update(v for v in eqn.invars if not isinstance(v, Literal))
@@ -303,14 +307,17 @@ def _output_roles(jaxpr: Any, chain: _Chain, seen: dict, skip: int) -> dict:
     for eqn in jaxpr.eqns:
         if any(not isinstance(v, Literal) and v in after_blocks for v in eqn.invars):
             after_blocks.update(eqn.outvars)
+    producer = {id(v): eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     order = [key for key, _ in chain.outputs]
     roles: dict = {}
+    flow = (out_vars, entry_vars, users, producer, order, live)
     for key in order:
         path, index = key
         record = seen[path][index]
         following = _next_call(chain, key, seen)
         if record.same_structure:
-            roles[key] = (ACTIVATION,) * len(record.outputs)
+            found = [ACTIVATION] * len(record.outputs)
+            roles[key] = _handed_on(key, record, following, tuple(found), *flow)
             continue
         activation = set(following.taken_from or ()) if following is not None else set()
         if following is None:  # the last block: the place the other blocks hand on
@@ -325,8 +332,38 @@ def _output_roles(jaxpr: Any, chain: _Chain, seen: dict, skip: int) -> dict:
             else:
                 summed = _summed(j, order, out_vars, users, after_blocks, seen)
                 found.append(SUM if summed else USED)
-        roles[key] = tuple(found)
+        roles[key] = _handed_on(key, record, following, tuple(found), *flow)
     return roles
+
+
+def _handed_on(
+    key: tuple,
+    record: BlockCall,
+    following: BlockCall | None,
+    roles: tuple,
+    out_vars: dict,
+    entry_vars: dict,
+    users: dict,
+    producer: dict,
+    order: list,
+    live: set,
+) -> tuple:
+    """``roles`` with the floating activation parts that also reach the forward's output
+    (``live``) other than through the next block (a sum of every block's hidden states)
+    made :data:`USED`: a pipeline returns only the last block's."""
+    at = order.index(key)
+    if following is None or not following.chained or order[at + 1] not in entry_vars:
+        return roles
+    into_next = {id(producer.get(id(v))) for v in entry_vars[order[at + 1]]}
+    found = list(roles)
+    for j, role in enumerate(roles):
+        var, leaf = out_vars[key][j], record.outputs[j]
+        if role != ACTIVATION or var is None or leaf.kind != "float" or leaf.passed_back:
+            continue
+        elsewhere = [eqn for eqn in users.get(var, []) if id(eqn) not in into_next]
+        if any(v in live for eqn in elsewhere for v in eqn.outvars):
+            found[j] = USED
+    return tuple(found)
 
 
 def _variable(v: Any) -> Any:
@@ -414,6 +451,8 @@ class _Chain:
         self.first: tuple | None = None
         # ((path, call index), array leaves of the output (None: not an array)), in call order
         self.outputs: list[tuple[tuple[str, int], list]] = []
+        # (path, call index) -> the activation's floating leaves as the block received them
+        self.entries: dict[tuple[str, int], list] = {}
         # ((path, call index, argument name), floating leaf) of every block call's arguments
         self.arguments: list[tuple[tuple[str, int, str], Any]] = []
 
@@ -428,13 +467,6 @@ def _recording_class(cls: type, path: str, calls: list, chain: _Chain) -> type:
         arguments = tuple(_argument(str(i), v) for i, v in enumerate(args[1:])) + tuple(
             _argument(k, v) for k, v in kwargs.items()
         )
-        y = original(self, *args, **kwargs)
-        y_leaves, y_tree = jax.tree.flatten(y)
-        same = x_tree == y_tree and bool(args)
-        y_leaves, y = _fresh(y_leaves, y_tree, x_leaves)
-        outputs = tuple(
-            _leaf(a, passed_back=same and a is x_leaves[i]) for i, a in enumerate(y_leaves)
-        )
         taken = None
         if chain.last is not None:
             taken = tuple(
@@ -445,6 +477,20 @@ def _recording_class(cls: type, path: str, calls: list, chain: _Chain) -> type:
             and all(a is b for a, b in zip(chain.last, x_leaves, strict=True))
         )
         chained = chained or (len(x_leaves) == 1 and taken is not None and taken[0] >= 0)
+        if args:  # the block's own uses of its activation, told apart from the forward's
+            entered, _ = _fresh(x_leaves, x_tree, [], floating=True)
+            chain.entries[(path, len(calls))] = [
+                e for e, a in zip(entered, x_leaves, strict=True) if e is not a
+            ]
+            x_leaves = entered
+            args = (jax.tree.unflatten(x_tree, entered), *args[1:])
+        y = original(self, *args, **kwargs)
+        y_leaves, y_tree = jax.tree.flatten(y)
+        same = x_tree == y_tree and bool(args)
+        y_leaves, y = _fresh(y_leaves, y_tree, x_leaves)
+        outputs = tuple(
+            _leaf(a, passed_back=same and a is x_leaves[i]) for i, a in enumerate(y_leaves)
+        )
         for name, value in [(str(i), v) for i, v in enumerate(args[1:])] + list(kwargs.items()):
             for leaf in jax.tree.leaves(value, is_leaf=_is_graph_leaf):
                 if _is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.inexact):
@@ -479,15 +525,17 @@ def _recording_class(cls: type, path: str, calls: list, chain: _Chain) -> type:
     return sub
 
 
-def _fresh(leaves: list, tree: Any, taken: list) -> tuple[list, Any]:
-    """The block's output leaves as new traced values (an identity ``optimization_barrier``),
-    so the forward's uses of the output are told apart from the block's own uses of the same
-    values; leaves the block passed back from its activation stay as they are."""
+def _fresh(leaves: list, tree: Any, taken: list, floating: bool = False) -> tuple[list, Any]:
+    """The leaves as new traced values (an identity ``optimization_barrier``), so the
+    forward's uses of a block's output are told apart from the block's own uses of the same
+    values; leaves in ``taken`` (passed back from the activation) stay as they are, and with
+    ``floating`` so do the leaves that are not floating."""
     at = [
         i
         for i, a in enumerate(leaves)
         if isinstance(a, jax.core.Tracer)
         and not jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended)
+        and (not floating or jnp.issubdtype(a.dtype, jnp.inexact))
         and not any(a is b for b in taken)
     ]
     if not at:
@@ -713,10 +761,13 @@ def pipeline_problem(
       ...         aux = 0.0
       ...         for block in self.blocks:
       ...             x = block(x)
-      ...             aux = aux + jnp.mean(x**2)
+      ...             aux = aux + jnp.mean(x**2)  # every block's output, not only the last's
       ...         return x, aux
       >>> net = Net()
-      >>> print(pipeline_problem(net, ["blocks.0", "blocks.1"], lambda: net(jnp.ones((2, 4)))))
+      >>> paths = ["blocks.0", "blocks.1"]
+      >>> print(pipeline_problem(net, paths, lambda: net(jnp.ones((2, 4)))))  # doctest: +ELLIPSIS
+      block blocks.0 returns float32[2,4], and its output part 0 (float32[2,4]) reaches the ...
+      >>> print(pipeline_problem(net, paths, lambda: net(jnp.ones((2, 4)))[0]))
       None
     """
     return block_problems(model, block_paths, call, num_stages=num_stages)[0]
@@ -866,6 +917,17 @@ def _call_problem(path: str, call: BlockCall, first: str | None) -> str | None:
             "floating array, or a tuple of arrays with a floating one (the hidden state) and "
             "integer / boolean ones passed along."
         )
+    used = [j for j, r in enumerate(call.roles) if r == USED]
+    if used:
+        return (
+            f"block {path} returns {_described(call.outputs)}, and its output part "
+            f"{used[0]} ({call.outputs[used[0]].text}) reaches the forward's output other "
+            "than through the next block or a running sum over the blocks (total = total + "
+            "part after each block); a pipeline runs all blocks as one call, so it hands on "
+            "the activation, sums such parts over the blocks or drops parts unused in "
+            "training, but cannot return each block's own: sum them, drop them, or plan "
+            "without a pipeline."
+        )
     fine = (
         call.same_structure
         and len(call.outputs) == len(call.activation)
@@ -886,16 +948,6 @@ def _call_problem(path: str, call: BlockCall, first: str | None) -> str | None:
     elif _outputs_fine(call):
         return None
     else:
-        used = [j for j, r in enumerate(call.roles) if r == USED]
-        if used:
-            return (
-                f"block {path} returns {_described(call.outputs)}, and its output part "
-                f"{used[0]} ({call.outputs[used[0]].text}) reaches the forward's output other "
-                "than as a running sum over the blocks (total = total + part after each "
-                "block); a pipeline runs all blocks as one call, so it hands on the activation, "
-                "sums such parts over the blocks or drops parts unused in training, but cannot "
-                "return each block's own: sum them, drop them, or plan without a pipeline."
-            )
         if call.returns == "array":
             returned = f"an array {call.outputs[0].text}"
         elif not call.outputs:

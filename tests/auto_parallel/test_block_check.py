@@ -69,6 +69,19 @@ class AuxListDecoder(AuxDecoder):
         return self.embed.attend(self.norm(x)), losses
 
 
+class HiddenStatesDecoder(Decoder):
+    """Sums every block's hidden state into its output: a pipeline returns only the last."""
+
+    def __call__(self, tokens):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x = self.embed(tokens)
+        states = []
+        for layer in self.layers:
+            x = layer(x, positions)
+            states.append(x)
+        return self.embed.attend(self.norm(sum(states)))
+
+
 class CacheOutBlock(Block):
     """Returns (cache, hidden) as decoding ports do; training drops the cache."""
 
@@ -245,13 +258,20 @@ CASES = {
         AuxListDecoder,
         {},
         r"block layers\.0 returns \(float32\[4,8,16\], float32\[\]\), and its output part 1 "
-        r"\(float32\[\]\) reaches the forward's output other than as a running sum",
+        r"\(float32\[\]\) reaches the forward's output other than through the next block or "
+        r"a running sum",
     ),
     "key-output": (
         KeyOutDecoder,
         {},
         r"block layers\.0 returns a tuple \(float32\[4,8,16\], key<fry>\) where it takes "
         r"float32\[4,8,16\] — only the activation",
+    ),
+    "hidden-states": (
+        HiddenStatesDecoder,
+        {},
+        r"block layers\.0 returns float32\[4,8,16\], and its output part 0 \(float32\[4,8,16\]\) "
+        r"reaches the forward's output other than through the next block",
     ),
     "changed-int": (
         ShiftingDecoder,
