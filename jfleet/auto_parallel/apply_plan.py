@@ -16,6 +16,7 @@ from typing import Any
 
 from flax import nnx
 
+from jfleet.auto_parallel.block_extras import BlockOutputs
 from jfleet.auto_parallel.blocks import (
     container_of,
     module_at,
@@ -41,6 +42,7 @@ def apply_plan(
     per_sample: tuple | None = None,
     *,
     scan: bool = False,
+    outputs: BlockOutputs | None = None,
 ) -> None:
     """Annotates, restructures (pipeline, recompute, SP) and places ``model`` for ``plan``.
 
@@ -48,7 +50,8 @@ def apply_plan(
     ``out_sharding`` is its ``spec`` and, with ZeRO, its ``optimizer_sharding`` (the
     layout Flax gives its optimizer state) its ``zero_spec``. The parameters of a
     pipelined stack, which the plan names block by block, take the stack's layout; those
-    of a scanned stack (``scan``) keep each block's, behind the stacked axes.
+    of a scanned stack (``scan``) keep each block's, behind the stacked axes. ``outputs``:
+    what a pipelined block returns besides its activation (None: the activation alone).
     """
     params = {p.path: p for p in plan.params}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
@@ -72,6 +75,7 @@ def apply_plan(
             per_sample=per_sample,
             schedule=plan.schedule or "FThenB",
             num_virtual_stages=plan.layout.num_virtual_stages,
+            outputs=outputs,
         )
     elif scan:
         if plan.zero_stage:  # before stacking: the stack keeps each block's ZeRO layout

@@ -5,15 +5,19 @@
 computation. :func:`pipeline_problem` says why it would not, before the first step, in
 words for the user (or None):
 
-* the blocks hold state other than ``nnx.Param`` (dropout RNG streams, batch
-  statistics, caches);
+* the blocks hold state other than ``nnx.Param`` and RNG streams (batch statistics,
+  caches; dropout streams are drawn as the unpipelined blocks draw them,
+  :mod:`~jfleet.auto_parallel.block_extras`);
 * the blocks are not alike and do not repeat with a period
   (:func:`~jfleet.parallel.stack.block_period`), or ``num_stages`` does not divide the
   number of stacked units;
 * the forward does not run each block exactly once, in order, each taking the previous
   block's output and the same further arguments;
-* a block takes an object argument (a KV-cache module, a list of variables) or returns
-  more than its activation (``(x, aux_loss)``).
+* a block takes an object argument (a KV-cache module, a list of variables), or returns
+  more than its activation and the forward keeps a part of each block's output apart (a
+  list of per-block caches). Other outputs are fine when the traced dataflow shows them
+  summed over the blocks (``total = total + aux``) or unused (a cache training drops):
+  :attr:`BlockCall.roles`.
 
 The calls are seen by :func:`record_block_calls`, which traces the forward abstractly
 (``jax.eval_shape``: no FLOPs) on a copy of the model's state and leaves the model as it
@@ -45,21 +49,27 @@ import numpy as np
 from flax import nnx
 from flax.nnx import graph as nnx_graph
 
+from jfleet.auto_parallel.block_extras import ACTIVATION, DROPPED, SUM, USED
 from jfleet.auto_parallel.blocks import module_at
 from jfleet.parallel.alike import block_period, first_mismatch
 
 __all__ = [
+    "ACTIVATION",
     "ARRAY",
+    "DROPPED",
     "NONE",
     "OBJECT",
     "SCALAR",
     "STATIC",
+    "SUM",
     "TREE",
+    "USED",
     "Argument",
     "BlockCall",
     "BlockCalls",
     "Leaf",
     "block_period",
+    "block_problems",
     "period_problem",
     "pipeline_problem",
     "record_block_calls",
@@ -87,7 +97,8 @@ _PIPELINE_ARGS = (
 )
 _CROSS = (
     "only the activation (and integer/bool side inputs passed back unchanged) can cross "
-    "pipeline stages"
+    "pipeline stages, with other outputs that are floating arrays summed over the blocks or "
+    "unused"
 )
 
 
@@ -146,6 +157,16 @@ class BlockCall:
         or None when they are the same (the same arrays, equal Python values).
       learned: the further arguments computed from the model's parameters (an encoder's
         output handed to decoder blocks): they need a gradient.
+      taken_from: per leaf of its activation, the position among the previous block call's
+        output leaves it is (None for the first call; -1 for a leaf that is none of them).
+      roles: per output leaf, from the traced forward's dataflow: :data:`ACTIVATION` (the
+        next block's activation, or every leaf when the output has the activation's
+        structure), :data:`SUM` (summed over the blocks into what the forward returns: an
+        auxiliary loss), :data:`DROPPED` (reaches nothing the forward returns: a cache or
+        state unused in training) or :data:`USED` (reaches the forward's output otherwise).
+      out_tree: the output's pytree structure.
+      out_avals: per output leaf, its shape and dtype (``jax.ShapeDtypeStruct``; None for a
+        leaf that is not an array).
     """
 
     activation: tuple[Leaf, ...]
@@ -156,6 +177,10 @@ class BlockCall:
     chained: bool = True
     differs: str | None = None
     learned: tuple[str, ...] = ()
+    taken_from: tuple[int, ...] | None = None
+    roles: tuple[str, ...] = ()
+    out_tree: Any = None
+    out_avals: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,7 +240,7 @@ def record_block_calls(
     chain = _Chain()
     saved = dict(vars(model))
 
-    def traced(params: Any, rest: Any) -> list:
+    def traced(params: Any, rest: Any) -> tuple[list, list, list, list]:
         fresh = nnx.merge(graphdef, params, rest)
         for path in paths:
             block = module_at(fresh, path)
@@ -224,28 +249,163 @@ def record_block_calls(
         attributes.clear()
         attributes.update(vars(fresh))
         try:
-            call()
+            result = call()
         finally:
             attributes.clear()
             attributes.update(saved)
-        return [leaf for _, leaf in chain.arguments]
+        outputs = [a for _, leaves in chain.outputs for a in leaves if a is not None]
+        entries = [a for leaves in chain.entries.values() for a in leaves]
+        returned = [a for a in jax.tree.leaves(result) if isinstance(a, jax.Array)]
+        return [leaf for _, leaf in chain.arguments], outputs, entries, returned
 
     closed = jax.make_jaxpr(traced)(params, rest)
     learned = collections.defaultdict(set)
     depends = _depends_on_inputs(closed.jaxpr, len(jax.tree.leaves(params)))
-    for (key, _), dep in zip(chain.arguments, depends, strict=True):
+    for (key, _), dep in zip(chain.arguments, depends[: len(chain.arguments)], strict=True):
         if dep:
             learned[key[:2]].add(key[2])
+    roles = _output_roles(closed.jaxpr, chain, seen, len(chain.arguments))
     return [
         BlockCalls(
             p,
             tuple(
-                dataclasses.replace(c, learned=tuple(sorted(learned[(p, i)])))
+                dataclasses.replace(
+                    c, learned=tuple(sorted(learned[(p, i)])), roles=roles.get((p, i), ())
+                )
                 for i, c in enumerate(seen[p])
             ),
         )
         for p in paths
     ]
+
+
+def _output_roles(jaxpr: Any, chain: _Chain, seen: dict, skip: int) -> dict:
+    """Per block call ``(path, index)``, the role of each output leaf (see :class:`BlockCall`)
+    from the dataflow of the traced forward ``jaxpr``: its outputs are the ``skip`` argument
+    leaves, every block call's output array leaves, the floating activation leaves each
+    call received, then the forward's own arrays."""
+    from jax.extend.core import Literal
+
+    n_out = sum(a is not None for _, leaves in chain.outputs for a in leaves)
+    variables = iter(jaxpr.outvars[skip:])
+    out_vars = {
+        key: [None if a is None else _variable(next(variables)) for a in leaves]
+        for key, leaves in chain.outputs
+    }
+    entry_vars = {key: [next(variables) for _ in leaves] for key, leaves in chain.entries.items()}
+    n_in = sum(len(v) for v in entry_vars.values())
+    live = {v for v in jaxpr.outvars[skip + n_out + n_in :] if not isinstance(v, Literal)}
+    for eqn in reversed(jaxpr.eqns):  # what the forward's output depends on
+        if any(v in live for v in eqn.outvars):
+            live.update(v for v in eqn.invars if not isinstance(v, Literal))
+    users = collections.defaultdict(list)
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if not isinstance(v, Literal):
+                users[v].append(eqn)
+    after_blocks = {v for vs in out_vars.values() for v in vs}
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, Literal) and v in after_blocks for v in eqn.invars):
+            after_blocks.update(eqn.outvars)
+    producer = {id(v): eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    order = [key for key, _ in chain.outputs]
+    roles: dict = {}
+    flow = (out_vars, entry_vars, users, producer, order, live)
+    for key in order:
+        path, index = key
+        record = seen[path][index]
+        following = _next_call(chain, key, seen)
+        if record.same_structure:
+            found = [ACTIVATION] * len(record.outputs)
+            roles[key] = _handed_on(key, record, following, tuple(found), *flow)
+            continue
+        activation = set(following.taken_from or ()) if following is not None else set()
+        if following is None:  # the last block: the place the other blocks hand on
+            later = [seen[p][i] for p, i in order[1:]]
+            activation = {t for c in later for t in (c.taken_from or ()) if t >= 0}
+        found = []
+        for j, var in enumerate(out_vars[key]):
+            if j in activation:
+                found.append(ACTIVATION)
+            elif var is None or var not in live:
+                found.append(DROPPED)
+            else:
+                summed = _summed(j, order, out_vars, users, after_blocks, seen)
+                found.append(SUM if summed else USED)
+        roles[key] = _handed_on(key, record, following, tuple(found), *flow)
+    return roles
+
+
+def _handed_on(
+    key: tuple,
+    record: BlockCall,
+    following: BlockCall | None,
+    roles: tuple,
+    out_vars: dict,
+    entry_vars: dict,
+    users: dict,
+    producer: dict,
+    order: list,
+    live: set,
+) -> tuple:
+    """``roles`` with the floating activation parts that also reach the forward's output
+    (``live``) other than through the next block (a sum of every block's hidden states)
+    made :data:`USED`: a pipeline returns only the last block's."""
+    at = order.index(key)
+    if following is None or not following.chained or order[at + 1] not in entry_vars:
+        return roles
+    into_next = {id(producer.get(id(v))) for v in entry_vars[order[at + 1]]}
+    found = list(roles)
+    for j, role in enumerate(roles):
+        var, leaf = out_vars[key][j], record.outputs[j]
+        if role != ACTIVATION or var is None or leaf.kind != "float" or leaf.passed_back:
+            continue
+        elsewhere = [eqn for eqn in users.get(var, []) if id(eqn) not in into_next]
+        if any(v in live for eqn in elsewhere for v in eqn.outvars):
+            found[j] = USED
+    return tuple(found)
+
+
+def _variable(v: Any) -> Any:
+    from jax.extend.core import Literal
+
+    return None if isinstance(v, Literal) else v
+
+
+def _next_call(chain: _Chain, key: tuple, seen: dict) -> BlockCall | None:
+    order = [k for k, _ in chain.outputs]
+    at = order.index(key)
+    if at + 1 >= len(order):
+        return None
+    path, index = order[at + 1]
+    return seen[path][index]
+
+
+def _summed(j: int, order: list, out_vars: dict, users: dict, after: set, seen: dict) -> bool:
+    """Whether output leaf ``j`` of every block call is added, in order, into one running
+    sum (``total = total + aux`` after each block) whose start is no block's output."""
+    from jax.extend.core import Literal
+
+    total = None
+    for key in order:
+        if len(out_vars[key]) <= j or seen[key[0]][key[1]].same_structure:
+            return False
+        var = out_vars[key][j]
+        adds = users.get(var, []) if var is not None else []
+        if len(adds) != 1 or adds[0].primitive.name not in ("add", "add_any"):
+            return False
+        (eqn,) = adds
+        others = [v for v in eqn.invars if v is not var]
+        if len(others) != 1:
+            return False
+        (other,) = others
+        if total is None:
+            if not isinstance(other, Literal) and other in after:
+                return False
+        elif other is not total or len(users.get(total, [])) != 1:
+            return False
+        total = eqn.outvars[0]
+    return total is not None
 
 
 def _depends_on_inputs(jaxpr: Any, n: int) -> list[bool]:
@@ -289,6 +449,10 @@ class _Chain:
     def __init__(self) -> None:
         self.last: list | None = None
         self.first: tuple | None = None
+        # ((path, call index), array leaves of the output (None: not an array)), in call order
+        self.outputs: list[tuple[tuple[str, int], list]] = []
+        # (path, call index) -> the activation's floating leaves as the block received them
+        self.entries: dict[tuple[str, int], list] = {}
         # ((path, call index, argument name), floating leaf) of every block call's arguments
         self.arguments: list[tuple[tuple[str, int, str], Any]] = []
 
@@ -303,15 +467,29 @@ def _recording_class(cls: type, path: str, calls: list, chain: _Chain) -> type:
         arguments = tuple(_argument(str(i), v) for i, v in enumerate(args[1:])) + tuple(
             _argument(k, v) for k, v in kwargs.items()
         )
-        y = original(self, *args, **kwargs)
-        y_leaves, y_tree = jax.tree.flatten(y)
-        same = x_tree == y_tree and bool(args)
-        outputs = tuple(
-            _leaf(a, passed_back=same and a is x_leaves[i]) for i, a in enumerate(y_leaves)
-        )
+        taken = None
+        if chain.last is not None:
+            taken = tuple(
+                next((j for j, b in enumerate(chain.last) if b is a), -1) for a in x_leaves
+            )
         chained = chain.last is None or (
             len(chain.last) == len(x_leaves)
             and all(a is b for a, b in zip(chain.last, x_leaves, strict=True))
+        )
+        chained = chained or (len(x_leaves) == 1 and taken is not None and taken[0] >= 0)
+        if args:  # the block's own uses of its activation, told apart from the forward's
+            entered, _ = _fresh(x_leaves, x_tree, [], floating=True)
+            chain.entries[(path, len(calls))] = [
+                e for e, a in zip(entered, x_leaves, strict=True) if e is not a
+            ]
+            x_leaves = entered
+            args = (jax.tree.unflatten(x_tree, entered), *args[1:])
+        y = original(self, *args, **kwargs)
+        y_leaves, y_tree = jax.tree.flatten(y)
+        same = x_tree == y_tree and bool(args)
+        y_leaves, y = _fresh(y_leaves, y_tree, x_leaves)
+        outputs = tuple(
+            _leaf(a, passed_back=same and a is x_leaves[i]) for i, a in enumerate(y_leaves)
         )
         for name, value in [(str(i), v) for i, v in enumerate(args[1:])] + list(kwargs.items()):
             for leaf in jax.tree.leaves(value, is_leaf=_is_graph_leaf):
@@ -321,6 +499,7 @@ def _recording_class(cls: type, path: str, calls: list, chain: _Chain) -> type:
             chain.first = rest
         differs = _arguments_differ(chain.first, rest)
         chain.last = list(y_leaves)
+        chain.outputs.append(((path, len(calls)), [a if _is_array(a) else None for a in y_leaves]))
         calls.append(
             BlockCall(
                 activation=tuple(_leaf(a) for a in x_leaves) if args else (),
@@ -330,6 +509,12 @@ def _recording_class(cls: type, path: str, calls: list, chain: _Chain) -> type:
                 same_structure=same,
                 chained=chained,
                 differs=differs,
+                taken_from=taken,
+                out_tree=y_tree,
+                out_avals=tuple(
+                    jax.ShapeDtypeStruct(np.shape(a), a.dtype) if _is_array(a) else None
+                    for a in y_leaves
+                ),
             )
         )
         return y
@@ -338,6 +523,28 @@ def _recording_class(cls: type, path: str, calls: list, chain: _Chain) -> type:
     sub.__qualname__ = f"{cls.__qualname__}[recording]"
     sub.__module__ = cls.__module__
     return sub
+
+
+def _fresh(leaves: list, tree: Any, taken: list, floating: bool = False) -> tuple[list, Any]:
+    """The leaves as new traced values (an identity ``optimization_barrier``), so the
+    forward's uses of a block's output are told apart from the block's own uses of the same
+    values; leaves in ``taken`` (passed back from the activation) stay as they are, and with
+    ``floating`` so do the leaves that are not floating."""
+    at = [
+        i
+        for i, a in enumerate(leaves)
+        if isinstance(a, jax.core.Tracer)
+        and not jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended)
+        and (not floating or jnp.issubdtype(a.dtype, jnp.inexact))
+        and not any(a is b for b in taken)
+    ]
+    if not at:
+        return leaves, jax.tree.unflatten(tree, leaves)
+    fresh = jax.lax.optimization_barrier([leaves[i] for i in at])
+    leaves = list(leaves)
+    for i, a in zip(at, fresh, strict=True):
+        leaves[i] = a
+    return leaves, jax.tree.unflatten(tree, leaves)
 
 
 def _is_array(x: Any) -> bool:
@@ -355,6 +562,8 @@ def _array_text(a: Any) -> str:
 def _leaf(a: Any, passed_back: bool = False) -> Leaf:
     if not _is_array(a):
         return Leaf("other", type(a).__name__, passed_back)
+    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended):  # a PRNG key
+        return Leaf("other", str(a.dtype), passed_back)
     dtype = jnp.dtype(a.dtype)
     kind = (
         "float"
@@ -511,7 +720,7 @@ def pipeline_problem(
 
     The checks, in order (the first failing one is the reason):
 
-    1. the blocks hold only ``nnx.Param``\\ s (no dropout RNG streams, batch statistics or
+    1. the blocks hold only ``nnx.Param``\\ s and RNG streams (no batch statistics or
        caches);
     2. they are alike or repeat with a period, and ``num_stages`` (if given) divides the
        number of stacked units (:func:`period_problem`);
@@ -524,7 +733,9 @@ def pipeline_problem(
        caches;
     7. each block takes a floating array (or a tuple of arrays with a floating one) and
        returns an activation of the same structure whose integer / boolean parts are the
-       ones it took, unchanged.
+       ones it took, unchanged; or takes one floating array and returns it among other
+       floating arrays the forward sums over the blocks or does not use (``(cache, x)``,
+       ``{"hidden": x, "aux": loss}``).
 
     Args:
       model: the NNX model; left exactly as it was.
@@ -550,30 +761,76 @@ def pipeline_problem(
       ...         aux = 0.0
       ...         for block in self.blocks:
       ...             x = block(x)
-      ...             aux = aux + jnp.mean(x**2)
+      ...             aux = aux + jnp.mean(x**2)  # every block's output, not only the last's
       ...         return x, aux
       >>> net = Net()
-      >>> print(pipeline_problem(net, ["blocks.0", "blocks.1"], lambda: net(jnp.ones((2, 4)))))
+      >>> paths = ["blocks.0", "blocks.1"]
+      >>> print(pipeline_problem(net, paths, lambda: net(jnp.ones((2, 4)))))  # doctest: +ELLIPSIS
+      block blocks.0 returns float32[2,4], and its output part 0 (float32[2,4]) reaches the ...
+      >>> print(pipeline_problem(net, paths, lambda: net(jnp.ones((2, 4)))[0]))
       None
+    """
+    return block_problems(model, block_paths, call, num_stages=num_stages)[0]
+
+
+def block_problems(
+    model: nnx.Module,
+    block_paths: Sequence[str],
+    call: Callable[[], Any],
+    *,
+    num_stages: int | None = None,
+) -> tuple[str | None, str | None]:
+    """Why the blocks cannot be pipelined, and why they cannot be scanned (or None each).
+
+    The pipeline's reason is :func:`pipeline_problem`'s. A scanned stack
+    (:mod:`~jfleet.auto_parallel.scanned_blocks`) further needs blocks holding only
+    parameters (no RNG streams) that return their activation alone.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> class Net(nnx.Module):
+      ...     def __init__(self):
+      ...         self.blocks = nnx.List([nnx.Linear(4, 4, rngs=nnx.Rngs(i)) for i in range(2)])
+      ...     def __call__(self, x):
+      ...         for block in self.blocks:
+      ...             x = block(x)
+      ...         return x
+      >>> net = Net()
+      >>> block_problems(net, ["blocks.0", "blocks.1"], lambda: net(jnp.ones((2, 4))))
+      (None, None)
     """
     paths = _check_paths(model, block_paths)
     blocks = [module_at(model, p) for p in paths]
-    state = _state_problem(blocks, paths)
+    state = _state_problem(blocks, paths, streams=True)
     if state:
-        return state
+        return state, state
     names = [f"block {p}" for p in paths]
     _, reason = period_problem(blocks, num_stages=num_stages, names=names)
     if reason:
-        return reason
+        return reason, reason
     records = record_block_calls(model, paths, call)
     for record in records:
         if len(record.calls) != 1:
-            return _count_problem(record)
+            return (_count_problem(record),) * 2
+    trees = {str(r.calls[0].out_tree) for r in records}
     for index, record in enumerate(records):
         problem = _call_problem(record.path, record.calls[0], paths[0] if index else None)
+        if not problem and len(trees) > 1:
+            problem = (
+                f"block {record.path} returns a {record.calls[0].returns} of another structure "
+                f"than block {paths[0]}'s; pipelined blocks run one definition: return the "
+                "same structure from every block, or plan without a pipeline."
+            )
         if problem:
-            return problem
-    return None
+            return problem, problem
+    scan = _state_problem(blocks, paths)
+    if not scan and any(set(r.calls[0].roles) - {ACTIVATION} for r in records):
+        scan = (
+            f"block {paths[0]} returns {_described(records[0].calls[0].outputs)}, more than "
+            "its activation: a scanned stack hands on the activation alone"
+        )
+    return None, scan
 
 
 def state_problem(model: nnx.Module, block_paths: Sequence[str]) -> str | None:
@@ -591,10 +848,15 @@ def state_problem(model: nnx.Module, block_paths: Sequence[str]) -> str | None:
     return _state_problem([module_at(model, p) for p in paths], paths)
 
 
-def _state_problem(blocks: Sequence[nnx.Module], paths: Sequence[str]) -> str | None:
+def _state_problem(
+    blocks: Sequence[nnx.Module], paths: Sequence[str], streams: bool = False
+) -> str | None:
+    """The state other than ``nnx.Param`` the blocks hold (RNG streams allowed when
+    ``streams``: a pipeline draws their keys as the unpipelined blocks would)."""
     found = []
+    kept = nnx.Any(nnx.Param, nnx.RngState) if streams else nnx.Param
     for path, block in zip(paths, blocks, strict=True):
-        other = nnx.state(block, nnx.Not(nnx.Param))
+        other = nnx.state(block, nnx.Not(kept))
         for where, value in nnx.to_flat_state(other):
             dotted = ".".join(str(p) for p in (path, *where))
             found.append(f"{dotted} ({type(value).__name__})")
@@ -655,6 +917,17 @@ def _call_problem(path: str, call: BlockCall, first: str | None) -> str | None:
             "floating array, or a tuple of arrays with a floating one (the hidden state) and "
             "integer / boolean ones passed along."
         )
+    used = [j for j, r in enumerate(call.roles) if r == USED]
+    if used:
+        return (
+            f"block {path} returns {_described(call.outputs)}, and its output part "
+            f"{used[0]} ({call.outputs[used[0]].text}) reaches the forward's output other "
+            "than through the next block or a running sum over the blocks (total = total + "
+            "part after each block); a pipeline runs all blocks as one call, so it hands on "
+            "the activation, sums such parts over the blocks or drops parts unused in "
+            "training, but cannot return each block's own: sum them, drop them, or plan "
+            "without a pipeline."
+        )
     fine = (
         call.same_structure
         and len(call.outputs) == len(call.activation)
@@ -672,6 +945,8 @@ def _call_problem(path: str, call: BlockCall, first: str | None) -> str | None:
                     "stage gets the values that entered the stack: return them unchanged, or "
                     "plan without a pipeline."
                 )
+    elif _outputs_fine(call):
+        return None
     else:
         if call.returns == "array":
             returned = f"an array {call.outputs[0].text}"
@@ -681,10 +956,26 @@ def _call_problem(path: str, call: BlockCall, first: str | None) -> str | None:
             returned = f"a {call.returns} {_described(call.outputs)}"
         return (
             f"block {path} returns {returned} where it takes {_described(call.activation)} "
-            f"— {_CROSS}; return the activation alone (add auxiliary losses outside the "
-            "blocks), or plan without a pipeline."
+            f"— {_CROSS}; return the activation with such outputs only, or plan without a "
+            "pipeline."
         )
     return None
+
+
+def _outputs_fine(call: BlockCall) -> bool:
+    """A block taking one floating array and returning it among other arrays that are
+    summed over the blocks or unused (the roles the traced forward gave them)."""
+    if len(call.activation) != 1 or call.activation[0].kind != "float":
+        return False
+    if not call.roles or call.roles.count(ACTIVATION) != 1 or USED in call.roles:
+        return False
+    j = call.roles.index(ACTIVATION)
+    if call.outputs[j].text != call.activation[0].text:
+        return False
+    pairs = list(zip(call.outputs, call.roles, strict=True))
+    return all(o.kind == "float" for o, r in pairs if r == SUM) and all(
+        o.kind != "other" for o in call.outputs
+    )
 
 
 def _described(leaves: Sequence[Leaf]) -> str:

@@ -34,6 +34,13 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
+from jfleet.auto_parallel.block_extras import (
+    BlockOutputs,
+    advance_streams,
+    drawing_stage,
+    draws_per_call,
+    handing_class,
+)
 from jfleet.mesh.layer_mesh import constrain
 from jfleet.mesh.topology import DATA_AXES, PP
 from jfleet.parallel import stack
@@ -105,6 +112,11 @@ class PipelinedBlocks(nnx.Module):
     per-sample side inputs too. The split, the stacking and the stage function are
     :mod:`jfleet.parallel.stack`'s, shared with ``PipelineLayer``.
 
+    Blocks may return more than the activation (``outputs``: the next activation, parts
+    summed over the blocks, parts dropped) and hold RNG streams (dropout): each pipelined
+    draw is its rows of the unpipelined block's whole-batch draw, and the streams' counts
+    advance as the unpipelined forward's (:mod:`~jfleet.auto_parallel.block_extras`).
+
     Attributes:
       body: the stacked block.
       num_layers: ``L``, the blocks replaced.
@@ -123,6 +135,8 @@ class PipelinedBlocks(nnx.Module):
         parallel), or None.
       per_sample: positions (after the activation) or keyword names of the per-sample
         block arguments, or None (decided by shape).
+      outputs: what a block returns besides its activation, or None.
+      streams: the blocks hold RNG streams.
     """
 
     def __init__(
@@ -138,6 +152,7 @@ class PipelinedBlocks(nnx.Module):
         schedule: str = "FThenB",
         split_rows: bool = True,
         num_virtual_stages: int = 1,
+        outputs: BlockOutputs | None = None,
     ) -> None:
         blocks = list(blocks)
         if not blocks:
@@ -171,7 +186,19 @@ class PipelinedBlocks(nnx.Module):
         if v > 1:  # device s holds chunks s, s + P, ...: stack the units in that order
             order = virtual.interleaved_order(units, self.num_stages, v)
             blocks = [blocks[u * period + j] for u in order for j in range(period)]
-        self.body = stack.stack_layers(blocks, self.num_stages, name, period=period)
+        self.streams = bool(jax.tree.leaves(nnx.state(blocks[0], nnx.RngState)))
+        self.outputs = outputs
+        classes = [type(b) for b in blocks]
+        if outputs is not None:  # the stack's state is (activation, running sums)
+            for block in blocks:
+                block.__class__ = handing_class(type(block), outputs)
+        try:
+            self.body = stack.stack_layers(
+                blocks, self.num_stages, name, period=period, streams=self.streams
+            )
+        finally:
+            for block, cls in zip(blocks, classes, strict=True):
+                block.__class__ = cls
         stack.annotate_stack(self.body, mesh, self.num_stages)
         self.mesh = mesh
         self.num_microbatches = num_microbatches
@@ -195,31 +222,53 @@ class PipelinedBlocks(nnx.Module):
             "iterate over it (for layer in layers: x = layer(x)) instead of indexing blocks."
         )
 
-    def run(self, x: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
-        """``x`` through all ``L`` blocks, pipelined over ``pp``; same result as the loop."""
+    def run(self, x: jax.Array, *args: Any, **kwargs: Any) -> Any:
+        """``x`` through all ``L`` blocks, pipelined over ``pp``; same result as the loop.
+
+        Blocks returning more than the activation return, from the whole stack, what
+        :class:`~jfleet.auto_parallel.block_extras.BlockOutputs` says (the last activation,
+        sums over the blocks, zeros for dropped parts); blocks holding RNG streams draw
+        what the unpipelined blocks draw (:mod:`~jfleet.auto_parallel.block_extras`).
+        """
+        outputs = self.outputs
+        entering = x if outputs is None else outputs.start(x)
         graphdef, state = nnx.split(self.body)
-        inputs, carried, side, shared = stack.stage_inputs(x, args, kwargs, self.per_sample)
+        inputs, carried, side, shared = stack.stage_inputs(entering, args, kwargs, self.per_sample)
         seq_axes = self.seq_axes
         after = None if seq_axes is None else SequenceConstraint(self.mesh, tuple(seq_axes))
+        if after is not None and outputs is not None:
+            pin = after
+            after = lambda s: (pin(s[0]), s[1])  # noqa: E731
         stage_fn = stack.stage_function(
             graphdef, inputs, remat_interval=1 if self.recompute else 0, after=after
         )
+        params = nnx.to_pure_dict(nnx.state(self.body, nnx.Param))
+        side_in, shared_in = list(side), list(shared)
+        if self.streams:
+            unit = nnx.merge(graphdef, jax.tree.map(lambda a: a[0, 0], nnx.to_pure_dict(state)))
+            draws = draws_per_call(unit, entering, args, kwargs)
+            rows = jax.tree.leaves(carried)[0].shape[0]
+            stage_fn, params, row_ids, streams = drawing_stage(stage_fn, self.body, params, rows)
+            side_in, shared_in = [*side_in, row_ids], [*shared_in, streams]
         stage_fn, params, carried_in = stack.widened_stage(
-            stage_fn, nnx.to_pure_dict(state), carried, mesh=self.mesh
+            stage_fn, params, carried, mesh=self.mesh
         )
         y = pipeline_forward(
             stage_fn,
             params,
             carried_in,
-            side,
-            shared,
+            side_in,
+            shared_in,
             mesh=self.mesh,
             num_microbatches=self.num_microbatches,
             schedule=self.schedule,
             rows_over_pp=self._rows_over_pp(carried_in),
             num_virtual=self.num_virtual_stages,
         )
-        return inputs.activation_of(stack.narrow(y, carried), side, shared)
+        if self.streams:  # the unpipelined forward advances each stream once per call
+            advance_streams(self.body, draws)
+        y = inputs.activation_of(stack.narrow(y, carried), side, shared)
+        return y if outputs is None else outputs.returned(y)
 
     def _rows_over_pp(self, carried: Any) -> bool:
         if not self.split_rows:
@@ -276,17 +325,22 @@ def pipeline_blocks(
     period: int | None = None,
     schedule: str = "FThenB",
     num_virtual_stages: int = 1,
+    outputs: BlockOutputs | None = None,
 ) -> PipelinedBlocks:
     """Replaces the list at ``container`` (a dotted path) by a :class:`PipelinedBlocks`.
 
     ``period``: blocks per stacked unit, or None to find it (:func:`jfleet.parallel.stack.
     block_period`); the other arguments are :class:`PipelinedBlocks`'.
 
+    ``outputs``: how the forward uses a block's output when it is more than the
+    activation (:class:`~jfleet.auto_parallel.block_extras.BlockOutputs`, from the traced
+    forward), or None.
+
     Raises:
-      ValueError: blocks holding state other than ``nnx.Param`` (dropout RNG streams,
-        batch statistics); blocks that are not alike and do not repeat (the message names
-        the first differing attribute); or a count of blocks (of super-blocks) the ``pp``
-        size does not divide.
+      ValueError: blocks holding state other than ``nnx.Param`` and RNG streams (batch
+        statistics, caches); blocks that are not
+        alike and do not repeat (the message names the first differing attribute); or a
+        count of blocks (of super-blocks) the ``pp`` size does not divide.
 
     Example:
       >>> import jax
@@ -308,6 +362,7 @@ def pipeline_blocks(
         period=period,
         schedule=schedule,
         num_virtual_stages=num_virtual_stages,
+        outputs=outputs,
     )
     parent, _, name = container.rpartition(".")
     setattr(module_at(model, parent), name, stand_in)

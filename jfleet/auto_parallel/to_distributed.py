@@ -44,12 +44,14 @@ from flax import nnx
 
 from jfleet.auto_parallel.apply_plan import apply_plan
 from jfleet.auto_parallel.block_check import (
+    ACTIVATION,
     ARRAY,
     TREE,
-    pipeline_problem,
+    block_problems,
     record_block_calls,
     state_problem,
 )
+from jfleet.auto_parallel.block_extras import BlockOutputs
 from jfleet.auto_parallel.blocks import (
     PipelinedBlocks,
     container_of,
@@ -237,11 +239,9 @@ def to_distributed(
     strategy = _strategy(config.strategy, plan)
     placement = _init_fleet(plan, strategy, device_num * node_num)
     apply_distributed_settings(model, strategy, placement)
-    per_sample = config.per_sample_args
-    if per_sample is None and plan.blocks and plan.mesh_shape[PP] > 1:
-        per_sample = _per_sample_args(model, plan.blocks, first, config.forward)
+    per_sample, outputs = _pipelined_blocks(model, plan, first, config)
     scan = config.scan_layers and _scannable(model, plan, first, config.forward)
-    apply_plan(model, plan, placement, per_sample, scan=scan)
+    apply_plan(model, plan, placement, per_sample, scan=scan, outputs=outputs)
     dist = make_distributed_optimizer(tx, strategy)
     _context.replace(optimizer=dist)  # what fleet's optimizer getters read
     dist.wrt = wrt
@@ -422,9 +422,11 @@ def _pipeline_problem(
     """True when the decoder blocks can run as a pipelined stack, else the reason why not.
 
     Checked at planning time on the traced forward
-    (:func:`~jfleet.auto_parallel.block_check.pipeline_problem`): parameters only (no
-    dropout RNG streams or caches), alike or repeating blocks, each called once in order
-    with the same further arguments (arrays, not cache objects), returning the activation.
+    (:func:`~jfleet.auto_parallel.block_check.block_problems`): parameters and RNG streams
+    only (no caches), alike or repeating blocks, each called once in order with the same
+    further arguments (arrays, not cache objects), returning the activation (and parts
+    summed over the blocks or unused). What keeps the blocks from a scan is kept for
+    :func:`_scannable`.
     """
     if not patterns.blocks:
         return True
@@ -432,10 +434,10 @@ def _pipeline_problem(
     def call() -> Any:
         return forward(model, inputs) if forward is not None else model(inputs)
 
-    problem = pipeline_problem(model, list(patterns.blocks), call)
+    problem, scan = block_problems(model, list(patterns.blocks), call)
     if problem:
         logger.info("to_distributed: no pipeline: %s", problem)
-    _BLOCK_PROBLEMS[model] = problem or True
+    _BLOCK_PROBLEMS[model] = scan or True
     return problem or True
 
 
@@ -456,7 +458,7 @@ def _scannable(model: nnx.Module, plan: Plan, first: Any, forward: Callable | No
     if problem is None:  # a given plan: the forward was not traced
         inputs, fwd = _model_call(first, forward)
         call = (lambda: fwd(model, inputs)) if fwd is not None else (lambda: model(inputs))
-        problem = pipeline_problem(model, list(plan.blocks), call) or True
+        problem = block_problems(model, list(plan.blocks), call)[1] or True
     if problem is True:  # the strategy's settings (QAT's scales) may have added state since
         problem = state_problem(model, list(plan.blocks)) or True
     if problem is True:
@@ -474,6 +476,43 @@ def _leading(text: str) -> int | None:
     inside = text.partition("[")[2].partition("]")[0]
     head = inside.split(",")[0]
     return int(head) if head.strip().isdigit() else None
+
+
+def _pipelined_blocks(
+    model: nnx.Module, plan: Plan, first: Any, config: ToDistributedConfig
+) -> tuple[tuple[int | str, ...] | None, BlockOutputs | None]:
+    """A pipelined stack's per-sample block arguments and what its blocks return besides
+    the activation (both None without a pipeline)."""
+    if not plan.blocks or plan.mesh_shape[PP] == 1:
+        return config.per_sample_args, None
+    per_sample = config.per_sample_args
+    if per_sample is None:
+        per_sample = _per_sample_args(model, plan.blocks, first, config.forward)
+    return per_sample, _block_outputs(model, plan.blocks, first, config.forward)
+
+
+def _block_outputs(
+    model: nnx.Module, blocks: tuple[str, ...], batch: Any, forward: Callable | None
+) -> BlockOutputs | None:
+    """How the forward uses a block's output beyond the activation it hands on (from the
+    traced dataflow), or None when the blocks return the activation alone."""
+    inputs, fwd = _model_call(batch, forward)
+
+    def call() -> Any:
+        return fwd(model, inputs) if fwd is not None else model(inputs)
+
+    first = record_block_calls(model, list(blocks), call)[0].calls[0]
+    if first.same_structure:
+        return None
+    if first.roles.count(ACTIVATION) != 1:
+        raise ValueError(
+            f"the plan pipelines the blocks, but block {blocks[0]} returns a {first.returns} "
+            "none (or more than one) of whose parts is the next block's activation, so the "
+            "stack cannot hand one on; plan without a pipeline (config.force_mesh with pp 1)."
+        )
+    at = first.roles.index(ACTIVATION)
+    rows = first.out_avals[at].shape[0]
+    return BlockOutputs(first.out_tree, first.roles, first.out_avals, rows)
 
 
 def _per_sample_args(

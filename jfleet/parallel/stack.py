@@ -132,8 +132,9 @@ def _steps(module: nnx.Module) -> Iterator[nnx.Module]:
 # ------------------------------------------------------------------ stacking
 
 
-def check_params_only(module: Any, what: str, fix: str = "") -> None:
-    """Raises when ``module`` holds state other than ``nnx.Param`` (pipelined layers may not).
+def check_params_only(module: Any, what: str, fix: str = "", *, streams: bool = False) -> None:
+    """Raises when ``module`` holds state other than ``nnx.Param`` (pipelined layers may not;
+    with ``streams``, RNG streams are allowed too).
 
     Raises:
       ValueError: naming ``what``, the state kinds found and the fix.
@@ -141,7 +142,8 @@ def check_params_only(module: Any, what: str, fix: str = "") -> None:
     Example:
       >>> check_params_only(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), "a stage")
     """
-    other = nnx.state(module, nnx.Not(nnx.Param))
+    kept = nnx.Any(nnx.Param, nnx.RngState) if streams else nnx.Param
+    other = nnx.state(module, nnx.Not(kept))
     if jax.tree.leaves(other):
         kinds = sorted({type(v).__name__ for _, v in nnx.to_flat_state(other)})
         raise ValueError(
@@ -157,6 +159,7 @@ def stack_layers(
     name: str | None = None,
     *,
     period: int = 1,
+    streams: bool = False,
 ) -> Any:
     """One module whose parameters are the layers' stacked to ``[P, N/P, ...]``.
 
@@ -176,6 +179,8 @@ def stack_layers(
       name: what the layers are called in error messages (default: their class name).
       period: ``p``, the number of consecutive layers stacked as one unit; it must
         divide ``N``.
+      streams: allow RNG streams (``nnx.RngState``: their keys and counts are stacked like
+        the parameters); the caller draws from them as it documents.
 
     Returns:
       A module of the layers' class (``period=1``) or a :class:`SuperBlock` (its
@@ -204,7 +209,7 @@ def stack_layers(
       ('SuperBlock', (2, 1, 2, 2), 'highest')
     """
     layers = list(layers)
-    name = _check_stackable(layers, num_stages, period, name)
+    name = _check_stackable(layers, num_stages, period, name, streams)
     count, units = len(layers), len(layers) // period
     if period > 1:
         layers = [SuperBlock(layers[k : k + period]) for k in range(0, count, period)]
@@ -227,7 +232,9 @@ def stack_layers(
     return nnx.merge(graphdef, stacked)
 
 
-def _check_stackable(layers: list, num_stages: int, period: int, name: str | None) -> str:
+def _check_stackable(
+    layers: list, num_stages: int, period: int, name: str | None, streams: bool = False
+) -> str:
     """Raises when ``layers`` cannot be stacked; returns what they are called."""
     if not layers:
         raise ValueError("stack_layers(layers=[]): pass the (alike) layers to stack.")
@@ -258,6 +265,7 @@ def _check_stackable(layers: list, num_stages: int, period: int, name: str | Non
             layer,
             f"the pipelined body's {name} layers",
             "or keep such layers in the pre / post part",
+            streams=streams,
         )
     mismatch = first_mismatch(layers, period)
     if mismatch:

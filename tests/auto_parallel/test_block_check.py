@@ -57,6 +57,80 @@ class AuxDecoder(Decoder):
         return self.embed.attend(self.norm(x)), total
 
 
+class AuxListDecoder(AuxDecoder):
+    """Keeps each block's auxiliary loss apart: a pipeline cannot return them one by one."""
+
+    def __call__(self, tokens):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x, losses = self.embed(tokens), []
+        for layer in self.layers:
+            x, aux = layer(x, positions)
+            losses.append(aux)
+        return self.embed.attend(self.norm(x)), losses
+
+
+class HiddenStatesDecoder(Decoder):
+    """Sums every block's hidden state into its output: a pipeline returns only the last."""
+
+    def __call__(self, tokens):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x = self.embed(tokens)
+        states = []
+        for layer in self.layers:
+            x = layer(x, positions)
+            states.append(x)
+        return self.embed.attend(self.norm(sum(states)))
+
+
+class CacheOutBlock(Block):
+    """Returns (cache, hidden) as decoding ports do; training drops the cache."""
+
+    def __call__(self, x, positions):
+        y = super().__call__(x, positions)
+        return {"k": 2 * x, "v": 3 * x}, y
+
+
+class CacheOutDecoder(Decoder):
+    block_class = CacheOutBlock
+
+    def __call__(self, tokens):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x = self.embed(tokens)
+        for layer in self.layers:
+            _, x = layer(x, positions)
+        return self.embed.attend(self.norm(x))
+
+
+class KeyOutBlock(Block):
+    """Returns a PRNG key beside the hidden state: no array a pipeline can carry."""
+
+    def __call__(self, x, positions):
+        return super().__call__(x, positions), jax.random.key(0)
+
+
+class KeyOutDecoder(Decoder):
+    block_class = KeyOutBlock
+
+    def __call__(self, tokens):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x, _ = layer(x, positions)
+        return x
+
+
+class StatsBlock(Block):
+    """Holds a batch statistic (state other than nnx.Param and RNG streams)."""
+
+    def __init__(self, i, *, rngs):
+        super().__init__(i, rngs=rngs)
+        self.seen = nnx.BatchStat(jnp.zeros(()))
+
+
+class StatsDecoder(Decoder):
+    block_class = StatsBlock
+
+
 class ShiftingBlock(Block):
     """Takes (hidden, positions) and returns the positions shifted: they do not pass back."""
 
@@ -165,10 +239,9 @@ class ScalingDecoder(Decoder):
 
 CASES = {
     "state": (
-        DropoutDecoder,
+        StatsDecoder,
         {},
-        r"state other than nnx.Param: layers\.0\.drop\.rngs\.count \(RngCount\), "
-        r"layers\.0\.drop\.rngs\.key \(RngKey\)",
+        r"state other than nnx.Param: layers\.0\.seen \(BatchStat\), layers\.1\.seen",
     ),
     "no-period": (
         lambda: Decoder(kinds=(0, 1, 1, 1)),
@@ -181,11 +254,24 @@ CASES = {
         {"num_stages": 4},
         r"repeat every 2 .* 2 super-blocks of 2, which 4 pipeline stages do not split evenly",
     ),
-    "aux-output": (
-        AuxDecoder,
+    "aux-kept-apart": (
+        AuxListDecoder,
         {},
-        r"block layers\.0 returns a tuple \(float32\[4,8,16\], float32\[\]\) where it takes "
+        r"block layers\.0 returns \(float32\[4,8,16\], float32\[\]\), and its output part 1 "
+        r"\(float32\[\]\) reaches the forward's output other than through the next block or "
+        r"a running sum",
+    ),
+    "key-output": (
+        KeyOutDecoder,
+        {},
+        r"block layers\.0 returns a tuple \(float32\[4,8,16\], key<fry>\) where it takes "
         r"float32\[4,8,16\] — only the activation",
+    ),
+    "hidden-states": (
+        HiddenStatesDecoder,
+        {},
+        r"block layers\.0 returns float32\[4,8,16\], and its output part 0 \(float32\[4,8,16\]\) "
+        r"reaches the forward's output other than through the next block",
     ),
     "changed-int": (
         ShiftingDecoder,
@@ -246,7 +332,9 @@ def test_pipeline_problem_names_the_reason_and_leaves_the_model_alone(case):
     assert_unchanged(model, before)
 
 
-@pytest.mark.parametrize("make", [Decoder, DictArgumentDecoder])
+@pytest.mark.parametrize(
+    "make", [Decoder, DictArgumentDecoder, DropoutDecoder, AuxDecoder, CacheOutDecoder]
+)
 def test_pipeline_problem_passes_alternating_blocks_and_array_dicts(make):
     model = make()
     before = snapshot(model)
@@ -291,3 +379,23 @@ def test_period_problem_and_the_shared_block_period():
         1,
         "the 3 blocks do not split evenly into 2 pipeline stages; use a pp degree dividing 3.",
     )
+
+
+def test_block_outputs_get_their_roles_from_the_dataflow_and_are_not_scanned():
+    """The activation handed on, a loss summed over the blocks, a cache nobody reads; RNG
+    streams and extra outputs pipeline but keep the blocks out of a scan."""
+    roles = {}
+    for make in (AuxDecoder, CacheOutDecoder, AuxListDecoder, DropoutDecoder):
+        model = make()
+        records = block_check.record_block_calls(model, PATHS, lambda m=model: m(tokens()))
+        roles[make.__name__] = {r.calls[0].roles for r in records}
+        pipeline, scan = block_check.block_problems(model, PATHS, lambda m=model: m(tokens()))
+        if make is not AuxListDecoder:
+            assert pipeline is None and scan is not None, make
+    A, S, D, U = block_check.ACTIVATION, block_check.SUM, block_check.DROPPED, block_check.USED
+    assert roles["AuxDecoder"] == {(A, S)}
+    assert roles["CacheOutDecoder"] == {(D, D, A)}  # dict leaves k, v, then the hidden state
+    assert roles["AuxListDecoder"] == {(A, U)}
+    assert roles["DropoutDecoder"] == {(A,) * 1}
+    first = block_check.record_block_calls(AuxDecoder(), PATHS, lambda: None)
+    assert all(not r.calls for r in first)

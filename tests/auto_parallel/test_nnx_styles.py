@@ -72,7 +72,7 @@ def test_the_registry_holds_every_style_with_consistent_fields():
         assert style.note
     assert STYLES["gqa_qknorm"].kv_replicated_at == 4
     assert STYLES["gqa_qknorm_mqa"].kv_replicated_at == 2
-    assert not STYLES["dropout"].pipelines and STYLES["kv_cache"].forward is not None
+    assert STYLES["dropout"].pipelines and STYLES["kv_cache"].forward is not None
 
 
 def test_batches_share_one_format():

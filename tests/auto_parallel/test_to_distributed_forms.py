@@ -8,6 +8,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -18,6 +19,7 @@ from jfleet import make_train_step
 from jfleet.auto_parallel import ToDistributedConfig, get_plan, to_distributed
 from jfleet.testing import train_one_device
 from jfleet.testing.nnx_styles import FORMS
+from jfleet.testing.nnx_styles.block_forms import DropoutDecoder
 
 STEPS = 10
 TOL = 1e-4
@@ -114,3 +116,50 @@ def test_decoder_blocks_taking_the_encoder_output_are_refused_a_pipeline_with_th
     )
     with pytest.raises(ValueError, match="computed from the model's parameters"):
         to_distributed(form.build(nnx.Rngs(0)), optax.adam(1e-2), form.batches(2), config=config)
+
+
+def dropout_run(rate: float | None, steps: int = 3):
+    """The dropout form pipelined at dp2 x pp2 x mp2 over 2 micro-batches: losses, the model."""
+    form = FORMS["dropout_blocks"]
+    config = ToDistributedConfig(
+        force_mesh={"dp": 2, "pp": 2, "mp": 2}, forward=form.forward, num_microbatches=2
+    )
+    model, opt, loader = to_distributed(
+        DropoutDecoder(rate, rngs=nnx.Rngs(params=0, dropout=1)),
+        optax.adam(1e-2),
+        form.batches(steps),
+        config=config,
+    )
+    step = make_train_step(form.loss_fn)
+    return [float(step(model, opt, batch)) for batch in loader], model
+
+
+def stream_counts(model: nnx.Module) -> list[int]:
+    """Every RNG stream's count, a stacked stream's counts one per block, in sorted order."""
+    counts = jax.tree.leaves(nnx.state(model, nnx.RngCount))
+    return sorted(int(c) for a in counts for c in np.asarray(a).reshape(-1))
+
+
+def test_pipelined_dropout_draws_what_the_unpipelined_model_draws_and_reruns_bit_identically():
+    """Rate 0.1 inside the blocks (and after the embedding): the pipelined run equals the
+    unpipelined one (one device: its draws do not depend on the mesh) to fp32 rounding, the
+    masks being the same bits; a second run with the seed is bit-identical; the streams'
+    counts advance as the unpipelined run's; rate 0 is the model without dropout."""
+    form = FORMS["dropout_blocks"]
+    reference = DropoutDecoder(0.1, rngs=nnx.Rngs(params=0, dropout=1))
+    want, _ = train_one_device(reference, optax.adam(1e-2), form.batches(3), form.loss_fn)
+    plain, _ = train_one_device(
+        DropoutDecoder(None, rngs=nnx.Rngs(params=0, dropout=1)),
+        optax.adam(1e-2),
+        form.batches(3),
+        form.loss_fn,
+    )
+    assert np.abs(np.asarray(want) - plain).max() > 1e-3  # the masks change the losses
+    first, model = dropout_run(0.1)
+    np.testing.assert_allclose(first, want, rtol=1e-6, atol=1e-6)
+    assert stream_counts(model) == stream_counts(reference) == [3] * 7
+    again, _ = dropout_run(0.1)
+    assert again == first  # bit-identical
+    zero, model = dropout_run(0.0)
+    np.testing.assert_allclose(zero, plain, rtol=1e-6, atol=1e-6)
+    assert stream_counts(model) == [0] * 7  # rate 0 draws nothing

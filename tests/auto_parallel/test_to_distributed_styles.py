@@ -140,14 +140,12 @@ def test_interleaved_vpp_trains_the_flax_minigpt_style_like_one_device():
 
 
 # ------------------------------------------------------------------ what cannot be split
-def test_blocks_with_dropout_streams_are_refused_a_pipeline_at_planning_time():
+def test_blocks_with_dropout_streams_are_not_excluded_from_pipelines_at_planning_time():
+    """Their pipelined draws are the unpipelined ones (``PIPELINED`` trains the style so)."""
     style = STYLES["dropout"]
-    config = ToDistributedConfig(force_mesh={"dp": 2, "pp": 2, "mp": 2})
-    with pytest.raises(ValueError, match=r"cannot be pipelined: the blocks hold state other"):
-        to_distributed(style.build(nnx.Rngs(0)), optax.adam(1e-2), style.batches(1), config=config)
     model, _, _ = to_distributed(style.build(nnx.Rngs(0)), optax.adam(1e-2), style.batches(1))
     reasons = dict(get_plan(model).excluded)
-    assert "dp4 x pp2" in reasons and "RngKey" in reasons["dp4 x pp2"]
+    assert not any("Rng" in reason for reason in reasons.values()), reasons
 
 
 def test_blocks_that_do_not_repeat_are_not_pipelined_and_the_setting_is_named():

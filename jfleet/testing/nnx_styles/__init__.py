@@ -14,9 +14,10 @@ copied) and a hand-written table of the dimension a Megatron layout splits in ea
 * ``gemma_alternating``: Gemma 2/3 (local and global blocks of one class).
 * ``dropout``: nanoGPT / minGPT (``nnx.Dict`` of ``wte``/``wpe``/``h``, ``nnx.Dropout``).
 
-:data:`FORMS` (:mod:`.forms`, models in :mod:`.beyond_lm`): a ViT, the MNIST CNN, a T5-style
-encoder-decoder, a Mixture-of-Experts decoder and the Llama reference trained through a KV
-cache: the forms of issue 27, with image or token batches.
+:data:`FORMS` (:mod:`.forms`, models in :mod:`.beyond_lm` and :mod:`.block_forms`): a ViT,
+the MNIST CNN, a T5-style encoder-decoder, a Mixture-of-Experts decoder, the Llama reference
+trained through a KV cache, and decoders whose blocks return ``(cache, x)`` or ``{"hidden",
+"aux_loss"}`` or hold dropout streams: the forms of issue 27, with image or token batches.
 
 The models live in :mod:`.flax_tutorials`, :mod:`.gemma` and :mod:`.ports`; :mod:`.registry`
 holds :data:`STYLES`. Every name stays importable from ``jfleet.testing.nnx_styles``.
@@ -32,6 +33,11 @@ from __future__ import annotations
 
 from jfleet.testing.nnx_styles._shared import (
     MAX_SEQ,
+)
+from jfleet.testing.nnx_styles.block_forms import (
+    AuxLossDecoder,
+    CacheReturningDecoder,
+    DropoutDecoder,
 )
 from jfleet.testing.nnx_styles.flax_tutorials import (
     DenseGeneralAttention,
@@ -87,12 +93,15 @@ __all__ = [
     "MAX_SEQ",
     "MLP",
     "STYLES",
+    "AuxLossDecoder",
     "Block",
+    "CacheReturningDecoder",
     "CausalSelfAttention",
     "DenseGeneralAttention",
     "DenseGeneralLM",
     "DenseGeneralLayer",
     "DenseGeneralMlp",
+    "DropoutDecoder",
     "Gemma3Block",
     "Gemma3FeedForward",
     "Gemma3LM",

@@ -1,19 +1,23 @@
 """The forms beyond the decoder LM (:mod:`.beyond_lm`) as :class:`~.registry.Style` entries.
 
 :data:`FORMS` holds a ViT and the MNIST CNN (image batches, class labels), a T5-style
-encoder-decoder, a Mixture-of-Experts decoder and the Llama reference trained through a fresh
-KV cache (token batches, next-token labels). Each entry's ``splits`` are absolute paths (``*``
+encoder-decoder, a Mixture-of-Experts decoder, the Llama reference trained through a fresh
+KV cache, and decoders whose blocks return ``(cache, x)``, return ``{"hidden", "aux_loss"}``
+with the losses summed over the blocks, or hold dropout streams (:mod:`.block_forms`; token
+batches, next-token labels). Each entry's ``splits`` are absolute paths (``*``
 for a block index) of the weights a Megatron layout splits over ``mp``.
 
 Example:
-  >>> sorted(FORMS)
-  ['cnn', 'encoder_decoder', 'kv_cache_train', 'moe', 'vit']
+  >>> sorted(FORMS)  # doctest: +NORMALIZE_WHITESPACE
+  ['aux_loss', 'cache_returning', 'cnn', 'dropout_blocks', 'encoder_decoder',
+   'kv_cache_train', 'moe', 'vit']
   >>> FORMS["vit"].batches(1)[0]["images"].shape
   (8, 8, 8, 3)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -28,6 +32,11 @@ from jfleet.testing.nnx_styles.beyond_lm import (
     MoeDecoder,
     VisionTransformer,
     cache_forward,
+)
+from jfleet.testing.nnx_styles.block_forms import (
+    AuxLossDecoder,
+    CacheReturningDecoder,
+    DropoutDecoder,
 )
 from jfleet.testing.nnx_styles.ports import LlamaCacheTransformer, ModelArgs
 from jfleet.testing.nnx_styles.registry import Style, token_batches
@@ -66,6 +75,17 @@ def _tokens(model: nnx.Module, batch: dict) -> jax.Array:
     return model(jnp.asarray(batch["tokens"]))
 
 
+def _with_aux(model: nnx.Module, batch: dict) -> tuple[jax.Array, jax.Array]:
+    return model(jnp.asarray(batch["tokens"]))
+
+
+def _aux_loss(model: nnx.Module, batch: dict) -> jax.Array:
+    logits, aux = _with_aux(model, batch)
+    labels = jnp.asarray(batch["labels"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+    return ce.mean() + aux
+
+
 def _seq2seq(model: nnx.Module, batch: dict) -> jax.Array:
     tokens = jnp.asarray(batch["tokens"])
     return model(tokens, tokens)
@@ -101,6 +121,14 @@ _ATTN = "\n".join(
     f"{{p}}.{n}.kernel  {r}  {d}  32x32" for n, r, d in (("q", "q", 1), ("k", "k", 1),
                                                          ("v", "v", 1), ("o", "o", 0))
 )  # fmt: skip
+
+_BLOCK_TABLE = (
+    _ATTN.format(p="layers.*")
+    + """
+layers.*.up.kernel    up    1  32x64
+layers.*.down.kernel  down  0  64x32
+"""
+)
 
 FORMS: dict[str, Style] = {
     "vit": _form(
@@ -193,6 +221,43 @@ FORMS: dict[str, Style] = {
         "layers",
         False,
         "a fresh cache each step: k / v written with a dynamic update, then read back",
+    ),
+    "cache_returning": _form(
+        "cache_returning",
+        lambda rngs: CacheReturningDecoder(rngs=rngs),
+        functools.partial(token_batches, vocab=48),
+        _tokens,
+        _BLOCK_TABLE,
+        (48, 32, 4, 4, 8, 64, 2),
+        "layers",
+        True,
+        "blocks return (cache, x); the training forward drops the cache",
+    ),
+    "aux_loss": dataclasses.replace(
+        _form(
+            "aux_loss",
+            lambda rngs: AuxLossDecoder(rngs=rngs),
+            functools.partial(token_batches, vocab=48),
+            _with_aux,
+            _BLOCK_TABLE,
+            (48, 32, 4, 4, 8, 64, 2),
+            "layers",
+            True,
+            "blocks return {'hidden', 'aux_loss'}; the forward sums the losses over the blocks",
+        ),
+        loss_fn=_aux_loss,
+    ),
+    "dropout_blocks": _form(
+        "dropout_blocks",
+        lambda rngs: DropoutDecoder(0.1, rngs=rngs),
+        functools.partial(token_batches, vocab=48),
+        _tokens,
+        _BLOCK_TABLE,
+        (48, 32, 4, 4, 8, 64, 2),
+        "layers",
+        True,
+        "nnx.Dropout(0.1) with its own stream after the embedding, the attention "
+        "probabilities and each residual branch",
     ),
 }
 """Issue 27's forms, by name."""

@@ -105,7 +105,7 @@ _SIZES = {
     "gqa_qknorm_mqa": (80, 48, 4, 1, 8, 96, 2, 2, True),
     "kv_cache": (64, 32, 4, 4, 8, 96, 2, None, True),
     "gemma_alternating": (128, 32, 4, 2, 16, 64, 4, 4, True),
-    "dropout": (64, 32, 4, 4, 8, 128, 2, None, False),
+    "dropout": (64, 32, 4, 4, 8, 128, 2, None, True),
 }
 
 # [name] block container, then per weight of a block: path  role  split dimension  shape
@@ -184,7 +184,7 @@ _NOTES = {
     "gqa_qknorm_mqa": "gqa_qknorm with one kv head: k/v cannot split even at mp 2",
     "kv_cache": "block returns (x, cache) with a cache; training without one pipelines",
     "gemma_alternating": "graphs differ by a static window; stages need whole pairs",
-    "dropout": "blocks own RNG streams advanced per call: no pipeline as-is",
+    "dropout": "blocks own RNG streams; pipelined, they draw what the unpipelined blocks draw",
 }
 
 
