@@ -96,6 +96,8 @@ class Trace:
       activations: ``{projection: primitive}``: the first nonlinearity (``erf``,
         ``logistic``, ``max``, ...) its input went through since the previous projection.
       input_dtypes: the traced inputs' dtypes.
+      fed_by: ``{projection: projections}``: the projections its input came from most
+        recently (through any work).
     """
 
     paths: tuple[tuple, ...]
@@ -115,6 +117,7 @@ class Trace:
     reads_inputs: frozenset[int] = frozenset()
     activations: dict[int, str] = dataclasses.field(default_factory=dict)
     input_dtypes: tuple[str, ...] = ()
+    fed_by: dict[int, frozenset] = dataclasses.field(default_factory=dict)
 
     def path(self, i: int) -> str:
         """Parameter ``i``'s dotted path."""
@@ -216,4 +219,5 @@ def trace_model(
         reads_inputs=frozenset(walk.reads_inputs),
         activations=dict(walk.activations),
         input_dtypes=tuple(str(v.dtype) for v in ivals),
+        fed_by={k: frozenset(v) for k, v in walk.fed_by.items()},
     )

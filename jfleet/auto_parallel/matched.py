@@ -307,6 +307,23 @@ class ModelPatterns:
                 out.add(p.units or p.shape[p.split_dim])
         return tuple(sorted(out))
 
+    def indivisible(self, mp: int) -> tuple[ParamInfo, ...]:
+        """The parameters whose split :attr:`ParamInfo.units` ``mp`` does not divide, outside
+        the optional splits (:meth:`split_dims`' counterpart, for naming them in an error).
+
+        >>> q = ParamInfo(path="q", shape=(32, 12), dtype="float32", role="q", kind="kernel",
+        ...               split_dim=1, units=6)
+        >>> [p.path for p in ModelPatterns(params=(q,), dims=ModelDims()).indivisible(4)]
+        ['q']
+        """
+        return tuple(
+            p
+            for p in self.params
+            if p.split_dim is not None
+            and p.role not in OPTIONAL_SPLIT_ROLES
+            and (p.units or p.shape[p.split_dim]) % mp
+        )
+
     def summary(self) -> str:
         """One line: the architecture found."""
         d = self.dims

@@ -316,10 +316,19 @@ def _reason(i: int, trace: Trace | None, projections: set[int]) -> str:
         )
     if i in trace.cut:
         return (
-            f"its output dimension is cut ({trace.cut[i]}) before it reaches another "
-            "projection, so a contiguous split would not give whole heads (e.g. a fused qkv "
-            "laid out [3, heads, head_dim]: lay it out per head, [heads, 3, head_dim], to "
-            "split it)"
+            f"its output dimension is read in parts ({trace.cut[i]}) before it reaches another "
+            "projection: a fused kernel whose parts lie side by side (gate | up read by "
+            "jnp.split or h[..., :F] / h[..., F:], q | k | v, or [3, heads, head_dim]). Each "
+            "mp rank would need columns of every part, which no PartitionSpec of this kernel "
+            "places, so it stays whole with its pair; to split it, lay the parts out per unit: "
+            "interleaved (h[..., ::2] / h[..., 1::2]), [heads, 3, head_dim], or separate kernels"
+        )
+    fed_by = sorted(j for j in trace.fed_by.get(i, ()) if j in trace.cut)
+    if fed_by:
+        return (
+            f"its input comes from {path_str(trace.paths[fed_by[0]])}, whose output is read in "
+            f"parts ({trace.cut[fed_by[0]]}) and so stays whole: there is no column to pair it "
+            "with (see that kernel's reason)"
         )
     return (
         "its output reaches no other projection through per-head or elementwise work, so "

@@ -144,3 +144,90 @@ def test_blocks_differing_only_in_an_unread_attribute_are_one_stack():
     read = [ScaledBlock(i, float(i % 2)) for i in range(4)]  # scale is read: a real period
     assert block_period(read) == 2
     assert "scale" in first_difference(read[0], read[1])
+
+
+class SlicedGateUp(nnx.Module):
+    """A fused gate/up kernel ``[D, 2F]`` read as ``h[..., :F]`` / ``h[..., F:]``."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.gate_up = nnx.Linear(16, 48, use_bias=False, rngs=rngs)
+        self.down = nnx.Linear(24, 16, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.gate_up(x)
+        return self.down(nnx.silu(h[..., :24]) * h[..., 24:])
+
+
+class SlicedBlocks(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(40, 16, rngs=rngs)
+        self.blocks = nnx.List([SlicedGateUp(rngs) for _ in range(2)])
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.embed.attend(x)
+
+
+@pytest.mark.parametrize("read", ["jnp.split", "slices"])
+def test_a_contiguous_fused_gate_up_stays_whole_naming_why_and_the_layout_that_splits(read):
+    """Gate | up side by side: rank r would need columns r of both halves, which no
+    PartitionSpec of a [D, 2F] kernel places; the pair stays whole with both reasons."""
+    if read == "jnp.split":
+        _, found = _form(mlp="fused")  # gate, up = jnp.split(h, 2, axis=-1)
+        cut = "split into 2 contiguous parts"
+    else:
+        model = nnx.eval_shape(lambda: SlicedBlocks(nnx.Rngs(0)))
+        found = match_patterns(model, jnp.zeros((2, 6), jnp.int32))
+        cut = "contiguous slice [0:24] of 48"
+    why = dict(found.replicated_in_blocks)
+    fused, down = "blocks.0.mlp.gate_up.kernel", "blocks.0.mlp.down.kernel"
+    if read == "slices":
+        fused, down = "blocks.0.gate_up.kernel", "blocks.0.down.kernel"
+    assert found.role(fused) is None and found.role(down) is None and found.mlp is None
+    assert f"read in parts ({cut})" in why[fused] and "interleaved (h[..., ::2]" in why[fused]
+    assert why[down].startswith(f"its input comes from {fused}, whose output is read in parts")
+
+
+def test_forcing_mp_on_a_contiguous_gate_up_is_refused_naming_the_kernel_its_shape_and_why():
+    model, found = _form(mlp="fused")
+    from jfleet.auto_parallel.planner import plan_for
+
+    with pytest.raises(ValueError, match=r"blocks\.0\.mlp\.gate_up\.kernel \[16x48\]: its output"):
+        plan_for(model, device_num=8, batch_size=8, seq_len=6, force_mesh={"dp": 2, "mp": 4},
+                 patterns=found)  # fmt: skip
+
+
+def test_an_interleaved_linear_gate_up_trains_like_one_device_at_dp2_mp4():
+    """The layout the refusal points to: the same fused nnx.Linear read h[..., ::2] /
+    h[..., 1::2] splits with its down projection and trains like one device."""
+    import numpy as np
+    import optax
+
+    from jfleet import make_train_step
+    from jfleet.auto_parallel import ToDistributedConfig, get_plan, to_distributed
+    from jfleet.testing import train_one_device
+    from jfleet.testing.nnx_styles.registry import token_batches
+
+    form = Form("separate", 2, "none", False, "none", "fused_strided", "array", "rms", "embed",
+                "separate", 2)  # fmt: skip
+
+    def loss_fn(model, batch):
+        logits = model(jnp.asarray(batch["tokens"]))
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+    batches = token_batches(10, seq=6, vocab=40)
+    one = FormModel(form, nnx.Rngs(0))
+    reference, _ = train_one_device(one, optax.adam(1e-2), batches, loss_fn)
+    config = ToDistributedConfig(force_mesh={"dp": 2, "mp": 4})
+    model, opt, loader = to_distributed(
+        FormModel(form, nnx.Rngs(0)), optax.adam(1e-2), batches, config=config
+    )
+    plan = get_plan(model)
+    assert plan.spec("blocks.0.mlp.gate_up.kernel") == COL
+    assert plan.spec("blocks.1.mlp.down.kernel") == ROW
+    step = make_train_step(loss_fn)
+    losses = [float(step(model, opt, batch)) for batch in loader]
+    assert reference[-1] < reference[0]
+    np.testing.assert_allclose(losses, reference, rtol=1e-4, atol=1e-4)
