@@ -334,6 +334,8 @@ def shape_problem(
         blocks, period = len(patterns.blocks), patterns.block_period
         if blocks < 2:
             return "no run of >= 2 identical blocks to pipeline"
+        if len(patterns.stacks) > 1:
+            return _stacks_reason(patterns)
         if period is None:
             return (
                 "the blocks are not alike (static settings included) and do not repeat, so "
@@ -385,6 +387,17 @@ def _indivisible_reason(patterns: ModelPatterns, bad: tuple, mp: int, devices_pe
         + "; ".join(shown)
         + (f" (and {more} more parameter(s) alike)" if more else "")
         + f"; use mp in {tuple(fits)}, or sizes that {mp} divides"
+    )
+
+
+def _stacks_reason(patterns: ModelPatterns) -> str:
+    """pp > 1 on a model with several block stacks (an encoder-decoder)."""
+    shown = ", ".join(
+        f"{paths[0].rsplit('.', 1)[0]}: {len(paths)} x {cls}" for paths, cls in patterns.stacks
+    )
+    return (
+        f"the model has {len(patterns.stacks)} block stacks ({shown}); a pipeline runs one "
+        "stack of alike blocks, so a model with several runs with pp=1"
     )
 
 

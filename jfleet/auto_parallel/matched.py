@@ -208,6 +208,8 @@ class ModelPatterns:
         included; 2: alternating local / global attention, ...); None when they do not
         repeat (:func:`jfleet.parallel.stack.block_period`). A pipeline stacks super-blocks
         of one period.
+      stacks: ``(block paths, class)`` of each stack of blocks, in the model's order (an
+        encoder-decoder has two; ``blocks`` holds them all, stack by stack).
 
     Example:
       >>> import numpy as np
@@ -235,6 +237,7 @@ class ModelPatterns:
     block_period: int | None = 1
     activation: str | None = None
     inputs: tuple[tuple[tuple[int, ...], str], ...] = ()
+    stacks: tuple[tuple[tuple[str, ...], str], ...] = ()
 
     @property
     def input_kind(self) -> str:
@@ -334,12 +337,19 @@ class ModelPatterns:
             if self.attention
             else "no attention",
             f"mlp {self._mlp_kind} (hidden {d.hidden})" if self.mlp else "no mlp",
-            f"{len(self.blocks)} x {self.block_class}" if self.blocks else "no repeated blocks",
+            self._blocks_text(),
             self._head_text(),
         ]
         if self.input_kind != "tokens":
             parts[1] = f"reads {self.input_kind}"
         return ", ".join(parts)
+
+    def _blocks_text(self) -> str:
+        if len(self.stacks) > 1:
+            return " + ".join(
+                f"{len(paths)} x {cls} ({paths[0].rsplit('.', 1)[0]})" for paths, cls in self.stacks
+            )
+        return f"{len(self.blocks)} x {self.block_class}" if self.blocks else "no repeated blocks"
 
     @property
     def _mlp_kind(self) -> str | None:

@@ -35,7 +35,10 @@ reads the roles from the computation, not from names or kernel ranks:
   decoder blocks (column parallel over the vocabulary); with none, the head is taken to be
   tied to the token embedding (``embed.attend``);
 * the **decoder blocks**: the longest run (by parameters) of >= 2 sibling modules of one
-  class with the same parameter paths, shapes and dtypes: the pipeline candidate.
+  class with the same parameter paths, shapes and dtypes: the pipeline candidate; beside
+  it, any other list of such blocks (an encoder-decoder's encoder and decoder): every stack's
+  blocks are the model's blocks (the cost model counts them all), and a model with several
+  stacks runs without a pipeline, the plan naming them.
 
 **Steps.** :func:`match_patterns` chains named steps, each testable on its own: the module
 tree (:func:`~jfleet.auto_parallel.module_parts.read_parts`, embeddings, norms) ->
@@ -168,6 +171,14 @@ def _inputs_of(trace: Trace | None) -> tuple[tuple[tuple[int, ...], str], ...]:
     if trace is None:
         return ()
     return tuple(zip(trace.input_shapes, trace.input_dtypes, strict=True))
+
+
+def _first_used(trace: Trace | None) -> tuple[tuple, ...]:
+    """Parameter paths in the order the traced forward first multiplies them."""
+    if trace is None:
+        return ()
+    seen = dict.fromkeys(trace.paths[d.param] for d in trace.dots if d.param is not None)
+    return tuple(seen)
 
 
 def _fed_tables(trace: Trace | None) -> frozenset:
@@ -423,7 +434,7 @@ def match_patterns(
     trace, traced_tokens = trace_step(model, inputs, forward, parts)
     find_embeddings(parts, _fed_tables(trace))
     find_norms(parts)
-    blocks = find_blocks(parts)
+    blocks = find_blocks(parts, _first_used(trace))
     read, projections, found_roles = _read_trace(trace, parts, blocks)
     tied = find_head(parts, blocks, bool(found_roles.attention or found_roles.mlp))
     infos, replicated = param_infos(parts, blocks, read, projections)
@@ -446,6 +457,7 @@ def match_patterns(
         traced_tokens=traced_tokens,
         replicated_in_blocks=replicated,
         block_period=blocks.period,
+        stacks=tuple((tuple(path_str(b) for b in paths), cls) for paths, cls in blocks.stacks),
     )
     logger.debug("patterns: %s; unmatched %s", found.summary(), list(found.unmatched))
     return found

@@ -355,6 +355,23 @@ def _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len
     return dataclasses.replace(plan, workload=patterns.workload(batch_size, seq_len))
 
 
+def _stacks_problem(model: nnx.Module, patterns: ModelPatterns, call: Callable) -> str:
+    """Why a model with several block stacks gets no pipeline: one pipeline runs one stack,
+    and each stack's own reason where it has one (decoder blocks handed the encoder's
+    output, which a pipeline's block arguments would give no gradient)."""
+    own = []
+    for paths, cls in patterns.stacks:
+        why = pipeline_problem(model, list(paths), call)
+        if why:
+            own.append(f"{paths[0].rsplit('.', 1)[0]} ({len(paths)} x {cls}): {why}")
+    shown = ", ".join(f"{p[0].rsplit('.', 1)[0]}: {len(p)} x {c}" for p, c in patterns.stacks)
+    return (
+        f"the model has {len(patterns.stacks)} block stacks ({shown}); a pipeline runs one "
+        "stack of alike blocks, so a model with several runs with pp=1"
+        + ("; besides, " + "; ".join(own) if own else "")
+    )
+
+
 def _amp_dtype(user: DistributedStrategy | None) -> str | None:
     """The strategy's AMP compute dtype, planned at its rates (None: the model's dtype)."""
     run = _context.current()
@@ -379,7 +396,10 @@ def _pipeline_problem(
     def call() -> Any:
         return forward(model, inputs) if forward is not None else model(inputs)
 
-    problem = pipeline_problem(model, list(patterns.blocks), call)
+    if len(patterns.stacks) > 1:  # an encoder-decoder: each stack's own reason, if any
+        problem = _stacks_problem(model, patterns, call)
+    else:
+        problem = pipeline_problem(model, list(patterns.blocks), call)
     if problem:
         logger.info("to_distributed: no pipeline: %s", problem)
     _BLOCK_PROBLEMS[model] = problem or True

@@ -231,3 +231,33 @@ def test_an_interleaved_linear_gate_up_trains_like_one_device_at_dp2_mp4():
     losses = [float(step(model, opt, batch)) for batch in loader]
     assert reference[-1] < reference[0]
     np.testing.assert_allclose(losses, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_an_encoder_decoder_has_two_stacks_both_counted_and_no_pipeline_with_the_reason():
+    from jfleet.auto_parallel.layouts import Workload, shape_problem
+    from jfleet.auto_parallel.step_work import layers_and_norms, tp_reductions
+    from jfleet.testing.nnx_styles.beyond_lm import EncoderDecoder
+
+    model = nnx.eval_shape(lambda: EncoderDecoder(rngs=nnx.Rngs(0)))
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    found = match_patterns(model, tokens, forward=lambda m, t: m(t, t))
+    # both stacks, in the order the forward runs them (the tree lists decoder first)
+    assert found.blocks == ("encoder.0", "encoder.1", "decoder.0", "decoder.1")
+    assert [(len(p), c) for p, c in found.stacks] == [(2, "T5EncoderBlock"), (2, "T5DecoderBlock")]
+    assert found.dims.layers == 4 and found.block_period is None
+    assert "2 x T5EncoderBlock (encoder) + 2 x T5DecoderBlock (decoder)" in found.summary()
+    roles = {p.path: (p.role, p.block) for p in found.params}
+    assert roles["encoder.1.attn.o.kernel"] == ("o", 1)
+    assert roles["decoder.0.cross_attn.k.kernel"] == ("k", 2)  # cross-attention paired
+    assert roles["decoder.1.cross_attn.o.kernel"] == ("o", 3)
+    # the cost model's per-block terms are the mean over both stacks: an encoder block has
+    # 2 split rows (attn.o, mlp.wo) and 4 columns (q, k, v, wi); a decoder block 3 rows
+    # (self o, cross o, wo) and 7 columns: (2 x 2 + 2 x 3) / 4, (2 x 4 + 2 x 7) / 4
+    assert tp_reductions(found, 4) == (2.5, 5.5)
+    assert layers_and_norms(found) == (4, 2)  # (2 x 2 + 2 x 3) / 4 = 2.5 norms, rounded
+    why = shape_problem(found, Workload(batch_size=8, seq_len=8), {"dp": 4, "pp": 2}, 8)
+    assert why == (
+        "the model has 2 block stacks (encoder: 2 x T5EncoderBlock, decoder: 2 x "
+        "T5DecoderBlock); a pipeline runs one stack of alike blocks, so a model with several "
+        "runs with pp=1"
+    )

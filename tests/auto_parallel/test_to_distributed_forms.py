@@ -85,7 +85,8 @@ DESCRIBED = {
     ),
     "encoder_decoder": (
         "EncoderDecoder: width 32, vocab 48, attention separate (4 heads, 4 kv heads), "
-        "mlp relu (hidden 64), 2 x T5DecoderBlock, separate head",
+        "mlp relu (hidden 64), 2 x T5EncoderBlock (encoder) + 2 x T5DecoderBlock (decoder), "
+        "separate head",
         "batch 8 x seq 8",
     ),
 }
