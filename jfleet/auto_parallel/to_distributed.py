@@ -246,6 +246,7 @@ def to_distributed(
     _context.replace(optimizer=dist)  # what fleet's optimizer getters read
     dist.wrt = wrt
     dist.init(model, placement)
+    plan = plan.as_placed(model)  # the table as the arrays are
     _PLANS[model] = plan
     logger.info("to_distributed: %s", plan.layout.name)
     loader = ShardedLoader(dataloader, placement, first, global_batches=config.global_batches)

@@ -42,7 +42,31 @@ def distributed(name: str, mesh: tuple, microbatches: int | None = None):
         form.build(nnx.Rngs(0)), optax.adam(1e-2), form.batches(STEPS), config=config
     )
     step = make_train_step(form.loss_fn)
-    return get_plan(model), tuple(float(step(model, opt, batch)) for batch in loader)
+    losses = tuple(float(step(model, opt, batch)) for batch in loader)
+    PLACED[(name, mesh)] = placed_specs(get_plan(model), model)
+    return get_plan(model), losses
+
+
+#: ``{(form, mesh): {plan path: spec as placed}}`` of the runs above.
+PLACED: dict = {}
+
+
+def placed_specs(plan, model) -> dict[str, P]:
+    """Each plan path's spec as its array was placed (a stacked leaf ``<list>.body.<rest>``,
+    stacked axes first, stands for ``<list>.<i>.<rest>``); all-None specs read ``P()``."""
+    shapes = {p.path: p.shape for p in plan.params}
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        value = var.get_value()
+        name = ".".join(map(str, path))
+        head, sep, rest = name.partition(".body.")
+        targets = [t for t in shapes if sep and t.startswith(head + ".") and t.endswith("." + rest)]
+        for target in targets or [name]:
+            ndim = len(shapes[target])
+            spec = tuple(value.sharding.spec) + (None,) * value.ndim
+            spec = spec[value.ndim - ndim : value.ndim]
+            out[target] = P() if all(e is None for e in spec) else P(*spec)
+    return out
 
 
 @pytest.mark.parametrize("name", list(FORMS))
@@ -59,6 +83,10 @@ def test_each_form_splits_its_weights_over_mp_and_trains_like_one_device(name):
         assert (p.role, p.spec) == (form.roles[pattern], want), p.path
         checked += 1
     assert checked >= len(form.splits)
+    # the plan's table is the arrays as placed (issue 27: it once showed P(None, None) for a
+    # kernel placed P(None, 'mp'))
+    placed = PLACED[(name, (("dp", 2), ("mp", 4)))]
+    assert {p.path: p.spec for p in plan.params} == placed
     reference = one_device(name)
     assert reference[-1] < reference[0]  # the form trains, so equality means something
     np.testing.assert_allclose(losses, reference, rtol=TOL, atol=TOL)
