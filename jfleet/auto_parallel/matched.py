@@ -39,7 +39,7 @@ COLUMN_ROLES = frozenset({"q", "k", "v", "qk", "kv", "qkv", "gate", "up", "gate_
 ROW_ROLES = frozenset({"o", "down"})
 #: Roles kept whole where ``mp`` does not divide their units, rather than ruling the mesh out:
 #: grouped k / v heads, a small head (a 10-class classifier), an odd vocabulary.
-OPTIONAL_SPLIT_ROLES = frozenset({"k", "v", "kv", "head", "embedding"})
+OPTIONAL_SPLIT_ROLES = frozenset({"k", "v", "kv", "head", "embedding", "attention_bias"})
 
 
 def path_str(path: Sequence[Any]) -> str:
@@ -60,8 +60,9 @@ class ParamInfo:
       shape: the global shape.
       dtype: dtype name (``float32``).
       role: ``q``, ``k``, ``v``, ``qk``, ``kv``, ``qkv``, ``o``, ``gate``, ``up``,
-        ``gate_up``, ``down``, ``embedding``, ``position_embedding``, ``head``, ``norm``;
-        None when unmatched.
+        ``gate_up``, ``down``, ``embedding``, ``position_embedding``, ``head``, ``norm``,
+        ``attention_bias`` (a table added to the attention scores: relative positions,
+        ALiBi slopes, sinks; split by the query heads); None when unmatched.
       kind: ``kernel``, ``bias``, ``table`` (embeddings), ``scale`` (norms) or ``other``.
       block: index of the decoder block holding it, or None outside the blocks.
       split_dim: the dimension split over ``mp`` (None: replicated).
@@ -355,6 +356,8 @@ class ModelPatterns:
     def _mlp_kind(self) -> str | None:
         if self.mlp == "gelu" and self.activation:
             return self.activation  # one up projection: named by its traced activation
+        if self.mlp == "swiglu" and self.activation in ("gelu", "relu"):
+            return {"gelu": "geglu", "relu": "reglu"}[self.activation]  # the gate's, as traced
         return self.mlp
 
     def _head_text(self) -> str:

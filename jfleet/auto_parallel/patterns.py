@@ -285,7 +285,11 @@ def name_roles(trace: Trace | None, groups: list[Pair], parts: Parts) -> PairRol
         parts.roles[trace.paths[i]] = (role, "kernel", dim, units)
     for b, (owner, dim, units) in bias_splits(trace, split).items():
         if owner in named and trace.paths[b] not in parts.roles:
-            parts.roles[trace.paths[b]] = (named[owner], "bias", dim, units)
+            met = {named.get(tag.param) for _, tag in trace.biases[b]}
+            # added to q . k scores (a relative-position table, ALiBi, sinks): its own role
+            scores = bool(met & {"q", "qk", "qkv"}) and bool(met & {"k", "kv", "qk", "qkv"})
+            role = "attention_bias" if scores and len(met) > 1 else named[owner]
+            parts.roles[trace.paths[b]] = (role, "bias", dim, units)
             out.attention_bias = out.attention_bias or named[owner] in _ATTENTION_ROLES
     return out
 

@@ -507,4 +507,7 @@ def _build_plan(
         node_num=node_num,
         profile=profile,
         memory_budget=int(budget),
+        workload=""
+        if patterns.input_kind == "tokens"
+        else patterns.workload(workload.batch_size, workload.seq_len),
     )
