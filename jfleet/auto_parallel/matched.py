@@ -364,4 +364,11 @@ class ModelPatterns:
         if self.tied_head is not None:
             return "tied head" if self.tied_head else "separate head"
         head = [p for p in self.params if p.role == "head" and p.kind == "kernel"]
-        return f"head of {head[0].shape[-1]} outputs" if head else "no head"
+        if head:
+            return f"head of {head[0].shape[-1]} outputs"
+        # the last projection outside the blocks makes the output (a pair's row, say)
+        last = [d.param for d in self.dots if d.param is not None and d.block is None]
+        info = self._by_path().get(last[-1]) if last else None
+        if info is not None and info.role is not None and len(info.shape) == 2:
+            return f"no separate head ({info.path} gives the {info.shape[-1]} outputs)"
+        return "no head"

@@ -103,7 +103,10 @@ def _check_patterns(patterns: Any, model: nnx.Module) -> ModelPatterns:
     return patterns
 
 
-_UNIT_WORDS = {"k": "kv heads", "v": "kv heads", "kv": "kv heads", "o": "heads", "q": "heads"}
+_UNIT_WORDS = {
+    "k": "kv heads", "v": "kv heads", "kv": "kv heads", "o": "heads", "q": "heads",
+    "head": "outputs", "embedding": "vocabulary rows", "attention_bias": "heads",
+}  # fmt: skip
 
 
 def _replicated_summary(patterns: ModelPatterns) -> list[str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+from pathlib import Path
 
 import numpy as np
 import optax
@@ -15,7 +16,13 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jfleet import make_train_step
-from jfleet.auto_parallel import ToDistributedConfig, get_plan, to_distributed
+from jfleet.auto_parallel import (
+    ToDistributedConfig,
+    get_plan,
+    match_patterns,
+    plan_for,
+    to_distributed,
+)
 from jfleet.testing import train_one_device
 from jfleet.testing.nnx_styles import FORMS
 
@@ -108,7 +115,7 @@ DESCRIBED = {
     ),
     "cnn": (
         "MnistCnn: width 64, reads images, no attention, mlp relu (hidden 64), "
-        "no repeated blocks, no head",
+        "no repeated blocks, no separate head (linear2.kernel gives the 10 outputs)",
         "images 8 x 8x8x1",
     ),
     "encoder_decoder": (
@@ -143,3 +150,51 @@ def test_decoder_blocks_taking_the_encoder_output_are_refused_a_pipeline_with_th
     )
     with pytest.raises(ValueError, match="computed from the model's parameters"):
         to_distributed(form.build(nnx.Rngs(0)), optax.adam(1e-2), form.batches(2), config=config)
+
+
+GOLDEN = Path(__file__).parent / "golden"
+#: ``golden/<form>_plan_<mesh>.txt``: the plan's description of the model, its workload and
+#: every parameter's layout, written by hand from the model (not copied from a run); the
+#: predicted numbers and the candidates' ranking, which the cost model moves, are left out.
+PLAN_GOLDENS = {
+    ("cnn", "dp2_mp4"): {"dp": 2, "mp": 4},
+    ("vit", "dp2_mp4"): {"dp": 2, "mp": 4},
+    ("vit", "dp2_pp2_mp2"): {"dp": 2, "pp": 2, "mp": 2},
+    ("encoder_decoder", "dp2_mp4"): {"dp": 2, "mp": 4},
+}
+
+
+def described(text: str) -> tuple[str, list[str]]:
+    """The plan's text without the predicted line and the candidates table, and the
+    candidates table's rows."""
+    kept, rows, in_table = [], [], False
+    for line in text.splitlines():
+        if line.startswith("| rank |"):
+            in_table = True
+            continue
+        if in_table and (line.startswith("|") or line.startswith("(")):
+            rows.append(line)
+            continue
+        in_table = False
+        if not line.startswith("predicted per device:") and (line or kept[-1]):
+            kept.append(line)  # one blank line where the candidates table was
+    return "\n".join(kept) + "\n", rows[1:]  # the |---| line dropped
+
+
+@pytest.mark.parametrize(("name", "mesh"), sorted(PLAN_GOLDENS))
+def test_plan_goldens_name_the_workload_and_parts(name, mesh):
+    form = FORMS[name]
+    model = nnx.eval_shape(lambda: form.build(nnx.Rngs(0)))
+    batch = form.batches(1)[0]
+    degrees = PLAN_GOLDENS[(name, mesh)]
+    plan = plan_for(
+        model, device_num=8, batch_size=8, seq_len=8, force_mesh=degrees, recompute=False,
+        schedule="FThenB" if "pp" in degrees else None,
+        num_microbatches=2 if "pp" in degrees else None,
+        patterns=match_patterns(model, batch, forward=form.forward),
+    )  # fmt: skip
+    text, candidates = described(str(plan))
+    assert text == (GOLDEN / f"{name}_plan_{mesh}.txt").read_text()
+    # a forced mesh still prints its candidates: the forced layout, chosen
+    assert candidates and candidates[0].startswith(f"| 1 | {plan.layout.name} |")
+    assert candidates[0].endswith("| chosen |")
