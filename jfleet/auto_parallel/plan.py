@@ -23,6 +23,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -142,7 +143,7 @@ def _placed_specs(model: nnx.Module, blocks: Sequence[str]) -> dict[str, tuple[t
     out: dict[str, tuple[tuple, int]] = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         value = var.get_value()
-        spec = getattr(getattr(value, "sharding", None), "spec", None)
+        spec = getattr(value.sharding, "spec", None) if isinstance(value, jax.Array) else None
         if spec is None:
             continue
         entries = tuple(spec) + (None,) * (value.ndim - len(spec))

@@ -246,8 +246,7 @@ def to_distributed(
     _context.replace(optimizer=dist)  # what fleet's optimizer getters read
     dist.wrt = wrt
     dist.init(model, placement)
-    plan = plan.as_placed(model)  # the table as the arrays are
-    _PLANS[model] = plan
+    _PLANS[model] = plan = plan.as_placed(model)  # its table: the arrays as placed
     logger.info("to_distributed: %s", plan.layout.name)
     loader = ShardedLoader(dataloader, placement, first, global_batches=config.global_batches)
     return model, dist, loader
@@ -351,9 +350,7 @@ def _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len
         scan_layers=config.scan_layers,
         dtype=_amp_dtype(config.strategy),
     )
-    if patterns.input_kind == "tokens":
-        return plan
-    return dataclasses.replace(plan, workload=patterns.workload(batch_size, seq_len))
+    return plan  # plan_for words the workload by the traced input kind
 
 
 def _stacks_problem(model: nnx.Module, patterns: ModelPatterns, call: Callable) -> str:
