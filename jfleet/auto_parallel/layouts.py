@@ -54,6 +54,7 @@ __all__ = [
     "enumerate_layouts",
     "mesh_name",
     "shape_problem",
+    "stacks_reason",
 ]
 
 #: Pipeline schedules the cost model knows (VPP: 1F1B's program over interleaved stages).
@@ -335,7 +336,7 @@ def shape_problem(
         if blocks < 2:
             return "no run of >= 2 identical blocks to pipeline"
         if len(patterns.stacks) > 1:
-            return _stacks_reason(patterns)
+            return stacks_reason(patterns)
         if period is None:
             return (
                 "the blocks are not alike (static settings included) and do not repeat, so "
@@ -390,8 +391,17 @@ def _indivisible_reason(patterns: ModelPatterns, bad: tuple, mp: int, devices_pe
     )
 
 
-def _stacks_reason(patterns: ModelPatterns) -> str:
-    """pp > 1 on a model with several block stacks (an encoder-decoder)."""
+def stacks_reason(patterns: ModelPatterns) -> str:
+    """Why ``pp > 1`` cannot run a model with several block stacks (an encoder-decoder).
+
+    Example:
+      >>> from jfleet.auto_parallel.matched import ModelDims
+      >>> two = ((("enc.0", "enc.1"), "EncBlock"), (("dec.0", "dec.1"), "DecBlock"))
+      >>> why = stacks_reason(ModelPatterns(params=(), dims=ModelDims(), stacks=two))
+      >>> for part in why.split("; "): print(part)
+      the model has 2 block stacks (enc: 2 x EncBlock, dec: 2 x DecBlock)
+      a pipeline runs one stack of alike blocks, so a model with several runs with pp=1
+    """
     shown = ", ".join(
         f"{paths[0].rsplit('.', 1)[0]}: {len(paths)} x {cls}" for paths, cls in patterns.stacks
     )

@@ -55,7 +55,7 @@ from jfleet.auto_parallel.blocks import (
     container_of,
 )
 from jfleet.auto_parallel.config import ToDistributedConfig, check_config
-from jfleet.auto_parallel.layouts import OPTIMIZER_MOMENTS, SCHEDULES
+from jfleet.auto_parallel.layouts import OPTIMIZER_MOMENTS, SCHEDULES, stacks_reason
 from jfleet.auto_parallel.patterns import ModelPatterns, match_patterns
 from jfleet.auto_parallel.plan import Plan
 from jfleet.auto_parallel.planner import plan_for
@@ -362,12 +362,7 @@ def _stacks_problem(model: nnx.Module, patterns: ModelPatterns, call: Callable) 
         why = pipeline_problem(model, list(paths), call)
         if why:
             own.append(f"{paths[0].rsplit('.', 1)[0]} ({len(paths)} x {cls}): {why}")
-    shown = ", ".join(f"{p[0].rsplit('.', 1)[0]}: {len(p)} x {c}" for p, c in patterns.stacks)
-    return (
-        f"the model has {len(patterns.stacks)} block stacks ({shown}); a pipeline runs one "
-        "stack of alike blocks, so a model with several runs with pp=1"
-        + ("; besides, " + "; ".join(own) if own else "")
-    )
+    return stacks_reason(patterns) + ("; besides, " + "; ".join(own) if own else "")
 
 
 def _amp_dtype(user: DistributedStrategy | None) -> str | None:
