@@ -98,6 +98,8 @@ class Trace:
       input_dtypes: the traced inputs' dtypes.
       fed_by: ``{projection: projections}``: the projections its input came from most
         recently (through any work).
+      batched: ``{projection: size}``: projections whose kernel has a batch dimension in
+        its product (one kernel per expert), and that dimension's size.
     """
 
     paths: tuple[tuple, ...]
@@ -118,6 +120,7 @@ class Trace:
     activations: dict[int, str] = dataclasses.field(default_factory=dict)
     input_dtypes: tuple[str, ...] = ()
     fed_by: dict[int, frozenset] = dataclasses.field(default_factory=dict)
+    batched: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def path(self, i: int) -> str:
         """Parameter ``i``'s dotted path."""
@@ -220,4 +223,5 @@ def trace_model(
         activations=dict(walk.activations),
         input_dtypes=tuple(str(v.dtype) for v in ivals),
         fed_by={k: frozenset(v) for k, v in walk.fed_by.items()},
+        batched=dict(walk.batched),
     )

@@ -130,6 +130,7 @@ class ModelDims:
       head_dim: per-head size.
       hidden: MLP hidden size.
       layers: decoder blocks.
+      experts: MLP experts (kernels matched batch-wise, one per expert; 0: a plain MLP).
 
     Example:
       >>> import numpy as np
@@ -148,6 +149,7 @@ class ModelDims:
     head_dim: int = 0
     hidden: int = 0
     layers: int = 0
+    experts: int = 0
 
     @property
     def q_dim(self) -> int:
@@ -337,7 +339,10 @@ class ModelPatterns:
             f"attention {self.attention} ({d.heads} heads, {d.kv_heads} kv heads)"
             if self.attention
             else "no attention",
-            f"mlp {self._mlp_kind} (hidden {d.hidden})" if self.mlp else "no mlp",
+            f"mlp {self._mlp_kind} (hidden {d.hidden}"
+            + (f", {d.experts} experts)" if d.experts else ")")
+            if self.mlp
+            else "no mlp",
             self._blocks_text(),
             self._head_text(),
         ]

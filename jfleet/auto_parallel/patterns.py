@@ -280,6 +280,8 @@ def name_roles(trace: Trace | None, groups: list[Pair], parts: Parts) -> PairRol
             out.mlp = "swiglu" if {"gate", "gate_up"} & set(found.values()) else "gelu"
             out.activation = _ACTIVATIONS.get(trace.activations.get(group.row, ""))
             out.dims["hidden"] = contracted_size(trace, group.row)
+            if group.row in trace.batched:  # one kernel per expert
+                out.dims["experts"] = trace.batched[group.row]
     for i, role in named.items():
         dim, units = split[i]
         parts.roles[trace.paths[i]] = (role, "kernel", dim, units)

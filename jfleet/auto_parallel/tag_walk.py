@@ -198,6 +198,7 @@ class Walk:
         self.reads_inputs: set[int] = set()  # projections of the inputs themselves
         self.activations: dict[int, str] = {}  # the nonlinearity each projection's input took
         self.cut: dict[int, str] = {}
+        self.batched: dict[int, int] = {}  # projections with a batch dim (experts): its size
         self.fed_by: dict[int, set[int]] = {}  # the projections each projection's input came from
 
     # ------------------------------------------------------------ helpers
@@ -451,6 +452,9 @@ class Walk:
         if pside is not None:
             params = {t.param for t in wv.view if t is not None}
             param = params.pop() if len(params) == 1 else None
+            wb, wshape = (lb, ls) if pside == "l" else (rb, rs)
+            if param is not None and wb:  # one kernel per expert, matched batch-wise
+                self.batched.setdefault(param, math.prod(wshape[i] for i in wb))
             for wd, ad in zip(wc, ac, strict=True):
                 w = wv.view[wd]
                 if w is None:

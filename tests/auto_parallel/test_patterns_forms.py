@@ -261,3 +261,10 @@ def test_an_encoder_decoder_has_two_stacks_both_counted_and_no_pipeline_with_the
         "T5DecoderBlock); a pipeline runs one stack of alike blocks, so a model with several "
         "runs with pp=1"
     )
+
+
+def test_an_mlp_of_experts_is_described_with_their_count_and_a_plain_one_without():
+    _, found = _form(mlp="experts")  # w_out [E, F, D] contracted batch-wise over E = 3
+    assert found.dims.experts == 3 and "mlp gelu (hidden 24, 3 experts)" in found.summary()
+    _, plain = _form(mlp="gelu")
+    assert plain.dims.experts == 0 and "mlp gelu (hidden 24)," in plain.summary()
