@@ -96,6 +96,10 @@ class Trace:
       activations: ``{projection: primitive}``: the first nonlinearity (``erf``,
         ``logistic``, ``max``, ...) its input went through since the previous projection.
       input_dtypes: the traced inputs' dtypes.
+      fed_by: ``{projection: projections}``: the projections its input came from most
+        recently (through any work).
+      batched: ``{projection: size}``: projections whose kernel has a batch dimension in
+        its product (one kernel per expert), and that dimension's size.
     """
 
     paths: tuple[tuple, ...]
@@ -115,6 +119,8 @@ class Trace:
     reads_inputs: frozenset[int] = frozenset()
     activations: dict[int, str] = dataclasses.field(default_factory=dict)
     input_dtypes: tuple[str, ...] = ()
+    fed_by: dict[int, frozenset] = dataclasses.field(default_factory=dict)
+    batched: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def path(self, i: int) -> str:
         """Parameter ``i``'s dotted path."""
@@ -216,4 +222,6 @@ def trace_model(
         reads_inputs=frozenset(walk.reads_inputs),
         activations=dict(walk.activations),
         input_dtypes=tuple(str(v.dtype) for v in ivals),
+        fed_by={k: frozenset(v) for k, v in walk.fed_by.items()},
+        batched=dict(walk.batched),
     )

@@ -55,6 +55,7 @@ __all__ = [
     "enumerate_layouts",
     "mesh_name",
     "shape_problem",
+    "stacks_reason",
 ]
 
 #: Pipeline schedules the cost model knows (VPP: 1F1B's program over interleaved stages).
@@ -303,15 +304,18 @@ def shape_problem(
       devices_per_node: devices of one node (the most ``mp`` may span).
 
     Returns:
-      The reason, worded for a report (``"mp=8 does not divide the split unit count(s)
-      [4]"``), or None.
+      The reason, worded for a report (``"mp=8 does not divide the 4 heads of
+      layers.0.self_attn.q_proj.kernel [32x32] ..."``: each parameter ``mp`` would cut, its
+      shape and split dimension, and the degrees that fit), or None.
 
     Example:
       >>> from jfleet.auto_parallel.patterns import match_patterns
       >>> from jfleet.models.llama import TinyLlama
       >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, kv_heads=2, layers=2))
-      >>> shape_problem(found, Workload(batch_size=8, seq_len=8), {"mp": 8}, 8)
-      'mp=8 does not divide the split unit count(s) [4]'
+      >>> why = shape_problem(found, Workload(batch_size=8, seq_len=8), {"mp": 8}, 8)
+      >>> for part in why.split("; "): print(part)
+      mp=8 does not divide the 4 heads of layers.0.self_attn.q_proj.kernel [32x32] (role q, ...
+      use mp in (1, 2, 4), or sizes that 8 divides
     """
     mp, pp, sep = degrees.get(MP, 1), degrees.get(PP, 1), degrees.get(SEP, 1)
     data = degrees.get(DP, 1) * degrees.get(SHARDING, 1)
@@ -320,9 +324,9 @@ def shape_problem(
             return "no tensor-parallel parts were recognised"
         if mp > devices_per_node:
             return f"mp={mp} exceeds the {devices_per_node} devices of a node"
-        bad = [s for s in patterns.split_dims() if s % mp]
+        bad = patterns.indivisible(mp)
         if bad:
-            return f"mp={mp} does not divide the split unit count(s) {bad}"
+            return _indivisible_reason(patterns, bad, mp, devices_per_node)
         kernels = [p for p in patterns.params if p.block is not None and len(p.shape) >= 2]
         largest = max((p.size for p in kernels), default=0)
         # k / v whole where mp cuts their kv heads is the grouped-query layout; any other
@@ -333,15 +337,23 @@ def shape_problem(
             if p.role not in ("k", "v", "kv") and 8 * p.size >= largest
         ]
         if whole:
-            shown = ", ".join(p.path for p in whole if p.block == 0)
+            why = dict(patterns.replicated_in_blocks)
+            shown = "; ".join(
+                f"{p.path} [{'x'.join(map(str, p.shape))}]"
+                + (f": {why[p.path]}" if p.path in why else "")
+                for p in whole
+                if p.block == 0
+            )
             return (
                 f"mp={mp} would leave large decoder-block kernels whole on every mp rank "
-                f"({shown}, ... in every block)"
+                f"({shown}; ... in every block)"
             )
     if pp > 1:
         blocks, period = len(patterns.blocks), patterns.block_period
         if blocks < 2:
             return "no run of >= 2 identical blocks to pipeline"
+        if len(patterns.stacks) > 1:
+            return stacks_reason(patterns)
         if period is None:
             return (
                 "the blocks are not alike (static settings included) and do not repeat, so "
@@ -363,6 +375,57 @@ def shape_problem(
     if workload.batch_size % data:
         return f"dp x sharding = {data} does not divide batch_size={workload.batch_size}"
     return None
+
+
+_UNIT_WORDS = {
+    "q": "heads", "qk": "heads", "qkv": "heads", "o": "heads",
+    "gate": "hidden features", "up": "hidden features", "gate_up": "hidden features",
+    "down": "hidden features",
+}  # fmt: skip
+
+
+def _indivisible_reason(patterns: ModelPatterns, bad: tuple, mp: int, devices_per_node: int) -> str:
+    """``mp`` cuts a unit of these parameters: name each unit count's first parameter (path,
+    shape, split dimension) and the ``mp`` degrees that would divide them all."""
+    shown, seen = [], set()
+    for p in sorted(bad, key=lambda p: p.role in ("o", "down")):  # columns first: q, up
+        count = p.units or p.shape[p.split_dim]
+        if count not in seen:
+            seen.add(count)
+            words = _UNIT_WORDS.get(p.role or "", "units")
+            shown.append(
+                f"the {count} {words} of {p.path} [{'x'.join(map(str, p.shape))}] "
+                f"(role {p.role}, split on dim {p.split_dim})"
+            )
+    more = len(bad) - len(shown)
+    common = math.gcd(*patterns.split_dims())
+    fits = [d for d in _divisors(common) if d <= devices_per_node]
+    return (
+        f"mp={mp} does not divide "
+        + "; ".join(shown)
+        + (f" (and {more} more parameter(s) alike)" if more else "")
+        + f"; use mp in {tuple(fits)}, or sizes that {mp} divides"
+    )
+
+
+def stacks_reason(patterns: ModelPatterns) -> str:
+    """Why ``pp > 1`` cannot run a model with several block stacks (an encoder-decoder).
+
+    Example:
+      >>> from jfleet.auto_parallel.matched import ModelDims
+      >>> two = ((("enc.0", "enc.1"), "EncBlock"), (("dec.0", "dec.1"), "DecBlock"))
+      >>> why = stacks_reason(ModelPatterns(params=(), dims=ModelDims(), stacks=two))
+      >>> for part in why.split("; "): print(part)
+      the model has 2 block stacks (enc: 2 x EncBlock, dec: 2 x DecBlock)
+      a pipeline runs one stack of alike blocks, so a model with several runs with pp=1
+    """
+    shown = ", ".join(
+        f"{paths[0].rsplit('.', 1)[0]}: {len(paths)} x {cls}" for paths, cls in patterns.stacks
+    )
+    return (
+        f"the model has {len(patterns.stacks)} block stacks ({shown}); a pipeline runs one "
+        "stack of alike blocks, so a model with several runs with pp=1"
+    )
 
 
 def _zero_problem(zero_stage: int | None, sharding: int) -> str | None:

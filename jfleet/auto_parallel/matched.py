@@ -39,7 +39,7 @@ COLUMN_ROLES = frozenset({"q", "k", "v", "qk", "kv", "qkv", "gate", "up", "gate_
 ROW_ROLES = frozenset({"o", "down"})
 #: Roles kept whole where ``mp`` does not divide their units, rather than ruling the mesh out:
 #: grouped k / v heads, a small head (a 10-class classifier), an odd vocabulary.
-OPTIONAL_SPLIT_ROLES = frozenset({"k", "v", "kv", "head", "embedding"})
+OPTIONAL_SPLIT_ROLES = frozenset({"k", "v", "kv", "head", "embedding", "attention_bias"})
 
 
 def path_str(path: Sequence[Any]) -> str:
@@ -60,8 +60,9 @@ class ParamInfo:
       shape: the global shape.
       dtype: dtype name (``float32``).
       role: ``q``, ``k``, ``v``, ``qk``, ``kv``, ``qkv``, ``o``, ``gate``, ``up``,
-        ``gate_up``, ``down``, ``embedding``, ``position_embedding``, ``head``, ``norm``;
-        None when unmatched.
+        ``gate_up``, ``down``, ``embedding``, ``position_embedding``, ``head``, ``norm``,
+        ``attention_bias`` (a table added to the attention scores: relative positions,
+        ALiBi slopes, sinks; split by the query heads); None when unmatched.
       kind: ``kernel``, ``bias``, ``table`` (embeddings), ``scale`` (norms) or ``other``.
       block: index of the decoder block holding it, or None outside the blocks.
       split_dim: the dimension split over ``mp`` (None: replicated).
@@ -129,6 +130,7 @@ class ModelDims:
       head_dim: per-head size.
       hidden: MLP hidden size.
       layers: decoder blocks.
+      experts: MLP experts (kernels matched batch-wise, one per expert; 0: a plain MLP).
 
     Example:
       >>> import numpy as np
@@ -147,6 +149,7 @@ class ModelDims:
     head_dim: int = 0
     hidden: int = 0
     layers: int = 0
+    experts: int = 0
 
     @property
     def q_dim(self) -> int:
@@ -208,6 +211,8 @@ class ModelPatterns:
         included; 2: alternating local / global attention, ...); None when they do not
         repeat (:func:`jfleet.parallel.stack.block_period`). A pipeline stacks super-blocks
         of one period.
+      stacks: ``(block paths, class)`` of each stack of blocks, in the model's order (an
+        encoder-decoder has two; ``blocks`` holds them all, stack by stack).
 
     Example:
       >>> import numpy as np
@@ -235,6 +240,7 @@ class ModelPatterns:
     block_period: int | None = 1
     activation: str | None = None
     inputs: tuple[tuple[tuple[int, ...], str], ...] = ()
+    stacks: tuple[tuple[tuple[str, ...], str], ...] = ()
 
     @property
     def input_kind(self) -> str:
@@ -307,6 +313,23 @@ class ModelPatterns:
                 out.add(p.units or p.shape[p.split_dim])
         return tuple(sorted(out))
 
+    def indivisible(self, mp: int) -> tuple[ParamInfo, ...]:
+        """The parameters whose split :attr:`ParamInfo.units` ``mp`` does not divide, outside
+        the optional splits (:meth:`split_dims`' counterpart, for naming them in an error).
+
+        >>> q = ParamInfo(path="q", shape=(32, 12), dtype="float32", role="q", kind="kernel",
+        ...               split_dim=1, units=6)
+        >>> [p.path for p in ModelPatterns(params=(q,), dims=ModelDims()).indivisible(4)]
+        ['q']
+        """
+        return tuple(
+            p
+            for p in self.params
+            if p.split_dim is not None
+            and p.role not in OPTIONAL_SPLIT_ROLES
+            and (p.units or p.shape[p.split_dim]) % mp
+        )
+
     def summary(self) -> str:
         """One line: the architecture found."""
         d = self.dims
@@ -316,22 +339,41 @@ class ModelPatterns:
             f"attention {self.attention} ({d.heads} heads, {d.kv_heads} kv heads)"
             if self.attention
             else "no attention",
-            f"mlp {self._mlp_kind} (hidden {d.hidden})" if self.mlp else "no mlp",
-            f"{len(self.blocks)} x {self.block_class}" if self.blocks else "no repeated blocks",
+            f"mlp {self._mlp_kind} (hidden {d.hidden}"
+            + (f", {d.experts} experts)" if d.experts else ")")
+            if self.mlp
+            else "no mlp",
+            self._blocks_text(),
             self._head_text(),
         ]
         if self.input_kind != "tokens":
             parts[1] = f"reads {self.input_kind}"
         return ", ".join(parts)
 
+    def _blocks_text(self) -> str:
+        if len(self.stacks) > 1:
+            return " + ".join(
+                f"{len(paths)} x {cls} ({paths[0].rsplit('.', 1)[0]})" for paths, cls in self.stacks
+            )
+        return f"{len(self.blocks)} x {self.block_class}" if self.blocks else "no repeated blocks"
+
     @property
     def _mlp_kind(self) -> str | None:
         if self.mlp == "gelu" and self.activation:
             return self.activation  # one up projection: named by its traced activation
+        if self.mlp == "swiglu" and self.activation in ("gelu", "relu"):
+            return {"gelu": "geglu", "relu": "reglu"}[self.activation]  # the gate's, as traced
         return self.mlp
 
     def _head_text(self) -> str:
         if self.tied_head is not None:
             return "tied head" if self.tied_head else "separate head"
         head = [p for p in self.params if p.role == "head" and p.kind == "kernel"]
-        return f"head of {head[0].shape[-1]} outputs" if head else "no head"
+        if head:
+            return f"head of {head[0].shape[-1]} outputs"
+        # the last projection outside the blocks makes the output (a pair's row, say)
+        last = [d.param for d in self.dots if d.param is not None and d.block is None]
+        info = self._by_path().get(last[-1]) if last else None
+        if info is not None and info.role is not None and len(info.shape) == 2:
+            return f"no separate head ({info.path} gives the {info.shape[-1]} outputs)"
+        return "no head"

@@ -90,11 +90,18 @@ class Parts:
 
 @dataclasses.dataclass(frozen=True)
 class Blocks:
-    """The decoder blocks: the longest run of >= 2 sibling modules alike in parameters."""
+    """The block stacks: the longest run of >= 2 sibling modules alike in parameters, and
+    any further list of such blocks beside it (an encoder-decoder's two stacks).
+
+    ``paths`` holds every stack's blocks, stack by stack in the model's order; ``stacks``
+    each stack's paths and class. ``period`` is None with more than one stack (one
+    definition cannot run them all).
+    """
 
     paths: tuple[tuple, ...]
     cls: str | None
     period: int | None
+    stacks: tuple[tuple[tuple[tuple, ...], str], ...] = ()
 
     def of(self, path: tuple) -> int | None:
         """The index of the block holding ``path``, or None outside the blocks."""
@@ -250,32 +257,74 @@ def _key_order(k: Any) -> tuple:
     return (0, k, "") if isinstance(k, int) else (1, 0, str(k))
 
 
-def find_blocks(parts: Parts) -> Blocks:
-    """The longest run (by parameters) of >= 2 sibling modules of one class with the same
-    parameter paths, shapes and dtypes, and the period they repeat with."""
+#: A further stack beside the largest is a list (integer keys) of at least this share of
+#: its parameters: an encoder beside a decoder, not a list of small heads.
+_STACK_SHARE = 4
+
+
+def _runs(parts: Parts) -> list[tuple[int, list[tuple], str]]:
+    """``(size, members, class)`` of every run of >= 2 sibling modules of one class with the
+    same parameter paths, shapes and dtypes."""
     children: dict[tuple, list[tuple]] = collections.defaultdict(list)
     for path, _ in parts.modules:
         if path:
             children[path[:-1]].append(path)
     by_path = dict(parts.modules)
-    best: tuple[int, list[tuple], str | None] = (0, [], None)
+    runs = []
     for kids in children.values():
         groups: dict[tuple, list[tuple]] = collections.defaultdict(list)
         for kid in kids:
             sig = _signature(kid, parts.params)
-            if not sig:
-                continue
-            groups[(type(by_path[kid]).__name__, sig)].append(kid)
+            if sig:
+                groups[(type(by_path[kid]).__name__, sig)].append(kid)
         for (cls, sig), members in groups.items():
-            if len(members) < 2:
-                continue
-            size = len(members) * sum(math.prod(s) for _, s, _ in sig)
-            if size > best[0]:
-                members = sorted(members, key=lambda p: _key_order(p[-1]))
-                best = (size, members, cls)
-    paths = tuple(best[1])
-    period = block_period([by_path[b] for b in paths]) if paths else 1
-    return Blocks(paths=paths, cls=best[2], period=period)
+            if len(members) >= 2:
+                size = len(members) * sum(math.prod(s) for _, s, _ in sig)
+                runs.append((size, sorted(members, key=lambda p: _key_order(p[-1])), cls))
+    return runs
+
+
+def _nested(a: tuple, b: tuple) -> bool:
+    return a[: len(b)] == b or b[: len(a)] == a
+
+
+def find_blocks(parts: Parts, used: tuple[tuple, ...] = ()) -> Blocks:
+    """The longest run (by parameters) of >= 2 sibling modules of one class with the same
+    parameter paths, shapes and dtypes, and the period they repeat with; with it, any other
+    list of such blocks outside it of at least a quarter of its size (an encoder-decoder's
+    other stack), in the order the forward runs them (``used``: parameter paths in the order
+    the trace first uses them; else the module tree's order)."""
+    runs = _runs(parts)
+    if not runs:
+        return Blocks(paths=(), cls=None, period=1)
+    best = max(runs, key=lambda r: r[0])  # the first of the largest, as the tree lists them
+    stacks = [best]
+    for run in runs:
+        size, members, _ = run
+        if (
+            run is not best
+            and _STACK_SHARE * size >= best[0]
+            and all(isinstance(m[-1], int) for m in members)
+            and not any(_nested(m, o) for m in members for _, om, _ in stacks for o in om)
+        ):
+            stacks.append(run)
+    order = {path: i for i, (path, _) in enumerate(parts.modules)}
+
+    def first_use(run: tuple) -> tuple[int, int]:
+        block = run[1][0]
+        ranks = [i for i, p in enumerate(used) if p[: len(block)] == block]
+        return (min(ranks) if ranks else len(used), order[block])
+
+    stacks.sort(key=first_use)
+    by_path = dict(parts.modules)
+    paths = tuple(p for _, members, _ in stacks for p in members)
+    period = block_period([by_path[b] for b in paths]) if len(stacks) == 1 else None
+    return Blocks(
+        paths=paths,
+        cls=best[2],
+        period=period,
+        stacks=tuple((tuple(members), cls) for _, members, cls in stacks),
+    )
 
 
 # ------------------------------------------------------------------ head

@@ -168,7 +168,9 @@ def mlp_roles(trace: Trace, group: Pair) -> dict[int, str]:
     roles: dict[int, str] = {group.row: "down"}
     if len(producers) == 1:
         (p,) = producers
-        gated = free_size(trace, p) > contracted_size(trace, group.row)
+        # twice the row's hidden features (per expert, for kernels matched batch-wise)
+        experts = max(1, trace.batched.get(group.row, 1))
+        gated = free_size(trace, p) > contracted_size(trace, group.row) * experts
         roles[p] = "gate_up" if gated else "up"
         return roles
     gates = [

@@ -35,7 +35,10 @@ reads the roles from the computation, not from names or kernel ranks:
   decoder blocks (column parallel over the vocabulary); with none, the head is taken to be
   tied to the token embedding (``embed.attend``);
 * the **decoder blocks**: the longest run (by parameters) of >= 2 sibling modules of one
-  class with the same parameter paths, shapes and dtypes: the pipeline candidate.
+  class with the same parameter paths, shapes and dtypes: the pipeline candidate; beside
+  it, any other list of such blocks (an encoder-decoder's encoder and decoder): every stack's
+  blocks are the model's blocks (the cost model counts them all), and a model with several
+  stacks runs without a pipeline, the plan naming them.
 
 **Steps.** :func:`match_patterns` chains named steps, each testable on its own: the module
 tree (:func:`~jfleet.auto_parallel.module_parts.read_parts`, embeddings, norms) ->
@@ -170,6 +173,14 @@ def _inputs_of(trace: Trace | None) -> tuple[tuple[tuple[int, ...], str], ...]:
     return tuple(zip(trace.input_shapes, trace.input_dtypes, strict=True))
 
 
+def _first_used(trace: Trace | None) -> tuple[tuple, ...]:
+    """Parameter paths in the order the traced forward first multiplies them."""
+    if trace is None:
+        return ()
+    seen = dict.fromkeys(trace.paths[d.param] for d in trace.dots if d.param is not None)
+    return tuple(seen)
+
+
 def _fed_tables(trace: Trace | None) -> frozenset:
     """Module paths of the tables gathered from with indices computed from the inputs."""
     if trace is None:
@@ -269,12 +280,18 @@ def name_roles(trace: Trace | None, groups: list[Pair], parts: Parts) -> PairRol
             out.mlp = "swiglu" if {"gate", "gate_up"} & set(found.values()) else "gelu"
             out.activation = _ACTIVATIONS.get(trace.activations.get(group.row, ""))
             out.dims["hidden"] = contracted_size(trace, group.row)
+            if group.row in trace.batched:  # one kernel per expert
+                out.dims["experts"] = trace.batched[group.row]
     for i, role in named.items():
         dim, units = split[i]
         parts.roles[trace.paths[i]] = (role, "kernel", dim, units)
     for b, (owner, dim, units) in bias_splits(trace, split).items():
         if owner in named and trace.paths[b] not in parts.roles:
-            parts.roles[trace.paths[b]] = (named[owner], "bias", dim, units)
+            met = {named.get(tag.param) for _, tag in trace.biases[b]}
+            # added to q . k scores (a relative-position table, ALiBi, sinks): its own role
+            scores = bool(met & {"q", "qk", "qkv"}) and bool(met & {"k", "kv", "qk", "qkv"})
+            role = "attention_bias" if scores and len(met) > 1 else named[owner]
+            parts.roles[trace.paths[b]] = (role, "bias", dim, units)
             out.attention_bias = out.attention_bias or named[owner] in _ATTENTION_ROLES
     return out
 
@@ -316,10 +333,19 @@ def _reason(i: int, trace: Trace | None, projections: set[int]) -> str:
         )
     if i in trace.cut:
         return (
-            f"its output dimension is cut ({trace.cut[i]}) before it reaches another "
-            "projection, so a contiguous split would not give whole heads (e.g. a fused qkv "
-            "laid out [3, heads, head_dim]: lay it out per head, [heads, 3, head_dim], to "
-            "split it)"
+            f"its output dimension is read in parts ({trace.cut[i]}) before it reaches another "
+            "projection: a fused kernel whose parts lie side by side (gate | up read by "
+            "jnp.split or h[..., :F] / h[..., F:], q | k | v, or [3, heads, head_dim]). Each "
+            "mp rank would need columns of every part, which no PartitionSpec of this kernel "
+            "places, so it stays whole with its pair; to split it, lay the parts out per unit: "
+            "interleaved (h[..., ::2] / h[..., 1::2]), [heads, 3, head_dim], or separate kernels"
+        )
+    fed_by = sorted(j for j in trace.fed_by.get(i, ()) if j in trace.cut)
+    if fed_by:
+        return (
+            f"its input comes from {path_str(trace.paths[fed_by[0]])}, whose output is read in "
+            f"parts ({trace.cut[fed_by[0]]}) and so stays whole: there is no column to pair it "
+            "with (see that kernel's reason)"
         )
     return (
         "its output reaches no other projection through per-head or elementwise work, so "
@@ -414,7 +440,7 @@ def match_patterns(
     trace, traced_tokens = trace_step(model, inputs, forward, parts)
     find_embeddings(parts, _fed_tables(trace))
     find_norms(parts)
-    blocks = find_blocks(parts)
+    blocks = find_blocks(parts, _first_used(trace))
     read, projections, found_roles = _read_trace(trace, parts, blocks)
     tied = find_head(parts, blocks, bool(found_roles.attention or found_roles.mlp))
     infos, replicated = param_infos(parts, blocks, read, projections)
@@ -437,6 +463,7 @@ def match_patterns(
         traced_tokens=traced_tokens,
         replicated_in_blocks=replicated,
         block_period=blocks.period,
+        stacks=tuple((tuple(path_str(b) for b in paths), cls) for paths, cls in blocks.stacks),
     )
     logger.debug("patterns: %s; unmatched %s", found.summary(), list(found.unmatched))
     return found

@@ -23,6 +23,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -30,6 +31,7 @@ from jfleet.auto_parallel.cost_model import Candidate, Collectives, Memory, Step
 from jfleet.auto_parallel.layouts import Layout
 from jfleet.auto_parallel.patterns import path_str
 from jfleet.auto_parallel.profiles import HardwareProfile
+from jfleet.runtime.log import logger
 
 __all__ = ["ParamPlan", "Plan", "spec_from_json", "spec_to_json", "split_devices"]
 
@@ -118,6 +120,38 @@ class ParamPlan:
     zero_spec: P
     stage: int | None = None
     replicated_why: str = ""
+
+
+def _normal_spec(spec: Sequence[Any], ndim: int) -> P:
+    """``spec`` over ``ndim`` dims: ``P()`` when it splits nothing, else one entry a dim."""
+    entries = tuple(spec)[:ndim]
+    if all(e is None for e in entries):
+        return P()
+    return P(*entries, *([None] * (ndim - len(entries))))
+
+
+def _same_spec(a: P, b: P, ndim: int) -> bool:
+    return _normal_spec(a, ndim) == _normal_spec(b, ndim)
+
+
+def _placed_specs(model: nnx.Module, blocks: Sequence[str]) -> dict[str, tuple[tuple, int]]:
+    """``{plan path: (spec entries, ndim)}`` of every placed array of ``model``; a stacked
+    leaf (``<container>.body.<rest>``) speaks for ``<block>.<rest>`` of each block it holds."""
+    containers: dict[str, list[str]] = collections.defaultdict(list)
+    for b in blocks:
+        containers[b.rsplit(".", 1)[0] if "." in b else ""].append(b)
+    out: dict[str, tuple[tuple, int]] = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        value = var.get_value()
+        spec = getattr(value.sharding, "spec", None) if isinstance(value, jax.Array) else None
+        if spec is None:
+            continue
+        entries = tuple(spec) + (None,) * (value.ndim - len(spec))
+        name = path_str(path)
+        head, sep, rest = name.partition(".body.")
+        for target in [f"{b}.{rest}" for b in containers.get(head, ())] if sep else [name]:
+            out[target] = (entries, value.ndim)
+    return out
 
 
 def _candidate_to_dict(c: Candidate) -> dict[str, Any]:
@@ -345,6 +379,43 @@ class Plan:
                 )
                 + ". Make a new plan for this model."
             )
+
+    def as_placed(self, model: nnx.Module) -> Plan:
+        """This plan with its parameter table read back from ``model``'s placed arrays.
+
+        Each parameter's ``spec`` (``zero_spec`` at ZeRO-3, where the parameters carry the
+        ZeRO axis) becomes the ``PartitionSpec`` its array was placed with; a pipelined or
+        scanned stack's leaf (``layers.body.…``, stacked axes first) gives its spec, past
+        the stacked axes, to every block it holds. A layout placed otherwise than planned
+        is logged. ``to_distributed`` stores the plan this returns, so the table printed is
+        what the arrays are.
+
+        Example:
+          >>> import jax
+          >>> from jfleet.auto_parallel import plan_for
+          >>> from jfleet.models.llama import TinyLlama
+          >>> plan = plan_for(TinyLlama(), device_num=1, batch_size=8, seq_len=8)
+          >>> plan.as_placed(TinyLlama()) == plan  # unplaced arrays: nothing to read
+          True
+        """
+        placed = _placed_specs(model, self.blocks)
+        params, moved = [], []
+        zero3 = self.zero_stage >= 3
+        for p in self.params:
+            entries, ndim = placed.get(p.path, (None, 0))
+            lead = ndim - len(p.shape)  # a stack's leading axes
+            known = entries is not None and lead >= 0
+            spec = _normal_spec(entries[lead:], len(p.shape)) if known else None
+            planned = p.zero_spec if zero3 else p.spec
+            if spec is None or _same_spec(spec, planned, len(p.shape)):
+                params.append(p)
+                continue
+            moved.append(f"{p.path}: planned {planned}, placed {spec}")
+            field = "zero_spec" if zero3 else "spec"
+            params.append(dataclasses.replace(p, **{field: spec}))
+        if moved:
+            logger.warning("plan: placed otherwise than planned: %s", "; ".join(moved[:6]))
+        return dataclasses.replace(self, params=tuple(params)) if moved else self
 
     # ------------------------------------------------------------ text
     def __str__(self) -> str:

@@ -104,7 +104,10 @@ def _check_patterns(patterns: Any, model: nnx.Module) -> ModelPatterns:
     return patterns
 
 
-_UNIT_WORDS = {"k": "kv heads", "v": "kv heads", "kv": "kv heads", "o": "heads", "q": "heads"}
+_UNIT_WORDS = {
+    "k": "kv heads", "v": "kv heads", "kv": "kv heads", "o": "heads", "q": "heads",
+    "head": "outputs", "embedding": "vocabulary rows", "attention_bias": "heads",
+}  # fmt: skip
 
 
 def _replicated_summary(patterns: ModelPatterns) -> list[str]:
@@ -563,4 +566,7 @@ def _build_plan(
         node_num=node_num,
         profile=profile,
         memory_budget=int(budget),
+        workload=""
+        if patterns.input_kind == "tokens"
+        else patterns.workload(workload.batch_size, workload.seq_len),
     )

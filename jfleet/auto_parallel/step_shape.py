@@ -264,7 +264,13 @@ def step_shape(
     # 1F1B's program (VPP: the same over v interleaved chunks); FThenB with recompute too
     staged = piped and (layout.schedule in ("1F1B", "VPP") or layout.recompute)
     rows_over_pp = piped and (workload.batch_size // accumulate) % (data * pp) == 0
-    scanned = not piped and scan_layers and bool(patterns.blocks) and layout.zero_stage < 3
+    scanned = (
+        not piped
+        and scan_layers
+        and bool(patterns.blocks)
+        and len(patterns.stacks) <= 1  # several stacks run unrolled (not one scan)
+        and layout.zero_stage < 3
+    )
     return StepShape(
         patterns=patterns,
         workload=workload,

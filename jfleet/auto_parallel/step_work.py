@@ -65,8 +65,12 @@ def layers_and_norms(patterns: ModelPatterns) -> tuple[int, int]:
         if p.role == "norm" and tuple(p.shape) == width
     }
     if patterns.blocks:
+        layers = len(patterns.blocks)
+        if len(patterns.stacks) > 1:  # stacks differ: the norms of all blocks, per block
+            held = {p.path.rsplit(".", 1)[0] for p in patterns.params if p.block is not None}
+            return layers, round(len(held & norms) / layers)
         first = {p.path.rsplit(".", 1)[0] for p in patterns.params if p.block == 0}
-        return len(patterns.blocks), len(first & norms)
+        return layers, len(first & norms)
     if patterns.attention or patterns.mlp:
         return 1, max(len(norms) - 1, 0)
     return 0, 0
@@ -126,17 +130,23 @@ def split_degrees(
 
 def tp_reductions(
     patterns: ModelPatterns, mp: int, specs: Mapping[str, P] | None = None
-) -> tuple[int, int]:
-    """All-reduces per block: forward (one per split row), backward (one per split column)."""
+) -> tuple[float, float]:
+    """All-reduces per block: forward (one per split row), backward (one per split column);
+    with several stacks (an encoder-decoder) the mean over every block of every stack."""
     specs = _specs(patterns, mp, specs)
     first = 0 if patterns.blocks else None
+    several = len(patterns.stacks) > 1  # stacks differ: every block's, per block
     kernels = [
         p
         for p in patterns.params
-        if p.kind == "kernel" and p.block == first and specs[p.path] != P()
+        if p.kind == "kernel"
+        and (p.block is not None if several else p.block == first)
+        and specs[p.path] != P()
     ]
     rows = sum(p.role in ROW_ROLES for p in kernels)
     columns = sum(p.role in COLUMN_ROLES for p in kernels)
+    if several:
+        return rows / len(patterns.blocks), columns / len(patterns.blocks)
     return rows, columns
 
 

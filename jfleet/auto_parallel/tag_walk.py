@@ -173,6 +173,16 @@ def _merge_tags(outer: frozenset, inner: frozenset) -> frozenset:
     return frozenset(out)
 
 
+def _cut_words(eqn: Any, src: Sequence[int]) -> str:
+    """How a resizing primitive cut a dimension, for the replicated reason: a contiguous
+    ``slice`` names its range (``slice [0:48] of 96``), anything else its primitive."""
+    if eqn.primitive.name != "slice" or any(k > 1 for k in eqn.params.get("strides") or ()):
+        return eqn.primitive.name
+    start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+    ranges = [f"[{b}:{e}] of {n}" for b, e, n in zip(start, limit, src, strict=True) if e - b != n]
+    return "contiguous slice " + ", ".join(ranges) if ranges else "slice"
+
+
 class Walk:
     def __init__(self) -> None:
         self.edges: list[Edge] = []
@@ -188,6 +198,8 @@ class Walk:
         self.reads_inputs: set[int] = set()  # projections of the inputs themselves
         self.activations: dict[int, str] = {}  # the nonlinearity each projection's input took
         self.cut: dict[int, str] = {}
+        self.batched: dict[int, int] = {}  # projections with a batch dim (experts): its size
+        self.fed_by: dict[int, set[int]] = {}  # the projections each projection's input came from
 
     # ------------------------------------------------------------ helpers
     def _generic(self, args: list[Val], outs: Sequence[Any]) -> list[Val]:
@@ -406,7 +418,7 @@ class Walk:
                 out.append(self._like(args, tags, bcast))
                 continue
             strided = self._strided(eqn, src, dst) & changed
-            val = self._drop(a, range(len(src)), changed - strided, eqn.primitive.name)
+            val = self._drop(a, range(len(src)), changed - strided, _cut_words(eqn, src))
             tags = [
                 _retag(a.tags[d], dst[d]) if d in strided else val.tags[d] for d in range(len(dst))
             ]
@@ -440,6 +452,9 @@ class Walk:
         if pside is not None:
             params = {t.param for t in wv.view if t is not None}
             param = params.pop() if len(params) == 1 else None
+            wb, wshape = (lb, ls) if pside == "l" else (rb, rs)
+            if param is not None and wb:  # one kernel per expert, matched batch-wise
+                self.batched.setdefault(param, math.prod(wshape[i] for i in wb))
             for wd, ad in zip(wc, ac, strict=True):
                 w = wv.view[wd]
                 if w is None:
@@ -460,6 +475,8 @@ class Walk:
                 self.reads_inputs.add(param)
             if param is not None and av.nonlin:
                 self.activations.setdefault(param, av.nonlin)
+            if param is not None:
+                self.fed_by.setdefault(param, set()).update(av.last - {param})
             self.dots.append(Dot(flops, param, frozenset(splits), grads, last))
             n = len(out_shape)
             return Val(
@@ -561,7 +578,8 @@ class Walk:
         if name == "split":
             a, axis = ins[0], p["axis"]
             cut = frozenset({axis})
-            return [self._drop(a, range(len(a.tags)), cut, "split") for _ in eqn.outvars]
+            why = f"split into {len(eqn.outvars)} contiguous parts"
+            return [self._drop(a, range(len(a.tags)), cut, why) for _ in eqn.outvars]
         for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):  # jit, custom_jvp/vjp, remat, ...
             sub = p.get(key)
             inner = getattr(sub, "jaxpr", sub)

@@ -57,7 +57,7 @@ from jfleet.auto_parallel.blocks import (
     container_of,
 )
 from jfleet.auto_parallel.config import ToDistributedConfig, check_config
-from jfleet.auto_parallel.layouts import OPTIMIZER_MOMENTS, SCHEDULES
+from jfleet.auto_parallel.layouts import OPTIMIZER_MOMENTS, SCHEDULES, stacks_reason
 from jfleet.auto_parallel.patterns import ModelPatterns, match_patterns
 from jfleet.auto_parallel.plan import Plan
 from jfleet.auto_parallel.planner import plan_for
@@ -246,7 +246,7 @@ def to_distributed(
     _context.replace(optimizer=dist)  # what fleet's optimizer getters read
     dist.wrt = wrt
     dist.init(model, placement)
-    _PLANS[model] = plan
+    _PLANS[model] = plan = plan.as_placed(model)  # its table: the arrays as placed
     logger.info("to_distributed: %s", plan.layout.name)
     loader = _loader(dataloader, placement, first, config, plan)
     return model, dist, loader
@@ -369,9 +369,19 @@ def _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len
         wide_search=config.wide_search,
         accumulate_steps=_search_accumulation(config),
     )
-    if patterns.input_kind == "tokens":
-        return plan
-    return dataclasses.replace(plan, workload=patterns.workload(batch_size, seq_len))
+    return plan  # plan_for words the workload by the traced input kind
+
+
+def _stacks_problem(model: nnx.Module, patterns: ModelPatterns, call: Callable) -> str:
+    """Why a model with several block stacks gets no pipeline: one pipeline runs one stack,
+    and each stack's own reason where it has one (decoder blocks handed the encoder's
+    output, which a pipeline's block arguments would give no gradient)."""
+    own = []
+    for paths, cls in patterns.stacks:
+        why = pipeline_problem(model, list(paths), call)
+        if why:
+            own.append(f"{paths[0].rsplit('.', 1)[0]} ({len(paths)} x {cls}): {why}")
+    return stacks_reason(patterns) + ("; besides, " + "; ".join(own) if own else "")
 
 
 def _user_strategy(user: DistributedStrategy | None) -> DistributedStrategy | None:
@@ -434,7 +444,10 @@ def _pipeline_problem(
     def call() -> Any:
         return forward(model, inputs) if forward is not None else model(inputs)
 
-    problem, scan = block_problems(model, list(patterns.blocks), call)
+    if len(patterns.stacks) > 1:  # an encoder-decoder: each stack's own reason, if any
+        problem = scan = _stacks_problem(model, patterns, call)
+    else:
+        problem, scan = block_problems(model, list(patterns.blocks), call)
     if problem:
         logger.info("to_distributed: no pipeline: %s", problem)
     _BLOCK_PROBLEMS[model] = scan or True

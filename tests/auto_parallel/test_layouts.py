@@ -13,6 +13,13 @@ from jfleet.models.llama import TinyLlama
 from tests.auto_parallel.conv_net import ConvNet
 
 WORK = Workload(batch_size=16, seq_len=64)
+#: mp=8 cuts the 4 query heads: the reason names the parameter, its shape, and the fix
+#: (k / v would stay whole: only q and o, 2 per block x 4 blocks, are counted).
+HEADS_REASON = (
+    "mp=8 does not divide the 4 heads of layers.0.self_attn.q_proj.kernel [128x128] "
+    "(role q, split on dim 1) (and 7 more parameter(s) alike); use mp in (1, 2, 4), or sizes "
+    "that 8 divides"
+)
 
 
 def _llama(**kw):
@@ -26,7 +33,7 @@ def test_enumeration_respects_the_shapes():
     meshes = {lay.mesh_name for lay in layouts}
     assert "mp8" not in meshes and "pp8" not in meshes
     assert dict(excluded) == {
-        "mp8": "mp=8 does not divide the split unit count(s) [4]",
+        "mp8": HEADS_REASON,
         "pp8": "pp=8 does not divide the 4 blocks",
     }
     assert all(lay.size == 8 and lay.sep == 1 for lay in layouts)
@@ -58,8 +65,14 @@ def test_every_mesh_is_either_enumerated_or_excluded_with_a_reason():
 @pytest.mark.parametrize(
     ("kw", "mesh", "reason"),
     [
-        ({"heads": 4, "kv_heads": 4}, "mp8", "mp=8 does not divide the split unit count(s) [4]"),
-        ({"hidden": 250}, "dp2 x mp4", "mp=4 does not divide the split unit count(s) [250]"),
+        ({"heads": 4, "kv_heads": 4}, "mp8", HEADS_REASON),
+        (
+            {"hidden": 250},
+            "dp2 x mp4",
+            "mp=4 does not divide the 250 hidden features of layers.0.mlp.gate_proj.kernel "
+            "[128x250] (role gate, split on dim 1) (and 11 more parameter(s) alike); use mp in "
+            "(1, 2), or sizes that 4 divides",
+        ),
         ({"layers": 6}, "dp2 x pp4", "pp=4 does not divide the 6 blocks"),
     ],
     ids=["heads", "hidden", "blocks"],

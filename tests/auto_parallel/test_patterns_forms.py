@@ -144,3 +144,127 @@ def test_blocks_differing_only_in_an_unread_attribute_are_one_stack():
     read = [ScaledBlock(i, float(i % 2)) for i in range(4)]  # scale is read: a real period
     assert block_period(read) == 2
     assert "scale" in first_difference(read[0], read[1])
+
+
+class SlicedGateUp(nnx.Module):
+    """A fused gate/up kernel ``[D, 2F]`` read as ``h[..., :F]`` / ``h[..., F:]``."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.gate_up = nnx.Linear(16, 48, use_bias=False, rngs=rngs)
+        self.down = nnx.Linear(24, 16, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.gate_up(x)
+        return self.down(nnx.silu(h[..., :24]) * h[..., 24:])
+
+
+class SlicedBlocks(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(40, 16, rngs=rngs)
+        self.blocks = nnx.List([SlicedGateUp(rngs) for _ in range(2)])
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.embed.attend(x)
+
+
+@pytest.mark.parametrize("read", ["jnp.split", "slices"])
+def test_a_contiguous_fused_gate_up_stays_whole_naming_why_and_the_layout_that_splits(read):
+    """Gate | up side by side: rank r would need columns r of both halves, which no
+    PartitionSpec of a [D, 2F] kernel places; the pair stays whole with both reasons."""
+    if read == "jnp.split":
+        _, found = _form(mlp="fused")  # gate, up = jnp.split(h, 2, axis=-1)
+        cut = "split into 2 contiguous parts"
+    else:
+        model = nnx.eval_shape(lambda: SlicedBlocks(nnx.Rngs(0)))
+        found = match_patterns(model, jnp.zeros((2, 6), jnp.int32))
+        cut = "contiguous slice [0:24] of 48"
+    why = dict(found.replicated_in_blocks)
+    fused, down = "blocks.0.mlp.gate_up.kernel", "blocks.0.mlp.down.kernel"
+    if read == "slices":
+        fused, down = "blocks.0.gate_up.kernel", "blocks.0.down.kernel"
+    assert found.role(fused) is None and found.role(down) is None and found.mlp is None
+    assert f"read in parts ({cut})" in why[fused] and "interleaved (h[..., ::2]" in why[fused]
+    assert why[down].startswith(f"its input comes from {fused}, whose output is read in parts")
+
+
+def test_forcing_mp_on_a_contiguous_gate_up_is_refused_naming_the_kernel_its_shape_and_why():
+    model, found = _form(mlp="fused")
+    from jfleet.auto_parallel.planner import plan_for
+
+    with pytest.raises(ValueError, match=r"blocks\.0\.mlp\.gate_up\.kernel \[16x48\]: its output"):
+        plan_for(model, device_num=8, batch_size=8, seq_len=6, force_mesh={"dp": 2, "mp": 4},
+                 patterns=found)  # fmt: skip
+
+
+def test_an_interleaved_linear_gate_up_trains_like_one_device_at_dp2_mp4():
+    """The layout the refusal points to: the same fused nnx.Linear read h[..., ::2] /
+    h[..., 1::2] splits with its down projection and trains like one device."""
+    import numpy as np
+    import optax
+
+    from jfleet import make_train_step
+    from jfleet.auto_parallel import ToDistributedConfig, get_plan, to_distributed
+    from jfleet.testing import train_one_device
+    from jfleet.testing.nnx_styles.registry import token_batches
+
+    form = Form("separate", 2, "none", False, "none", "fused_strided", "array", "rms", "embed",
+                "separate", 2)  # fmt: skip
+
+    def loss_fn(model, batch):
+        logits = model(jnp.asarray(batch["tokens"]))
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+    batches = token_batches(10, seq=6, vocab=40)
+    one = FormModel(form, nnx.Rngs(0))
+    reference, _ = train_one_device(one, optax.adam(1e-2), batches, loss_fn)
+    config = ToDistributedConfig(force_mesh={"dp": 2, "mp": 4})
+    model, opt, loader = to_distributed(
+        FormModel(form, nnx.Rngs(0)), optax.adam(1e-2), batches, config=config
+    )
+    plan = get_plan(model)
+    assert plan.spec("blocks.0.mlp.gate_up.kernel") == COL
+    assert plan.spec("blocks.1.mlp.down.kernel") == ROW
+    step = make_train_step(loss_fn)
+    losses = [float(step(model, opt, batch)) for batch in loader]
+    assert reference[-1] < reference[0]
+    np.testing.assert_allclose(losses, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_an_encoder_decoder_has_two_stacks_both_counted_and_no_pipeline_with_the_reason():
+    from jfleet.auto_parallel.layouts import Workload, shape_problem
+    from jfleet.auto_parallel.step_work import layers_and_norms, tp_reductions
+    from jfleet.testing.nnx_styles.beyond_lm import EncoderDecoder
+
+    model = nnx.eval_shape(lambda: EncoderDecoder(rngs=nnx.Rngs(0)))
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    found = match_patterns(model, tokens, forward=lambda m, t: m(t, t))
+    # both stacks, in the order the forward runs them (the tree lists decoder first)
+    assert found.blocks == ("encoder.0", "encoder.1", "decoder.0", "decoder.1")
+    assert [(len(p), c) for p, c in found.stacks] == [(2, "T5EncoderBlock"), (2, "T5DecoderBlock")]
+    assert found.dims.layers == 4 and found.block_period is None
+    assert "2 x T5EncoderBlock (encoder) + 2 x T5DecoderBlock (decoder)" in found.summary()
+    roles = {p.path: (p.role, p.block) for p in found.params}
+    assert roles["encoder.1.attn.o.kernel"] == ("o", 1)
+    assert roles["decoder.0.cross_attn.k.kernel"] == ("k", 2)  # cross-attention paired
+    assert roles["decoder.1.cross_attn.o.kernel"] == ("o", 3)
+    # the cost model's per-block terms are the mean over both stacks: an encoder block has
+    # 2 split rows (attn.o, mlp.wo) and 4 columns (q, k, v, wi); a decoder block 3 rows
+    # (self o, cross o, wo) and 7 columns: (2 x 2 + 2 x 3) / 4, (2 x 4 + 2 x 7) / 4
+    assert tp_reductions(found, 4) == (2.5, 5.5)
+    assert layers_and_norms(found) == (4, 2)  # (2 x 2 + 2 x 3) / 4 = 2.5 norms, rounded
+    why = shape_problem(found, Workload(batch_size=8, seq_len=8), {"dp": 4, "pp": 2}, 8)
+    assert why == (
+        "the model has 2 block stacks (encoder: 2 x T5EncoderBlock, decoder: 2 x "
+        "T5DecoderBlock); a pipeline runs one stack of alike blocks, so a model with several "
+        "runs with pp=1"
+    )
+
+
+def test_an_mlp_of_experts_is_described_with_their_count_and_a_plain_one_without():
+    _, found = _form(mlp="experts")  # w_out [E, F, D] contracted batch-wise over E = 3
+    assert found.dims.experts == 3 and "mlp gelu (hidden 24, 3 experts)" in found.summary()
+    _, plain = _form(mlp="gelu")
+    assert plain.dims.experts == 0 and "mlp gelu (hidden 24)," in plain.summary()

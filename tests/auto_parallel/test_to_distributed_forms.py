@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -16,7 +17,13 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jfleet import make_train_step
-from jfleet.auto_parallel import ToDistributedConfig, get_plan, to_distributed
+from jfleet.auto_parallel import (
+    ToDistributedConfig,
+    get_plan,
+    match_patterns,
+    plan_for,
+    to_distributed,
+)
 from jfleet.testing import train_one_device
 from jfleet.testing.nnx_styles import FORMS
 from jfleet.testing.nnx_styles.block_forms import DropoutDecoder
@@ -44,7 +51,31 @@ def distributed(name: str, mesh: tuple, microbatches: int | None = None):
         form.build(nnx.Rngs(0)), optax.adam(1e-2), form.batches(STEPS), config=config
     )
     step = make_train_step(form.loss_fn)
-    return get_plan(model), tuple(float(step(model, opt, batch)) for batch in loader)
+    losses = tuple(float(step(model, opt, batch)) for batch in loader)
+    PLACED[(name, mesh)] = placed_specs(get_plan(model), model)
+    return get_plan(model), losses
+
+
+#: ``{(form, mesh): {plan path: spec as placed}}`` of the runs above.
+PLACED: dict = {}
+
+
+def placed_specs(plan, model) -> dict[str, P]:
+    """Each plan path's spec as its array was placed (a stacked leaf ``<list>.body.<rest>``,
+    stacked axes first, stands for ``<list>.<i>.<rest>``); all-None specs read ``P()``."""
+    shapes = {p.path: p.shape for p in plan.params}
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        value = var.get_value()
+        name = ".".join(map(str, path))
+        head, sep, rest = name.partition(".body.")
+        targets = [t for t in shapes if sep and t.startswith(head + ".") and t.endswith("." + rest)]
+        for target in targets or [name]:
+            ndim = len(shapes[target])
+            spec = tuple(value.sharding.spec) + (None,) * value.ndim
+            spec = spec[value.ndim - ndim : value.ndim]
+            out[target] = P() if all(e is None for e in spec) else P(*spec)
+    return out
 
 
 @pytest.mark.parametrize("name", list(FORMS))
@@ -61,6 +92,10 @@ def test_each_form_splits_its_weights_over_mp_and_trains_like_one_device(name):
         assert (p.role, p.spec) == (form.roles[pattern], want), p.path
         checked += 1
     assert checked >= len(form.splits)
+    # the plan's table is the arrays as placed (issue 27: it once showed P(None, None) for a
+    # kernel placed P(None, 'mp'))
+    placed = PLACED[(name, (("dp", 2), ("mp", 4)))]
+    assert {p.path: p.spec for p in plan.params} == placed
     reference = one_device(name)
     assert reference[-1] < reference[0]  # the form trains, so equality means something
     np.testing.assert_allclose(losses, reference, rtol=TOL, atol=TOL)
@@ -82,12 +117,13 @@ DESCRIBED = {
     ),
     "cnn": (
         "MnistCnn: width 64, reads images, no attention, mlp relu (hidden 64), "
-        "no repeated blocks, no head",
+        "no repeated blocks, no separate head (linear2.kernel gives the 10 outputs)",
         "images 8 x 8x8x1",
     ),
     "encoder_decoder": (
         "EncoderDecoder: width 32, vocab 48, attention separate (4 heads, 4 kv heads), "
-        "mlp relu (hidden 64), 2 x T5DecoderBlock, separate head",
+        "mlp relu (hidden 64), 2 x T5EncoderBlock (encoder) + 2 x T5DecoderBlock (decoder), "
+        "separate head",
         "batch 8 x seq 8",
     ),
 }
@@ -163,3 +199,51 @@ def test_pipelined_dropout_draws_what_the_unpipelined_model_draws_and_reruns_bit
     zero, model = dropout_run(0.0)
     np.testing.assert_allclose(zero, plain, rtol=1e-6, atol=1e-6)
     assert stream_counts(model) == [0] * 7  # rate 0 draws nothing
+
+
+GOLDEN = Path(__file__).parent / "golden"
+#: ``golden/<form>_plan_<mesh>.txt``: the plan's description of the model, its workload and
+#: every parameter's layout, written by hand from the model (not copied from a run); the
+#: predicted numbers and the candidates' ranking, which the cost model moves, are left out.
+PLAN_GOLDENS = {
+    ("cnn", "dp2_mp4"): {"dp": 2, "mp": 4},
+    ("vit", "dp2_mp4"): {"dp": 2, "mp": 4},
+    ("vit", "dp2_pp2_mp2"): {"dp": 2, "pp": 2, "mp": 2},
+    ("encoder_decoder", "dp2_mp4"): {"dp": 2, "mp": 4},
+}
+
+
+def described(text: str) -> tuple[str, list[str]]:
+    """The plan's text without the predicted line and the candidates table, and the
+    candidates table's rows."""
+    kept, rows, in_table = [], [], False
+    for line in text.splitlines():
+        if line.startswith("| rank |"):
+            in_table = True
+            continue
+        if in_table and (line.startswith("|") or line.startswith("(")):
+            rows.append(line)
+            continue
+        in_table = False
+        if not line.startswith("predicted per device:") and (line or kept[-1]):
+            kept.append(line)  # one blank line where the candidates table was
+    return "\n".join(kept) + "\n", rows[1:]  # the |---| line dropped
+
+
+@pytest.mark.parametrize(("name", "mesh"), sorted(PLAN_GOLDENS))
+def test_plan_goldens_name_the_workload_and_parts(name, mesh):
+    form = FORMS[name]
+    model = nnx.eval_shape(lambda: form.build(nnx.Rngs(0)))
+    batch = form.batches(1)[0]
+    degrees = PLAN_GOLDENS[(name, mesh)]
+    plan = plan_for(
+        model, device_num=8, batch_size=8, seq_len=8, force_mesh=degrees, recompute=False,
+        schedule="FThenB" if "pp" in degrees else None,
+        num_microbatches=2 if "pp" in degrees else None,
+        patterns=match_patterns(model, batch, forward=form.forward),
+    )  # fmt: skip
+    text, candidates = described(str(plan))
+    assert text == (GOLDEN / f"{name}_plan_{mesh}.txt").read_text()
+    # a forced mesh still prints its candidates: the forced layout, chosen
+    assert candidates and candidates[0].startswith(f"| 1 | {plan.layout.name} |")
+    assert candidates[0].endswith("| chosen |")
