@@ -48,6 +48,7 @@ from jfleet.auto_parallel.block_check import (
     ARRAY,
     TREE,
     block_problems,
+    pipeline_problem,
     record_block_calls,
     state_problem,
 )
