@@ -45,13 +45,15 @@ and the stacked gradient accumulator); FThenB keeps its ``M`` micro-batches' res
 set (``blocks + 1`` blocks' activations in a loop over the stage's blocks, 1.3 with one
 block a stage) and the stage's gradient accumulators; 1F1B (and FThenB with recompute, the
 same program) keeps ``M`` stage inputs, the same working set and accumulators; VPP keeps
-``v M`` chunk inputs and one chunk's working set. Recompute keeps each layer's input and one
-layer's working set where the recomputation waits for the backward pass: inside a loop
-(scanned or pipelined blocks), or on a compiler that keeps ``jax.checkpoint``'s barriers
-until it schedules (``HardwareProfile.remat_barriers_kept``); XLA:CPU removes them earlier
-and runs an unrolled recomputation with the forward pass, so there it keeps every activation
-(:mod:`jfleet.recompute`). The constants (1.25, 1.3, 0.5) are fitted to compiled temp memory
-of TinyLlama (width 128, 2-4 layers) on XLA:CPU.
+``v M`` chunk inputs and one chunk's working set; the stage inputs are stashed split over
+``mp`` (``1 / mp`` of each per device,
+:attr:`~jfleet.auto_parallel.step_shape.StepShape.wire_split`). Recompute keeps each
+layer's input and one layer's working set where the recomputation waits for the backward
+pass: inside a loop (scanned or pipelined blocks), or on a compiler that keeps
+``jax.checkpoint``'s barriers until it schedules (``HardwareProfile.remat_barriers_kept``);
+XLA:CPU removes them earlier and runs an unrolled recomputation with the forward pass, so
+there it keeps every activation (:mod:`jfleet.recompute`). The constants (1.25, 1.3, 0.5)
+are fitted to compiled temp memory of TinyLlama (width 128, 2-4 layers) on XLA:CPU.
 
 **Step time** (seconds; no overlap of communication with compute, so an upper bound):
 
@@ -86,7 +88,10 @@ of TinyLlama (width 128, 2-4 layers) on XLA:CPU.
 * pipeline: bubble ``(P-1)/(vM+P-1)`` of the blocks' compute (``v`` chunks per stage, 1 but
   for VPP; none where the devices share the host's cores, ``HardwareProfile.shared_cores``:
   an idle stage's core runs the others' work), and ``2(vM+P-1)`` (every schedule: a forward
-  and a backward loop) point-to-point transfers of ``b s h`` on the critical path; with the
+  and a backward loop) point-to-point transfers of ``b s h`` on the critical path, each
+  ``1 / mp`` of it with tensor parallel inside the stages and followed by an all-gather of
+  ``b s h`` over ``mp`` (Megatron-LM's scatter / gather; 1F1B's backward all-gathers its
+  stashed input too, so 3 all-gathers a tick, 2 for FThenB without recompute); with the
   rows split over ``pp`` the stack all-gathers its input and reduce-scatters its output over
   ``pp`` (and the reverse for the cotangents), else the embedding and head run on every
   stage and the stack's output and its input's cotangent are all-reduced over ``pp``;

@@ -365,8 +365,11 @@ def forward_ticks(spec, run, x_mb, stage, *, stash=False, virtual=1, wire=None):
         else:
             y, kept = lax.cond(valid, work, lambda _: zeros_like_tree(act), x), x
             kept = kept if wire is None else wire.split(kept)
+        if wire is not None:  # run whole: a split send must not propagate into the stage
+            y = wire.whole(y)
         done = valid & (c == v - 1)
-        outs = put(outs, select(done, y, take(outs, fi)), fi)
+        out = y if wire is None else wire.split(y)
+        outs = put(outs, select(done, out, take(outs, fi)), fi)
         if stash is not False:
             k = c * m + fi
             ins = put(ins, select(valid, kept, take(ins, k)), k)
@@ -379,7 +382,8 @@ def forward_ticks(spec, run, x_mb, stage, *, stash=False, virtual=1, wire=None):
         kept0 = kept0 if wire is None else wire.split(kept0, lead=1)
     else:
         kept0 = None
-    init = vary((zeros_like_tree(act), zeros_like_tree(x_mb), kept0), axes)
+    outs0 = zeros_like_tree(x_mb) if wire is None else wire.split(zeros_like_tree(x_mb), lead=1)
+    init = vary((zeros_like_tree(act), outs0, kept0), axes)
     (_, outs, ins), _ = lax.scan(tick, init, jnp.arange(v * m + p - 1))
     return (outs, ins) if stash is not False else outs
 
@@ -466,16 +470,19 @@ def backward_ticks(spec, vjp, params, ins, g_last, stage, *, virtual=1, wire=Non
             return vary(vjp(x, g, bi, c) if v > 1 else vjp(x, g, bi), axes)
 
         dp, dx = lax.cond(valid, work, lambda x, g: zero, take(ins, c * m + bi), g)
+        dx = dx if wire is None else wire.whole(dx)
         if v > 1:
             summed = jax.tree.map(lambda a, d: a + d.astype(a.dtype), take(d_params, c), dp)
             d_params = put(d_params, summed, c)
         else:
             d_params = jax.tree.map(lambda a, d: a + d.astype(a.dtype), d_params, dp)
-        d_x = put(d_x, select(valid & (stage == 0) & (c == 0), dx, take(d_x, bi)), bi)
+        out = dx if wire is None else wire.split(dx)
+        d_x = put(d_x, select(valid & (stage == 0) & (c == 0), out, take(d_x, bi)), bi)
         return (shift(dx, spec, -1, circular=v > 1, wire=wire), d_params, d_x), None
 
     acc = jax.tree.map(lambda a: jnp.zeros_like(a, dtype=acc_dtype(a)), params)
-    init = vary((zeros_like_tree(act), acc, zeros_like_tree(g_last)), axes)
+    d_x0 = zeros_like_tree(g_last) if wire is None else wire.split(zeros_like_tree(g_last), lead=1)
+    init = vary((zeros_like_tree(act), acc, d_x0), axes)
     (_, d_params, d_x), _ = lax.scan(tick, init, jnp.arange(v * m + p - 1))
     return d_params, d_x
 

@@ -258,10 +258,10 @@ def test_with_mp_the_stages_send_and_stash_one_mp_th_and_compute_the_same(schedu
     assert permutes and {c.bytes for c in permutes} == {MB * T * DM * 4 // 4}
 
 
-def test_with_mp_the_stash_of_stage_inputs_is_split():
-    """1F1B's compiled temp grows by less than one whole stage input per micro-batch:
-    the stash is split over mp (measured at mp4: 0.75 of an input a micro-batch; 3 inputs
-    before the split)."""
+def test_with_mp_the_stash_and_the_stacks_buffers_are_split():
+    """1F1B's compiled temp per micro-batch: the stashed inputs, the stack's gathered input,
+    outputs and input cotangents split over mp (1/4 each), the whole output the loss reads
+    (measured at mp4: 1.75 stage inputs a micro-batch; 3 with every buffer whole)."""
     mesh = jax.make_mesh((1, 2, 4), (DP, PP, MP), axis_types=(AxisType.Auto,) * 3)
 
     def temp(m):
@@ -270,4 +270,4 @@ def test_with_mp_the_stash_of_stage_inputs_is_split():
         return compiled.memory_analysis().temp_size_in_bytes
 
     per_microbatch = (temp(16) - temp(8)) / 8
-    assert per_microbatch < MB * T * DM * 4, per_microbatch
+    assert per_microbatch < 2 * MB * T * DM * 4, per_microbatch
