@@ -47,7 +47,9 @@ block a stage) and the stage's gradient accumulators; 1F1B (and FThenB with reco
 same program) keeps ``M`` stage inputs, the same working set and accumulators; VPP keeps
 ``v M`` chunk inputs and one chunk's working set; the stage inputs are stashed split over
 ``mp`` (``1 / mp`` of each per device,
-:attr:`~jfleet.auto_parallel.step_shape.StepShape.wire_split`). Recompute keeps each
+:attr:`~jfleet.auto_parallel.step_shape.StepShape.wire_split`); every pipeline adds the
+stack's boundary buffers, two of the local batch's ``b s h`` (its input and outputs in the
+forward loop, the cotangents in the backward), split over ``mp`` alike. Recompute keeps each
 layer's input and one layer's working set where the recomputation waits for the backward
 pass: inside a loop (scanned or pipelined blocks), or on a compiler that keeps
 ``jax.checkpoint``'s barriers until it schedules (``HardwareProfile.remat_barriers_kept``);
@@ -91,7 +93,9 @@ are fitted to compiled temp memory of TinyLlama (width 128, 2-4 layers) on XLA:C
   and a backward loop) point-to-point transfers of ``b s h`` on the critical path, each
   ``1 / mp`` of it with tensor parallel inside the stages and followed by an all-gather of
   ``b s h`` over ``mp`` (Megatron-LM's scatter / gather; 1F1B's backward all-gathers its
-  stashed input too, so 3 all-gathers a tick, 2 for FThenB without recompute); with the
+  stashed input too, so 3 all-gathers a tick, 2 for FThenB without recompute; the stack's
+  gather / scatter over ``pp`` below moves ``1 / mp`` too, and its output and input
+  cotangent are all-gathered over ``mp`` after it); with the
   rows split over ``pp`` the stack all-gathers its input and reduce-scatters its output over
   ``pp`` (and the reverse for the cotangents), else the embedding and head run on every
   stage and the stack's output and its input's cotangent are all-reduced over ``pp``;

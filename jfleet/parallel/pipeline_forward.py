@@ -38,14 +38,18 @@ direction; ``v = 1`` but for VPP), plus one all-reduce of the output over ``pp``
 for the input cotangent.
 
 Tensor parallel inside the stages (an automatic ``mp`` axis, no ``sep``): what crosses
-between stages and what is stashed is split over ``mp``
+between stages and what the stack buffers is split over ``mp``
 (:class:`~jfleet.parallel.pipeline_parts.TensorSplit`, each leaf on its first non-batch
 dimension ``mp`` divides), as Megatron-LM's scatter / gather: each collective-permute
 carries ``1 / mp`` of the activation and the receiver all-gathers it over ``mp`` inside the
-node; the stashed stage inputs cost ``M / mp`` micro-batches per device, and the
-recomputing backward all-gathers one per tick. Measured on 8 emulated devices (pp2 x mp4,
-a 2-matmul stage, M = 8 and 32): the collective-permute operand is a quarter of the
-activation and the compiled temp grows by 0.75 micro-batch inputs per micro-batch (4 before).
+node; the stashed stage inputs, the stack's gathered input, its outputs and cotangents cost
+``1 / mp`` per device, and its gather / scatter over ``pp`` moves ``1 / mp``; the stage
+runs on the whole activation (its output pinned whole, so the split does not spread into
+it), the recomputing backward all-gathers one stashed input per tick, and the code before
+and after the stack sees whole activations. Measured on 8 emulated devices (pp2 x mp4, a
+two-matmul stage, M = 8 and 16): the collective-permute operand is a quarter of the
+activation and the compiled temp grows by 1.75 stage inputs per micro-batch (the loss's
+whole input among them; 3 with every buffer whole).
 
 Batch layout: by default the batch is split over the data axes and every stage gets the
 output for its replica's whole batch (a ``psum`` over ``pp``), so the code after the stack
