@@ -434,7 +434,11 @@ PIPELINE_NOTES = (
     "reduce-scatters its output over `pp` (and the reverse for the cotangents); the "
     "blocks' gradients leave the `shard_map` summed over `dp x sharding` (one "
     "all-reduce, not ZeRO's two-step reduction). The tensor-parallel all-reduces sit in "
-    "the loops' bodies, counted on every tick. Recompute without a pipeline saves "
+    "the loops' bodies, counted on every tick. With `mp` inside the stages (Megatron's "
+    "scatter / gather) the stashed stage inputs, the sends between stages, the stack's "
+    "buffers and its gather / scatter over `pp` are split over `mp`, and all-gathered over "
+    "`mp` where a stage or the code around the stack reads them. Recompute without a "
+    "pipeline saves "
     "memory only inside a loop on XLA:CPU (scanned blocks; the ZeRO-3 row keeps its "
     "blocks unrolled and recomputes with the forward pass, see `jfleet/parallel/recompute.py`)."
 )

@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import json
 import random
+import re
 import statistics
 import sys
 import time
@@ -332,11 +333,13 @@ def measure(
     size: Size, rounds: int, limit: int | None, seed: int = 0, only: str | None = None
 ) -> SizeResult:
     """Plans, builds and times every candidate of ``size`` (the first ``limit`` when given;
-    with ``only``, those whose name holds it, and the baseline)."""
+    with ``only``, those whose name the regular expression matches, and the baseline)."""
     start = time.perf_counter()
     candidates, chosen = plan_candidates(size)
     if only:
-        candidates = [c for c in candidates if only in c.layout.name or c.layout.name == BASELINE]
+        candidates = [
+            c for c in candidates if re.search(only, c.layout.name) or c.layout.name == BASELINE
+        ]
     if limit is not None:
         keep = candidates[:limit]
         keep += [c for c in candidates if c.layout.name == BASELINE and c not in keep]
@@ -508,12 +511,14 @@ def render(results: list[SizeResult], rounds: int, argv: list[str]) -> str:
 
 
 def _joined(earlier: SizeResult, new: list[SizeResult]) -> SizeResult:
-    """``earlier`` with the candidates ``new`` timed at its size that it lacks (each ratio
-    is to the baseline of its own rounds, so the two runs' ratios compare)."""
+    """``earlier`` with the candidates ``new`` timed at its size, a candidate timed again
+    replacing its earlier timing (the baseline's stays: each ratio is to the baseline of its
+    own rounds, so the two runs' ratios compare)."""
     for r in new:
         if r.size.name == earlier.size.name:
-            have = {t.name for t in earlier.timed}
-            earlier.timed += [t for t in r.timed if t.name not in have]
+            again = {t.name: t for t in r.timed if t.name != BASELINE}
+            kept = [t for t in earlier.timed if t.name not in again]
+            earlier.timed = kept + list(again.values())
             earlier.command = f"{earlier.command}` + `{r.command}"
     return earlier
 
@@ -529,8 +534,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         default=None,
-        help="time only the candidates whose name holds this (and dp8); with --merge they "
-        "join the merged size's candidates",
+        help="time only the candidates whose name this regular expression matches (and "
+        "dp8); with --merge they join the merged size's candidates, replacing their "
+        "earlier timings",
     )
     parser.add_argument(
         "--merge", default=None, help="a --json file of sizes timed earlier, shown too"

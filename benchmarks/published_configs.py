@@ -192,13 +192,16 @@ def summary(results: list[dict]) -> str:
 NOTES = """Why jfleet's picks beat the published layouts: they drop the full recompute the
 SC21 runs used where memory allows (small models), or use ZeRO-3 over the data axes instead
 of a deeper pipeline; ZeRO-3's gathers are predicted hidden under the forward and backward
-(``comm_overlap``), which is optimistic across hundreds of nodes. Why the deep pipelines
-(310B, 529.6B, 1T) are predicted below their published MFU: the prediction is for jfleet
-running that layout, and jfleet's pipelined stand-in keeps every micro-batch's stage input
-until its backward loop (all forwards before all backwards), so at 1T the published M = 512
-micro-batches do not fit and gradient accumulation (4 calls of M = 128, each with its own
-fill and drain) is needed; and its stage-to-stage transfers carry the whole activation on
-every ``mp`` rank (Megatron's scatter / gather splits it 8 ways over InfiniBand)."""
+(``comm_overlap``), which is optimistic across hundreds of nodes. The deep pipelines
+(310B, 529.6B, 1T) are predicted for jfleet's pipelined stand-in running that layout: with
+``mp`` inside the stages it stashes each micro-batch's stage input split over ``mp`` and
+sends ``1 / mp`` of the activation stage to stage, all-gathered inside the node (Megatron's
+scatter / gather), and its buffers at the stack's boundary and its gather / scatter over
+``pp`` are split over ``mp`` too, so the published M = 512 fits at 1T without gradient
+accumulation. What remains below the published MFU there: the full recompute's extra
+forward at the profile's matmul efficiency (0.5, set on the calibration rows), the bubble
+of v = 2 chunks, and the stack's gather / scatter over ``pp`` that Megatron does not have
+(its first stage embeds, its last computes the loss)."""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -167,24 +167,40 @@ def pipeline_time(s: StepShape, coll: dict[str, float]) -> float:
         return 0.0
     lat, bw_pp, ab, h = s.profile.collective_latency, s.bandwidth(PP), s.act_bytes, s.dims.width
     # every schedule: one forward loop and one backward loop of v M + P - 1 ticks, one
-    # collective-permute of a micro-batch's b s h per tick and direction
+    # collective-permute of a micro-batch's b s h per tick and direction, split over mp
+    # (Megatron's scatter / gather): 1 / mp of it crosses to the next stage, all-gathered
+    # over mp where it is used; 1F1B's backward all-gathers its stashed input too (inside
+    # the tick's cond: the compiled loop holds it on every tick, as jfleet.testing.hlo
+    # counts it)
     ticks = (s.v * s.layout.num_microbatches + pp - 1) * s.accumulate  # over A calls
     act = s.tokens_mb * h * ab
-    coll["collective_permute"] += 2 * ticks * act
-    t_pp = 2 * ticks * (lat + act / bw_pp)
+    split = s.wire_split
+    coll["collective_permute"] += 2 * ticks * act / split
+    t_pp = 2 * ticks * (lat + act / split / bw_pp)
+    if split > 1:
+        gathers = ticks * (3 if s.staged else 2)
+        coll["all_gather"] += gathers * act
+        t_pp += gathers * (lat + ring_bytes("all-gather", act, split) / s.bandwidth(MP))
     # to_distributed's stand-in runs only the blocks pipelined. With the rows split over
     # pp it gathers its input over pp and reduce-scatters its output (and the reverse for
     # the cotangents): 2 all-gathers + 2 reduce-scatters of the local batch's b s h.
     # Otherwise the embedding and head run on every stage on the same values, and the
     # output and the input's cotangent are all-reduced over pp.
+    # With mp each device gathers / sums its 1 / mp share over pp, and the stack's output
+    # and its input's cotangent are all-gathered over mp after it (the code around the
+    # stack runs whole).
     out = s.tokens_live * h * ab * s.accumulate  # A calls of tokens_live each
     if s.rows_over_pp:
-        coll["all_gather"] += 2 * out
-        coll["reduce_scatter"] += 2 * out
-        t_pp += 4 * (lat + ring_bytes("all-gather", out, pp) / bw_pp)
+        coll["all_gather"] += 2 * out / split
+        coll["reduce_scatter"] += 2 * out / split
+        t_pp += 4 * (lat + ring_bytes("all-gather", out / split, pp) / bw_pp)
     else:
-        coll["all_reduce"] += 2 * out
-        t_pp += 2 * (lat + ring_bytes("all-reduce", out, pp) / bw_pp)
+        coll["all_reduce"] += 2 * out / split
+        t_pp += 2 * (lat + ring_bytes("all-reduce", out / split, pp) / bw_pp)
+    if split > 1:
+        whole = out / pp if s.rows_over_pp else out
+        coll["all_gather"] += 2 * whole
+        t_pp += 2 * (lat + ring_bytes("all-gather", whole, split) / s.bandwidth(MP))
     return t_pp
 
 

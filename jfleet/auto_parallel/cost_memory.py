@@ -113,8 +113,8 @@ def _layer_acts(s: StepShape, per_layer: float) -> float:
     h = s.dims.width
     looped = s.chunk_blocks > 1
     work_set = s.tokens_mb * per_layer * ((s.chunk_blocks + 1) if looped else _ONE_BLOCK_WORK)
-    if s.staged:
-        return s.v * s.tokens_live * h + work_set  # v M chunk inputs + one unit's
+    if s.staged:  # v M chunk inputs (split over mp) + one unit's
+        return s.v * s.tokens_live * h / s.wire_split + work_set
     if s.piped:
         return _FTHENB_KEPT * s.tokens_live * per_layer * s.stage_blocks + work_set
     # one accumulation step's activations are live (tokens_live: all of them when A = 1)
@@ -140,6 +140,10 @@ def activation_bytes(s: StepShape) -> int:
         # the backward loop carries the stacked blocks' gradients, accumulated over its
         # iterations, while the residuals are live
         activations += s.block_tp
+    if s.piped:
+        # the stack holds its replica's whole input and outputs (forward), its output's
+        # cotangents and its input's (backward), split over mp
+        activations += int(2 * s.tokens_live * h / s.wire_split * s.act_bytes)
     return activations
 
 
@@ -201,7 +205,7 @@ def loop_traffic_time(s: StepShape) -> float:
     # not a stash of all M.
     stashed = 0.0
     if s.staged:
-        stashed = s.v * s.tokens_live * s.dims.width
+        stashed = s.v * s.tokens_live * s.dims.width / s.wire_split
     elif s.piped:
         stashed = _FTHENB_KEPT * s.tokens_live * per_layer_elems(s) * s.stage_blocks
     if not s.profile.loop_traffic:

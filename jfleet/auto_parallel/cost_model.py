@@ -45,20 +45,24 @@ and the stacked gradient accumulator); FThenB keeps its ``M`` micro-batches' res
 set (``blocks + 1`` blocks' activations in a loop over the stage's blocks, 1.3 with one
 block a stage) and the stage's gradient accumulators; 1F1B (and FThenB with recompute, the
 same program) keeps ``M`` stage inputs, the same working set and accumulators; VPP keeps
-``v M`` chunk inputs and one chunk's working set. Recompute keeps each layer's input and one
-layer's working set where the recomputation waits for the backward pass: inside a loop
-(scanned or pipelined blocks), or on a compiler that keeps ``jax.checkpoint``'s barriers
-until it schedules (``HardwareProfile.remat_barriers_kept``); XLA:CPU removes them earlier
-and runs an unrolled recomputation with the forward pass, so there it keeps every activation
-(:mod:`jfleet.recompute`). Selective recompute (``jax.checkpoint`` with
-``dots_with_no_batch_dims_saveable``) keeps per layer and token the block's input and
-its weight-matmul outputs — ``h`` + ``(q_dim + 2 kv_dim) / mp + h`` (q, k, v; o before
-its all-reduce) + ``2 F / mp + h`` (SwiGLU gate, up; down; GELU ``F``) — and one block's
-working set (0.5 of its activations in a scan, as without recompute; 1.3 unrolled), where
-its recomputation waits (scanned blocks, or barriers kept); the ``s x s`` scores, norms
-and activations are recomputed (measured on XLA:CPU, TinyLlama width 128, sequence 64
-and 256, dp8 and dp2 x mp4: 0.99-1.13 of the compiled memory). The constants (1.25,
-1.3, 0.5) are fitted to compiled temp memory of TinyLlama (width 128, 2-4 layers) on XLA:CPU.
+``v M`` chunk inputs and one chunk's working set; the stage inputs are stashed split over
+``mp`` (``1 / mp`` of each per device,
+:attr:`~jfleet.auto_parallel.step_shape.StepShape.wire_split`); every pipeline adds the
+stack's boundary buffers, two of the local batch's ``b s h`` (its input and outputs in the
+forward loop, the cotangents in the backward), split over ``mp`` alike. Recompute keeps each
+layer's input and one layer's working set where the recomputation waits for the backward
+pass: inside a loop (scanned or pipelined blocks), or on a compiler that keeps
+``jax.checkpoint``'s barriers until it schedules (``HardwareProfile.remat_barriers_kept``);
+XLA:CPU removes them earlier and runs an unrolled recomputation with the forward pass, so
+there it keeps every activation (:mod:`jfleet.recompute`). Selective recompute
+(``jax.checkpoint`` with ``dots_with_no_batch_dims_saveable``) keeps per layer and token the
+block's input and its weight-matmul outputs — ``h`` + ``(q_dim + 2 kv_dim) / mp + h`` (q, k,
+v; o before its all-reduce) + ``2 F / mp + h`` (SwiGLU gate, up; down; GELU ``F``) — and one
+block's working set (0.5 of its activations in a scan, as without recompute; 1.3 unrolled),
+where its recomputation waits (scanned blocks, or barriers kept); the ``s x s`` scores,
+norms and activations are recomputed (measured on XLA:CPU, TinyLlama width 128, sequence 64
+and 256, dp8 and dp2 x mp4: 0.99-1.13 of the compiled memory). The constants (1.25, 1.3,
+0.5) are fitted to compiled temp memory of TinyLlama (width 128, 2-4 layers) on XLA:CPU.
 
 **Step time** (seconds; no overlap of communication with compute, so an upper bound):
 
@@ -95,7 +99,12 @@ and 256, dp8 and dp2 x mp4: 0.99-1.13 of the compiled memory). The constants (1.
 * pipeline: bubble ``(P-1)/(vM+P-1)`` of the blocks' compute (``v`` chunks per stage, 1 but
   for VPP; none where the devices share the host's cores, ``HardwareProfile.shared_cores``:
   an idle stage's core runs the others' work), and ``2(vM+P-1)`` (every schedule: a forward
-  and a backward loop) point-to-point transfers of ``b s h`` on the critical path; with the
+  and a backward loop) point-to-point transfers of ``b s h`` on the critical path, each
+  ``1 / mp`` of it with tensor parallel inside the stages and followed by an all-gather of
+  ``b s h`` over ``mp`` (Megatron-LM's scatter / gather; 1F1B's backward all-gathers its
+  stashed input too, so 3 all-gathers a tick, 2 for FThenB without recompute; the stack's
+  gather / scatter over ``pp`` below moves ``1 / mp`` too, and its output and input
+  cotangent are all-gathered over ``mp`` after it); with the
   rows split over ``pp`` the stack all-gathers its input and reduce-scatters its output over
   ``pp`` (and the reverse for the cotangents), else the embedding and head run on every
   stage and the stack's output and its input's cotangent are all-reduced over ``pp``;

@@ -118,6 +118,18 @@ class StepShape:
         return self.patterns.dims
 
     @property
+    def wire_split(self) -> int:
+        """How many ways a pipeline stage's stashed input and its sends are split: ``mp``
+        when it divides the stage input's sequence or width (the stand-in stashes each
+        micro-batch's input and sends the activation split over ``mp``, all-gathered
+        inside the node, :class:`~jfleet.parallel.pipeline_parts.TensorSplit`; not beside
+        ``sep``, which splits the sequence already), else 1."""
+        mp = self.layout.mp
+        if not self.piped or mp <= 1 or self.layout.sep > 1:
+            return 1
+        return mp if self.workload.seq_len % mp == 0 or self.dims.width % mp == 0 else 1
+
+    @property
     def act_bytes(self) -> int:
         """Bytes per activation element."""
         return self.workload.act_bytes

@@ -37,6 +37,20 @@ direction; ``v = 1`` but for VPP), plus one all-reduce of the output over ``pp``
 (``rows_over_pp=False``) or one reduce-scatter (``rows_over_pp=True``), and the same again
 for the input cotangent.
 
+Tensor parallel inside the stages (an automatic ``mp`` axis, no ``sep``): what crosses
+between stages and what the stack buffers is split over ``mp``
+(:class:`~jfleet.parallel.pipeline_parts.TensorSplit`, each leaf on its first non-batch
+dimension ``mp`` divides), as Megatron-LM's scatter / gather: each collective-permute
+carries ``1 / mp`` of the activation and the receiver all-gathers it over ``mp`` inside the
+node; the stashed stage inputs, the stack's gathered input, its outputs and cotangents cost
+``1 / mp`` per device, and its gather / scatter over ``pp`` moves ``1 / mp``; the stage
+runs on the whole activation (its output pinned whole, so the split does not spread into
+it), the recomputing backward all-gathers one stashed input per tick, and the code before
+and after the stack sees whole activations. Measured on 8 emulated devices (pp2 x mp4, a
+two-matmul stage, M = 8 and 16): the collective-permute operand is a quarter of the
+activation and the compiled temp grows by 1.75 stage inputs per micro-batch (the loss's
+whole input among them; 3 with every buffer whole).
+
 Batch layout: by default the batch is split over the data axes and every stage gets the
 output for its replica's whole batch (a ``psum`` over ``pp``), so the code after the stack
 runs on every stage. With ``rows_over_pp=True`` the rows are split over the data axes *and*
@@ -70,12 +84,13 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jfleet.mesh.placement import check_divides
-from jfleet.mesh.topology import DATA_AXES, PP
+from jfleet.mesh.topology import DATA_AXES, MP, PP
 from jfleet.parallel import virtual_stages as virtual
 from jfleet.parallel.pipeline_parts import (
     PipelineSpec,
     SavedStage,
     StageFn,
+    TensorSplit,
     backward_ticks,
     check_stage,
     forward_ticks,
@@ -221,20 +236,35 @@ def _stash_spec(spec: PipelineSpec) -> P:
     return P((spec.pp_axis, *spec.data_axes))
 
 
-def _gather(tree: Any, spec: PipelineSpec, rows: bool) -> Any:
-    """This replica's whole batch from its stages' shares (``rows_over_pp``)."""
-    if not rows:
-        return tree
-    return jax.tree.map(lambda a: lax.all_gather(a, spec.pp_axis, axis=0, tiled=True), tree)
+def _gather(tree: Any, spec: PipelineSpec, rows: bool, wire: Any = None) -> Any:
+    """This replica's whole batch from its stages' shares (``rows_over_pp``), as
+    micro-batches ``[M, b, ...]``; with ``wire`` split over ``mp`` (each device gathers its
+    ``1 / mp`` share over ``pp``)."""
+    if wire is None:
+        if rows:
+            tree = jax.tree.map(lambda a: lax.all_gather(a, spec.pp_axis, axis=0, tiled=True), tree)
+        return to_microbatches(tree, spec)
+    tree = wire.whole(tree)  # the code before the stack runs whole (see _scatter)
+    if rows:
+        tree = wire.send(tree, lambda a: lax.all_gather(a, spec.pp_axis, axis=0, tiled=True))
+    return wire.split(to_microbatches(wire.split(tree), spec), lead=1)
 
 
-def _scatter(tree: Any, spec: PipelineSpec, rows: bool) -> Any:
-    """The sum over stages: whole on every stage, or each stage's rows (``rows_over_pp``)."""
-    if not rows:
-        return lax.psum(tree, spec.pp_axis)
-    return jax.tree.map(
-        lambda a: lax.psum_scatter(a, spec.pp_axis, scatter_dimension=0, tiled=True), tree
-    )
+def _scatter(tree: Any, spec: PipelineSpec, rows: bool, wire: Any = None) -> Any:
+    """The sum over stages of micro-batches ``[M, b, ...]``: whole on every stage, or each
+    stage's rows (``rows_over_pp``); with ``wire`` summed on each device's ``mp`` share,
+    then all-gathered over ``mp``: the code after the stack runs whole (a split left to the
+    compiler's sharding propagation spreads into it: measured, TinyLlama pp2 x mp2, it
+    all-gathered the embedding table and the head's weight, and inside the stages their
+    weights)."""
+    tree = from_microbatches(tree)
+    if rows:
+        fn = lambda a: lax.psum_scatter(a, spec.pp_axis, scatter_dimension=0, tiled=True)  # noqa: E731
+    else:
+        fn = lambda a: lax.psum(a, spec.pp_axis)  # noqa: E731
+    if wire is None:
+        return jax.tree.map(fn, tree)
+    return wire.whole(wire.send(wire.split(tree), fn))
 
 
 def _mapped(
@@ -299,15 +329,30 @@ def _prepare(spec, rows, v, stage_params, side, shared):
     params = vary(jax.tree.map(lambda a: a[0], stage_params), axes)
     if v > 1:
         params = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), params)
-    side_mb = vary(to_microbatches(_gather(side, spec, rows), spec), axes)
+    side_mb = vary(_gather(side, spec, rows), axes)
     return params, stage_call(spec, side_mb, vary(shared, axes)), lax.axis_index(spec.pp_axis)
+
+
+def _wire(spec: PipelineSpec) -> TensorSplit | None:
+    """The tensor-parallel split of what stages stash and send (``mp``, an automatic axis
+    inside the pipeline's ``shard_map``), or None without one."""
+    mesh = spec.mesh
+    if MP not in mesh.axis_names or MP in spec.manual_axes or mesh.shape[MP] == 1:
+        return None
+    if mesh.axis_types[mesh.axis_names.index(MP)] != jax.sharding.AxisType.Auto:
+        return None
+    others = set(mesh.axis_names) - {MP, *spec.manual_axes}
+    if any(mesh.shape[a] > 1 for a in others):  # sep splits the sequence already
+        return None
+    return TensorSplit(MP, mesh.shape[MP])
 
 
 def _local_forward(spec, rows, mode, saving, v, stage_params, inputs, side, shared):
     """One device's forward: the GPipe loop, the last stage's output (and the stash)."""
     axes = spec.manual_axes
     params, call, stage = _prepare(spec, rows, v, stage_params, side, shared)
-    x_mb = vary(to_microbatches(_gather(inputs, spec, rows), spec), axes)
+    wire = _wire(spec)
+    x_mb = vary(_gather(inputs, spec, rows, wire), axes)
     check_stage(call, take(params, 0) if v > 1 else params, take(x_mb, 0))
 
     def run(x, i, c=None):
@@ -317,12 +362,12 @@ def _local_forward(spec, rows, mode, saving, v, stage_params, inputs, side, shar
     if stash and saving:
         saved = SavedStage(call, params, take(x_mb, 0))
         run, stash = saved.forward, saved.shapes
-    got = forward_ticks(spec, run, x_mb, stage, stash=stash, virtual=v)
+    got = forward_ticks(spec, run, x_mb, stage, stash=stash, virtual=v, wire=wire)
     stash = stash is not False
     outs = got[0] if stash else got
     last = stage == spec.num_stages - 1
     outs = jax.tree.map(lambda a: jnp.where(last, a, jnp.zeros_like(a)), outs)
-    y = _scatter(from_microbatches(outs), spec, rows)
+    y = _scatter(outs, spec, rows, wire)
     return (y, jax.tree.map(lambda a: a[None], got[1])) if stash else y
 
 
@@ -332,7 +377,8 @@ def _local_backward(spec, rows, saving, v, stage_params, ins, side, shared, g):
     axes = spec.manual_axes
     params, call, stage = _prepare(spec, rows, v, stage_params, side, shared)
     ins = vary(jax.tree.map(lambda a: a[0], ins), axes)
-    g_mb = vary(to_microbatches(_gather(g, spec, rows), spec), axes)
+    wire = _wire(spec)
+    g_mb = vary(_gather(g, spec, rows, wire), axes)
     if saving:
         vjp = SavedStage(call, params, take(g_mb, 0)).backward
     elif v > 1:
@@ -342,13 +388,16 @@ def _local_backward(spec, rows, saving, v, stage_params, ins, side, shared, g):
 
     else:
         vjp = stage_vjp(call, params)
-    d_params, d_x = backward_ticks(spec, vjp, params, ins, g_mb, stage, virtual=v)
+    if wire is not None and not saving:  # the stage input was stashed split over mp
+        pull = vjp
+        vjp = lambda x, *a: pull(wire.whole(x), *a)  # noqa: E731
+    d_params, d_x = backward_ticks(spec, vjp, params, ins, g_mb, stage, virtual=v, wire=wire)
     if spec.data_axes:
         d_params = lax.psum(d_params, spec.data_axes)
     d_params = jax.tree.map(
         lambda d, p: d.astype(p.dtype).reshape(p.shape[1:])[None], d_params, stage_params
     )
-    return d_params, _scatter(from_microbatches(d_x), spec, rows)
+    return d_params, _scatter(d_x, spec, rows, wire)
 
 
 def rows_fit(batch: int, mesh: Mesh, num_microbatches: int, data_axes: tuple = DATA_AXES) -> bool:

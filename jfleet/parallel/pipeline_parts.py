@@ -219,9 +219,13 @@ def reduced_loss(
     return lax.psum(jnp.sum(losses), axes) * scale, lax.psum(losses, axes) / spec.data_size
 
 
-def shift(tree: Any, spec: PipelineSpec, direction: int, circular: bool = False) -> Any:
+def shift(
+    tree: Any, spec: PipelineSpec, direction: int, circular: bool = False, wire: Any = None
+) -> Any:
     """Sends to the next stage (direction 1) or the previous one (-1); edges get zeros
-    (or, ``circular``, the other end's)."""
+    (or, ``circular``, the other end's). With a :class:`TensorSplit` ``wire`` each device
+    sends its ``1 / mp`` share and receives one: the caller all-gathers it over ``mp``
+    where it uses it (Megatron's scatter / gather: the slow link carries ``1 / mp``)."""
     p = spec.num_stages
     if p == 1:
         return zeros_like_tree(tree)
@@ -229,7 +233,70 @@ def shift(tree: Any, spec: PipelineSpec, direction: int, circular: bool = False)
         perm = [(i, (i + direction) % p) for i in range(p)]
     else:
         perm = [(i, i + direction) for i in range(p) if 0 <= i + direction < p]
-    return jax.tree.map(lambda a: lax.ppermute(a, spec.pp_axis, perm), tree)
+    if wire is None:
+        return jax.tree.map(lambda a: lax.ppermute(a, spec.pp_axis, perm), tree)
+    return wire.send(tree, lambda a: lax.ppermute(a, spec.pp_axis, perm))
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSplit:
+    """An activation split over the tensor-parallel axis, an automatic axis inside the
+    pipeline's ``shard_map``: each leaf on its first non-batch dimension that ``size``
+    divides (a leaf with none stays whole). What a stage stashes and sends costs ``1 / size``
+    per device; :meth:`whole` all-gathers it back inside the node.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> TensorSplit("mp", 4).dims({"x": jnp.zeros((2, 6, 8)), "n": jnp.zeros(2)})
+      {'n': None, 'x': 2}
+    """
+
+    axis: str
+    size: int
+
+    def dims(self, tree: Any, lead: int = 0) -> Any:
+        """Per leaf, the dimension split (after ``lead`` stacked axes and the batch), or None."""
+
+        def dim(a: Any) -> int | None:
+            shape = a.shape[lead + 1 :]
+            return next((lead + 1 + k for k, n in enumerate(shape) if n % self.size == 0), None)
+
+        return jax.tree.map(dim, tree)
+
+    def split(self, tree: Any, lead: int = 0) -> Any:
+        """``tree`` constrained to its split (``lead`` stacked axes before the batch's)."""
+
+        def one(a: jax.Array, d: int | None) -> jax.Array:
+            return a if d is None else lax.with_sharding_constraint(a, self._spec(a, d))
+
+        return jax.tree.map(one, tree, self.dims(tree, lead))
+
+    def _spec(self, a: jax.Array, d: int) -> jax.sharding.PartitionSpec:
+        return jax.sharding.PartitionSpec(*(self.axis if k == d else None for k in range(a.ndim)))
+
+    def send(self, tree: Any, fn: Callable[[jax.Array], jax.Array]) -> Any:
+        """``fn`` (a collective over a manual axis) on each device's share of every leaf.
+
+        The share is taken by a ``shard_map`` manual over the axis (inside the pipeline's):
+        the SPMD partitioner gathers a collective-permute's operand split over an automatic
+        axis, so the split has to be manual to stay on the wire.
+        """
+
+        def one(a: jax.Array, d: int | None) -> jax.Array:
+            if d is None:
+                return fn(a)
+            part = self._spec(a, d)
+            mapped = jax.shard_map(
+                fn, in_specs=part, out_specs=part, axis_names={self.axis}, check_vma=False
+            )
+            return mapped(a)
+
+        return jax.tree.map(one, tree, self.dims(tree))
+
+    def whole(self, tree: Any) -> Any:
+        """``tree`` replicated over the axis again (an all-gather of what was split)."""
+        spec = jax.sharding.PartitionSpec()
+        return jax.tree.map(lambda a: lax.with_sharding_constraint(a, spec), tree)
 
 
 def take(tree: Any, i: jax.Array) -> Any:
@@ -253,7 +320,7 @@ def unit_of_tick(u: jax.Array, m: int, p: int, v: int) -> tuple[jax.Array, jax.A
     return group * p + within % p, within // p
 
 
-def forward_ticks(spec, run, x_mb, stage, *, stash=False, virtual=1):
+def forward_ticks(spec, run, x_mb, stage, *, stash=False, virtual=1, wire=None):
     """The forward GPipe loop (``v M + P - 1`` ticks): every micro-batch through every stage.
 
     ``run(x, i)`` runs this device's stage on activation ``x`` of micro-batch ``i``; a
@@ -286,6 +353,7 @@ def forward_ticks(spec, run, x_mb, stage, *, stash=False, virtual=1):
         valid = (u >= 0) & (u < v * m)
         fi, c = unit_of_tick(jnp.clip(u, 0, v * m - 1), m, p, v)
         x = select((stage == 0) & (c == 0), take(x_mb, fi), received)
+        x = x if wire is None else wire.whole(x)  # stashed split, run whole
 
         def work(x):
             return run(x, fi, c) if v > 1 else run(x, fi)
@@ -296,20 +364,26 @@ def forward_ticks(spec, run, x_mb, stage, *, stash=False, virtual=1):
             y, kept = lax.cond(valid, lambda x: vary(work(x), axes), lambda _: idle, x)
         else:
             y, kept = lax.cond(valid, work, lambda _: zeros_like_tree(act), x), x
+            kept = kept if wire is None else wire.split(kept)
+        if wire is not None:  # run whole: a split send must not propagate into the stage
+            y = wire.whole(y)
         done = valid & (c == v - 1)
-        outs = put(outs, select(done, y, take(outs, fi)), fi)
+        out = y if wire is None else wire.split(y)
+        outs = put(outs, select(done, out, take(outs, fi)), fi)
         if stash is not False:
             k = c * m + fi
             ins = put(ins, select(valid, kept, take(ins, k)), k)
-        return (shift(y, spec, 1, circular=v > 1), outs, ins), None
+        return (shift(y, spec, 1, circular=v > 1, wire=wire), outs, ins), None
 
     if saving:
         kept0 = jax.tree.map(lambda a: jnp.zeros((m, *a.shape), a.dtype), stash)
     elif stash:
         kept0 = jax.tree.map(lambda a: jnp.zeros((v * m, *a.shape[1:]), a.dtype), x_mb)
+        kept0 = kept0 if wire is None else wire.split(kept0, lead=1)
     else:
         kept0 = None
-    init = vary((zeros_like_tree(act), zeros_like_tree(x_mb), kept0), axes)
+    outs0 = zeros_like_tree(x_mb) if wire is None else wire.split(zeros_like_tree(x_mb), lead=1)
+    init = vary((zeros_like_tree(act), outs0, kept0), axes)
     (_, outs, ins), _ = lax.scan(tick, init, jnp.arange(v * m + p - 1))
     return (outs, ins) if stash is not False else outs
 
@@ -361,7 +435,7 @@ class SavedStage:
         return jax.tree.unflatten(tree, leaves)(g)
 
 
-def backward_ticks(spec, vjp, params, ins, g_last, stage, *, virtual=1):
+def backward_ticks(spec, vjp, params, ins, g_last, stage, *, virtual=1, wire=None):
     """The backward loop of a recomputing GPipe (``v M + P - 1`` ticks), bubbles skipped.
 
     At tick ``t`` stage ``s`` runs the backward of micro-batch ``t - (P - 1 - s)``:
@@ -375,6 +449,9 @@ def backward_ticks(spec, vjp, params, ins, g_last, stage, *, virtual=1):
 
     ``virtual = v > 1``: the forward's units in reverse, ``vjp(x, g, i, c)`` through chunk
     ``c`` of ``params`` ``[v, ...]``; stage 0's cotangent goes round to the last stage.
+
+    ``wire`` (a :class:`TensorSplit`): each send carries ``1 / mp`` of the cotangent
+    (a stash split by :func:`forward_ticks` is gathered by ``vjp``).
     """
     m, p, axes, v = spec.num_microbatches, spec.num_stages, spec.manual_axes, virtual
     act = take(g_last, 0)
@@ -387,21 +464,25 @@ def backward_ticks(spec, vjp, params, ins, g_last, stage, *, virtual=1):
         valid = (u >= 0) & (u < v * m)
         bi, c = unit_of_tick(v * m - 1 - jnp.clip(u, 0, v * m - 1), m, p, v)
         g = select((stage == p - 1) & (c == v - 1), take(g_last, bi), received)
+        g = g if wire is None else wire.whole(g)
 
         def work(x, g):
             return vary(vjp(x, g, bi, c) if v > 1 else vjp(x, g, bi), axes)
 
         dp, dx = lax.cond(valid, work, lambda x, g: zero, take(ins, c * m + bi), g)
+        dx = dx if wire is None else wire.whole(dx)
         if v > 1:
             summed = jax.tree.map(lambda a, d: a + d.astype(a.dtype), take(d_params, c), dp)
             d_params = put(d_params, summed, c)
         else:
             d_params = jax.tree.map(lambda a, d: a + d.astype(a.dtype), d_params, dp)
-        d_x = put(d_x, select(valid & (stage == 0) & (c == 0), dx, take(d_x, bi)), bi)
-        return (shift(dx, spec, -1, circular=v > 1), d_params, d_x), None
+        out = dx if wire is None else wire.split(dx)
+        d_x = put(d_x, select(valid & (stage == 0) & (c == 0), out, take(d_x, bi)), bi)
+        return (shift(dx, spec, -1, circular=v > 1, wire=wire), d_params, d_x), None
 
     acc = jax.tree.map(lambda a: jnp.zeros_like(a, dtype=acc_dtype(a)), params)
-    init = vary((zeros_like_tree(act), acc, zeros_like_tree(g_last)), axes)
+    d_x0 = zeros_like_tree(g_last) if wire is None else wire.split(zeros_like_tree(g_last), lead=1)
+    init = vary((zeros_like_tree(act), acc, d_x0), axes)
     (_, d_params, d_x), _ = lax.scan(tick, init, jnp.arange(v * m + p - 1))
     return d_params, d_x
 

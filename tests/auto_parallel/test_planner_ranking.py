@@ -72,8 +72,8 @@ def test_measurements_round_trip_through_json():
 
 
 def test_candidates_timed_later_join_their_size_once():
-    """``--only VPP --merge F``: the new run's candidates join F's size; its baseline and
-    any candidate F already has are not added twice."""
+    """``--only VPP --merge F``: the new run's candidates join F's size, a candidate timed
+    again replacing F's timing of it (a changed program); the baseline is not added twice."""
     c = _candidates()
     earlier = pr.SizeResult(
         pr.SIZES["example"],
@@ -88,6 +88,7 @@ def test_candidates_timed_later_join_their_size_once():
     )  # fmt: skip
     other = pr.SizeResult(pr.SIZES["wide"], [pr.Timed(candidate=c["fthenb_rc"])], "dp8", 1.0)
     joined = pr._joined(earlier, [other, new])
-    assert [t.name for t in joined.timed] == [c[k].layout.name for k in ("dp8", "fthenb", "1f1b")]
-    assert joined.by_name(c["fthenb"].layout.name).ratios == [0.9]  # the earlier timing kept
+    assert [t.name for t in joined.timed] == [c[k].layout.name for k in ("dp8", "1f1b", "fthenb")]
+    assert joined.by_name(c["fthenb"].layout.name).ratios == [0.7]  # timed again: replaced
+    assert joined.by_name("dp8").ratios == [1.0]
     assert joined.command == "first` + `second"
