@@ -5,7 +5,7 @@ stages and hands on one activation from block to block. Blocks people write do m
 
 * **Other outputs** (``(cache, x)``, ``(x, conv_state, ssm_state)``, ``{"hidden": x,
   "aux": loss}``). The traced forward's dataflow
-  (:func:`~jfleet.auto_parallel.block_check.record_block_calls`) gives each output leaf a
+  (:func:`~jfleet.auto_parallel.block_calls.record_block_calls`) gives each output leaf a
   role (:class:`BlockOutputs`): the next block's **activation** crosses the stages; a leaf
   the forward adds up over the blocks (``total = total + aux``) is a **sum**, carried
   through the stages as a running sum per row (:func:`handing_class`); a leaf reaching

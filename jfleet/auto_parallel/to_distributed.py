@@ -43,15 +43,8 @@ import optax
 from flax import nnx
 
 from jfleet.auto_parallel.apply_plan import apply_plan
-from jfleet.auto_parallel.block_check import (
-    ACTIVATION,
-    ARRAY,
-    TREE,
-    block_problems,
-    pipeline_problem,
-    record_block_calls,
-    state_problem,
-)
+from jfleet.auto_parallel.block_calls import ACTIVATION, ARRAY, TREE, record_block_calls
+from jfleet.auto_parallel.block_check import block_problems, pipeline_problem, state_problem
 from jfleet.auto_parallel.block_extras import BlockOutputs
 from jfleet.auto_parallel.blocks import (
     PipelinedBlocks,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jfleet.auto_parallel import block_check
+from jfleet.auto_parallel import block_calls, block_check
 from tests.parallel.test_stack import TOKENS, WIDTH, Block, Decoder
 
 PATHS = [f"layers.{i}" for i in range(4)]
@@ -346,25 +346,25 @@ def test_record_block_calls_sees_each_call_and_restores_a_stateful_forward():
     """The dropout blocks advance their RNG counts in the forward: the trace runs on a copy."""
     model = DropoutDecoder()
     before = snapshot(model)
-    records = block_check.record_block_calls(model, PATHS, lambda: model(tokens()))
+    records = block_calls.record_block_calls(model, PATHS, lambda: model(tokens()))
     assert [r.path for r in records] == PATHS and all(len(r.calls) == 1 for r in records)
     call = records[2].calls[0]
-    assert call.activation == (block_check.Leaf("float", "float32[4,8,16]"),)
-    assert call.arguments == (block_check.Argument("0", block_check.ARRAY, "int32[4,8]"),)
+    assert call.activation == (block_calls.Leaf("float", "float32[4,8,16]"),)
+    assert call.arguments == (block_calls.Argument("0", block_calls.ARRAY, "int32[4,8]"),)
     assert call.returns == "array" and call.same_structure and call.chained
     assert call.differs is None
     assert_unchanged(model, before)
 
     shifting = ShiftingDecoder()
-    (call,) = block_check.record_block_calls(shifting, ["layers.0"], lambda: shifting(tokens()))[
+    (call,) = block_calls.record_block_calls(shifting, ["layers.0"], lambda: shifting(tokens()))[
         0
     ].calls
     assert [leaf.kind for leaf in call.outputs] == ["float", "int"]
     assert [leaf.passed_back for leaf in call.outputs] == [False, False]
     with pytest.raises(ValueError, match=r"block path 'layers\.9' does not resolve"):
-        block_check.record_block_calls(shifting, ["layers.9"], lambda: None)
+        block_calls.record_block_calls(shifting, ["layers.9"], lambda: None)
     with pytest.raises(TypeError, match=r"block_paths='layers\.0' is one string"):
-        block_check.record_block_calls(shifting, "layers.0", lambda: None)
+        block_calls.record_block_calls(shifting, "layers.0", lambda: None)
 
 
 def test_period_problem_and_the_shared_block_period():
@@ -387,15 +387,15 @@ def test_block_outputs_get_their_roles_from_the_dataflow_and_are_not_scanned():
     roles = {}
     for make in (AuxDecoder, CacheOutDecoder, AuxListDecoder, DropoutDecoder):
         model = make()
-        records = block_check.record_block_calls(model, PATHS, lambda m=model: m(tokens()))
+        records = block_calls.record_block_calls(model, PATHS, lambda m=model: m(tokens()))
         roles[make.__name__] = {r.calls[0].roles for r in records}
         pipeline, scan = block_check.block_problems(model, PATHS, lambda m=model: m(tokens()))
         if make is not AuxListDecoder:
             assert pipeline is None and scan is not None, make
-    A, S, D, U = block_check.ACTIVATION, block_check.SUM, block_check.DROPPED, block_check.USED
+    A, S, D, U = block_calls.ACTIVATION, block_calls.SUM, block_calls.DROPPED, block_calls.USED
     assert roles["AuxDecoder"] == {(A, S)}
     assert roles["CacheOutDecoder"] == {(D, D, A)}  # dict leaves k, v, then the hidden state
     assert roles["AuxListDecoder"] == {(A, U)}
     assert roles["DropoutDecoder"] == {(A,) * 1}
-    first = block_check.record_block_calls(AuxDecoder(), PATHS, lambda: None)
+    first = block_calls.record_block_calls(AuxDecoder(), PATHS, lambda: None)
     assert all(not r.calls for r in first)

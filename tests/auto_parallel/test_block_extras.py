@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jfleet.auto_parallel.block_check import record_block_calls
+from jfleet.auto_parallel.block_calls import record_block_calls
 from jfleet.auto_parallel.block_extras import BlockOutputs
 from jfleet.auto_parallel.blocks import pipeline_blocks
 from jfleet.testing.nnx_styles import AuxLossDecoder, DropoutDecoder
