@@ -42,6 +42,16 @@ def same(a, b) -> bool:
     return all(np.array_equal(x, y) for x, y in zip(flat_a, flat_b, strict=True))
 
 
+@pytest.fixture(autouse=True)
+def python_sigint_handler():
+    """Python's own SIGINT handler for each test, as an interactive run has it: a suite
+    started as a shell's background job (``pytest &``) inherits SIGINT ignored, and these
+    tests check what jfleet does with the handler it finds."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 @pytest.fixture(scope="module")
 def zero3_step():
     """A ZeRO-3 (sharding 8) TinyLM, its optimizer, one compiled step and a batch."""
