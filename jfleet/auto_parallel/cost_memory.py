@@ -110,9 +110,14 @@ def _layer_acts(s: StepShape, per_layer: float) -> float:
     # one micro-batch: in a loop over more than one block the residual stack of the blocks
     # and the slice the backward reads add one more (measured on XLA:CPU: (blocks + 1) x
     # per_layer; one block a stage, 1.3 x).
+    # A loop runs stacked units of ``period`` blocks (Gemma's local / global pairs:
+    # super-blocks of 2), each unit unrolled inside; the residual stack is the chunk's
+    # blocks and the slice the backward reads one unit.
     h = s.dims.width
-    looped = s.chunk_blocks > 1
-    work_set = s.tokens_mb * per_layer * ((s.chunk_blocks + 1) if looped else _ONE_BLOCK_WORK)
+    unit = s.patterns.block_period or 1
+    looped = s.chunk_blocks > unit
+    one_unit = _ONE_BLOCK_WORK * unit
+    work_set = s.tokens_mb * per_layer * ((s.chunk_blocks + unit) if looped else one_unit)
     if s.staged:  # v M chunk inputs (split over mp) + one unit's
         return s.v * s.tokens_live * h / s.wire_split + work_set
     if s.piped:
