@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,7 +12,13 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jfleet import fleet
-from jfleet.mesh.placement import ParallelPlan, Placement, check_divides, resolve_placement
+from jfleet.mesh.placement import (
+    ParallelPlan,
+    Placement,
+    check_divides,
+    put,
+    resolve_placement,
+)
 from jfleet.mesh.topology import DP, MP, SHARDING
 from jfleet.training.distributed_model import DistributedModel
 from tests.fleet_setup import fleet_mesh, init_fleet
@@ -107,6 +116,35 @@ def test_place_params_without_zero_keeps_the_tensor_parallel_layout():
     assert placement.param_shardings(params)["kernel"].spec == P(None, MP)
     assert placement.param_shardings(params, zero=True)["kernel"].spec == P(SHARDING, MP)
     np.testing.assert_array_equal(np.asarray(model.kernel[...]), np.ones((8, 4)))
+
+
+def test_put_splits_one_device_arrays_over_the_mesh_like_device_put_without_compiling(caplog):
+    init_fleet(HYBRID)
+    mesh = fleet_mesh()
+    # Shapes no other test places, so a compile would be a fresh one.
+    tree = {"w": jnp.arange(7 * 12.0).reshape(7, 12), "b": jnp.arange(20, dtype=jnp.bfloat16)}
+    shardings = {
+        "w": Placement(mesh=mesh).named(P(None, MP)),
+        "b": Placement(mesh=mesh).named(P(DP)),
+    }
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING, logger="jax"):
+        placed = put(tree, shardings)
+        jax.block_until_ready(placed)
+    assert not [r for r in caplog.records if "compil" in r.getMessage().lower()], caplog.text
+    expected = jax.device_put(tree, shardings)
+    for name in tree:
+        assert placed[name].sharding == expected[name].sharding
+        assert placed[name].dtype == tree[name].dtype
+        np.testing.assert_array_equal(np.asarray(placed[name]), np.asarray(expected[name]))
+
+
+def test_put_leaves_weak_types_and_placed_arrays_to_device_put():
+    init_fleet(HYBRID)
+    replicated = Placement(mesh=fleet_mesh()).named(P())
+    weak = put(jnp.asarray(2.0), replicated)  # a Python scalar's weak type survives
+    assert weak.weak_type and weak.sharding == replicated
+    sharded = put(jnp.arange(8.0), Placement(mesh=fleet_mesh()).named(P(DP)))
+    assert put(sharded, sharded.sharding) is sharded  # already there: device_put's no-op
 
 
 def test_shard_batch_splits_the_leading_dimension_over_the_data_axes():

@@ -67,7 +67,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jfleet.mesh import context as _context
-from jfleet.mesh.placement import Placement, resolve_placement, write_variable
+from jfleet.mesh.placement import Placement, put, resolve_placement, write_variable
 from jfleet.optim import hyperparams
 from jfleet.optim.communication import GradientCommunication
 from jfleet.optim.compiler import compile_strategy
@@ -243,7 +243,7 @@ class DistributedOptimizer(nnx.Optimizer):
         plan = resolve_placement(placement, model)
         params = nnx.state(model, self.wrt)
         if plan.zero_stage >= 1:
-            params = jax.device_put(params, plan.param_shardings(params, zero=True))
+            params = put(params, plan.param_shardings(params, zero=True))
         raw = self.tx.init(params)
         if self.localsgd is not None:
             check_localsgd(plan, self.localsgd.switch)
@@ -258,7 +258,7 @@ class DistributedOptimizer(nnx.Optimizer):
             sharding = x.sharding if isinstance(x, jax.Array) else None
             if isinstance(sharding, NamedSharding) and sharding.mesh == plan.mesh:
                 return x
-            return jax.device_put(x, replicated)
+            return put(x, replicated)
 
         # The step donates model and optimizer buffers, so no buffer may appear twice
         # (optax and inject_hyperparams can hand out one constant for several leaves).
