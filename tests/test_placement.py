@@ -138,11 +138,15 @@ def test_put_splits_one_device_arrays_over_the_mesh_like_device_put_without_comp
         np.testing.assert_array_equal(np.asarray(placed[name]), np.asarray(expected[name]))
 
 
-def test_put_leaves_weak_types_and_placed_arrays_to_device_put():
+def test_put_leaves_weak_types_keys_and_placed_arrays_to_device_put():
     init_fleet(HYBRID)
     replicated = Placement(mesh=fleet_mesh()).named(P())
     weak = put(jnp.asarray(2.0), replicated)  # a Python scalar's weak type survives
     assert weak.weak_type and weak.sharding == replicated
+    key = jax.random.key(3)  # a typed key has no NumPy form (an nnx.Rngs stream's count)
+    placed_key = put(key, replicated)
+    assert placed_key.sharding == replicated and placed_key.dtype == key.dtype
+    np.testing.assert_array_equal(jax.random.key_data(placed_key), jax.random.key_data(key))
     sharded = put(jnp.arange(8.0), Placement(mesh=fleet_mesh()).named(P(DP)))
     assert put(sharded, sharded.sharding) is sharded  # already there: device_put's no-op
 

@@ -354,15 +354,16 @@ def put(tree: Any, shardings: Any) -> Any:
     compile a slicing program for each shape and layout (0.1-0.5 s each on CPU, tens per
     model). An array on one CPU device is host memory already, so it goes through NumPy
     instead, which compiles nothing; everything else (accelerator arrays, arrays already
-    on several devices, weakly typed scalars, tracers) goes to ``jax.device_put`` as is.
+    on several devices, weakly typed scalars, PRNG key arrays, tracers) goes to
+    ``jax.device_put`` as is.
     The result is the same: same values, dtypes and shardings.
 
     Example:
       >>> import jax.numpy as jnp
       >>> mesh = jax.make_mesh((8,), ("dp",))
       >>> x = put(jnp.arange(8.0), NamedSharding(mesh, P("dp")))
-      >>> len(x.addressable_shards), x.sharding.spec
-      (8, PartitionSpec('dp',))
+      >>> len(x.addressable_shards), x.sharding.spec == P("dp")
+      (8, True)
     """
     return jax.device_put(jax.tree.map(_as_host_if_free, tree), shardings)
 
@@ -372,6 +373,7 @@ def _as_host_if_free(x: Any) -> Any:
     if (
         not isinstance(x, jax.Array)
         or isinstance(x, jax.core.Tracer)
+        or jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)  # no NumPy form
         or x.weak_type
         or not x.is_fully_addressable
         or len(x.sharding.device_set) != 1
