@@ -455,7 +455,10 @@ def test_tp2_pp2_sharding2():
         warnings.simplefilter("always")
         args.post_init()
     # Only the trainer's own warning for sharding options under pp; no "not supported".
-    assert len(caught) == 1
+    # The trainer's own: the port above (others, e.g. an earlier test's unclosed socket's
+    # ResourceWarning, arrive whenever the collector runs).
+    caught = [w for w in caught if w.filename == __file__]
+    assert len(caught) == 1, [str(w.message) for w in caught]
     assert str(caught[0].message).startswith("For pipeline parallel with sharding")
     assert _degrees() == {"dp": 1, "pp": 2, "sharding": 2, "sep": 1, "mp": 2}
     values = args.strategy.to_dict()
