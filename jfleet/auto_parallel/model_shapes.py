@@ -17,7 +17,7 @@ Example:
   >>> m = abstract_model(ModelShape(arch="llama", layers=2, width=64, heads=4, kv_heads=2,
   ...                               ffn=128, vocab=256, seq_len=32))
   >>> type(m).__name__, m.lm_head.shape, len(m.layers)
-  ('TinyLlama', (64, 256), 2)
+  ('Llama', (64, 256), 2)
 """
 
 from __future__ import annotations
@@ -108,6 +108,15 @@ MODEL_SHAPES: dict[str, ModelShape] = {
 }
 
 
+class Llama(TinyLlama):
+    """:class:`~jfleet.models.llama.TinyLlama`'s modules at a shape's size, named for what
+    it is (a plan's ``model:`` line names the class)."""
+
+
+class GPT(TinyGPT2):
+    """:class:`~jfleet.models.gpt2.TinyGPT2`'s modules at a shape's size (see :class:`Llama`)."""
+
+
 def abstract_model(shape: ModelShape) -> nnx.Module:
     """The shape as an abstract ``nnx.Module`` (``nnx.eval_shape``; fp32 parameters).
 
@@ -125,11 +134,11 @@ def abstract_model(shape: ModelShape) -> nnx.Module:
 
 def _build(shape: ModelShape) -> nnx.Module:
     if shape.arch == "llama":
-        return TinyLlama(
+        return Llama(
             vocab=shape.vocab, width=shape.width, heads=shape.heads, kv_heads=shape.kv_heads,
             layers=shape.layers, hidden=shape.ffn,
         )  # fmt: skip
-    return TinyGPT2(
+    return GPT(
         vocab=shape.vocab, width=shape.width, heads=shape.heads, layers=shape.layers,
         hidden=shape.ffn, max_len=shape.seq_len,
     )  # fmt: skip

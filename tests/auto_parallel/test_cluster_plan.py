@@ -54,6 +54,7 @@ def test_cli_plans_a_given_shape(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "jfleet plan:" in out and "on 16 devices (2 node(s) x 8), profile a100" in out
+    assert "\nmodel: Llama: width 256," in out  # not the zoo's TinyLlama
 
 
 def test_cli_and_cluster_errors_name_the_value():
