@@ -27,6 +27,7 @@ README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 BLOCK = re.compile(r"(?:<!-- multi-process: (\S+?)::(\w+) -->\n)?```python\n(.*?)```", re.S)
 TIMEOUT = 300
+COMPILE_SPEED = ("XLA_FLAGS",)
 
 
 def python_blocks(path: Path) -> list[tuple[str | None, str]]:
@@ -41,6 +42,9 @@ def python_blocks(path: Path) -> list[tuple[str | None, str]]:
 def clean_run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", str(cwd))}
     env["PYTHONPATH"] = str(ROOT)  # this checkout, as `pip install -e .` would give
+    # only how fast XLA compiles (conftest.py): nothing that sets devices or platforms, which
+    # the snippet must do itself
+    env.update({k: v for k, v in os.environ.items() if k in COMPILE_SPEED})
     try:
         proc = subprocess.run(
             [sys.executable, *argv],

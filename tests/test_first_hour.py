@@ -55,6 +55,54 @@ def test_a_jfleet_record_prints_once_even_when_a_library_configured_the_root_log
     assert len(lines) == 1 and lines[0].startswith("[jfleet INFO]"), err
 
 
+def test_an_applications_own_root_handlers_each_get_a_record_once_and_the_console_prints_once():
+    code = """
+        import logging, sys
+        logging.basicConfig(stream=sys.stdout, format="APP %(name)s: %(message)s")
+        seen = []
+        class Collect(logging.Handler):
+            def emit(self, record):
+                seen.append(record.getMessage())
+        logging.getLogger().addHandler(Collect())
+        from jfleet import fleet
+        fleet.init(is_collective=True)
+        print("collected", sum("fleet initialised" in m for m in seen))
+    """
+    run = run_python(code)
+    console = (run.stdout + run.stderr).splitlines()
+    printed = [line for line in console if "fleet initialised" in line]
+    assert len(printed) == 1 and printed[0].startswith("APP jfleet: "), console  # its format
+    assert "collected 1" in run.stdout, console
+
+
+@pytest.fixture
+def jfleet_console():
+    """The jfleet logger configured before the test's call phase, whose capture pytest 9
+    then also attaches to it (pytest attaches to every non-propagating logger)."""
+    from jfleet.runtime.log import set_log_level
+
+    set_log_level("INFO")
+
+
+def test_each_handler_sees_a_record_once_under_pytests_capture(jfleet_console, caplog):
+    seen = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    own = Collect()
+    logging.getLogger().addHandler(own)
+    try:
+        with caplog.at_level(logging.INFO, logger="jfleet"):
+            fleet.init(is_collective=True, log_level="INFO")
+            logging.getLogger("jfleet").info("one record")
+    finally:
+        logging.getLogger().removeHandler(own)
+    assert seen.count("one record") == 1, seen
+    assert caplog.messages.count("one record") == 1, caplog.messages
+
+
 def test_records_still_reach_the_roots_other_handlers_and_the_level_quiets_jax(caplog):
     with caplog.at_level(logging.INFO, logger="jfleet"):
         fleet.init(is_collective=True, log_level="INFO")

@@ -33,7 +33,6 @@ from jfleet.testing.assertions import assert_collectives as assert_collectives
 from jfleet.testing.assertions import assert_peak_memory_below as assert_peak_memory_below
 from jfleet.testing.assertions import assert_sharded_as as assert_sharded_as
 from jfleet.testing.assertions import assert_trains_like_one_device as assert_trains_like_one_device
-from jfleet.testing.assertions import default_tolerance as default_tolerance
 from jfleet.testing.devices import NotEnoughDevicesError as NotEnoughDevicesError
 from jfleet.testing.devices import emulate_cpu_devices as emulate_cpu_devices
 from jfleet.testing.devices import require_devices as require_devices
@@ -42,4 +41,5 @@ from jfleet.testing.processes import run_processes as run_processes
 from jfleet.testing.reference import train_one_device as train_one_device
 from jfleet.testing.strategies import make_strategy as make_strategy
 from jfleet.testing.trees import assert_trees_close as assert_trees_close
+from jfleet.testing.trees import default_tolerance as default_tolerance
 from jfleet.testing.trees import state_as_numpy as state_as_numpy

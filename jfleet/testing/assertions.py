@@ -39,7 +39,7 @@ from jfleet.auto_parallel.to_distributed import ToDistributedConfig, get_plan, t
 from jfleet.testing import hlo
 from jfleet.testing.devices import require_devices
 from jfleet.testing.reference import train_one_device
-from jfleet.testing.trees import state_as_numpy
+from jfleet.testing.trees import default_tolerance, state_as_numpy
 from jfleet.training.engine import make_train_step
 from jfleet.training.strategy import DistributedStrategy
 
@@ -130,22 +130,6 @@ def _devices_needed(layout: Any) -> int | None:
 
 
 _params = state_as_numpy
-
-#: fp32 tolerance of one device against itself in another reduction order (1 + log2 d).
-BASE_TOLERANCE = 1e-5
-
-
-def default_tolerance(devices: int) -> float:
-    """The default ``rtol`` / ``atol`` of a run on ``devices`` devices: ``1e-5 (1 + log2 d)``.
-
-    A sum split over ``d`` devices adds about ``log2 d`` roundings to each reduction, so the
-    fp32 bound grows with the depth of the reduction tree, not with the device count.
-
-    Example:
-      >>> default_tolerance(1), default_tolerance(8)
-      (1e-05, 4e-05)
-    """
-    return BASE_TOLERANCE * (1 + math.log2(max(devices, 1)))
 
 
 def _leaf_report(got: dict[str, Any], want: dict[str, Any], rtol: float, atol: float) -> list[str]:

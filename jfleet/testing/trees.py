@@ -1,7 +1,8 @@
 """Comparing a parallel run with its single-device reference: trees on chex, models as NumPy.
 
 * :func:`assert_trees_close`: two pytrees (or ``nnx.State`` s) with one structure, dtypes
-  and values within tolerance.
+  and values within tolerance: given, or fp32's rule for the reduction orders the
+  comparison allows (:func:`default_tolerance`, scaled by each leaf's magnitude).
 * :func:`state_as_numpy`: any model's variables as ``{per-layer path: np.ndarray}``, the
   same keys whether the model is plain, wrapped by ``fleet.distributed_model``, or returned
   by ``to_distributed`` with pipelined or scanned blocks, so any two runs compare.
@@ -13,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import chex
@@ -23,7 +25,25 @@ from flax import nnx
 
 from jfleet.checkpoint.layout import logical_leaves
 
-__all__ = ["assert_trees_close", "state_as_numpy"]
+__all__ = ["BASE_TOLERANCE", "assert_trees_close", "default_tolerance", "state_as_numpy"]
+
+#: fp32 tolerance of one device against itself in another reduction order (1 + log2 d).
+BASE_TOLERANCE = 1e-5
+
+
+def default_tolerance(devices: int) -> float:
+    """The default ``rtol`` / ``atol`` of a run on ``devices`` devices: ``1e-5 (1 + log2 d)``.
+
+    A sum split over ``d`` devices adds about ``log2 d`` roundings to each reduction, so the
+    fp32 bound grows with the depth of the reduction tree, not with the device count. One
+    device against itself in another reduction order (a pipeline executor against the
+    sequential model, a fused against an unfused sum) is ``d = 1``.
+
+    Example:
+      >>> default_tolerance(1), default_tolerance(8)
+      (1e-05, 4e-05)
+    """
+    return BASE_TOLERANCE * (1 + math.log2(max(devices, 1)))
 
 
 def _plain(tree: Any) -> Any:
@@ -32,17 +52,31 @@ def _plain(tree: Any) -> Any:
 
 
 def assert_trees_close(
-    got: Any, want: Any, *, rtol: float, atol: float, check_dtypes: bool = True
+    got: Any,
+    want: Any,
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
+    devices: int = 1,
+    check_dtypes: bool = True,
 ) -> None:
     """``got`` and ``want`` have one structure, the same dtypes and values within tolerance.
 
-    Half-precision leaves are compared in float32. Every failing path is named (chex).
+    Without ``rtol`` / ``atol`` the fp32 rule applies: ``t = default_tolerance(devices)``,
+    each value within ``t |want| + t max(1, max |leaf|)``. The absolute part scales with the
+    leaf's largest value, since a reordered sum's rounding is relative to the terms it adds,
+    not to its (possibly near-zero) result. Pass ``rtol=0, atol=0`` only where the two
+    programs must be the same program; a reordering is never bitwise.
+
+    Half-precision leaves are compared in float32. Every failing path is named.
 
     Args:
       got: the parallel run's tree (arrays may be sharded on any mesh).
       want: the reference tree.
-      rtol: relative tolerance.
-      atol: absolute tolerance.
+      rtol: relative tolerance (default: the rule above).
+      atol: absolute tolerance, not scaled (default: the rule above).
+      devices: the depth of the reduction reorderings the comparison allows, as a device
+        count (``8`` for a run split over 8 devices against one; ``1`` for one reordering).
       check_dtypes: also require equal dtypes leaf by leaf.
 
     Raises:
@@ -56,8 +90,24 @@ def assert_trees_close(
     chex.assert_trees_all_equal_structs(got, want)
     if check_dtypes:
         chex.assert_trees_all_equal_dtypes(got, want)
-    wide = lambda t: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), t)  # noqa: E731
-    chex.assert_trees_all_close(wide(got), wide(want), rtol=rtol, atol=atol)
+    wide = lambda t: jax.tree.map(lambda x: np.asarray(jnp.asarray(x, jnp.float32)), t)  # noqa: E731
+    if rtol is not None and atol is not None:
+        chex.assert_trees_all_close(wide(got), wide(want), rtol=rtol, atol=atol)
+        return
+    t = default_tolerance(devices)
+    rtol = t if rtol is None else rtol
+    pairs = zip(
+        jax.tree_util.tree_flatten_with_path(wide(got))[0], jax.tree.leaves(wide(want)), strict=True
+    )
+    for (path, a), b in pairs:
+        scale = max(1.0, float(np.max(np.abs(b), initial=0.0, where=np.isfinite(b))))
+        np.testing.assert_allclose(
+            a,
+            b,
+            rtol=rtol,
+            atol=t * scale if atol is None else atol,
+            err_msg=f"at {jax.tree_util.keystr(path) or 'the root'} (devices={devices})",
+        )
 
 
 def state_as_numpy(model: nnx.Module) -> dict[str, np.ndarray]:

@@ -226,7 +226,8 @@ def test_pipelined_recompute_and_a_reproduced_plan():
     again = ToDistributedConfig(plan=first.to_json())
     model, opt, loader = to_distributed(llama(), optax.adam(1e-2), lm_batches(3), config=again)
     assert get_plan(model) == first
-    np.testing.assert_allclose(train(model, opt, loader), losses, rtol=0, atol=1e-6)
+    # the same plan on the same mesh compiles the same program: bit-identical losses
+    assert train(model, opt, loader) == losses
 
 
 def test_a_generator_loader_is_read_once_and_sharded():

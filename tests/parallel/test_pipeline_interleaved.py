@@ -154,7 +154,7 @@ def executor_case(schedule: str, v: int, m: int):
 def test_executor_equals_the_sequential_model(schedule, v):
     (loss, grads), (want_loss, want_grads), _, (f, w, h, x) = executor_case(schedule, v, 4)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
-    assert_trees_close(grads, want_grads, rtol=1e-5, atol=1e-6)
+    assert_trees_close(grads, want_grads, devices=4)  # 4 micro-batches summed in another order
     np.testing.assert_allclose(float(jax.jit(f)(w, h, x)), float(want_loss), rtol=1e-5)
 
 
@@ -199,7 +199,7 @@ def test_virtual_stages_hold_chunks_interleaved_and_compute_the_same_model():
     for a, b in zip(inter.parameters(), plain.parameters(), strict=True):
         np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]))
     tokens = jnp.arange(12).reshape(3, 4) % 32
-    np.testing.assert_allclose(inter(tokens), plain(tokens), rtol=1e-6, atol=1e-6)
+    assert_trees_close(inter(tokens), plain(tokens))  # the same blocks in another loop
     # the checkpoint layout: layer i <-> its stacked index, the same leaves as v = 1
     want = logical_leaves(plain, plain)
     got = logical_leaves(inter, inter)
