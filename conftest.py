@@ -6,6 +6,7 @@ a wall-clock timeout, so a hung collective can never hang the suite. The device 
 the fleet reset are jfleet's pytest plugin's (``pytest_jfleet``), which users get too.
 """
 
+import gc
 import os
 import subprocess
 import sys
@@ -46,6 +47,7 @@ from jfleet.testing.devices import emulate_cpu_devices  # noqa: E402
 
 emulate_cpu_devices(8)
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
 
 pytest_plugins = ["pytest_jfleet"]
@@ -85,3 +87,17 @@ def pytest_collection_modifyitems(config, items):
         chosen.append(pick)
     config.hook.pytest_deselected(items=[i for i in items if i not in chosen])
     items[:] = chosen
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After each module, JAX's caches (traces, compiled programs) are dropped.
+
+    Programs rarely repeat across modules (8% of compiles in a whole run), while a process
+    that keeps them all grows to 6 GB and spends its time in the kernel and the garbage
+    collector: dropping them per module measured 1.3 GB peak instead of 3.6 GB and 6% less
+    wall time on ``tests/parallel`` + ``tests/test_interrupts.py``.
+    """
+    yield
+    jax.clear_caches()
+    gc.collect()
