@@ -21,6 +21,7 @@ from jfleet.testing import (
     assert_peak_memory_below,
     assert_sharded_as,
     assert_trains_like_one_device,
+    assert_trees_close,
     emulate_cpu_devices,
     make_strategy,
     require_devices,
@@ -164,3 +165,13 @@ def test_assert_peak_memory_below_counts_arguments_outputs_and_temporaries():
         assert_peak_memory_below(step, 1.5 * 2**20, x)
     with pytest.raises(ValueError, match="limit=0"):
         assert_peak_memory_below(step, 0, x)
+
+
+def test_the_tolerance_rule_scales_with_the_leaf_and_the_reduction_depth():
+    want = {"w": np.array([100.0, 0.0], np.float32)}
+    near_zero = {"w": np.array([100.0, 2e-3], np.float32)}  # a reordered sum's rounding
+    assert_trees_close(near_zero, want, devices=8)  # 4e-5 x max |w| = 4e-3
+    with pytest.raises(AssertionError, match=r"\['w'\] \(devices=1\)"):
+        assert_trees_close(near_zero, want)  # 1e-5 x 100 = 1e-3 on one reordering
+    with pytest.raises(AssertionError, match="devices=8"):
+        assert_trees_close({"w": np.array([100.0, 5e-3], np.float32)}, want, devices=8)
