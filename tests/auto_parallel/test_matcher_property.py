@@ -47,8 +47,8 @@ def test_every_form_is_matched_without_an_internal_error():
         ]
         if unread or bad_units:
             failures.append(f"{form}: {unread or bad_units}")
-    assert not failures, (
-        f"{len(failures)} of {len(FORMS)} forms {REPRODUCE}:\n" + "\n".join(failures[:10])
+    assert not failures, f"{len(failures)} of {len(FORMS)} forms {REPRODUCE}:\n" + "\n".join(
+        failures[:10]
     )
 
 
