@@ -58,8 +58,9 @@ def _fresh_fleet(fleet_reset):
     """Each test starts with no fleet initialised and leaves none behind."""
 
 
-#: One test per module for CI's smoke job (``pytest --smoke``): the fastest test of each
-#: module in an idle run, by module path; a module not listed runs its first test.
+#: One test per module for CI's smoke job (``pytest --smoke``): the test listed for the
+#: module (the fastest of a cold smoke run), else its first; ``! path  reason`` lines name
+#: modules whose every test costs too much alone (a long module fixture) to fit 3 minutes.
 SMOKE_LIST = Path(__file__).resolve().parent / ".ci" / "smoke_tests.txt"
 
 
@@ -72,19 +73,30 @@ def pytest_addoption(parser):
     )
 
 
+def _smoke_list() -> tuple[dict[str, str], set[str]]:
+    """``({module: listed test}, {modules left out})`` from ``.ci/smoke_tests.txt``."""
+    listed, left_out = {}, set()
+    for line in SMOKE_LIST.read_text().splitlines() if SMOKE_LIST.exists() else []:
+        line = line.strip()
+        if line.startswith("!"):
+            left_out.add(line[1:].split()[0])
+        elif line and not line.startswith("#"):
+            listed[line.split("::", 1)[0]] = line
+    return listed, left_out
+
+
 def pytest_collection_modifyitems(config, items):
     if not config.getoption("smoke"):
         return
-    listed = {}
-    for line in SMOKE_LIST.read_text().splitlines() if SMOKE_LIST.exists() else []:
-        if line.strip() and not line.startswith("#"):
-            listed[line.split("::", 1)[0]] = line.strip()
-    chosen, by_module = [], {}
+    listed, left_out = _smoke_list()
+    by_module = {}
     for item in items:
         by_module.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
-    for module, tests in by_module.items():
-        pick = next((t for t in tests if t.nodeid == listed.get(module)), tests[0])
-        chosen.append(pick)
+    chosen = [
+        next((t for t in tests if t.nodeid == listed.get(module)), tests[0])
+        for module, tests in by_module.items()
+        if module not in left_out
+    ]
     config.hook.pytest_deselected(items=[i for i in items if i not in chosen])
     items[:] = chosen
 
