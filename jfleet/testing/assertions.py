@@ -39,7 +39,7 @@ from jfleet.auto_parallel.to_distributed import ToDistributedConfig, get_plan, t
 from jfleet.testing import hlo
 from jfleet.testing.devices import require_devices
 from jfleet.testing.reference import train_one_device
-from jfleet.testing.trees import default_tolerance, state_as_numpy
+from jfleet.testing.trees import default_tolerance, leaf_scale, state_as_numpy
 from jfleet.training.engine import make_train_step
 from jfleet.training.strategy import DistributedStrategy
 
@@ -145,8 +145,7 @@ def _leaf_report(got: dict[str, Any], want: dict[str, Any], rtol: float, atol: f
         if a.shape != b.shape:
             lines.append(f"'{key}': shape {a.shape}, want {b.shape}")
             continue
-        scale = max(1.0, float(np.max(np.abs(b), initial=0.0, where=np.isfinite(b))))
-        bad = ~np.isclose(a, b, rtol=rtol, atol=atol * scale)
+        bad = ~np.isclose(a, b, rtol=rtol, atol=atol * leaf_scale(b))
         bad |= np.isfinite(a) != np.isfinite(b)
         if bad.any():
             diff = np.where(np.isfinite(a - b), np.abs(a - b), np.inf)

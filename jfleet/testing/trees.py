@@ -46,6 +46,11 @@ def default_tolerance(devices: int) -> float:
     return BASE_TOLERANCE * (1 + math.log2(max(devices, 1)))
 
 
+def leaf_scale(want: np.ndarray) -> float:
+    """What the rule's absolute tolerance is multiplied by: ``max(1, max |finite want|)``."""
+    return max(1.0, float(np.max(np.abs(want), initial=0.0, where=np.isfinite(want))))
+
+
 def _plain(tree: Any) -> Any:
     """An ``nnx.State`` as its pure dict (a State and a dict of the same arrays compare)."""
     return nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
@@ -94,18 +99,19 @@ def assert_trees_close(
     if rtol is not None and atol is not None:
         chex.assert_trees_all_close(wide(got), wide(want), rtol=rtol, atol=atol)
         return
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices={devices!r}: expected a positive int (the reduction depth).")
     t = default_tolerance(devices)
     rtol = t if rtol is None else rtol
     pairs = zip(
         jax.tree_util.tree_flatten_with_path(wide(got))[0], jax.tree.leaves(wide(want)), strict=True
     )
     for (path, a), b in pairs:
-        scale = max(1.0, float(np.max(np.abs(b), initial=0.0, where=np.isfinite(b))))
         np.testing.assert_allclose(
             a,
             b,
             rtol=rtol,
-            atol=t * scale if atol is None else atol,
+            atol=t * leaf_scale(b) if atol is None else atol,
             err_msg=f"at {jax.tree_util.keystr(path) or 'the root'} (devices={devices})",
         )
 

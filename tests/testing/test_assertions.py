@@ -175,3 +175,5 @@ def test_the_tolerance_rule_scales_with_the_leaf_and_the_reduction_depth():
         assert_trees_close(near_zero, want)  # 1e-5 x 100 = 1e-3 on one reordering
     with pytest.raises(AssertionError, match="devices=8"):
         assert_trees_close({"w": np.array([100.0, 5e-3], np.float32)}, want, devices=8)
+    with pytest.raises(ValueError, match="devices=0"):
+        assert_trees_close(want, want, devices=0)
