@@ -61,10 +61,16 @@ class Fleet(PerfMethods, StaticMethods, FederatedMethods, PSMethods):
     """
 
     def __init__(self) -> None:
-        self._reset()
+        # Inert: the facade is built when ``jfleet.fleet`` is first imported, which may be
+        # after a run started (``to_distributed`` does not import it), so it touches no run
+        # state, RNG tracker or table; ``fleet.init`` and :meth:`_reset` do.
+        self._model: nnx.Module | None = None
+        self._ps_worker_started = False
         self.util = UtilBase(self)
 
     def _reset(self) -> None:
+        """Forgets the run: its mesh and optimizer, the RNG tracker's states, the init mode,
+        the parameter-server tables (the pytest plugin's ``fleet_reset`` calls it)."""
         get_rng_state_tracker().reset()
         set_init_mode("replicable")
         _context.clear()
