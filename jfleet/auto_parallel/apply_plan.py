@@ -51,7 +51,8 @@ def apply_plan(
     layout Flax gives its optimizer state) its ``zero_spec``. The parameters of a
     pipelined stack, which the plan names block by block, take the stack's layout; those
     of a scanned stack (``scan``) keep each block's, behind the stacked axes. ``outputs``:
-    what a pipelined block returns besides its activation (None: the activation alone).
+    what a pipelined or scanned block returns besides its activation (None: the activation
+    alone).
     """
     params = {p.path: p for p in plan.params}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
@@ -87,6 +88,7 @@ def apply_plan(
             mesh=placement.mesh,
             seq_axes=seq_axes,
             selective=selective,
+            outputs=outputs,
         )
     elif plan.blocks and (plan.recompute or selective or seq_axes):
         blocks = [module_at(model, b) for b in plan.blocks]

@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 from flax.nnx import graph as nnx_graph
 
-from jfleet.auto_parallel.block_extras import ACTIVATION, DROPPED, SUM, USED
+from jfleet.auto_parallel.block_extras import ACTIVATION, DROPPED, SUM, USED, BlockOutputs
 from jfleet.auto_parallel.blocks import module_at
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "BlockCall",
     "BlockCalls",
     "Leaf",
+    "block_outputs",
     "check_paths",
     "record_block_calls",
 ]
@@ -245,6 +246,41 @@ def record_block_calls(
         )
         for p in paths
     ]
+
+
+def block_outputs(
+    model: nnx.Module, block_paths: Sequence[str], call: Callable[[], Any]
+) -> BlockOutputs | None:
+    """What the first block returns and the role the traced forward gives each part
+    (:class:`~jfleet.auto_parallel.block_extras.BlockOutputs`: the activation a stack hands
+    on, parts summed over the blocks, parts dropped), or None when a block returns its
+    activation alone (the same structure as it takes).
+
+    Raises:
+      ValueError: no part of the output (or more than one) is the next block's activation.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jfleet.testing.nnx_styles import ReturnFormDecoder
+      >>> model = ReturnFormDecoder("cache_first", rngs=nnx.Rngs(0))
+      >>> call = lambda: model(jnp.zeros((2, 6), jnp.int32))
+      >>> outputs = block_outputs(model, ["layers.0", "layers.1"], call)
+      >>> outputs.tree, outputs.roles
+      (PyTreeDef((None, *)), ('activation',))
+    """
+    paths = list(block_paths)
+    first = record_block_calls(model, paths, call)[0].calls[0]
+    if first.same_structure:
+        return None
+    if first.roles.count(ACTIVATION) != 1:
+        raise ValueError(
+            f"block {paths[0]} returns a {first.returns} none (or more than one) of whose "
+            "parts is the next block's activation, so a pipelined or scanned stack cannot "
+            "hand one on; keep the blocks unrolled (plan without a pipeline, "
+            "ToDistributedConfig(scan_layers=False))."
+        )
+    rows = first.out_avals[first.roles.index(ACTIVATION)].shape[0]
+    return BlockOutputs(first.out_tree, first.roles, first.out_avals, rows)
 
 
 def _output_roles(jaxpr: Any, chain: _Chain, seen: dict, skip: int) -> dict:

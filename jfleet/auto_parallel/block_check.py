@@ -215,7 +215,8 @@ def block_problems(
 
     The pipeline's reason is :func:`pipeline_problem`'s. A scanned stack
     (:mod:`~jfleet.auto_parallel.scanned_blocks`) further needs blocks holding only
-    parameters (no RNG streams) that return their activation alone.
+    parameters (no RNG streams); outputs besides the activation it carries, sums or drops
+    by their roles, as the pipeline does.
 
     Example:
       >>> import jax.numpy as jnp
@@ -255,13 +256,7 @@ def block_problems(
             )
         if problem:
             return problem, problem
-    scan = _state_problem(blocks, paths)
-    if not scan and any(set(r.calls[0].roles) - {ACTIVATION} for r in records):
-        scan = (
-            f"block {paths[0]} returns {_described(records[0].calls[0].outputs)}, more than "
-            "its activation: a scanned stack hands on the activation alone"
-        )
-    return None, scan
+    return None, _state_problem(blocks, paths)
 
 
 def state_problem(model: nnx.Module, block_paths: Sequence[str]) -> str | None:

@@ -34,9 +34,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -44,6 +45,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jfleet.parallel.alike import GENERATED
 from jfleet.parallel.row_keys import row_keys
 
 __all__ = [
@@ -56,7 +58,9 @@ __all__ = [
     "advance_streams",
     "drawing_stage",
     "draws_per_call",
+    "handing",
     "handing_class",
+    "on_activation",
 ]
 
 ACTIVATION = "activation"
@@ -163,10 +167,46 @@ def handing_class(cls: type, outputs: BlockOutputs) -> type:
         )
         return leaves[outputs.activation], added
 
-    sub = type(cls.__name__, (cls,), {"__call__": __call__})
+    sub = type(cls.__name__, (cls,), {"__call__": __call__, GENERATED: True})
     sub.__qualname__ = f"{cls.__qualname__}[pipelined]"
     sub.__module__ = cls.__module__
     return sub
+
+
+@contextlib.contextmanager
+def handing(blocks: Sequence[nnx.Module], outputs: BlockOutputs | None) -> Iterator[None]:
+    """Within the block, each block is of its :func:`handing_class` (a stack built from
+    them then maps the state ``(x, sums)``); their own classes come back after. Nothing
+    changes when ``outputs`` is None.
+
+    Example:
+      >>> import jax
+      >>> from flax import nnx
+      >>> block = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+      >>> outputs = BlockOutputs(jax.tree.structure((None, 0)), (ACTIVATION,), (None,), 1)
+      >>> with handing([block], outputs):
+      ...     type(block).__qualname__
+      'Linear[pipelined]'
+      >>> type(block).__qualname__
+      'Linear'
+    """
+    classes = [type(b) for b in blocks]
+    if outputs is not None:
+        for block in blocks:
+            block.__class__ = handing_class(type(block), outputs)
+    try:
+        yield
+    finally:
+        for block, cls in zip(blocks, classes, strict=True):
+            block.__class__ = cls
+
+
+def on_activation(after: Callable | None, outputs: BlockOutputs | None) -> Callable | None:
+    """``after`` (a sharding constraint of each block's output) applied to the activation
+    of the stack's state ``(x, sums)`` when ``outputs`` is set, else as it is."""
+    if after is None or outputs is None:
+        return after
+    return lambda state: (after(state[0]), state[1])
 
 
 # ------------------------------------------------------------------ RNG streams

@@ -39,7 +39,8 @@ from jfleet.auto_parallel.block_extras import (
     advance_streams,
     drawing_stage,
     draws_per_call,
-    handing_class,
+    handing,
+    on_activation,
 )
 from jfleet.mesh.layer_mesh import constrain
 from jfleet.mesh.topology import DATA_AXES, PP
@@ -188,17 +189,10 @@ class PipelinedBlocks(nnx.Module):
             blocks = [blocks[u * period + j] for u in order for j in range(period)]
         self.streams = bool(jax.tree.leaves(nnx.state(blocks[0], nnx.RngState)))
         self.outputs = outputs
-        classes = [type(b) for b in blocks]
-        if outputs is not None:  # the stack's state is (activation, running sums)
-            for block in blocks:
-                block.__class__ = handing_class(type(block), outputs)
-        try:
+        with handing(blocks, outputs):  # the stack's state: (activation, running sums)
             self.body = stack.stack_layers(
                 blocks, self.num_stages, name, period=period, streams=self.streams
             )
-        finally:
-            for block, cls in zip(blocks, classes, strict=True):
-                block.__class__ = cls
         stack.annotate_stack(self.body, mesh, self.num_stages)
         self.mesh = mesh
         self.num_microbatches = num_microbatches
@@ -236,11 +230,11 @@ class PipelinedBlocks(nnx.Module):
         inputs, carried, side, shared = stack.stage_inputs(entering, args, kwargs, self.per_sample)
         seq_axes = self.seq_axes
         after = None if seq_axes is None else SequenceConstraint(self.mesh, tuple(seq_axes))
-        if after is not None and outputs is not None:
-            pin = after
-            after = lambda s: (pin(s[0]), s[1])  # noqa: E731
         stage_fn = stack.stage_function(
-            graphdef, inputs, remat_interval=1 if self.recompute else 0, after=after
+            graphdef,
+            inputs,
+            remat_interval=1 if self.recompute else 0,
+            after=on_activation(after, outputs),
         )
         params = nnx.to_pure_dict(nnx.state(self.body, nnx.Param))
         side_in, shared_in = list(side), list(shared)

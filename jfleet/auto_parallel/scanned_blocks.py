@@ -15,6 +15,15 @@ are kept and only the cheap elementwise work is redone in the backward pass, as 
 for unrolled blocks (a plain scan would keep every residual: 1.4x the unrolled step's
 temporary memory at 32 blocks, ``benchmarks/RESULTS.md``, section compile_scaling).
 
+Blocks may return more than their activation: ``(cache, x)`` with the cache None in
+training, ``(x, aux)``, ``{"hidden": x, "cache": None}``. The scan then carries what the
+traced forward's dataflow says of each output leaf
+(:class:`~jfleet.auto_parallel.block_extras.BlockOutputs`, as the pipeline does): the
+activation is carried, a leaf the forward adds up over the blocks is carried as a running
+sum, a leaf reaching nothing the forward returns is dropped, and the stack returns the
+block's output structure around them (``(None, x)`` stays ``(None, x)`` for the model's own
+loop; a dropped array comes back as zeros of its shape).
+
 Checkpoints keep the unscanned model's per-block names (``layers.3.mlp.up_proj.kernel``,
 :mod:`jfleet.checkpoint.layout`), so one moves between scanned, pipelined and plain runs.
 
@@ -40,6 +49,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
+from jfleet.auto_parallel.block_extras import BlockOutputs, handing, on_activation
 from jfleet.auto_parallel.blocks import SequenceConstraint, module_at
 from jfleet.parallel import stack
 
@@ -71,6 +81,9 @@ class ScannedBlocks(nnx.Module):
         ``dots_with_no_batch_dims_saveable``).
       mesh: the mesh of the sequence-parallel constraint, or None.
       seq_axes: mesh axes the sequence dimension is split over between blocks, or None.
+      outputs: how the forward uses a block's output when it is more than the activation
+        (:class:`~jfleet.auto_parallel.block_extras.BlockOutputs`, from the traced
+        forward: carried, summed, dropped), or None (a block returns its activation).
 
     Example:
       >>> import jax.numpy as jnp
@@ -91,6 +104,7 @@ class ScannedBlocks(nnx.Module):
         mesh: Mesh | None = None,
         seq_axes: tuple[str, ...] | None = None,
         selective: bool = False,
+        outputs: BlockOutputs | None = None,
     ) -> None:
         blocks = list(blocks)
         if not blocks:
@@ -105,7 +119,9 @@ class ScannedBlocks(nnx.Module):
         self.num_layers = len(blocks)
         self.period = period
         name = f"scanned {type(blocks[0]).__name__}"
-        self.body = stack.stack_layers(blocks, 1, name, period=period)
+        self.outputs = outputs
+        with handing(blocks, outputs):  # the scan's carry: (activation, running sums)
+            self.body = stack.stack_layers(blocks, 1, name, period=period)
         self.recompute = bool(recompute)
         self.selective = bool(selective)
         self.mesh = mesh
@@ -125,20 +141,27 @@ class ScannedBlocks(nnx.Module):
         )
 
     def run(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        """``x`` through all ``L`` blocks in order (one scan); same result as the loop."""
+        """``x`` through all ``L`` blocks in order (one scan); same result as the loop.
+
+        Blocks returning more than the activation return, from the whole stack, what
+        :attr:`outputs` says: the last activation in the block's output structure, sums
+        over the blocks, zeros for dropped parts.
+        """
+        outputs = self.outputs
         graphdef, state = nnx.split(self.body)
         params = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), nnx.to_pure_dict(state))
         after = None if self.seq_axes is None else SequenceConstraint(self.mesh, self.seq_axes)
-        return stack.run_layers(
+        y = stack.run_layers(
             graphdef,
             params,
-            x,
+            x if outputs is None else outputs.start(x),
             args,
             kwargs,
             remat_interval=1,
-            after=after,
+            after=on_activation(after, outputs),
             remat_policy=self._policy(),
         )
+        return y if outputs is None else outputs.returned(y)
 
     def _policy(self) -> Any:
         """What each scanned block keeps for the backward pass: nothing (recompute), its
@@ -159,6 +182,7 @@ def scan_blocks(
     mesh: Mesh | None = None,
     seq_axes: tuple[str, ...] | None = None,
     selective: bool = False,
+    outputs: BlockOutputs | None = None,
 ) -> ScannedBlocks:
     """Replaces the list at ``container`` (a dotted path) by a :class:`ScannedBlocks`.
 
@@ -184,6 +208,7 @@ def scan_blocks(
         mesh=mesh,
         seq_axes=seq_axes,
         selective=selective,
+        outputs=outputs,
     )
     parent, _, name = container.rpartition(".")
     setattr(module_at(model, parent), name, stand_in)

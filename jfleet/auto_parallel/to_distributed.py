@@ -43,7 +43,7 @@ import optax
 from flax import nnx
 
 from jfleet.auto_parallel.apply_plan import apply_plan
-from jfleet.auto_parallel.block_calls import ACTIVATION, ARRAY, TREE, record_block_calls
+from jfleet.auto_parallel.block_calls import ARRAY, TREE, block_outputs, record_block_calls
 from jfleet.auto_parallel.block_check import block_problems, pipeline_problem, state_problem
 from jfleet.auto_parallel.block_extras import BlockOutputs
 from jfleet.auto_parallel.blocks import (
@@ -233,8 +233,8 @@ def to_distributed(
     strategy = _strategy(config.strategy, plan)
     placement = _init_fleet(plan, strategy, device_num * node_num)
     apply_distributed_settings(model, strategy, placement)
-    per_sample, outputs = _pipelined_blocks(model, plan, first, config)
     scan = config.scan_layers and _scannable(model, plan, first, config.forward)
+    per_sample, outputs = _stacked_blocks(model, plan, first, config, scan)
     apply_plan(model, plan, placement, per_sample, scan=scan, outputs=outputs)
     dist = make_distributed_optimizer(tx, strategy)
     _context.replace(optimizer=dist)  # what fleet's optimizer getters read
@@ -485,15 +485,17 @@ def _leading(text: str) -> int | None:
     return int(head) if head.strip().isdigit() else None
 
 
-def _pipelined_blocks(
-    model: nnx.Module, plan: Plan, first: Any, config: ToDistributedConfig
+def _stacked_blocks(
+    model: nnx.Module, plan: Plan, first: Any, config: ToDistributedConfig, scan: bool
 ) -> tuple[tuple[int | str, ...] | None, BlockOutputs | None]:
-    """A pipelined stack's per-sample block arguments and what its blocks return besides
-    the activation (both None without a pipeline)."""
-    if not plan.blocks or plan.mesh_shape[PP] == 1:
-        return config.per_sample_args, None
+    """A pipelined stack's per-sample block arguments, and what the blocks of a pipelined
+    or scanned (``scan``) stack return besides the activation (None: no stack, or the
+    activation alone)."""
     per_sample = config.per_sample_args
-    if per_sample is None:
+    pipelined = bool(plan.blocks) and plan.mesh_shape[PP] > 1
+    if not pipelined and not scan:
+        return per_sample, None
+    if pipelined and per_sample is None:
         per_sample = _per_sample_args(model, plan.blocks, first, config.forward)
     return per_sample, _block_outputs(model, plan.blocks, first, config.forward)
 
@@ -501,25 +503,14 @@ def _pipelined_blocks(
 def _block_outputs(
     model: nnx.Module, blocks: tuple[str, ...], batch: Any, forward: Callable | None
 ) -> BlockOutputs | None:
-    """How the forward uses a block's output beyond the activation it hands on (from the
-    traced dataflow), or None when the blocks return the activation alone."""
+    """How the forward run on ``batch`` uses a block's output beyond the activation it
+    hands on (:func:`~jfleet.auto_parallel.block_calls.block_outputs`)."""
     inputs, fwd = _model_call(batch, forward)
 
     def call() -> Any:
         return fwd(model, inputs) if fwd is not None else model(inputs)
 
-    first = record_block_calls(model, list(blocks), call)[0].calls[0]
-    if first.same_structure:
-        return None
-    if first.roles.count(ACTIVATION) != 1:
-        raise ValueError(
-            f"the plan pipelines the blocks, but block {blocks[0]} returns a {first.returns} "
-            "none (or more than one) of whose parts is the next block's activation, so the "
-            "stack cannot hand one on; plan without a pipeline (config.force_mesh with pp 1)."
-        )
-    at = first.roles.index(ACTIVATION)
-    rows = first.out_avals[at].shape[0]
-    return BlockOutputs(first.out_tree, first.roles, first.out_avals, rows)
+    return block_outputs(model, blocks, call)
 
 
 def _per_sample_args(

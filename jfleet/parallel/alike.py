@@ -120,6 +120,12 @@ def _static(value: Any) -> bool:
     return not any(found(x) for x in jax.tree_util.tree_leaves(value, is_leaf=found))
 
 
+GENERATED = "__jfleet_generated__"
+"""Class attribute marking a subclass jfleet makes of a layer class (a pipelined block's
+handing class): its code reads no attribute of the layer, so :func:`never_read` looks
+through it to the layer's own classes."""
+
+
 @functools.cache
 def never_read(cls: type, name: str) -> bool:
     """Whether no method of ``cls`` (its own code and its bases' outside Flax) but
@@ -140,6 +146,8 @@ def never_read(cls: type, name: str) -> bool:
         return False
     for klass in cls.__mro__:
         if klass is object or klass.__module__.split(".")[0] in ("flax", "builtins"):
+            continue
+        if klass.__dict__.get(GENERATED):
             continue
         try:
             tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))

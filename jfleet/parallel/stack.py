@@ -374,6 +374,7 @@ def run_layers(
         for layer in _steps(nnx.merge(graphdef, w)):
             y = layer(y, *args, **kwargs)
             y = y if after is None else after(y)
+        _check_carried(y, h, layer)
         return jax.tree.map(lambda a, b: a.astype(b.dtype), y, h), None
 
     def scan(h: Any, w: Any) -> Any:
@@ -395,6 +396,19 @@ def run_layers(
     if rest:
         x = group(x, jax.tree.map(lambda a: a[groups * remat_interval :], params))
     return x
+
+
+def _check_carried(y: Any, h: Any, layer: nnx.Module) -> None:
+    """Raises unless a stacked layer returned the structure of the activation it took."""
+    got, want = jax.tree.structure(y), jax.tree.structure(h)
+    if got != want:
+        raise ValueError(
+            f"a stacked {type(layer).__name__} layer returned {got} where it took {want}: "
+            "the layers of a scanned or pipelined stack hand their output on as the next "
+            "layer's activation, so each must return what it takes. Blocks that return more "
+            "(a cache, an auxiliary loss) run through to_distributed, whose traced forward "
+            "carries the activation and sums or drops the rest; or keep them unrolled."
+        )
 
 
 def run_stack(body: nnx.Module, x: Any, *args: Any, remat_interval: int = 0, **kwargs: Any) -> Any:

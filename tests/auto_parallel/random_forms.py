@@ -4,10 +4,12 @@ A :class:`Form` picks, for one tiny model, how each part is written: attention (
 fused contiguous, fused strided, k or v missing, none), grouped kv heads, a KV cache written
 with a dynamic update or a scatter, projection biases, additive attention biases (a learned
 relative-position table, ALiBi slopes, per-head sinks), the MLP (gelu, swiglu, fused gate/up
-contiguous or strided, experts with a router, none), what the block returns (an array, a
-tuple, a dict), the norm, the input (token ids into an ``nnx.Embed`` or a bare table, or
-float features) and the head (separate, tied, a small classifier, none). Every form is a
-valid model: the matcher must return for each (roles, or a named reason), never raise.
+contiguous or strided, experts with a router, none), what the block returns (an array,
+``(x, aux)``, ``{"hidden": x, "aux": aux}``, and with a cache that is None in training
+``(cache, x)``, ``(x, cache)``, ``{"hidden": x, "cache": cache}``), the norm, the input
+(token ids into an ``nnx.Embed`` or a bare table, or float features) and the head
+(separate, tied, a small classifier, none). Every form is a valid model: the matcher must
+return for each (roles, or a named reason), never raise.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ CHOICES = {
     "bias": (False, True),
     "score_bias": ("none", "relative", "alibi", "sinks"),
     "mlp": ("gelu", "swiglu", "fused", "fused_strided", "experts", "none"),
-    "ret": ("array", "tuple", "dict"),
+    "ret": ("array", "tuple", "dict", "cache_first", "x_none", "dict_cache"),
     "norm": ("rms", "layer", "none"),
     "inputs": ("embed", "bare", "features", "embed_positions"),
     "head": ("separate", "tied", "small", "none"),
@@ -196,11 +198,28 @@ class FormBlock(nnx.Module):
             h, keys = self.attn(self.norm1(x) if self.norm1 else x)
             x, aux = x + h, keys.mean()
         x = x + self.mlp(self.norm2(x) if self.norm2 else x)
+        cache = None  # what a decoding loop would get back; None in training
         if self.ret == "tuple":
             return x, aux
         if self.ret == "dict":
             return {"hidden": x, "aux": aux}
+        if self.ret == "cache_first":
+            return cache, x
+        if self.ret == "x_none":
+            return x, cache
+        if self.ret == "dict_cache":
+            return {"hidden": x, "cache": cache}
         return x
+
+
+def _activation(ret: str, out):
+    """The activation in a block's output, unwrapped as the model's loop does."""
+    if ret in ("tuple", "x_none"):
+        return out[0]
+    if ret == "cache_first":
+        _layer_cache, h = out
+        return h
+    return out["hidden"] if ret in ("dict", "dict_cache") else out
 
 
 class FormModel(nnx.Module):
@@ -239,7 +258,7 @@ class FormModel(nnx.Module):
             h = self.proj_in(x)
         for block in self.blocks:
             out = block(h)
-            h = out[0] if f.ret == "tuple" else out["hidden"] if f.ret == "dict" else out
+            h = _activation(f.ret, out)
         h = self.final(h) if self.final is not None else h
         if f.head == "separate":
             return self.head(h)

@@ -18,6 +18,8 @@ copied) and a hand-written table of the dimension a Megatron layout splits in ea
 the MNIST CNN, a T5-style encoder-decoder, a Mixture-of-Experts decoder, the Llama reference
 trained through a KV cache, and decoders whose blocks return ``(cache, x)`` or ``{"hidden",
 "aux_loss"}`` or hold dropout streams: the forms of issue 27, with image or token batches.
+:data:`RETURN_STYLES`: decoders whose blocks return ``(cache, x)`` with the cache None in
+training, ``(x, None)``, ``{"hidden": x, "cache": None}`` or ``(x, aux)`` (issue 35).
 
 The models live in :mod:`.flax_tutorials`, :mod:`.gemma` and :mod:`.ports`; :mod:`.registry`
 holds :data:`STYLES`. Every name stays importable from ``jfleet.testing.nnx_styles``.
@@ -38,6 +40,7 @@ from jfleet.testing.nnx_styles.block_forms import (
     AuxLossDecoder,
     CacheReturningDecoder,
     DropoutDecoder,
+    ReturnFormDecoder,
 )
 from jfleet.testing.nnx_styles.flax_tutorials import (
     DenseGeneralAttention,
@@ -52,6 +55,7 @@ from jfleet.testing.nnx_styles.flax_tutorials import (
 )
 from jfleet.testing.nnx_styles.forms import (
     FORMS,
+    RETURN_STYLES,
 )
 from jfleet.testing.nnx_styles.gemma import (
     Gemma3Block,
@@ -92,6 +96,7 @@ __all__ = [
     "GPT",
     "MAX_SEQ",
     "MLP",
+    "RETURN_STYLES",
     "STYLES",
     "AuxLossDecoder",
     "Block",
@@ -126,6 +131,7 @@ __all__ = [
     "Qwen3ForCausalLM",
     "Qwen3MLP",
     "Qwen3Model",
+    "ReturnFormDecoder",
     "Style",
     "TokenAndPositionEmbedding",
     "llama_forward",

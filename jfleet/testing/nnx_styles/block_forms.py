@@ -8,6 +8,10 @@ pipeline forms), written as public Flax NNX ports write them.
   (``aux = aux + out["aux_loss"]``), returning ``(logits, aux)``.
 * :class:`DropoutDecoder`: nanoGPT's dropout placement (after the embedding, the attention
   probabilities, and each residual branch), every ``nnx.Dropout`` holding its own stream.
+* :class:`ReturnFormDecoder`: blocks whose output wraps the activation the ways public
+  ports write it (issue 35, :data:`RETURN_FORMS`): Flax's Gemma example and Qwen3 ports'
+  ``(cache, x)`` with the cache None in training, ``(x, None)``, ``{"hidden": x, "cache":
+  None}``, and ``(x, aux)`` with the forward adding the auxiliary losses up.
 
 All three share one attention / MLP core (``q``, ``k``, ``v``, ``o``, ``up``, ``down``,
 causal attention over 4 heads of 8).
@@ -27,7 +31,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["AuxLossDecoder", "CacheReturningDecoder", "DropoutDecoder"]
+__all__ = [
+    "RETURN_FORMS",
+    "AuxLossDecoder",
+    "CacheReturningDecoder",
+    "DropoutDecoder",
+    "ReturnFormDecoder",
+]
 
 
 class _Core(nnx.Module):
@@ -130,3 +140,73 @@ class DropoutDecoder(_Decoder):
         for layer in self.layers:
             x = layer(x)
         return self.lm_head(self.norm(x))
+
+
+RETURN_FORMS = ("cache_first", "x_none", "dict_cache", "x_aux")
+"""What a :class:`ReturnFormDecoder`'s blocks return: ``(cache, x)`` with ``cache=None``,
+``(x, None)``, ``{"hidden": x, "cache": None}``, ``(x, aux)``."""
+
+
+class ReturnFormBlock(_Core):
+    """A block returning its activation wrapped as ``form`` says (:data:`RETURN_FORMS`).
+
+    ``cache`` is what a decoding loop would pass (the layer's cache); training passes None
+    and gets None back, as Flax's Gemma example does.
+    """
+
+    def __init__(self, *args, form: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.form = form
+
+    def __call__(self, x: jax.Array, cache: dict | None = None):
+        x, (k, v) = self.attend(x)
+        x, act = self.mlp(x)
+        new_cache = None if cache is None else {"k": k, "v": v}
+        if self.form == "cache_first":
+            return new_cache, x
+        if self.form == "x_none":
+            return x, new_cache
+        if self.form == "dict_cache":
+            return {"hidden": x, "cache": new_cache}
+        return x, 1e-2 * jnp.mean(jnp.square(act))
+
+
+class ReturnFormDecoder(nnx.Module):
+    """A decoder whose blocks return their activation wrapped as ``form`` says, its loop
+    unwrapping it the way ports of that form do; with ``"x_aux"`` it returns ``(logits,
+    aux)``, the auxiliary losses added up over the blocks.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> model = ReturnFormDecoder("cache_first", rngs=nnx.Rngs(0))
+      >>> model.layers[0](jnp.zeros((1, 3, 32)))[0] is None
+      True
+      >>> model(jnp.zeros((2, 6), jnp.int32)).shape
+      (2, 6, 48)
+    """
+
+    def __init__(self, form: str, vocab: int = 48, dim: int = 32, layers: int = 2, *, rngs):
+        if form not in RETURN_FORMS:
+            raise ValueError(f"ReturnFormDecoder(form={form!r}): use one of {RETURN_FORMS}.")
+        self.form = form
+        self.embed = nnx.Embed(vocab, dim, rngs=rngs)
+        self.layers = nnx.List(
+            [ReturnFormBlock(dim, 4, 2 * dim, None, form=form, rngs=rngs) for _ in range(layers)]
+        )
+        self.norm = nnx.RMSNorm(dim, rngs=rngs)
+        self.lm_head = nnx.Linear(dim, vocab, use_bias=False, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array):
+        x, aux = self.embed(tokens), 0.0
+        for layer in self.layers:
+            if self.form == "cache_first":
+                _layer_cache, x = layer(x, None)
+            elif self.form == "x_none":
+                x, _ = layer(x)
+            elif self.form == "dict_cache":
+                x = layer(x, cache=None)["hidden"]
+            else:
+                x, layer_aux = layer(x)
+                aux = aux + layer_aux
+        logits = self.lm_head(self.norm(x))
+        return (logits, aux) if self.form == "x_aux" else logits

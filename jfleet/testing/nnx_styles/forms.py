@@ -7,12 +7,19 @@ with the losses summed over the blocks, or hold dropout streams (:mod:`.block_fo
 batches, next-token labels). Each entry's ``splits`` are absolute paths (``*``
 for a block index) of the weights a Megatron layout splits over ``mp``.
 
+:data:`RETURN_STYLES` holds issue 35's block output forms
+(:class:`~.block_forms.ReturnFormDecoder`): ``(cache, x)`` with the cache None in training,
+``(x, None)``, ``{"hidden": x, "cache": None}`` and ``(x, aux)`` with the auxiliary losses
+added to the loss. The first three compute the same function from the same seed.
+
 Example:
   >>> sorted(FORMS)  # doctest: +NORMALIZE_WHITESPACE
   ['aux_loss', 'cache_returning', 'cnn', 'dropout_blocks', 'encoder_decoder',
    'kv_cache_train', 'moe', 'vit']
   >>> FORMS["vit"].batches(1)[0]["images"].shape
   (8, 8, 8, 3)
+  >>> sorted(RETURN_STYLES)
+  ['cache_first', 'dict_cache', 'x_aux', 'x_none']
 """
 
 from __future__ import annotations
@@ -37,11 +44,12 @@ from jfleet.testing.nnx_styles.block_forms import (
     AuxLossDecoder,
     CacheReturningDecoder,
     DropoutDecoder,
+    ReturnFormDecoder,
 )
 from jfleet.testing.nnx_styles.ports import LlamaCacheTransformer, ModelArgs
 from jfleet.testing.nnx_styles.registry import Style, token_batches
 
-__all__ = ["FORMS"]
+__all__ = ["FORMS", "RETURN_STYLES"]
 
 
 def image_batches(
@@ -261,3 +269,30 @@ FORMS: dict[str, Style] = {
     ),
 }
 """Issue 27's forms, by name."""
+
+
+def _return_style(form: str) -> Style:
+    summed = form == "x_aux"
+    style = _form(
+        form,
+        lambda rngs: ReturnFormDecoder(form, rngs=rngs),
+        functools.partial(token_batches, vocab=48),
+        _with_aux if summed else _tokens,
+        _BLOCK_TABLE,
+        (48, 32, 4, 4, 8, 64, 2),
+        "layers",
+        True,
+        {
+            "cache_first": "blocks return (cache, x), the cache None in training",
+            "x_none": "blocks return (x, None)",
+            "dict_cache": "blocks return {'hidden': x, 'cache': None}",
+            "x_aux": "blocks return (x, aux); the forward adds the losses up over the blocks",
+        }[form],
+    )
+    return dataclasses.replace(style, loss_fn=_aux_loss) if summed else style
+
+
+RETURN_STYLES: dict[str, Style] = {
+    form: _return_style(form) for form in ("cache_first", "x_none", "dict_cache", "x_aux")
+}
+"""Issue 35's block output forms, by name."""
