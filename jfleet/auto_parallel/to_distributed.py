@@ -233,14 +233,19 @@ def to_distributed(
     strategy = _strategy(config.strategy, plan)
     placement = _init_fleet(plan, strategy, device_num * node_num)
     apply_distributed_settings(model, strategy, placement)
-    scan = config.scan_layers and _scannable(model, plan, first, config.forward)
+    unscanned = _scan_problem(model, plan, first, config.forward) if config.scan_layers else None
+    scan = config.scan_layers and unscanned is None
     per_sample, outputs = _stacked_blocks(model, plan, first, config, scan)
     apply_plan(model, plan, placement, per_sample, scan=scan, outputs=outputs)
     dist = make_distributed_optimizer(tx, strategy)
     _context.replace(optimizer=dist)  # what fleet's optimizer getters read
     dist.wrt = wrt
     dist.init(model, placement)
-    _PLANS[model] = plan = plan.as_placed(model)  # its table: the arrays as placed
+    plan = plan.as_placed(model)  # its table: the arrays as placed
+    if unscanned:  # the plan says why the blocks run unrolled
+        note = f"decoder blocks kept unrolled (not scanned): {unscanned}"
+        plan = dataclasses.replace(plan, notes=(*plan.notes, note))
+    _PLANS[model] = plan
     logger.info("to_distributed: %s", plan.layout.name)
     loader = _loader(dataloader, placement, first, config, plan)
     return model, dist, loader
@@ -430,7 +435,7 @@ def _pipeline_problem(
     only (no caches), alike or repeating blocks, each called once in order with the same
     further arguments (arrays, not cache objects), returning the activation (and parts
     summed over the blocks or unused). What keeps the blocks from a scan is kept for
-    :func:`_scannable`.
+    :func:`_scan_problem`.
     """
     if not patterns.blocks:
         return True
@@ -448,14 +453,18 @@ def _pipeline_problem(
     return problem or True
 
 
-def _scannable(model: nnx.Module, plan: Plan, first: Any, forward: Callable | None) -> bool:
-    """Whether the plan's blocks run as one scan: no pipeline, and they could be stacked.
+def _scan_problem(
+    model: nnx.Module, plan: Plan, first: Any, forward: Callable | None
+) -> str | None:
+    """Why the plan's blocks do not run as one scan ("" when there is nothing to scan: no
+    blocks, or a pipeline), or None when they do.
 
     The checks are the pipeline's (:func:`_pipeline_problem`, from the planning trace, or
-    traced now for a given plan); a reason not to scan is logged.
+    traced now for a given plan); a reason not to scan is logged, and ``to_distributed``
+    adds it to the plan's notes.
     """
     if not plan.blocks or plan.mesh_shape[PP] > 1:
-        return False
+        return ""
     problem = _BLOCK_PROBLEMS.pop(model, None)
     if plan.zero_stage >= 3:  # measured: temp 1.38x unrolled (TinyLlama, sharding4 x mp2)
         problem = (
@@ -473,9 +482,10 @@ def _scannable(model: nnx.Module, plan: Plan, first: Any, forward: Callable | No
             container_of(model, plan.blocks)
         except ValueError as err:
             problem = str(err)
-    if problem is not True:
-        logger.info("to_distributed: decoder blocks kept unrolled (not scanned): %s", problem)
-    return problem is True
+    if problem is True:
+        return None
+    logger.info("to_distributed: decoder blocks kept unrolled (not scanned): %s", problem)
+    return problem
 
 
 def _leading(text: str) -> int | None:

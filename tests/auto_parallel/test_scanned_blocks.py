@@ -218,6 +218,8 @@ def test_blocks_that_cannot_be_stacked_stay_unrolled_and_scanning_can_be_switche
         )
     assert not any(isinstance(m, ScannedBlocks) for _, m in nnx.iter_modules(model))
     assert "kept unrolled (not scanned)" in caplog.text
+    (note,) = [n for n in get_plan(model).notes if "kept unrolled (not scanned)" in n]
+    assert "RngKey" in note and "note: " + note in str(get_plan(model))  # the plan says why
     fleet._reset()
     config = ToDistributedConfig(force_mesh={"dp": 8}, scan_layers=False)
     model, _, _ = to_distributed(llama(), optax.sgd(0.1), lm_batches(1), config=config)
