@@ -27,6 +27,20 @@ def test_the_constraints_pin_every_declared_dependency():
     assert not missing, f"not in .ci/constraints.txt: {missing}; rewrite it after a green run"
 
 
+def test_each_pin_satisfies_what_pyproject_declares():
+    from packaging.requirements import Requirement
+
+    pins = versions.read(CI / "constraints.txt")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    refused = []
+    for line in project["dependencies"] + project["optional-dependencies"]["dev"]:
+        req = Requirement(line)
+        pinned = pins.get(versions.canonical(req.name))
+        if pinned is not None and not req.specifier.contains(pinned, prereleases=True):
+            refused.append(f"{req} but {req.name}=={pinned}")
+    assert not refused, f"pip would refuse .ci/constraints.txt: {refused}"
+
+
 def test_the_smoke_list_names_each_existing_module_once():
     lines = [ln.strip() for ln in (CI / "smoke_tests.txt").read_text().splitlines()]
     modules = [ln.lstrip("!").split()[0].split("::", 1)[0] for ln in lines if ln and ln[0] != "#"]
