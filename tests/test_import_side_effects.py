@@ -4,9 +4,10 @@ A notebook or a test imports helpers as it goes: ``from jfleet.testing import
 state_as_numpy`` after training. Each child here starts a run (through ``to_distributed``,
 or through ``fleet.init`` and ``distributed_model``), takes a step, then imports every
 public module, the alias paths and every other module of the package one by one. After
-each import the run, its optimizer and the RNG tracker's streams must be the very ones
-from before, and the steps after the named public modules give the losses of the same
-run with no import between (bit for bit: the same program on the same data).
+each import the run, its optimizer, the RNG tracker's streams, the loggers' handlers and
+levels, the environment and JAX's config must be as before, and the steps after the named
+public modules give the losses of the same run with no import between (bit for bit: the
+same program on the same data).
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ NAMED = (
 )
 
 CHILD = """
-import importlib, json, pathlib, sys
-import optax
+import importlib, json, logging, os, pathlib, sys
+import jax, optax
 import jfleet
 from jfleet.mesh import context
 from jfleet.parallel.random import get_rng_state_tracker
@@ -64,7 +65,24 @@ def snapshot():
     run = context.current()
     tracked = get_rng_state_tracker().get_states_tracker()
     streams = {{k: (v.seeds, v.draws) for k, v in tracked.items()}}
-    return run, None if run is None else run.optimizer, streams
+    # the root's handlers are left out: absl adds its own when first imported (Orbax,
+    # under jfleet.checkpoint, imports it), and jfleet's log.py already copes with that
+    jfleet_log = logging.getLogger("jfleet")
+    logs = (logging.getLogger().level, jfleet_log.level, jfleet_log.propagate,
+            [id(h) for h in jfleet_log.handlers])
+    return run, None if run is None else run.optimizer, streams, logs, dict(os.environ), dict(
+        jax.config.values
+    )
+
+
+def differs(before, after):
+    if any(a is not b for a, b in zip(before[:2], after[:2])):
+        return "the run or its optimizer"
+    for what, a, b in zip(("RNG streams", "loggers", "environment"), before[2:5], after[2:5]):
+        if a != b:
+            return what
+    changed = [k for k, v in before[5].items() if after[5].get(k, v) != v]
+    return f"JAX config {{changed}}" if changed else None
 
 
 # the same run with no import between its steps: the reference losses
@@ -84,9 +102,9 @@ every = [
 for name in [*NAMED, *sorted(set(every) - set(NAMED))]:
     before = snapshot()
     importlib.import_module(name)
-    after = snapshot()
-    if any(a is not b for a, b in zip(before[:2], after[:2])) or before[2] != after[2]:
-        changed.append(name)
+    what = differs(before, snapshot())
+    if what:
+        changed.append(f"{{name}}: {{what}}")
     if name in NAMED:
         losses.append(step(batches[len(losses)]))
 losses.append(step(batches[len(losses)]))

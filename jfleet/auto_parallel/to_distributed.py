@@ -241,11 +241,7 @@ def to_distributed(
     _context.replace(optimizer=dist)  # what fleet's optimizer getters read
     dist.wrt = wrt
     dist.init(model, placement)
-    plan = plan.as_placed(model)  # its table: the arrays as placed
-    if unscanned:  # the plan says why the blocks run unrolled
-        note = f"decoder blocks kept unrolled (not scanned): {unscanned}"
-        plan = dataclasses.replace(plan, notes=(*plan.notes, note))
-    _PLANS[model] = plan
+    _PLANS[model] = plan = _noted(plan.as_placed(model), unscanned)  # the arrays as placed
     logger.info("to_distributed: %s", plan.layout.name)
     loader = _loader(dataloader, placement, first, config, plan)
     return model, dist, loader
@@ -451,6 +447,14 @@ def _pipeline_problem(
         logger.info("to_distributed: no pipeline: %s", problem)
     _BLOCK_PROBLEMS[model] = scan or True
     return problem or True
+
+
+def _noted(plan: Plan, unscanned: str | None) -> Plan:
+    """``plan`` with why its blocks run unrolled among its notes (``unscanned``, if any)."""
+    if not unscanned:
+        return plan
+    note = f"decoder blocks kept unrolled (not scanned): {unscanned}"
+    return dataclasses.replace(plan, notes=(*plan.notes, note))
 
 
 def _scan_problem(
