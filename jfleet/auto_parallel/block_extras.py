@@ -175,7 +175,7 @@ def handing_class(cls: type, outputs: BlockOutputs) -> type:
 
 @contextlib.contextmanager
 def handing(blocks: Sequence[nnx.Module], outputs: BlockOutputs | None) -> Iterator[None]:
-    """Within the block, each block is of its :func:`handing_class` (a stack built from
+    """Inside the ``with``, each block is of its :func:`handing_class` (a stack built from
     them then maps the state ``(x, sums)``); their own classes come back after. Nothing
     changes when ``outputs`` is None.
 
@@ -203,7 +203,15 @@ def handing(blocks: Sequence[nnx.Module], outputs: BlockOutputs | None) -> Itera
 
 def on_activation(after: Callable | None, outputs: BlockOutputs | None) -> Callable | None:
     """``after`` (a sharding constraint of each block's output) applied to the activation
-    of the stack's state ``(x, sums)`` when ``outputs`` is set, else as it is."""
+    of the stack's state ``(x, sums)`` when ``outputs`` is set, else as it is.
+
+    Example:
+      >>> outputs = BlockOutputs(jax.tree.structure((None, 0)), (ACTIVATION,), (None,), 1)
+      >>> on_activation(lambda x: x + 1, outputs)((1, (5,)))
+      (2, (5,))
+      >>> on_activation(None, outputs) is None
+      True
+    """
     if after is None or outputs is None:
         return after
     return lambda state: (after(state[0]), state[1])
