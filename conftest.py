@@ -6,6 +6,8 @@ a wall-clock timeout, so a hung collective can never hang the suite. The device 
 the fleet reset are jfleet's pytest plugin's (``pytest_jfleet``), which users get too.
 """
 
+import contextlib
+import ctypes
 import gc
 import os
 import subprocess
@@ -101,8 +103,11 @@ def pytest_collection_modifyitems(config, items):
     items[:] = chosen
 
 
-#: Resident memory past which JAX's caches are dropped after a module.
+#: Resident memory past which JAX's caches are first dropped after a module, and how much
+#: it may grow again after each drop before the next.
 RELEASE_ABOVE_BYTES = 2 << 30
+RELEASE_GROWTH_BYTES = 1 << 30
+_next_release = [RELEASE_ABOVE_BYTES]
 
 
 def _resident_bytes() -> int:
@@ -110,6 +115,13 @@ def _resident_bytes() -> int:
         return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0  # not Linux: never release
+
+
+def _return_freed_memory() -> None:
+    """Give the pages malloc keeps after a release back to the system (glibc only)."""
+    # not glibc: the resident size stays high, and the growth rule still holds
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -121,19 +133,25 @@ def _release_compiled_programs():
     which otherwise walk them all again every few hundred thousand allocations: ``tests/
     auto_parallel`` ran in 251 and 266 s instead of 300 and 303 s, its full passes taking 17 s
     instead of 29 s, and the whole suite in 1252 s wall and 1355 CPU-seconds instead of 1495
-    and 1627 (full passes still take 278 s of it). Freezing after every test instead kept
-    garbage alive too long (2.6 GB resident, 287 s for ``tests/auto_parallel``). Cyclic
-    garbage frozen with the module's objects is freed at the next release.
+    and 1627. Freezing after every test instead kept garbage alive too long (2.6 GB
+    resident, 287 s for ``tests/auto_parallel``; with a collection before each freeze, 340 s
+    instead of 288 s). Cyclic garbage frozen with the module's objects is freed at the next
+    release.
 
     Programs rarely repeat across modules, and a run that keeps them all grows to 6 GB,
     which costs kernel and collector time (releasing after every module of ``tests/parallel``
     kept the peak at 1.3 GB instead of 3.6 GB, 6% less wall). Releasing after *every*
-    module costs more than it saves over the whole run (a collection each time, and 170
-    doctest modules that recompile what they share), hence the threshold.
+    module costs more than it saves over the whole run (a full collection each time, and
+    170 doctest modules that recompile what they share), hence the threshold. The next
+    release waits for 1 GiB of growth past what is resident after this one: malloc keeps
+    freed pages, so a fixed threshold, once crossed, released after every module from there
+    on (the 531 doctests, which run last, took 238 s in the suite and 51 s alone).
     """
     yield
-    if _resident_bytes() > RELEASE_ABOVE_BYTES:
+    if _resident_bytes() > _next_release[0]:
         gc.unfreeze()
         jax.clear_caches()
         gc.collect()
+        _return_freed_memory()
+        _next_release[0] = max(RELEASE_ABOVE_BYTES, _resident_bytes() + RELEASE_GROWTH_BYTES)
     gc.freeze()

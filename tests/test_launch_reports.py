@@ -21,6 +21,9 @@ WORKERS = """
 import os, pathlib, sys, time
 out, rank = pathlib.Path(sys.argv[1]), os.environ["PADDLE_TRAINER_ID"]
 print("[Gloo] Rank", rank, "is connected to 1 peer ranks.", flush=True)
+# two of Gloo's connecting threads at once: the end of one message lands on a line alone
+gloo = "[Gloo] Rank {} is connected to 3 peer ranks. Expected number of connected peer ranks is : "
+print(gloo.format(0) + gloo.format(1) + "3", "3", "the program's own line:", "3", sep="\\n")
 if rank == "1":
     raise RuntimeError("rank 1 ran out of patience")
 while not (out / "log" / "workerlog.1").read_text().count("out of patience"):
@@ -44,6 +47,9 @@ def test_the_summary_names_the_first_failing_rank_and_gloo_stays_in_the_log(tmp_
         "RuntimeError: rank 1 ran out of patience" in err
     ), err
     assert "[Gloo]" not in out and "[Gloo]" not in err, out
+    shown = out.splitlines()
+    assert shown.count("[rank 0] 3") == 1, out  # the program's own "3"; Gloo's piece is not
+    assert shown.index("[rank 0] 3") == shown.index("[rank 0] the program's own line:") + 1
     assert "[Gloo] Rank 0" in (tmp_path / "log" / "workerlog.0").read_text()
 
 

@@ -145,33 +145,58 @@ class _Log:
             self._file = None
 
 
-def console_text(line: bytes) -> bytes | None:
-    r"""A worker's output line as the console shows it: Gloo's connection chatter (kept in
-    the worker's log only) is cut, also where it follows a progress bar's unfinished line
-    on the same stream; None when nothing is left.
+#: What Gloo's connection message is made of, written by several threads at once: when
+#: they interleave, the pieces after the first ``[Gloo]`` of a line end up on lines of
+#: their own (a bare ``3``: "... peer ranks is : 3").
+_GLOO_PIECES = re.compile(
+    rb"(?:\s|\d|Rank|is connected to|peer ranks\.|Expected number of connected peer ranks is :)+"
+)
+
+
+class ConsoleFilter:
+    r"""A worker's output lines as the console shows them: Gloo's connection chatter (kept
+    in the worker's log only) is cut, also where it follows a progress bar's unfinished
+    line on the same stream, and so are the pieces of interleaved Gloo messages that land
+    on lines of their own; ``None`` when nothing of a line is left. One filter per stream.
 
     Example:
-      >>> console_text(b"[Gloo] Rank 0 is connected to 1 peer ranks.\n") is None
+      >>> shown = ConsoleFilter()
+      >>> shown(b"[Gloo] Rank 0 is connected to 1 peer ranks.\n") is None
       True
-      >>> console_text(b"step 0%|  | 0/2\r[Gloo] Rank 0 is connected to 1 peer ranks.\n")
+      >>> shown(b"step 0%|  | 0/2\r[Gloo] Rank 0 is connected to 1 peer ranks.\n")
       b'step 0%|  | 0/2\n'
-      >>> console_text(b"loss 1.5\n")
-      b'loss 1.5\n'
+      >>> shown(b"[Gloo] Rank 0 is connected to 3 peer ranks. Expected ... is : [Gloo] Rank 1"
+      ...       b" is connected to 3 peer ranks. Expected ... is : 3\n") is None
+      True
+      >>> shown(b"3\n") is None  # the end of rank 0's message
+      True
+      >>> shown(b"3\n")  # nothing of Gloo's is open: a line of the program's own
+      b'3\n'
     """
-    at = line.find(b"[Gloo]")
-    if at < 0:
-        return line
-    kept = line[:at].rstrip(b" \r\t")
-    return kept + b"\n" if kept.strip() else None
+
+    def __init__(self) -> None:
+        self._open = 0  # Gloo messages begun whose line end has not been seen
+
+    def __call__(self, line: bytes) -> bytes | None:
+        at = line.find(b"[Gloo]")
+        kept = line if at < 0 else line[:at].rstrip(b" \r\t") + b"\n"
+        if at >= 0 and not kept.strip():
+            kept = None
+        elif self._open and _GLOO_PIECES.fullmatch(kept):
+            kept = None  # pieces of messages begun on earlier lines
+        # each line ends one message: begun on it or open from before
+        self._open = max(0, self._open + line.count(b"[Gloo]") - 1)
+        return kept
 
 
 def _echo(stream: IO[bytes], log: IO[bytes], prefix: bytes) -> None:
     """Copies a worker's output to its log file and, prefixed, to the console (Gloo's
     connection chatter only to the file)."""
+    console = ConsoleFilter()
     for line in iter(stream.readline, b""):
         log.write(line)
         log.flush()
-        shown = console_text(line)
+        shown = console(line)
         if shown is None:
             continue
         sys.stdout.buffer.write(prefix + shown)
@@ -193,7 +218,8 @@ class _Worker:
             self.echo.join(2)
         try:
             with open(self.log_path, "rb") as f:
-                shown = (console_text(line) for line in f)
+                console = ConsoleFilter()
+                shown = (console(line) for line in f)
                 lines = deque((line for line in shown if line is not None), maxlen=n)
         except OSError:
             return []
