@@ -7,7 +7,7 @@ Run from the repository root (8 emulated CPU devices; a few minutes on 2 cores):
 
 A Llama-style model (``TinyLlama``, width 128, 8 heads / 4 kv heads, batch 16 x 64
 tokens) goes through ``to_distributed`` on dp 8, its decoder blocks scanned (the default,
-:class:`~jfleet.auto_parallel.scanned_blocks.ScannedBlocks`) or unrolled
+:class:`~jfleet.auto_parallel.apply.scanned_blocks.ScannedBlocks`) or unrolled
 (``ToDistributedConfig(scan_layers=False)``), and the engine's training step
 (``make_train_step(lm_loss)``, Adam) is lowered and compiled for 2, 4, 8, 16 and 32
 blocks. The table gives the compiled HLO's instruction count
@@ -38,7 +38,7 @@ import optax
 from benchmarks.results_file import environment, write_section
 from jfleet import fleet, make_train_step
 from jfleet.auto_parallel import ToDistributedConfig, to_distributed
-from jfleet.auto_parallel.scanned_blocks import ScannedBlocks
+from jfleet.auto_parallel.apply.scanned_blocks import ScannedBlocks
 from jfleet.models import lm_batches, lm_loss
 from jfleet.models.llama import TinyLlama
 from jfleet.testing import hlo

@@ -408,7 +408,7 @@ def _flops(value: float) -> str:
 
 #: How the TinyLlama table's predictions are made (the formulas' summary).
 LLAMA_NOTES = (
-    "The formulas are in `jfleet/auto_parallel/cost_model.py`. Memory "
+    "The formulas are in `jfleet/auto_parallel/cost/cost_model.py`. Memory "
     "is resident state (parameters, Adam moments, batch) plus the larger of two "
     "temporary peaks: all activations (and ZeRO-3's gathered parameters) between forward "
     "and backward, or the whole local gradient with the reduction's output at the end. "

@@ -36,7 +36,7 @@ from flax import nnx
 
 from jfleet import DistributedStrategy, make_train_step
 from jfleet.auto_parallel import ToDistributedConfig, get_plan, to_distributed
-from jfleet.auto_parallel.profiles import get_profile
+from jfleet.auto_parallel.cost.profiles import get_profile
 from jfleet.models import lm_loss
 from jfleet.models.llama import TinyLlama
 

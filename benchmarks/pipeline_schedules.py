@@ -22,7 +22,7 @@ Each row compiles (never runs) one training step and reports per device:
 * ``permutes``: collective-permutes per step in the HLO (loop bodies by trip count).
 
 Entry points: ``stand-in`` is what ``to_distributed`` runs
-(:class:`~jfleet.auto_parallel.blocks.PipelinedBlocks`, the loss in the model's own code;
+(:class:`~jfleet.auto_parallel.apply.blocks.PipelinedBlocks`, the loss in the model's own code;
 ``make_train_step(lm_loss).lower(...)`` of the returned model); ``pipeline_loss`` runs the
 same blocks with the final norm, head and loss inside the pipeline (what ``PipelineLayer``
 runs). The table is built from :data:`ROW_PRODUCERS`, one function per entry point:

@@ -53,9 +53,9 @@ import optax
 from benchmarks.results_file import environment, write_section
 from jfleet import fleet, make_train_step
 from jfleet.auto_parallel import ToDistributedConfig, get_plan, to_distributed
-from jfleet.auto_parallel.cost_model import Candidate, Collectives, Memory, StepTime
-from jfleet.auto_parallel.layouts import Layout
-from jfleet.auto_parallel.plan import _candidate_from_dict, _candidate_to_dict
+from jfleet.auto_parallel.cost.cost_model import Candidate, Collectives, Memory, StepTime
+from jfleet.auto_parallel.cost.layout import Layout
+from jfleet.auto_parallel.search.plan import _candidate_from_dict, _candidate_to_dict
 from jfleet.models import lm_loss, stride_batches
 from jfleet.models.llama import TinyLlama
 from jfleet.testing import hlo

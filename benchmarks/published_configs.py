@@ -50,10 +50,10 @@ import benchmarks  # noqa: F401  (first: CPU, before JAX starts)
 
 # isort: split
 from benchmarks.results_file import environment, write_section
-from jfleet.auto_parallel.cluster_plan import Cluster, plan
-from jfleet.auto_parallel.model_shapes import MODEL_SHAPES, ModelShape, abstract_model
-from jfleet.auto_parallel.patterns import match_patterns
-from jfleet.auto_parallel.profiles import get_profile
+from jfleet.auto_parallel.cost.profiles import get_profile
+from jfleet.auto_parallel.match.patterns import match_patterns
+from jfleet.auto_parallel.search.cluster_plan import Cluster, plan
+from jfleet.auto_parallel.search.model_shapes import MODEL_SHAPES, ModelShape, abstract_model
 
 SOURCE = "Narayanan et al., SC21, Table 1 (arXiv:2104.04473)"
 PEAK = 312e12  # A100 bf16 / fp16 dense

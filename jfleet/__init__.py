@@ -97,6 +97,28 @@ _MODULE_ALIASES: dict[str, str] = {
     "jfleet.parallel.pipeline_parallel": "jfleet.training.pipeline_parallel",
 }
 
+#: ``jfleet.auto_parallel``'s modules by stage folder: their flat paths of earlier releases
+#: (``jfleet.auto_parallel.patterns``) alias their homes (``...auto_parallel.match.patterns``).
+_AUTO_PARALLEL_STAGES: dict[str, tuple[str, ...]] = {
+    "match": (
+        "attention_trace", "block_calls", "block_check", "block_extras", "dataflow",
+        "matched", "module_parts", "pairs", "patterns", "tag_walk",
+    ),
+    "cost": (
+        "cost_comm", "cost_memory", "cost_model", "cost_types", "memo", "profiles",
+        "step_shape", "step_work",
+    ),
+    "search": ("cluster_plan", "layouts", "model_shapes", "plan", "planner"),
+    "apply": ("apply_plan", "blocks", "scanned_blocks"),
+}  # fmt: skip
+_MODULE_ALIASES.update(
+    {
+        f"jfleet.auto_parallel.{module}": f"jfleet.auto_parallel.{stage}.{module}"
+        for stage, modules in _AUTO_PARALLEL_STAGES.items()
+        for module in modules
+    }
+)
+
 _SUBPACKAGES = (
     "auto_parallel",
     "checkpoint",

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jfleet import fleet
 from jfleet.auto_parallel import ToDistributedConfig
-from jfleet.auto_parallel.blocks import PipelinedBlocks
+from jfleet.auto_parallel.apply.blocks import PipelinedBlocks
 from jfleet.auto_parallel.to_distributed import to_distributed
 from jfleet.checkpoint import CheckpointManager, layout
 from jfleet.mesh.placement import Placement

@@ -25,7 +25,7 @@ NAMED = (
     "jfleet.testing",
     "jfleet.checkpoint",
     "jfleet.launch",
-    "jfleet.auto_parallel.cluster_plan",
+    "jfleet.auto_parallel.search.cluster_plan",
     "jfleet.distributed.sharding",
     "jfleet.engine",
     "jfleet.inference",

@@ -69,11 +69,12 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return skipped
 
 
-def imported_modules(module: str, path: Path) -> set[str]:
+def imported_modules(module: str, path: Path, typing: bool = False) -> set[str]:
     """The jfleet modules ``module`` imports (``from pkg import sub`` counts ``pkg.sub``;
-    ``from pkg import name`` counts ``pkg``)."""
+    ``from pkg import name`` counts ``pkg``); with ``typing``, those imported for type
+    checkers only as well."""
     tree = ast.parse(path.read_text())
-    skipped = _type_checking_nodes(tree)
+    skipped = set() if typing else _type_checking_nodes(tree)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(tree):
@@ -129,6 +130,16 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
             if found:
                 return found
     return None
+
+
+def test_no_cycle_counting_imports_for_type_checkers():
+    """Issue 36: ``fleet_base`` and ``util_base`` imported each other under
+    ``TYPE_CHECKING``; type checkers and readers follow those imports too."""
+    typed = {m: imported_modules(m, p, typing=True) for m, p in MODULES.items()}
+    assert (
+        find_cycle({m: {t for t in ts if not m.startswith(t + ".")} for m, ts in typed.items()})
+        is None
+    )
 
 
 def test_cycle_finder_finds_a_cycle():
@@ -231,6 +242,91 @@ def test_each_layer_says_what_it_is_and_what_it_may_import(package):
     assert named == below or (not below and "nothing" in allowed), (package, named, below)
 
 
+#: ``jfleet.auto_parallel``'s stages in the order ``to_distributed`` calls them (issue 36). A
+#: stage's modules import from their own stage or an earlier one; the package top
+#: (``to_distributed``, ``config``) may import every stage, and no stage imports the top.
+STAGES = ("match", "cost", "search", "apply")
+AUTO = "jfleet.auto_parallel"
+
+
+def stage_rank(module: str) -> int:
+    """A module's stage as its place in :data:`STAGES`; the package top ranks last."""
+    part = module[len(AUTO) + 1 :].split(".")[0]
+    return STAGES.index(part) if part in STAGES else len(STAGES)
+
+
+def stage_violations(graph: dict[str, set[str]]) -> list[str]:
+    """``a -> b`` for each import, inside ``auto_parallel``, of a later stage or the top."""
+    found = []
+    for module, targets in graph.items():
+        if not module.startswith(AUTO + "."):
+            continue
+        for target in targets:
+            inside = target.startswith(AUTO + ".")
+            if inside and stage_rank(target) > stage_rank(module):
+                found.append(f"{module} -> {target}")
+    return sorted(found)
+
+
+def test_auto_parallel_stages_import_only_earlier_stages():
+    assert stage_violations(_edges_without_package_inits()) == []
+
+
+def test_the_stage_check_finds_a_planted_back_import():
+    planted = _edges_without_package_inits()
+    planted[f"{AUTO}.match.patterns"] |= {f"{AUTO}.cost.profiles"}
+    planted[f"{AUTO}.cost.cost_model"] |= {f"{AUTO}.search.planner"}
+    planted[f"{AUTO}.apply.blocks"] |= {f"{AUTO}.config"}
+    planted[f"{AUTO}.search.plan"] |= {f"{AUTO}.match.matched"}  # an earlier stage: allowed
+    assert stage_violations(planted) == [
+        f"{AUTO}.apply.blocks -> {AUTO}.config",
+        f"{AUTO}.cost.cost_model -> {AUTO}.search.planner",
+        f"{AUTO}.match.patterns -> {AUTO}.cost.profiles",
+    ]
+
+
+def test_ls_auto_parallel_shows_the_stages():
+    here = PACKAGE / "auto_parallel"
+    entries = sorted(p.name for p in here.iterdir() if p.name != "__pycache__")
+    folders = [e for e in entries if (here / e).is_dir()]
+    assert folders == sorted(STAGES)
+    assert len(entries) - len(folders) <= 4, entries
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_each_stage_says_what_it_takes_gives_and_may_import(stage):
+    doc = ast.get_docstring(
+        ast.parse((PACKAGE / "auto_parallel" / stage / "__init__.py").read_text())
+    )
+    assert "Takes in:" in doc and "Gives out:" in doc, stage
+    allowed = doc.split("May import:", 1)[1].split("\n\n", 1)[0]
+    named = [s for s in STAGES if re.search(rf"\b{s}\b", allowed)]
+    assert named == list(STAGES[: STAGES.index(stage)]), (stage, named)
+
+
+def test_old_auto_parallel_module_paths_alias_their_stage_homes():
+    code = (
+        "import jfleet.auto_parallel.patterns as old, jfleet.auto_parallel.match.patterns as new\n"
+        "assert old is new, (old, new)\n"
+        "from jfleet.auto_parallel.layouts import Layout, enumerate_layouts\n"
+        "from jfleet.auto_parallel.cost.layout import Layout as Home\n"
+        "assert Layout is Home\n"
+        "from jfleet.auto_parallel import planner\n"
+        "import jfleet.auto_parallel.search.planner as p2\n"
+        "assert planner is p2\n"
+        "import runpy, sys\n"  # the CLI the README names keeps its flat path
+        "sys.argv = ['cluster_plan', '--help']\n"
+        "try:\n    runpy.run_module('jfleet.auto_parallel.cluster_plan', run_name='__main__')\n"
+        "except SystemExit as e:\n    assert e.code == 0, e.code\n"
+        "print('OK')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert out.stdout.strip().endswith("OK"), out.stderr[-2000:]
+    assert "usage: python -m jfleet.auto_parallel.cluster_plan" in out.stdout
+
+
 def test_the_context_imports_nothing_of_jfleet():
     assert GRAPH["jfleet.mesh.context"] == set()
 
@@ -330,9 +426,9 @@ def code_lines(module: str, name: str) -> int:
 @pytest.mark.parametrize(
     ("module", "name"),
     [
-        ("jfleet.auto_parallel.patterns", "match_patterns"),
-        ("jfleet.auto_parallel.cost_model", "estimate"),
-        ("jfleet.auto_parallel.planner", "plan_for"),
+        ("jfleet.auto_parallel.match.patterns", "match_patterns"),
+        ("jfleet.auto_parallel.cost.cost_model", "estimate"),
+        ("jfleet.auto_parallel.search.planner", "plan_for"),
     ],
 )
 def test_the_planners_core_reads_as_named_steps(module, name):

@@ -15,8 +15,10 @@ from typing import Any
 
 from flax import nnx
 
-from jfleet.auto_parallel.plan import Plan
-from jfleet.auto_parallel.profiles import HardwareProfile
+from jfleet.auto_parallel.cost.layout import SCHEDULES
+from jfleet.auto_parallel.cost.profiles import HardwareProfile
+from jfleet.auto_parallel.search.plan import Plan
+from jfleet.parallel.virtual_stages import check_chunks_agree
 from jfleet.training.strategy import DistributedStrategy
 
 
@@ -36,7 +38,7 @@ class ToDistributedConfig:
       sequence_parallel: split activations' sequence dimension over ``mp`` between the
         blocks (Megatron sequence parallelism) and consider ``sep`` layouts.
       profile: hardware profile name (``cpu``, ``a100``, ``h100``, ``h200``) or a
-        :class:`~jfleet.auto_parallel.profiles.HardwareProfile`; default: ``cpu`` on CPU
+        :class:`~jfleet.auto_parallel.cost.profiles.HardwareProfile`; default: ``cpu`` on CPU
         devices, else the profile named like the device kind, else ``h100``.
       memory_budget: bytes per device the plan must fit (default: the profile's memory).
       force_mesh: degrees to use, e.g. ``{"dp": 2, "pp": 2, "mp": 2}`` (missing axes 1).
@@ -74,7 +76,7 @@ class ToDistributedConfig:
       per_sample_args: which extra arguments of the decoder blocks hold one row per sample
         (positions after the activation, or keyword names), for the pipelined stand-in to
         split them into micro-batches; default: decided by shape
-        (:class:`~jfleet.auto_parallel.blocks.PipelinedBlocks`).
+        (:class:`~jfleet.auto_parallel.apply.blocks.PipelinedBlocks`).
       forward: how the model is called on a batch, ``forward(model, batch) -> arrays``, for
         the trace the plan is read from (which projections pair up, the FLOPs) and for the
         pipeline checks. A loss function ``(model, batch) -> loss`` works too. Default:
@@ -92,7 +94,7 @@ class ToDistributedConfig:
         ``ToDistributedConfig(loss_fn=my_loss)``.
       scan_layers: without a pipeline, run alike decoder blocks (or blocks repeating with
         a period) as one ``lax.scan``
-        (:class:`~jfleet.auto_parallel.scanned_blocks.ScannedBlocks`), so the compiled
+        (:class:`~jfleet.auto_parallel.apply.scanned_blocks.ScannedBlocks`), so the compiled
         step stays the same size whatever the depth; False keeps them unrolled, one by one
         (``model.layers[3]`` reachable). Blocks that cannot be stacked (dropout RNG
         streams, batch statistics, blocks that differ) and ZeRO-3 plans (the step gathers
@@ -146,6 +148,25 @@ _PLANNING_FIELDS = (
 )
 
 
+def _check_pipeline_settings(config: ToDistributedConfig) -> None:
+    """A schedule the cost model does not know, or a virtual stage count that is no count
+    or disagrees with the schedule, is an error."""
+    if config.schedule not in (None, *SCHEDULES):
+        raise ValueError(
+            f"config.schedule={config.schedule!r} is not a pipeline schedule; use one of "
+            f"{list(SCHEDULES)} (or None to let the cost model compare them)."
+        )
+    v = config.num_virtual_pipeline_stages
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise ValueError(
+            f"config.num_virtual_pipeline_stages={v!r} must be an int >= 1 (chunks per pipeline "
+            "stage; 2 or more interleave them under schedule 'VPP') or None."
+        )
+    if v is not None:
+        names = ("config.schedule", "config.num_virtual_pipeline_stages")
+        check_chunks_agree(config.schedule, v, names=names)
+
+
 def check_config(config: ToDistributedConfig) -> None:
     """A given plan with settings that would steer a new one, or a strategy that
     recomputes, is an error naming the settings."""
@@ -153,6 +174,7 @@ def check_config(config: ToDistributedConfig) -> None:
         raise TypeError(f"config.global_batches={config.global_batches!r} must be a bool.")
     if not isinstance(config.wide_search, bool):
         raise TypeError(f"config.wide_search={config.wide_search!r} must be a bool.")
+    _check_pipeline_settings(config)
     if config.plan is not None:
         defaults = ToDistributedConfig()
         steering = [f for f in _PLANNING_FIELDS if getattr(config, f) != getattr(defaults, f)]

@@ -1,11 +1,11 @@
 """``to_distributed``: one call turns a plain NNX model, optimizer and loader into a parallel run.
 
 The call matches the model's parts, lets the cost model choose the layout
-(:func:`~jfleet.auto_parallel.planner.plan_for`), builds the fleet mesh for it
+(:func:`~jfleet.auto_parallel.search.planner.plan_for`), builds the fleet mesh for it
 (``fleet.init`` with the plan's degrees), and applies it: parameters placed by the plan's
 ``PartitionSpec``\\ s (ZeRO-sharded as its stage says), the decoder blocks replaced by a
-pipelined stack when ``pp > 1`` (:mod:`jfleet.auto_parallel.blocks`) and by one scan
-otherwise (:mod:`jfleet.auto_parallel.scanned_blocks`; ``scan_layers=False`` keeps them
+pipelined stack when ``pp > 1`` (:mod:`jfleet.auto_parallel.apply.blocks`) and by one scan
+otherwise (:mod:`jfleet.auto_parallel.apply.scanned_blocks`; ``scan_layers=False`` keeps them
 unrolled), the optimizer's state
 made and placed for the plan, and the loader wrapped to yield global sharded arrays. Train
 the returned objects with :func:`jfleet.make_train_step` (any plan) or with your own
@@ -42,25 +42,25 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jfleet.auto_parallel.apply_plan import apply_plan
-from jfleet.auto_parallel.block_calls import ARRAY, TREE, block_outputs, record_block_calls
-from jfleet.auto_parallel.block_check import block_problems, pipeline_problem, state_problem
-from jfleet.auto_parallel.block_extras import BlockOutputs
-from jfleet.auto_parallel.blocks import (
+from jfleet.auto_parallel.apply.apply_plan import apply_plan
+from jfleet.auto_parallel.apply.blocks import (
     PipelinedBlocks,
     container_of,
 )
+from jfleet.auto_parallel.apply.scanned_blocks import ScannedBlocks
 from jfleet.auto_parallel.config import ToDistributedConfig, check_config
-from jfleet.auto_parallel.layouts import OPTIMIZER_MOMENTS, SCHEDULES, stacks_reason
-from jfleet.auto_parallel.patterns import ModelPatterns, match_patterns
-from jfleet.auto_parallel.plan import Plan
-from jfleet.auto_parallel.planner import plan_for
-from jfleet.auto_parallel.scanned_blocks import ScannedBlocks
+from jfleet.auto_parallel.cost.layout import OPTIMIZER_MOMENTS
+from jfleet.auto_parallel.match.block_calls import ARRAY, TREE, block_outputs, record_block_calls
+from jfleet.auto_parallel.match.block_check import block_problems, pipeline_problem, state_problem
+from jfleet.auto_parallel.match.block_extras import BlockOutputs
+from jfleet.auto_parallel.match.patterns import ModelPatterns, match_patterns
+from jfleet.auto_parallel.search.layouts import stacks_reason
+from jfleet.auto_parallel.search.plan import Plan
+from jfleet.auto_parallel.search.planner import plan_for
 from jfleet.mesh import context as _context
 from jfleet.mesh.placement import Placement, check_divides
 from jfleet.mesh.topology import DP, PP, SHARDING
 from jfleet.optim.compiler import amp_settings
-from jfleet.parallel.virtual_stages import check_chunks_agree
 from jfleet.runtime.devices import fix_hint
 from jfleet.runtime.log import logger
 from jfleet.runtime.role_maker import PaddleCloudRoleMaker
@@ -158,9 +158,10 @@ def to_distributed(
 
     Args:
       model: an ``nnx.Module``; changed in place (parameters placed; with a pipeline its
-        list of decoder blocks becomes a :class:`~jfleet.auto_parallel.blocks.PipelinedBlocks`,
-        without one a :class:`~jfleet.auto_parallel.scanned_blocks.ScannedBlocks`) and
-        returned. Its class and call signature stay.
+        list of decoder blocks becomes a
+        :class:`~jfleet.auto_parallel.apply.blocks.PipelinedBlocks`, without one a
+        :class:`~jfleet.auto_parallel.apply.scanned_blocks.ScannedBlocks`) and returned.
+        Its class and call signature stay.
       optimizer: an ``optax.GradientTransformation`` or an ``nnx.Optimizer`` (its
         transform and ``wrt`` are used; its state is made anew for the placed model).
       dataloader: an iterable of batches (numpy or jax arrays, or dicts / tuples of them).
@@ -191,60 +192,23 @@ def to_distributed(
       >>> get_plan(model).layout.size  # every device of this process
       8
     """
-    config = ToDistributedConfig() if config is None else config
-    if not isinstance(config, ToDistributedConfig):
-        raise TypeError(
-            f"config={config!r} ({type(config).__name__}) is not a ToDistributedConfig."
-        )
-    if config.forward is None and config.loss_fn is not None:
-        config = dataclasses.replace(config, forward=config.loss_fn)  # trace the loss
-    if not isinstance(model, nnx.Module):
-        raise TypeError(
-            f"model is a {type(model).__name__}, not an nnx.Module; pass a Flax NNX module."
-        )
-    stand_ins = (PipelinedBlocks, ScannedBlocks)
-    if model in _PLANS or any(isinstance(m, stand_ins) for _, m in nnx.iter_modules(model)):
-        raise ValueError(
-            f"this {type(model).__name__} was already returned by to_distributed (plan "
-            f"{_PLANS[model].layout.name if model in _PLANS else 'with a pipeline'}); pass a "
-            "freshly built model to plan again, or keep training the one you have."
-        )
+    config = _checked_config(config, model)
     tx, wrt = _transform(optimizer)
     device_num, node_num = _device_counts(device_num, node_num)
-    check_config(config)
     first = peek(dataloader)
-    batch_size, seq_len = batch_shape(first, local=not config.global_batches)
-    if config.input_spec is not None:  # what it states wins; what it leaves open (-1) not
-        spec_batch, spec_seq = batch_shape(config.input_spec, local=False)
-        if spec_batch is not None and batch_size is not None and spec_batch != batch_size:
-            raise ValueError(
-                f"config.input_spec states a global batch of {spec_batch}, but the loader's "
-                f"first batch has {batch_size}; make them agree (or leave the batch "
-                "dimension of input_spec open with -1)."
-            )
-        seq_len = spec_seq or seq_len
-    if batch_size is None or seq_len is None:
-        raise ValueError(
-            f"the loader's first batch has no known batch size / sequence length "
-            f"({batch_size}, {seq_len}); yield arrays with concrete shapes."
-        )
-    plan = _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len, first)
+    batch_size, seq_len = _batch_dims(first, config)
+    plan = _given_plan(config, model, device_num * node_num)
+    if plan is None:
+        inputs, forward = _model_call(first, config.forward)
+        patterns = match_patterns(model, inputs, forward=forward)  # 1. match the model
+        plan = plan_for(  # 2, 3. cost every layout its shapes allow, keep the best
+            model, patterns=patterns, device_num=device_num, node_num=node_num,
+            batch_size=batch_size, seq_len=seq_len,
+            **_search_settings(model, patterns, inputs, forward, tx, wrt, config),
+        )  # fmt: skip
     _check_batch(plan, batch_size)  # a given plan may be for another batch
-    strategy = _strategy(config.strategy, plan)
-    placement = _init_fleet(plan, strategy, device_num * node_num)
-    apply_distributed_settings(model, strategy, placement)
-    unscanned = _scan_problem(model, plan, first, config.forward) if config.scan_layers else None
-    scan = config.scan_layers and unscanned is None
-    per_sample, outputs = _stacked_blocks(model, plan, first, config, scan)
-    apply_plan(model, plan, placement, per_sample, scan=scan, outputs=outputs)
-    dist = make_distributed_optimizer(tx, strategy)
-    _context.replace(optimizer=dist)  # what fleet's optimizer getters read
-    dist.wrt = wrt
-    dist.init(model, placement)
-    _PLANS[model] = plan = _noted(plan.as_placed(model), unscanned)  # the arrays as placed
-    logger.info("to_distributed: %s", plan.layout.name)
-    loader = _loader(dataloader, placement, first, config, plan)
-    return model, dist, loader
+    dist, placement = _apply(model, plan, tx, wrt, first, config, device_num * node_num)  # 4.
+    return model, dist, _loader(dataloader, placement, first, config, _PLANS[model])
 
 
 # ------------------------------------------------------------------ steps
@@ -311,43 +275,80 @@ def _optimizer_kind(tx: optax.GradientTransformation, model: nnx.Module, wrt: An
     return by_count[min(moments, max(by_count))]
 
 
-def _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len, first) -> Plan:
-    if config.schedule not in (None, *SCHEDULES):
-        raise ValueError(
-            f"config.schedule={config.schedule!r} is not a pipeline schedule; use one of "
-            f"{list(SCHEDULES)} (or None to let the cost model compare them)."
+def _checked_config(config: ToDistributedConfig | None, model: Any) -> ToDistributedConfig:
+    """The config to use (default, or with ``loss_fn`` as the traced forward); a model that
+    is no ``nnx.Module``, or one ``to_distributed`` already returned, is an error."""
+    config = ToDistributedConfig() if config is None else config
+    if not isinstance(config, ToDistributedConfig):
+        raise TypeError(
+            f"config={config!r} ({type(config).__name__}) is not a ToDistributedConfig."
         )
-    v = config.num_virtual_pipeline_stages
-    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-        raise ValueError(
-            f"config.num_virtual_pipeline_stages={v!r} must be an int >= 1 (chunks per pipeline "
-            "stage; 2 or more interleave them under schedule 'VPP') or None."
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            f"model is a {type(model).__name__}, not an nnx.Module; pass a Flax NNX module."
         )
-    if v is not None:
-        names = ("config.schedule", "config.num_virtual_pipeline_stages")
-        check_chunks_agree(config.schedule, v, names=names)
-    if config.plan is not None:
-        plan = Plan.from_json(config.plan) if isinstance(config.plan, str) else config.plan
-        if not isinstance(plan, Plan):
-            raise TypeError(f"config.plan={plan!r} is neither a Plan nor its JSON.")
-        plan.validate(model)
-        if math.prod(plan.axis_sizes) != device_num * node_num:
+    stand_ins = (PipelinedBlocks, ScannedBlocks)
+    if model in _PLANS or any(isinstance(m, stand_ins) for _, m in nnx.iter_modules(model)):
+        raise ValueError(
+            f"this {type(model).__name__} was already returned by to_distributed (plan "
+            f"{_PLANS[model].layout.name if model in _PLANS else 'with a pipeline'}); pass a "
+            "freshly built model to plan again, or keep training the one you have."
+        )
+    check_config(config)
+    if config.forward is None and config.loss_fn is not None:
+        config = dataclasses.replace(config, forward=config.loss_fn)  # trace the loss
+    return config
+
+
+def _batch_dims(first: Any, config: ToDistributedConfig) -> tuple[int, int]:
+    """The global batch size and sequence length: the first batch's, what ``input_spec``
+    states winning over it (a batch it states must agree)."""
+    batch_size, seq_len = batch_shape(first, local=not config.global_batches)
+    if config.input_spec is not None:  # what it states wins; what it leaves open (-1) not
+        spec_batch, spec_seq = batch_shape(config.input_spec, local=False)
+        if spec_batch is not None and batch_size is not None and spec_batch != batch_size:
             raise ValueError(
-                f"config.plan is for {math.prod(plan.axis_sizes)} devices "
-                f"({plan.layout.mesh_name}) but device_num x node_num = "
-                f"{device_num * node_num}."
+                f"config.input_spec states a global batch of {spec_batch}, but the loader's "
+                f"first batch has {batch_size}; make them agree (or leave the batch "
+                "dimension of input_spec open with -1)."
             )
-        return plan
-    inputs, forward = _model_call(first, config.forward)
-    # once: the planner and the pipeline check share it
-    patterns = match_patterns(model, inputs, forward=forward)
-    plan = plan_for(
-        model,
-        patterns=patterns,
-        device_num=device_num,
-        node_num=node_num,
-        batch_size=batch_size,
-        seq_len=seq_len,
+        seq_len = spec_seq or seq_len
+    if batch_size is None or seq_len is None:
+        raise ValueError(
+            f"the loader's first batch has no known batch size / sequence length "
+            f"({batch_size}, {seq_len}); yield arrays with concrete shapes."
+        )
+    return batch_size, seq_len
+
+
+def _given_plan(config: ToDistributedConfig, model: nnx.Module, devices: int) -> Plan | None:
+    """``config.plan`` checked against the model and the device count (None: none given)."""
+    if config.plan is None:
+        return None
+    plan = Plan.from_json(config.plan) if isinstance(config.plan, str) else config.plan
+    if not isinstance(plan, Plan):
+        raise TypeError(f"config.plan={plan!r} is neither a Plan nor its JSON.")
+    plan.validate(model)
+    if math.prod(plan.axis_sizes) != devices:
+        raise ValueError(
+            f"config.plan is for {math.prod(plan.axis_sizes)} devices "
+            f"({plan.layout.mesh_name}) but device_num x node_num = {devices}."
+        )
+    return plan
+
+
+def _search_settings(
+    model: nnx.Module,
+    patterns: ModelPatterns,
+    inputs: Any,
+    forward: Callable | None,
+    tx: optax.GradientTransformation,
+    wrt: Any,
+    config: ToDistributedConfig,
+) -> dict[str, Any]:
+    """:func:`plan_for`'s settings beside the model and the batch: the config's, the
+    optimizer's moments, the AMP dtype, and whether the blocks can be pipelined."""
+    return dict(
         profile=config.profile if config.profile is not None else _default_profile(),
         memory_budget=config.memory_budget,
         force_mesh=config.force_mesh,
@@ -364,7 +365,33 @@ def _make_plan(model, tx, wrt, config, device_num, node_num, batch_size, seq_len
         wide_search=config.wide_search,
         accumulate_steps=_search_accumulation(config),
     )
-    return plan  # plan_for words the workload by the traced input kind
+
+
+def _apply(
+    model: nnx.Module,
+    plan: Plan,
+    tx: optax.GradientTransformation,
+    wrt: Any,
+    first: Any,
+    config: ToDistributedConfig,
+    devices: int,
+) -> tuple[DistributedOptimizer, Placement]:
+    """Stage 4: start the run on the plan's mesh, restructure and place the model, make the
+    optimizer's state; the plan as placed is kept for :func:`get_plan`."""
+    strategy = _strategy(config.strategy, plan)
+    placement = _init_fleet(plan, strategy, devices)
+    apply_distributed_settings(model, strategy, placement)
+    unscanned = _scan_problem(model, plan, first, config.forward) if config.scan_layers else None
+    scan = config.scan_layers and unscanned is None
+    per_sample, outputs = _stacked_blocks(model, plan, first, config, scan)
+    apply_plan(model, plan, placement, per_sample, scan=scan, outputs=outputs)
+    dist = make_distributed_optimizer(tx, strategy)
+    _context.replace(optimizer=dist)  # what fleet's optimizer getters read
+    dist.wrt = wrt
+    dist.init(model, placement)
+    _PLANS[model] = plan = _noted(plan.as_placed(model), unscanned)  # the arrays as placed
+    logger.info("to_distributed: %s", plan.layout.name)
+    return dist, placement
 
 
 def _stacks_problem(model: nnx.Module, patterns: ModelPatterns, call: Callable) -> str:
@@ -427,7 +454,7 @@ def _pipeline_problem(
     """True when the decoder blocks can run as a pipelined stack, else the reason why not.
 
     Checked at planning time on the traced forward
-    (:func:`~jfleet.auto_parallel.block_check.block_problems`): parameters and RNG streams
+    (:func:`~jfleet.auto_parallel.match.block_check.block_problems`): parameters and RNG streams
     only (no caches), alike or repeating blocks, each called once in order with the same
     further arguments (arrays, not cache objects), returning the activation (and parts
     summed over the blocks or unused). What keeps the blocks from a scan is kept for
@@ -518,7 +545,7 @@ def _block_outputs(
     model: nnx.Module, blocks: tuple[str, ...], batch: Any, forward: Callable | None
 ) -> BlockOutputs | None:
     """How the forward run on ``batch`` uses a block's output beyond the activation it
-    hands on (:func:`~jfleet.auto_parallel.block_calls.block_outputs`)."""
+    hands on (:func:`~jfleet.auto_parallel.match.block_calls.block_outputs`)."""
     inputs, fwd = _model_call(batch, forward)
 
     def call() -> Any:

@@ -1,7 +1,7 @@
 """The one logical layout on disk: every leaf under the model's own per-layer path.
 
 A running model may hold its layers stacked for a pipeline (``to_distributed``'s
-:class:`~jfleet.auto_parallel.blocks.PipelinedBlocks`: ``layers.body.mlp.up_proj.kernel``
+:class:`~jfleet.auto_parallel.apply.blocks.PipelinedBlocks`: ``layers.body.mlp.up_proj.kernel``
 of shape ``[pp, L/pp, ...]``; :class:`~jfleet.parallel.pipeline_layer.PipelineLayer`'s
 ``body`` with its ``pre`` / ``post`` layers) or be wrapped in a
 :class:`~jfleet.distributed_model.DistributedModel` (``module.`` prefix). On disk each leaf
@@ -35,8 +35,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jfleet.auto_parallel.blocks import PipelinedBlocks
-from jfleet.auto_parallel.scanned_blocks import ScannedBlocks
+from jfleet.auto_parallel.apply.blocks import PipelinedBlocks
+from jfleet.auto_parallel.apply.scanned_blocks import ScannedBlocks
 from jfleet.parallel.pipeline_layer import PipelineLayer
 from jfleet.parallel.virtual_stages import layer_of
 from jfleet.training.distributed_model import DistributedModel

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from jfleet.mesh import collective
 
-if TYPE_CHECKING:
-    from jfleet.fleet.fleet_base import Fleet
+
+class Workers(Protocol):
+    """What ``fleet.util`` reads of the fleet facade (``jfleet.fleet.fleet_base.Fleet``),
+    named here so that this module does not import the facade that holds it."""
+
+    def worker_num(self) -> int: ...
+
+    def worker_index(self) -> int: ...
+
+    def _require_init(self, what: str) -> Any: ...
 
 
 class UtilBase:
@@ -21,7 +29,7 @@ class UtilBase:
       ['a', 'b', 'c']
     """
 
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Workers) -> None:
         self._fleet = fleet
 
     def all_reduce(self, input: Any, mode: str = "sum", comm_world: str = "worker") -> Any:

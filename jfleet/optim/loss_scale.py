@@ -224,10 +224,13 @@ def dynamic_loss_scaling(
     )
     inner = optax.with_extra_args_support(inner)
     init_scale = float(init_loss_scaling)
-    incr_n = int(incr_every_n_steps)
-    decr_n = int(decr_every_n_nan_or_inf)
-    incr_ratio = float(incr_ratio)
-    decr_ratio = float(decr_ratio)
+    rule = _ScaleRule(
+        incr_n=int(incr_every_n_steps),
+        decr_n=int(decr_every_n_nan_or_inf),
+        incr_ratio=float(incr_ratio),
+        decr_ratio=float(decr_ratio),
+        dynamic=bool(use_dynamic_loss_scaling),
+    )
 
     def init_fn(params: optax.Params) -> DynamicLossScalingState:
         return _initial_state(params, init_scale, inner)
@@ -241,21 +244,30 @@ def dynamic_loss_scaling(
         grads = _unscaled(updates, state.loss_scale)
         finite = all_finite(grads)
         new_updates, new_inner = inner.update(grads, state.inner_state, params, **extra_args)
-        new_updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates)
-        new_inner = jax.tree.map(
-            lambda new, old: jnp.where(finite, new, old), new_inner, state.inner_state
-        )
-        scale = state.loss_scale
-        if use_dynamic_loss_scaling:
-            scale, good, bad = _paddle_scale_rule(
-                state, finite, incr_n, decr_n, incr_ratio, decr_ratio
-            )
-        else:
-            good, bad = state.good_steps, state.bad_steps
-
+        zeros = jax.tree.map(jnp.zeros_like, new_updates)
+        new_updates = _where_finite(finite, new_updates, zeros)
+        new_inner = _where_finite(finite, new_inner, state.inner_state)
+        scale, good, bad = _next_scale(state, finite, rule)
         return new_updates, DynamicLossScalingState(scale, good, bad, new_inner)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class _ScaleRule(NamedTuple):
+    """Paddle's scale rule, checked: grow by ``incr_ratio`` after ``incr_n`` finite steps,
+    shrink by ``decr_ratio`` after ``decr_n`` non-finite ones (``dynamic=False``: fixed)."""
+
+    incr_n: int
+    decr_n: int
+    incr_ratio: float
+    decr_ratio: float
+    dynamic: bool
+
+
+def _where_finite(finite: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` where the step's gradients were all finite, else ``old`` (traced: a skipped
+    step keeps the inner state bit-identical)."""
+    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
 
 def _check_scaling_args(
@@ -327,23 +339,20 @@ def _unscaled(updates: optax.Updates, scale: jax.Array) -> optax.Updates:
     return jax.tree.map(unscale, updates)
 
 
-def _paddle_scale_rule(
-    state: DynamicLossScalingState,
-    finite: jax.Array,
-    incr_n: int,
-    decr_n: int,
-    incr_ratio: float,
-    decr_ratio: float,
+def _next_scale(
+    state: DynamicLossScalingState, finite: jax.Array, rule: _ScaleRule
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The next (scale, good_steps, bad_steps) by Paddle's rule (traced: ``jnp.where``)."""
     scale = state.loss_scale
+    if not rule.dynamic:
+        return scale, state.good_steps, state.bad_steps
     good = jnp.where(finite, state.good_steps + 1, 0).astype(jnp.int32)
     bad = jnp.where(finite, 0, state.bad_steps + 1).astype(jnp.int32)
-    decrease = jnp.logical_and(jnp.logical_not(finite), bad == decr_n)
-    increase = jnp.logical_and(finite, good == incr_n)
+    decrease = jnp.logical_and(jnp.logical_not(finite), bad == rule.decr_n)
+    increase = jnp.logical_and(finite, good == rule.incr_n)
     floor = jnp.minimum(scale, jnp.float32(1.0))
-    decreased = jnp.maximum(scale * jnp.float32(decr_ratio), floor)
-    grown = scale * jnp.float32(incr_ratio)
+    decreased = jnp.maximum(scale * jnp.float32(rule.decr_ratio), floor)
+    grown = scale * jnp.float32(rule.incr_ratio)
     increased = jnp.where(jnp.isfinite(grown), grown, scale)
     scale = jnp.where(decrease, decreased, jnp.where(increase, increased, scale))
     good = jnp.where(increase, 0, good).astype(jnp.int32)

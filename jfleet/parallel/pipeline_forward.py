@@ -3,7 +3,7 @@
 :func:`pipeline_forward` runs ``P`` stages over ``M`` micro-batches inside one
 ``jax.shard_map`` (manual over ``pp`` and the data axes) and returns the last stage's
 output, so a pipelined stack can replace a model's decoder blocks while the head and the
-loss stay the model's own code (:class:`jfleet.auto_parallel.blocks.PipelinedBlocks`).
+loss stay the model's own code (:class:`jfleet.auto_parallel.apply.blocks.PipelinedBlocks`).
 With the loss outside the pipeline every forward precedes every backward; the schedules
 differ in what a stage keeps between them. Both are a ``jax.custom_vjp`` whose forward runs
 the GPipe forward loop (``M + P - 1`` ticks, bubble ticks skipped by ``lax.cond``) and whose

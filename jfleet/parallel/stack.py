@@ -1,7 +1,7 @@
 """Stacked layers: the one code that turns identical layers into pipeline stages and runs them.
 
 :class:`~jfleet.parallel.pipeline_layer.PipelineLayer` (Paddle's pipelined body) and
-``to_distributed``'s :class:`~jfleet.auto_parallel.blocks.PipelinedBlocks` (a stand-in for
+``to_distributed``'s :class:`~jfleet.auto_parallel.apply.blocks.PipelinedBlocks` (a stand-in for
 a model's list of decoder blocks) both run through this module:
 
 * :func:`stack_layers` stacks ``N`` alike layers into one module of their class whose

@@ -1,4 +1,4 @@
-"""jfleet.auto_parallel.block_check: the reasons a model's blocks cannot be pipelined,
+"""jfleet.auto_parallel.match.block_check: the reasons a model's blocks cannot be pipelined,
 found at planning time by an abstract trace that leaves the model as it was."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jfleet.auto_parallel import block_calls, block_check
+from jfleet.auto_parallel.match import block_calls, block_check
 from tests.parallel.test_stack import TOKENS, WIDTH, Block, Decoder
 
 PATHS = [f"layers.{i}" for i in range(4)]

@@ -1,6 +1,6 @@
 """A pipelined stack of blocks that return more than their activation or hold dropout
-streams (:mod:`jfleet.auto_parallel.block_extras`), run directly through
-:func:`~jfleet.auto_parallel.blocks.pipeline_blocks`: the forward equals the unpipelined
+streams (:mod:`jfleet.auto_parallel.match.block_extras`), run directly through
+:func:`~jfleet.auto_parallel.apply.blocks.pipeline_blocks`: the forward equals the unpipelined
 one, masks included, under interleaved stages too, and the streams advance alike."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jfleet.auto_parallel.block_calls import record_block_calls
-from jfleet.auto_parallel.block_extras import BlockOutputs
-from jfleet.auto_parallel.blocks import pipeline_blocks
+from jfleet.auto_parallel.apply.blocks import pipeline_blocks
+from jfleet.auto_parallel.match.block_calls import record_block_calls
+from jfleet.auto_parallel.match.block_extras import BlockOutputs
 from jfleet.testing.nnx_styles import AuxLossDecoder, DropoutDecoder
 
 AUTO = (jax.sharding.AxisType.Auto,) * 2

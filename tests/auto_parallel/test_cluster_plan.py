@@ -10,15 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from jfleet.auto_parallel.attention_trace import scores_materialised, without_attention_products
-from jfleet.auto_parallel.cluster_plan import Cluster, main, plan
-from jfleet.auto_parallel.cost_model import estimate
-from jfleet.auto_parallel.layouts import Layout, Workload, enumerate_layouts
-from jfleet.auto_parallel.model_shapes import MODEL_SHAPES, ModelShape, abstract_model
-from jfleet.auto_parallel.patterns import match_patterns
-from jfleet.auto_parallel.plan import Plan
-from jfleet.auto_parallel.planner import prune_dominated
-from jfleet.auto_parallel.profiles import get_profile
+from jfleet.auto_parallel.cost.cost_model import estimate
+from jfleet.auto_parallel.cost.layout import Layout, Workload
+from jfleet.auto_parallel.cost.profiles import get_profile
+from jfleet.auto_parallel.match.attention_trace import (
+    scores_materialised,
+    without_attention_products,
+)
+from jfleet.auto_parallel.match.patterns import match_patterns
+from jfleet.auto_parallel.search.cluster_plan import Cluster, main, plan
+from jfleet.auto_parallel.search.layouts import enumerate_layouts
+from jfleet.auto_parallel.search.model_shapes import MODEL_SHAPES, ModelShape, abstract_model
+from jfleet.auto_parallel.search.plan import Plan
+from jfleet.auto_parallel.search.planner import prune_dominated
 from jfleet.models.llama import TinyLlama
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -175,7 +179,7 @@ def test_profile_fractions_are_checked(field, value):
 def test_abstract_model_has_the_structure_of_a_full_build(arch):
     from flax import nnx
 
-    from jfleet.auto_parallel.model_shapes import _build
+    from jfleet.auto_parallel.search.model_shapes import _build
 
     shape = dataclasses.replace(SMALL, arch=arch, layers=3)
     fast, full = abstract_model(shape), nnx.eval_shape(lambda: _build(shape))

@@ -20,9 +20,9 @@ from jfleet.auto_parallel import (
     get_profile,
     match_patterns,
 )
-from jfleet.auto_parallel.cost_model import rank
-from jfleet.auto_parallel.layouts import enumerate_layouts
-from jfleet.auto_parallel.step_work import step_flops
+from jfleet.auto_parallel.cost.cost_model import rank
+from jfleet.auto_parallel.cost.step_work import step_flops
+from jfleet.auto_parallel.search.layouts import enumerate_layouts
 from jfleet.models.llama import TinyLlama
 from jfleet.testing.nnx_styles import STYLES
 
@@ -149,7 +149,7 @@ def test_a_budget_below_fthenb_picks_vpp_over_1f1b_and_says_why():
     """On an accelerator at P=4, M=4 interleaving saves more bubble than its transfers
     cost: under a budget FThenB does not fit, the planner takes VPP, not 1F1B, and its
     plan holds each device's interleaved blocks."""
-    from jfleet.auto_parallel.planner import plan_for
+    from jfleet.auto_parallel.search.planner import plan_for
 
     model = nnx.eval_shape(
         lambda: TinyLlama(vocab=512, width=1024, heads=8, kv_heads=4, layers=8, hidden=4096)
@@ -175,7 +175,7 @@ def test_a_memory_budget_between_the_schedules_picks_1f1b():
     accelerator, where the recomputed forward costs more than FThenB's stash traffic; on
     the emulated CPU devices 1F1B is measured faster), and 1F1B when the budget lies
     between the two schedules' predicted memory."""
-    from jfleet.auto_parallel.planner import plan_for
+    from jfleet.auto_parallel.search.planner import plan_for
 
     model = nnx.eval_shape(
         lambda: TinyLlama(vocab=512, width=1024, heads=8, kv_heads=4, layers=4, hidden=4096)

@@ -7,7 +7,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jfleet.auto_parallel import Layout, Workload, enumerate_layouts, match_patterns
-from jfleet.auto_parallel.layouts import SCHEDULES, mesh_name, shape_problem
+from jfleet.auto_parallel.cost.layout import SCHEDULES, mesh_name
+from jfleet.auto_parallel.search.layouts import shape_problem
 from jfleet.mesh.topology import AXIS_NAMES
 from jfleet.models.llama import TinyLlama
 from tests.auto_parallel.conv_net import ConvNet

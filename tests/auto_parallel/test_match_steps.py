@@ -6,14 +6,14 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from jfleet.auto_parallel.module_parts import (
+from jfleet.auto_parallel.match.module_parts import (
     find_blocks,
     find_embeddings,
     find_head,
     find_norms,
     read_parts,
 )
-from jfleet.auto_parallel.patterns import (
+from jfleet.auto_parallel.match.patterns import (
     dot_costs,
     find_pairs,
     find_projections,

@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jfleet.auto_parallel.block_calls import block_outputs
-from jfleet.auto_parallel.block_check import block_problems
-from jfleet.auto_parallel.patterns import match_patterns
-from jfleet.auto_parallel.planner import plan_for
-from jfleet.auto_parallel.scanned_blocks import scan_blocks
+from jfleet.auto_parallel.apply.scanned_blocks import scan_blocks
+from jfleet.auto_parallel.match.block_calls import block_outputs
+from jfleet.auto_parallel.match.block_check import block_problems
+from jfleet.auto_parallel.match.patterns import match_patterns
+from jfleet.auto_parallel.search.planner import plan_for
 from tests.auto_parallel.random_forms import FormModel, random_forms
 
 ALL_FORMS = random_forms(500, seed=27)

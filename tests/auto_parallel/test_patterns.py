@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jfleet.auto_parallel.patterns import match_patterns
+from jfleet.auto_parallel.match.patterns import match_patterns
 from jfleet.models import TinyLM
 from jfleet.models.gpt2 import TinyGPT2
 from jfleet.models.llama import TinyLlama

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jfleet.auto_parallel.patterns import match_patterns
+from jfleet.auto_parallel.match.patterns import match_patterns
 from jfleet.testing.nnx_styles import LlamaCacheTransformer, ModelArgs
 from tests.auto_parallel.random_forms import Form, FormModel
 
@@ -110,7 +110,7 @@ def test_an_attention_bias_table_joins_the_heads_split(score_bias):
 
 
 def test_a_small_head_stays_whole_at_mp4_with_its_reason_in_the_plan():
-    from jfleet.auto_parallel.planner import plan_for
+    from jfleet.auto_parallel.search.planner import plan_for
 
     model, found = _form(inputs="features", head="small", kv_heads=4)  # a 16 x 10 classifier
     assert found.role("head.kernel") == "head" and 10 not in found.split_dims()
@@ -192,7 +192,7 @@ def test_a_contiguous_fused_gate_up_stays_whole_naming_why_and_the_layout_that_s
 
 def test_forcing_mp_on_a_contiguous_gate_up_is_refused_naming_the_kernel_its_shape_and_why():
     model, found = _form(mlp="fused")
-    from jfleet.auto_parallel.planner import plan_for
+    from jfleet.auto_parallel.search.planner import plan_for
 
     with pytest.raises(ValueError, match=r"blocks\.0\.mlp\.gate_up\.kernel \[16x48\]: its output"):
         plan_for(model, device_num=8, batch_size=8, seq_len=6, force_mesh={"dp": 2, "mp": 4},
@@ -234,8 +234,9 @@ def test_an_interleaved_linear_gate_up_trains_like_one_device_at_dp2_mp4():
 
 
 def test_an_encoder_decoder_has_two_stacks_both_counted_and_no_pipeline_with_the_reason():
-    from jfleet.auto_parallel.layouts import Workload, shape_problem
-    from jfleet.auto_parallel.step_work import layers_and_norms, tp_reductions
+    from jfleet.auto_parallel.cost.layout import Workload
+    from jfleet.auto_parallel.cost.step_work import layers_and_norms, tp_reductions
+    from jfleet.auto_parallel.search.layouts import shape_problem
     from jfleet.testing.nnx_styles.beyond_lm import EncoderDecoder
 
     model = nnx.eval_shape(lambda: EncoderDecoder(rngs=nnx.Rngs(0)))

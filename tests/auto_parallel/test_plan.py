@@ -27,7 +27,7 @@ from jfleet.auto_parallel import (
     planner,
     split_devices,
 )
-from jfleet.auto_parallel.plan import spec_to_json
+from jfleet.auto_parallel.search.plan import spec_to_json
 from jfleet.models.gpt2 import TinyGPT2
 from jfleet.models.llama import TinyLlama
 from tests.auto_parallel.conv_net import CONV_NET_PATHS, ConvNet

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from jfleet.auto_parallel import cost_comm, cost_memory, cost_model, planner, step_shape
-from jfleet.auto_parallel.layouts import Layout, Workload
-from jfleet.auto_parallel.patterns import ParamInfo, match_patterns
+from jfleet.auto_parallel.cost.layout import Layout, Workload
+from jfleet.auto_parallel.match.patterns import ParamInfo, match_patterns
 from jfleet.models.llama import TinyLlama
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -21,9 +21,9 @@ from flax import nnx
 
 from jfleet import make_train_step
 from jfleet.auto_parallel import ToDistributedConfig, to_distributed
-from jfleet.auto_parallel.block_calls import block_outputs
-from jfleet.auto_parallel.blocks import PipelinedBlocks
-from jfleet.auto_parallel.scanned_blocks import ScannedBlocks, scan_blocks
+from jfleet.auto_parallel.apply.blocks import PipelinedBlocks
+from jfleet.auto_parallel.apply.scanned_blocks import ScannedBlocks, scan_blocks
+from jfleet.auto_parallel.match.block_calls import block_outputs
 from jfleet.testing import assert_trees_close, train_one_device
 from jfleet.testing.nnx_styles import RETURN_STYLES, ReturnFormDecoder
 from jfleet.testing.nnx_styles.block_forms import ReturnFormBlock

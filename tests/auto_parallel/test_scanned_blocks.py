@@ -22,8 +22,8 @@ from jax.sharding import PartitionSpec as P
 
 from jfleet import DistributedStrategy, fleet, make_train_step
 from jfleet.auto_parallel import ToDistributedConfig, get_plan, to_distributed
-from jfleet.auto_parallel.blocks import PipelinedBlocks
-from jfleet.auto_parallel.scanned_blocks import ScannedBlocks
+from jfleet.auto_parallel.apply.blocks import PipelinedBlocks
+from jfleet.auto_parallel.apply.scanned_blocks import ScannedBlocks
 from jfleet.checkpoint import CheckpointManager, layout
 from jfleet.models import lm_batches, lm_loss
 from jfleet.models.llama import TinyLlama

@@ -19,9 +19,9 @@ from jax.sharding import PartitionSpec as P
 
 from jfleet import DistributedStrategy, fleet, make_eval_step, make_train_step
 from jfleet.auto_parallel import ToDistributedConfig, get_plan, match_patterns, planner
-from jfleet.auto_parallel.blocks import PipelinedBlocks
-from jfleet.auto_parallel.plan import spec_from_json
-from jfleet.auto_parallel.scanned_blocks import ScannedBlocks
+from jfleet.auto_parallel.apply.blocks import PipelinedBlocks
+from jfleet.auto_parallel.apply.scanned_blocks import ScannedBlocks
+from jfleet.auto_parallel.search.plan import spec_from_json
 from jfleet.auto_parallel.to_distributed import to_distributed
 from jfleet.models import lm_batches, lm_loss
 from jfleet.models.gpt2 import TinyGPT2

@@ -16,7 +16,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jfleet.auto_parallel import ToDistributedConfig, get_plan
-from jfleet.auto_parallel.blocks import PipelinedBlocks, pipeline_blocks
+from jfleet.auto_parallel.apply.blocks import PipelinedBlocks, pipeline_blocks
 from jfleet.auto_parallel.to_distributed import to_distributed
 from jfleet.mesh.topology import DP, PP
 from jfleet.models import lm_batches

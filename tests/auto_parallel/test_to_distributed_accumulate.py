@@ -18,8 +18,9 @@ from flax import nnx
 
 from jfleet import DistributedStrategy, fleet, make_train_step
 from jfleet.auto_parallel import ToDistributedConfig, get_plan, match_patterns, plan_for
-from jfleet.auto_parallel.layouts import Workload, enumerate_layouts
-from jfleet.auto_parallel.scanned_blocks import ScannedBlocks
+from jfleet.auto_parallel.apply.scanned_blocks import ScannedBlocks
+from jfleet.auto_parallel.cost.layout import Workload
+from jfleet.auto_parallel.search.layouts import enumerate_layouts
 from jfleet.auto_parallel.to_distributed import to_distributed
 from jfleet.models import lm_batches, lm_loss
 from jfleet.models.llama import TinyLlama
@@ -184,8 +185,8 @@ def test_selective_recompute_is_predicted_between_none_and_full():
     """Memory: selective below no recompute (scanned blocks, seq 256: the s x s scores
     dominate what no recompute keeps); time: none < selective < full (the attention
     core's FLOPs again, vs the whole forward)."""
-    from jfleet.auto_parallel.cost_model import estimate
-    from jfleet.auto_parallel.layouts import Layout
+    from jfleet.auto_parallel.cost.cost_model import estimate
+    from jfleet.auto_parallel.cost.layout import Layout
 
     found = match_patterns(llama(), jnp.zeros((2, 8), jnp.int32))
     work = Workload(batch_size=16, seq_len=256)

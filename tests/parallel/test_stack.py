@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType
 
-from jfleet.auto_parallel.blocks import PipelinedBlocks, pipeline_blocks
+from jfleet.auto_parallel.apply.blocks import PipelinedBlocks, pipeline_blocks
 from jfleet.mesh.topology import DP, MP, PP
 from jfleet.parallel import stack
 from jfleet.parallel.pipeline_forward import pipeline_forward

@@ -34,7 +34,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jfleet.auto_parallel.block_extras import (
+from jfleet.auto_parallel.match.block_extras import (
     BlockOutputs,
     advance_streams,
     drawing_stage,
@@ -42,6 +42,7 @@ from jfleet.auto_parallel.block_extras import (
     handing,
     on_activation,
 )
+from jfleet.auto_parallel.match.matched import module_at
 from jfleet.mesh.layer_mesh import constrain
 from jfleet.mesh.topology import DATA_AXES, PP
 from jfleet.parallel import stack
@@ -54,7 +55,6 @@ __all__ = [
     "PipelinedBlocks",
     "SequenceConstraint",
     "container_of",
-    "module_at",
     "pipeline_blocks",
     "wrap_blocks",
 ]
@@ -116,7 +116,7 @@ class PipelinedBlocks(nnx.Module):
     Blocks may return more than the activation (``outputs``: the next activation, parts
     summed over the blocks, parts dropped) and hold RNG streams (dropout): each pipelined
     draw is its rows of the unpipelined block's whole-batch draw, and the streams' counts
-    advance as the unpipelined forward's (:mod:`~jfleet.auto_parallel.block_extras`).
+    advance as the unpipelined forward's (:mod:`~jfleet.auto_parallel.match.block_extras`).
 
     Attributes:
       body: the stacked block.
@@ -220,9 +220,9 @@ class PipelinedBlocks(nnx.Module):
         """``x`` through all ``L`` blocks, pipelined over ``pp``; same result as the loop.
 
         Blocks returning more than the activation return, from the whole stack, what
-        :class:`~jfleet.auto_parallel.block_extras.BlockOutputs` says (the last activation,
+        :class:`~jfleet.auto_parallel.match.block_extras.BlockOutputs` says (the last activation,
         sums over the blocks, zeros for dropped parts); blocks holding RNG streams draw
-        what the unpipelined blocks draw (:mod:`~jfleet.auto_parallel.block_extras`).
+        what the unpipelined blocks draw (:mod:`~jfleet.auto_parallel.match.block_extras`).
         """
         outputs = self.outputs
         entering = x if outputs is None else outputs.start(x)
@@ -279,14 +279,6 @@ class PipelinedBlocks(nnx.Module):
         return False
 
 
-def module_at(root: nnx.Module, path: str) -> Any:
-    """The node at dotted ``path`` (``layers.0``) under ``root``."""
-    node = root
-    for part in path.split(".") if path else ():
-        node = node[int(part)] if part.isdigit() else getattr(node, part)
-    return node
-
-
 def container_of(model: nnx.Module, blocks: Sequence[str]) -> str:
     """The path of the list holding exactly the blocks at ``blocks`` (in order).
 
@@ -327,7 +319,7 @@ def pipeline_blocks(
     block_period`); the other arguments are :class:`PipelinedBlocks`'.
 
     ``outputs``: how the forward uses a block's output when it is more than the
-    activation (:class:`~jfleet.auto_parallel.block_extras.BlockOutputs`, from the traced
+    activation (:class:`~jfleet.auto_parallel.match.block_extras.BlockOutputs`, from the traced
     forward), or None.
 
     Raises:

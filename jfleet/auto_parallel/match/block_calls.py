@@ -6,8 +6,8 @@ and returns every call in order: its activation, its further arguments by kind
 (:data:`ARRAY`, :data:`TREE`, :data:`SCALAR`, :data:`STATIC`, :data:`OBJECT`, ...), its
 outputs and, from the traced dataflow, the role of each output (the next block's
 activation, summed over the blocks, used otherwise or dropped;
-:mod:`~jfleet.auto_parallel.block_extras`). The pipeline checks in
-:mod:`~jfleet.auto_parallel.block_check` read these records.
+:mod:`~jfleet.auto_parallel.match.block_extras`). The pipeline checks in
+:mod:`~jfleet.auto_parallel.match.block_check` read these records.
 
 Example:
   >>> import jax.numpy as jnp
@@ -32,8 +32,8 @@ import numpy as np
 from flax import nnx
 from flax.nnx import graph as nnx_graph
 
-from jfleet.auto_parallel.block_extras import ACTIVATION, DROPPED, SUM, USED, BlockOutputs
-from jfleet.auto_parallel.blocks import module_at
+from jfleet.auto_parallel.match.block_extras import ACTIVATION, DROPPED, SUM, USED, BlockOutputs
+from jfleet.auto_parallel.match.matched import module_at
 
 __all__ = [
     "ACTIVATION",
@@ -252,7 +252,7 @@ def block_outputs(
     model: nnx.Module, block_paths: Sequence[str], call: Callable[[], Any]
 ) -> BlockOutputs | None:
     """What the first block returns and the role the traced forward gives each part
-    (:class:`~jfleet.auto_parallel.block_extras.BlockOutputs`: the activation a stack hands
+    (:class:`~jfleet.auto_parallel.match.block_extras.BlockOutputs`: the activation a stack hands
     on, parts summed over the blocks, parts dropped), or None when a block returns its
     activation alone (the same structure as it takes).
 

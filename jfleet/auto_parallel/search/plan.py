@@ -1,4 +1,4 @@
-"""The plan: the chosen layout as data (:func:`~jfleet.auto_parallel.planner.plan_for` makes one).
+"""The plan: the chosen layout as data (:func:`~.planner.plan_for` makes one).
 
 The :class:`Plan` holds the mesh, each
 parameter's ``PartitionSpec`` (before ZeRO, and with the ZeRO axis), the pipeline stages
@@ -27,10 +27,10 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jfleet.auto_parallel.cost_model import Candidate, Collectives, Memory, StepTime
-from jfleet.auto_parallel.layouts import Layout
-from jfleet.auto_parallel.patterns import path_str
-from jfleet.auto_parallel.profiles import HardwareProfile
+from jfleet.auto_parallel.cost.cost_model import Candidate, Collectives, Memory, StepTime
+from jfleet.auto_parallel.cost.layout import Layout
+from jfleet.auto_parallel.cost.profiles import HardwareProfile
+from jfleet.auto_parallel.match.patterns import path_str
 from jfleet.runtime.log import logger
 
 __all__ = ["ParamPlan", "Plan", "spec_from_json", "spec_to_json", "split_devices"]
@@ -239,7 +239,7 @@ class Plan:
       profile: the hardware profile.
       memory_budget: bytes per device.
       workload: the inputs in their own words when they are not token ids (``images 32 x
-        28x28x1``; :meth:`~jfleet.auto_parallel.matched.ModelPatterns.workload`); empty:
+        28x28x1``; :meth:`~jfleet.auto_parallel.match.matched.ModelPatterns.workload`); empty:
         ``batch x seq`` of tokens.
 
     Example:
@@ -300,7 +300,7 @@ class Plan:
 
     @property
     def layout(self) -> Layout:
-        """The chosen :class:`~jfleet.auto_parallel.layouts.Layout`."""
+        """The chosen :class:`~jfleet.auto_parallel.search.layouts.Layout`."""
         return self.chosen.layout
 
     @property

@@ -2,7 +2,7 @@
 the head and the repeated blocks.
 
 :func:`read_parts` reads an ``nnx.Module`` without tracing it; the matcher's steps
-(:mod:`jfleet.auto_parallel.patterns`) add what the trace shows. :class:`Parts` carries the
+(:mod:`jfleet.auto_parallel.match.patterns`) add what the trace shows. :class:`Parts` carries the
 roles found so far (``{path: (role, kind, split_dim, units)}``) and the notes.
 
 Example:
@@ -25,8 +25,8 @@ from typing import Any
 
 from flax import nnx
 
-from jfleet.auto_parallel.matched import path_str
-from jfleet.auto_parallel.pairs import name_hint
+from jfleet.auto_parallel.match.matched import path_str
+from jfleet.auto_parallel.match.pairs import name_hint
 from jfleet.parallel.alike import block_period
 
 __all__ = [
@@ -177,7 +177,7 @@ def find_embeddings(parts: Parts, fed: frozenset = frozenset()) -> None:
     its width (position / type embeddings, replicated); sets the width and vocab.
 
     ``fed``: module paths of the tables the trace gathers from with indices computed from
-    the model's inputs (:attr:`~jfleet.auto_parallel.dataflow.Trace.lookups`). The token
+    the model's inputs (:attr:`~jfleet.auto_parallel.match.dataflow.Trace.lookups`). The token
     embedding is one of them when there are any: a table indexed by positions made inside
     the model (``arange``) or by relative-position buckets never is, whatever its shape.
     Without a trace, or when several are fed, the tables' shapes and names decide.

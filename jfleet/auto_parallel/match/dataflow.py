@@ -23,7 +23,7 @@ Example:
   >>> import jax.numpy as jnp
   >>> from flax import nnx
 
-from jfleet.auto_parallel.tag_walk import EMPTY, Dot, Edge, Tag, Val, Walk, const_val
+from jfleet.auto_parallel.match.tag_walk import EMPTY, Dot, Edge, Tag, Val, Walk, const_val
   >>> mlp = nnx.Sequential(nnx.Linear(8, 16, rngs=nnx.Rngs(0)), nnx.gelu,
   ...                      nnx.Linear(16, 8, rngs=nnx.Rngs(1)))
   >>> trace = trace_model(mlp, jnp.zeros((2, 4, 8)))
@@ -44,7 +44,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jfleet.auto_parallel.tag_walk import EMPTY, Dot, Edge, Tag, Val, Walk, const_val
+from jfleet.auto_parallel.match.tag_walk import EMPTY, Dot, Edge, Tag, Val, Walk, const_val
 
 __all__ = ["Dot", "Edge", "Tag", "Trace", "TraceError", "trace_model"]
 

@@ -1,11 +1,11 @@
 """What a pipelined block does besides mapping its activation: other outputs and RNG streams.
 
-:class:`~jfleet.auto_parallel.blocks.PipelinedBlocks` runs a model's blocks as pipeline
+:class:`~jfleet.auto_parallel.apply.blocks.PipelinedBlocks` runs a model's blocks as pipeline
 stages and hands on one activation from block to block. Blocks people write do more:
 
 * **Other outputs** (``(cache, x)``, ``(x, conv_state, ssm_state)``, ``{"hidden": x,
   "aux": loss}``). The traced forward's dataflow
-  (:func:`~jfleet.auto_parallel.block_calls.record_block_calls`) gives each output leaf a
+  (:func:`~jfleet.auto_parallel.match.block_calls.record_block_calls`) gives each output leaf a
   role (:class:`BlockOutputs`): the next block's **activation** crosses the stages; a leaf
   the forward adds up over the blocks (``total = total + aux``) is a **sum**, carried
   through the stages as a running sum per row (:func:`handing_class`); a leaf reaching

@@ -1,14 +1,14 @@
 """The cost model's memory terms: resident state, activations, and the loops' memory traffic.
 
-Each function reads one :class:`~jfleet.auto_parallel.step_shape.StepShape`; the formulas
-and where their constants come from are in :mod:`jfleet.auto_parallel.cost_model`'s
-docstring. :func:`memory` assembles the :class:`~jfleet.auto_parallel.cost_types.Memory`;
+Each function reads one :class:`~jfleet.auto_parallel.cost.step_shape.StepShape`; the formulas
+and where their constants come from are in :mod:`jfleet.auto_parallel.cost.cost_model`'s
+docstring. :func:`memory` assembles the :class:`~jfleet.auto_parallel.cost.cost_types.Memory`;
 :func:`loop_traffic_time` is the pipelines' stash / weight-stack traffic.
 
 Example:
-  >>> from jfleet.auto_parallel.layouts import Layout, Workload
-  >>> from jfleet.auto_parallel.patterns import match_patterns
-  >>> from jfleet.auto_parallel.step_shape import step_shape
+  >>> from jfleet.auto_parallel.cost.layout import Layout, Workload
+  >>> from jfleet.auto_parallel.match.patterns import match_patterns
+  >>> from jfleet.auto_parallel.cost.step_shape import step_shape
   >>> from jfleet.models.llama import TinyLlama
   >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, layers=2))
   >>> s = step_shape(found, Workload(batch_size=16, seq_len=8), Layout(dp=8),
@@ -19,11 +19,11 @@ Example:
 
 from __future__ import annotations
 
-from jfleet.auto_parallel.cost_types import Memory
-from jfleet.auto_parallel.layouts import OPTIMIZER_MOMENTS
-from jfleet.auto_parallel.memo import cached
-from jfleet.auto_parallel.step_shape import StepShape
-from jfleet.auto_parallel.step_work import (
+from jfleet.auto_parallel.cost.cost_types import Memory
+from jfleet.auto_parallel.cost.layout import OPTIMIZER_MOMENTS
+from jfleet.auto_parallel.cost.memo import cached
+from jfleet.auto_parallel.cost.step_shape import StepShape
+from jfleet.auto_parallel.cost.step_work import (
     ATTN_Q_ELEMS,
     ATTN_SCORE_ELEMS,
     LOGIT_ELEMS,

@@ -16,16 +16,16 @@ from typing import Any
 
 from flax import nnx
 
-from jfleet.auto_parallel.block_extras import BlockOutputs
-from jfleet.auto_parallel.blocks import (
+from jfleet.auto_parallel.apply.blocks import (
     container_of,
-    module_at,
     pipeline_blocks,
     wrap_blocks,
 )
-from jfleet.auto_parallel.patterns import path_str
-from jfleet.auto_parallel.plan import Plan
-from jfleet.auto_parallel.scanned_blocks import scan_blocks
+from jfleet.auto_parallel.apply.scanned_blocks import scan_blocks
+from jfleet.auto_parallel.match.block_extras import BlockOutputs
+from jfleet.auto_parallel.match.matched import module_at
+from jfleet.auto_parallel.match.patterns import path_str
+from jfleet.auto_parallel.search.plan import Plan
 from jfleet.mesh.placement import Placement
 from jfleet.mesh.topology import MP, PP, SEP
 

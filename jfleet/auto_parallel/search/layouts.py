@@ -1,14 +1,13 @@
-"""Layouts: every way to lay a model out on the devices, and the shape rules that exclude some.
+"""The layouts to compare: every way to lay a model out on the devices, and why not others.
 
-A :class:`Layout` is one way to run a training step: the mesh degrees
-``dp x pp x sharding x sep x mp`` (mesh order, outermost first), the ZeRO stage, the
-pipeline schedule and micro-batch count, and recompute. A :class:`Workload` is what the
-step processes (batch, sequence, dtype, optimizer). :func:`enumerate_layouts` lists every
-factorisation of ``device_num x node_num`` into those degrees (``sep > 1`` only under
-sequence parallelism) that the model's shapes allow, with each ZeRO stage, pipeline
-schedule, micro-batch count and recompute setting worth comparing, and gives the reason
-for each mesh it leaves out (:func:`shape_problem`). What each layout costs is
-:mod:`jfleet.auto_parallel.cost_model`'s business.
+:func:`enumerate_layouts` lists every factorisation of ``device_num x node_num`` into the
+mesh degrees ``dp x pp x sharding x sep x mp`` (``sep > 1`` only under sequence
+parallelism) that the model's shapes allow, each as the :class:`Layout` s worth comparing
+(ZeRO stage, pipeline schedule, micro-batch count, accumulation, recompute), and gives the
+reason for each mesh it leaves out (:func:`shape_problem`). A layout and a workload are
+the cost model's inputs (:mod:`jfleet.auto_parallel.cost.layout`, their home; this module
+re-exports them under the module path of earlier releases); what each layout costs is
+:mod:`jfleet.auto_parallel.cost.cost_model`'s business.
 
 **Shape rules.** ``mp`` divides every unit count a tensor-parallel split must not cut
 (query heads, MLP hidden, vocabulary) and is at most the devices of one node (tensor
@@ -22,7 +21,7 @@ the decoder blocks' kernel elements whole (attention or MLP that could not be pa
 with no repeated blocks gets ``pp = 1``.
 
 Example:
-  >>> from jfleet.auto_parallel.patterns import match_patterns
+  >>> from jfleet.auto_parallel.match.patterns import match_patterns
   >>> from jfleet.models.llama import TinyLlama
   >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, kv_heads=2, layers=2))
   >>> layouts, excluded = enumerate_layouts(found, Workload(batch_size=8, seq_len=8),
@@ -40,11 +39,16 @@ import itertools
 import math
 from collections.abc import Iterable, Mapping
 
-import jax.numpy as jnp
-
-from jfleet.auto_parallel.patterns import ModelPatterns
+from jfleet.auto_parallel.cost.layout import (
+    OPTIMIZER_MOMENTS,
+    SCHEDULES,
+    SELECTIVE,
+    Layout,
+    Workload,
+    mesh_name,
+)
+from jfleet.auto_parallel.match.patterns import ModelPatterns
 from jfleet.mesh.topology import AXIS_NAMES, DP, MP, PP, SEP, SHARDING
-from jfleet.parallel.virtual_stages import check_chunks_agree
 
 __all__ = [
     "OPTIMIZER_MOMENTS",
@@ -58,224 +62,13 @@ __all__ = [
     "stacks_reason",
 ]
 
-#: Pipeline schedules the cost model knows (VPP: 1F1B's program over interleaved stages).
-SCHEDULES = ("FThenB", "1F1B", "VPP")
 #: Chunks per stage the planner tries for VPP when not told.
 VIRTUAL_OPTIONS = (2,)
+
 #: The most gradient-accumulation steps a wide search tries with a pipeline (its
 #: micro-batch count M already sets the micro-batch size; accumulation only shrinks the
 #: stand-in's stash of M stage inputs).
 PIPELINE_ACCUMULATIONS = 4
-#: ``recompute``'s value for selective recompute (:attr:`Layout.selective_recompute`).
-SELECTIVE = "selective"
-#: Optimizer state per parameter, in parameter-sized arrays.
-OPTIMIZER_MOMENTS = {"adam": 2, "adamw": 2, "lamb": 2, "momentum": 1, "lars": 1, "sgd": 0}
-
-
-def _count_ok(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
-
-
-def mesh_name(degrees: Mapping[str, int]) -> str:
-    """A mesh's name: its axes of degree > 1 in mesh order, ``single device`` for none.
-
-    >>> mesh_name({"dp": 2, "pp": 1, "mp": 4})
-    'dp2 x mp4'
-    >>> mesh_name({})
-    'single device'
-    """
-    parts = [f"{a}{degrees[a]}" for a in AXIS_NAMES if degrees.get(a, 1) > 1]
-    return " x ".join(parts) or "single device"
-
-
-# ------------------------------------------------------------------ inputs
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Workload:
-    """What one training step processes.
-
-    Attributes:
-      batch_size: global batch (sequences per step).
-      seq_len: tokens per sequence.
-      dtype: compute / activation dtype name (``float32``, ``bfloat16``).
-      optimizer: ``adam`` (2 moments), ``momentum`` (1), ``sgd`` (0), ... (see
-        :data:`OPTIMIZER_MOMENTS`).
-      sequence_parallel: activations between tensor-parallel regions split over ``mp``
-        (Megatron SP), and ``sep`` candidates enumerated.
-
-    Raises:
-      ValueError: a non-positive size, an unknown optimizer or dtype.
-
-    Example:
-      >>> Workload(batch_size=4, seq_len=8, dtype="bfloat16").tokens
-      32
-    """
-
-    batch_size: int
-    seq_len: int
-    dtype: str = "float32"
-    optimizer: str = "adam"
-    sequence_parallel: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("batch_size", "seq_len"):
-            value = getattr(self, name)
-            if not _count_ok(value):
-                raise ValueError(f"{name}={value!r} must be an int >= 1.")
-        if self.optimizer not in OPTIMIZER_MOMENTS:
-            raise ValueError(
-                f"optimizer={self.optimizer!r} is not known to the cost model; use one of "
-                f"{sorted(OPTIMIZER_MOMENTS)}."
-            )
-        try:
-            jnp.dtype(self.dtype)
-        except TypeError as err:
-            raise ValueError(f"dtype={self.dtype!r} is not a dtype name.") from err
-
-    @property
-    def act_bytes(self) -> int:
-        """Bytes per activation element."""
-        return jnp.dtype(self.dtype).itemsize
-
-    @property
-    def tokens(self) -> int:
-        """Tokens per step (batch x sequence)."""
-        return self.batch_size * self.seq_len
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Layout:
-    """One way to run the step: mesh degrees, ZeRO stage, pipeline schedule, recompute.
-
-    Attributes:
-      dp: data-parallel degree.
-      pp: pipeline stages.
-      sharding: ZeRO (sharding) degree; the batch is split over ``dp x sharding``.
-      sep: sequence (segment) parallel degree.
-      mp: tensor-parallel degree.
-      zero_stage: 0 without a sharding axis, else 1, 2 or 3.
-      schedule: ``"FThenB"``, ``"1F1B"`` or ``"VPP"`` when ``pp > 1``, else None.
-      num_microbatches: micro-batches per step (1 without a pipeline).
-      recompute: recompute each block's activations in the backward pass.
-      num_virtual_stages: ``v``, chunks per stage (``"VPP"``: at least 2, and ``M`` a
-        multiple of ``pp``; 1 otherwise).
-      accumulate_steps: the local batch runs as this many calls of the step, one update
-        on their summed gradients (gradient accumulation: the engine's gradient merge,
-        ``jfleet.optim.gradient_merge``, which reduces each call's gradients); with a
-        pipeline each call runs ``num_microbatches``.
-      selective_recompute: recompute only the attention core and the elementwise work of
-        each block, keeping its weight-matmul outputs (Megatron's ``selective``, Paddle's
-        ``recompute_granularity="core_attn"``; ``jax.checkpoint`` with
-        ``dots_with_no_batch_dims_saveable``). Excludes ``recompute`` (the whole block);
-        without a pipeline only (the pipelined stand-in recomputes whole stages).
-
-    Raises:
-      ValueError: a degree < 1, or an inconsistent stage / schedule / micro-batch /
-        virtual stage count.
-
-    Example:
-      >>> Layout(dp=2, sharding=2, mp=2, zero_stage=3).name
-      'dp2 x sharding2 x mp2 (ZeRO-3)'
-    """
-
-    dp: int = 1
-    pp: int = 1
-    sharding: int = 1
-    sep: int = 1
-    mp: int = 1
-    zero_stage: int = 0
-    schedule: str | None = None
-    num_microbatches: int = 1
-    recompute: bool = False
-    num_virtual_stages: int = 1
-    accumulate_steps: int = 1
-    selective_recompute: bool = False
-
-    def __post_init__(self) -> None:
-        for name in (*AXIS_NAMES, "num_microbatches", "num_virtual_stages", "accumulate_steps"):
-            value = getattr(self, name)
-            if not _count_ok(value):
-                raise ValueError(f"{name}={value!r} must be an int >= 1.")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage={self.zero_stage!r} must be 0, 1, 2 or 3.")
-        if self.zero_stage and self.sharding == 1:
-            raise ValueError(
-                f"zero_stage={self.zero_stage} needs a sharding axis; sharding=1 here. "
-                "Use sharding > 1 or zero_stage=0."
-            )
-        if self.sharding > 1 and not self.zero_stage:
-            raise ValueError(
-                f"sharding={self.sharding} without a ZeRO stage; give zero_stage 1, 2 or 3."
-            )
-        if self.pp > 1 and self.schedule not in SCHEDULES:
-            raise ValueError(f"pp={self.pp} needs schedule in {SCHEDULES}; got {self.schedule!r}.")
-        if self.pp == 1 and (self.schedule is not None or self.num_microbatches != 1):
-            raise ValueError(
-                f"schedule={self.schedule!r} / num_microbatches={self.num_microbatches} "
-                "only apply with pp > 1."
-            )
-        if self.selective_recompute and (self.recompute or self.pp > 1):
-            raise ValueError(
-                f"selective_recompute=True with recompute={self.recompute}, pp={self.pp}: "
-                "selective recompute keeps each block's weight-matmul outputs and runs without "
-                "a pipeline; use recompute=True (whole blocks) or pp=1."
-            )
-        interleaved = self.num_virtual_stages > 1
-        if self.schedule is None and interleaved:
-            raise ValueError(f"num_virtual_stages={self.num_virtual_stages} needs pp > 1.")
-        check_chunks_agree(
-            self.schedule, self.num_virtual_stages, names=("schedule", "num_virtual_stages")
-        )
-        if interleaved and self.num_microbatches % self.pp:
-            raise ValueError(
-                f"VPP runs micro-batches in groups of pp={self.pp}; num_microbatches="
-                f"{self.num_microbatches} is not a multiple of it."
-            )
-
-    @property
-    def degrees(self) -> dict[str, int]:
-        """``{axis: degree}`` in mesh order."""
-        return {a: getattr(self, a) for a in AXIS_NAMES}
-
-    @property
-    def size(self) -> int:
-        """Devices used (the product of the degrees)."""
-        return math.prod(self.degrees.values())
-
-    @property
-    def data_degree(self) -> int:
-        """How many ways the batch is split (dp x sharding)."""
-        return self.dp * self.sharding
-
-    @property
-    def mesh_name(self) -> str:
-        """``dp2 x mp4``; ``single device`` when every degree is 1."""
-        return mesh_name(self.degrees)
-
-    @property
-    def name(self) -> str:
-        """The mesh, then ZeRO, schedule and recompute when they apply."""
-        extra = []
-        if self.zero_stage:
-            extra.append(f"ZeRO-{self.zero_stage}")
-        if self.num_virtual_stages > 1:
-            extra.append(f"VPP v={self.num_virtual_stages} M={self.num_microbatches}")
-        elif self.pp > 1:
-            extra.append(f"{self.schedule} M={self.num_microbatches}")
-        if self.accumulate_steps > 1:
-            extra.append(f"accumulate {self.accumulate_steps}")
-        if self.recompute:
-            extra.append("recompute")
-        if self.selective_recompute:
-            extra.append("selective recompute")
-        return self.mesh_name + (f" ({', '.join(extra)})" if extra else "")
-
-    def complexity(self) -> tuple:
-        """Tie-break order: fewer parallel kinds, lower ZeRO stage, no recompute first."""
-        kinds = sum(d > 1 for a, d in self.degrees.items() if a != DP)
-        return (
-            kinds, self.zero_stage, self.recompute, self.selective_recompute, self.pp,
-            self.num_virtual_stages, self.mp, self.sep, self.accumulate_steps,
-        )  # fmt: skip
 
 
 # ------------------------------------------------------------------ shape rules
@@ -298,7 +91,7 @@ def shape_problem(
     """Why ``degrees`` cannot run this model and workload, or None when they can.
 
     Args:
-      patterns: what :func:`~jfleet.auto_parallel.patterns.match_patterns` found.
+      patterns: what :func:`~jfleet.auto_parallel.match.patterns.match_patterns` found.
       workload: batch, sequence and sequence parallelism.
       degrees: ``{axis: degree}`` (missing axes are 1).
       devices_per_node: devices of one node (the most ``mp`` may span).
@@ -309,7 +102,7 @@ def shape_problem(
       shape and split dimension, and the degrees that fit), or None.
 
     Example:
-      >>> from jfleet.auto_parallel.patterns import match_patterns
+      >>> from jfleet.auto_parallel.match.patterns import match_patterns
       >>> from jfleet.models.llama import TinyLlama
       >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, kv_heads=2, layers=2))
       >>> why = shape_problem(found, Workload(batch_size=8, seq_len=8), {"mp": 8}, 8)
@@ -412,7 +205,7 @@ def stacks_reason(patterns: ModelPatterns) -> str:
     """Why ``pp > 1`` cannot run a model with several block stacks (an encoder-decoder).
 
     Example:
-      >>> from jfleet.auto_parallel.matched import ModelDims
+      >>> from jfleet.auto_parallel.match.matched import ModelDims
       >>> two = ((("enc.0", "enc.1"), "EncBlock"), (("dec.0", "dec.1"), "DecBlock"))
       >>> why = stacks_reason(ModelPatterns(params=(), dims=ModelDims(), stacks=two))
       >>> for part in why.split("; "): print(part)
@@ -538,7 +331,7 @@ def enumerate_layouts(
     """Every layout worth predicting, and the meshes excluded (with the reason).
 
     Args:
-      patterns: what :func:`~jfleet.auto_parallel.patterns.match_patterns` found.
+      patterns: what :func:`~jfleet.auto_parallel.match.patterns.match_patterns` found.
       workload: batch, sequence, dtype, optimizer.
       device_num: devices per node.
       node_num: nodes.
@@ -566,7 +359,7 @@ def enumerate_layouts(
       ``(layouts, excluded)``; ``excluded`` holds ``(mesh name, reason)`` pairs.
 
     Example:
-      >>> from jfleet.auto_parallel.patterns import match_patterns
+      >>> from jfleet.auto_parallel.match.patterns import match_patterns
       >>> from jfleet.models.llama import TinyLlama
       >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, layers=2))
       >>> layouts, excluded = enumerate_layouts(found, Workload(batch_size=4, seq_len=8),
@@ -574,51 +367,77 @@ def enumerate_layouts(
       >>> layouts, excluded
       ([], [('dp8', 'dp x sharding = 8 does not divide batch_size=4')])
     """
+    only = _Only(
+        schedule=schedule, num_microbatches=num_microbatches, zero_stage=zero_stage,
+        recompute=recompute, num_virtual_stages=num_virtual_stages, wide=wide,
+        accumulate_steps=accumulate_steps, accumulation=accumulation,
+    )  # fmt: skip
     layouts: list[Layout] = []
     excluded: list[tuple[str, str]] = []
-    recompute_options = _recompute_options(patterns, recompute, wide)
     for sizes in _meshes(device_num * node_num, workload.sequence_parallel, force_mesh):
         deg = dict(zip(AXIS_NAMES, sizes, strict=True))
-        name = mesh_name(deg)
-        problem = shape_problem(patterns, workload, deg, device_num)
-        if problem is None and zero_stage is not None:
-            problem = _zero_problem(zero_stage, deg[SHARDING])
-        if problem is not None:
-            excluded.append((name, problem))
-            continue
-        stages = ([zero_stage] if zero_stage else [1, 2, 3]) if deg[SHARDING] > 1 else [0]
-        if deg[PP] > 1:
-            local = workload.batch_size // (deg[DP] * deg[SHARDING])
-            ms = _microbatch_options(local, deg[PP], num_microbatches, wide)
-            if not ms:
-                excluded.append(
-                    (
-                        name,
-                        f"num_microbatches={num_microbatches} does not divide the "
-                        f"{local} sequences per data-parallel replica",
-                    )
-                )
-                continue
-            scheds = [schedule] if schedule else list(SCHEDULES)
-        else:
-            ms, scheds = [1], [None]
-        local = workload.batch_size // (deg[DP] * deg[SHARDING])
-        accumulate = dict(forced=accumulate_steps, offered=accumulation, wide=wide)
-        options = itertools.product(stages, scheds, ms, recompute_options)
-        found = [
-            lay
-            for stage, sched, m, rc in options
-            if not (sched in ("1F1B", "VPP") and rc and recompute is None)  # 1F1B recomputes
-            for lay in _variants(patterns, deg, stage, sched, m, rc, local, accumulate,
-                                 num_virtual_stages)
-        ]  # fmt: skip
+        found, problem = _mesh_layouts(patterns, workload, deg, device_num, only)
         layouts.extend(found)
-        if not found:
-            excluded.append(
-                (name, _nothing_left(patterns, deg, local, ms, recompute, accumulate_steps,
-                                     num_virtual_stages))
-            )  # fmt: skip
+        if problem is not None:
+            excluded.append((mesh_name(deg), problem))
     return layouts, excluded
+
+
+@dataclasses.dataclass(frozen=True)
+class _Only:
+    """What :func:`enumerate_layouts` is told to keep to (None: every option it tries)."""
+
+    schedule: str | None
+    num_microbatches: int | None
+    zero_stage: int | None
+    recompute: bool | str | None
+    num_virtual_stages: int | None
+    wide: bool
+    accumulate_steps: int | None
+    accumulation: bool
+
+
+def _mesh_layouts(
+    patterns: ModelPatterns,
+    workload: Workload,
+    deg: dict[str, int],
+    devices_per_node: int,
+    only: _Only,
+) -> tuple[list[Layout], str | None]:
+    """One mesh's layouts: each ZeRO stage, schedule, micro-batch count, recompute,
+    virtual-stage and accumulation count worth comparing; or, with none, why."""
+    problem = shape_problem(patterns, workload, deg, devices_per_node)
+    if problem is None and only.zero_stage is not None:
+        problem = _zero_problem(only.zero_stage, deg[SHARDING])
+    if problem is not None:
+        return [], problem
+    local = workload.batch_size // (deg[DP] * deg[SHARDING])
+    piped = deg[PP] > 1
+    ms = _microbatch_options(local, deg[PP], only.num_microbatches, only.wide) if piped else [1]
+    if not ms:
+        return [], (
+            f"num_microbatches={only.num_microbatches} does not divide the {local} sequences "
+            "per data-parallel replica"
+        )
+    zero = [only.zero_stage] if only.zero_stage else [1, 2, 3]
+    stages = zero if deg[SHARDING] > 1 else [0]
+    scheds = ([only.schedule] if only.schedule else list(SCHEDULES)) if piped else [None]
+    accumulate = dict(forced=only.accumulate_steps, offered=only.accumulation, wide=only.wide)
+    recomputes = _recompute_options(patterns, only.recompute, only.wide)
+    options = itertools.product(stages, scheds, ms, recomputes)
+    found = [
+        lay
+        for stage, sched, m, rc in options
+        if not (sched in ("1F1B", "VPP") and rc and only.recompute is None)  # 1F1B recomputes
+        for lay in _variants(patterns, deg, stage, sched, m, rc, local, accumulate,
+                             only.num_virtual_stages)
+    ]  # fmt: skip
+    if not found:
+        return [], _nothing_left(
+            patterns, deg, local, ms, only.recompute, only.accumulate_steps,
+            only.num_virtual_stages,
+        )  # fmt: skip
+    return found, None
 
 
 def _recompute_options(

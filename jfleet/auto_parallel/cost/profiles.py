@@ -1,6 +1,6 @@
 """Hardware profiles for the cost model: peak flops, device memory, link bandwidths.
 
-A :class:`HardwareProfile` is what :mod:`jfleet.auto_parallel.cost_model` needs to know about a
+A :class:`HardwareProfile` is what :mod:`jfleet.auto_parallel.cost.cost_model` needs to know about a
 machine. Nothing is measured at import; the numbers are vendors' public specifications
 (dense, i.e. without structured sparsity) or, for the emulated CPU devices, small honest
 guesses. Bandwidths are bytes per second *per device, in one direction*: the rate at

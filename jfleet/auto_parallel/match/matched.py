@@ -1,6 +1,6 @@
 """What the matcher found: each parameter's role and split, the model's sizes, its products.
 
-:func:`~jfleet.auto_parallel.patterns.match_patterns` returns a :class:`ModelPatterns`;
+:func:`~jfleet.auto_parallel.match.patterns.match_patterns` returns a :class:`ModelPatterns`;
 the cost model, the planner and the plan read it. Nothing here traces or matches.
 
 Example:
@@ -30,6 +30,7 @@ __all__ = [
     "ModelDims",
     "ModelPatterns",
     "ParamInfo",
+    "module_at",
     "path_str",
 ]
 
@@ -49,6 +50,20 @@ def path_str(path: Sequence[Any]) -> str:
     'layers.0.self_attn.q_proj.kernel'
     """
     return ".".join(str(getattr(k, "key", k)) for k in path)
+
+
+def module_at(root: Any, path: str) -> Any:
+    """The node at dotted ``path`` (``layers.0``) under ``root`` (an ``nnx.Module``).
+
+    >>> class Net:
+    ...     layers = ["first", "second"]
+    >>> module_at(Net(), "layers.1")
+    'second'
+    """
+    node = root
+    for part in path.split(".") if path else ():
+        node = node[int(part)] if part.isdigit() else getattr(node, part)
+    return node
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

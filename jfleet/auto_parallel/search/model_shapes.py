@@ -4,7 +4,7 @@
 one as an abstract model (``nnx.eval_shape``: shapes and dtypes, no memory) from
 :mod:`jfleet.models` (``llama``: rotary attention, SwiGLU, RMSNorm, untied head; ``gpt``:
 learned positions, GELU, LayerNorm, tied head), for
-:func:`jfleet.auto_parallel.cluster_plan.plan` and its CLI.
+:func:`jfleet.auto_parallel.search.cluster_plan.plan` and its CLI.
 
 Sources: Llama 2 (Touvron et al., 2023, Table 1 and the released configs), Llama 3
 (Meta, "The Llama 3 Herd of Models", 2024, Table 3), GPT-3 (Brown et al., 2020, Table

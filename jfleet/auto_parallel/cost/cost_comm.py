@@ -1,15 +1,15 @@
 """The cost model's communication terms: tensor parallel, gradient reduction, pipeline, sep.
 
-Each function reads one :class:`~jfleet.auto_parallel.step_shape.StepShape`, adds the
+Each function reads one :class:`~jfleet.auto_parallel.cost.step_shape.StepShape`, adds the
 collective bytes it issues to ``coll`` (counted as :mod:`jfleet.testing.hlo` counts a
 compiled step's) and returns its seconds; the formulas are in
-:mod:`jfleet.auto_parallel.cost_model`'s docstring. Every collective also pays the
+:mod:`jfleet.auto_parallel.cost.cost_model`'s docstring. Every collective also pays the
 profile's latency.
 
 Example:
-  >>> from jfleet.auto_parallel.layouts import Layout, Workload
-  >>> from jfleet.auto_parallel.patterns import match_patterns
-  >>> from jfleet.auto_parallel.step_shape import step_shape
+  >>> from jfleet.auto_parallel.cost.layout import Layout, Workload
+  >>> from jfleet.auto_parallel.match.patterns import match_patterns
+  >>> from jfleet.auto_parallel.cost.step_shape import step_shape
   >>> from jfleet.models.llama import TinyLlama
   >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, layers=2))
   >>> s = step_shape(found, Workload(batch_size=16, seq_len=8), Layout(dp=8),
@@ -21,9 +21,9 @@ Example:
 
 from __future__ import annotations
 
-from jfleet.auto_parallel.memo import cached
-from jfleet.auto_parallel.step_shape import StepShape, ring_bytes, stored_leaves
-from jfleet.auto_parallel.step_work import tp_reductions
+from jfleet.auto_parallel.cost.memo import cached
+from jfleet.auto_parallel.cost.step_shape import StepShape, ring_bytes, stored_leaves
+from jfleet.auto_parallel.cost.step_work import tp_reductions
 from jfleet.mesh.topology import DP, MP, PP, SEP, SHARDING
 
 __all__ = [

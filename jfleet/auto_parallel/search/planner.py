@@ -1,8 +1,8 @@
 """Planning: :func:`plan_for` matches a model, predicts every layout, and keeps the best.
 
-It matches the model's parts (:mod:`jfleet.auto_parallel.patterns`), lists and predicts
-every layout the shapes allow (:mod:`jfleet.auto_parallel.cost_model`), drops what does not
-fit the memory budget and returns the fastest as a :class:`~jfleet.auto_parallel.plan.Plan`.
+It matches the model's parts (:mod:`jfleet.auto_parallel.match.patterns`), lists and predicts
+every layout the shapes allow (:mod:`jfleet.auto_parallel.cost.cost_model`), drops what does not
+fit the memory budget and returns the fastest as a :class:`~jfleet.auto_parallel.search.plan.Plan`.
 
 Example:
   >>> from jfleet.models.llama import TinyLlama
@@ -27,19 +27,18 @@ from flax import nnx
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
-from jfleet.auto_parallel.cost_model import Candidate, estimate, rank
-from jfleet.auto_parallel.layouts import (
+from jfleet.auto_parallel.cost.cost_model import Candidate, estimate, rank
+from jfleet.auto_parallel.cost.layout import (
     OPTIMIZER_MOMENTS,
     SCHEDULES,
     SELECTIVE,
     Layout,
     Workload,
-    enumerate_layouts,
-    shape_problem,
 )
-from jfleet.auto_parallel.patterns import ModelPatterns, match_patterns, path_str
-from jfleet.auto_parallel.plan import ParamPlan, Plan, _mib, _secs
-from jfleet.auto_parallel.profiles import HardwareProfile, get_profile
+from jfleet.auto_parallel.cost.profiles import HardwareProfile, get_profile
+from jfleet.auto_parallel.match.patterns import ModelPatterns, match_patterns, path_str
+from jfleet.auto_parallel.search.layouts import enumerate_layouts, shape_problem
+from jfleet.auto_parallel.search.plan import ParamPlan, Plan, _mib, _secs
 from jfleet.mesh.placement import Placement
 from jfleet.mesh.topology import AXIS_NAMES, MP, PP, SEP
 from jfleet.parallel.virtual_stages import check_chunks_agree
@@ -139,8 +138,8 @@ def prune_dominated(candidates: list[Candidate]) -> list[Candidate]:
     A candidate is dropped when one at least as fast (within ``1e-9``: equal programs
     tie) needs no more memory and is strictly better in one of the two.
 
-    >>> from jfleet.auto_parallel.cost_model import Collectives, Memory, StepTime
-    >>> from jfleet.auto_parallel.layouts import Layout
+    >>> from jfleet.auto_parallel.cost.cost_model import Collectives, Memory, StepTime
+    >>> from jfleet.auto_parallel.cost.layout import Layout
     >>> def cand(dp, seconds, nbytes):
     ...     mem = Memory(params=nbytes, optimizer=0, inputs=0, grads=0, gathered=0,
     ...                  activations=0)
@@ -430,7 +429,7 @@ def plan_for(
       node_num: nodes (tensor parallelism stays inside one).
       batch_size: global batch (sequences per step).
       seq_len: tokens per sequence.
-      profile: a name or profile :func:`~jfleet.auto_parallel.profiles.get_profile` takes.
+      profile: a name or profile :func:`~jfleet.auto_parallel.cost.profiles.get_profile` takes.
       memory_budget: bytes per device; default the profile's memory.
       force_mesh: degrees that must be used (missing axes are 1), e.g.
         ``{"dp": 2, "mp": 4}``; their product must be ``device_num x node_num``.
@@ -443,7 +442,7 @@ def plan_for(
         elementwise work; no pipeline); default: compared (selective in the wide search).
       dtype: compute dtype; default the model's parameter dtype.
       pipeline: whether layouts with ``pp > 1`` may be chosen: True, or False / the reason
-        they may not (from :func:`~jfleet.auto_parallel.block_check.pipeline_problem`).
+        they may not (from :func:`~jfleet.auto_parallel.match.block_check.pipeline_problem`).
       scan_layers: alike blocks run as one ``lax.scan`` when not pipelined (predicted so).
       patterns: ``match_patterns(model)``, when the caller has it; default: matched here.
       num_virtual_stages: chunks per stage of ``"VPP"`` layouts (2 or more); default 2.

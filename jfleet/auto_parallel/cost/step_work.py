@@ -1,6 +1,6 @@
 """What one training step of a layout computes per device: products, activations, reductions.
 
-The cost model (:mod:`jfleet.auto_parallel.cost_model`) turns these counts into memory,
+The cost model (:mod:`jfleet.auto_parallel.cost.cost_model`) turns these counts into memory,
 collective bytes and time. Here: the dot FLOPs of the traced products under a layout
 (:func:`step_flops`), which parameters ``mp`` splits (:func:`split_set`,
 :func:`split_degrees`, :func:`kv_groups`), the tensor-parallel all-reduces a block issues
@@ -9,8 +9,8 @@ and the activation elements autodiff keeps per token (the ``*_ELEMS`` constants,
 cost model's docstring for where they come from).
 
 Example:
-  >>> from jfleet.auto_parallel.layouts import Layout, Workload
-  >>> from jfleet.auto_parallel.patterns import match_patterns
+  >>> from jfleet.auto_parallel.cost.layout import Layout, Workload
+  >>> from jfleet.auto_parallel.match.patterns import match_patterns
   >>> from jfleet.models.llama import TinyLlama
   >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, layers=2))
   >>> layers_and_norms(found)
@@ -27,9 +27,9 @@ from collections.abc import Mapping
 
 from jax.sharding import PartitionSpec as P
 
-from jfleet.auto_parallel.attention_trace import fused_attention_flops
-from jfleet.auto_parallel.layouts import Layout, Workload
-from jfleet.auto_parallel.patterns import COLUMN_ROLES, ROW_ROLES, ModelPatterns
+from jfleet.auto_parallel.cost.layout import Layout, Workload
+from jfleet.auto_parallel.match.attention_trace import fused_attention_flops
+from jfleet.auto_parallel.match.patterns import COLUMN_ROLES, ROW_ROLES, ModelPatterns
 
 __all__ = [
     "ATTN_Q_ELEMS",
@@ -216,7 +216,7 @@ def attention_core_flops(
     caller divides by ``pp``).
 
     >>> import numpy as np
-    >>> from jfleet.auto_parallel.patterns import match_patterns
+    >>> from jfleet.auto_parallel.match.patterns import match_patterns
     >>> from jfleet.models.llama import TinyLlama
     >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, layers=2),
     ...                        np.zeros((2, 8), np.int32))

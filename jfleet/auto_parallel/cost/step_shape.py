@@ -1,16 +1,16 @@
 """One layout's step, measured once: the quantities every cost term reads.
 
-:func:`step_shape` computes, for one :class:`~jfleet.auto_parallel.layouts.Layout` of a
+:func:`step_shape` computes, for one :class:`~jfleet.auto_parallel.search.layouts.Layout` of a
 matched model, each parameter's ``mp`` spec and local bytes (once per candidate, with and
 without the ZeRO split), the blocks one pipeline stage holds, the local tokens per step
 and per micro-batch, and which program the step runs (pipelined, staged, scanned,
-recompute waiting for the backward). The cost terms (:mod:`jfleet.auto_parallel.cost_memory`,
-:mod:`jfleet.auto_parallel.cost_comm`, :func:`jfleet.auto_parallel.cost_model.estimate`)
+recompute waiting for the backward). The cost terms (:mod:`jfleet.auto_parallel.cost.cost_memory`,
+:mod:`jfleet.auto_parallel.cost.cost_comm`, :func:`jfleet.auto_parallel.cost.cost_model.estimate`)
 read only this.
 
 Example:
-  >>> from jfleet.auto_parallel.layouts import Layout, Workload
-  >>> from jfleet.auto_parallel.patterns import match_patterns
+  >>> from jfleet.auto_parallel.cost.layout import Layout, Workload
+  >>> from jfleet.auto_parallel.match.patterns import match_patterns
   >>> from jfleet.models.llama import TinyLlama
   >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, layers=2))
   >>> s = step_shape(found, Workload(batch_size=16, seq_len=8), Layout(dp=2, mp=4),
@@ -30,12 +30,12 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
-from jfleet.auto_parallel.attention_trace import scores_materialised
-from jfleet.auto_parallel.layouts import Layout, Workload
-from jfleet.auto_parallel.memo import block_groups, cached
-from jfleet.auto_parallel.patterns import ModelDims, ModelPatterns, ParamInfo
-from jfleet.auto_parallel.profiles import HardwareProfile, get_profile
-from jfleet.auto_parallel.step_work import layers_and_norms
+from jfleet.auto_parallel.cost.layout import Layout, Workload
+from jfleet.auto_parallel.cost.memo import block_groups, cached
+from jfleet.auto_parallel.cost.profiles import HardwareProfile, get_profile
+from jfleet.auto_parallel.cost.step_work import layers_and_norms
+from jfleet.auto_parallel.match.attention_trace import scores_materialised
+from jfleet.auto_parallel.match.patterns import ModelDims, ModelPatterns, ParamInfo
 from jfleet.mesh.placement import Placement
 from jfleet.mesh.topology import AXIS_NAMES
 
@@ -66,10 +66,10 @@ class StepShape:
         accumulation step's).
       accumulate: gradient-accumulation micro-batches (``Layout.accumulate_steps``).
       scores_materialised: whether the traced attention materialises its ``s x s``
-        scores (:func:`~jfleet.auto_parallel.attention_trace.scores_materialised`).
+        scores (:func:`~jfleet.auto_parallel.match.attention_trace.scores_materialised`).
       piped, staged, scanned, rows_over_pp, remat_waits, recompute: the program run
         (see the cost model's docstring).
-      selective: selective recompute (:attr:`~jfleet.auto_parallel.layouts.Layout.
+      selective: selective recompute (:attr:`~jfleet.auto_parallel.search.layouts.Layout.
         selective_recompute`); selective_waits: its recomputation waits for the backward
         pass (scanned blocks, or a compiler that keeps ``jax.checkpoint``'s barriers).
       v: chunks per stage; chunk_blocks: blocks per chunk.
@@ -220,7 +220,7 @@ def param_specs(patterns: ModelPatterns, mp: int) -> Mapping[str, P]:
 def _param_bytes(patterns: ModelPatterns, layout: Layout, stage_blocks: int) -> dict:
     """The stage's parameters and their local bytes with and without ZeRO (once a mesh).
 
-    Identical blocks (:func:`~jfleet.auto_parallel.memo.block_groups`) are summed over
+    Identical blocks (:func:`~jfleet.auto_parallel.cost.memo.block_groups`) are summed over
     block 0 and multiplied by the stage's blocks.
     """
     specs = param_specs(patterns, layout.mp)

@@ -1,13 +1,13 @@
 """Planning-time checks: can a model's decoder blocks run as a pipelined stack?
 
 ``to_distributed`` replaces a model's list of blocks by a
-:class:`~jfleet.auto_parallel.blocks.PipelinedBlocks` only when that runs the same
+:class:`~jfleet.auto_parallel.apply.blocks.PipelinedBlocks` only when that runs the same
 computation. :func:`pipeline_problem` says why it would not, before the first step, in
 words for the user (or None):
 
 * the blocks hold state other than ``nnx.Param`` and RNG streams (batch statistics,
   caches; dropout streams are drawn as the unpipelined blocks draw them,
-  :mod:`~jfleet.auto_parallel.block_extras`);
+  :mod:`~jfleet.auto_parallel.match.block_extras`);
 * the blocks are not alike and do not repeat with a period
   (:func:`~jfleet.parallel.stack.block_period`), or ``num_stages`` does not divide the
   number of stacked units;
@@ -42,7 +42,7 @@ from typing import Any
 
 from flax import nnx
 
-from jfleet.auto_parallel.block_calls import (
+from jfleet.auto_parallel.match.block_calls import (
     OBJECT,
     Argument,
     BlockCall,
@@ -51,8 +51,8 @@ from jfleet.auto_parallel.block_calls import (
     check_paths,
     record_block_calls,
 )
-from jfleet.auto_parallel.block_extras import ACTIVATION, SUM, USED
-from jfleet.auto_parallel.blocks import module_at
+from jfleet.auto_parallel.match.block_extras import ACTIVATION, SUM, USED
+from jfleet.auto_parallel.match.matched import module_at
 from jfleet.parallel.alike import block_period, first_mismatch
 
 __all__ = [
@@ -214,7 +214,7 @@ def block_problems(
     """Why the blocks cannot be pipelined, and why they cannot be scanned (or None each).
 
     The pipeline's reason is :func:`pipeline_problem`'s. A scanned stack
-    (:mod:`~jfleet.auto_parallel.scanned_blocks`) further needs blocks holding only
+    (:mod:`~jfleet.auto_parallel.apply.scanned_blocks`) further needs blocks holding only
     parameters (no RNG streams); outputs besides the activation it carries, sums or drops
     by their roles, as the pipeline does.
 

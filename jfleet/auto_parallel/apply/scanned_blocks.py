@@ -5,7 +5,7 @@ forward and backward is its own code); scanned, it holds one block's body whatev
 depth. When ``to_distributed`` does not pipeline the blocks (``pp == 1``) and they are
 alike (or repeat with a period, Gemma's local / global attention: super-blocks of ``p``),
 :func:`scan_blocks` puts a :class:`ScannedBlocks` where the model's list of blocks was,
-as :class:`~jfleet.auto_parallel.blocks.PipelinedBlocks` does for a pipeline: the model's
+as :class:`~jfleet.auto_parallel.apply.blocks.PipelinedBlocks` does for a pipeline: the model's
 own ``for layer in self.layers: x = layer(x, ...)`` runs the whole stack once. The
 stacking and the scan are :mod:`jfleet.parallel.stack`'s (one code with the pipelines);
 recompute runs inside the scan (``jax.checkpoint`` of each scanned block), and sequence
@@ -18,7 +18,7 @@ temporary memory at 32 blocks, ``benchmarks/RESULTS.md``, section compile_scalin
 Blocks may return more than their activation: ``(cache, x)`` with the cache None in
 training, ``(x, aux)``, ``{"hidden": x, "cache": None}``. The scan then carries what the
 traced forward's dataflow says of each output leaf
-(:class:`~jfleet.auto_parallel.block_extras.BlockOutputs`, as the pipeline does): the
+(:class:`~jfleet.auto_parallel.match.block_extras.BlockOutputs`, as the pipeline does): the
 activation is carried, a leaf the forward adds up over the blocks is carried as a running
 sum, a leaf reaching nothing the forward returns is dropped, and the stack returns the
 block's output structure around them (``(None, x)`` stays ``(None, x)`` for the model's own
@@ -49,8 +49,9 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jfleet.auto_parallel.block_extras import BlockOutputs, handing, on_activation
-from jfleet.auto_parallel.blocks import SequenceConstraint, module_at
+from jfleet.auto_parallel.apply.blocks import SequenceConstraint
+from jfleet.auto_parallel.match.block_extras import BlockOutputs, handing, on_activation
+from jfleet.auto_parallel.match.matched import module_at
 from jfleet.parallel import stack
 
 __all__ = ["ScannedBlocks", "scan_blocks"]
@@ -82,7 +83,7 @@ class ScannedBlocks(nnx.Module):
       mesh: the mesh of the sequence-parallel constraint, or None.
       seq_axes: mesh axes the sequence dimension is split over between blocks, or None.
       outputs: how the forward uses a block's output when it is more than the activation
-        (:class:`~jfleet.auto_parallel.block_extras.BlockOutputs`, from the traced
+        (:class:`~jfleet.auto_parallel.match.block_extras.BlockOutputs`, from the traced
         forward: carried, summed, dropped), or None (a block returns its activation).
 
     Example:

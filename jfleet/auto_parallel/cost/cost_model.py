@@ -1,10 +1,10 @@
 """The cost model: per-device memory, collective bytes and step time of a layout.
 
-:func:`estimate` predicts one :class:`~jfleet.auto_parallel.layouts.Layout`'s per-device
-memory, collective bytes and step time for a :class:`~jfleet.auto_parallel.layouts.Workload`;
+:func:`estimate` predicts one :class:`~jfleet.auto_parallel.search.layouts.Layout`'s per-device
+memory, collective bytes and step time for a :class:`~jfleet.auto_parallel.search.layouts.Workload`;
 :func:`rank` drops what does not fit the memory budget, sorts the rest by time and says
 why each one lost. Which layouts exist at all (the shape rules, and why a mesh is
-excluded) is :mod:`jfleet.auto_parallel.layouts`.
+excluded) is :mod:`jfleet.auto_parallel.search.layouts`.
 
 **Memory per device** (bytes; ``Phi_tp`` is a parameter's elements after the ``mp`` split,
 ``Phi_z`` after the ZeRO split too, only the blocks of one pipeline stage counted; the
@@ -39,7 +39,7 @@ within 2% for :class:`~jfleet.models.llama.TinyLlama` and
 :class:`~jfleet.models.gpt2.TinyGPT2` at width 128 (16% over at width 256).
 Schedules (``to_distributed``'s, :mod:`jfleet.parallel.pipeline_forward`; bubble ticks
 skipped): no pipeline keeps every layer's activations (alike blocks run as one ``lax.scan``,
-:mod:`jfleet.auto_parallel.scanned_blocks`, which adds half a block's backward working set
+:mod:`jfleet.auto_parallel.apply.scanned_blocks`, which adds half a block's backward working set
 and the stacked gradient accumulator); FThenB keeps its ``M`` micro-batches' residuals (x
 1.25: what XLA keeps beside the saved matmul outputs), one micro-batch's backward working
 set (``blocks + 1`` blocks' activations in a loop over the stage's blocks, 1.3 with one
@@ -47,7 +47,7 @@ block a stage) and the stage's gradient accumulators; 1F1B (and FThenB with reco
 same program) keeps ``M`` stage inputs, the same working set and accumulators; VPP keeps
 ``v M`` chunk inputs and one chunk's working set; the stage inputs are stashed split over
 ``mp`` (``1 / mp`` of each per device,
-:attr:`~jfleet.auto_parallel.step_shape.StepShape.wire_split`); every pipeline adds the
+:attr:`~jfleet.auto_parallel.cost.step_shape.StepShape.wire_split`); every pipeline adds the
 stack's boundary buffers, two of the local batch's ``b s h`` (its input and outputs in the
 forward loop, the cotangents in the backward), split over ``mp`` alike. Recompute keeps each
 layer's input and one layer's working set where the recomputation waits for the backward
@@ -67,7 +67,7 @@ and 256, dp8 and dp2 x mp4: 0.99-1.13 of the compiled memory). The constants (1.
 **Step time** (seconds; no overlap of communication with compute, so an upper bound):
 
 * compute: every product of the traced forward pass
-  (:attr:`~jfleet.auto_parallel.patterns.ModelPatterns.dots`: projections of any kernel
+  (:attr:`~jfleet.auto_parallel.match.patterns.ModelPatterns.dots`: projections of any kernel
   rank, attention scores and values, the head), scaled from the traced batch to the
   workload's (attention products with the square of the sequence), plus one backward
   product per operand that needs a gradient, per device: divided by the data axes
@@ -125,7 +125,7 @@ all-reduce, the input of a reduce-scatter, the output of an all-gather), so a
 prediction compares directly with a compiled step (``benchmarks/cost_model_check.py``).
 
 Example:
-  >>> from jfleet.auto_parallel.patterns import match_patterns
+  >>> from jfleet.auto_parallel.match.patterns import match_patterns
   >>> from jfleet.models.llama import TinyLlama
   >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, layers=2))
   >>> work = Workload(batch_size=16, seq_len=8)
@@ -141,7 +141,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from jfleet.auto_parallel.cost_comm import (
+from jfleet.auto_parallel.cost.cost_comm import (
     data_parallel_time,
     exposed,
     new_counts,
@@ -149,8 +149,8 @@ from jfleet.auto_parallel.cost_comm import (
     sequence_time,
     tensor_parallel_time,
 )
-from jfleet.auto_parallel.cost_memory import loop_traffic_time, memory
-from jfleet.auto_parallel.cost_types import (
+from jfleet.auto_parallel.cost.cost_memory import loop_traffic_time, memory
+from jfleet.auto_parallel.cost.cost_types import (
     TIME_WORDS,
     Candidate,
     Collectives,
@@ -158,12 +158,12 @@ from jfleet.auto_parallel.cost_types import (
     StepTime,
     gib_text,
 )
-from jfleet.auto_parallel.layouts import Layout, Workload
-from jfleet.auto_parallel.memo import cached
-from jfleet.auto_parallel.patterns import ModelPatterns
-from jfleet.auto_parallel.profiles import HardwareProfile, get_profile
-from jfleet.auto_parallel.step_shape import StepShape, step_shape
-from jfleet.auto_parallel.step_work import attention_core_flops, step_flops
+from jfleet.auto_parallel.cost.layout import Layout, Workload
+from jfleet.auto_parallel.cost.memo import cached
+from jfleet.auto_parallel.cost.profiles import HardwareProfile, get_profile
+from jfleet.auto_parallel.cost.step_shape import StepShape, step_shape
+from jfleet.auto_parallel.cost.step_work import attention_core_flops, step_flops
+from jfleet.auto_parallel.match.patterns import ModelPatterns
 
 __all__ = [
     "Candidate",
@@ -248,7 +248,7 @@ def estimate(
       An unranked :class:`Candidate`.
 
     Example:
-      >>> from jfleet.auto_parallel.patterns import match_patterns
+      >>> from jfleet.auto_parallel.match.patterns import match_patterns
       >>> from jfleet.models.llama import TinyLlama
       >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, layers=2))
       >>> work = Workload(batch_size=16, seq_len=8)
@@ -327,7 +327,7 @@ def rank(candidates: Sequence[Candidate], memory_budget: float) -> list[Candidat
       The ranked candidates (new objects).
 
     Example:
-      >>> from jfleet.auto_parallel.patterns import match_patterns
+      >>> from jfleet.auto_parallel.match.patterns import match_patterns
       >>> from jfleet.models.llama import TinyLlama
       >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, layers=2))
       >>> work = Workload(batch_size=16, seq_len=8)

@@ -4,7 +4,7 @@
 is a :class:`Cluster` (nodes x devices per node, a hardware profile, optionally the memory
 per device), and the search is the wide one practitioners use (every micro-batch count,
 virtual stages, gradient accumulation, ZeRO 0-3, full or selective recompute; dominated
-layouts pruned). The result is the same :class:`~jfleet.auto_parallel.plan.Plan`
+layouts pruned). The result is the same :class:`~jfleet.auto_parallel.search.plan.Plan`
 ``to_distributed`` prints. The command line plans a named or given shape::
 
     python -m jfleet.auto_parallel.cluster_plan llama2-70b --nodes 8 --profile h100
@@ -13,7 +13,7 @@ layouts pruned). The result is the same :class:`~jfleet.auto_parallel.plan.Plan`
         --nodes 4 --profile h200
 
 Example:
-  >>> from jfleet.auto_parallel.model_shapes import ModelShape, abstract_model
+  >>> from jfleet.auto_parallel.search.model_shapes import ModelShape, abstract_model
   >>> shape = ModelShape(arch="llama", layers=4, width=256, heads=8, kv_heads=8, ffn=512,
   ...                    vocab=1024, seq_len=256)
   >>> p = plan(abstract_model(shape), batch=(64, 256), cluster=Cluster(nodes=2, profile="h100"))
@@ -32,10 +32,10 @@ from typing import Any
 
 from flax import nnx
 
-from jfleet.auto_parallel.model_shapes import MODEL_SHAPES, ModelShape, abstract_model
-from jfleet.auto_parallel.plan import Plan
-from jfleet.auto_parallel.planner import plan_for
-from jfleet.auto_parallel.profiles import PROFILES, HardwareProfile, get_profile
+from jfleet.auto_parallel.cost.profiles import PROFILES, HardwareProfile, get_profile
+from jfleet.auto_parallel.search.model_shapes import MODEL_SHAPES, ModelShape, abstract_model
+from jfleet.auto_parallel.search.plan import Plan
+from jfleet.auto_parallel.search.planner import plan_for
 
 __all__ = ["Cluster", "main", "plan"]
 
@@ -47,7 +47,7 @@ class Cluster:
     Attributes:
       nodes: how many nodes.
       devices_per_node: accelerators per node (tensor parallelism stays inside one).
-      profile: a :mod:`~jfleet.auto_parallel.profiles` name or a ``HardwareProfile``.
+      profile: a :mod:`~jfleet.auto_parallel.cost.profiles` name or a ``HardwareProfile``.
       memory_bytes: memory budget per device; default the profile's usable memory.
     """
 
@@ -86,11 +86,11 @@ def plan(
       cluster: the :class:`Cluster`.
       dtype: the compute dtype (the AMP dtype; parameters keep their own).
       wide_search: the practitioners' search (``plan_for``'s ``wide_search``).
-      **options: further :func:`~jfleet.auto_parallel.planner.plan_for` arguments
+      **options: further :func:`~jfleet.auto_parallel.search.planner.plan_for` arguments
         (``force_mesh``, ``zero_stage``, ``sequence_parallel``, ``optimizer``, ...).
 
     Returns:
-      The :class:`~jfleet.auto_parallel.plan.Plan`; ``print`` it for the table.
+      The :class:`~jfleet.auto_parallel.search.plan.Plan`; ``print`` it for the table.
 
     Raises:
       ValueError: a batch that is not two positive ints, or what ``plan_for`` raises

@@ -1,7 +1,7 @@
 """Find the transformer parts of an unannotated Flax NNX model, and their tensor-parallel roles.
 
 :func:`match_patterns` traces one forward call of the model abstractly
-(:func:`~jfleet.auto_parallel.dataflow.trace_model`: ``jax.make_jaxpr``, no FLOPs spent) and
+(:func:`~jfleet.auto_parallel.match.dataflow.trace_model`: ``jax.make_jaxpr``, no FLOPs spent) and
 reads the roles from the computation, not from names or kernel ranks:
 
 * **projection pairs** (Megatron column then row): a projection — any ``dot_general`` with a
@@ -41,10 +41,10 @@ reads the roles from the computation, not from names or kernel ranks:
   stacks runs without a pipeline, the plan naming them.
 
 **Steps.** :func:`match_patterns` chains named steps, each testable on its own: the module
-tree (:func:`~jfleet.auto_parallel.module_parts.read_parts`, embeddings, norms) ->
+tree (:func:`~jfleet.auto_parallel.match.module_parts.read_parts`, embeddings, norms) ->
 :func:`trace_step` -> :func:`find_projections` -> :func:`find_pairs` -> blocks
-(:func:`~jfleet.auto_parallel.module_parts.find_blocks`) -> :func:`name_roles` -> the head
-(:func:`~jfleet.auto_parallel.module_parts.find_head`) -> :func:`param_infos`.
+(:func:`~jfleet.auto_parallel.match.module_parts.find_blocks`) -> :func:`name_roles` -> the head
+(:func:`~jfleet.auto_parallel.match.module_parts.find_head`) -> :func:`param_infos`.
 
 **Units.** Each split dimension carries the number of whole units a split must not cut
 (heads, key/value heads, hidden features), read from the reshapes in the trace: a split
@@ -80,8 +80,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jfleet.auto_parallel.dataflow import Trace, TraceError, trace_model
-from jfleet.auto_parallel.matched import (
+from jfleet.auto_parallel.match.dataflow import Trace, TraceError, trace_model
+from jfleet.auto_parallel.match.matched import (
     COLUMN_ROLES,
     ROW_ROLES,
     DotCost,
@@ -90,7 +90,7 @@ from jfleet.auto_parallel.matched import (
     ParamInfo,
     path_str,
 )
-from jfleet.auto_parallel.module_parts import (
+from jfleet.auto_parallel.match.module_parts import (
     Blocks,
     Parts,
     find_blocks,
@@ -99,7 +99,7 @@ from jfleet.auto_parallel.module_parts import (
     find_norms,
     read_parts,
 )
-from jfleet.auto_parallel.pairs import (
+from jfleet.auto_parallel.match.pairs import (
     Pair,
     attention_roles,
     bias_splits,

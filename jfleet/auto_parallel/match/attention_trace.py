@@ -1,7 +1,7 @@
 """Whether the traced attention materialises its ``s x s`` scores, and a fused one's FLOPs.
 
-The trace :func:`~jfleet.auto_parallel.patterns.match_patterns` reads lists every product
-of two activations (:attr:`~jfleet.auto_parallel.patterns.DotCost.attention`): the scores
+The trace :func:`~jfleet.auto_parallel.match.patterns.match_patterns` reads lists every product
+of two activations (:attr:`~jfleet.auto_parallel.match.patterns.DotCost.attention`): the scores
 ``q k^T`` and the weighted values of an attention written out (einsum, ``jnp.matmul``, or
 ``jax.nn.dot_product_attention``'s XLA implementation). Those programs hold the ``s x s``
 scores and probabilities between the forward and the backward pass. A fused attention (a
@@ -12,7 +12,7 @@ row statistics, and its FLOPs do not show among the traced products, so
 forward per layer, the convention of Narayanan et al., SC21).
 
 Example:
-  >>> from jfleet.auto_parallel.patterns import match_patterns
+  >>> from jfleet.auto_parallel.match.patterns import match_patterns
   >>> from jfleet.models.llama import TinyLlama
   >>> scores_materialised(match_patterns(TinyLlama(vocab=64, width=32, heads=4, layers=2)))
   True
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jfleet.auto_parallel.patterns import ModelPatterns
+from jfleet.auto_parallel.match.patterns import ModelPatterns
 
 __all__ = ["fused_attention_flops", "scores_materialised", "without_attention_products"]
 

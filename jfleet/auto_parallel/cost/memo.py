@@ -4,13 +4,13 @@ Planning predicts thousands of layouts of one matched model; most share their ``
 degree or their whole mesh and differ only in micro-batches, schedule or recompute.
 :func:`cached` keeps what a key determines (each parameter's spec at an ``mp``, the stage's
 local bytes at a mesh, the traced products' FLOPs) with the
-:class:`~jfleet.auto_parallel.patterns.ModelPatterns` object, dropped when that object is
+:class:`~jfleet.auto_parallel.match.patterns.ModelPatterns` object, dropped when that object is
 collected, so the cost of a candidate does not grow with the number of parameter arrays.
 :func:`block_groups` says whether the decoder blocks hold the same parameter shapes, so a
 stage's sums can be taken over one block and multiplied.
 
 Example:
-  >>> from jfleet.auto_parallel.patterns import match_patterns
+  >>> from jfleet.auto_parallel.match.patterns import match_patterns
   >>> from jfleet.models.llama import TinyLlama
   >>> found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, layers=2))
   >>> cached(found, ("answer",), lambda: 42), cached(found, ("answer",), lambda: 0)
@@ -26,7 +26,7 @@ import weakref
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
-from jfleet.auto_parallel.patterns import ModelPatterns, ParamInfo
+from jfleet.auto_parallel.match.patterns import ModelPatterns, ParamInfo
 
 __all__ = ["block_groups", "cached"]
 

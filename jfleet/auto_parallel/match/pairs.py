@@ -1,6 +1,6 @@
 """Column / row pairs and their role names, read from a traced model.
 
-:func:`pairs` groups the edges of a :class:`~jfleet.auto_parallel.dataflow.Trace` into
+:func:`pairs` groups the edges of a :class:`~jfleet.auto_parallel.match.dataflow.Trace` into
 Megatron pairs: a row (a projection whose contracted input dimension is reached by other
 projections' outputs) with the column projections feeding it, the dimension each is split on
 and the units a split must not cut. :func:`attention_roles` and :func:`mlp_roles` name them
@@ -10,7 +10,7 @@ biases added to their outputs are split.
 Example:
   >>> import jax.numpy as jnp
   >>> from flax import nnx
-  >>> from jfleet.auto_parallel.dataflow import trace_model
+  >>> from jfleet.auto_parallel.match.dataflow import trace_model
   >>> mlp = nnx.Sequential(nnx.Linear(8, 16, rngs=nnx.Rngs(0)), nnx.gelu,
   ...                      nnx.Linear(16, 8, rngs=nnx.Rngs(1)))
   >>> trace = trace_model(mlp, jnp.zeros((2, 4, 8)))
@@ -28,7 +28,7 @@ import dataclasses
 import math
 from collections.abc import Iterable
 
-from jfleet.auto_parallel.dataflow import Trace
+from jfleet.auto_parallel.match.dataflow import Trace
 
 __all__ = [
     "Pair",

@@ -2,8 +2,8 @@
 
 :class:`Memory`, :class:`StepTime` and :class:`Collectives` hold one layout's predictions
 by cause; :class:`Candidate` bundles them with the layout and, after
-:func:`~jfleet.auto_parallel.cost_model.rank`, whether it fits and why it lost. The
-formulas are :mod:`jfleet.auto_parallel.cost_model`'s.
+:func:`~jfleet.auto_parallel.cost.cost_model.rank`, whether it fits and why it lost. The
+formulas are :mod:`jfleet.auto_parallel.cost.cost_model`'s.
 
 Example:
   >>> m = Memory(params=4, optimizer=8, inputs=1, grads=4, gathered=0, activations=3)
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jfleet.auto_parallel.layouts import Layout
+from jfleet.auto_parallel.cost.layout import Layout
 
 __all__ = ["TIME_WORDS", "Candidate", "Collectives", "GiB", "Memory", "StepTime", "gib_text"]
 
@@ -28,7 +28,7 @@ def gib_text(n: float) -> str:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Memory:
-    """Predicted bytes per device (formulas: :mod:`jfleet.auto_parallel.cost_model`).
+    """Predicted bytes per device (formulas: :mod:`jfleet.auto_parallel.cost.cost_model`).
 
     Attributes:
       params: resident parameters (ZeRO-3: the shard).

@@ -6,7 +6,7 @@ equations and moves the tags through each primitive: reshapes split and merge th
 (:func:`reshape_groups`), transposes and broadcasts move them, elementwise work keeps them, a
 residual sum or a slice ends them, and a projection contracting a tagged dimension records an
 :class:`Edge`. Every product is recorded as a :class:`Dot`. The entry point that traces a model
-and runs the walk is :func:`jfleet.auto_parallel.dataflow.trace_model`.
+and runs the walk is :func:`jfleet.auto_parallel.match.dataflow.trace_model`.
 
 Example:
   >>> reshape_groups((2, 8, 32), (2, 8, 4, 8))
