@@ -140,6 +140,62 @@ def test_a_token_holders_malformed_register_is_dropped_and_named(server, field, 
     _legit_job_ends_0(server)
 
 
+def _unsigned(channel: Channel) -> list[str]:
+    return [json.dumps(REGISTER)]  # the one-line hijack, after a genuine handshake
+
+
+def _signed_then_stripped(channel: Channel) -> list[str]:
+    frame = json.loads(channel.seal(REGISTER))
+    return [json.dumps({"seq": frame["seq"], "body": frame["body"]})]
+
+
+def _wrong_key(channel: Channel) -> list[str]:
+    stranger = Channel.session(b"another-token-0123", "a" * 32, "b" * 32, "node")
+    return [stranger.seal(REGISTER)]
+
+
+def _replayed(channel: Channel) -> list[str]:
+    line = channel.seal({"type": "done"})  # accepted (and ignored while registering) once
+    return [line, line]
+
+
+def _altered(channel: Channel) -> list[str]:
+    frame = json.loads(channel.seal(REGISTER))
+    frame["body"] = frame["body"].replace('"nproc": 1', '"nproc": 8')
+    assert '"nproc": 8' in frame["body"]
+    return [json.dumps(frame)]
+
+
+@pytest.mark.parametrize(
+    ("forge", "reason"),
+    [
+        (_unsigned, "not a signed line"),
+        (_signed_then_stripped, "not a signed line"),
+        (_wrong_key, "bad MAC"),
+        (_replayed, "sequence 1 after 1 (replayed or reordered)"),
+        (_altered, "bad MAC"),
+    ],
+    ids=["unsigned", "mac-stripped", "wrong-key", "replayed", "altered-body"],
+)
+def test_a_forged_line_after_the_handshake_is_refused_logged_and_the_job_goes_on(
+    server, forge, reason
+):
+    """SECURITY.md: after the handshake, "a line from outside the connection, replayed,
+    reordered or altered fails its check" (issue 40: nothing sent one before)."""
+    sock = socket.create_connection(_host_port(server.address), timeout=5)
+    channel, _ = wire.join(sock, TOKEN, server.address)
+    for line in forge(channel):
+        sock.sendall((line + "\n").encode())
+    heard = _read_until_closed(sock)  # the master hangs up on the forger
+    sock.close()
+    assert heard == b"", heard  # and says nothing to it
+    expected = f"an authenticated line failed: {reason}"
+    assert _logged(server, lambda line: expected in line and "127.0.0.1:" in line), (
+        f"the master did not log {expected!r}; it logged {server.lines}"
+    )
+    _legit_job_ends_0(server)
+
+
 def test_500_idle_connections_hold_bounded_threads_and_the_job_goes_on(server):
     before = threading.active_count()
     idle = []

@@ -378,8 +378,10 @@ def _apply(
 ) -> tuple[DistributedOptimizer, Placement]:
     """Stage 4: start the run on the plan's mesh, restructure and place the model, make the
     optimizer's state; the plan as placed is kept for :func:`get_plan`."""
-    strategy = _strategy(config.strategy, plan)
+    base = _users_strategy(config.strategy)
+    strategy = _with_accumulation(base, plan)
     placement = _init_fleet(plan, strategy, devices)
+    _context.replace(planned_from=base)  # what a later call plans from, not ``strategy``
     apply_distributed_settings(model, strategy, placement)
     unscanned = _scan_problem(model, plan, first, config.forward) if config.scan_layers else None
     scan = config.scan_layers and unscanned is None
@@ -407,9 +409,12 @@ def _stacks_problem(model: nnx.Module, patterns: ModelPatterns, call: Callable) 
 
 
 def _user_strategy(user: DistributedStrategy | None) -> DistributedStrategy | None:
-    """The strategy given, else an earlier ``fleet.init``'s (None: neither)."""
+    """The strategy given, else an earlier ``fleet.init``'s, else the one an earlier
+    ``to_distributed`` planned from (None: none of them)."""
     run = _context.current()
-    return user if user is not None or run is None else run.strategy
+    if user is not None or run is None:
+        return user
+    return run.strategy if run.planned_from is None else run.planned_from
 
 
 def _search_accumulation(config: ToDistributedConfig) -> int | None:
@@ -615,18 +620,21 @@ def _check_batch(plan: Plan, batch_size: int) -> None:
     )
 
 
-def _strategy(user: DistributedStrategy | None, plan: Plan) -> DistributedStrategy:
-    """The user's strategy (or an earlier ``fleet.init``'s), copied for the plan's degrees,
-    with gradient merge on for a plan that accumulates."""
-    strategy = _users_strategy(user)
+def _with_accumulation(base: DistributedStrategy, plan: Plan) -> DistributedStrategy:
+    """A copy of ``base`` with gradient merge on for a plan that accumulates."""
+    strategy = copy.deepcopy(base)
     _set_accumulation(strategy, plan)
     return strategy
 
 
 def _users_strategy(user: DistributedStrategy | None) -> DistributedStrategy:
-    """The user's strategy (or an earlier ``fleet.init``'s), copied."""
+    """The user's strategy, copied: the one given, else ``fleet.init``'s, else the one an
+    earlier ``to_distributed`` call planned from (not the one it adapted to its plan: its
+    degrees and gradient merge were that plan's), else the defaults."""
     run = _context.current()
-    if user is None and run is not None:
+    if user is None and run is not None and run.planned_from is not None:
+        user = run.planned_from
+    elif user is None and run is not None:
         user = run.strategy
         if user.recompute:
             raise ValueError(

@@ -39,12 +39,17 @@ class Run:
       optimizer: the run's distributed optimizer, once ``fleet.distributed_optimizer``
         or ``to_distributed`` made one (what ``fleet.get_loss_scaling`` and the other
         optimizer getters read).
+      planned_from: for a run ``to_distributed`` started, the user's strategy it started
+        from (its defaults when none was given), before it set the plan's degrees and
+        gradient merge; a later ``to_distributed`` call plans from it. None for a run
+        ``fleet.init`` started.
     """
 
     role_maker: Any
     strategy: DistributedStrategy
     hcg: HybridCommunicateGroup
     optimizer: Any = None
+    planned_from: DistributedStrategy | None = None
 
     @property
     def mesh(self) -> Mesh:
