@@ -46,6 +46,7 @@ _EXPORTS: dict[str, str] = {
     "save_group_sharded_model": "jfleet.distributed.sharding",
     "meta_parallel": "jfleet.fleet",
     "group_sharded_parallel": "jfleet.fleet.group_sharded",
+    "LazyGuard": "jfleet.mesh.lazy",
     "ParallelPlan": "jfleet.mesh.placement",
     "Placement": "jfleet.mesh.placement",
     "CommunicateTopology": "jfleet.mesh.topology",

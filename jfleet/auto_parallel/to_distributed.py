@@ -9,7 +9,8 @@ otherwise (:mod:`jfleet.auto_parallel.apply.scanned_blocks`; ``scan_layers=False
 unrolled), the optimizer's state
 made and placed for the plan, and the loader wrapped to yield global sharded arrays. Train
 the returned objects with :func:`jfleet.make_train_step` (any plan) or with your own
-``nnx.jit`` step (plans without loss scaling).
+``nnx.jit`` step (plans without loss scaling). A model too big for one device is passed as
+the function that builds it: it is planned from its shapes and created in its layout.
 
 Example:
   >>> import optax
@@ -42,7 +43,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jfleet.auto_parallel.apply.apply_plan import apply_plan
+from jfleet.auto_parallel.apply.apply_plan import apply_plan, shape_for_plan
 from jfleet.auto_parallel.apply.blocks import (
     PipelinedBlocks,
     container_of,
@@ -58,6 +59,8 @@ from jfleet.auto_parallel.search.layouts import stacks_reason
 from jfleet.auto_parallel.search.plan import Plan
 from jfleet.auto_parallel.search.planner import plan_for
 from jfleet.mesh import context as _context
+from jfleet.mesh.create import create_placed
+from jfleet.mesh.lazy import unbuilt
 from jfleet.mesh.placement import Placement, check_divides
 from jfleet.mesh.topology import DP, PP, SHARDING
 from jfleet.optim.compiler import amp_settings
@@ -147,7 +150,7 @@ def get_plan(model: nnx.Module) -> Plan:
 
 
 def to_distributed(
-    model: nnx.Module,
+    model: nnx.Module | Callable[[], nnx.Module],
     optimizer: nnx.Optimizer | optax.GradientTransformation,
     dataloader: Iterable[Any],
     device_num: int | None = None,
@@ -161,7 +164,13 @@ def to_distributed(
         list of decoder blocks becomes a
         :class:`~jfleet.auto_parallel.apply.blocks.PipelinedBlocks`, without one a
         :class:`~jfleet.auto_parallel.apply.scanned_blocks.ScannedBlocks`) and returned.
-        Its class and call signature stay.
+        Its class and call signature stay. Or a function that builds the model
+        (``lambda: Model(rngs=nnx.Rngs(0))``, Paddle's ``LazyGuard`` use): the plan is made
+        from its abstract shapes (``nnx.eval_shape``) and the model is created directly in
+        the planned layout (:func:`~jfleet.mesh.create.create_placed`), so
+        no device or host ever holds a parameter the plan splits whole; the values equal
+        the same function compiled on one device bitwise (eager construction may round
+        variance-scaled initialisers 1 ulp apart).
       optimizer: an ``optax.GradientTransformation`` or an ``nnx.Optimizer`` (its
         transform and ``wrt`` are used; its state is made anew for the placed model).
       dataloader: an iterable of batches (numpy or jax arrays, or dicts / tuples of them).
@@ -175,7 +184,8 @@ def to_distributed(
       and a :class:`~jfleet.data.ShardedLoader`.
 
     Raises:
-      TypeError: not an ``nnx.Module``, an optimizer of another kind, a config of
+      TypeError: neither an ``nnx.Module`` nor a function returning one, an abstract
+        module (pass its factory), an optimizer of another kind, a config of
         another type, a loader that is not iterable.
       ValueError: ``device_num x node_num`` above the devices present, a model without parameters,
         a forced mesh that does not multiply out or does not suit the shapes, a batch the data-
@@ -191,8 +201,12 @@ def to_distributed(
       >>> model, opt, loader = to_distributed(TinyLM(), optax.sgd(0.1), lm_batches(1))
       >>> get_plan(model).layout.size  # every device of this process
       8
+      >>> model, opt, loader = to_distributed(lambda: TinyLM(), optax.sgd(0.1), lm_batches(1))
+      >>> get_plan(model).layout.size  # created in its layout, never whole
+      8
     """
     config = _checked_config(config, model)
+    model, factory = _planned_model(model)  # a factory: planned on its abstract model
     tx, wrt = _transform(optimizer)
     device_num, node_num = _device_counts(device_num, node_num)
     first = peek(dataloader)
@@ -207,7 +221,9 @@ def to_distributed(
             **_search_settings(model, patterns, inputs, forward, tx, wrt, config),
         )  # fmt: skip
     _check_batch(plan, batch_size)  # a given plan may be for another batch
-    dist, placement = _apply(model, plan, tx, wrt, first, config, device_num * node_num)  # 4.
+    model, dist, placement = _apply(  # 4. apply the plan (create the model in it)
+        model, factory, plan, tx, wrt, first, config, device_num * node_num
+    )
     return model, dist, _loader(dataloader, placement, first, config, _PLANS[model])
 
 
@@ -283,10 +299,15 @@ def _checked_config(config: ToDistributedConfig | None, model: Any) -> ToDistrib
         raise TypeError(
             f"config={config!r} ({type(config).__name__}) is not a ToDistributedConfig."
         )
-    if not isinstance(model, nnx.Module):
+    if not isinstance(model, nnx.Module) and not callable(model):
         raise TypeError(
-            f"model is a {type(model).__name__}, not an nnx.Module; pass a Flax NNX module."
+            f"model is a {type(model).__name__}, neither an nnx.Module nor a function that "
+            "builds one; pass a Flax NNX module, or lambda: Model(rngs=nnx.Rngs(0)) to create "
+            "it directly in its planned layout."
         )
+    if not isinstance(model, nnx.Module):  # a factory: nothing built yet
+        check_config(config)
+        return _traced_loss(config)
     stand_ins = (PipelinedBlocks, ScannedBlocks)
     if model in _PLANS or any(isinstance(m, stand_ins) for _, m in nnx.iter_modules(model)):
         raise ValueError(
@@ -295,6 +316,11 @@ def _checked_config(config: ToDistributedConfig | None, model: Any) -> ToDistrib
             "freshly built model to plan again, or keep training the one you have."
         )
     check_config(config)
+    return _traced_loss(config)
+
+
+def _traced_loss(config: ToDistributedConfig) -> ToDistributedConfig:
+    """``config`` with its ``loss_fn`` as the traced forward when no forward is given."""
     if config.forward is None and config.loss_fn is not None:
         config = dataclasses.replace(config, forward=config.loss_fn)  # trace the loss
     return config
@@ -369,15 +395,17 @@ def _search_settings(
 
 def _apply(
     model: nnx.Module,
+    factory: Callable[[], nnx.Module] | None,
     plan: Plan,
     tx: optax.GradientTransformation,
     wrt: Any,
     first: Any,
     config: ToDistributedConfig,
     devices: int,
-) -> tuple[DistributedOptimizer, Placement]:
-    """Stage 4: start the run on the plan's mesh, restructure and place the model, make the
-    optimizer's state; the plan as placed is kept for :func:`get_plan`."""
+) -> tuple[nnx.Module, DistributedOptimizer, Placement]:
+    """Stage 4: start the run on the plan's mesh, restructure and place the model (or, from
+    a ``factory``, create it in place), make the optimizer's state; the plan as placed is
+    kept for :func:`get_plan`."""
     base = _users_strategy(config.strategy)
     strategy = _with_accumulation(base, plan)
     placement = _init_fleet(plan, strategy, devices)
@@ -386,14 +414,52 @@ def _apply(
     unscanned = _scan_problem(model, plan, first, config.forward) if config.scan_layers else None
     scan = config.scan_layers and unscanned is None
     per_sample, outputs = _stacked_blocks(model, plan, first, config, scan)
-    apply_plan(model, plan, placement, per_sample, scan=scan, outputs=outputs)
+    shaping = dict(per_sample=per_sample, scan=scan, outputs=outputs)
+    if factory is None:
+        apply_plan(model, plan, placement, **shaping)
+    else:
+
+        def build() -> nnx.Module:
+            made = _built(factory)
+            apply_distributed_settings(made, strategy, placement)
+            shape_for_plan(made, plan, placement, **shaping)
+            return made
+
+        model = create_placed(build, placement)
     dist = make_distributed_optimizer(tx, strategy)
     _context.replace(optimizer=dist)  # what fleet's optimizer getters read
     dist.wrt = wrt
     dist.init(model, placement)
     _PLANS[model] = plan = _noted(plan.as_placed(model), unscanned)  # the arrays as placed
     logger.info("to_distributed: %s", plan.layout.name)
-    return dist, placement
+    return model, dist, placement
+
+
+def _built(factory: Callable[[], nnx.Module]) -> nnx.Module:
+    """``factory()``, checked to be a fresh ``nnx.Module``."""
+    model = factory()
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            f"the model factory {factory!r} returned a {type(model).__name__}, not an "
+            "nnx.Module; pass a function that builds the model, e.g. "
+            "lambda: Model(rngs=nnx.Rngs(0))."
+        )
+    return model
+
+
+def _planned_model(model: Any) -> tuple[nnx.Module, Callable[[], nnx.Module] | None]:
+    """The model to plan on, and the factory to create it from (None: ``model`` is built).
+
+    A factory (any callable that is not an ``nnx.Module``) is planned on its abstract model
+    (``nnx.eval_shape``: shapes only, nothing allocated), a :class:`~jfleet.mesh.lazy.LazyGuard`
+    model is that abstract model already; an abstract model without its factory cannot be
+    created, which is an error naming the fix.
+    """
+    factory = unbuilt(model, "to_distributed")
+    if factory is None:
+        return model, None
+    abstract = model if isinstance(model, nnx.Module) else nnx.eval_shape(lambda: _built(factory))
+    return abstract, factory
 
 
 def _stacks_problem(model: nnx.Module, patterns: ModelPatterns, call: Callable) -> str:

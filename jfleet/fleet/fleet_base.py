@@ -406,6 +406,10 @@ class Fleet(PerfMethods, StaticMethods, FederatedMethods, PSMethods):
         :class:`~jfleet.parallel.pipeline_parallel.PipelineParallel`, whose
         ``train_batch(data, optimizer)`` runs the ``pipeline_configs`` schedule.
 
+        A model built inside :class:`jfleet.LazyGuard` (Paddle's ``paddle.LazyGuard``), or a
+        function that builds one, is created directly in this layout, so no device or host
+        holds a parameter the layout splits whole (:func:`jfleet.mesh.create.create_placed`).
+
         Raises:
           TypeError: not an ``nnx.Module``, or not a ``PipelineLayer`` with
             pp_degree > 1. ValueError: a ``PipelineLayer`` whose ``num_stages`` is

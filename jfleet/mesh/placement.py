@@ -203,6 +203,18 @@ class Placement:
         optimizer state from its metadata and would otherwise re-lay the state out
         unsharded (``out_sharding``).
         """
+        shardings = self.state_shardings(model)
+        params, rest = nnx.state(model, nnx.Param, ...)
+        nnx.update(model, *put((params, rest), shardings))
+        return model
+
+    def state_shardings(self, model: nnx.Module) -> tuple[Any, Any]:
+        """Where :meth:`place_params` puts ``model``'s state: ``NamedSharding`` trees of its
+        parameters and of its other variables, as ``nnx.state(model, nnx.Param, ...)``.
+
+        Reads shapes and metadata only (``model`` may be abstract, or traced); with ZeRO it
+        sets the ``optimizer_sharding`` metadata :meth:`place_params` describes.
+        """
         if self.zero_stage >= 1:
             for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
                 spec = var.get_metadata("out_sharding", None)
@@ -211,14 +223,9 @@ class Placement:
                     zero = self.zero_spec(P(*spec), tuple(var.shape))
                     var.set_metadata(optimizer_sharding=tuple(zero))
         params, rest = nnx.state(model, nnx.Param, ...)
-        params = put(params, self.param_shardings(params))
         rest_specs = nnx.get_partition_spec(rest)
-        rest = put(
-            rest,
-            jax.tree.map(self.named, rest_specs, is_leaf=lambda s: isinstance(s, P)),
-        )
-        nnx.update(model, params, rest)
-        return model
+        rest_shardings = jax.tree.map(self.named, rest_specs, is_leaf=lambda s: isinstance(s, P))
+        return self.param_shardings(params), rest_shardings
 
     def _fits(self, spec: P, shape: tuple[int, ...]) -> bool:
         """Whether ``spec`` names this mesh's axes and splits ``shape`` evenly."""

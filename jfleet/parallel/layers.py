@@ -105,7 +105,7 @@ def _draw(keys, *, init_fn, shape, dtype, target, axis):
         part = list(shape)
         part[axis] //= len(keys)
         value = jnp.concatenate([init_fn(k, tuple(part), dtype) for k in keys], axis=axis)
-    return lax.with_sharding_constraint(value, target)
+    return value if target is None else lax.with_sharding_constraint(value, target)
 
 
 def init_sharded(
@@ -119,7 +119,9 @@ def init_sharded(
 ) -> jax.Array:
     """Draws a parameter straight into ``sharding``.
 
-    With one key, ``init_fn(key, shape, dtype)``: the values are those of the
+    With Flax's eager sharding off (``nnx.use_eager_sharding(False)``) the draw is left
+    unplaced, as Flax leaves its own variables. With one key, ``init_fn(key, shape,
+    dtype)``: the values are those of the
     unsharded draw (``jax_threefry_partitionable``), but no device holds the whole
     array. With a sequence of ``n`` keys and ``axis``, the concatenation along
     ``axis`` of ``n`` draws of the shard shape, key ``r`` for shard ``r`` (Paddle's
@@ -136,7 +138,11 @@ def init_sharded(
       P(None, 'dp')
     """
     keys = tuple(key) if axis is not None else (key,)
-    return _draw(keys, init_fn=init_fn, shape=tuple(shape), dtype=dtype, target=sharding, axis=axis)
+    # Flax's eager sharding off (nnx.use_eager_sharding(False)): the draw is not laid out,
+    # as Flax then lays out no variable (a program that places what it makes, e.g. a
+    # pipeline stage's creation in jfleet.mesh.create)
+    target = sharding if nnx.using_eager_sharding() else None
+    return _draw(keys, init_fn=init_fn, shape=tuple(shape), dtype=dtype, target=target, axis=axis)
 
 
 def draw_param(

@@ -274,10 +274,14 @@ class PipelineLayer(nnx.Module):
         (``inner``: the layer's own tensor-parallel layout; ``pp`` only when the mesh's
         ``pp`` size is ``num_stages``) and its ``mesh``, then places the model as its
         metadata says. Done at construction after ``fleet.init``, and by
-        ``fleet.distributed_model``.
+        ``fleet.distributed_model``. Built inside a trace (created in its layout by
+        :func:`~jfleet.mesh.create.create_placed`, or abstractly), it is only annotated: the
+        enclosing program places what it makes.
         """
         self.annotate(mesh)
-        Placement(mesh=mesh).place_params(self)
+        leaves = jax.tree.leaves(nnx.state(self, nnx.Param))
+        if not any(isinstance(x, jax.core.Tracer) for x in leaves):
+            Placement(mesh=mesh).place_params(self)
         return self
 
     def annotate(self, mesh: jax.sharding.Mesh) -> None:

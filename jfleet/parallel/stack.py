@@ -216,10 +216,14 @@ def stack_layers(
     graphdef, template = nnx.split(layers[0])
     per_stage = units // num_stages
     leaves = [jax.tree.leaves(nnx.state(layer)) for layer in layers]
+    # a stack of stages' stacks: a slice of one stage's row is one concatenated operand, so
+    # a program computing one stage's row (sharded creation) computes no other stage's
     stacked = jax.tree.unflatten(
         jax.tree.structure(template),
         [
-            jnp.stack(xs).reshape(num_stages, per_stage, *xs[0].shape)
+            jnp.stack(
+                [jnp.stack(xs[s * per_stage : (s + 1) * per_stage]) for s in range(num_stages)]
+            )
             for xs in zip(*leaves, strict=True)
         ],
     )

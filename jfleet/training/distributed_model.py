@@ -32,11 +32,14 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
 from flax import nnx
 
+from jfleet.mesh.create import create_placed
+from jfleet.mesh.lazy import unbuilt
 from jfleet.mesh.placement import Placement
 from jfleet.optim.compiler import amp_settings
 from jfleet.parallel.recompute import apply_recompute
@@ -233,16 +236,46 @@ def apply_distributed_settings(model: nnx.Module, strategy: Any, plan: Placement
     return apply_batch_norm(model, sync=sync, mesh=plan.mesh, data_axes=plan.data_axes)
 
 
-def prepare_model(model: nnx.Module, strategy: Any, plan: Placement) -> DistributedModel:
+def prepare_model(
+    model: nnx.Module | Callable[[], nnx.Module],
+    strategy: Any,
+    plan: Placement,
+    shape: Callable[[nnx.Module], None] | None = None,
+) -> DistributedModel:
     """Applies the strategy's model settings (:func:`apply_distributed_settings`), places the
-    model, wraps it."""
+    model, wraps it.
+
+    ``model`` may be unbuilt (a :class:`~jfleet.mesh.lazy.LazyGuard` model, or a function
+    that builds one): it is then created directly in its layout
+    (:func:`~jfleet.mesh.create.create_placed`). ``shape`` annotates or restructures the
+    built model for its layout first (a pipeline's stage layout).
+    """
     if isinstance(model, DistributedModel):
         raise ValueError("the model is already a DistributedModel; pass it on as it is.")
-    if not isinstance(model, nnx.Module):
-        raise TypeError(
-            f"model={type(model).__name__} is not a flax.nnx.Module; jfleet distributes NNX "
-            "modules."
-        )
+    factory = unbuilt(model, "fleet.distributed_model")
+    if factory is not None:
+
+        def build() -> nnx.Module:
+            made = factory()
+            _check_module(made, f"the model factory {factory!r} returned a ")
+            if shape is not None:
+                shape(made)
+            apply_distributed_settings(made, strategy, plan)
+            return made
+
+        return DistributedModel(create_placed(build, plan), plan)
+    _check_module(model, "model=")
+    if shape is not None:
+        shape(model)
     apply_distributed_settings(model, strategy, plan)
     plan.place_params(model)
     return DistributedModel(model, plan)
+
+
+def _check_module(model: Any, what: str) -> None:
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            f"{what}{type(model).__name__}, not a flax.nnx.Module; jfleet distributes NNX "
+            "modules (or a function that builds one, or a model built inside "
+            "jfleet.LazyGuard())."
+        )

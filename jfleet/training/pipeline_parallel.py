@@ -314,8 +314,8 @@ def pipeline_model(model: Any, strategy: Any, placement: Placement) -> PipelineP
         )
     configs = strategy.pipeline_configs if strategy is not None else {}
     schedule = resolve_schedule(configs.get("schedule_mode", "1F1B"))
-    model.annotate(placement.mesh)  # a PipelineLayer built before fleet.init has no layout yet
-    wrapped = prepare_model(model, strategy, placement)
+    # a PipelineLayer built before fleet.init (or inside LazyGuard) has no layout yet
+    wrapped = prepare_model(model, strategy, placement, shape=lambda m: m.annotate(placement.mesh))
     return PipelineParallel(
         wrapped.module,
         wrapped.placement,

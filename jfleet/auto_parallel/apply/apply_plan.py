@@ -2,7 +2,8 @@
 
 :func:`apply_plan` writes each parameter's planned layout into its metadata, turns the
 plan's block list into a pipelined stack (``pp > 1``), a scanned stack or wrapped blocks,
-sets the ZeRO layouts and places the parameters on the mesh. ``to_distributed`` calls it
+sets the ZeRO layouts (:func:`shape_for_plan`, all of that) and places the parameters on
+the mesh. ``to_distributed`` calls it
 after it has started the run for the plan.
 
 Example:
@@ -44,7 +45,23 @@ def apply_plan(
     scan: bool = False,
     outputs: BlockOutputs | None = None,
 ) -> None:
-    """Annotates, restructures (pipeline, recompute, SP) and places ``model`` for ``plan``.
+    """Annotates, restructures (pipeline, recompute, SP) and places ``model`` for ``plan``
+    (:func:`shape_for_plan`, then :meth:`~jfleet.mesh.placement.Placement.place_params`)."""
+    shape_for_plan(model, plan, placement, per_sample, scan=scan, outputs=outputs)
+    placement.place_params(model)
+
+
+def shape_for_plan(
+    model: nnx.Module,
+    plan: Plan,
+    placement: Placement,
+    per_sample: tuple | None = None,
+    *,
+    scan: bool = False,
+    outputs: BlockOutputs | None = None,
+) -> None:
+    """Annotates and restructures ``model`` for ``plan``, placing nothing (it may be traced:
+    :func:`~jfleet.mesh.create.create_placed` runs it inside ``jax.jit``).
 
     The layouts are the plan's, computed once by the planner: each parameter's
     ``out_sharding`` is its ``spec`` and, with ZeRO, its ``optimizer_sharding`` (the
@@ -101,7 +118,6 @@ def apply_plan(
         )
     if plan.zero_stage:  # after the restructuring: stacking keeps the first block's metadata
         _set_zero_layouts(model, params)
-    placement.place_params(model)
 
 
 def _set_zero_layouts(model: nnx.Module, params: dict) -> None:
