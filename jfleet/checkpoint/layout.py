@@ -37,11 +37,13 @@ from jax.sharding import PartitionSpec as P
 
 from jfleet.auto_parallel.apply.blocks import PipelinedBlocks
 from jfleet.auto_parallel.apply.scanned_blocks import ScannedBlocks
+from jfleet.mesh.create import stage_sharding
+from jfleet.mesh.topology import PP
 from jfleet.parallel.pipeline_layer import PipelineLayer
 from jfleet.parallel.virtual_stages import layer_of
 from jfleet.training.distributed_model import DistributedModel
 
-__all__ = ["logical_leaves", "running_values", "state_leaves"]
+__all__ = ["logical_leaves", "logical_params", "running_values", "state_leaves"]
 
 Path = tuple[Any, ...]
 
@@ -134,9 +136,14 @@ def _key(path: Path) -> str:
     return ".".join(str(k) for k in path)
 
 
-def _per_layer_sharding(sharding: Any, ndim: int) -> Any:
+def _per_layer_sharding(sharding: Any, ndim: int, stage: int | None = None) -> Any:
+    """One layer's sharding in a ``[P, K, ...]`` stack's; with ``stage``, when ``pp`` splits
+    the stack, on that pipeline stage's devices only (the layer lives there alone)."""
     if isinstance(sharding, NamedSharding):
         spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+        if stage is not None and spec[0] == PP:
+            sharding = stage_sharding(NamedSharding(sharding.mesh, P(*spec)), 0, stage)
+            return NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[2:]))
         return NamedSharding(sharding.mesh, P(*spec[2:]))
     return sharding
 
@@ -158,8 +165,15 @@ def _expand(
     stages, per_stage = leaf.shape[0], leaf.shape[1]
     sharding = _per_layer_sharding(leaf.sharding, leaf.ndim)
     units = [(s, k) for s in range(stages) for k in range(per_stage)]
-    if abstract:
-        parts = [jax.ShapeDtypeStruct(leaf.shape[2:], leaf.dtype, sharding=sharding)] * len(units)
+    if abstract:  # a pipeline stage's layers are read onto that stage's devices only
+        parts = [
+            jax.ShapeDtypeStruct(
+                leaf.shape[2:],
+                leaf.dtype,
+                sharding=_per_layer_sharding(leaf.sharding, leaf.ndim, s),
+            )
+            for s, _ in units
+        ]
     else:
         parts = _settled(_unstack(len(units), sharding)(_settled(leaf)))
     out = []
@@ -180,6 +194,13 @@ def logical_leaves(model: nnx.Module, obj: nnx.Module, *, abstract: bool = False
     return {k: v for k, v, _ in _entries(model, obj, abstract)}
 
 
+def logical_params(model: nnx.Module) -> dict[str, jax.ShapeDtypeStruct]:
+    """``{logical path: shape}`` of ``model``'s ``nnx.Param`` s, each in the sharding it gets
+    on the running mesh (what a checkpoint is read into)."""
+    params = {p for p, v in state_leaves(model).items() if isinstance(v, nnx.Param)}
+    return {k: leaf for k, leaf, p in _entries(model, model, True) if p in params}
+
+
 def _entries(model: nnx.Module, obj: nnx.Module, abstract: bool) -> list[tuple[str, Any, Path]]:
     inner, wrapper = _inner(model)
     rules = _rules(inner)
@@ -198,18 +219,44 @@ def _entries(model: nnx.Module, obj: nnx.Module, abstract: bool) -> list[tuple[s
 
 
 def running_values(model: nnx.Module, obj: nnx.Module, restored: dict) -> None:
-    """Writes restored logical arrays into ``obj``'s variables in place (stacking as needed)."""
+    """Writes restored logical arrays into ``obj``'s variables in place (stacking as needed);
+    a variable whose logical arrays ``restored`` lacks keeps its value."""
     groups: dict[Path, list[str]] = {}
     for key, _, path in _entries(model, obj, abstract=True):
         groups.setdefault(path, []).append(key)
     for path, var in state_leaves(obj).items():
         keys = groups[path]
+        if any(k not in restored for k in keys):
+            continue  # not read (not in the checkpoint): the running value stays
         old = var.get_value()
         if len(keys) == 1 and restored[keys[0]].shape == old.shape:
             var.set_value(restored[keys[0]])
             continue
         parts = _settled([restored[k] for k in keys])
-        var.set_value(_settled(_stack(old.shape, old.sharding)(*parts)))
+        if _split_by_stage(old.sharding):
+            var.set_value(_stacked_by_device(old.shape, old.sharding, parts))
+        else:
+            var.set_value(_settled(_stack(old.shape, old.sharding)(*parts)))
+
+
+def _split_by_stage(sharding: Any) -> bool:
+    return isinstance(sharding, NamedSharding) and len(sharding.spec) > 0 and sharding.spec[0] == PP
+
+
+def _stacked_by_device(shape: tuple, sharding: NamedSharding, parts: list) -> jax.Array:
+    """The ``[P, K, ...]`` stack of ``parts`` (P x K layers, each on its stage's devices):
+    each device stacks its own shards of its stage's K layers; nothing moves between devices
+    and no device holds another stage's layers."""
+    per_stage = shape[1]
+    local = []
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        stage = index[0].start or 0
+        mine = [
+            {s.device: s.data for s in part.addressable_shards}[device]
+            for part in parts[stage * per_stage : (stage + 1) * per_stage]
+        ]
+        local.append(jnp.stack(mine)[None])
+    return jax.make_array_from_single_device_arrays(shape, sharding, local)
 
 
 def _settled(x: Any) -> Any:

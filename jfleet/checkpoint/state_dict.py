@@ -222,17 +222,20 @@ def load_state_dict(
 
 def _param_keys(model: nnx.Module) -> set[str]:
     """The logical keys of ``model``'s ``nnx.Param`` s."""
-    params = {p for p, v in layout.state_leaves(model).items() if isinstance(v, nnx.Param)}
-    return {k for k, _, p in layout._entries(model, model, True) if p in params}
+    return set(layout.logical_params(model))
 
 
-def _objects(model: nnx.Module, optimizer: Any, params_only: bool = False) -> dict[str, Any]:
+def _objects(
+    model: nnx.Module, optimizer: Any, params_only: bool = False, *, abstract: bool = False
+) -> dict[str, Any]:
+    """``{"model.<logical path>": leaf}`` (and ``optimizer.``): arrays, or with ``abstract``
+    shapes in their running layouts (:func:`~jfleet.checkpoint.layout.logical_leaves`)."""
     if not isinstance(model, nnx.Module):
         raise TypeError(
             f"model={type(model).__name__}: expected the nnx.Module (or DistributedModel) to "
             "save or load; pass model=."
         )
-    leaves = layout.logical_leaves(model, model)
+    leaves = layout.logical_leaves(model, model, abstract=abstract)
     if params_only:
         keep = _param_keys(model)
         leaves = {k: v for k, v in leaves.items() if k in keep}
@@ -241,7 +244,10 @@ def _objects(model: nnx.Module, optimizer: Any, params_only: bool = False) -> di
         if getattr(optimizer, "is_bound", True) is False:  # a DistributedOptimizer before use
             optimizer.init(model)
         out.update(
-            {f"optimizer.{k}": v for k, v in layout.logical_leaves(model, optimizer).items()}
+            {
+                f"optimizer.{k}": v
+                for k, v in layout.logical_leaves(model, optimizer, abstract=abstract).items()
+            }
         )
     return out
 
@@ -298,7 +304,9 @@ def load_model(
     where = Path(path).absolute()
     opt_where = where if optimizer_path is None else Path(optimizer_path).absolute()
     stored = _stored(where, "load_model")
-    current = _objects(model, optimizer)
+    # the targets: shapes and running layouts only (a pipeline's layer on its stage's devices)
+    current = _objects(model, optimizer, abstract=True)
+    loaded: dict[str, Any] = {}
     if optimizer is not None:
         opt_stored = stored if opt_where == where else _stored(opt_where, "load_model")
         if not any(k.startswith("optimizer.") for k in opt_stored):
@@ -307,7 +315,7 @@ def load_model(
                 "or with save_dense_params); load without optimizer=."
             )
         opt = {k: v for k, v in current.items() if k.startswith("optimizer.")}
-        current.update(_read(opt_where, opt, "load_model"))
+        loaded.update(_read(opt_where, opt, "load_model"))
     params = {f"model.{k}" for k in _param_keys(model)}
     targets = {}
     for key, value in current.items():
@@ -317,8 +325,8 @@ def load_model(
             targets[key] = value  # a missing parameter is named by _read
         else:
             logger.info("load_model: %s is not in %s; its running value is kept", key, where)
-    current.update(_read(where, targets, "load_model"))
+    loaded.update(_read(where, targets, "load_model"))
     for prefix, obj in (("model.", model), ("optimizer.", optimizer)):
         if obj is not None:
-            part = {k[len(prefix) :]: v for k, v in current.items() if k.startswith(prefix)}
+            part = {k[len(prefix) :]: v for k, v in loaded.items() if k.startswith(prefix)}
             layout.running_values(model, obj, part)

@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 from jfleet.mesh.placement import Placement
 from jfleet.mesh.topology import PP
 
-__all__ = ["create_placed"]
+__all__ = ["create_placed", "stage_sharding"]
 
 
 def create_placed(build: Callable[[], nnx.Module], placement: Placement) -> nnx.Module:
@@ -109,8 +109,17 @@ def _stage_dims(shardings: Any) -> list[int | None] | None:
     return dims if any(d is not None for d in dims) else None
 
 
-def _stage_sharding(sharding: NamedSharding, dim: int | None, stage: int) -> NamedSharding:
-    """``sharding`` restricted to one pipeline stage's devices, ``pp`` dropped from its spec."""
+def stage_sharding(sharding: NamedSharding, dim: int | None, stage: int) -> NamedSharding:
+    """``sharding`` restricted to one pipeline stage's devices, ``pp`` dropped from its spec
+    (from dimension ``dim``, which ``pp`` splits; None: it splits none).
+
+    Example:
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((2, 4), ("pp", "mp"))
+      >>> part = stage_sharding(NamedSharding(mesh, P("pp", None, "mp")), 0, 1)
+      >>> part.spec, [d.id for d in part.mesh.devices.flat]
+      (P(None, None, 'mp'), [4, 5, 6, 7])
+    """
     mesh = sharding.mesh
     at = mesh.axis_names.index(PP)
     names = tuple(n for n in mesh.axis_names if n != PP)
@@ -133,7 +142,7 @@ def _created_by_stage(state: Callable, shapes: Any, shardings: Any) -> Any:
     pieces: list[dict[int, jax.Array]] = [{} for _ in leaves]
 
     for stage in range(stages):
-        out = [_stage_sharding(s, d, stage) for s, d in zip(leaves, dims, strict=True)]
+        out = [stage_sharding(s, d, stage) for s, d in zip(leaves, dims, strict=True)]
         if not any(d.id in local for d in out[0].mesh.devices.flat):
             continue  # another process's stage
 

@@ -20,6 +20,8 @@ from flax import nnx
 
 from jfleet import fleet, make_train_step
 from jfleet.auto_parallel import ToDistributedConfig, get_plan, to_distributed
+from jfleet.checkpoint import layout
+from jfleet.checkpoint.state_dict import load_model, save_model
 from jfleet.models import lm_batches, lm_loss
 from jfleet.models.llama import TinyLlama
 from jfleet.testing import assert_trees_close, train_one_device
@@ -35,6 +37,10 @@ STEPS = 3
 
 def factory() -> TinyLlama:
     return TinyLlama(vocab=64, width=32, heads=8, kv_heads=4, layers=4, seed=3)
+
+
+def other_seed() -> TinyLlama:
+    return TinyLlama(vocab=64, width=32, heads=8, kv_heads=4, layers=4, seed=5)
 
 
 def _created(config: ToDistributedConfig, monkeypatch) -> tuple:
@@ -100,3 +106,46 @@ def test_what_cannot_be_created_is_an_error_naming_the_fix():
         to_distributed(lambda: {"w": 1}, optax.adam(1e-2), lm_batches(1))
     with pytest.raises(TypeError, match="model is a int, neither an nnx.Module nor a function"):
         to_distributed(3, optax.adam(1e-2), lm_batches(1))
+
+
+def test_a_checkpoint_from_another_mesh_loads_into_created_models_never_whole(
+    tmp_path, monkeypatch
+):
+    """Saved at dp2 x mp4, loaded into ZeRO-3 over sharding8 and into dp2 x pp2 x mp2
+    (stacked by stage): every restored array is read into its own layout (a pipelined
+    layer onto its stage's devices only, split as the plan splits it), and the values are
+    the saved ones."""
+    fleet._fleet._reset()
+    saved_config = ToDistributedConfig(force_mesh={"dp": 2, "mp": 4})
+    saved, _, _ = to_distributed(other_seed, optax.adam(1e-2), lm_batches(1), config=saved_config)
+    save_model(tmp_path / "ckpt", saved)
+    want = values(saved)
+
+    for mesh, zero in [({"sharding": 8}, 3), ({"dp": 2, "pp": 2, "mp": 2}, None)]:
+        fleet._fleet._reset()
+        config = ToDistributedConfig(force_mesh=mesh, zero_stage=zero)
+        model, _, _ = to_distributed(factory, optax.adam(1e-2), lm_batches(1), config=config)
+        restored: list[dict] = []
+        running_values = layout.running_values
+
+        def spy(model, obj, arrays, restored=restored, running_values=running_values):
+            restored.append(dict(arrays))
+            running_values(model, obj, arrays)
+
+        monkeypatch.setattr(layout, "running_values", spy)
+        load_model(tmp_path / "ckpt", model)
+        monkeypatch.undo()
+
+        running = values(model)
+        for k, v in want.items():
+            np.testing.assert_array_equal(running[k], v, err_msg=f"{mesh}: {k}")
+        arrays = {k: v for part in restored for k, v in part.items() if k in want}
+        assert arrays.keys() == want.keys()
+        for key, array in arrays.items():
+            shard = array.sharding.shard_shape(array.shape)
+            assert all(s.data.shape == shard for s in array.addressable_shards), key
+        if "pp" in mesh:  # each stacked layer on its stage's 4 devices alone
+            layers = [a for k, a in arrays.items() if k.startswith("layers.")]
+            assert layers and all(len(a.sharding.device_set) == 4 for a in layers)
+        split = [k for k, a in arrays.items() if a.sharding.shard_shape(a.shape) != a.shape]
+        assert len(split) >= len(arrays) // 2, f"{mesh}: few restored arrays are split {split}"
