@@ -200,3 +200,18 @@ def test_resume_rejects_a_save_step_outside_the_run():
     proc = run_example("resume.py", "--steps", "4", "--save-at", "4")
     assert proc.returncode == 2, proc.stderr  # argparse's usage error, before any training
     assert "--save-at=4 with --steps=4" in proc.stderr and "1 <= --save-at < --steps" in proc.stderr
+
+
+def test_bigger_than_one_device_is_created_split_loaded_and_trained():
+    out = check_ok(run_example("bigger_than_one_device.py"))
+    state, budget = map(float, re.search(r"state ([\d.]+) MiB; budget ([\d.]+) MiB", out).groups())
+    assert budget < state / 2, out
+    layout, predicted = re.search(
+        r"^layout: (.+); predicted ([\d.]+) MiB/device$", out, re.M
+    ).groups()
+    assert float(predicted) <= budget, out
+    assert re.search(
+        rf"^loaded into {re.escape(layout)}: largest \|loaded - saved\| = 0$", out, re.M
+    )
+    first, last = map(float, re.search(r"^loss ([\d.]+) -> ([\d.]+)$", out, re.M).groups())
+    assert last < first, out
