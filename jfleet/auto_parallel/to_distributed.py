@@ -568,11 +568,6 @@ def _scan_problem(
     if not plan.blocks or plan.mesh_shape[PP] > 1:
         return ""
     problem = _BLOCK_PROBLEMS.pop(model, None)
-    if plan.zero_stage >= 3:  # measured: temp 1.38x unrolled (TinyLlama, sharding4 x mp2)
-        problem = (
-            "ZeRO-3: the step gathers every parameter at its start, and a scanned stack is "
-            "one array, so the whole gathered stack would stay live through the step"
-        )
     if problem is None:  # a given plan: the forward was not traced
         inputs, fwd = _model_call(first, forward)
         call = (lambda: fwd(model, inputs)) if fwd is not None else (lambda: model(inputs))

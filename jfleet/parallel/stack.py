@@ -54,6 +54,7 @@ from jax import lax
 
 from jfleet.mesh.topology import PP
 from jfleet.parallel.alike import block_period, first_difference, first_mismatch
+from jfleet.parallel.layer_gather import Pair, gather_tree
 from jfleet.parallel.stage_io import (
     CARRIED,
     SHARED,
@@ -336,6 +337,7 @@ def run_layers(
     remat_interval: int = 0,
     after: Callable[[Any], Any] | None = None,
     remat_policy: Callable[..., bool] | None = None,
+    gathers: list[Pair | None] | None = None,
 ) -> Any:
     """``x`` through the layers whose parameters are ``params`` (leaves ``[n, ...]``).
 
@@ -358,6 +360,10 @@ def run_layers(
       remat_policy: the ``jax.checkpoint`` saving policy of the recomputed groups (None:
         save nothing, recompute all; ``jax.checkpoint_policies.dots_saveable``: keep the
         matmul outputs, recompute only the cheap elementwise work).
+      gathers: ZeRO's per-layer gather (FSDP): per leaf of one unit's parameters (in
+        ``jax.tree.leaves`` order), None or the (tensor-parallel, ZeRO) layouts of
+        :func:`jfleet.parallel.layer_gather.unit_shardings`: the unit's slice is gathered
+        inside the loop body and its gradient reduce-scattered there.
 
     Returns:
       The last layer's output.
@@ -375,6 +381,8 @@ def run_layers(
 
     def one(h: Any, w: Any) -> tuple[Any, None]:
         y = h
+        if gathers is not None:
+            w = gather_tree(w, gathers)
         for layer in _steps(nnx.merge(graphdef, w)):
             y = layer(y, *args, **kwargs)
             y = y if after is None else after(y)

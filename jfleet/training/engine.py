@@ -59,6 +59,7 @@ from flax import nnx
 from jfleet.mesh import context as _context
 from jfleet.mesh.placement import Placement, resolve_placement
 from jfleet.optim.loss_scale import finite_flags, floating_leaves
+from jfleet.parallel import layer_gather
 from jfleet.parallel.loss import scalar_loss
 from jfleet.precision.nonfinite import Guard, check_mode, leaf_names
 from jfleet.runtime import interrupts, watchdog
@@ -410,15 +411,25 @@ class TrainStep(_Step):
         names: list[str] = []
         wrt = optimizer.wrt
         scaled = optimizer.has_loss_scaling
-        grad_shardings = gathered = None
+        grad_shardings = gathered = outside = None
+        comm, local = optimizer.communication, optimizer.localsgd
+        # ZeRO-2 / 3 stacks gather per layer in the step's one program (not under the
+        # replicas' shard_map of a communication hook or LocalSGD)
+        per_layer = placement if comm is None and local is None else None
         if placement.zero_stage >= 2:
-            params = nnx.state(nnx.merge(model_def, model_state), wrt)
+            merged = nnx.merge(model_def, model_state)
+            params = nnx.state(merged, wrt)
             grad_shardings = placement.param_shardings(params, zero=True)
         if placement.zero_stage >= 3:
             # ZeRO-3 keeps parameters sharded between steps and gathers them (to their
             # tensor-parallel layout) for the step; left to itself GSPMD may keep them
-            # sharded and all-reduce activations instead, which costs far more.
-            gathered = placement.param_shardings(params, zero=False)
+            # sharded and all-reduce activations instead, which costs far more. Stacked
+            # blocks that gather per layer (FSDP, layer_gather) are left split: only the
+            # parameters outside them are gathered here.
+            if per_layer is not None:
+                outside = layer_gather.outside_gathers(placement, merged, params)
+            if outside is None:
+                gathered = placement.param_shardings(params, zero=False)
         # The step takes and returns the state as one flat list of arrays (the model's,
         # then the optimizer's), so a call flattens no State and installs by position.
         model_tree = jax.tree.structure(model_state)
@@ -428,7 +439,6 @@ class TrainStep(_Step):
         batch_sh = _shardings(batch)
         replicated = placement.named(jax.sharding.PartitionSpec())
 
-        comm, local = optimizer.communication, optimizer.localsgd
         if comm is not None or local is not None:
             check_supported(placement, _switches(optimizer))
 
@@ -436,7 +446,10 @@ class TrainStep(_Step):
             if gathered is not None:
                 params = nnx.state(model, wrt)
                 nnx.update(model, jax.lax.with_sharding_constraint(params, gathered))
-            loss, aux = _split_loss(loss_fn(model, batch))
+            if outside is not None:
+                nnx.update(model, layer_gather.gather_tree(nnx.state(model, wrt), outside))
+            with layer_gather.per_layer(per_layer):  # ZeRO-2 / 3: stacks gather per layer
+                loss, aux = _split_loss(loss_fn(model, batch))
             return loss * scale, (loss, aux)
 
         def step(leaves, batch):

@@ -133,8 +133,9 @@ def test_llama_trains_like_one_device(mesh, zero):
         assert spec_of(q) == P("pp", None, None, "mp")
     elif isinstance(model.layers, ScannedBlocks):  # one scan over the stacked blocks
         q = model.layers.body.self_attn.q_proj.kernel[...]
-        assert q.shape == (1, 2, 32, 32) and zero != 3  # ZeRO-3 keeps the blocks unrolled
-        assert spec_of(q) == P(None, None, *plan.specs["layers.0.self_attn.q_proj.kernel"])
+        assert q.shape == (1, 2, 32, 32)
+        want = plan.zero_specs if zero == 3 else plan.specs  # ZeRO-3: split between steps
+        assert spec_of(q) == P(None, None, *want["layers.0.self_attn.q_proj.kernel"])
     else:
         q = model.layers[0].self_attn.q_proj.kernel[...]
         want = plan.zero_specs if zero == 3 else plan.specs
@@ -143,7 +144,7 @@ def test_llama_trains_like_one_device(mesh, zero):
             assert "mp" in jax.tree.leaves(tuple(spec_of(q)))
     if zero:
         moments = [
-            x for x in jax.tree.leaves(nnx.state(opt)) if getattr(x, "shape", ()) == (32, 32)
+            x for x in jax.tree.leaves(nnx.state(opt)) if getattr(x, "shape", ())[-2:] == (32, 32)
         ]
         assert moments and all("sharding" in str(spec_of(x)) for x in moments)
         assert optimizer_layouts(model) == planned_optimizer_layouts(plan, model)

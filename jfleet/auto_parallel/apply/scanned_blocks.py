@@ -52,12 +52,12 @@ from jax.sharding import Mesh
 from jfleet.auto_parallel.apply.blocks import SequenceConstraint
 from jfleet.auto_parallel.match.block_extras import BlockOutputs, handing, on_activation
 from jfleet.auto_parallel.match.matched import module_at
-from jfleet.parallel import stack
+from jfleet.parallel import layer_gather, stack
 
 __all__ = ["ScannedBlocks", "scan_blocks"]
 
 
-class ScannedBlocks(nnx.Module):
+class ScannedBlocks(nnx.Module, layer_gather.GathersLayers):
     """Stands in for a list of alike blocks and runs them with one ``lax.scan``.
 
     Iterating yields a single callable, :meth:`run`, so ``for layer in blocks: x =
@@ -151,6 +151,10 @@ class ScannedBlocks(nnx.Module):
         outputs = self.outputs
         graphdef, state = nnx.split(self.body)
         params = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), nnx.to_pure_dict(state))
+        # ZeRO-2 / 3 inside a training step: each block gathers its own weights and
+        # reduce-scatters its gradient in the loop body (FSDP; jfleet.parallel.layer_gather)
+        placement = layer_gather.current()
+        gathers = None if placement is None else layer_gather.unit_shardings(placement, state, 2)
         after = None if self.seq_axes is None else SequenceConstraint(self.mesh, self.seq_axes)
         y = stack.run_layers(
             graphdef,
@@ -161,6 +165,7 @@ class ScannedBlocks(nnx.Module):
             remat_interval=1,
             after=on_activation(after, outputs),
             remat_policy=self._policy(),
+            gathers=gathers,
         )
         return y if outputs is None else outputs.returned(y)
 

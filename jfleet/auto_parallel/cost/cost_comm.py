@@ -136,6 +136,15 @@ def _one_call_reduction(s: StepShape, coll: dict[str, float]) -> float:
     # are one per parameter leaf, as the step holds them (stacked when the blocks are
     # scanned or pipelined): XLA combines all-reduces, not these (measured: 13
     # all-gathers scanned, 39 unrolled, TinyLlama 4 blocks)
+    if lay.zero_stage >= 3 and s.per_layer:
+        # each block gathers its weights in the forward loop and again in the backward's
+        # (recomputed or not: the loop body saves matmul outputs, not gathered weights),
+        # one all-gather per block parameter per iteration; the rest once
+        outside_leaves, block_leaves = s.leaf_counts
+        coll["all_gather"] += s.outside_tp + 2 * s.block_tp
+        t_dp += outside_leaves * lat + ring_bytes("all-gather", s.outside_tp, shard) / bw_shard
+        t_dp += 2 * (block_leaves * lat + ring_bytes("all-gather", s.block_tp, shard) / bw_shard)
+        return t_dp
     gathers = 2 if (lay.zero_stage >= 3 and s.remat_waits) else 1
     coll["all_gather"] += gathers * s.tp_bytes
     leaves = stored_leaves(s.leaf_counts, s.stage_blocks, stacked=s.piped or s.scanned)

@@ -58,6 +58,14 @@ _FTHENB_KEPT = 0.5
 #: Fitted on XLA:CPU (TinyLlama, 2-4 blocks, dp8, dp2 x mp4, ZeRO-2 dp2 x sharding4):
 #: 0.12-0.53 keeps all within 25%.
 _SCANNED_KEPT = 0.4
+#: ZeRO-3 on scanned blocks: blocks' gathered weights live at once. Each loop body
+#: gathers one block's (the backward's once, for its recompute and its matmuls), and the
+#: parameters outside the blocks are gathered where they are used (the embedding before
+#: the loop, the head after it), so the peak holds the larger of one block and the rest:
+#: TinyLlama (widths 128 / 256, 4 / 16 blocks, sharding8 and sharding4 x mp2, recompute on
+#: and off) 0.88-1.16 of the compiled step on XLA:CPU; counting both, or two blocks, gave
+#: up to 1.37. A GPU scheduler that prefetches the next block's gather holds one more.
+_PER_LAYER_GATHERED = 1
 
 
 def per_layer_elems(s: StepShape) -> float:
@@ -143,8 +151,9 @@ def activation_bytes(s: StepShape) -> int:
     activations = int((_layer_acts(s, per_layer_elems(s)) + s.head_tokens * outside) * s.act_bytes)
     if s.piped or s.scanned:
         # the backward loop carries the stacked blocks' gradients, accumulated over its
-        # iterations, while the residuals are live
-        activations += s.block_tp
+        # iterations, while the residuals are live (split over the ZeRO axis when each
+        # block reduce-scatters its own)
+        activations += s.block_tp // s.layout.sharding if s.per_layer else s.block_tp
     if s.piped:
         # the stack holds its replica's whole input and outputs (forward), its output's
         # cotangents and its input's (backward), split over mp
@@ -156,14 +165,16 @@ def memory(s: StepShape) -> Memory:
     """Predicted bytes per device: resident state, gradients, gathered weights, activations."""
     stage = s.layout.zero_stage
     gathered = 0
-    if stage >= 3:
+    if stage >= 3 and s.per_layer:  # the blocks gathered one at a time in their loop
+        gathered = max(s.outside_tp, _PER_LAYER_GATHERED * s.one_block_tp)
+    elif stage >= 3:
         gathered = s.outside_tp + (s.one_block_tp if s.remat_waits else s.block_tp)
     return Memory(
         params=s.z_bytes if stage >= 3 else s.tp_bytes,
         optimizer=optimizer_bytes(s),
         inputs=2 * s.tokens_live * 4,  # one call's token ids and labels, int32
         grads=gradient_bytes(s),
-        grad_copies=2 if s.profile.whole_grad_temp else 1,
+        grad_copies=2 if s.profile.whole_grad_temp and not s.per_layer else 1,
         gathered=gathered,
         activations=activation_bytes(s),
     )
@@ -194,6 +205,9 @@ def gradient_bytes(s: StepShape) -> int:
     with the reduction's output (``Memory.grad_copies``). Else it is reduce-scattered as
     it is produced: at ZeRO-2 / 3 the shard stays, with one block's gradient in flight.
     """
+    if s.per_layer:  # the program reduce-scatters each block's gradient in its loop
+        outside = s.outside_tp // s.layout.sharding if s.layout.zero_stage >= 3 else s.outside_tp
+        return outside + s.block_tp // s.layout.sharding + s.one_block_tp
     if s.profile.whole_grad_temp or s.layout.zero_stage < 2:
         return s.tp_bytes
     return s.tp_bytes // s.layout.sharding + s.one_block_tp

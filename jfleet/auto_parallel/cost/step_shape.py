@@ -68,7 +68,7 @@ class StepShape:
       scores_materialised: whether the traced attention materialises its ``s x s``
         scores (:func:`~jfleet.auto_parallel.match.attention_trace.scores_materialised`).
       piped, staged, scanned, rows_over_pp, remat_waits, recompute: the program run
-        (see the cost model's docstring).
+        (see the cost model's docstring); :attr:`per_layer` follows from them.
       selective: selective recompute (:attr:`~jfleet.auto_parallel.search.layouts.Layout.
         selective_recompute`); selective_waits: its recomputation waits for the backward
         pass (scanned blocks, or a compiler that keeps ``jax.checkpoint``'s barriers).
@@ -111,6 +111,13 @@ class StepShape:
     v: int
     chunk_blocks: float
     vocab: int
+
+    @property
+    def per_layer(self) -> bool:
+        """ZeRO-2 / 3 on scanned blocks: each block gathers its weights inside the loop
+        (ZeRO-3) and reduce-scatters its gradient there (:mod:`jfleet.parallel.
+        layer_gather`), so no whole gathered stack or whole-size gradient exists."""
+        return self.scanned and self.layout.zero_stage >= 2
 
     @property
     def dims(self) -> ModelDims:
@@ -281,7 +288,6 @@ def step_shape(
         and scan_layers
         and bool(patterns.blocks)
         and len(patterns.stacks) <= 1  # several stacks run unrolled (not one scan)
-        and layout.zero_stage < 3
     )
     return StepShape(
         patterns=patterns,

@@ -1,0 +1,170 @@
+"""ZeRO-3 as FSDP: a stacked layer's weights are gathered where the layer runs, and its
+gradient is reduce-scattered there.
+
+Under ZeRO-3 the training step used to gather every parameter (to its tensor-parallel
+layout) at its start, so a scanned stack of ``L`` layers was live whole through the
+step and its gradient was whole-size until the final reduction: temp memory measured 3x
+the whole model's parameters at 4 and at 16 layers (issue 37). Here each layer of a
+stack gathers its own slice inside the loop body instead:
+
+* forward: the ``[...]`` slice of one layer is constrained to its tensor-parallel layout
+  (an all-gather over the ZeRO axis), used, and dropped;
+* backward: the layer's gradient is constrained to its ZeRO layout (a reduce-scatter;
+  all-reduce + slice on XLA:CPU) before it leaves the loop body, so the stacked gradient
+  the backward loop writes is already split;
+* the backward needs the gathered weights again: under recompute they are re-gathered by
+  construction; without it the loop body saves its matmul outputs
+  (``dots_saveable``), not the gathered weights, so they are re-gathered too.
+
+ZeRO-2 uses the same rule with an identity forward (the parameters are not split): only
+the gradient is reduce-scattered per layer, so no whole-size gradient of the stack exists.
+
+The engine (:mod:`jfleet.training.engine`) turns this on while it traces a ZeRO-2 / 3
+step (:func:`per_layer`); a module that runs stacked layers and gathers them
+(:class:`GathersLayers`, e.g. ``to_distributed``'s scanned blocks) reads the placement
+with :func:`current` and the pairs of layouts with :func:`unit_shardings`, and passes
+them to :func:`jfleet.parallel.stack.run_layers`. Parameters outside such modules (the
+embedding, the head) are gathered by the engine at the step's start as before, through
+:func:`gather` so their gradients are split the same way.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from jax.sharding import NamedSharding, PartitionSpec as P
+  >>> mesh = jax.make_mesh((8,), ("sharding",))
+  >>> w = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("sharding")))
+  >>> full, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("sharding"))
+  >>> g = jax.jit(jax.grad(lambda w: gather(w, full, shard).sum()))(w)
+  >>> g.sharding.spec
+  PartitionSpec('sharding',)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+from flax import nnx
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jfleet.mesh.placement import Placement
+
+__all__ = [
+    "GathersLayers",
+    "current",
+    "gather",
+    "gather_tree",
+    "outside_gathers",
+    "per_layer",
+    "unit_shardings",
+]
+
+#: (full, shard): a layer's tensor-parallel layout and its ZeRO layout, per leaf.
+Pair = tuple[NamedSharding, NamedSharding]
+
+_PLACEMENT: contextvars.ContextVar[Placement | None] = contextvars.ContextVar(
+    "jfleet_layer_gather", default=None
+)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def gather(x: jax.Array, full: NamedSharding, shard: NamedSharding) -> jax.Array:
+    """``x`` laid out as ``full`` (an all-gather over the ZeRO axis); its cotangent laid
+    out as ``shard`` (a reduce-scatter) in the backward pass."""
+    return lax.with_sharding_constraint(x, full)
+
+
+def _gather_fwd(x: jax.Array, full: NamedSharding, shard: NamedSharding) -> tuple:
+    return gather(x, full, shard), None
+
+
+def _gather_bwd(full: NamedSharding, shard: NamedSharding, _: None, ct: jax.Array) -> tuple:
+    return (lax.with_sharding_constraint(ct, shard),)
+
+
+gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+class GathersLayers:
+    """Marks a module whose stacked layers gather their own weights under ZeRO-2 / 3 (the
+    engine leaves its parameters split; the module calls :func:`unit_shardings`)."""
+
+
+@contextlib.contextmanager
+def per_layer(placement: Placement | None) -> Iterator[None]:
+    """While tracing a step: stacked layers gather per layer under ``placement``'s ZeRO
+    (nothing for None or ZeRO stage < 2)."""
+    if placement is not None and placement.zero_stage < 2:
+        placement = None
+    token = _PLACEMENT.set(placement)
+    try:
+        yield
+    finally:
+        _PLACEMENT.reset(token)
+
+
+def current() -> Placement | None:
+    """The placement stacked layers gather under now (None: outside a ZeRO-2 / 3 step)."""
+    return _PLACEMENT.get()
+
+
+def unit_shardings(placement: Placement, state: nnx.State, lead: int) -> list[Pair | None]:
+    """Per leaf of ``state`` (stacked parameters, ``lead`` leading stack dimensions), in
+    ``jax.tree.leaves`` order: the layouts one layer's slice is gathered to and its
+    gradient scattered to. None where ZeRO does not split the leaf, or splits it along a
+    stack dimension (no per-layer gather is possible; the leaf runs as laid out).
+
+    ZeRO-2 gathers nothing: its ``full`` is the parameter's own layout.
+    """
+    tp = jax.tree.leaves(placement.param_shardings(state, zero=False))
+    zero = jax.tree.leaves(placement.param_shardings(state, zero=True))
+    pairs: list[Pair | None] = []
+    for whole, split in zip(tp, zero, strict=True):
+        full, shard = _inner(whole.spec, lead), _inner(split.spec, lead)
+        if full is None or shard is None or full == shard:
+            pairs.append(None)
+            continue
+        pairs.append((placement.named(full), placement.named(shard)))
+    return pairs
+
+
+def outside_gathers(
+    placement: Placement, model: nnx.Module, params: nnx.State
+) -> list[Pair | None] | None:
+    """What the engine gathers at a ZeRO-3 step's start when ``model`` holds stacks that
+    gather per layer (:class:`GathersLayers`): per leaf of ``params`` (``nnx.state(model,
+    wrt)``, in ``jax.tree.leaves`` order), the (tensor-parallel, ZeRO) layouts of a
+    parameter outside those stacks (the embedding, the head; None where ZeRO leaves it
+    whole), None for one inside. None when ``model`` holds no such stack (the engine then
+    gathers every parameter at the start, as before).
+    """
+    stacks = [path for path, node in nnx.iter_graph(model) if isinstance(node, GathersLayers)]
+    if not stacks:
+        return None
+    tp = jax.tree.leaves(placement.param_shardings(params, zero=False))
+    zero = jax.tree.leaves(placement.param_shardings(params, zero=True))
+    pairs: list[Pair | None] = []
+    for (path, _), full, shard in zip(nnx.to_flat_state(params), tp, zero, strict=True):
+        inside = any(path[: len(s)] == s for s in stacks)
+        pairs.append(None if inside or full == shard else (full, shard))
+    return pairs
+
+
+def gather_tree(tree: Any, pairs: list[Pair | None]) -> Any:
+    """``tree``'s leaves through :func:`gather` where ``pairs`` (one per leaf) gives layouts."""
+    leaves, treedef = jax.tree.flatten(tree)
+    out = [x if p is None else gather(x, *p) for x, p in zip(leaves, pairs, strict=True)]
+    return jax.tree.unflatten(treedef, out)
+
+
+def _inner(spec: P, lead: int) -> P | None:
+    """``spec`` without its ``lead`` stack entries; None if one of those is split."""
+    entries = tuple(spec)
+    if any(e is not None for e in entries[:lead]):
+        return None
+    return P(*entries[lead:])
