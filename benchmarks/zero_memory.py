@@ -2,7 +2,17 @@
 
 Run from the repository root (8 emulated CPU devices; about two minutes on 2 cores)::
 
-    python benchmarks/zero_memory.py            # prints the tables, writes benchmarks/RESULTS.md
+    python benchmarks/zero_memory.py               # prints the tables, writes benchmarks/RESULTS.md
+    python benchmarks/zero_memory.py --only-depth  # the depth table alone
+
+First, the depth table (issue 37): ``to_distributed`` on a TinyLlama whose blocks it scans,
+at 4 and 16 blocks, recompute on and off, DP against ZeRO-2 and ZeRO-3 over ``sharding`` 8:
+the compiled step's argument and temp bytes, the collectives inside the layer loops (ZeRO-3
+gathers one block at a time and reduce-scatters its gradient there,
+:mod:`jfleet.parallel.layer_gather`), temp's growth with depth against the issue's bound,
+and the cost model's prediction under the ``cpu`` and ``h100`` profiles.
+
+Then the ZeRO paper's comparison:
 
 For each configuration (DP over 8 devices; ZeRO-1, -2, -3 over a sharding axis of 4 with dp 2,
 and over a sharding axis of 8) it trains a GPT-shaped :class:`jfleet.models.TinyLM` with
@@ -528,6 +538,192 @@ def render(results: list[Result], workload: Workload, header: list[str]) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------ depth (issue 37)
+#: The depth table's layouts: (name, force_mesh, ZeRO stage).
+DEPTH_CONFIGS = (
+    ("DP (dp 8)", {"dp": 8}, 0),
+    ("ZeRO-2 (sharding 8)", {"sharding": 8}, 2),
+    ("ZeRO-3 (sharding 8)", {"sharding": 8}, 3),
+)
+DEPTH_LAYERS = (4, 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class DepthWorkload:
+    """``TinyLlama(vocab, width, heads, kv_heads=heads, hidden, layers)``, scanned by
+    ``to_distributed``; ``batch x seq`` tokens."""
+
+    vocab: int = 512
+    width: int = 256
+    heads: int = 4
+    hidden: int = 512
+    batch: int = 16
+    seq: int = 64
+
+    def model(self, layers: int) -> Any:
+        from jfleet.models.llama import TinyLlama
+
+        return TinyLlama(
+            vocab=self.vocab, width=self.width, heads=self.heads, hidden=self.hidden,
+            layers=layers,
+        )  # fmt: skip
+
+    @property
+    def block_bytes(self) -> int:
+        """fp32 bytes of one block: q, k, v, o, gate, up, down, two norms."""
+        w = self.width
+        return 4 * (4 * w * w + 3 * w * self.hidden + 2 * w)
+
+    def saved_bytes(self, recompute: bool) -> int:
+        """Bytes one block saves for the backward pass, per device (8 data ranks): its input
+        under full recompute; else its matmul outputs (q, k, v, scores, p @ v, o, gate, up,
+        down; ``dots_saveable``)."""
+        tokens = self.batch * self.seq // 8
+        if recompute:
+            return 4 * tokens * self.width
+        w = self.width
+        return 4 * tokens * (3 * w + self.heads * self.seq + 2 * w + 2 * self.hidden + w)
+
+
+@dataclasses.dataclass
+class DepthRow:
+    """One compiled step of the depth table."""
+
+    name: str
+    layers: int
+    recompute: bool
+    argument: int
+    temp: int
+    loop_gathers: int
+    loop_scatters: int
+    outside_gathers: int
+    predicted: dict[str, int]
+
+
+def depth_row(
+    workload: DepthWorkload, name: str, mesh: dict, stage: int, layers: int, recompute: bool
+) -> DepthRow:
+    """``to_distributed`` at ``mesh`` / ``stage``, the engine's step compiled (not run)."""
+    from jfleet.auto_parallel import (
+        ToDistributedConfig,
+        estimate,
+        get_plan,
+        get_profile,
+        match_patterns,
+        to_distributed,
+    )
+    from jfleet.auto_parallel import Workload as PlanWorkload
+    from jfleet.models import lm_loss as llama_loss
+
+    data = lm_batches(1, batch=workload.batch, seq=workload.seq, vocab=workload.vocab)
+    config = ToDistributedConfig(force_mesh=mesh, zero_stage=stage, recompute=recompute)
+    model, opt, loader = to_distributed(
+        workload.model(layers), make_tx(), data, device_num=8, config=config
+    )
+    layout = get_plan(model).chosen.layout
+    compiled = make_train_step(llama_loss).lower(model, opt, next(iter(loader))).compile()
+    m = compiled.memory_analysis()
+    found = hlo.collectives(compiled.as_text())
+    loop = [c for c in found if c.weight == layers]
+    patterns = match_patterns(workload.model(layers))
+    plan_workload = PlanWorkload(batch_size=workload.batch, seq_len=workload.seq)
+    predicted = {
+        profile: estimate(
+            patterns, plan_workload, layout, get_profile(profile), devices_per_node=8
+        ).memory.total
+        for profile in ("cpu", "h100")
+    }
+    fleet._reset()
+    return DepthRow(
+        name=name,
+        layers=layers,
+        recompute=recompute,
+        argument=m.argument_size_in_bytes,
+        temp=m.temp_size_in_bytes,
+        loop_gathers=sum(c.bytes for c in loop if c.kind == "all-gather"),
+        loop_scatters=sum(c.sliced_bytes + (c.bytes if c.kind == "reduce-scatter" else 0)
+                          for c in loop if c.kind in ("all-reduce", "reduce-scatter")),
+        outside_gathers=sum(c.bytes for c in found if c.kind == "all-gather" and c.weight == 1),
+        predicted=predicted,
+    )  # fmt: skip
+
+
+def run_depth(workload: DepthWorkload, log: Callable[[str], None]) -> list[DepthRow]:
+    """Every depth-table row: each layout, recompute on and off, at each depth."""
+    rows = []
+    for name, mesh, stage in DEPTH_CONFIGS:
+        for recompute in (True, False):
+            for layers in DEPTH_LAYERS:
+                log(f"{name}, {layers} layers, recompute={recompute}")
+                rows.append(depth_row(workload, name, mesh, stage, layers, recompute))
+    return rows
+
+
+def render_depth(rows: list[DepthRow], workload: DepthWorkload, header: list[str]) -> str:
+    """The depth table: the compiled step at 4 and 16 layers, and issue 37's bounds."""
+    shallow, deep = DEPTH_LAYERS
+    block = workload.block_bytes
+    lines = ["## ZeRO as the layer loop keeps it: 4 and 16 scanned blocks (issue 37)", ""]
+    lines += header
+    lines += [
+        f"- model: `TinyLlama(vocab={workload.vocab}, width={workload.width}, "
+        f"heads={workload.heads}, hidden={workload.hidden})`, blocks scanned by "
+        f"`to_distributed`; one block {_mib(block)} MiB fp32; batch {workload.batch} x "
+        f"{workload.seq}; fp32 Adam; the engine's step compiled, `memory_analysis()` per "
+        "device (MiB)",
+        "- loop all-gather / reduce-scatter: bytes of the collectives inside the layer loops "
+        "(trip count = blocks; a reduce-scatter is XLA:CPU's all-reduce read through a "
+        "slice), per block; outside: all-gathers run once per step",
+        "- predicted: the cost model's peak for the same layout (`cpu` / `h100` profile) "
+        "over the compiled argument + temp",
+        "",
+        "| config | blocks | recompute | argument | temp | argument + temp | / DP's "
+        "| loop all-gather per block | loop reduce-scatter per block | outside all-gather "
+        "| predicted cpu | predicted h100 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    dp = {(r.layers, r.recompute): r for r in rows if r.name.startswith("DP")}
+    for r in rows:
+        peak = r.argument + r.temp
+        base = dp[(r.layers, r.recompute)]
+        lines.append(
+            f"| {r.name} | {r.layers} | {'on' if r.recompute else 'off'} | {_mib(r.argument)} "
+            f"| {_mib(r.temp)} | {_mib(peak)} | {_ratio(peak, base.argument + base.temp)} "
+            f"| {_mib(r.loop_gathers / r.layers)} | {_mib(r.loop_scatters / r.layers)} "
+            f"| {_mib(r.outside_gathers)} | {_ratio(r.predicted['cpu'], peak)} "
+            f"| {_ratio(r.predicted['h100'], peak)} |"
+        )
+    lines += [
+        "",
+        f"Growth of temp from {shallow} to {deep} blocks against issue 37's bound, 1.25 x "
+        "(the added blocks' saved activations + two gathered blocks; ZeRO-2 without the "
+        "gathered blocks), saved activations per block as "
+        "`DepthWorkload.saved_bytes` counts them:",
+        "",
+        "| config | recompute | temp growth | added saved activations | bound | within |",
+        "|---|---|---|---|---|---|",
+    ]
+    by = {(r.name, r.layers, r.recompute): r for r in rows}
+    for name, _, stage in DEPTH_CONFIGS:
+        if not stage:
+            continue
+        for recompute in (True, False):
+            growth = by[(name, deep, recompute)].temp - by[(name, shallow, recompute)].temp
+            saved = (deep - shallow) * workload.saved_bytes(recompute)
+            bound = 1.25 * (saved + (2 * block if stage >= 3 else 0))
+            lines.append(
+                f"| {name} | {'on' if recompute else 'off'} | {_mib(growth)} | {_mib(saved)} "
+                f"| {_mib(bound)} | {_yes(growth <= bound)} |"
+            )
+    lines += [
+        "",
+        "ZeRO-2's temp also grows by each added block's gradient shard (1/8 of a block) and "
+        "the optimizer update of it: ZeRO-2's own state, which its bound leaves out.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs every configuration, prints the report and writes it to ``--out``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -535,13 +731,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per program")
     parser.add_argument("--repeats", type=int, default=10, help="timed steps per program")
     parser.add_argument("--no-timing", action="store_true", help="skip the step times")
+    parser.add_argument(
+        "--only-depth", action="store_true", help="only the depth table (issue 37's ZeRO)"
+    )
     args = parser.parse_args(argv)
     if jax.device_count() < 8:
         print(f"need 8 devices, have {jax.device_count()}", file=sys.stderr)
         return 1
+    start = time.perf_counter()
+    command = "python benchmarks/zero_memory.py" + (" " + " ".join(argv or sys.argv[1:])).rstrip()
+
+    def log_depth(message: str) -> None:
+        print(f"[depth] {message} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+
+    depth = DepthWorkload()
+    depth_report = render_depth(run_depth(depth, log_depth), depth, environment(command))
+    print(depth_report)
+    write_section("zero_depth", depth_report, args.out)
+    if args.only_depth:
+        return 0
     workload = Workload()
     results = []
-    start = time.perf_counter()
     for i, config in enumerate(CONFIGS, 1):
         prefix = f"[{i}/{len(CONFIGS)}] {config.name}:"
 
@@ -558,7 +768,6 @@ def main(argv: list[str] | None = None) -> int:
                 log=log,
             )
         )
-    command = "python benchmarks/zero_memory.py" + (" " + " ".join(argv or sys.argv[1:])).rstrip()
     report = render(results, workload, environment(command))
     print(report)
     write_section("zero_memory", report, args.out)
