@@ -114,10 +114,10 @@ def _layer_acts(s: StepShape, per_layer: float) -> float:
     # saved; 1F1B (and FThenB with recompute, the same program) stashes each
     # micro-batch's stage input and recomputes the stage in its own backward loop.
     # Without a pipeline, alike blocks run as one lax.scan (scanned_blocks.ScannedBlocks;
-    # not at ZeRO-3, not when they cannot be stacked). One block's backward working set on
-    # one micro-batch: in a loop over more than one block the residual stack of the blocks
-    # and the slice the backward reads add one more (measured on XLA:CPU: (blocks + 1) x
-    # per_layer; one block a stage, 1.3 x).
+    # not when they cannot be stacked; at ZeRO-3 each block gathers its own weights).
+    # One block's backward working set on one micro-batch: in a loop over more than one
+    # block the residual stack of the blocks and the slice the backward reads add one more
+    # (measured on XLA:CPU: (blocks + 1) x per_layer; one block a stage, 1.3 x).
     # A loop runs stacked units of ``period`` blocks (Gemma's local / global pairs:
     # super-blocks of 2), each unit unrolled inside; the residual stack is the chunk's
     # blocks and the slice the backward reads one unit.

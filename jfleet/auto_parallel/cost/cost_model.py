@@ -22,7 +22,11 @@ the local rows when the batch splits over the data axes x ``pp``):
   a time). At the end of the backward pass the whole local gradient (``Phi_tp``) is
   live with the reduction's output buffer: XLA materialises each device's local
   gradient before reducing it, even at ZeRO-2 (which therefore compiles to the same
-  step as ZeRO-1, see ``benchmarks/RESULTS.md``).
+  step as ZeRO-1, see ``benchmarks/RESULTS.md``). Scanned blocks at ZeRO-2 / 3 run
+  per layer instead (FSDP, :mod:`jfleet.parallel.layer_gather`): one block gathered at a
+  time (``gathered = max(Phi_outside, one block)``: the embedding and head are gathered
+  where they run, outside the loop) and each block's gradient reduce-scattered in the
+  loop (``grads = Phi_tp / N +`` one block, one copy), under every profile.
 
 **Activations** follow Korthikanti et al., *Reducing Activation Recomputation in Large
 Transformer Models* (2022): per layer and token ``34 h + 5 a s`` bytes in fp16 with
@@ -93,7 +97,9 @@ and 256, dp8 and dp2 x mp4: 0.99-1.13 of the compiled memory). The constants (1.
   ZeRO a reduce-scatter over ``sharding`` (on XLA:CPU an all-reduce plus a slice), an
   all-reduce of the shard over ``dp x sep``, and an all-gather of the parameters
   (``(n-1)/n P``): once per step at every stage (XLA gathers a ZeRO-3 parameter once and
-  reuses it in the backward; with recompute it gathers again); the pipelined blocks
+  reuses it in the backward; with recompute it gathers again; scanned blocks gather each
+  block in the forward loop and again in the backward's, recomputed or not: ``2 x`` the
+  blocks' bytes, one all-gather per block parameter per iteration); the pipelined blocks
   leave their ``shard_map`` with gradients already summed over ``dp x sharding`` (one
   all-reduce);
 * pipeline: bubble ``(P-1)/(vM+P-1)`` of the blocks' compute (``v`` chunks per stage, 1 but
@@ -242,7 +248,7 @@ def estimate(
       profile: the hardware (default ``cpu``).
       devices_per_node: devices per node (decides intra- vs inter-node links).
       scan_layers: whether alike blocks run as one ``lax.scan`` when not pipelined (as
-        ``to_distributed`` runs them when they can be stacked; not at ZeRO-3).
+        ``to_distributed`` runs them when they can be stacked; at ZeRO-3 as FSDP).
 
     Returns:
       An unranked :class:`Candidate`.
