@@ -37,9 +37,9 @@ def found():
     return match_patterns(abstract_model(SMALL))
 
 
-def _est(found, layout, profile="h100", batch=64, dtype="bfloat16", **kw):
+def _est(found, layout, profile="h100", batch=64, dtype="bfloat16", scan_layers=True, **kw):
     work = Workload(batch_size=batch, seq_len=SMALL.seq_len, dtype=dtype, **kw)
-    return estimate(found, work, layout, profile, devices_per_node=8)
+    return estimate(found, work, layout, profile, devices_per_node=8, scan_layers=scan_layers)
 
 
 def test_offline_plan_needs_no_devices_and_plans_the_cluster():
@@ -79,12 +79,18 @@ def test_named_shapes_have_their_published_sizes():
         assert MODEL_SHAPES[name].params / 1e9 == pytest.approx(billions, rel=0.01), name
 
 
-def test_zero3_divides_gradients_on_gpus_not_on_cpu(found):
+def test_zero3_divides_gradients_on_gpus_and_in_scanned_blocks(found):
+    """Scanned blocks reduce-scatter each block's gradient in the loop under every
+    profile (FSDP, one program); unrolled, XLA:CPU keeps the whole local gradient (measured)
+    and the GPU profiles count the shard."""
     z1 = Layout(sharding=8, zero_stage=1)
     z3 = Layout(sharding=8, zero_stage=3)
-    gpu1, gpu3 = _est(found, z1).memory, _est(found, z3).memory
+    for profile in ("h100", "cpu"):
+        one, three = _est(found, z1, profile).memory, _est(found, z3, profile).memory
+        assert three.grads < one.grads / 2 and three.grad_copies == 1, profile
+    gpu1, gpu3 = (_est(found, z, scan_layers=False).memory for z in (z1, z3))
     assert gpu3.grads < gpu1.grads / 2 and gpu3.grad_copies == 1
-    cpu1, cpu3 = _est(found, z1, "cpu").memory, _est(found, z3, "cpu").memory
+    cpu1, cpu3 = (_est(found, z, "cpu", scan_layers=False).memory for z in (z1, z3))
     assert cpu3.grads == cpu1.grads and cpu3.grad_copies == 2  # measured on XLA:CPU
 
 

@@ -247,21 +247,36 @@ def _llama(**kw):
     return match_patterns(nnx.eval_shape(lambda: TinyLlama(**(args | kw))))
 
 
-def _est(found, layout, work=None, profile="cpu", per_node=8):
+def _est(found, layout, work=None, profile="cpu", per_node=8, scan_layers=True):
     work = work or Workload(batch_size=16, seq_len=64)
-    return estimate(found, work, layout, get_profile(profile), devices_per_node=per_node)
+    return estimate(
+        found, work, layout, get_profile(profile), devices_per_node=per_node,
+        scan_layers=scan_layers,
+    )  # fmt: skip
 
 
 def test_zero_stages_divide_state_as_the_paper_says():
     found = _llama()
     phi = sum(p.nbytes for p in found.params)  # fp32 bytes
+    blocks = sum(p.nbytes for p in found.params if p.block is not None)
+    one_block, outside = blocks // len(found.blocks), phi - blocks
     dp = _est(found, Layout(dp=8)).memory
     z = {s: _est(found, Layout(sharding=8, zero_stage=s)).memory for s in (1, 2, 3)}
     assert dp.params == phi and dp.optimizer == 2 * phi + 4 and dp.grads == phi
     assert z[1].params == phi and z[1].optimizer == 2 * phi // 8 + 4
-    assert z[3].params == phi // 8 and z[3].gathered == phi
-    # XLA compiles ZeRO-2 to the same step as ZeRO-1 (full local gradient, then reduce)
-    assert z[2] == z[1]
+    # scanned blocks (to_distributed's default) run ZeRO-2 / 3 per block (FSDP): one
+    # block gathered at a time (the embedding and head where they run), each block's
+    # gradient reduce-scattered in the loop
+    assert z[3].params == phi // 8 and z[3].gathered == max(outside, one_block)
+    assert z[3].grads == outside // 8 + blocks // 8 + one_block and z[3].grad_copies == 1
+    assert z[2].grads == outside + blocks // 8 + one_block and z[2].params == phi
+    # unrolled, XLA:CPU gathers every parameter for the step and keeps the whole local
+    # gradient before reducing it: ZeRO-2 compiles to ZeRO-1's step
+    unrolled = {
+        s: _est(found, Layout(sharding=8, zero_stage=s), scan_layers=False).memory
+        for s in (1, 2, 3)
+    }
+    assert unrolled[3].gathered == phi and unrolled[2] == unrolled[1]
     assert _est(found, Layout(sharding=8, zero_stage=1)).collectives.total == 2 * phi
 
 

@@ -41,14 +41,21 @@ def factory() -> TinyLlama:
     return TinyLlama(vocab=64, width=32, heads=8, kv_heads=4, layers=4, seed=3)
 
 
+def wide_factory() -> TinyLlama:
+    """For ZeRO-3's scanned stack: at width 32 its 8-way shards are so small that the
+    initialisers' fixed scratch puts the creation program at 1.39 x the one-device ratio
+    (1.22 at width 64, 1.17 at 128: stacking holds a block's shards and the stack's)."""
+    return TinyLlama(vocab=64, width=64, heads=8, kv_heads=4, layers=4, seed=3)
+
+
 def other_seed() -> TinyLlama:
     return TinyLlama(vocab=64, width=32, heads=8, kv_heads=4, layers=4, seed=5)
 
 
-def _created(config: ToDistributedConfig, monkeypatch) -> tuple:
-    """``to_distributed(factory, ...)``, with each creation program's compiled memory."""
+def _created(config: ToDistributedConfig, monkeypatch, build=factory) -> tuple:
+    """``to_distributed(build, ...)``, with each creation program's compiled memory."""
     with creation_programs(monkeypatch) as programs:
-        made = to_distributed(factory, optax.adam(1e-2), lm_batches(STEPS), config=config)
+        made = to_distributed(build, optax.adam(1e-2), lm_batches(STEPS), config=config)
     return (*made, programs)
 
 
@@ -56,8 +63,11 @@ def _trains_like_one_device(model, opt, loader) -> None:
     want_model = factory()
     want_losses, _ = train_one_device(want_model, optax.adam(1e-2), lm_batches(STEPS), lm_loss)
     step = make_train_step(lm_loss)
-    losses = [float(step(model, opt, batch)) for batch in loader]
-    assert_trees_close(np.asarray(losses), np.asarray(want_losses), devices=8)
+    losses = np.asarray([float(step(model, opt, batch)) for batch in loader])
+    # under a planned gradient accumulation each call returns its micro-batch's mean loss;
+    # the batch's is their mean (equal micro-batches)
+    losses = losses.reshape(STEPS, -1).mean(axis=1)
+    assert_trees_close(losses, np.asarray(want_losses), devices=8)
     assert_trees_close(values(model), values(want_model), devices=8)
 
 
@@ -73,34 +83,38 @@ def _trains_like_one_device(model, opt, loader) -> None:
 def test_a_factory_is_created_in_its_planned_layout_never_whole(mesh, zero, train, monkeypatch):
     fleet._fleet._reset()
     config = ToDistributedConfig(force_mesh=mesh, zero_stage=zero)
-    model, opt, loader, programs = _created(config, monkeypatch)
+    build = wide_factory if zero == 3 else factory
+    model, opt, loader, programs = _created(config, monkeypatch, build)
     got = values(model)
-    want = values(compiled_on_one_device(factory))
+    want = values(compiled_on_one_device(build))
     assert got.keys() == want.keys()
     differ = [k for k in want if not np.array_equal(got[k], want[k])]
     assert not differ, (
         f"created values differ from the one-device compiled construction at {differ}"
     )
     # eager construction rounds the variance-scaled normal initialisers differently: 1 ulp
-    eager = values(factory())
+    eager = values(build())
     for k in want:
         np.testing.assert_array_max_ulp(got[k], eager[k], maxulp=1)
 
-    assert_created_in_shards(model, programs, factory)
+    assert_created_in_shards(model, programs, build)
     if train:
         _trains_like_one_device(model, opt, loader)
 
 
 def test_a_budget_below_the_whole_training_state_is_planned_and_created(monkeypatch):
-    """Adam's fp32 training state (parameters, gradients, two moments) of the whole model
-    is above the per-device budget: the plan splits it, and the model is created split."""
+    """A per-device budget below the whole model's parameters (0.9 x a quarter of Adam's
+    fp32 training state: parameters, gradients, two moments): the plan splits the
+    parameters, and the model is created split. (At half the state ZeRO-2 fits with the
+    parameters whole: its scanned blocks reduce-scatter their gradients per block.)"""
     fleet._fleet._reset()
     abstract = nnx.eval_shape(factory)
     state_bytes = 4 * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(abstract)))
-    config = ToDistributedConfig(memory_budget=state_bytes // 2)
+    budget = int(0.9 * state_bytes // 4)
+    config = ToDistributedConfig(memory_budget=budget)
     model, opt, loader, programs = _created(config, monkeypatch)
     plan = get_plan(model)
-    assert plan.chosen.memory.total <= state_bytes // 2, str(plan)
+    assert plan.chosen.memory.total <= budget, str(plan)
     assert_created_in_shards(model, programs, factory)
     _trains_like_one_device(model, opt, loader)
 
