@@ -209,7 +209,10 @@ def compute_time(s: StepShape) -> tuple[float, float, float]:
     fwd_blocks, step_blocks, step_outside = cached(
         s.patterns, key, lambda: step_flops(s.patterns, work, lay, s.specs)
     )
-    block_flops = (step_blocks + (fwd_blocks if s.recompute else 0.0)) / pp
+    # the largest stage's share (uneven stages: the padded stack runs its size everywhere)
+    layers = len(s.patterns.blocks)
+    share = 1 / pp if s.even_stages or not layers else s.stage_blocks / layers
+    block_flops = (step_blocks + (fwd_blocks if s.recompute else 0.0)) * share
     if s.selective:  # the attention cores run again in the backward pass
         block_flops += cached(
             s.patterns, ("core", *key), lambda: attention_core_flops(s.patterns, work, lay, s.specs)
