@@ -7,12 +7,15 @@ Layers are built one by one from one ``nnx.Rngs`` sequence, so a seed builds the
 parameters whatever ``num_stages`` is. The stages are held in one of two ways:
 
 * **stacked body**: when a run of identical consecutive :class:`LayerDesc`\\ s (the decoder
-  blocks) falls evenly on the stages, the layers before it on stage 0 (**pre**: the
+  blocks) falls on every stage, the layers before it on stage 0 (**pre**: the
   embedding) and those after it on the last stage (**post**: norm, LM head), the run's
   parameters are stacked to ``[P, N/P, ...]`` with ``out_sharding`` ``('pp', None,
   *inner)`` (the layer's tensor-parallel layout kept) and each stage is a ``lax.scan``;
-* **stages of different layers** (any other split: four layer types over two stages, an
-  uneven count, a parameter-free stage): :class:`~jfleet.parallel.stages.FlatStages` keeps
+  stages holding different numbers of blocks (5 blocks on 2 stages) pad the stack to the
+  largest, ``[P, max, ...]``, and skip the padded slots exactly
+  (:func:`jfleet.parallel.stack.padded_stage`; ``chunk_sizes`` says the split);
+* **stages of different layers** (any other split: four layer types over two stages, a
+  parameter-free stage): :class:`~jfleet.parallel.stages.FlatStages` keeps
   each stage's parameters as a row of per-dtype ``[P, n]`` buffers sharded on ``pp`` and
   runs a device's stage by ``lax.switch`` on its ``pp`` index. Stage 0's layers until the
   activation has the shape the stages exchange run before the pipeline, the last stage's
@@ -121,7 +124,10 @@ class PipelineLayer(nnx.Module):
       stages: the :class:`~jfleet.parallel.stages.FlatStages` of stages of different
         layers, or None; ``shared_layers`` then holds the tied layers by key.
       num_stages, num_layers, layers_per_stage: ``P``, ``N`` and ``N/P`` (the stacked
-        body's; all layers and None with stages of different layers).
+        body's, the largest stage's when uneven; all layers and None with stages of
+        different layers).
+      chunk_sizes: the stacked body's layers per chunk (``P v`` of them; stage ``s`` holds
+        chunks ``s, s + P, ...``), unequal when the stages are uneven; None without one.
       num_virtual_stages: ``v``; with ``v > 1`` body row ``s`` holds chunks ``s, s + P,
         ...`` in order (unit ``(s, c L + j)`` is body layer ``(c P + s) L + j``).
       segment_parts: the boundaries over ``layers`` of the ``P v`` chunks (Paddle's
@@ -129,8 +135,8 @@ class PipelineLayer(nnx.Module):
       body_range: ``(start, end)``, the stacked body's indices in ``layers``, or None.
 
     Raises:
-      ValueError: an unknown seg_method, one matching nothing or a count the stages do
-        not divide (the message lists the class names / valid degrees), more stages than
+      ValueError: an unknown seg_method, one matching nothing (the message lists the
+        class names), more stages than
         layers, a stage layer holding non-``Param`` state, tied layers of different shapes.
       TypeError: malformed ``layers`` entries or arguments, a loss class for an instance.
       ValueError: ``num_virtual_pipeline_stages > 1`` for stages of different layers.
@@ -144,6 +150,9 @@ class PipelineLayer(nnx.Module):
       (6, 2, (0, 3, 5, 7))
       >>> model(jnp.array([[1, 2, 3]])).shape
       (1, 3, 4)
+      >>> uneven = PipelineLayer(descs[:6], num_stages=2, seg_method="layer:Linear", seed=0)
+      >>> uneven.chunk_sizes, uneven.body.kernel.shape  # 5 blocks: stages of 2 and 3
+      ((2, 3), (2, 3, 4, 4))
     """
 
     def __init__(
