@@ -339,7 +339,10 @@ def _bad(**kw):
         (_bad(seg_method=[0, 7]), ValueError, r"3 non-decreasing stage boundaries from 0 to 7"),
         (_bad(seg_method="even"), ValueError, r"seg_method='even' is not a segmentation method"),
         (
-            _bad(num_virtual_pipeline_stages=2),
+            _bad(  # no identical run on every stage (gpt_descs' 4 blocks now split 0,2 / 2,0)
+                layers=[LayerDesc(nnx.Linear, 4, 8), LayerDesc(nnx.Linear, 8, 4)] * 2,
+                num_virtual_pipeline_stages=2,
+            ),
             ValueError,
             r"num_virtual_pipeline_stages=2 needs a stacked body of identical layers with every",
         ),

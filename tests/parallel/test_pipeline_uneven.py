@@ -98,9 +98,13 @@ def test_uneven_pipeline_layer_trains_like_one_device(
     )
     # Paddle's remainder rule (the extra blocks to the last stages), one stacked body
     assert layer.stages is None and layer.chunk_sizes == sizes
+    padded = virtual.slot_units(sizes, hybrid["pp_degree"]) < 0
+    first = np.asarray(layer.body.up.kernel[...])[padded]
     model = fleet.distributed_model(layer)
     opt = fleet.distributed_optimizer(optax.adam(1e-2))
     losses = [float(model.train_batch(batch, opt)) for batch in data()]
+    # Adam on exactly zero gradients leaves the padded slots as they were
+    np.testing.assert_array_equal(np.asarray(layer.body.up.kernel[...])[padded], first)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     got = logical_leaves(layer, layer)  # the real blocks only, under their own names
     assert sorted(got) == sorted(want_params)
@@ -132,15 +136,32 @@ def test_padded_slots_get_exactly_zero_gradient_and_are_not_saved():
 
 
 # ------------------------------------------------------------------ to_distributed
-def test_to_distributed_uneven_stages_train_like_one_device():
-    config = ToDistributedConfig(force_mesh={"dp": 4, "pp": 2}, schedule="1F1B")
-    make = lambda: TinyLlama(vocab=64, width=32, heads=4, kv_heads=2, layers=5)  # noqa: E731
+@pytest.mark.parametrize(
+    ("layers", "config", "stage_sizes"),
+    [
+        (5, dict(force_mesh={"dp": 4, "pp": 2}, schedule="1F1B"), (3, 2)),
+        (
+            7,
+            dict(
+                force_mesh={"dp": 2, "pp": 4},
+                schedule="VPP",
+                num_virtual_pipeline_stages=2,
+                num_microbatches=4,
+            ),
+            (2, 2, 2, 1),
+        ),
+    ],
+    ids=["5_blocks_pp2", "7_blocks_pp4_vpp2"],
+)
+def test_to_distributed_uneven_stages_train_like_one_device(layers, config, stage_sizes):
+    config = ToDistributedConfig(**config)
+    make = lambda: TinyLlama(vocab=64, width=32, heads=4, kv_heads=2, layers=layers)  # noqa: E731
     plain = make()
     model, opt, loader = to_distributed(make(), optax.adam(1e-2), lm_batches(STEPS), config=config)
     plan = get_plan(model)
-    assert [len(s) for s in plan.stages] == [3, 2]
-    assert "stages of 3,2 blocks" in str(plan)
-    assert isinstance(model.layers, PipelinedBlocks) and model.layers.stage_sizes == (3, 2)
+    assert [len(s) for s in plan.stages] == list(stage_sizes)
+    assert f"stages of {','.join(map(str, stage_sizes))} blocks" in str(plan)
+    assert isinstance(model.layers, PipelinedBlocks) and model.layers.stage_sizes == stage_sizes
     step = make_train_step(lm_loss)
     step_losses = [float(step(model, opt, batch)) for batch in loader]
     want_losses, want = train_one_device(plain, optax.adam(1e-2), lm_batches(STEPS), lm_loss)
@@ -187,5 +208,11 @@ def test_bad_splits_are_clear_errors():
         virtual.check_sizes([5], 5, 2)
     with pytest.raises(ValueError, match=r"use pp <= 5"):
         virtual.check_sizes(None, 5, 6)
+    mesh = jax.make_mesh((4, 2), ("dp", "pp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with pytest.raises(ValueError, match=r"stage sizes \[4, 2\] sum to 6, not the 5 Linear"):
+        PipelinedBlocks(layers, mesh=mesh, num_microbatches=2, stage_sizes=[4, 2])
+    # explicit seg_method boundaries (Paddle's): 3 and 2 blocks, one padded stacked body
+    bounds = PipelineLayer(descs(5), num_stages=2, seg_method=[0, 4, 7], seed=0)
+    assert bounds.chunk_sizes == (3, 2) and bounds.body.up.kernel.shape[:2] == (2, 3)
     with pytest.raises(ValueError, match=r"pp=8 is more than the 2 blocks.*use pp <= 2"):
         plan_for(TinyLlama(layers=2), device_num=8, batch_size=8, seq_len=8, force_mesh={"pp": 8})
