@@ -77,9 +77,10 @@ and 256, dp8 and dp2 x mp4: 0.99-1.13 of the compiled memory). The constants (1.
   stages run the padded stack, the largest stage's size, everywhere); recompute (and 1F1B)
   adds one forward of the blocks, selective recompute one forward of their attention cores
   (the products of two activations: scores and values, or a fused attention's); embedding
-  and head run on every stage, on ``1 / P`` of the rows when the rows split over pp. :attr:`Candidate.flops` is that count as executed (bubble ticks skip
-  their work), what :func:`jfleet.testing.hlo.executed_flops` counts for the slowest
-  stage of the compiled step. Without a trace, ``6 x`` the kernels' elements per token;
+  and head run on every stage, on ``1 / P`` of the rows when the rows split over pp.
+  :attr:`Candidate.flops` is that count as executed (bubble ticks skip their work), what
+  :func:`jfleet.testing.hlo.executed_flops` counts for the slowest stage of the compiled
+  step. Without a trace, ``6 x`` the kernels' elements per token;
 * tensor parallel: per block and micro-batch (a pipeline: per tick of ``M + P - 1``,
   as the compiled loop holds them) one forward (twice with recompute)
   all-reduce per row projection split over ``mp`` (after o and down), and in the
