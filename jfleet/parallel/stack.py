@@ -519,6 +519,13 @@ class PaddedSlot(nnx.Module):
     Attributes:
       unit: the stacked unit (a layer or a :class:`SuperBlock`).
       real: an ``nnx.Variable`` scalar, 1.0 at a real slot and 0.0 at padding.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> x = jnp.ones((1, 2))
+      >>> bool((PaddedSlot(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), 0.0)(x) == x).all())
+      True
     """
 
     def __init__(self, unit: nnx.Module, real: Any = 1.0) -> None:

@@ -179,12 +179,22 @@ def even_sizes(num_units: int, num_parts: int) -> tuple[int, ...]:
 
 
 def is_even(sizes: Sequence[int]) -> bool:
-    """Whether every chunk holds the same number of units (no padding)."""
+    """Whether every chunk holds the same number of units (no padding).
+
+    Example:
+      >>> is_even((2, 2)), is_even((3, 2))
+      (True, False)
+    """
     return len(set(sizes)) <= 1
 
 
 def sizes_text(sizes: Sequence[int], num_stages: int) -> str:
-    """``"stages of 3,2 blocks"`` (per device; with virtual stages, the chunks too)."""
+    """``"stages of 3,2 blocks"`` (per device; with virtual stages, the chunks too).
+
+    Example:
+      >>> sizes_text((3, 2), 2)
+      'stages of 3,2 blocks'
+    """
     per_stage = [sum(sizes[s::num_stages]) for s in range(num_stages)]
     text = f"stages of {','.join(map(str, per_stage))} blocks"
     if len(sizes) > num_stages:
@@ -245,6 +255,10 @@ def slot_units(sizes: Sequence[int], num_stages: int) -> np.ndarray:
 
     Chunk ``i = c P + s`` (device ``s``'s ``c``-th) holds units ``sum(sizes[:i]) ..`` in
     slots ``c K ..`` of row ``s``. With equal sizes this is :func:`interleaved_order`.
+
+    Example:
+      >>> slot_units((1, 1, 1, 0), 2).tolist()  # 3 units on 2 devices x 2 chunks
+      [[0, 2], [1, -1]]
     """
     parts = len(sizes)
     v, width = parts // num_stages, max(sizes)
@@ -257,5 +271,10 @@ def slot_units(sizes: Sequence[int], num_stages: int) -> np.ndarray:
 
 
 def slot_mask(sizes: Sequence[int], num_stages: int) -> np.ndarray:
-    """``[P, v K]`` float32: 1 at a real slot, 0 at padding (:func:`slot_units`)."""
+    """``[P, v K]`` float32: 1 at a real slot, 0 at padding (:func:`slot_units`).
+
+    Example:
+      >>> slot_mask((3, 2), 2).tolist()
+      [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]
+    """
     return (slot_units(sizes, num_stages) >= 0).astype(np.float32)
