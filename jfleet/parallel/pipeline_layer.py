@@ -105,8 +105,10 @@ class PipelineLayer(nnx.Module):
         (``ParallelCrossEntropy``) cannot run there yet.
       seg_method: the stage boundaries, as Paddle: ``"uniform"`` (``n // P`` layers per
         stage, the remainder to the last stages), ``"layer:ClassNameRegex"`` (balanced by
-        the layers whose class name matches, case-insensitive) or explicit boundaries
-        ``[0, b1, ..., len(layers)]``.
+        the layers whose class name matches, case-insensitive; when the stages do not
+        divide their number, the extra ones to the last stages) or explicit boundaries
+        ``[0, b1, ..., len(layers)]``. Stages may hold different numbers of the identical
+        blocks: the stacked body is padded to the largest and the padded slots skipped.
       recompute_interval: ``k > 0`` runs each group of ``k`` layers of a stage under
         ``jax.checkpoint`` (the last group may be shorter).
       recompute_ctx: accepted for Paddle; its process-group settings mean nothing here.
