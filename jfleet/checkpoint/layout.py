@@ -6,7 +6,8 @@ of shape ``[pp, L/pp, ...]``; :class:`~jfleet.parallel.pipeline_layer.PipelineLa
 ``body`` with its ``pre`` / ``post`` layers) or be wrapped in a
 :class:`~jfleet.distributed_model.DistributedModel` (``module.`` prefix). On disk each leaf
 is stored under the path of the plain model, one leaf per layer
-(``layers.3.mlp.up_proj.kernel``), whatever the mesh, ZeRO stage or pipeline: a
+(``layers.3.mlp.up_proj.kernel``), whatever the mesh, ZeRO stage or pipeline (the padded
+slots of uneven stages are not saved, and are refilled on restore): a
 ``PipelineLayer``'s layers are ``layers.<i>`` in its layer list. Optimizer state mirrors
 the parameters (``opt_state.0.mu.<param path>``) and is mapped the same way.
 
@@ -40,7 +41,7 @@ from jfleet.auto_parallel.apply.scanned_blocks import ScannedBlocks
 from jfleet.mesh.create import stage_sharding
 from jfleet.mesh.topology import PP
 from jfleet.parallel.pipeline_layer import PipelineLayer
-from jfleet.parallel.virtual_stages import layer_of
+from jfleet.parallel.virtual_stages import layer_of, slot_units
 from jfleet.training.distributed_model import DistributedModel
 
 __all__ = ["logical_leaves", "logical_params", "running_values", "state_leaves"]
@@ -59,6 +60,7 @@ class _Stack:
     first: int
     period: int
     virtual: int = 1
+    sizes: tuple[int, ...] | None = None  # units per chunk (uneven stages: padded slots)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +78,8 @@ def _rules(model: nnx.Module) -> list[_Stack | _Rename]:
         path = tuple(path)
         if isinstance(node, PipelinedBlocks | ScannedBlocks):
             virtual = getattr(node, "num_virtual_stages", 1)  # ScannedBlocks: 1
-            rules.append(_Stack((*path, "body"), path, 0, node.period, virtual))
+            sizes = getattr(node, "chunk_sizes", None)
+            rules.append(_Stack((*path, "body"), path, 0, node.period, virtual, sizes))
         elif isinstance(node, PipelineLayer):
             if node.body is None:
                 raise NotImplementedError(
@@ -86,7 +89,9 @@ def _rules(model: nnx.Module) -> list[_Stack | _Rename]:
                     "(a stacked body) to checkpoint it."
                 )
             start, end = node.body_range
-            rules.append(_Stack((*path, "body"), (*path, "layers"), start, 1, node.v))
+            rules.append(
+                _Stack((*path, "body"), (*path, "layers"), start, 1, node.v, node.chunk_sizes)
+            )
             for i in range(len(node.pre)):
                 rules.append(_Rename((*path, "pre", i, "layer"), (*path, "layers", i)))
             for j in range(len(node.post)):
@@ -150,14 +155,15 @@ def _per_layer_sharding(sharding: Any, ndim: int, stage: int | None = None) -> A
 
 def _expand(
     rules: list, prefix: Path, mpath: Path, leaf: Any, abstract: bool
-) -> list[tuple[str, Any, tuple]]:
-    """``[(logical key, leaf, (s, k, i) or ())]`` of one running leaf."""
+) -> list[tuple[str, Any, bool]]:
+    """``[(logical key, leaf, padded)]`` of one running leaf; a padded slot of an uneven
+    stack (not saved) names the real unit whose value fills it on restore."""
     found = _rule_for(rules, mpath)
     if found is None:
-        return [(_key(prefix + mpath), leaf, ())]
+        return [(_key(prefix + mpath), leaf, False)]
     rule, rest = found
     if isinstance(rule, _Rename):
-        return [(_key(prefix + rule.to + rest), leaf, ())]
+        return [(_key(prefix + rule.to + rest), leaf, False)]
     period, inner = rule.period, rest
     subs = [None]
     if period > 1:  # a SuperBlock: body.layers.<i>.<rest>
@@ -176,13 +182,32 @@ def _expand(
         ]
     else:
         parts = _settled(_unstack(len(units), sharding)(_settled(leaf)))
+    table = _filled_table(rule.sizes, stages) if rule.sizes else None
     out = []
     for (s, k), part in zip(units, parts, strict=True):
         for i in subs:
-            unit = layer_of(s, k, stages, rule.virtual, per_stage)
+            if table is None:
+                unit, padded = layer_of(s, k, stages, rule.virtual, per_stage), False
+            else:
+                unit, padded = table[s][k]
             index = rule.first + unit * period + (i or 0)
-            out.append((_key(prefix + rule.to + (index,) + inner), part, (s, k)))
+            out.append((_key(prefix + rule.to + (index,) + inner), part, padded))
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _filled_table(sizes: tuple[int, ...], stages: int) -> tuple:
+    """Per slot of an uneven stack, ``(unit, padded)``: a padded slot names its row's
+    nearest real unit (what :func:`~jfleet.parallel.stack.stack_layers` copied there)."""
+    rows = []
+    for row in slot_units(sizes, stages).tolist():
+        real = [u for u in row if u >= 0]
+        last, out = real[0], []
+        for u in row:
+            last = u if u >= 0 else last
+            out.append((last, u < 0))
+        rows.append(tuple(out))
+    return tuple(rows)
 
 
 def logical_leaves(model: nnx.Module, obj: nnx.Module, *, abstract: bool = False) -> dict:
@@ -201,7 +226,9 @@ def logical_params(model: nnx.Module) -> dict[str, jax.ShapeDtypeStruct]:
     return {k: leaf for k, leaf, p in _entries(model, model, True) if p in params}
 
 
-def _entries(model: nnx.Module, obj: nnx.Module, abstract: bool) -> list[tuple[str, Any, Path]]:
+def _entries(
+    model: nnx.Module, obj: nnx.Module, abstract: bool, padding: bool = False
+) -> list[tuple[str, Any, Path]]:
     inner, wrapper = _inner(model)
     rules = _rules(inner)
     shapes = {p: v.get_value().shape for p, v in state_leaves(inner).items()}
@@ -213,8 +240,9 @@ def _entries(model: nnx.Module, obj: nnx.Module, abstract: bool) -> list[tuple[s
         prefix, mpath = _split(path, set(shapes), wrapper)
         if mpath and shapes[mpath] != value.shape:  # not parameter-shaped: no per-layer split
             prefix, mpath = path, ()
-        for key, leaf, _ in _expand(rules, prefix, mpath, value, abstract):
-            out.append((key, leaf, path))
+        for key, leaf, padded in _expand(rules, prefix, mpath, value, abstract):
+            if padding or not padded:  # padded slots are not saved, only refilled
+                out.append((key, leaf, path))
     return out
 
 
@@ -222,7 +250,7 @@ def running_values(model: nnx.Module, obj: nnx.Module, restored: dict) -> None:
     """Writes restored logical arrays into ``obj``'s variables in place (stacking as needed);
     a variable whose logical arrays ``restored`` lacks keeps its value."""
     groups: dict[Path, list[str]] = {}
-    for key, _, path in _entries(model, obj, abstract=True):
+    for key, _, path in _entries(model, obj, abstract=True, padding=True):
         groups.setdefault(path, []).append(key)
     for path, var in state_leaves(obj).items():
         keys = groups[path]

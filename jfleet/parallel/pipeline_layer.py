@@ -7,12 +7,15 @@ Layers are built one by one from one ``nnx.Rngs`` sequence, so a seed builds the
 parameters whatever ``num_stages`` is. The stages are held in one of two ways:
 
 * **stacked body**: when a run of identical consecutive :class:`LayerDesc`\\ s (the decoder
-  blocks) falls evenly on the stages, the layers before it on stage 0 (**pre**: the
+  blocks) falls on every stage, the layers before it on stage 0 (**pre**: the
   embedding) and those after it on the last stage (**post**: norm, LM head), the run's
   parameters are stacked to ``[P, N/P, ...]`` with ``out_sharding`` ``('pp', None,
   *inner)`` (the layer's tensor-parallel layout kept) and each stage is a ``lax.scan``;
-* **stages of different layers** (any other split: four layer types over two stages, an
-  uneven count, a parameter-free stage): :class:`~jfleet.parallel.stages.FlatStages` keeps
+  stages holding different numbers of blocks (5 blocks on 2 stages) pad the stack to the
+  largest, ``[P, max, ...]``, and skip the padded slots exactly
+  (:func:`jfleet.parallel.stack.padded_stage`; ``chunk_sizes`` says the split);
+* **stages of different layers** (any other split: four layer types over two stages, a
+  parameter-free stage): :class:`~jfleet.parallel.stages.FlatStages` keeps
   each stage's parameters as a row of per-dtype ``[P, n]`` buffers sharded on ``pp`` and
   runs a device's stage by ``lax.switch`` on its ``pp`` index. Stage 0's layers until the
   activation has the shape the stages exchange run before the pipeline, the last stage's
@@ -49,6 +52,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jfleet.mesh import context as _context
@@ -101,8 +105,10 @@ class PipelineLayer(nnx.Module):
         (``ParallelCrossEntropy``) cannot run there yet.
       seg_method: the stage boundaries, as Paddle: ``"uniform"`` (``n // P`` layers per
         stage, the remainder to the last stages), ``"layer:ClassNameRegex"`` (balanced by
-        the layers whose class name matches, case-insensitive) or explicit boundaries
-        ``[0, b1, ..., len(layers)]``.
+        the layers whose class name matches, case-insensitive; when the stages do not
+        divide their number, the extra ones to the last stages) or explicit boundaries
+        ``[0, b1, ..., len(layers)]``. Stages may hold different numbers of the identical
+        blocks: the stacked body is padded to the largest and the padded slots skipped.
       recompute_interval: ``k > 0`` runs each group of ``k`` layers of a stage under
         ``jax.checkpoint`` (the last group may be shorter).
       recompute_ctx: accepted for Paddle; its process-group settings mean nothing here.
@@ -120,7 +126,10 @@ class PipelineLayer(nnx.Module):
       stages: the :class:`~jfleet.parallel.stages.FlatStages` of stages of different
         layers, or None; ``shared_layers`` then holds the tied layers by key.
       num_stages, num_layers, layers_per_stage: ``P``, ``N`` and ``N/P`` (the stacked
-        body's; all layers and None with stages of different layers).
+        body's, the largest stage's when uneven; all layers and None with stages of
+        different layers).
+      chunk_sizes: the stacked body's layers per chunk (``P v`` of them; stage ``s`` holds
+        chunks ``s, s + P, ...``), unequal when the stages are uneven; None without one.
       num_virtual_stages: ``v``; with ``v > 1`` body row ``s`` holds chunks ``s, s + P,
         ...`` in order (unit ``(s, c L + j)`` is body layer ``(c P + s) L + j``).
       segment_parts: the boundaries over ``layers`` of the ``P v`` chunks (Paddle's
@@ -128,8 +137,8 @@ class PipelineLayer(nnx.Module):
       body_range: ``(start, end)``, the stacked body's indices in ``layers``, or None.
 
     Raises:
-      ValueError: an unknown seg_method, one matching nothing or a count the stages do
-        not divide (the message lists the class names / valid degrees), more stages than
+      ValueError: an unknown seg_method, one matching nothing (the message lists the
+        class names), more stages than
         layers, a stage layer holding non-``Param`` state, tied layers of different shapes.
       TypeError: malformed ``layers`` entries or arguments, a loss class for an instance.
       ValueError: ``num_virtual_pipeline_stages > 1`` for stages of different layers.
@@ -143,6 +152,9 @@ class PipelineLayer(nnx.Module):
       (6, 2, (0, 3, 5, 7))
       >>> model(jnp.array([[1, 2, 3]])).shape
       (1, 3, 4)
+      >>> uneven = PipelineLayer(descs[:6], num_stages=2, seg_method="layer:Linear", seed=0)
+      >>> uneven.chunk_sizes, uneven.body.kernel.shape  # 5 blocks: stages of 2 and 3
+      ((2, 3), (2, 3, 4, 4))
     """
 
     def __init__(
@@ -180,29 +192,38 @@ class PipelineLayer(nnx.Module):
         rngs = rngs if rngs is not None else nnx.Rngs(seed)
         shared: dict[Any, list[tuple[SharedLayerDesc, str, Any]]] = {}
         built = [build_entry(d, rngs, shared) for d in layers]
-        body = _stacked_body(layers, parts, built)
+        body = _stacked_body(layers, parts, built, stages)
         if body is None and v > 1:
             raise ValueError(
-                f"num_virtual_pipeline_stages={v} needs identical body layers split evenly "
-                f"into {stages} x {v} chunks (a stacked body); the {len(layers)} layers split "
-                f"at {list(parts)} do not: use seg_method='layer:<BlockClass>' with a block "
-                f"count divisible by {stages * v}, or num_virtual_pipeline_stages=1."
+                f"num_virtual_pipeline_stages={v} needs a stacked body of identical layers "
+                f"with every stage holding at least one of them over its {v} chunks; the "
+                f"{len(layers)} layers split at {list(parts)} do not: use "
+                "seg_method='layer:<BlockClass>' (the blocks split as evenly as they go), or "
+                "num_virtual_pipeline_stages=1."
             )
-        if body is not None:  # identical layers, as many on each stage: one stacked module
-            start, end = body
+        if body is not None:  # identical layers on every stage: one stacked module
+            start, end, sizes = body
             self.num_layers = end - start
-            self.layers_per_stage = self.num_layers // stages
+            self.chunk_sizes = sizes
+            self.layers_per_stage = max(sizes) * v  # the largest stage's (padded rows)
             self.body_range = (start, end)
             self.pre = nnx.List([Run(layer, func) for layer, func, _ in built[:start]])
             self.post = nnx.List([Run(layer, func) for layer, func, _ in built[end:]])
             layers_ = [layer for layer, _, _ in built[start:end]]
-            order = virtual.interleaved_order(self.num_layers, stages, v)
-            self.body = stack.stack_layers([layers_[i] for i in order], stages, layers[start].name)
+            self.body = stack.stack_layers(layers_, stages, layers[start].name, chunk_sizes=sizes)
             self._body_order = tuple(path for path, _ in params_in_order(layers_[0]))
             self.stages = None
+            if not virtual.is_even(sizes):
+                logger.info(
+                    "PipelineLayer: uneven stages, %s (boundaries %s); the stacked body is "
+                    "padded to the largest and the padded slots are skipped",
+                    virtual.sizes_text(sizes, stages),
+                    list(parts),
+                )
         else:  # stages of different layers: flat buffers per stage (jfleet.parallel.stages)
             self.num_layers = len(layers)
             self.layers_per_stage = None
+            self.chunk_sizes = None
             self.body_range = None
             self.pre, self.post, self.body = nnx.List([]), nnx.List([]), None
             self.shared_layers = nnx.Dict(
@@ -240,9 +261,9 @@ class PipelineLayer(nnx.Module):
         else:
             out += [v for _, v in params_in_order(self.pre)]
             body = [functools.reduce(_attr, path, self.body) for path in self._body_order]
-            order = virtual.interleaved_order(self.num_layers, self.num_stages, self.v)
-            units = sorted(itertools.product(range(self.num_stages), range(self.layers_per_stage)))
-            for _, (s, j) in sorted(zip(order, units, strict=True)):  # layer by layer
+            table = virtual.slot_units(self.chunk_sizes, self.num_stages)
+            for u in range(self.num_layers):  # layer by layer (padded slots left out)
+                s, j = (int(i[0]) for i in np.nonzero(table == u))
                 out += [ParamView(v, (s, j), v.shape[2:]) for v in body]
             out += [v for _, v in params_in_order(self.post)]
         seen: set[int] = set()
@@ -306,11 +327,9 @@ class PipelineLayer(nnx.Module):
         """
         if self.stages is not None:
             return self.stages(x, self.shared_layers, remat_interval=self.recompute_interval)
-        if self.v == 1:
-            return stack.run_stack(self.body, x, remat_interval=self.recompute_interval)
-        graphdef, state = nnx.split(self.body)
-        params = virtual.layer_order_params(nnx.to_pure_dict(state), self.num_stages, self.v)
-        return stack.run_layers(graphdef, params, x, remat_interval=self.recompute_interval)
+        return stack.run_stack(
+            self.body, x, remat_interval=self.recompute_interval, chunk_sizes=self.chunk_sizes
+        )
 
     def run_post(self, x: Any) -> Any:
         """The layers after the stacked body."""
@@ -434,6 +453,10 @@ class PipelineLayer(nnx.Module):
             split, carried, side, shared = stack.stage_inputs(x, batch=batch, batch_first=first)
             body_def, body_state = nnx.split(self.body)
             stage_params = nnx.to_pure_dict(body_state)
+            if not virtual.is_even(self.chunk_sizes):  # padded slots skipped exactly
+                body_def, stage_params = stack.padded_stage(
+                    self.body, stage_params, self.chunk_sizes, self.num_stages, mesh
+                )
             stage_fn = stack.stage_function(body_def, split, remat_interval=self.recompute_interval)
             rows, tied = {}, self.post
 
@@ -549,20 +572,28 @@ def _runs(layers: list[Any]) -> list[tuple[int, int]]:
     return runs
 
 
-def _stacked_body(layers: list[Any], parts: list[int], built: list) -> tuple[int, int] | None:
-    """The run of identical layers that the stages split evenly, or None.
+def _stacked_body(
+    layers: list[Any], parts: list[int], built: list, num_stages: int
+) -> tuple[int, int, tuple[int, ...]] | None:
+    """The run of identical layers every stage holds some of, with its layers per chunk.
 
-    A run ``(start, end)`` is the stacked body when each stage holds ``c = (end - start) / P``
-    of its layers, the layers before it are on stage 0 and those after it on the last
-    stage (``parts[s] == start + s * c``), and its layers hold parameters.
+    A run ``(start, end)`` is the stacked body when the layers before it are on chunk 0,
+    those after it on the last chunk (``parts[1] >= start``, ``parts[-2] <= end``), every
+    stage (device: chunks ``s, s + P, ...``) holds at least one of its layers and they
+    hold parameters. Chunk ``i`` then holds ``sizes[i]`` of them: equal sizes stack as
+    before, others pad the stack (:func:`jfleet.parallel.stack.padded_stage`).
     """
-    stages = len(parts) - 1
+    chunks = len(parts) - 1
     for start, end in sorted(_runs(layers), key=lambda r: (r[0] - r[1], r[0])):
-        count, rest = divmod(end - start, stages)
-        fits = count > 0 and not rest
-        fits = fits and all(parts[s] == start + s * count for s in range(1, stages))
-        if fits and jax.tree.leaves(nnx.state(built[start][0], nnx.Param)):
-            return start, end
+        if parts[1] < start or parts[-2] > end:
+            continue
+        sizes = tuple(max(0, min(end, b) - max(start, a)) for a, b in itertools.pairwise(parts))
+        if len(sizes) != chunks or sum(sizes) != end - start:
+            continue
+        if any(not sum(sizes[s::num_stages]) for s in range(num_stages)):
+            continue
+        if jax.tree.leaves(nnx.state(built[start][0], nnx.Param)):
+            return start, end, sizes
     return None
 
 

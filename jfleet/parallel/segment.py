@@ -7,7 +7,9 @@
   last stages (Paddle's remainder rule);
 * ``"layer:<Regex>"``: balanced by the layers whose class name matches the regular
   expression (case-insensitive): each stage gets the same number of them, a stage ending
-  right after its last one (the last stage takes the rest);
+  right after its last one (the last stage takes the rest); when the stages do not divide
+  their number, as evenly as they go, the extra ones to the last stages (Paddle's
+  remainder rule; Paddle itself refuses this split);
 * a list of ``P + 1`` non-decreasing indices from 0 to ``n``: the boundaries themselves.
 
 Example:
@@ -15,6 +17,8 @@ Example:
   [0, 3, 7]
   >>> segment_layers(["Embed"] + ["Block"] * 4 + ["Norm", "Head"], 4, "layer:block")
   [0, 2, 3, 4, 7]
+  >>> segment_layers(["Embed"] + ["Block"] * 5 + ["Head"], 2, "layer:block")  # 2 + 3
+  [0, 3, 7]
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ def segment_layers(names: Sequence[str], num_parts: int, method: Any = "uniform"
 
     Raises:
       ValueError: fewer layers than stages; an unknown method; a regular expression that
-        is malformed, matches nothing, or matches a count the stages do not divide;
+        is malformed or matches nothing;
         boundaries that are not ``P + 1`` non-decreasing indices from 0 to ``n``.
       TypeError: ``method`` neither a string nor a list of ints.
 
@@ -109,13 +113,8 @@ def _by_layer(names: Sequence[str], num_parts: int, method: str) -> list[int]:
             f"seg_method={method!r} matches no layer; the layers' class names are "
             f"{sorted(set(names))}."
         )
-    if len(hits) % num_parts:
-        fits = [d for d in range(1, len(hits) + 1) if len(hits) % d == 0]
-        raise ValueError(
-            f"seg_method={method!r} matches {len(hits)} layers ({sorted({names[i] for i in hits})}"
-            f"), which the {num_parts} stages do not divide; use num_stages (pp_degree) in "
-            f"{fits}, or a regular expression matching only the repeated blocks."
-        )
-    per = len(hits) // num_parts
-    bounds = [0] + [hits[per * s - 1] + 1 for s in range(1, num_parts)] + [len(names)]
-    return bounds
+    counts = list(
+        itertools.accumulate(b - a for a, b in itertools.pairwise(uniform(len(hits), num_parts)))
+    )
+    inner = [hits[c - 1] + 1 if c else hits[0] for c in counts[:-1]]
+    return [0, *inner, len(names)]

@@ -5,7 +5,11 @@
 a model's list of decoder blocks) both run through this module:
 
 * :func:`stack_layers` stacks ``N`` alike layers into one module of their class whose
-  parameters are ``[P, N/P, ...]`` (stage ``s`` owns row ``s``); :func:`annotate_stack`
+  parameters are ``[P, N/P, ...]`` (stage ``s`` owns row ``s``); with ``chunk_sizes``
+  the stages may hold different numbers of layers (``P`` need not divide ``N``): rows are
+  padded to the largest stage, and :func:`padded_stage` makes the stage function skip the
+  padded slots exactly (an identity step; their gradients are exactly zero);
+  :func:`annotate_stack`
   lays the stacked parameters out as ``(pp, None, *inner)`` on a mesh. Layers are alike
   when their definitions are equal, static settings included (:func:`first_difference`);
   layers that repeat with a period ``p`` (local / global attention alternating) stack as
@@ -49,10 +53,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 
 from jfleet.mesh.topology import PP
+from jfleet.parallel import virtual_stages as virtual
 from jfleet.parallel.alike import block_period, first_difference, first_mismatch
 from jfleet.parallel.layer_gather import Pair, gather_tree
 from jfleet.parallel.stage_io import (
@@ -76,6 +82,7 @@ __all__ = [
     "SHARED",
     "SIDE",
     "STATIC",
+    "PaddedSlot",
     "StageFn",
     "StageInputs",
     "SuperBlock",
@@ -84,7 +91,9 @@ __all__ = [
     "block_period",
     "first_difference",
     "first_mismatch",
+    "layer_order",
     "narrow",
+    "padded_stage",
     "run_layers",
     "run_stack",
     "stack_layers",
@@ -161,6 +170,7 @@ def stack_layers(
     *,
     period: int = 1,
     streams: bool = False,
+    chunk_sizes: Sequence[int] | None = None,
 ) -> Any:
     """One module whose parameters are the layers' stacked to ``[P, N/P, ...]``.
 
@@ -182,6 +192,13 @@ def stack_layers(
         divide ``N``.
       streams: allow RNG streams (``nnx.RngState``: their keys and counts are stacked like
         the parameters); the caller draws from them as it documents.
+      chunk_sizes: units (layers, or super-blocks) per chunk, ``P v`` of them (``v``
+        virtual stages per device; see :mod:`~jfleet.parallel.virtual_stages`), the
+        layers given in their own order: the stack is ``[P, v K, ...]`` with ``K =
+        max(chunk_sizes)``, chunk ``c P + s`` in slots ``c K ..`` of row ``s``; a padded
+        slot holds a copy of a real unit of its row and is skipped by
+        :func:`padded_stage`. ``P`` need not divide the units then. None: ``P`` equal
+        stages of the layers as given (already in stacked order).
 
     Returns:
       A module of the layers' class (``period=1``) or a :class:`SuperBlock` (its
@@ -208,23 +225,29 @@ def stack_layers(
       >>> pairs = stack_layers([linear(i) for i in range(4)], 2, period=2)
       >>> type(pairs).__name__, pairs.layers[1].kernel.shape, pairs.layers[1].precision
       ('SuperBlock', (2, 1, 2, 2), 'highest')
+      >>> uneven = stack_layers([nnx.Linear(2, 2, rngs=nnx.Rngs(i)) for i in range(5)], 2,
+      ...                       chunk_sizes=(3, 2))  # row 1's third slot is padding
+      >>> uneven.kernel.shape
+      (2, 3, 2, 2)
     """
     layers = list(layers)
-    name = _check_stackable(layers, num_stages, period, name, streams)
+    name = _check_stackable(layers, num_stages, period, name, streams, chunk_sizes is None)
     count, units = len(layers), len(layers) // period
     if period > 1:
         layers = [SuperBlock(layers[k : k + period]) for k in range(0, count, period)]
     graphdef, template = nnx.split(layers[0])
-    per_stage = units // num_stages
+    if chunk_sizes is None:
+        per_stage = units // num_stages
+        table = np.arange(units).reshape(num_stages, per_stage)
+    else:
+        table = _slot_table(chunk_sizes, units, num_stages, name)
     leaves = [jax.tree.leaves(nnx.state(layer)) for layer in layers]
     # a stack of stages' stacks: a slice of one stage's row is one concatenated operand, so
     # a program computing one stage's row (sharded creation) computes no other stage's
     stacked = jax.tree.unflatten(
         jax.tree.structure(template),
         [
-            jnp.stack(
-                [jnp.stack(xs[s * per_stage : (s + 1) * per_stage]) for s in range(num_stages)]
-            )
+            jnp.stack([jnp.stack([xs[u] for u in row]) for row in table])
             for xs in zip(*leaves, strict=True)
         ],
     )
@@ -237,8 +260,33 @@ def stack_layers(
     return nnx.merge(graphdef, stacked)
 
 
+def _slot_table(chunk_sizes: Sequence[int], units: int, num_stages: int, name: str) -> Any:
+    """Per row and slot, the unit stacked there: a padded slot takes its row's nearest
+    real unit (finite values whose forward the stage computes and discards)."""
+    if not isinstance(num_stages, int) or num_stages < 1 or len(chunk_sizes) % num_stages:
+        raise ValueError(
+            f"chunk_sizes={list(chunk_sizes)!r} must hold num_stages={num_stages!r} x virtual "
+            "stages counts (one per chunk); pass one count per chunk."
+        )
+    v = len(chunk_sizes) // num_stages
+    sizes = virtual.check_sizes(list(chunk_sizes), units, num_stages, v, name=f"{name} units")
+    table = virtual.slot_units(sizes, num_stages)
+    for row in table:
+        real = [u for u in row if u >= 0]
+        last = real[0]
+        for k, u in enumerate(row):
+            last = u if u >= 0 else last
+            row[k] = last
+    return table
+
+
 def _check_stackable(
-    layers: list, num_stages: int, period: int, name: str | None, streams: bool = False
+    layers: list,
+    num_stages: int,
+    period: int,
+    name: str | None,
+    streams: bool = False,
+    even: bool = True,
 ) -> str:
     """Raises when ``layers`` cannot be stacked; returns what they are called."""
     if not layers:
@@ -259,11 +307,12 @@ def _check_stackable(
             f"(layers per super-block) dividing {count}."
         )
     units = count // period
-    if not isinstance(num_stages, int) or num_stages < 1 or units % num_stages:
+    bad_stages = not isinstance(num_stages, int) or num_stages < 1
+    if bad_stages or (even and units % num_stages):
         grouped = f" in {units} super-blocks of {period}" if period > 1 else ""
         raise ValueError(
             f"num_stages={num_stages!r} does not split the {count} {name} layers{grouped} "
-            f"evenly; use a stage count dividing {units}."
+            f"evenly; use a stage count dividing {units}, or chunk_sizes (uneven stages)."
         )
     for layer in layers[:period]:
         check_params_only(
@@ -423,10 +472,19 @@ def _check_carried(y: Any, h: Any, layer: nnx.Module) -> None:
         )
 
 
-def run_stack(body: nnx.Module, x: Any, *args: Any, remat_interval: int = 0, **kwargs: Any) -> Any:
+def run_stack(
+    body: nnx.Module,
+    x: Any,
+    *args: Any,
+    remat_interval: int = 0,
+    chunk_sizes: Sequence[int] | None = None,
+    **kwargs: Any,
+) -> Any:
     """All ``N`` layers of a stacked module in order, on one program (the sequential model).
 
     ``remat_interval`` counts stacked units (super-blocks when the stack has a period).
+    ``chunk_sizes``: the stack's units per chunk as :func:`stack_layers` took them (its
+    padded slots are left out, its chunks run in layer order); None: rows in order.
 
     Example:
       >>> import jax.numpy as jnp
@@ -436,8 +494,91 @@ def run_stack(body: nnx.Module, x: Any, *args: Any, remat_interval: int = 0, **k
       (3, 2)
     """
     graphdef, state = nnx.split(body)
-    params = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), nnx.to_pure_dict(state))
+    params = nnx.to_pure_dict(state)
+    if chunk_sizes is None:
+        params = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), params)
+    else:
+        params = layer_order(params, chunk_sizes)
     return run_layers(graphdef, params, x, args, kwargs, remat_interval=remat_interval)
+
+
+def layer_order(params: Any, chunk_sizes: Sequence[int]) -> Any:
+    """Stacked leaves ``[P, v K, ...]`` as ``[N, ...]``: the real units in layer order
+    (a static gather; padded slots left out, their gradients zero).
+
+    Example:
+      >>> import numpy as np
+      >>> layer_order(np.array([[0, 1, 2], [3, 4, 4]]), (3, 2)).tolist()
+      [0, 1, 2, 3, 4]
+    """
+    num_stages = jax.tree.leaves(params)[0].shape[0]
+    table = virtual.slot_units(chunk_sizes, num_stages)
+    rows, slots = np.nonzero(table >= 0)
+    order = np.argsort(table[rows, slots])
+    rows, slots = rows[order], slots[order]
+    return jax.tree.map(lambda a: a[rows, slots], params)
+
+
+class PaddedSlot(nnx.Module):
+    """One slot of an unevenly stacked stage: its unit's output where ``real`` is nonzero,
+    else the activation unchanged (an exact identity step, whose parameters get exactly
+    zero gradient: ``jnp.where`` sends the padded branch a zero cotangent).
+
+    Attributes:
+      unit: the stacked unit (a layer or a :class:`SuperBlock`).
+      real: an ``nnx.Variable`` scalar, 1.0 at a real slot and 0.0 at padding.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> x = jnp.ones((1, 2))
+      >>> bool((PaddedSlot(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), 0.0)(x) == x).all())
+      True
+    """
+
+    def __init__(self, unit: nnx.Module, real: Any = 1.0) -> None:
+        self.unit = unit
+        self.real = nnx.Variable(jnp.asarray(real, jnp.float32))
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        y = self.unit(x, *args, **kwargs)
+        if jax.tree.structure(y) != jax.tree.structure(x):
+            return y  # run_layers names the mismatch
+        keep = self.real[...] > 0
+        return jax.tree.map(lambda a, b: jnp.where(keep, a, b.astype(a.dtype)), y, x)
+
+
+def padded_stage(
+    body: nnx.Module,
+    params: Any,
+    chunk_sizes: Sequence[int],
+    num_stages: int,
+    mesh: jax.sharding.Mesh | None = None,
+) -> tuple[Any, Any]:
+    """``(graphdef, params)`` of an unevenly stacked body for :func:`stage_function`: each
+    scan step is a :class:`PaddedSlot` whose ``real`` flag comes with the parameters
+    (``[P, v K]``, sharded and chunked like them; on ``mesh``, split over ``pp`` as the
+    stacked parameters are), so any schedule skips the padded slots.
+
+    The flags are constants of the step (not model parameters): the model's own
+    gradients are those of ``params``, exactly zero at the padded slots.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> body = stack_layers([nnx.Linear(2, 2, rngs=nnx.Rngs(i)) for i in range(3)], 2,
+      ...                     chunk_sizes=(2, 1))
+      >>> graphdef, params = padded_stage(body, nnx.to_pure_dict(nnx.state(body)), (2, 1), 2)
+      >>> params["real"].tolist()
+      [[1.0, 1.0], [1.0, 0.0]]
+    """
+    mask = jnp.asarray(virtual.slot_mask(chunk_sizes, num_stages))
+    if mesh is not None:
+        stage_axis = PP if mesh.shape.get(PP, 1) == num_stages else None
+        mask = jax.device_put(
+            mask, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(stage_axis))
+        )
+    return nnx.graphdef(PaddedSlot(body)), {"unit": params, "real": mask}
 
 
 def stage_function(

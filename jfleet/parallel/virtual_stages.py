@@ -6,6 +6,14 @@ P`` (Megatron's and Paddle's order), stacked as one ``[P, v L, ...]`` array whos
 is its chunks in order. Unit ``(s, k)`` of that array, ``k = c L + j``, is layer
 ``(c P + s) L + j`` of the body; with ``v = 1`` it is layer ``s L + j`` as before.
 
+**Uneven stages.** When ``P v`` does not divide ``N`` (or the caller says how many units
+each chunk holds), chunk ``i`` holds ``sizes[i]`` consecutive units (:func:`even_sizes`:
+``ceil(N / (P v))`` or ``floor``, the larger first; :func:`check_sizes` validates a given
+list). The stack is then ``[P, v K, ...]`` with ``K = max(sizes)``: chunk ``c`` of device
+``s`` is slots ``c K .. c K + K - 1`` of row ``s``, its first ``sizes[c P + s]`` slots
+real and the rest padding that the stage function skips exactly (:func:`slot_units`,
+:func:`slot_mask`).
+
 Example:
   >>> interleaved_order(8, 2, 2)  # the body's layers as stacked: device 0, then device 1
   [0, 1, 4, 5, 2, 3, 6, 7]
@@ -13,16 +21,21 @@ Example:
   6
   >>> pipeline_schedule_for("1F1B", 2), pipeline_schedule_for("ZBH1", 1)
   ('VPP', 'ZBH1')
+  >>> even_sizes(5, 2), slot_units((3, 2), 2).tolist()  # 5 blocks on 2 stages
+  ((3, 2), [[0, 1, 2], [3, 4, -1]])
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 __all__ = ["TABLE_RUN", "chunked", "interleaved_order", "layer_of", "layer_order_params"]
 __all__ += ["check_chunks_agree", "check_microbatches", "check_virtual", "pipeline_schedule_for"]
+__all__ += ["check_sizes", "even_sizes", "is_even", "sizes_text", "slot_mask", "slot_units"]
 
 #: The schedules run by :mod:`jfleet.parallel.pipeline_executor` (the others by
 #: :mod:`jfleet.parallel.pipeline_schedule`).
@@ -148,3 +161,120 @@ def check_microbatches(schedule: str, num_stages: int, num_microbatches: int) ->
             "multiple of it: use "
             f"{num_stages * max(1, -(-num_microbatches // num_stages))}."
         )
+
+
+# ------------------------------------------------------------------ uneven stages
+def even_sizes(num_units: int, num_parts: int) -> tuple[int, ...]:
+    """Units per part as even as they go: ``ceil(N / P)`` for the first ``N % P`` parts,
+    ``floor(N / P)`` for the rest (the slowest stages first, as Megatron's uneven split).
+
+    Example:
+      >>> even_sizes(70, 12)
+      (6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 5, 5)
+      >>> even_sizes(7, 8)  # 7 blocks on pp4 x 2 virtual stages: the last chunk is empty
+      (1, 1, 1, 1, 1, 1, 1, 0)
+    """
+    size, extra = divmod(num_units, num_parts)
+    return tuple(size + (1 if i < extra else 0) for i in range(num_parts))
+
+
+def is_even(sizes: Sequence[int]) -> bool:
+    """Whether every chunk holds the same number of units (no padding).
+
+    Example:
+      >>> is_even((2, 2)), is_even((3, 2))
+      (True, False)
+    """
+    return len(set(sizes)) <= 1
+
+
+def sizes_text(sizes: Sequence[int], num_stages: int) -> str:
+    """``"stages of 3,2 blocks"`` (per device; with virtual stages, the chunks too).
+
+    Example:
+      >>> sizes_text((3, 2), 2)
+      'stages of 3,2 blocks'
+    """
+    per_stage = [sum(sizes[s::num_stages]) for s in range(num_stages)]
+    text = f"stages of {','.join(map(str, per_stage))} blocks"
+    if len(sizes) > num_stages:
+        text += f" (chunks of {','.join(map(str, sizes))})"
+    return text
+
+
+def check_sizes(
+    sizes: Any, num_units: int, num_stages: int, v: int = 1, *, name: str = "blocks"
+) -> tuple[int, ...]:
+    """``sizes`` (units per chunk, ``P v`` of them; None: :func:`even_sizes`) validated.
+
+    Raises:
+      ValueError: not ``P v`` ints >= 0, a sum other than ``num_units``, or a stage
+        (device) left without a unit; the message names the list given, what was
+        expected and a list that would do.
+
+    Example:
+      >>> check_sizes(None, 5, 2), check_sizes([2, 3], 5, 2)
+      ((3, 2), (2, 3))
+      >>> check_sizes([4, 2], 5, 2)  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ValueError: stage sizes [4, 2] sum to 6, not the 5 blocks; ...
+    """
+    parts = num_stages * v
+    if sizes is None:
+        sizes = even_sizes(num_units, parts)
+    else:
+        ok = isinstance(sizes, Sequence) and not isinstance(sizes, str)
+        ok = ok and all(isinstance(n, int) and not isinstance(n, bool) for n in sizes)
+        ok = ok and len(sizes) == parts and all(n >= 0 for n in sizes)
+        what = f"{num_stages} stages x {v} virtual stages" if v > 1 else f"{num_stages} stages"
+        if not ok:
+            raise ValueError(
+                f"stage sizes {sizes!r} must be {parts} ints >= 0, the {name} of each of the "
+                f"{what} in order; e.g. {list(even_sizes(num_units, parts))}."
+            )
+        if sum(sizes) != num_units:
+            raise ValueError(
+                f"stage sizes {list(sizes)} sum to {sum(sizes)}, not the {num_units} {name}; "
+                f"give {parts} counts summing to {num_units}, e.g. "
+                f"{list(even_sizes(num_units, parts))}."
+            )
+    sizes = tuple(int(n) for n in sizes)
+    empty = [s for s in range(num_stages) if not sum(sizes[s::num_stages])]
+    if empty:
+        raise ValueError(
+            f"stage sizes {list(sizes)} leave pipeline stage(s) {empty} with 0 {name}; every "
+            f"stage needs at least one: use pp <= {num_units}"
+            + (f" / {v} virtual stages" if v > 1 else "")
+            + " or give each stage a block."
+        )
+    return sizes
+
+
+def slot_units(sizes: Sequence[int], num_stages: int) -> np.ndarray:
+    """``[P, v K]``: the unit at each slot of the stacked rows, ``-1`` for padding.
+
+    Chunk ``i = c P + s`` (device ``s``'s ``c``-th) holds units ``sum(sizes[:i]) ..`` in
+    slots ``c K ..`` of row ``s``. With equal sizes this is :func:`interleaved_order`.
+
+    Example:
+      >>> slot_units((1, 1, 1, 0), 2).tolist()  # 3 units on 2 devices x 2 chunks
+      [[0, 2], [1, -1]]
+    """
+    parts = len(sizes)
+    v, width = parts // num_stages, max(sizes)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    out = np.full((num_stages, v * width), -1, np.int64)
+    for i, n in enumerate(sizes):
+        c, s = divmod(i, num_stages)
+        out[s, c * width : c * width + n] = np.arange(starts[i], starts[i] + n)
+    return out
+
+
+def slot_mask(sizes: Sequence[int], num_stages: int) -> np.ndarray:
+    """``[P, v K]`` float32: 1 at a real slot, 0 at padding (:func:`slot_units`).
+
+    Example:
+      >>> slot_mask((3, 2), 2).tolist()
+      [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]
+    """
+    return (slot_units(sizes, num_stages) >= 0).astype(np.float32)

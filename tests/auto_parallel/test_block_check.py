@@ -252,7 +252,7 @@ CASES = {
     "stages": (
         Decoder,
         {"num_stages": 4},
-        r"repeat every 2 .* 2 super-blocks of 2, which 4 pipeline stages do not split evenly",
+        r"repeat every 2 .* 2 super-blocks of 2, fewer than the 4 pipeline stages",
     ),
     "aux-kept-apart": (
         AuxListDecoder,
@@ -375,9 +375,11 @@ def test_period_problem_and_the_shared_block_period():
     assert block_check.period_problem(blocks, num_stages=2) == (2, None)
     period, reason = block_check.period_problem(blocks[:3])
     assert period is None and "block 1 differs from block 0" in reason
-    assert block_check.period_problem(list(Decoder(kinds=(0, 0, 0)).layers), num_stages=2) == (
+    three = list(Decoder(kinds=(0, 0, 0)).layers)
+    assert block_check.period_problem(three, num_stages=2) == (1, None)  # uneven: 2 and 1
+    assert block_check.period_problem(three, num_stages=4) == (
         1,
-        "the 3 blocks do not split evenly into 2 pipeline stages; use a pp degree dividing 3.",
+        "the 3 blocks are fewer than the 4 pipeline stages (every stage needs one); use pp <= 3.",
     )
 
 

@@ -35,12 +35,12 @@ def test_enumeration_respects_the_shapes():
     assert "mp8" not in meshes and "pp8" not in meshes
     assert dict(excluded) == {
         "mp8": HEADS_REASON,
-        "pp8": "pp=8 does not divide the 4 blocks",
+        "pp8": "pp=8 is more than the 4 blocks (every pipeline stage needs one); use pp <= 4",
     }
     assert all(lay.size == 8 and lay.sep == 1 for lay in layouts)
     assert {lay.zero_stage for lay in layouts if lay.sharding > 1} == {1, 2, 3}
     assert {lay.schedule for lay in layouts if lay.pp > 1} == {"FThenB", "1F1B", "VPP"}
-    # VPP: M a multiple of pp and pp x 2 chunks dividing the 4 blocks (pp 2 only)
+    # VPP: M a multiple of pp and a block in each of the pp x 2 chunks (pp 2 only)
     vpp = [lay for lay in layouts if lay.schedule == "VPP"]
     assert vpp and all(lay.pp == 2 and lay.num_virtual_stages == 2 for lay in vpp)
     assert all(lay.num_microbatches % 2 == 0 and not lay.recompute for lay in vpp)
@@ -48,7 +48,7 @@ def test_enumeration_respects_the_shapes():
     forced, why = enumerate_layouts(
         found, WORK, device_num=8, force_mesh={"dp": 2, "pp": 4}, schedule="VPP"
     )
-    assert forced == [] and "pp x 2 virtual stages dividing the 4 blocks" in dict(why)["dp2 x pp4"]
+    assert forced == [] and "each of the pp x 2 virtual stages (4 blocks)" in dict(why)["dp2 x pp4"]
     two_nodes, _ = enumerate_layouts(found, WORK, device_num=2, node_num=4)
     assert max(lay.mp for lay in two_nodes) == 2
 
@@ -74,7 +74,11 @@ def test_every_mesh_is_either_enumerated_or_excluded_with_a_reason():
             "[128x250] (role gate, split on dim 1) (and 11 more parameter(s) alike); use mp in "
             "(1, 2), or sizes that 4 divides",
         ),
-        ({"layers": 6}, "dp2 x pp4", "pp=4 does not divide the 6 blocks"),
+        (
+            {"layers": 3},
+            "dp2 x pp4",
+            "pp=4 is more than the 3 blocks (every pipeline stage needs one); use pp <= 3",
+        ),
     ],
     ids=["heads", "hidden", "blocks"],
 )

@@ -20,7 +20,7 @@ from jfleet import fleet
 from jfleet.checkpoint.layout import logical_leaves, running_values
 from jfleet.parallel import pipeline_table as tables
 from jfleet.parallel.pipeline_executor import table_pipeline_loss
-from jfleet.parallel.pipeline_layer import PipelineLayer
+from jfleet.parallel.pipeline_layer import LayerDesc, PipelineLayer
 from jfleet.parallel.virtual_stages import layer_order_params
 from jfleet.testing import assert_trees_close
 from jfleet.testing.hlo import executed_flops, summarize
@@ -258,8 +258,11 @@ def test_schedule_and_virtual_stage_combinations_are_checked(schedule, v, acc, m
 
 
 def test_virtual_stages_need_a_stacked_body():
-    layers = gpt_descs(blocks=3)
-    with pytest.raises(ValueError, match=r"num_virtual_pipeline_stages=2 needs identical body"):
-        PipelineLayer(layers, num_stages=2, num_virtual_pipeline_stages=2)
+    # 3 blocks over 2 x 2 chunks now stack unevenly (chunks of 0, 1, 2, 0 blocks, padded)
+    uneven = PipelineLayer(gpt_descs(blocks=3), num_stages=2, num_virtual_pipeline_stages=2)
+    assert uneven.stages is None and uneven.chunk_sizes == (0, 1, 2, 0)
+    unlike = [LayerDesc(nnx.Linear, 4, 8), LayerDesc(nnx.Linear, 8, 4)] * 2  # no run to stack
+    with pytest.raises(ValueError, match=r"num_virtual_pipeline_stages=2 needs a stacked body"):
+        PipelineLayer(unlike, num_stages=2, num_virtual_pipeline_stages=2)
     with pytest.raises(ValueError, match=r"num_virtual_pipeline_stages=0 must be None or an int"):
         PipelineLayer(gpt_descs(), num_stages=2, num_virtual_pipeline_stages=0)

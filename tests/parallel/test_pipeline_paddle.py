@@ -421,7 +421,8 @@ def test_parameter_free_stage_trains_and_bad_splits_are_refused():
     ):
         zigzag.pipeline_loss(x, x, mesh=three_stages)
     three = PipelineLayer([LayerDesc(nnx.Linear, 4, 4)] * 3, num_stages=2, loss_fn=mse)
-    assert three.stages is not None  # 3 identical layers over 2 stages: [0, 1, 3]
+    # 3 identical layers over 2 stages, [0, 1, 3]: one stacked body padded to 2 a stage
+    assert three.stages is None and three.chunk_sizes == (1, 2)
     # a stage of parameter-free layers (identical LayerDescs: formerly a lax.scan crash)
     free = PipelineLayer([LayerDesc(Tanh)] * 2 + [LayerDesc(nnx.Linear, 4, 4)] * 2, loss_fn=mse)
     assert free.stages.sizes == (0, 40) and free.body is None

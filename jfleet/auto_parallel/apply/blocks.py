@@ -92,7 +92,11 @@ class PipelinedBlocks(nnx.Module):
     Iterating yields a single callable, :meth:`run`, so ``for layer in blocks: x =
     layer(x, ...)`` runs the whole stack once. Its parameters are the blocks'
     parameters stacked to ``[P, L/P, ...]`` (``self.body``: one block of the blocks'
-    class), the leading axis sharded on ``pp``.
+    class), the leading axis sharded on ``pp``. When ``P`` (x virtual stages) does not
+    divide the blocks, stages hold ``ceil`` or ``floor`` of ``L/P`` blocks (the larger
+    first) or ``stage_sizes``: the stack is padded to the largest stage, ``[P, K, ...]``,
+    and the padded slots are skipped exactly (:func:`jfleet.parallel.stack.padded_stage`;
+    their gradients are exactly zero and checkpoints hold only the real blocks).
 
     The blocks must be alike, static settings included (:func:`jfleet.parallel.stack.
     first_difference`), or repeat with a period ``p`` (Gemma's local / global attention
@@ -128,8 +132,10 @@ class PipelinedBlocks(nnx.Module):
       schedule: ``"FThenB"``, ``"1F1B"`` or ``"VPP"`` (:mod:`jfleet.parallel.pipeline_forward`).
       num_virtual_stages: ``v``, chunks per stage (``"VPP"``: at least 2); device ``s``
         holds chunks ``s, s + P, ...`` of the units
-        (:func:`~jfleet.parallel.virtual_stages.interleaved_order`), and ``P v`` must
-        divide the number of units.
+        (:func:`~jfleet.parallel.virtual_stages.slot_units`).
+      chunk_sizes: units (blocks, or super-blocks) per chunk, ``P v`` of them
+        (:func:`~jfleet.parallel.virtual_stages.even_sizes` unless ``stage_sizes`` was
+        given); stage_sizes: blocks per stage; padded: they are uneven.
       split_rows: take and return the batch's rows split over the data axes x ``pp`` when
         they divide (else split over the data axes only, logged).
       seq_axes: mesh axes the sequence dimension is split over between blocks (sequence
@@ -154,6 +160,7 @@ class PipelinedBlocks(nnx.Module):
         split_rows: bool = True,
         num_virtual_stages: int = 1,
         outputs: BlockOutputs | None = None,
+        stage_sizes: Sequence[int] | None = None,
     ) -> None:
         blocks = list(blocks)
         if not blocks:
@@ -174,24 +181,29 @@ class PipelinedBlocks(nnx.Module):
                 )
         v = virtual.check_virtual(num_virtual_stages)
         units = self.num_layers // period if self.num_layers % period == 0 else 0
-        if units and units % (self.num_stages * v):
-            grouped = f" (in {units} super-blocks of {period})" if period > 1 else ""
-            chunks = f" x {v} virtual stages" if v > 1 else ""
-            raise ValueError(
-                f"{self.num_layers} {name} blocks{grouped} do not split evenly into "
-                f"{self.num_stages} pipeline stages{chunks}; use a pp degree"
-                f"{' x virtual stages' if v > 1 else ''} dividing {units}."
-            )
         self.period = period
         self.num_virtual_stages = v
-        if v > 1:  # device s holds chunks s, s + P, ...: stack the units in that order
-            order = virtual.interleaved_order(units, self.num_stages, v)
-            blocks = [blocks[u * period + j] for u in order for j in range(period)]
         self.streams = bool(jax.tree.leaves(nnx.state(blocks[0], nnx.RngState)))
         self.outputs = outputs
+        sizes = None
+        if units:  # else stack_layers names the period that does not divide the blocks
+            sizes = _chunk_sizes(stage_sizes, units, self.num_stages, v, name, period)
+            if self.streams and not virtual.is_even(sizes):
+                raise NotImplementedError(
+                    f"the {self.num_layers} {name} blocks hold RNG streams (dropout) and split "
+                    f"unevenly ({virtual.sizes_text(sizes, self.num_stages)}): uneven "
+                    "pipelined stages do not draw from streams yet; use a pp degree dividing "
+                    f"{units}, or blocks without rngs."
+                )
+        self.chunk_sizes = sizes
         with handing(blocks, outputs):  # the stack's state: (activation, running sums)
             self.body = stack.stack_layers(
-                blocks, self.num_stages, name, period=period, streams=self.streams
+                blocks,
+                self.num_stages,
+                name,
+                period=period,
+                streams=self.streams,
+                chunk_sizes=sizes,
             )
         stack.annotate_stack(self.body, mesh, self.num_stages)
         self.mesh = mesh
@@ -201,6 +213,17 @@ class PipelinedBlocks(nnx.Module):
         self.split_rows = split_rows
         self.seq_axes = seq_axes
         self.per_sample = None if per_sample is None else tuple(per_sample)
+
+    @property
+    def padded(self) -> bool:
+        """Whether the stages hold different numbers of blocks (padded slots skipped)."""
+        return not virtual.is_even(self.chunk_sizes or ())
+
+    @property
+    def stage_sizes(self) -> tuple[int, ...]:
+        """Blocks per pipeline stage (device), e.g. ``(3, 2)`` for 5 blocks on pp 2."""
+        sizes = self.chunk_sizes or ()
+        return tuple(self.period * sum(sizes[s :: self.num_stages]) for s in range(self.num_stages))
 
     def __len__(self) -> int:
         return 1
@@ -237,6 +260,16 @@ class PipelinedBlocks(nnx.Module):
             after=on_activation(after, outputs),
         )
         params = nnx.to_pure_dict(nnx.state(self.body, nnx.Param))
+        if self.padded:  # uneven stages: each slot's real flag rides with its parameters
+            graphdef, params = stack.padded_stage(
+                self.body, params, self.chunk_sizes, self.num_stages, self.mesh
+            )
+            stage_fn = stack.stage_function(
+                graphdef,
+                inputs,
+                remat_interval=1 if self.recompute else 0,
+                after=on_activation(after, outputs),
+            )
         side_in, shared_in = list(side), list(shared)
         if self.streams:
             unit = nnx.merge(graphdef, jax.tree.map(lambda a: a[0, 0], nnx.to_pure_dict(state)))
@@ -279,6 +312,28 @@ class PipelinedBlocks(nnx.Module):
         return False
 
 
+def _chunk_sizes(
+    stage_sizes: Sequence[int] | None, units: int, num_stages: int, v: int, name: str, period: int
+) -> tuple[int, ...]:
+    """Units per chunk: the even split, or ``stage_sizes`` (blocks per stage or chunk).
+
+    Raises:
+      ValueError: ``stage_sizes`` of another length, not in whole super-blocks, summing
+        to another count or leaving a stage empty.
+    """
+    if stage_sizes is None:
+        return virtual.check_sizes(None, units, num_stages, v, name=f"{name} blocks")
+    sizes = list(stage_sizes)
+    if period > 1:
+        if any(not isinstance(n, int) or n % period for n in sizes):
+            raise ValueError(
+                f"stage_sizes={sizes!r}: the {name} blocks repeat every {period} and stack as "
+                f"super-blocks of {period}; give block counts that are multiples of {period}."
+            )
+        sizes = [n // period for n in sizes]
+    return virtual.check_sizes(sizes, units, num_stages, v, name=f"{name} blocks")
+
+
 def container_of(model: nnx.Module, blocks: Sequence[str]) -> str:
     """The path of the list holding exactly the blocks at ``blocks`` (in order).
 
@@ -312,6 +367,7 @@ def pipeline_blocks(
     schedule: str = "FThenB",
     num_virtual_stages: int = 1,
     outputs: BlockOutputs | None = None,
+    stage_sizes: Sequence[int] | None = None,
 ) -> PipelinedBlocks:
     """Replaces the list at ``container`` (a dotted path) by a :class:`PipelinedBlocks`.
 
@@ -322,11 +378,14 @@ def pipeline_blocks(
     activation (:class:`~jfleet.auto_parallel.match.block_extras.BlockOutputs`, from the traced
     forward), or None.
 
+    ``stage_sizes``: blocks per stage (``pp`` counts, or ``pp x v`` counts per chunk with
+    virtual stages), or None for the even split (``ceil`` / ``floor``, larger first).
+
     Raises:
       ValueError: blocks holding state other than ``nnx.Param`` and RNG streams (batch
         statistics, caches); blocks that are not
-        alike and do not repeat (the message names the first differing attribute); or a
-        count of blocks (of super-blocks) the ``pp`` size does not divide.
+        alike and do not repeat (the message names the first differing attribute); or
+        ``stage_sizes`` that do not sum to the blocks or leave a stage empty.
 
     Example:
       >>> import jax
@@ -349,6 +408,7 @@ def pipeline_blocks(
         schedule=schedule,
         num_virtual_stages=num_virtual_stages,
         outputs=outputs,
+        stage_sizes=stage_sizes,
     )
     parent, _, name = container.rpartition(".")
     setattr(module_at(model, parent), name, stand_in)

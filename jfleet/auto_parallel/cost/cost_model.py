@@ -77,13 +77,14 @@ and 256, dp8 and dp2 x mp4: 0.99-1.13 of the compiled memory). The constants (1.
   product per operand that needs a gradient, per device: divided by the data axes
   (``dp x sharding x sep``) and by ``mp`` only when a parameter split over ``mp`` at this
   degree splits the product (a product of a kernel left whole runs on every ``mp`` rank);
-  the blocks' share divided by ``pp``; recompute (and 1F1B) adds one forward of the
-  blocks, selective recompute one forward of their attention cores (the products of two
-  activations: scores and values, or a fused attention's); embedding and head run on
-  every stage, on ``1 / P`` of the rows when the rows
-  split over pp. :attr:`Candidate.flops` is that count as executed (bubble ticks skip
-  their work), what :func:`jfleet.testing.hlo.executed_flops` counts for the slowest
-  stage of the compiled step. Without a trace, ``6 x`` the kernels' elements per token;
+  the largest stage's share of the blocks (``1 / pp`` when ``pp`` divides them; uneven
+  stages run the padded stack, the largest stage's size, everywhere); recompute (and 1F1B)
+  adds one forward of the blocks, selective recompute one forward of their attention cores
+  (the products of two activations: scores and values, or a fused attention's); embedding
+  and head run on every stage, on ``1 / P`` of the rows when the rows split over pp.
+  :attr:`Candidate.flops` is that count as executed (bubble ticks skip their work), what
+  :func:`jfleet.testing.hlo.executed_flops` counts for the slowest stage of the compiled
+  step. Without a trace, ``6 x`` the kernels' elements per token;
 * tensor parallel: per block and micro-batch (a pipeline: per tick of ``M + P - 1``,
   as the compiled loop holds them) one forward (twice with recompute)
   all-reduce per row projection split over ``mp`` (after o and down), and in the
@@ -215,7 +216,10 @@ def compute_time(s: StepShape) -> tuple[float, float, float]:
     fwd_blocks, step_blocks, step_outside = cached(
         s.patterns, key, lambda: step_flops(s.patterns, work, lay, s.specs)
     )
-    block_flops = (step_blocks + (fwd_blocks if s.recompute else 0.0)) / pp
+    # the largest stage's share (uneven stages: the padded stack runs its size everywhere)
+    layers = len(s.patterns.blocks)
+    share = 1 / pp if s.even_stages or not layers else s.stage_blocks / layers
+    block_flops = (step_blocks + (fwd_blocks if s.recompute else 0.0)) * share
     if s.selective:  # the attention cores run again in the backward pass
         block_flops += cached(
             s.patterns, ("core", *key), lambda: attention_core_flops(s.patterns, work, lay, s.specs)

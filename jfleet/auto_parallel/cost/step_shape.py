@@ -39,7 +39,8 @@ from jfleet.auto_parallel.match.patterns import ModelDims, ModelPatterns, ParamI
 from jfleet.mesh.placement import Placement
 from jfleet.mesh.topology import AXIS_NAMES
 
-__all__ = ["StepShape", "group_bandwidth", "ring_bytes", "step_shape", "stored_leaves"]
+__all__ = ["StepShape", "group_bandwidth", "largest_stage_blocks", "ring_bytes", "step_shape"]
+__all__ += ["stored_leaves"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,7 +73,8 @@ class StepShape:
       selective: selective recompute (:attr:`~jfleet.auto_parallel.search.layouts.Layout.
         selective_recompute`); selective_waits: its recomputation waits for the backward
         pass (scanned blocks, or a compiler that keeps ``jax.checkpoint``'s barriers).
-      v: chunks per stage; chunk_blocks: blocks per chunk.
+      v: chunks per stage; chunk_blocks: blocks per chunk (the largest chunk's when the
+        stages are uneven); even_stages: every stage holds as many blocks.
       vocab: the vocabulary the head's logits span (0 without a head).
     """
 
@@ -110,6 +112,7 @@ class StepShape:
     selective_waits: bool
     v: int
     chunk_blocks: float
+    even_stages: bool = True
     vocab: int
 
     @property
@@ -260,6 +263,21 @@ def _param_bytes(patterns: ModelPatterns, layout: Layout, stage_blocks: int) -> 
     return {"specs": specs, **cached(patterns, key, compute)}
 
 
+def largest_stage_blocks(blocks: int, period: int, pp: int, v: int = 1) -> int:
+    """Blocks one pipeline stage holds, the largest stage's when ``pp x v`` does not divide
+    the blocks: its ``v`` chunks of ``ceil(units / (pp v))`` units of ``period`` blocks (the
+    stack is padded to it, and its padded slots compute and are discarded).
+
+    Example:
+      >>> largest_stage_blocks(70, 1, 12), largest_stage_blocks(7, 1, 4, 2)
+      (6, 2)
+    """
+    if pp <= 1 or not blocks:
+        return blocks
+    units = blocks // period
+    return v * -(-units // (pp * v)) * period
+
+
 def step_shape(
     patterns: ModelPatterns,
     workload: Workload,
@@ -273,7 +291,9 @@ def step_shape(
     profile = get_profile(profile)
     pp, m = layout.pp, layout.num_microbatches
     layers, norms = cached(patterns, ("layers_and_norms",), lambda: layers_and_norms(patterns))
-    stage_blocks = layers // pp
+    stage_blocks = largest_stage_blocks(
+        layers, patterns.block_period or 1, pp, layout.num_virtual_stages
+    )
     data = layout.data_degree
     local_seqs = workload.batch_size // data
     local_seq = workload.seq_len // layout.sep
@@ -315,6 +335,7 @@ def step_shape(
         selective_waits=layout.selective_recompute and (scanned or profile.remat_barriers_kept),
         v=layout.num_virtual_stages,
         chunk_blocks=stage_blocks / layout.num_virtual_stages,
+        even_stages=layers % ((patterns.block_period or 1) * pp * layout.num_virtual_stages) == 0,
         vocab=patterns.dims.vocab if patterns.tied_head is not None else 0,
         **_param_bytes(patterns, layout, stage_blocks),
     )

@@ -9,7 +9,7 @@ words for the user (or None):
   caches; dropout streams are drawn as the unpipelined blocks draw them,
   :mod:`~jfleet.auto_parallel.match.block_extras`);
 * the blocks are not alike and do not repeat with a period
-  (:func:`~jfleet.parallel.stack.block_period`), or ``num_stages`` does not divide the
+  (:func:`~jfleet.parallel.stack.block_period`), or ``num_stages`` is more than the
   number of stacked units;
 * the forward does not run each block exactly once, in order, each taking the previous
   block's output and the same further arguments;
@@ -32,7 +32,7 @@ Example:
   >>> print(pipeline_problem(model, paths, lambda: model(tokens), num_stages=2))
   None
   >>> print(pipeline_problem(model, paths, lambda: model(tokens), num_stages=4))
-  the 2 blocks do not split evenly into 4 pipeline stages; use a pp degree dividing 2.
+  the 2 blocks are fewer than the 4 pipeline stages (every stage needs one); use pp <= 2.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def period_problem(
     Returns:
       ``(period, reason)``: the :func:`~jfleet.parallel.stack.block_period` (None when
       the blocks do not repeat), and None or the reason: no period (naming the first
-      differing attribute), or ``num_stages`` not dividing the number of stacked units.
+      differing attribute), or ``num_stages`` more than the stacked units.
 
     Raises:
       ValueError: no blocks, ``names`` of another length, or ``num_stages`` below 1.
@@ -124,19 +124,20 @@ def period_problem(
             "blocks with one definition (static settings included); give the blocks settings "
             "that repeat, or plan without a pipeline."
         )
-    if num_stages is None or (count // period) % num_stages == 0:
+    # uneven stages are fine (the stack is padded to the largest); each needs a unit
+    if num_stages is None or count // period >= num_stages:
         return period, None
     units = count // period
     if period == 1:
         return period, (
-            f"the {count} blocks do not split evenly into {num_stages} pipeline stages; use a "
-            f"pp degree dividing {count}."
+            f"the {count} blocks are fewer than the {num_stages} pipeline stages (every stage "
+            f"needs one); use pp <= {count}."
         )
     i, j, difference = first_mismatch(blocks) or (0, 0, "?")
     return period, (
         f"the {count} blocks repeat every {period} ({names[i]} differs from {names[j]} in "
-        f"{difference}), so they pipeline as {units} super-blocks of {period}, which "
-        f"{num_stages} pipeline stages do not split evenly; use a pp degree dividing {units}."
+        f"{difference}), so they pipeline as {units} super-blocks of {period}, fewer than the "
+        f"{num_stages} pipeline stages (every stage needs one); use pp <= {units}."
     )
 
 

@@ -16,7 +16,9 @@ parallelism stays on the fast links; the mesh order ``dp, pp, sharding, sep, mp`
 not divide keeps k and v whole on every ``mp`` rank (each rank then holds every kv head
 its q heads need) and splits q and o. ``mp > 1`` is excluded when it would leave most of
 the decoder blocks' kernel elements whole (attention or MLP that could not be paired).
-``pp`` divides the decoder blocks (uniform stages). ``dp x sharding`` divides the batch;
+``pp`` is at most the decoder blocks (super-blocks when they repeat with a period): when it
+does not divide them the stages hold ``ceil`` or ``floor`` of ``L / pp`` each, the larger
+first (the cost model charges the largest stage). ``dp x sharding`` divides the batch;
 ``sep`` divides the sequence. A model with no recognised parts gets ``mp = pp = 1``; one
 with no repeated blocks gets ``pp = 1``.
 
@@ -29,7 +31,7 @@ Example:
   >>> sorted({lay.mesh_name for lay in layouts if lay.pp == 1 and lay.sharding == 1})
   ['dp2 x mp2', 'dp4', 'mp4']
   >>> excluded
-  [('pp4', 'pp=4 does not divide the 2 blocks')]
+  [('pp4', 'pp=4 is more than the 2 blocks (every pipeline stage needs one); use pp <= 2')]
 """
 
 from __future__ import annotations
@@ -152,13 +154,16 @@ def shape_problem(
                 "the blocks are not alike (static settings included) and do not repeat, so "
                 "no one definition can run them stacked"
             )
-        if (blocks // period) % pp:
+        if blocks // period < pp:
+            units = blocks // period
             if period == 1:
-                return f"pp={pp} does not divide the {blocks} blocks"
+                return (
+                    f"pp={pp} is more than the {blocks} blocks (every pipeline stage needs "
+                    f"one); use pp <= {blocks}"
+                )
             return (
-                f"pp={pp} does not divide the {blocks // period} super-blocks of {period} "
-                "(the blocks repeat every "
-                f"{period})"
+                f"pp={pp} is more than the {units} super-blocks of {period} (the blocks "
+                f"repeat every {period}; every pipeline stage needs one); use pp <= {units}"
             )
     if sep > 1:
         if not workload.sequence_parallel:
@@ -279,22 +284,24 @@ def _virtual_options(
 ) -> list[int]:
     """Chunks per stage to try: 1 for one-chunk schedules; for VPP those of
     :data:`VIRTUAL_OPTIONS` (or ``forced``) that interleave this pipeline: ``M`` a multiple
-    of ``pp``, ``pp x v`` dividing the blocks (super-blocks)."""
+    of ``pp``, every chunk holding a block (super-block; uneven chunks are padded to the
+    largest); a ``forced`` ``v`` needs only a block per stage."""
     if schedule != "VPP":
         return [1]
     units = len(patterns.blocks) // (patterns.block_period or 1)
     options = [forced] if forced else list(VIRTUAL_OPTIONS)
     if wide and not forced:
-        options = [v for v in _divisors(max(units // pp, 1)) if v > 1]
-    return [v for v in options if v > 1 and m % pp == 0 and units % (pp * v) == 0]
+        options = list(range(2, max(units // pp, 1) + 1))
+    least = pp if forced else None
+    return [v for v in options if v > 1 and m % pp == 0 and units >= (least or pp * v)]
 
 
 def _no_interleaving(patterns: ModelPatterns, pp: int, ms: list[int], v: int | None) -> str:
     units = len(patterns.blocks) // (patterns.block_period or 1)
     chunks = v or VIRTUAL_OPTIONS[0]
     return (
-        f"VPP needs num_microbatches a multiple of pp={pp} (options {ms}) and pp x "
-        f"{chunks} virtual stages dividing the {units} blocks"
+        f"VPP needs num_microbatches a multiple of pp={pp} (options {ms}) and a block in "
+        f"each of the pp x {chunks} virtual stages ({units} blocks)"
     )
 
 
@@ -344,10 +351,10 @@ def enumerate_layouts(
         ``pp > 1`` are then excluded). Default: without and with; the wide search adds
         selective recompute where there is no pipeline.
       num_virtual_stages: chunks per stage for ``"VPP"`` (default: :data:`VIRTUAL_OPTIONS`);
-        VPP layouts are offered where ``M`` is a multiple of ``pp`` and ``pp x v`` divides
-        the blocks (super-blocks).
+        VPP layouts are offered where ``M`` is a multiple of ``pp`` and every chunk holds
+        a block (super-block).
       wide: the search practitioners use: every micro-batch count ``M`` from ``pp`` up to
-        the local batch, every ``v`` dividing a stage's blocks, and gradient accumulation
+        the local batch, every ``v`` up to a stage's blocks, and gradient accumulation
         over every divisor of the local batch / ``M`` (else ``M`` near ``pp``, ``2 pp``,
         ``4 pp``, ``v`` of :data:`VIRTUAL_OPTIONS`, no accumulation, no selective
         recompute).

@@ -208,6 +208,19 @@ def _blocks_text(blocks: tuple[int, ...]) -> str:
     return f"block {shown}" if len(blocks) == 1 else f"blocks {shown}"
 
 
+def _uneven_text(stages: tuple[tuple[int, ...], ...]) -> str:
+    """`` (uneven: stages of 3,2 blocks; the largest charged)`` when the stages differ.
+
+    >>> _uneven_text(((0, 1, 2), (3, 4)))
+    ' (uneven: stages of 3,2 blocks; time and memory charged for the largest)'
+    """
+    sizes = [len(s) for s in stages]
+    if len(set(sizes)) <= 1:
+        return ""
+    shown = ",".join(map(str, sizes))
+    return f" (uneven: stages of {shown} blocks; time and memory charged for the largest)"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Plan:
     """A parallel plan: the mesh, the layouts, the pipeline, and why it was chosen.
@@ -468,7 +481,9 @@ class Plan:
         ]
         if lay.pp > 1:
             lines.append(
-                "stages: " + "; ".join(f"{i}: {_blocks_text(s)}" for i, s in enumerate(self.stages))
+                "stages: "
+                + "; ".join(f"{i}: {_blocks_text(s)}" for i, s in enumerate(self.stages))
+                + _uneven_text(self.stages)
             )
         lines.append(
             "unmatched (replicated): " + (", ".join(self.unmatched) if self.unmatched else "none")

@@ -41,7 +41,7 @@ from jfleet.auto_parallel.search.layouts import enumerate_layouts, shape_problem
 from jfleet.auto_parallel.search.plan import ParamPlan, Plan, _mib, _secs
 from jfleet.mesh.placement import Placement
 from jfleet.mesh.topology import AXIS_NAMES, MP, PP, SEP
-from jfleet.parallel.virtual_stages import check_chunks_agree
+from jfleet.parallel.virtual_stages import check_chunks_agree, even_sizes, slot_units
 from jfleet.runtime.log import logger
 
 __all__ = ["plan_for", "recompute_setting"]
@@ -205,6 +205,25 @@ def _check_search(
             f"{sorted(OPTIMIZER_MOMENTS)}."
         )
     return schedule
+
+
+def _stages(patterns: ModelPatterns, lay: Any) -> tuple[tuple[tuple[int, ...], ...], dict]:
+    """Each pipeline stage's blocks, and each block's stage: chunk ``i`` of the ``pp x v``
+    holds ``even_sizes`` units (super-blocks of the block period), device ``s`` chunks ``s,
+    s + pp, ...`` (uneven stages: the larger first, as the applied stack)."""
+    if not patterns.blocks:
+        return (), {}
+    period = patterns.block_period or 1
+    units = len(patterns.blocks) // period
+    if lay.pp <= 1 or units < lay.pp:
+        every = tuple(range(len(patterns.blocks)))
+        return (every,), dict.fromkeys(every, 0)
+    sizes = even_sizes(units, lay.pp * lay.num_virtual_stages)
+    table = slot_units(sizes, lay.pp)
+    stages = tuple(
+        tuple(int(u) * period + j for u in row if u >= 0 for j in range(period)) for row in table
+    )
+    return stages, {b: s for s, blocks in enumerate(stages) for b in blocks}
 
 
 def _checked_force(
@@ -504,16 +523,7 @@ def _build_plan(
     lay = best.layout
     abstract = AbstractMesh(tuple(lay.degrees.values()), AXIS_NAMES)
     zero = Placement(mesh=abstract, zero_stage=lay.zero_stage)
-    v = lay.num_virtual_stages  # device s holds chunks s, s + P, ... (interleaved stages)
-    per_chunk = len(patterns.blocks) // (lay.pp * v) if patterns.blocks else 0
-    if patterns.blocks:
-        stages = tuple(
-            tuple(b for c in range(v) for b in range((c * lay.pp + k) * per_chunk,
-                                                     (c * lay.pp + k + 1) * per_chunk))
-            for k in range(lay.pp)
-        )  # fmt: skip
-    else:
-        stages = ()
+    stages, stage_of = _stages(patterns, lay)
     params = []
     why = dict(patterns.replicated_in_blocks)
     for p in patterns.params:
@@ -522,7 +532,7 @@ def _build_plan(
         if lay.mp > 1 and p.split_dim is not None and spec == P():
             reason = f"mp={lay.mp} does not divide its {p.units} {_UNIT_WORDS.get(p.role, 'units')}"
         zspec = zero.zero_spec(spec, p.shape) if lay.zero_stage else spec
-        stage = (p.block // per_chunk) % lay.pp if (p.block is not None and per_chunk) else None
+        stage = stage_of.get(p.block) if p.block is not None else None
         params.append(
             ParamPlan(
                 path=p.path,
