@@ -256,6 +256,7 @@ def lower_step(
     schedule: str | None = None,
     recompute: bool | str = False,
     accumulate: int = 1,
+    sequence_parallel: bool = False,
 ) -> tuple[jax.stages.Lowered, Plan]:
     """``to_distributed`` on this mesh, then the engine's step lowered for one batch.
 
@@ -277,6 +278,7 @@ def lower_step(
         num_microbatches=microbatches,
         forward=sub.forward,
         accumulate_steps=accumulate if accumulate > 1 else None,
+        sequence_parallel=sequence_parallel,
     )
     model, opt, loader = to_distributed(sub.build(), optax.adam(1e-3), [sub.batch()], config=config)
     batch = next(iter(loader))
@@ -304,6 +306,7 @@ def check(
     schedule: str | None = None,
     recompute: bool | str = False,
     compiler_options: dict | None = None,
+    sequence_parallel: bool = False,
 ) -> Row:
     """Applies, lowers, compiles and compares one layout of a TinyLlama workload or a style.
 
@@ -313,7 +316,13 @@ def check(
     """
     start = time.perf_counter()
     lowered, plan = lower_step(
-        what, degrees, stage, microbatches, schedule=schedule, recompute=recompute
+        what,
+        degrees,
+        stage,
+        microbatches,
+        schedule=schedule,
+        recompute=recompute,
+        sequence_parallel=sequence_parallel,
     )
     compiled = lowered.compile(compiler_options)
     seconds = time.perf_counter() - start
@@ -324,7 +333,9 @@ def check(
     if isinstance(what, Workload):  # the same layout planned for an H100 (speed differs)
         h100 = estimate(
             match_patterns(what.model()),
-            PlanWorkload(batch_size=what.batch, seq_len=what.seq),
+            PlanWorkload(
+                batch_size=what.batch, seq_len=what.seq, sequence_parallel=sequence_parallel
+            ),
             plan.chosen.layout,
             get_profile("h100"),
             devices_per_node=8,
@@ -471,6 +482,25 @@ PIPELINE_NOTES = (
 
 #: Gradient accumulation checked against the strategy's gradient merge: (mesh, ZeRO stage,
 #: accumulation steps), on the TinyLlama workload (one call: batch / steps rows).
+#: ``(mesh degrees, ZeRO stage, recompute, sequence parallel)`` checked at
+#: :data:`DEPTHS` blocks of a wider TinyLlama (:data:`DEPTH_WORKLOAD`), issue 37: ZeRO-2 /
+#: ZeRO-3 per block on scanned blocks (FSDP), recompute on and off, and tensor + sequence
+#: parallel with full recompute (each block's saved input split over ``mp``).
+DEPTH_LAYOUTS: tuple[tuple[dict[str, int], int, bool, bool], ...] = (
+    ({"sharding": 8}, 3, True, False),
+    ({"sharding": 8}, 3, False, False),
+    ({"sharding": 8}, 2, True, False),
+    ({"sharding": 4, "mp": 2}, 3, True, False),
+    ({"dp": 2, "mp": 4}, 0, True, True),
+)
+DEPTHS = (4, 16)
+
+
+def depth_workload(layers: int) -> Workload:
+    """TinyLlama at width 256 (hidden 512, 4 heads) and ``layers`` blocks."""
+    return Workload(width=256, heads=4, kv_heads=4, hidden=512, layers=layers)
+
+
 ACCUMULATION_LAYOUTS = (
     ({"dp": 2, "mp": 4}, 0, 2),
     ({"dp": 2, "sharding": 4}, 2, 2),
@@ -658,6 +688,15 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"checked {row.subject} {row.name} ({row.compile_seconds:.1f} s)", file=sys.stderr
             )
+    for degrees, stage, recompute, sp in DEPTH_LAYOUTS:
+        for layers in DEPTHS:
+            row = check(
+                depth_workload(layers), degrees, stage, recompute=recompute,
+                sequence_parallel=sp,
+            )  # fmt: skip
+            name = f"{row.name}{', SP' if sp else ''}, {layers} blocks (width 256)"
+            rows.append(dataclasses.replace(row, name=name))
+            print(f"checked {row.subject} {name} ({row.compile_seconds:.1f} s)", file=sys.stderr)
     accumulation = []
     for degrees, stage, steps in ACCUMULATION_LAYOUTS:
         memory, nbytes = check_accumulation(workload, degrees, stage, steps)

@@ -280,6 +280,21 @@ def test_zero_stages_divide_state_as_the_paper_says():
     assert _est(found, Layout(sharding=8, zero_stage=1)).collectives.total == 2 * phi
 
 
+def test_sequence_parallel_recompute_keeps_each_block_input_split_over_mp():
+    """Full recompute keeps each block's input for the backward pass; under tensor +
+    sequence parallelism the stack carries it split over ``mp`` (measured on the compiled
+    step: TinyLlama width 256, dp2 x mp4, 4 -> 12 scanned blocks, 131,072 B a block with SP,
+    524,288 B without): an added block costs 1/4 of its whole input with SP."""
+    layout = Layout(dp=2, mp=4, recompute=True)
+    growth = {}
+    for sp in (False, True):
+        work = Workload(batch_size=16, seq_len=64, sequence_parallel=sp)
+        acts = [_est(_llama(layers=n), layout, work).memory.activations for n in (4, 8)]
+        growth[sp] = acts[1] - acts[0]
+    one_input = 4 * (16 // 2 * 64) * 128  # fp32 b s h of one block, per device
+    assert growth[False] - growth[True] == 4 * one_input * 3 // 4, growth
+
+
 def test_tensor_parallel_collectives_count_each_column_projection():
     found = _llama()
     c = _est(found, Layout(dp=2, mp=4)).collectives

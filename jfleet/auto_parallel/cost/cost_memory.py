@@ -131,8 +131,12 @@ def _layer_acts(s: StepShape, per_layer: float) -> float:
     if s.piped:
         return _FTHENB_KEPT * s.tokens_live * per_layer * s.stage_blocks + work_set
     # one accumulation step's activations are live (tokens_live: all of them when A = 1)
-    if s.remat_waits:
-        return s.tokens_live * h * s.stage_blocks + s.tokens_mb * per_layer * _ONE_BLOCK_WORK
+    if s.remat_waits:  # each block's input, split over mp between blocks under SP
+        # (measured, TinyLlama width 256 dp2 x mp4, 4 -> 12 scanned blocks: 131,072 B a
+        # block with SP = b s h / 4, 524,288 B without, beside the gradients' stack)
+        sp = s.layout.mp if s.workload.sequence_parallel else 1
+        kept = s.tokens_live * h / sp * s.stage_blocks
+        return kept + s.tokens_mb * per_layer * _ONE_BLOCK_WORK
     if s.selective_waits:  # the kept matmul outputs, one block's recomputation beside them
         kept = s.tokens_live * selective_kept_elems(s) * s.stage_blocks
         return kept + s.tokens_mb * per_layer * (_SCAN_WORK if s.scanned else _ONE_BLOCK_WORK)
