@@ -45,6 +45,7 @@ import numpy as np
 from flax import nnx
 
 from jfleet.auto_parallel.match.tag_walk import EMPTY, Dot, Edge, Tag, Val, Walk, const_val
+from jfleet.models.attention import PLATFORM_ATTENTION
 
 __all__ = ["Dot", "Edge", "Tag", "Trace", "TraceError", "trace_model"]
 
@@ -191,7 +192,7 @@ def trace_model(
             "ToDistributedConfig(forward=lambda model, batch: ...) calling it as your "
             "training step does."
         ) from err
-    walk = Walk()
+    walk = Walk(scope=PLATFORM_ATTENTION)  # products of causal_attention: Dot.scoped
     n_rest = len(jax.tree_util.tree_leaves(rest))
     args: list[Val] = []
     for i, shape in enumerate(shapes):
