@@ -31,7 +31,6 @@ import dataclasses
 import jax.numpy as jnp
 
 from jfleet.auto_parallel.match.patterns import ModelPatterns
-from jfleet.models.attention import FLASH_DTYPES, attention_implementation
 
 __all__ = [
     "attention_as_run",
@@ -117,6 +116,9 @@ def attention_as_run(
       >>> attention_as_run(found, "cpu", "bfloat16")[0] is found
       True
     """
+    # imported here: loading a saved model (checkpoint -> auto_parallel) needs no models
+    from jfleet.models.attention import FLASH_DTYPES, attention_implementation
+
     marked = [d for d in patterns.dots if d.attention and d.platform_attention]
     if not marked or platform == "cpu":
         return patterns, ""

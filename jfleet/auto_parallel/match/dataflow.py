@@ -45,7 +45,6 @@ import numpy as np
 from flax import nnx
 
 from jfleet.auto_parallel.match.tag_walk import EMPTY, Dot, Edge, Tag, Val, Walk, const_val
-from jfleet.models.attention import PLATFORM_ATTENTION
 
 __all__ = ["Dot", "Edge", "Tag", "Trace", "TraceError", "trace_model"]
 
@@ -192,6 +191,9 @@ def trace_model(
             "ToDistributedConfig(forward=lambda model, batch: ...) calling it as your "
             "training step does."
         ) from err
+    # the reference models' attention (imported here: loading a saved model needs no models)
+    from jfleet.models.attention import PLATFORM_ATTENTION
+
     walk = Walk(scope=PLATFORM_ATTENTION)  # products of causal_attention: Dot.scoped
     n_rest = len(jax.tree_util.tree_leaves(rest))
     args: list[Val] = []
