@@ -39,6 +39,13 @@ leaves beside them (``comm_overlap``), reduce-scatter gradients as they are prod
 the emulated ``cpu`` profile keeps the terms measured on XLA:CPU (the loops' memory
 traffic, whole local gradients, no overlap).
 
+``platform`` says what the devices are (``cpu`` for the emulated profile, ``gpu`` for the
+others and by default): the reference models' attention
+(:func:`jfleet.models.attention.causal_attention`) runs cuDNN's flash attention on a GPU
+for half inputs with a head dimension up to ``flash_max_head_dim`` (128 on the A100s, 256
+on the Hopper ``h100`` / ``h200``), so a plan for a GPU profile keeps no ``s x s`` scores
+(:func:`jfleet.auto_parallel.match.attention_trace.attention_as_run`).
+
 ``float32`` on the GPU profiles is the TF32 tensor-core rate: with JAX's default matmul
 precision XLA runs float32 matmuls in TF32 on these GPUs. ``float32_highest`` is the
 full-precision rate (``jax_default_matmul_precision="highest"``).
@@ -119,7 +126,7 @@ class HardwareProfile:
         takes (cuDNN: 128 before Hopper, 256 from Hopper on).
 
     Raises:
-      ValueError: a non-positive number, or no flops given.
+      ValueError: a non-positive number, no flops given, or an unknown ``platform``.
 
     Example:
       >>> from jfleet.auto_parallel import get_profile
