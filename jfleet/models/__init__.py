@@ -14,6 +14,8 @@ says otherwise; all train on the token batches of :mod:`jfleet.models.tiny_lm`.
   jfleet's tensor-parallel layers (Megatron layout, optional sequence parallel).
 * :mod:`~jfleet.models.gpt2`: ``TinyGPT2``, GPT-2-style (fused qkv, tied head).
 * :mod:`~jfleet.models.llama`: ``TinyLlama``, Llama-style (RMSNorm, RoPE, GQA, SwiGLU).
+* :mod:`~jfleet.models.attention`: the attention core they share, ``causal_attention``
+  (``jax.nn.dot_product_attention``: cuDNN flash attention on a GPU, XLA elsewhere).
 
 Example:
   >>> from jfleet.models import TinyLM, lm_batches, lm_loss

@@ -26,9 +26,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jfleet.models.attention import causal_attention
+
 
 class GPT2Attention(nnx.Module):
-    """Causal self-attention: fused ``c_attn`` (width -> 3 width, per-head layout), ``c_proj``."""
+    """Causal self-attention: fused ``c_attn`` (width -> 3 width, per-head layout), ``c_proj``.
+
+    The core is :func:`~jfleet.models.attention.causal_attention` (flash on a GPU).
+    """
 
     def __init__(self, width: int, heads: int, *, rngs: nnx.Rngs) -> None:
         if width % heads:
@@ -43,10 +48,7 @@ class GPT2Attention(nnx.Module):
         d = w // h
         qkv = self.c_attn(x).reshape(b, s, h, 3, d)
         q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(d)
-        causal = jnp.tril(jnp.ones((s, s), bool))
-        probs = jax.nn.softmax(jnp.where(causal, logits, -1e30), axis=-1).astype(v.dtype)
-        return self.c_proj(jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, w))
+        return self.c_proj(causal_attention(q, k, v).reshape(b, s, w))
 
 
 class GPT2MLP(nnx.Module):

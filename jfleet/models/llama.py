@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jfleet.models.attention import causal_attention
+
 
 def rotary(x: jax.Array, base: float = 10000.0) -> jax.Array:
     """Rotary position embedding of ``x: [batch, seq, heads, head_dim]`` (positions 0..seq-1).
@@ -41,7 +43,11 @@ def rotary(x: jax.Array, base: float = 10000.0) -> jax.Array:
 
 
 class LlamaAttention(nnx.Module):
-    """Causal rotary self-attention with q/k/v/o projections and ``kv_heads`` key/value heads."""
+    """Causal rotary self-attention with q/k/v/o projections and ``kv_heads`` key/value heads.
+
+    The core is :func:`~jfleet.models.attention.causal_attention`
+    (``jax.nn.dot_product_attention``: cuDNN flash attention on a GPU, XLA elsewhere).
+    """
 
     def __init__(self, width: int, heads: int, kv_heads: int, *, rngs: nnx.Rngs) -> None:
         if width % heads:
@@ -65,14 +71,8 @@ class LlamaAttention(nnx.Module):
         q = rotary(self.q_proj(x).reshape(b, s, h, d))
         k = rotary(self.k_proj(x).reshape(b, s, kv, d))
         v = self.v_proj(x).reshape(b, s, kv, d)
-        if kv != h:
-            k = jnp.repeat(k, h // kv, axis=2)
-            v = jnp.repeat(v, h // kv, axis=2)
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(d)
-        causal = jnp.tril(jnp.ones((s, s), bool))
-        probs = jax.nn.softmax(jnp.where(causal, logits, -1e30), axis=-1).astype(v.dtype)
-        out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, h * d)
-        return self.o_proj(out)
+        # grouped-query heads are grouped inside (no repeat); flash attention on a GPU
+        return self.o_proj(causal_attention(q, k, v).reshape(b, s, h * d))
 
 
 class LlamaMLP(nnx.Module):

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jfleet.models.attention import causal_attention
 from jfleet.parallel.cross_entropy import parallel_cross_entropy
 from jfleet.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from jfleet.parallel.sequence import (
@@ -67,7 +68,8 @@ class Attention(nnx.Module):
     """Causal multi-head self-attention: a fused qkv projection and an output projection.
 
     The fused projection's output is laid out per head (``[heads, 3, head_dim]``, as in
-    Megatron), so splitting it over ``mp`` gives each rank whole heads.
+    Megatron), so splitting it over ``mp`` gives each rank whole heads. The core is
+    :func:`~jfleet.models.attention.causal_attention` (flash on a GPU).
     """
 
     def __init__(self, width: int, heads: int, *, column, row, rngs: nnx.Rngs) -> None:
@@ -83,11 +85,7 @@ class Attention(nnx.Module):
         qkv = self.qkv(x).reshape(b, -1, self.heads, 3, hd)
         q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
         s_full = q.shape[1]
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(hd)
-        causal = jnp.tril(jnp.ones((s_full, s_full), bool))
-        probs = jax.nn.softmax(jnp.where(causal, logits, -1e30), axis=-1).astype(v.dtype)
-        out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s_full, w)
-        return self.o(out)
+        return self.o(causal_attention(q, k, v).reshape(b, s_full, w))
 
 
 class MLP(nnx.Module):

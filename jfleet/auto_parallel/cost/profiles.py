@@ -39,6 +39,13 @@ leaves beside them (``comm_overlap``), reduce-scatter gradients as they are prod
 the emulated ``cpu`` profile keeps the terms measured on XLA:CPU (the loops' memory
 traffic, whole local gradients, no overlap).
 
+``platform`` says what the devices are (``cpu`` for the emulated profile, ``gpu`` for the
+others and by default): the reference models' attention
+(:func:`jfleet.models.attention.causal_attention`) runs cuDNN's flash attention on a GPU
+for half inputs with a head dimension up to ``flash_max_head_dim`` (128 on the A100s, 256
+on the Hopper ``h100`` / ``h200``), so a plan for a GPU profile keeps no ``s x s`` scores
+(:func:`jfleet.auto_parallel.match.attention_trace.attention_as_run`).
+
 ``float32`` on the GPU profiles is the TF32 tensor-core rate: with JAX's default matmul
 precision XLA runs float32 matmuls in TF32 on these GPUs. ``float32_highest`` is the
 full-precision rate (``jax_default_matmul_precision="highest"``).
@@ -111,9 +118,15 @@ class HardwareProfile:
         and only the ZeRO shard (and one block's in flight) stays live.
       memory_margin: the fraction of ``memory_bytes`` kept out of the default budget for
         the allocator's fragmentation and the runtime's own buffers.
+      platform: ``"cpu"``, ``"gpu"`` or ``"tpu"``: what the devices run, for the choices a
+        program makes by platform (:func:`jfleet.models.attention.causal_attention` runs
+        cuDNN flash attention on a GPU, so a reference model planned for one keeps no
+        ``s x s`` scores).
+      flash_max_head_dim: the largest head dimension the GPU's flash attention kernel
+        takes (cuDNN: 128 before Hopper, 256 from Hopper on).
 
     Raises:
-      ValueError: a non-positive number, or no flops given.
+      ValueError: a non-positive number, no flops given, or an unknown ``platform``.
 
     Example:
       >>> from jfleet.auto_parallel import get_profile
@@ -138,8 +151,15 @@ class HardwareProfile:
     comm_overlap: float = 0.0
     whole_grad_temp: bool = True
     memory_margin: float = 0.0
+    platform: str = "gpu"
+    flash_max_head_dim: int = 256
 
     def __post_init__(self) -> None:
+        if self.platform not in ("cpu", "gpu", "tpu"):
+            raise ValueError(
+                f"profile {self.name!r}: platform={self.platform!r}; expected 'cpu', 'gpu' "
+                "or 'tpu' (what its devices are)."
+            )
         flops = self.peak_flops
         if isinstance(flops, Mapping):
             flops = tuple(sorted((str(k), float(v)) for k, v in flops.items()))
@@ -171,11 +191,13 @@ class HardwareProfile:
             bad["comm_overlap"] = self.comm_overlap
         if not 0 <= self.memory_margin < 1:
             bad["memory_margin"] = self.memory_margin
+        if not isinstance(self.flash_max_head_dim, int) or self.flash_max_head_dim < 1:
+            bad["flash_max_head_dim"] = self.flash_max_head_dim
         if bad:
             raise ValueError(
                 f"profile {self.name!r}: {bad} must be positive (latency >= 0, "
-                "devices_per_node an int >= 1, matmul_efficiency in (0, 1], comm_overlap in "
-                "[0, 1], memory_margin in [0, 1))."
+                "devices_per_node and flash_max_head_dim ints >= 1, matmul_efficiency in "
+                "(0, 1], comm_overlap in [0, 1], memory_margin in [0, 1))."
             )
 
     def flops(self, dtype: str) -> float:
@@ -215,6 +237,7 @@ _CPU = HardwareProfile(
     remat_barriers_kept=False,
     shared_cores=True,
     memory_bandwidth=200e6,
+    platform="cpu",
 )
 #: What the GPU profiles share beyond their datasheets: the achievable matmul fraction (fitted
 #: on the calibration rows of ``benchmarks/published_configs.py``, see there), the overlap
@@ -242,6 +265,7 @@ _A100 = HardwareProfile(
     inter_node_bandwidth=25e9,
     devices_per_node=8,
     memory_bandwidth=2.039e12,
+    flash_max_head_dim=128,  # Ampere: cuDNN's flash attention takes head_dim <= 128
     **_GPU,
 )
 _A100_40 = dataclasses.replace(

@@ -191,7 +191,10 @@ def trace_model(
             "ToDistributedConfig(forward=lambda model, batch: ...) calling it as your "
             "training step does."
         ) from err
-    walk = Walk()
+    # the reference models' attention (imported here: loading a saved model needs no models)
+    from jfleet.models.attention import PLATFORM_ATTENTION
+
+    walk = Walk(scope=PLATFORM_ATTENTION)  # products of causal_attention: Dot.scoped
     n_rest = len(jax.tree_util.tree_leaves(rest))
     args: list[Val] = []
     for i, shape in enumerate(shapes):

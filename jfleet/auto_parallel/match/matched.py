@@ -189,6 +189,9 @@ class DotCost:
       grads: operands needing a gradient (the backward pass runs one product per operand).
       attention: a product of two activations (attention scores or values), whose FLOPs
         grow with the square of the sequence length.
+      platform_attention: traced inside :func:`jfleet.models.attention.causal_attention`
+        (its XLA implementation, here): on a platform with a flash kernel the same call
+        runs fused (:func:`~jfleet.auto_parallel.match.attention_trace.attention_as_run`).
     """
 
     flops: int
@@ -197,6 +200,7 @@ class DotCost:
     splits: frozenset[tuple[str, int]]
     grads: int
     attention: bool
+    platform_attention: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -316,6 +316,7 @@ def dot_costs(trace: Trace | None, blocks: Blocks) -> tuple[DotCost, ...]:
                 splits=frozenset((path_str(trace.paths[p]), dim) for p, dim in d.splits),
                 grads=d.grads,
                 attention=d.param is None,
+                platform_attention=d.param is None and d.scoped,
             )
         )
     return tuple(dots)

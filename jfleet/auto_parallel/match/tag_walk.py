@@ -67,6 +67,8 @@ class Dot:
         dimension, this product is split too.
       grads: operands that need a gradient (the backward pass computes one product each).
       last: the projections the operands came from most recently (for block attribution).
+      scoped: traced inside the walk's marked name scope (:class:`Walk`'s ``scope``: the
+        reference models' platform-chosen attention, fused on a GPU).
     """
 
     flops: int
@@ -74,6 +76,7 @@ class Dot:
     splits: frozenset[tuple[int, int]]
     grads: int
     last: frozenset[int]
+    scoped: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +187,15 @@ def _cut_words(eqn: Any, src: Sequence[int]) -> str:
 
 
 class Walk:
-    def __init__(self) -> None:
+    """Runs a jaxpr over :class:`Val` values, recording edges, products and roles' evidence.
+
+    ``scope``: a ``jax.named_scope`` name; products traced inside it (at any depth of
+    nested calls) are recorded with ``Dot.scoped`` set. Empty: none are.
+    """
+
+    def __init__(self, scope: str = "") -> None:
+        self.scope = scope
+        self._in_scope = False
         self.edges: list[Edge] = []
         self.dots: list[Dot] = []
         self.biases: dict[int, set[tuple[int, Tag]]] = {}
@@ -477,7 +488,7 @@ class Walk:
                 self.activations.setdefault(param, av.nonlin)
             if param is not None:
                 self.fed_by.setdefault(param, set()).update(av.last - {param})
-            self.dots.append(Dot(flops, param, frozenset(splits), grads, last))
+            self.dots.append(Dot(flops, param, frozenset(splits), grads, last, self._in_scope))
             n = len(out_shape)
             return Val(
                 tags=tuple(tags),
@@ -488,7 +499,7 @@ class Walk:
             )
         # two activations (attention scores / values), or two parameters
         last = lhs.last | rhs.last
-        self.dots.append(Dot(flops, None, frozenset(splits), grads, last))
+        self.dots.append(Dot(flops, None, frozenset(splits), grads, last, self._in_scope))
         if lhs.view is None and rhs.view is None and lhs.act and rhs.act:
             if lhs.score != rhs.score:
                 self.value_sides.append(rhs.last if lhs.score else lhs.last)
@@ -527,7 +538,13 @@ class Walk:
 
         for eqn in jaxpr.eqns:
             ins = [read(x) for x in eqn.invars]
-            outs = self._eqn(eqn, ins, mult)
+            outer = self._in_scope
+            if self.scope and not outer:
+                self._in_scope = self.scope in str(eqn.source_info.name_stack).split("/")
+            try:
+                outs = self._eqn(eqn, ins, mult)
+            finally:
+                self._in_scope = outer
             for var, val in zip(eqn.outvars, outs, strict=False):
                 env[var] = val
         return [read(v) for v in jaxpr.outvars]

@@ -12,6 +12,14 @@ layouts pruned). The result is the same :class:`~jfleet.auto_parallel.search.pla
         --heads 32 --kv-heads 8 --ffn 14336 --vocab 128256 --seq 8192 --batch 512 \\
         --nodes 4 --profile h200
 
+The reference models' attention is :func:`jfleet.models.attention.causal_attention`, which
+runs cuDNN's flash attention on a GPU (bf16 / fp16, head dimension a multiple of 8 up to
+the profile's ``flash_max_head_dim``), as every published run at 4k-8k tokens does: on a
+GPU profile the plan keeps no ``s x s`` scores and says so in its notes.
+``--materialised-attention`` (``plan(..., materialised_attention=True)``) charges the
+scores XLA's implementation keeps instead; the ``cpu`` profile always does (XLA:CPU runs
+that implementation).
+
 Example:
   >>> from jfleet.auto_parallel.search.model_shapes import ModelShape, abstract_model
   >>> shape = ModelShape(arch="llama", layers=4, width=256, heads=8, kv_heads=8, ffn=512,
@@ -76,6 +84,7 @@ def plan(
     *,
     dtype: str = "bfloat16",
     wide_search: bool = True,
+    materialised_attention: bool = False,
     **options: Any,
 ) -> Plan:
     """The fastest layout of ``model`` that fits ``cluster``, planned without its devices.
@@ -86,6 +95,9 @@ def plan(
       cluster: the :class:`Cluster`.
       dtype: the compute dtype (the AMP dtype; parameters keep their own).
       wide_search: the practitioners' search (``plan_for``'s ``wide_search``).
+      materialised_attention: charge the ``s x s`` attention scores even where the
+        model's attention runs fused on the cluster's platform (see the module docstring;
+        ``plan_for``'s ``materialised_attention``). Default: fused where it runs fused.
       **options: further :func:`~jfleet.auto_parallel.search.planner.plan_for` arguments
         (``force_mesh``, ``zero_stage``, ``sequence_parallel``, ``optimizer``, ...).
 
@@ -112,6 +124,7 @@ def plan(
         memory_budget=cluster.memory_bytes,
         dtype=dtype,
         wide_search=wide_search,
+        materialised_attention=materialised_attention,
         **options,
     )
 
@@ -132,6 +145,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-gib", type=float, help="memory budget per device, GiB")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument(
+        "--materialised-attention",
+        action="store_true",
+        help="charge the s x s attention scores (XLA's attention) instead of the flash "
+        "attention the reference models run on a GPU profile",
+    )
     return p
 
 
@@ -175,6 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cluster,
         dtype=args.dtype,
         sequence_parallel=args.sequence_parallel,
+        materialised_attention=args.materialised_attention,
     )
     done = time.perf_counter()
     print(f"model: {args.model or 'given shape'}, {shape.params / 1e9:.1f}B parameters, {shape}")

@@ -242,7 +242,8 @@ class Plan:
       excluded: ``(mesh, reason)`` for factorisations the shapes rule out.
       architecture: one line describing what was matched.
       unmatched: parameter paths that matched no pattern (kept replicated).
-      notes: why parts were left unmatched.
+      notes: why parts were left unmatched; how the attention was charged (fused or
+        materialised ``s x s`` scores) and why.
       batch_size: global batch.
       seq_len: sequence length.
       dtype: compute dtype.

@@ -36,6 +36,7 @@ from jfleet.auto_parallel.cost.layout import (
     Workload,
 )
 from jfleet.auto_parallel.cost.profiles import HardwareProfile, get_profile
+from jfleet.auto_parallel.match.attention_trace import attention_as_run
 from jfleet.auto_parallel.match.patterns import ModelPatterns, match_patterns, path_str
 from jfleet.auto_parallel.search.layouts import enumerate_layouts, shape_problem
 from jfleet.auto_parallel.search.plan import ParamPlan, Plan, _mib, _secs
@@ -306,6 +307,25 @@ def _report_patterns(
         logger.info("unmatched parameters, kept replicated: %s", ", ".join(patterns.unmatched))
 
 
+def _attention_as_run(
+    patterns: ModelPatterns, prof: HardwareProfile, workload: Workload, materialised: Any
+) -> ModelPatterns:
+    """The patterns as the profile's platform runs their attention, the reason noted."""
+    if not isinstance(materialised, bool):
+        raise TypeError(
+            f"materialised_attention={materialised!r}: expected True (charge the s x s "
+            "scores) or False (charge the attention as the profile's platform runs it)."
+        )
+    patterns, note = attention_as_run(
+        patterns,
+        prof.platform,
+        workload.dtype,
+        materialised=materialised,
+        max_head_dim=prof.flash_max_head_dim,
+    )
+    return dataclasses.replace(patterns, notes=(*patterns.notes, note)) if note else patterns
+
+
 def _why_not_piped(pipeline: bool | str, forced: dict | None, force_mesh: Any) -> str | None:
     """Why ``pp > 1`` may not be chosen (None when it may)."""
     if pipeline is True:
@@ -439,6 +459,7 @@ def plan_for(
     num_virtual_stages: int | None = None,
     wide_search: bool = False,
     accumulate_steps: int | None = None,
+    materialised_attention: bool = False,
 ) -> Plan:
     """Chooses the fastest layout of ``model`` that fits, by the cost model.
 
@@ -470,6 +491,11 @@ def plan_for(
       accumulate_steps: gradient-accumulation calls per step (``Layout.accumulate_steps``);
         default: 1 in the narrow search unless no layout fits without accumulating (then
         every count is compared), compared in the wide one.
+      materialised_attention: charge the ``s x s`` attention scores the trace shows even
+        where :func:`jfleet.models.attention.causal_attention` runs fused on the
+        profile's platform (a GPU: cuDNN flash attention). Default False: charged as that
+        platform runs it (:func:`~jfleet.auto_parallel.match.attention_trace.
+        attention_as_run`); the plan's notes say which, and why.
 
     Returns: The :class:`Plan`.
 
@@ -493,6 +519,7 @@ def plan_for(
     workload = _workload(patterns, batch_size, seq_len, dtype, optimizer, sequence_parallel)
     name = type(model).__name__
     _report_patterns(patterns, name, forced, force_mesh)
+    patterns = _attention_as_run(patterns, prof, workload, materialised_attention)
     why_not_piped = _why_not_piped(pipeline, forced, force_mesh)
     search = dict(schedule=schedule, num_microbatches=num_microbatches, zero_stage=zero_stage)
     search.update(recompute=recompute_setting(recompute), num_virtual_stages=num_virtual_stages)
