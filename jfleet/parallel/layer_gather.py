@@ -30,12 +30,12 @@ embedding, the head) are gathered by the engine at the step's start as before, t
 Example:
   >>> import jax, jax.numpy as jnp
   >>> from jax.sharding import NamedSharding, PartitionSpec as P
-  >>> mesh = jax.make_mesh((8,), ("sharding",))
+  >>> mesh = jax.make_mesh((8,), ("sharding",), axis_types=(jax.sharding.AxisType.Auto,))
   >>> w = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("sharding")))
   >>> full, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("sharding"))
   >>> g = jax.jit(jax.grad(lambda w: gather(w, full, shard).sum()))(w)
   >>> g.sharding.spec
-  PartitionSpec('sharding',)
+  P('sharding',)
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ def test_per_layer_zero_trains_like_one_device(zero):
 def test_unit_shardings_drop_the_stack_axes():
     """Per leaf: the layer's layouts without the two stack axes; None for a leaf ZeRO
     splits along a stack axis (no per-layer gather possible) and under ZeRO-1."""
-    mesh = jax.make_mesh((8,), ("sharding",))
+    mesh = jax.make_mesh((8,), ("sharding",), axis_types=(jax.sharding.AxisType.Auto,))
     body = stack.stack_layers([nnx.Linear(8, 16, rngs=nnx.Rngs(i)) for i in range(8)], 1)
     body.bias.set_metadata(optimizer_sharding=(None, "sharding", None))  # over the layers
     state = nnx.state(body)  # leaves: bias [1, 8, 16], kernel [1, 8, 8, 16]
