@@ -356,7 +356,7 @@ class NoParams(nnx.Module):
          ValueError, r"config.schedule='FThenB' with config.num_virtual_pipeline_stages=2"),
         (lambda: to_distributed(llama(), optax.sgd(0.1), lm_batches(1), config=ToDistributedConfig(
             force_mesh={"dp": 4, "pp": 2}, schedule="VPP")),
-         ValueError, r"dp4 x pp2: VPP needs .* pp x 2 virtual stages dividing the 2 blocks"),
+         ValueError, r"dp4 x pp2: VPP needs .* a block in each of the pp x 2 virtual stages"),
         (lambda: to_distributed(llama(), optax.sgd(0.1), []),
          ValueError, "no batch"),
         (lambda: to_distributed(llama(), optax.sgd(0.1), lm_batches(1), config={"dp": 8}),
