@@ -157,26 +157,24 @@ def test_to_distributed_uneven_stages_train_like_one_device(layers, config, stag
     config = ToDistributedConfig(**config)
     make = lambda: TinyLlama(vocab=64, width=32, heads=4, kv_heads=2, layers=layers)  # noqa: E731
     plain = make()
-    model, opt, loader = to_distributed(make(), optax.adam(1e-2), lm_batches(STEPS), config=config)
+    # SGD with momentum, not Adam: Adam turns the rounding noise of near-zero gradient
+    # entries into steps of up to its learning rate, so parameters after Adam differ by
+    # ~2e-4 in a few entries whatever the layout (the attention kernel's rounding alone
+    # moved 1% of entries past 1e-5); SGD keeps every entry to fp32's rule
+    tx = optax.sgd(0.1, momentum=0.9)
+    model, opt, loader = to_distributed(make(), tx, lm_batches(STEPS), config=config)
     plan = get_plan(model)
     assert [len(s) for s in plan.stages] == list(stage_sizes)
     assert f"stages of {','.join(map(str, stage_sizes))} blocks" in str(plan)
     assert isinstance(model.layers, PipelinedBlocks) and model.layers.stage_sizes == stage_sizes
     step = make_train_step(lm_loss)
     step_losses = [float(step(model, opt, batch)) for batch in loader]
-    want_losses, want = train_one_device(plain, optax.adam(1e-2), lm_batches(STEPS), lm_loss)
+    want_losses, want = train_one_device(plain, tx, lm_batches(STEPS), lm_loss)
     np.testing.assert_allclose(step_losses, want_losses, rtol=1e-5, atol=1e-5)
     got = logical_leaves(model, model)
     want = logical_leaves(plain, plain)
     assert sorted(got) == sorted(want)
-    # Adam turns the rounding noise of near-zero gradient entries into steps of up to lr
-    # (1e-2): a couple of entries in 2048 move by ~2e-4; everything else meets fp32's rule
-    assert_trees_close(got, want, rtol=1e-3, atol=1e-3)
-    close = [
-        np.isclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-5, atol=1e-5).mean()
-        for k in want
-    ]
-    assert min(close) > 0.995, min(close)
+    assert_trees_close(got, want, devices=8)
 
 
 # ------------------------------------------------------------------ the planner
