@@ -69,8 +69,18 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks.results_file import environment, write_section
 from jfleet import DistributedStrategy, fleet, make_train_step
+from jfleet.auto_parallel import (
+    ToDistributedConfig,
+    estimate,
+    get_plan,
+    get_profile,
+    match_patterns,
+    to_distributed,
+)
+from jfleet.auto_parallel import Workload as PlanWorkload
 from jfleet.mesh.placement import Placement
 from jfleet.models import TinyLM, lm_batches, lm_loss
+from jfleet.models.llama import TinyLlama
 from jfleet.optim.loss_scale import finite_flags
 from jfleet.testing import hlo
 
@@ -560,9 +570,7 @@ class DepthWorkload:
     batch: int = 16
     seq: int = 64
 
-    def model(self, layers: int) -> Any:
-        from jfleet.models.llama import TinyLlama
-
+    def model(self, layers: int) -> TinyLlama:
         return TinyLlama(
             vocab=self.vocab, width=self.width, heads=self.heads, hidden=self.hidden,
             layers=layers,
@@ -604,24 +612,13 @@ def depth_row(
     workload: DepthWorkload, name: str, mesh: dict, stage: int, layers: int, recompute: bool
 ) -> DepthRow:
     """``to_distributed`` at ``mesh`` / ``stage``, the engine's step compiled (not run)."""
-    from jfleet.auto_parallel import (
-        ToDistributedConfig,
-        estimate,
-        get_plan,
-        get_profile,
-        match_patterns,
-        to_distributed,
-    )
-    from jfleet.auto_parallel import Workload as PlanWorkload
-    from jfleet.models import lm_loss as llama_loss
-
     data = lm_batches(1, batch=workload.batch, seq=workload.seq, vocab=workload.vocab)
     config = ToDistributedConfig(force_mesh=mesh, zero_stage=stage, recompute=recompute)
     model, opt, loader = to_distributed(
         workload.model(layers), make_tx(), data, device_num=8, config=config
     )
     layout = get_plan(model).chosen.layout
-    compiled = make_train_step(llama_loss).lower(model, opt, next(iter(loader))).compile()
+    compiled = make_train_step(lm_loss).lower(model, opt, next(iter(loader))).compile()
     m = compiled.memory_analysis()
     found = hlo.collectives(compiled.as_text())
     loop = [c for c in found if c.weight == layers]
