@@ -99,6 +99,12 @@ class ToDistributedConfig:
         (``model.layers[3]`` reachable). Blocks that cannot be stacked (dropout RNG
         streams, batch statistics, blocks that differ) and ZeRO-3 plans (the step gathers
         the whole stack at once) stay unrolled either way.
+      distributed_optimizer: ZeRO over every rank holding the same parameters,
+        ``dp x sharding x sep`` (Megatron's distributed optimizer; with the strategy's
+        AMP O2, ``amp_configs={"use_pure_bf16": True}``, half-precision parameters and
+        fp32 master weights and moments split over all of them): True keeps to it, False
+        to ZeRO over ``sharding`` alone; default: the cost model compares both
+        (:attr:`~jfleet.auto_parallel.cost.layout.Layout.zero_spans_data`).
       global_batches: every process's loader yields the whole global batch and each
         process keeps its own rows (:func:`jfleet.data.local_rows`), so one script runs
         unchanged in one process and under ``python -m jfleet.launch``; default False:
@@ -130,6 +136,7 @@ class ToDistributedConfig:
     scan_layers: bool = True
     loss_fn: Callable[[nnx.Module, Any], Any] | None = None
     global_batches: bool = False
+    distributed_optimizer: bool | None = None
 
 
 _PLANNING_FIELDS = (
@@ -145,6 +152,7 @@ _PLANNING_FIELDS = (
     "recompute",
     "accumulate_steps",
     "wide_search",
+    "distributed_optimizer",
 )
 
 
@@ -174,6 +182,11 @@ def check_config(config: ToDistributedConfig) -> None:
         raise TypeError(f"config.global_batches={config.global_batches!r} must be a bool.")
     if not isinstance(config.wide_search, bool):
         raise TypeError(f"config.wide_search={config.wide_search!r} must be a bool.")
+    if not (config.distributed_optimizer is None or isinstance(config.distributed_optimizer, bool)):
+        raise TypeError(
+            f"config.distributed_optimizer={config.distributed_optimizer!r} must be True, "
+            "False or None (compared by the cost model)."
+        )
     _check_pipeline_settings(config)
     if config.plan is not None:
         defaults = ToDistributedConfig()

@@ -68,7 +68,7 @@ from jfleet.runtime.devices import fix_hint
 from jfleet.runtime.log import logger
 from jfleet.runtime.role_maker import PaddleCloudRoleMaker
 from jfleet.training.data import ShardedLoader, batch_shape, peek
-from jfleet.training.distributed_model import apply_distributed_settings
+from jfleet.training.distributed_model import apply_distributed_settings, apply_strategy_amp
 from jfleet.training.distributed_optimizer import (
     DistributedOptimizer,
     make_distributed_optimizer,
@@ -214,11 +214,12 @@ def to_distributed(
     plan = _given_plan(config, model, device_num * node_num)
     if plan is None:
         inputs, forward = _model_call(first, config.forward)
-        patterns = match_patterns(model, inputs, forward=forward)  # 1. match the model
+        stored = _as_amp_stores(model, config.strategy)  # O2: half-precision parameters
+        patterns = match_patterns(stored, inputs, forward=forward)  # 1. match the model
         plan = plan_for(  # 2, 3. cost every layout its shapes allow, keep the best
-            model, patterns=patterns, device_num=device_num, node_num=node_num,
+            stored, patterns=patterns, device_num=device_num, node_num=node_num,
             batch_size=batch_size, seq_len=seq_len,
-            **_search_settings(model, patterns, inputs, forward, tx, wrt, config),
+            **_search_settings(stored, patterns, inputs, forward, tx, wrt, config),
         )  # fmt: skip
     _check_batch(plan, batch_size)  # a given plan may be for another batch
     model, dist, placement = _apply(  # 4. apply the plan (create the model in it)
@@ -388,6 +389,8 @@ def _search_settings(
         pipeline=_pipeline_problem(model, patterns, inputs, forward),
         scan_layers=config.scan_layers,
         dtype=_amp_dtype(config.strategy),
+        amp_level=_amp_level(config.strategy),
+        distributed_optimizer=config.distributed_optimizer,
         wide_search=config.wide_search,
         accumulate_steps=_search_accumulation(config),
     )
@@ -510,6 +513,22 @@ def _set_accumulation(strategy: DistributedStrategy, plan: Plan) -> None:
         )
     strategy.gradient_merge = True
     strategy.gradient_merge_configs = {"k_steps": k, "avg": True}
+
+
+def _amp_level(user: DistributedStrategy | None) -> str | None:
+    """The strategy's AMP level (``"O1"`` / ``"O2"``; None without AMP)."""
+    strategy = _user_strategy(user)
+    settings = amp_settings(strategy) if strategy is not None else None
+    return settings.level if settings is not None else None
+
+
+def _as_amp_stores(model: nnx.Module, user: DistributedStrategy | None) -> nnx.Module:
+    """The model as the run will store its parameters: under the strategy's AMP O2 an
+    abstract copy with its half-precision parameters (``model`` untouched), to plan on."""
+    if _amp_level(user) != "O2":
+        return model
+    strategy = _user_strategy(user)
+    return nnx.eval_shape(lambda m: apply_strategy_amp(m, strategy), model)
 
 
 def _amp_dtype(user: DistributedStrategy | None) -> str | None:
@@ -741,8 +760,8 @@ def _init_fleet(plan: Plan, strategy: DistributedStrategy, n: int) -> Placement:
     degrees = plan.mesh_shape
     strategy.hybrid_configs = {f"{a}_degree": n for a, n in degrees.items()}
     strategy.sharding = plan.zero_stage > 0
+    spans = plan.layout.zero_spans_data
     if plan.zero_stage:
-        strategy.sharding_configs = {"stage": plan.zero_stage}
+        strategy.sharding_configs = {"stage": plan.zero_stage, "_dp_as_optimizer_sharding": spans}
     run = start_run(PaddleCloudRoleMaker(is_collective=True), strategy, _mesh_devices(n))
-    mesh = run.mesh
-    return Placement(mesh=mesh, zero_stage=plan.zero_stage)
+    return Placement(mesh=run.mesh, zero_stage=plan.zero_stage, zero_axis=plan.layout.zero_axes)

@@ -31,11 +31,18 @@ from jax.sharding import PartitionSpec as P
 
 from jfleet.mesh import context as _context
 from jfleet.mesh.layer_mesh import named
-from jfleet.mesh.topology import DATA_AXES, SHARDING
+from jfleet.mesh.topology import DATA_AXES, SEP, SHARDING
 from jfleet.runtime import consistency
 from jfleet.runtime.log import logger
 
-__all__ = ["ParallelPlan", "Placement", "check_divides", "put", "resolve_placement"]
+__all__ = [
+    "ParallelPlan",
+    "Placement",
+    "check_divides",
+    "put",
+    "resolve_placement",
+    "zero_axes",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +55,9 @@ class Placement:
         (also parameters).
       zero_axis: the mesh axis ZeRO shards over: ``"sharding"`` (Paddle's
         sharding group) or ``"dp"`` (``group_sharded_parallel`` without a sharding
-        axis).
+        axis); or a tuple of axes, e.g. ``("dp", "sharding", "sep")``: ZeRO over every
+        rank that holds the same parameters (Megatron's distributed optimizer,
+        ``sharding_configs["_dp_as_optimizer_sharding"]``, :func:`zero_axes`).
 
     Example:
       >>> from jfleet import fleet
@@ -61,15 +70,19 @@ class Placement:
 
     mesh: Mesh
     zero_stage: int = 0
-    zero_axis: str = SHARDING
+    zero_axis: str | tuple[str, ...] = SHARDING
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage={self.zero_stage!r} must be 0, 1, 2 or 3.")
-        if self.zero_axis not in self.mesh.axis_names:
+        axes = _axes(self.zero_axis)
+        if not axes or any(a not in self.mesh.axis_names for a in axes):
             raise ValueError(
-                f"zero_axis={self.zero_axis!r} is not a mesh axis; axes: {self.mesh.axis_names}."
+                f"zero_axis={self.zero_axis!r} is not a mesh axis (or a tuple of them); axes: "
+                f"{self.mesh.axis_names}."
             )
+        if isinstance(self.zero_axis, list):  # a hashable, spec-ready entry
+            object.__setattr__(self, "zero_axis", tuple(self.zero_axis))
 
     @classmethod
     def from_fleet(cls) -> Placement:
@@ -81,14 +94,23 @@ class Placement:
         """
         run = _context.require("the placement of the run's arrays")
         hcg, strategy = run.hcg, run.strategy
-        degree = hcg.get_sharding_parallel_world_size()
-        stage = int(strategy.sharding_configs["stage"]) if degree > 1 else 0
+        spans = bool(strategy.sharding_configs["_dp_as_optimizer_sharding"])
+        axis = zero_axes(hcg.mesh, spans)
+        degree = math.prod(hcg.mesh.shape[a] for a in _axes(axis))
         if strategy.sharding and degree == 1:
             raise ValueError(
                 "strategy.sharding=True but hybrid_configs['sharding_degree']=1: there is no "
-                "sharding axis to shard over; set hybrid_configs={'sharding_degree': N}."
+                "sharding axis to shard over; set hybrid_configs={'sharding_degree': N}"
+                + (
+                    "."
+                    if spans
+                    else " (or sharding_configs['_dp_as_optimizer_sharding'] "
+                    "= True with dp_degree or sep_degree > 1)."
+                )
             )
-        return cls(mesh=hcg.mesh, zero_stage=stage)
+        opted_in = hcg.get_sharding_parallel_world_size() > 1 or strategy.sharding
+        stage = int(strategy.sharding_configs["stage"]) if degree > 1 and opted_in else 0
+        return cls(mesh=hcg.mesh, zero_stage=stage, zero_axis=axis)
 
     @property
     def data_axes(self) -> tuple[str, ...]:
@@ -125,8 +147,10 @@ class Placement:
 
     @property
     def zero_degree(self) -> int:
-        """The size of the ZeRO axis (1 when ZeRO is off)."""
-        return self.mesh.shape[self.zero_axis] if self.zero_stage else 1
+        """The size of the ZeRO axis (of its axes together; 1 when ZeRO is off)."""
+        if not self.zero_stage:
+            return 1
+        return math.prod(self.mesh.shape[a] for a in _axes(self.zero_axis))
 
     def named(self, spec: P) -> NamedSharding:
         """A ``NamedSharding`` on this placement's mesh (the one builder, see ``mesh_context``)."""
@@ -145,11 +169,12 @@ class Placement:
         divides (``('sharding', 'mp')``). A parameter with no such dimension stays
         as it is (logged at DEBUG).
         """
-        degree = self.mesh.shape[self.zero_axis]
+        zaxes = _axes(self.zero_axis)
+        degree = math.prod(self.mesh.shape[a] for a in zaxes)
         if degree == 1 or not shape:
             return spec
         entries = list(spec) + [None] * (len(shape) - len(spec))
-        if any(self.zero_axis in _axes(e) for e in entries):
+        if any(set(zaxes) & set(_axes(e)) for e in entries):
             return spec
         free = [d for d, e in enumerate(entries) if e is None and shape[d] % degree == 0]
         if free:
@@ -164,7 +189,7 @@ class Placement:
         ]
         if taken:
             d = max(taken, key=lambda i: (shape[i], -i))
-            entries[d] = (self.zero_axis, *_axes(entries[d]))
+            entries[d] = (*zaxes, *_axes(entries[d]))
             return P(*entries)
         logger.debug("ZeRO: shape %s has no dimension divisible by %d; replicated", shape, degree)
         return spec
@@ -298,6 +323,27 @@ class Placement:
             return put(x, sharding)
 
         return jax.tree_util.tree_map_with_path(one, batch)
+
+
+def zero_axes(mesh: Mesh | Any, spans_data: bool) -> str | tuple[str, ...]:
+    """The axis (or axes) ZeRO shards over on ``mesh``: ``"sharding"``; with
+    ``spans_data``, every axis of degree > 1 whose ranks hold the same parameters
+    (``dp``, ``sharding``, ``sep``, in mesh order): Megatron's distributed optimizer, as
+    Paddle's ``sharding_configs["_dp_as_optimizer_sharding"]`` asks.
+
+    Example:
+      >>> from jax.sharding import AbstractMesh
+      >>> mesh = AbstractMesh((2, 1, 2, 2, 1), ("dp", "pp", "sharding", "sep", "mp"))
+      >>> zero_axes(mesh, False), zero_axes(mesh, True)
+      ('sharding', ('dp', 'sharding', 'sep'))
+    """
+    if not spans_data:
+        return SHARDING
+    shape = dict(mesh.shape)
+    axes = tuple(a for a in (*DATA_AXES, SEP) if shape.get(a, 1) > 1)
+    if len(axes) <= 1:
+        return axes[0] if axes else SHARDING
+    return axes
 
 
 def _axes(entry: Any) -> tuple[str, ...]:

@@ -201,6 +201,31 @@ def run_train_batch(
     return loss
 
 
+def apply_strategy_amp(model: nnx.Module, strategy: Any) -> nnx.Module:
+    """The strategy's AMP policy (``amp``, ``amp_configs``) applied to ``model`` in place:
+    compute dtypes, and at O2 half-precision parameters (:func:`jfleet.amp.apply_amp`).
+    Nothing without ``strategy.amp``. Returns ``model``.
+
+    Example:
+      >>> from flax import nnx
+      >>> from jfleet import DistributedStrategy
+      >>> strategy = DistributedStrategy()
+      >>> strategy.amp, strategy.amp_configs = True, {"use_pure_bf16": True}
+      >>> apply_strategy_amp(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), strategy).kernel.dtype
+      dtype(bfloat16)
+    """
+    settings = amp_settings(strategy) if strategy.amp else None
+    if settings is None:
+        return model
+    return apply_amp(
+        model,
+        dtype=settings.dtype,
+        level=settings.level,
+        custom_white_list=tuple(strategy.amp_configs["custom_white_list"]),
+        custom_black_list=tuple(strategy.amp_configs["custom_black_list"]),
+    )
+
+
 def apply_model_settings(model: nnx.Module, strategy: Any) -> nnx.Module:
     """The strategy's model-side settings, in place: AMP dtypes (``amp``), recompute, QAT
     fake quantisation (``qat``, :mod:`jfleet.quantization`).
@@ -208,14 +233,7 @@ def apply_model_settings(model: nnx.Module, strategy: Any) -> nnx.Module:
     The same call a single-device reference run uses to build the identical model.
     """
     if strategy.amp:
-        settings = amp_settings(strategy)
-        apply_amp(
-            model,
-            dtype=settings.dtype,
-            level=settings.level,
-            custom_white_list=tuple(strategy.amp_configs["custom_white_list"]),
-            custom_black_list=tuple(strategy.amp_configs["custom_black_list"]),
-        )
+        apply_strategy_amp(model, strategy)
     if strategy.recompute:
         configs = strategy.recompute_configs
         apply_recompute(

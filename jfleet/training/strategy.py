@@ -498,7 +498,13 @@ class DistributedStrategy:
     ``nonfinite`` (a jfleet setting: ``"warn"``, ``"skip"`` or ``"raise"``) is what the
     training step does with an inf / nan loss or gradient (:mod:`jfleet.nonfinite`).
 
-    The ZeRO stage is ``sharding_configs['stage']`` (1, 2 or 3), as in Paddle. The mesh
+    The ZeRO stage is ``sharding_configs['stage']`` (1, 2 or 3), as in Paddle.
+    ``sharding_configs['_dp_as_optimizer_sharding'] = True`` (Paddle's static-graph switch
+    for sharding the optimizer over the data-parallel ranks) makes ZeRO span every rank
+    holding the same parameters, ``dp x sharding x sep``: with AMP O2 that is
+    Megatron's distributed optimizer (half-precision parameters, fp32 masters and
+    moments split over all data-parallel and sequence-parallel ranks); without a
+    sharding axis it needs ``strategy.sharding = True``. The mesh
     axis order is ``hybrid_configs['order']`` (alias ``hybrid_parallel_order``); four-,
     five- and six-axis Paddle orders are accepted and stored as five
     (:func:`~jfleet.training.strategy_schema.complete_order`).

@@ -292,7 +292,7 @@ SPMD_NOOP_SETTINGS: dict[str, str] = {
         for name in (
             "sharding_degree", "mp_degree", "dp_degree", "pp_degree", "hybrid_dp",
             "gradient_merge_acc_step", "optimize_offload", "pp_allreduce_in_optimize",
-            "optimize_cast", "_dp_as_optimizer_sharding", "enable_tuning",
+            "optimize_cast", "enable_tuning",
         )
     },
     "gradient_scale_configs.scale_gradient": "the mean loss already scales the gradients",

@@ -120,14 +120,17 @@ def _one_call_reduction(s: StepShape, coll: dict[str, float]) -> float:
         zeroed = s.outside_tp
         coll["all_reduce"] += s.block_tp
         t_dp += lat + ring_bytes("all-reduce", s.block_tp, red) / s.bandwidth(DP, SHARDING, SEP)
-    shard, bw_shard = lay.sharding, s.bandwidth(SHARDING)
+    # ZeRO over sharding: reduce-scatter there, all-reduce the shards over dp x sep; over
+    # every data rank (the distributed optimizer): one reduce-scatter over all of them
+    zero_over = (DP, SHARDING, SEP) if lay.zero_spans_data else (SHARDING,)
+    shard, bw_shard = lay.zero_degree, s.bandwidth(*zero_over)
     if s.profile.reduce_scatter_native:
         coll["reduce_scatter"] += zeroed
         t_dp += lat + ring_bytes("reduce-scatter", zeroed, shard) / bw_shard
     else:
         coll["all_reduce"] += zeroed
         t_dp += lat + ring_bytes("all-reduce", zeroed, shard) / bw_shard
-    if lay.dp * lay.sep > 1:
+    if lay.dp * lay.sep > 1 and not lay.zero_spans_data:
         coll["all_reduce"] += zeroed / shard
         t_dp += lat + ring_bytes("all-reduce", zeroed / shard, lay.dp * lay.sep) / s.bandwidth(
             DP, SEP

@@ -157,7 +157,7 @@ def activation_bytes(s: StepShape) -> int:
         # the backward loop carries the stacked blocks' gradients, accumulated over its
         # iterations, while the residuals are live (split over the ZeRO axis when each
         # block reduce-scatters its own)
-        activations += s.block_tp // s.layout.sharding if s.per_layer else s.block_tp
+        activations += s.block_tp // s.layout.zero_degree if s.per_layer else s.block_tp
     if s.piped:
         # the stack holds its replica's whole input and outputs (forward), its output's
         # cotangents and its input's (backward), split over mp
@@ -210,11 +210,11 @@ def gradient_bytes(s: StepShape) -> int:
     it is produced: at ZeRO-2 / 3 the shard stays, with one block's gradient in flight.
     """
     if s.per_layer:  # the program reduce-scatters each block's gradient in its loop
-        outside = s.outside_tp // s.layout.sharding if s.layout.zero_stage >= 3 else s.outside_tp
-        return outside + s.block_tp // s.layout.sharding + s.one_block_tp
+        outside = s.outside_tp // s.layout.zero_degree if s.layout.zero_stage >= 3 else s.outside_tp
+        return outside + s.block_tp // s.layout.zero_degree + s.one_block_tp
     if s.profile.whole_grad_temp or s.layout.zero_stage < 2:
         return s.tp_bytes
-    return s.tp_bytes // s.layout.sharding + s.one_block_tp
+    return s.tp_bytes // s.layout.zero_degree + s.one_block_tp
 
 
 def loop_traffic_time(s: StepShape) -> float:

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 import jax.numpy as jnp
 
-from jfleet.mesh.topology import AXIS_NAMES, DP
+from jfleet.mesh.topology import AXIS_NAMES, DP, SEP, SHARDING
 from jfleet.parallel.virtual_stages import check_chunks_agree
 
 __all__ = ["OPTIMIZER_MOMENTS", "SCHEDULES", "SELECTIVE", "Layout", "Workload", "mesh_name"]
@@ -129,6 +129,13 @@ class Layout:
         ``recompute_granularity="core_attn"``; ``jax.checkpoint`` with
         ``dots_with_no_batch_dims_saveable``). Excludes ``recompute`` (the whole block);
         without a pipeline only (the pipelined stand-in recomputes whole stages).
+      zero_spans_data: ZeRO shards over every rank holding the same parameters,
+        ``dp x sharding x sep``, not over ``sharding`` alone (Megatron's distributed
+        optimizer; Paddle's ``sharding_configs["_dp_as_optimizer_sharding"]``). It makes a
+        difference only with ``dp`` or ``sep`` beside a sharding axis: the state is split
+        ``dp x sep`` times finer for the same wire bytes (one reduce-scatter and one
+        all-gather over all of them instead of ZeRO's over ``sharding`` plus an all-reduce
+        over ``dp x sep``), over the slower of their links.
 
     Raises:
       ValueError: a degree < 1, or an inconsistent stage / schedule / micro-batch /
@@ -151,6 +158,7 @@ class Layout:
     num_virtual_stages: int = 1
     accumulate_steps: int = 1
     selective_recompute: bool = False
+    zero_spans_data: bool = False
 
     def __post_init__(self) -> None:
         for name in (*AXIS_NAMES, "num_microbatches", "num_virtual_stages", "accumulate_steps"):
@@ -167,6 +175,12 @@ class Layout:
         if self.sharding > 1 and not self.zero_stage:
             raise ValueError(
                 f"sharding={self.sharding} without a ZeRO stage; give zero_stage 1, 2 or 3."
+            )
+        if self.zero_spans_data and (not self.zero_stage or self.dp * self.sep == 1):
+            raise ValueError(
+                f"zero_spans_data=True with zero_stage={self.zero_stage}, dp={self.dp}, "
+                f"sep={self.sep}: it widens a ZeRO stage over dp and sep; use it with "
+                "zero_stage >= 1 and dp or sep > 1 (else ZeRO over sharding is the same)."
             )
         if self.pp > 1 and self.schedule not in SCHEDULES:
             raise ValueError(f"pp={self.pp} needs schedule in {SCHEDULES}; got {self.schedule!r}.")
@@ -209,6 +223,25 @@ class Layout:
         return self.dp * self.sharding
 
     @property
+    def zero_axes(self) -> str | tuple[str, ...]:
+        """The axis (axes) ZeRO shards over: ``"sharding"``, or with
+        :attr:`zero_spans_data` those of ``dp``, ``sharding``, ``sep`` above degree 1.
+
+        >>> Layout(dp=2, sharding=2, zero_stage=1, zero_spans_data=True).zero_axes
+        ('dp', 'sharding')
+        """
+        if not self.zero_spans_data:
+            return SHARDING
+        return tuple(a for a in (DP, SHARDING, SEP) if getattr(self, a) > 1)
+
+    @property
+    def zero_degree(self) -> int:
+        """How many ways ZeRO splits what it shards (1 without ZeRO)."""
+        if not self.zero_stage:
+            return 1
+        return self.sharding * (self.dp * self.sep if self.zero_spans_data else 1)
+
+    @property
     def mesh_name(self) -> str:
         """``dp2 x mp4``; ``single device`` when every degree is 1."""
         return mesh_name(self.degrees)
@@ -218,7 +251,8 @@ class Layout:
         """The mesh, then ZeRO, schedule and recompute when they apply."""
         extra = []
         if self.zero_stage:
-            extra.append(f"ZeRO-{self.zero_stage}")
+            over = " over " + " x ".join(self.zero_axes) if self.zero_spans_data else ""
+            extra.append(f"ZeRO-{self.zero_stage}{over}")
         if self.num_virtual_stages > 1:
             extra.append(f"VPP v={self.num_virtual_stages} M={self.num_microbatches}")
         elif self.pp > 1:
@@ -235,6 +269,7 @@ class Layout:
         """Tie-break order: fewer parallel kinds, lower ZeRO stage, no recompute first."""
         kinds = sum(d > 1 for a, d in self.degrees.items() if a != DP)
         return (
-            kinds, self.zero_stage, self.recompute, self.selective_recompute, self.pp,
+            kinds, self.zero_stage, self.zero_spans_data, self.recompute,
+            self.selective_recompute, self.pp,
             self.num_virtual_stages, self.mp, self.sep, self.accumulate_steps,
         )  # fmt: skip

@@ -204,7 +204,7 @@ def _stage_bytes(
     zero = None
     if layout.zero_stage:
         abstract = AbstractMesh(tuple(deg.values()), AXIS_NAMES)
-        zero = Placement(mesh=abstract, zero_stage=layout.zero_stage)
+        zero = Placement(mesh=abstract, zero_stage=layout.zero_stage, zero_axis=layout.zero_axes)
     tp_bytes = z_bytes = block_tp = z_fp32 = z_master = 0
     for p in params:
         itemsize = jnp.dtype(p.dtype).itemsize
@@ -259,7 +259,13 @@ def _param_bytes(patterns: ModelPatterns, layout: Layout, stage_blocks: int) -> 
             "leaf_counts": counts,
         }
 
-    key = ("bytes", layout.zero_stage, tuple(layout.degrees.items()), stage_blocks)
+    key = (
+        "bytes",
+        layout.zero_stage,
+        layout.zero_spans_data,
+        tuple(layout.degrees.items()),
+        stage_blocks,
+    )
     return {"specs": specs, **cached(patterns, key, compute)}
 
 

@@ -11,6 +11,8 @@ layouts pruned). The result is the same :class:`~jfleet.auto_parallel.search.pla
     python -m jfleet.auto_parallel.cluster_plan --arch llama --layers 32 --width 4096 \\
         --heads 32 --kv-heads 8 --ffn 14336 --vocab 128256 --seq 8192 --batch 512 \\
         --nodes 4 --profile h200
+    python -m jfleet.auto_parallel.cluster_plan llama3-8b --batch 128 --sequence-parallel \
+        --amp-level O2 --distributed-optimizer
 
 The reference models' attention is :func:`jfleet.models.attention.causal_attention`, which
 runs cuDNN's flash attention on a GPU (bf16 / fp16, head dimension a multiple of 8 up to
@@ -83,6 +85,7 @@ def plan(
     cluster: Cluster,
     *,
     dtype: str = "bfloat16",
+    amp_level: str = "O1",
     wide_search: bool = True,
     materialised_attention: bool = False,
     **options: Any,
@@ -93,7 +96,12 @@ def plan(
       model: an ``nnx.Module``, abstract (``nnx.eval_shape(lambda: Model(...))``) or not.
       batch: ``(global batch in sequences, sequence length)``.
       cluster: the :class:`Cluster`.
-      dtype: the compute dtype (the AMP dtype; parameters keep their own).
+      dtype: the compute dtype (the AMP dtype).
+      amp_level: ``"O1"``: the parameters keep their own dtype (fp32 for
+        :func:`~jfleet.auto_parallel.search.model_shapes.abstract_model`); ``"O2"``: they
+        are stored in ``dtype``, norms aside, with fp32 master weights beside the
+        moments (``plan_for``'s ``amp_level``). With ``distributed_optimizer=True`` (a
+        ``plan_for`` option) that is Megatron's distributed optimizer.
       wide_search: the practitioners' search (``plan_for``'s ``wide_search``).
       materialised_attention: charge the ``s x s`` attention scores even where the
         model's attention runs fused on the cluster's platform (see the module docstring;
@@ -123,6 +131,7 @@ def plan(
         profile=cluster.profile,
         memory_budget=cluster.memory_bytes,
         dtype=dtype,
+        amp_level=amp_level,
         wide_search=wide_search,
         materialised_attention=materialised_attention,
         **options,
@@ -144,6 +153,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default="h100", choices=sorted(PROFILES))
     p.add_argument("--memory-gib", type=float, help="memory budget per device, GiB")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument(
+        "--amp-level",
+        default="O1",
+        choices=("O1", "O2"),
+        help="O2: parameters stored in --dtype with fp32 master weights (default O1: fp32)",
+    )
+    p.add_argument(
+        "--distributed-optimizer",
+        action="store_const",
+        const=True,
+        help="only ZeRO over every data rank, dp x sharding x sep (Megatron's distributed "
+        "optimizer); default: compared with ZeRO over sharding",
+    )
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument(
         "--materialised-attention",
@@ -193,6 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         (args.batch, shape.seq_len),
         cluster,
         dtype=args.dtype,
+        amp_level=args.amp_level,
+        distributed_optimizer=args.distributed_optimizer,
         sequence_parallel=args.sequence_parallel,
         materialised_attention=args.materialised_attention,
     )

@@ -334,6 +334,7 @@ def enumerate_layouts(
     wide: bool = False,
     accumulate_steps: int | None = None,
     accumulation: bool = False,
+    zero_spans_data: bool | None = None,
 ) -> tuple[list[Layout], list[tuple[str, str]]]:
     """Every layout worth predicting, and the meshes excluded (with the reason).
 
@@ -361,6 +362,10 @@ def enumerate_layouts(
       accumulate_steps: only this gradient-accumulation count (a mesh whose local batch
         / ``M`` it does not divide is excluded); accumulation: offer accumulation as the
         wide search does in an otherwise narrow search (the planner's retry: none fits).
+      zero_spans_data: ZeRO only over every data rank (True: Megatron's distributed
+        optimizer, :attr:`Layout.zero_spans_data`; meshes without a sharding axis are then
+        excluded) or only over ``sharding`` (False); default: both where ``dp`` or ``sep``
+        is beside a sharding axis.
 
     Returns:
       ``(layouts, excluded)``; ``excluded`` holds ``(mesh name, reason)`` pairs.
@@ -378,6 +383,7 @@ def enumerate_layouts(
         schedule=schedule, num_microbatches=num_microbatches, zero_stage=zero_stage,
         recompute=recompute, num_virtual_stages=num_virtual_stages, wide=wide,
         accumulate_steps=accumulate_steps, accumulation=accumulation,
+        zero_spans_data=zero_spans_data,
     )  # fmt: skip
     layouts: list[Layout] = []
     excluded: list[tuple[str, str]] = []
@@ -402,6 +408,7 @@ class _Only:
     wide: bool
     accumulate_steps: int | None
     accumulation: bool
+    zero_spans_data: bool | None = None
 
 
 def _mesh_layouts(
@@ -416,6 +423,8 @@ def _mesh_layouts(
     problem = shape_problem(patterns, workload, deg, devices_per_node)
     if problem is None and only.zero_stage is not None:
         problem = _zero_problem(only.zero_stage, deg[SHARDING])
+    if problem is None and only.zero_spans_data and deg[SHARDING] == 1:
+        problem = "the distributed optimizer (ZeRO over every data rank) needs sharding > 1"
     if problem is not None:
         return [], problem
     local = workload.batch_size // (deg[DP] * deg[SHARDING])
@@ -439,6 +448,9 @@ def _mesh_layouts(
         for lay in _variants(patterns, deg, stage, sched, m, rc, local, accumulate,
                              only.num_virtual_stages)
     ]  # fmt: skip
+    if deg[SHARDING] > 1 and deg[DP] * deg[SEP] > 1 and only.zero_spans_data is not False:
+        spread = [dataclasses.replace(lay, zero_spans_data=True) for lay in found]
+        found = spread if only.zero_spans_data else found + spread
     if not found:
         return [], _nothing_left(
             patterns, deg, local, ms, only.recompute, only.accumulate_steps,

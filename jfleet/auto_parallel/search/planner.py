@@ -23,6 +23,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
@@ -43,6 +44,7 @@ from jfleet.auto_parallel.search.plan import ParamPlan, Plan, _mib, _secs
 from jfleet.mesh.placement import Placement
 from jfleet.mesh.topology import AXIS_NAMES, MP, PP, SEP
 from jfleet.parallel.virtual_stages import check_chunks_agree, even_sizes, slot_units
+from jfleet.precision.amp import apply_amp
 from jfleet.runtime.log import logger
 
 __all__ = ["plan_for", "recompute_setting"]
@@ -124,6 +126,40 @@ def _replicated_summary(patterns: ModelPatterns) -> list[str]:
         if shown not in by_reason[reason]:
             by_reason[reason].append(shown)
     return [f"{', '.join(paths)} ({reason})" for reason, paths in by_reason.items()]
+
+
+#: AMP levels ``plan_for`` plans (Paddle's; O0 is fp32 training: no AMP).
+AMP_LEVELS = ("O1", "O2")
+
+
+def _as_amp_stores(
+    model: nnx.Module, amp_level: str | None, dtype: str | None, *, given: bool
+) -> tuple[nnx.Module, str | None]:
+    """The model to plan on and the compute dtype under ``amp_level``: at O2 an abstract
+    copy with AMP's half-precision parameters (unless ``given`` patterns were matched on
+    one already)."""
+    if amp_level is None or amp_level == "O1":
+        return model, dtype
+    if amp_level != "O2":
+        raise ValueError(
+            f"amp_level={amp_level!r} is not an AMP level; use one of {AMP_LEVELS} (or None "
+            "to plan the parameters in the dtype the model holds them)."
+        )
+    dtype = dtype or "bfloat16"
+    if jnp.dtype(dtype).itemsize >= 4:
+        raise ValueError(
+            f"amp_level='O2' with dtype={dtype!r}: O2 stores the parameters in a half "
+            "precision; use dtype 'bfloat16' or 'float16'."
+        )
+    if given:
+        return model, dtype
+    return nnx.eval_shape(lambda m: apply_amp(m, dtype=dtype, level="O2"), model), dtype
+
+
+def _optional_bool(name: str, value: Any) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r}: expected True, False or None (compared).")
+    return value
 
 
 def _model_dtype(patterns: ModelPatterns) -> str:
@@ -460,6 +496,8 @@ def plan_for(
     wide_search: bool = False,
     accumulate_steps: int | None = None,
     materialised_attention: bool = False,
+    amp_level: str | None = None,
+    distributed_optimizer: bool | None = None,
 ) -> Plan:
     """Chooses the fastest layout of ``model`` that fits, by the cost model.
 
@@ -496,6 +534,17 @@ def plan_for(
         profile's platform (a GPU: cuDNN flash attention). Default False: charged as that
         platform runs it (:func:`~jfleet.auto_parallel.match.attention_trace.
         attention_as_run`); the plan's notes say which, and why.
+      amp_level: plan the parameters as AMP stores them: ``"O2"`` casts the floating
+        parameters of every module but the norms to the compute ``dtype`` (default
+        ``"bfloat16"``) on an abstract copy (:func:`jfleet.amp.apply_amp`; ``model`` is
+        untouched), so the plan charges half-precision parameters and gradients and fp32
+        master weights beside the moments, all three split by ZeRO; ``"O1"`` or None:
+        the parameters as ``model`` holds them. With ``patterns`` given, match them on
+        the cast model yourself (``to_distributed`` does).
+      distributed_optimizer: ZeRO over every data rank, ``dp x sharding x sep``
+        (:attr:`~jfleet.auto_parallel.cost.layout.Layout.zero_spans_data`: Megatron's
+        distributed optimizer at ``zero_stage=1`` with ``amp_level="O2"``); True: only
+        that, False: only ZeRO over ``sharding``; default: both compared.
 
     Returns: The :class:`Plan`.
 
@@ -515,6 +564,7 @@ def plan_for(
     schedule = _check_search(schedule, num_microbatches, num_virtual_stages, zero_stage, optimizer)
     forced = _checked_force(force_mesh, device_num, node_num, sequence_parallel)
     prof, budget = _profile_budget(profile, memory_budget)
+    model, dtype = _as_amp_stores(model, amp_level, dtype, given=patterns is not None)
     patterns = match_patterns(model) if patterns is None else _check_patterns(patterns, model)
     workload = _workload(patterns, batch_size, seq_len, dtype, optimizer, sequence_parallel)
     name = type(model).__name__
@@ -524,6 +574,7 @@ def plan_for(
     search = dict(schedule=schedule, num_microbatches=num_microbatches, zero_stage=zero_stage)
     search.update(recompute=recompute_setting(recompute), num_virtual_stages=num_virtual_stages)
     search.update(wide=wide_search, accumulate_steps=_accumulate_steps(accumulate_steps))
+    search.update(zero_spans_data=_optional_bool("distributed_optimizer", distributed_optimizer))
     where = dict(device_num=device_num, node_num=node_num, forced=forced, force_mesh=force_mesh)
     where.update(why_not_piped=why_not_piped, name=name)
     scan = scan_layers and why_not_piped is None  # a stack that cannot pipeline is not scanned
@@ -549,7 +600,7 @@ def _build_plan(
     best = ranked[0]
     lay = best.layout
     abstract = AbstractMesh(tuple(lay.degrees.values()), AXIS_NAMES)
-    zero = Placement(mesh=abstract, zero_stage=lay.zero_stage)
+    zero = Placement(mesh=abstract, zero_stage=lay.zero_stage, zero_axis=lay.zero_axes)
     stages, stage_of = _stages(patterns, lay)
     params = []
     why = dict(patterns.replicated_in_blocks)
