@@ -509,54 +509,44 @@ def plan_for(
       seq_len: tokens per sequence.
       profile: a name or profile :func:`~jfleet.auto_parallel.cost.profiles.get_profile` takes.
       memory_budget: bytes per device; default the profile's memory.
-      force_mesh: degrees that must be used (missing axes are 1), e.g.
-        ``{"dp": 2, "mp": 4}``; their product must be ``device_num x node_num``.
+      force_mesh: degrees that must be used (missing axes 1), e.g. ``{"dp": 2, "mp": 4}``.
       schedule: ``"FThenB"``, ``"1F1B"`` or ``"VPP"`` (interleaved); default: compared.
       num_microbatches: pipeline micro-batches; default: compared.
       zero_stage: ZeRO stage (0 forbids a sharding axis); default: compared.
       sequence_parallel: Megatron sequence parallelism over ``mp``, and ``sep`` candidates.
-      optimizer: the state's kind (``adam``, ``momentum``, ``sgd``, ...); recompute: on
-        (True: whole blocks), off, or ``"selective"`` (each block's attention core and
+      optimizer: the state's kind (``adam``, ``momentum``, ``sgd``, ...).
+      recompute: True (whole blocks), False, or ``"selective"`` (the attention core and
         elementwise work; no pipeline); default: compared (selective in the wide search).
       dtype: compute dtype; default the model's parameter dtype.
-      pipeline: whether layouts with ``pp > 1`` may be chosen: True, or False / the reason
-        they may not (from :func:`~jfleet.auto_parallel.match.block_check.pipeline_problem`).
+      pipeline: whether ``pp > 1`` may be chosen: True, or False / the reason it may not.
       scan_layers: alike blocks run as one ``lax.scan`` when not pipelined (predicted so).
       patterns: ``match_patterns(model)``, when the caller has it; default: matched here.
       num_virtual_stages: chunks per stage of ``"VPP"`` layouts (2 or more); default 2.
-      wide_search: every ``M``, ``v``, gradient accumulation and selective recompute
-        (``enumerate_layouts``'s ``wide``), dominated layouts pruned.
-      accumulate_steps: gradient-accumulation calls per step (``Layout.accumulate_steps``);
-        default: 1 in the narrow search unless no layout fits without accumulating (then
-        every count is compared), compared in the wide one.
-      materialised_attention: charge the ``s x s`` attention scores the trace shows even
-        where :func:`jfleet.models.attention.causal_attention` runs fused on the
-        profile's platform (a GPU: cuDNN flash attention). Default False: charged as that
-        platform runs it (:func:`~jfleet.auto_parallel.match.attention_trace.
-        attention_as_run`); the plan's notes say which, and why.
-      amp_level: plan the parameters as AMP stores them: ``"O2"`` casts the floating
-        parameters of every module but the norms to the compute ``dtype`` (default
-        ``"bfloat16"``) on an abstract copy (:func:`jfleet.amp.apply_amp`; ``model`` is
-        untouched), so the plan charges half-precision parameters and gradients and fp32
-        master weights beside the moments, all three split by ZeRO; ``"O1"`` or None:
-        the parameters as ``model`` holds them. With ``patterns`` given, match them on
-        the cast model yourself (``to_distributed`` does).
+      wide_search: every ``M``, ``v``, accumulation and selective recompute, dominated
+        layouts pruned (``enumerate_layouts``'s ``wide``).
+      accumulate_steps: gradient-accumulation calls per step; default: 1 in the narrow
+        search unless nothing fits without (then compared), compared in the wide one.
+      materialised_attention: charge the ``s x s`` scores the trace shows even where
+        :func:`jfleet.models.attention.causal_attention` runs fused on the profile's
+        platform; default False: as that platform runs it (the plan's notes say which).
+      amp_level: ``"O2"`` plans the parameters as AMP O2 stores them, in ``dtype``
+        (default ``"bfloat16"``; norms fp32) with fp32 masters beside the moments, on an
+        abstract copy (:func:`jfleet.amp.apply_amp`); ``"O1"``/None: as ``model`` holds
+        them. With ``patterns`` given, match them on the cast model yourself.
       distributed_optimizer: ZeRO over every data rank, ``dp x sharding x sep``
-        (:attr:`~jfleet.auto_parallel.cost.layout.Layout.zero_spans_data`: Megatron's
-        distributed optimizer at ``zero_stage=1`` with ``amp_level="O2"``); True: only
-        that, False: only ZeRO over ``sharding``; default: both compared.
+        (:attr:`~jfleet.auto_parallel.cost.layout.Layout.zero_spans_data`, Megatron's
+        distributed optimizer); True: only that, False: never; default: both compared.
 
     Returns: The :class:`Plan`.
 
     Raises:
       TypeError: a non-module model, a non-dict ``force_mesh``, non-``ModelPatterns``.
-      ValueError: a bad count, schedule or ZeRO stage; a forced mesh that does not
-        multiply out or suit the shapes; ``patterns`` of another model; nothing fits.
+      ValueError: a bad count, schedule, ZeRO stage or forced mesh; another model's
+        ``patterns``; nothing fits.
 
     Example:
       >>> from jfleet.models.llama import TinyLlama
-      >>> model = TinyLlama()
-      >>> plan_for(model, device_num=8, batch_size=64, seq_len=8).layout.name
+      >>> plan_for(TinyLlama(), device_num=8, batch_size=64, seq_len=8).layout.name
       'dp8'
     """
     device_num = _positive_int("device_num", device_num)
@@ -567,14 +557,13 @@ def plan_for(
     model, dtype = _as_amp_stores(model, amp_level, dtype, given=patterns is not None)
     patterns = match_patterns(model) if patterns is None else _check_patterns(patterns, model)
     workload = _workload(patterns, batch_size, seq_len, dtype, optimizer, sequence_parallel)
-    name = type(model).__name__
-    _report_patterns(patterns, name, forced, force_mesh)
+    _report_patterns(patterns, name := type(model).__name__, forced, force_mesh)
     patterns = _attention_as_run(patterns, prof, workload, materialised_attention)
     why_not_piped = _why_not_piped(pipeline, forced, force_mesh)
-    search = dict(schedule=schedule, num_microbatches=num_microbatches, zero_stage=zero_stage)
-    search.update(recompute=recompute_setting(recompute), num_virtual_stages=num_virtual_stages)
-    search.update(wide=wide_search, accumulate_steps=_accumulate_steps(accumulate_steps))
-    search.update(zero_spans_data=_optional_bool("distributed_optimizer", distributed_optimizer))
+    search = _search_options(
+        schedule, num_microbatches, zero_stage, recompute, num_virtual_stages, wide_search,
+        accumulate_steps, distributed_optimizer,
+    )  # fmt: skip
     where = dict(device_num=device_num, node_num=node_num, forced=forced, force_mesh=force_mesh)
     where.update(why_not_piped=why_not_piped, name=name)
     scan = scan_layers and why_not_piped is None  # a stack that cannot pipeline is not scanned
@@ -582,6 +571,29 @@ def plan_for(
     ranked = _choose(ranked, budget, forced, force_mesh)
     return _build_plan(
         patterns, workload, ranked, excluded, prof, budget, device_num, node_num, name
+    )
+
+
+def _search_options(
+    schedule: str | None,
+    num_microbatches: int | None,
+    zero_stage: int | None,
+    recompute: bool | str | None,
+    num_virtual_stages: int | None,
+    wide: bool,
+    accumulate_steps: int | None,
+    distributed_optimizer: bool | None,
+) -> dict:
+    """``enumerate_layouts``'s search settings from ``plan_for``'s checked arguments."""
+    return dict(
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        zero_stage=zero_stage,
+        recompute=recompute_setting(recompute),
+        num_virtual_stages=num_virtual_stages,
+        wide=wide,
+        accumulate_steps=_accumulate_steps(accumulate_steps),
+        zero_spans_data=_optional_bool("distributed_optimizer", distributed_optimizer),
     )
 
 
