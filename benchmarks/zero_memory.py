@@ -699,8 +699,9 @@ def render_depth(rows: list[DepthRow], workload: DepthWorkload, header: list[str
         "`DepthWorkload.saved_bytes` counts them:",
         "",
         "| config | recompute | temp growth | added saved activations | bound | within "
+        "| ZeRO-2: bound + the added gradient shards | within "
         "| growth per added block / one block's whole gradient |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     by = {(r.name, r.layers, r.recompute): r for r in rows}
     for name, _, stage in DEPTH_CONFIGS:
@@ -710,17 +711,22 @@ def render_depth(rows: list[DepthRow], workload: DepthWorkload, header: list[str
             growth = by[(name, deep, recompute)].temp - by[(name, shallow, recompute)].temp
             saved = (deep - shallow) * workload.saved_bytes(recompute)
             bound = 1.25 * (saved + (2 * block if stage >= 3 else 0))
+            sharded = bound + (deep - shallow) * block / 8 if stage == 2 else None
             lines.append(
                 f"| {name} | {'on' if recompute else 'off'} | {_mib(growth)} | {_mib(saved)} "
                 f"| {_mib(bound)} | {_yes(growth <= bound)} "
+                f"| {_mib(sharded) if sharded else '-'} "
+                f"| {_yes(growth <= sharded) if sharded else '-'} "
                 f"| {_ratio(growth / (deep - shallow), block)} |"
             )
     lines += [
         "",
-        "ZeRO-2's bound leaves out what ZeRO-2 keeps per block by design: its gradient "
-        "shard (1/8 of a block) and the optimizer update's temporaries of it; no whole-size "
-        "gradient exists (last column: an added block costs well under its whole gradient; "
-        "the reduce-scatter runs inside the loop).",
+        "Issue 37's ZeRO-2 bound leaves out what ZeRO-2 keeps per block by definition: its "
+        "gradient shard (1/8 of a block, fp32), which lives in temp from the backward "
+        "loop until the update; the column beside it adds that shard and nothing else. No "
+        "whole-size gradient exists (last column: an added block costs well under its whole "
+        "gradient; the reduce-scatter runs inside the loop), and the updated parameters "
+        "are gathered back one block at a time (`layer_gather.regather`).",
         "",
     ]
     return "\n".join(lines)

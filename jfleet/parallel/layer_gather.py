@@ -18,6 +18,12 @@ stack gathers its own slice inside the loop body instead:
 
 ZeRO-2 uses the same rule with an identity forward (the parameters are not split): only
 the gradient is reduce-scattered per layer, so no whole-size gradient of the stack exists.
+ZeRO-1 / 2 update each rank's shard of the parameters and return them whole; left to
+itself XLA gathers a stacked parameter whole along a non-major dimension into temp and
+transposes it, several at once (ZeRO-2, 16 layers: 7 MiB of temp). The engine instead
+splits the updated stacks (:func:`split_tree`) and gathers them back one layer at a time
+into the parameters' old buffers (:func:`regather_tree`, pairs from
+:func:`update_gathers`), so the update's temp is one layer.
 
 The engine (:mod:`jfleet.training.engine`) turns this on while it traces a ZeRO-2 / 3
 step (:func:`per_layer`); a module that runs stacked layers and gathers them
@@ -61,7 +67,11 @@ __all__ = [
     "gather_tree",
     "outside_gathers",
     "per_layer",
+    "regather",
+    "regather_tree",
+    "split_tree",
     "unit_shardings",
+    "update_gathers",
 ]
 
 #: (full, shard): a layer's tensor-parallel layout and its ZeRO layout, per leaf.
@@ -143,6 +153,32 @@ def outside_gathers(
     whole), None for one inside. None when ``model`` holds no such stack (the engine then
     gathers every parameter at the start, as before).
     """
+    return _split_leaves(placement, model, params, inside=False)
+
+
+def update_gathers(
+    placement: Placement, model: nnx.Module, params: nnx.State
+) -> list[Pair | None] | None:
+    """What a ZeRO-1 / 2 step gathers one layer at a time at its end: per leaf of
+    ``params``, the (tensor-parallel, ZeRO) layouts of a stacked parameter inside a
+    :class:`GathersLayers` stack that ZeRO splits, None for the others. None when
+    ``model`` holds no such stack.
+
+    The optimizer updates each parameter on its ZeRO shard; the step returns it whole.
+    Left to the step's output layout, XLA all-gathers every stacked parameter whole into a
+    temporary buffer (gathering a dimension that is not the outermost, then transposing
+    it into place), several at once: at 16 scanned blocks that was all of ZeRO-2's temp
+    growth with depth (issue 37). :func:`regather` gathers one layer of the stack at a
+    time into the output instead.
+    """
+    return _split_leaves(placement, model, params, inside=True)
+
+
+def _split_leaves(
+    placement: Placement, model: nnx.Module, params: nnx.State, *, inside: bool
+) -> list[Pair | None] | None:
+    """(tensor-parallel, ZeRO) layouts of the leaves of ``params`` that ZeRO splits and
+    that lie inside (``inside``) or outside the model's :class:`GathersLayers` stacks."""
     stacks = [path for path, node in nnx.iter_graph(model) if isinstance(node, GathersLayers)]
     if not stacks:
         return None
@@ -150,9 +186,78 @@ def outside_gathers(
     zero = jax.tree.leaves(placement.param_shardings(params, zero=True))
     pairs: list[Pair | None] = []
     for (path, _), full, shard in zip(nnx.to_flat_state(params), tp, zero, strict=True):
-        inside = any(path[: len(s)] == s for s in stacks)
-        pairs.append(None if inside or full == shard else (full, shard))
+        within = any(path[: len(s)] == s for s in stacks)
+        pairs.append((full, shard) if within == inside and full != shard else None)
     return pairs
+
+
+def regather(x: jax.Array, old: jax.Array, full: NamedSharding, shard: NamedSharding) -> jax.Array:
+    """``x``, a stacked parameter updated on its ZeRO shard ``shard``, laid out as ``full``
+    one layer at a time: a loop over the stack dimensions that neither layout splits
+    writes each layer's all-gather into ``old`` (the parameter before the update, laid out
+    as ``full``; the step donates it, so the loop writes in place).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("sharding",), axis_types=(jax.sharding.AxisType.Auto,))
+      >>> full, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "sharding"))
+      >>> w = jax.device_put(jnp.ones((4, 8, 2)), full)
+      >>> new = jax.jit(lambda w: regather(2 * w, w, full, shard))(w)
+      >>> float(new.sum()), new.sharding.is_fully_replicated
+      (128.0, True)
+    """
+    x = lax.with_sharding_constraint(x, shard)
+    lead = _stack_dims(full.spec, shard.spec, x.ndim)
+    if lead == 0 or x.shape[:lead] == (1,) * lead:
+        return lax.with_sharding_constraint(x, full)
+    one = NamedSharding(full.mesh, P(*_padded(full.spec, x.ndim)[lead:]))
+    layers = x.reshape((-1, *x.shape[lead:]))
+
+    def put_layer(i: jax.Array, out: jax.Array) -> jax.Array:
+        layer = lax.with_sharding_constraint(lax.dynamic_index_in_dim(layers, i, 0, False), one)
+        return lax.dynamic_update_index_in_dim(out, layer, i, 0)
+
+    out = lax.with_sharding_constraint(old, full).reshape(layers.shape)
+    out = lax.fori_loop(0, layers.shape[0], put_layer, out)
+    return lax.with_sharding_constraint(out.reshape(x.shape), full)
+
+
+def split_tree(tree: Any, pairs: list[Pair | None]) -> Any:
+    """``tree``'s leaves laid out as their ZeRO shard where ``pairs`` gives layouts (the
+    update is computed there, before :func:`regather_tree`)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    out = [
+        x if p is None else lax.with_sharding_constraint(x, p[1])
+        for x, p in zip(leaves, pairs, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, out)
+
+
+def regather_tree(tree: Any, old: Any, pairs: list[Pair | None]) -> Any:
+    """``tree``'s leaves through :func:`regather` (into ``old``'s) where ``pairs`` (one per
+    leaf) gives layouts."""
+    leaves, treedef = jax.tree.flatten(tree)
+    olds = jax.tree.leaves(old)
+    out = [
+        x if p is None else regather(x, o, *p) for x, o, p in zip(leaves, olds, pairs, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, out)
+
+
+def _padded(spec: P, ndim: int) -> tuple:
+    """``spec``'s entries, one per dimension (missing trailing ones None)."""
+    entries = tuple(spec)
+    return entries + (None,) * (ndim - len(entries))
+
+
+def _stack_dims(full: P, shard: P, ndim: int) -> int:
+    """How many leading dimensions neither layout splits (the stack's, or fewer), keeping
+    the first dimension either splits."""
+    for lead, (a, b) in enumerate(zip(_padded(full, ndim), _padded(shard, ndim), strict=True)):
+        if a is not None or b is not None:
+            return lead
+    return 0  # nothing split: no per-layer gather
 
 
 def gather_tree(tree: Any, pairs: list[Pair | None]) -> Any:

@@ -411,25 +411,13 @@ class TrainStep(_Step):
         names: list[str] = []
         wrt = optimizer.wrt
         scaled = optimizer.has_loss_scaling
-        grad_shardings = gathered = outside = None
         comm, local = optimizer.communication, optimizer.localsgd
         # ZeRO-2 / 3 stacks gather per layer in the step's one program (not under the
         # replicas' shard_map of a communication hook or LocalSGD)
         per_layer = placement if comm is None and local is None else None
-        if placement.zero_stage >= 2:
-            merged = nnx.merge(model_def, model_state)
-            params = nnx.state(merged, wrt)
-            grad_shardings = placement.param_shardings(params, zero=True)
-        if placement.zero_stage >= 3:
-            # ZeRO-3 keeps parameters sharded between steps and gathers them (to their
-            # tensor-parallel layout) for the step; left to itself GSPMD may keep them
-            # sharded and all-reduce activations instead, which costs far more. Stacked
-            # blocks that gather per layer (FSDP, layer_gather) are left split: only the
-            # parameters outside them are gathered here.
-            if per_layer is not None:
-                outside = layer_gather.outside_gathers(placement, merged, params)
-            if outside is None:
-                gathered = placement.param_shardings(params, zero=False)
+        grad_shardings, gathered, outside, regathers = _zero_layouts(
+            placement, nnx.merge(model_def, model_state), wrt, per_layer
+        )
         # The step takes and returns the state as one flat list of arrays (the model's,
         # then the optimizer's), so a call flattens no State and installs by position.
         model_tree = jax.tree.structure(model_state)
@@ -459,6 +447,7 @@ class TrainStep(_Step):
             opt = nnx.merge(opt_def, opt_state)
             scale = opt.loss_scale if scaled else jnp.float32(1.0)
             old = jax.tree.leaves((model_state, opt_state))
+            before = jax.tree.leaves(nnx.state(model, wrt))  # the update changes model_state
             if local is not None:  # LocalSGD: replicas step on their own parameters
                 loss, aux, flags = localsgd_step(model, opt, objective, batch, scale, placement)
                 checked = (loss, nnx.state(model, wrt))  # what the flags are about, for names
@@ -480,6 +469,8 @@ class TrainStep(_Step):
                 checked = (loss,) if scaled else (loss, grads)
                 flags = finite_flags(checked)
                 opt.update(model, grads)
+            if regathers is not None:  # the guard below selects on the shards
+                nnx.update(model, layer_gather.split_tree(nnx.state(model, wrt), regathers))
             names[:] = leaf_names([path for path, _ in floating_leaves(checked)])
             new_state = (nnx.state(model), nnx.state(opt))
             if mode != "warn" and not scaled:  # drop the update: old state, bit for bit
@@ -487,6 +478,8 @@ class TrainStep(_Step):
                 leaves, treedef = jax.tree.flatten(new_state)
                 kept = [jnp.where(finite, n, o) for n, o in zip(leaves, old, strict=True)]
                 new_state = jax.tree.unflatten(treedef, kept)
+            if regathers is not None:
+                new_state = _regathered(new_state, before, model_def, wrt, regathers)
             new_leaves = jax.tree.leaves(new_state)
             if jax.tree.structure(new_state) != jax.tree.structure((model_state, opt_state)):
                 raise ValueError(
@@ -505,6 +498,42 @@ class TrainStep(_Step):
         )
         self._leaf_names[id(fn)] = names  # filled when the step is traced
         return fn
+
+
+def _zero_layouts(placement: Any, model: Any, wrt: Any, per_layer: Any) -> tuple:
+    """What a ZeRO stage constrains in the step: ``(gradient shardings, gathered
+    parameter shardings, the gathers outside per-layer stacks, the updated stacks'
+    per-layer regathers)``, each ``None`` where the stage has none."""
+    grad_shardings = gathered = outside = regathers = None
+    if placement.zero_stage == 0:
+        return grad_shardings, gathered, outside, regathers
+    params = nnx.state(model, wrt)
+    if placement.zero_stage >= 2:
+        grad_shardings = placement.param_shardings(params, zero=True)
+    if placement.zero_stage in (1, 2) and per_layer is not None:
+        # the updated stacks return whole one layer at a time (layer_gather.regather)
+        regathers = layer_gather.update_gathers(placement, model, params)
+    if placement.zero_stage >= 3:
+        # ZeRO-3 keeps parameters sharded between steps and gathers them (to their
+        # tensor-parallel layout) for the step; left to itself GSPMD may keep them
+        # sharded and all-reduce activations instead, which costs far more. Stacked
+        # blocks that gather per layer (FSDP, layer_gather) are left split: only the
+        # parameters outside them are gathered here.
+        if per_layer is not None:
+            outside = layer_gather.outside_gathers(placement, model, params)
+        if outside is None:
+            gathered = placement.param_shardings(params, zero=False)
+    return grad_shardings, gathered, outside, regathers
+
+
+def _regathered(state: tuple, before: list, model_def: Any, wrt: Any, pairs: list) -> tuple:
+    """``(model state, optimizer state)`` with the model's stacked ZeRO-1 / 2 parameters
+    gathered back whole one layer at a time into their buffers before the update,
+    ``before`` (:func:`layer_gather.regather_tree`)."""
+    model_state, opt_state = state
+    model = nnx.merge(model_def, model_state)
+    nnx.update(model, layer_gather.regather_tree(nnx.state(model, wrt), before, pairs))
+    return nnx.state(model), opt_state
 
 
 class EvalStep(_Step):
