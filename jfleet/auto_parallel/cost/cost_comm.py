@@ -103,7 +103,10 @@ def data_parallel_time(s: StepShape, coll: dict[str, float]) -> float:
 def _one_call_reduction(s: StepShape, coll: dict[str, float]) -> float:
     lay = s.layout
     red = lay.data_degree * lay.sep
-    grads = s.tp_bytes
+    # the parameters' bytes as their collectives move them (fp32 where the compiler runs
+    # half-precision collectives in fp32)
+    wire = s.param_wire
+    grads, block_tp, outside_tp = s.tp_bytes * wire, s.block_tp * wire, s.outside_tp * wire
     lat = s.profile.collective_latency
     t_dp = 0.0
     if red <= 1:
@@ -117,9 +120,9 @@ def _one_call_reduction(s: StepShape, coll: dict[str, float]) -> float:
         # sharding) replicated over the data axes, so their gradients leave it summed over
         # dp x sharding: one all-reduce, not ZeRO's reduce-scatter; only the embedding's
         # and the head's are reduced in the ZeRO layout
-        zeroed = s.outside_tp
-        coll["all_reduce"] += s.block_tp
-        t_dp += lat + ring_bytes("all-reduce", s.block_tp, red) / s.bandwidth(DP, SHARDING, SEP)
+        zeroed = outside_tp
+        coll["all_reduce"] += block_tp
+        t_dp += lat + ring_bytes("all-reduce", block_tp, red) / s.bandwidth(DP, SHARDING, SEP)
     # ZeRO over sharding: reduce-scatter there, all-reduce the shards over dp x sep; over
     # every data rank (the distributed optimizer): one reduce-scatter over all of them
     zero_over = (DP, SHARDING, SEP) if lay.zero_spans_data else (SHARDING,)
@@ -144,14 +147,14 @@ def _one_call_reduction(s: StepShape, coll: dict[str, float]) -> float:
         # (recomputed or not: the loop body saves matmul outputs, not gathered weights),
         # one all-gather per block parameter per iteration; the rest once
         outside_leaves, block_leaves = s.leaf_counts
-        coll["all_gather"] += s.outside_tp + 2 * s.block_tp
-        t_dp += outside_leaves * lat + ring_bytes("all-gather", s.outside_tp, shard) / bw_shard
-        t_dp += 2 * (block_leaves * lat + ring_bytes("all-gather", s.block_tp, shard) / bw_shard)
+        coll["all_gather"] += outside_tp + 2 * block_tp
+        t_dp += outside_leaves * lat + ring_bytes("all-gather", outside_tp, shard) / bw_shard
+        t_dp += 2 * (block_leaves * lat + ring_bytes("all-gather", block_tp, shard) / bw_shard)
         return t_dp
     gathers = 2 if (lay.zero_stage >= 3 and s.remat_waits) else 1
-    coll["all_gather"] += gathers * s.tp_bytes
+    coll["all_gather"] += gathers * grads
     leaves = stored_leaves(s.leaf_counts, s.stage_blocks, stacked=s.piped or s.scanned)
-    t_dp += gathers * (leaves * lat + ring_bytes("all-gather", s.tp_bytes, shard) / bw_shard)
+    t_dp += gathers * (leaves * lat + ring_bytes("all-gather", grads, shard) / bw_shard)
     return t_dp
 
 

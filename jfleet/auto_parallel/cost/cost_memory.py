@@ -178,7 +178,9 @@ def memory(s: StepShape) -> Memory:
         optimizer=optimizer_bytes(s),
         inputs=2 * s.tokens_live * 4,  # one call's token ids and labels, int32
         grads=gradient_bytes(s),
-        grad_copies=2 if s.profile.whole_grad_temp and not s.per_layer else 1,
+        # the whole local gradient beside the reduction's output (at fp32 where the
+        # compiler reduces half-precision gradients in fp32)
+        grad_copies=1 + s.param_wire if s.profile.whole_grad_temp and not s.per_layer else 1,
         gathered=gathered,
         activations=activation_bytes(s),
     )

@@ -39,8 +39,9 @@ class Memory:
       gathered: ZeRO-3 parameters gathered for the step (0 otherwise).
       activations: activations live between the forward and the backward pass.
       grad_copies: gradient-sized buffers at the end of the backward pass: 2 where the
-        whole local gradient is live beside the reduction's output (XLA:CPU), 1 where
-        gradients are reduced as they are produced.
+        whole local gradient is live beside the reduction's output (XLA:CPU; 3 for
+        half-precision gradients, which XLA:CPU reduces in fp32: the output is twice their
+        size), 1 where gradients are reduced as they are produced.
     """
 
     params: int
@@ -49,7 +50,7 @@ class Memory:
     grads: int
     gathered: int
     activations: int
-    grad_copies: int = 2
+    grad_copies: float = 2
 
     @property
     def resident(self) -> int:
@@ -59,7 +60,7 @@ class Memory:
     @property
     def temp(self) -> int:
         """Bytes of the step's temporaries at its peak."""
-        return max(self.activations + self.gathered, self.grad_copies * self.grads)
+        return max(self.activations + self.gathered, int(self.grad_copies * self.grads))
 
     @property
     def total(self) -> int:

@@ -118,6 +118,11 @@ class HardwareProfile:
         and only the ZeRO shard (and one block's in flight) stays live.
       memory_margin: the fraction of ``memory_bytes`` kept out of the default budget for
         the allocator's fragmentation and the runtime's own buffers.
+      half_precision_fp32: whether the compiler runs bf16 / fp16 matmuls and collectives
+        in fp32 (XLA:CPU's float normalization upcasts them: measured on an AMP O2 step,
+        every dot and every collective is f32), so activations are fp32-sized and
+        half-precision parameters' gradients are reduced and gathered at 4 bytes an
+        element. On GPUs and TPUs they run in their own dtype.
       platform: ``"cpu"``, ``"gpu"`` or ``"tpu"``: what the devices run, for the choices a
         program makes by platform (:func:`jfleet.models.attention.causal_attention` runs
         cuDNN flash attention on a GPU, so a reference model planned for one keeps no
@@ -151,6 +156,7 @@ class HardwareProfile:
     comm_overlap: float = 0.0
     whole_grad_temp: bool = True
     memory_margin: float = 0.0
+    half_precision_fp32: bool = False
     platform: str = "gpu"
     flash_max_head_dim: int = 256
 
@@ -237,6 +243,7 @@ _CPU = HardwareProfile(
     remat_barriers_kept=False,
     shared_cores=True,
     memory_bandwidth=200e6,
+    half_precision_fp32=True,
     platform="cpu",
 )
 #: What the GPU profiles share beyond their datasheets: the achievable matmul fraction (fitted

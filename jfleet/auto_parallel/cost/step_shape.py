@@ -54,7 +54,8 @@ class StepShape:
       leaf_counts: how many parameters one device's stage holds (blocks of stage 0
         first): (outside the blocks, in them).
       stage_blocks: decoder blocks per pipeline stage; norms: norms per layer.
-      tp_bytes: local parameter bytes after the ``mp`` split; z_bytes: after ZeRO's too.
+      tp_bytes: local parameter bytes after the ``mp`` split; z_bytes: after ZeRO's too;
+        tp_fp32: ``tp_bytes``' elements at 4 bytes.
       z_fp32: ``z_bytes``' elements at 4 bytes (fp32 optimizer state); z_master: those
         of half-precision parameters (their fp32 master copies under AMP).
       block_tp, outside_tp, one_block_tp: ``tp_bytes`` of the stage's blocks, of the
@@ -88,6 +89,7 @@ class StepShape:
     stage_blocks: int
     norms: int
     tp_bytes: int
+    tp_fp32: int
     z_bytes: int
     z_fp32: int
     z_master: int
@@ -141,8 +143,20 @@ class StepShape:
 
     @property
     def act_bytes(self) -> int:
-        """Bytes per activation element."""
+        """Bytes per activation element (fp32 where the compiler computes half precision in
+        fp32: ``HardwareProfile.half_precision_fp32``)."""
+        if self.profile.half_precision_fp32:
+            return max(self.workload.act_bytes, 4)
         return self.workload.act_bytes
+
+    @property
+    def param_wire(self) -> float:
+        """Bytes a parameter's collective moves per byte of the parameter: 1, or for
+        half-precision parameters 2 where the compiler runs their collectives in fp32
+        (``HardwareProfile.half_precision_fp32``)."""
+        if self.profile.half_precision_fp32 and self.tp_bytes:
+            return self.tp_fp32 / self.tp_bytes
+        return 1.0
 
     def bandwidth(self, *group: str) -> float:
         """Bytes/s of the links a group of mesh axes spans (:func:`group_bandwidth`)."""
@@ -205,7 +219,7 @@ def _stage_bytes(
     if layout.zero_stage:
         abstract = AbstractMesh(tuple(deg.values()), AXIS_NAMES)
         zero = Placement(mesh=abstract, zero_stage=layout.zero_stage, zero_axis=layout.zero_axes)
-    tp_bytes = z_bytes = block_tp = z_fp32 = z_master = 0
+    tp_bytes = z_bytes = block_tp = z_fp32 = z_master = tp_fp32 = 0
     for p in params:
         itemsize = jnp.dtype(p.dtype).itemsize
         spec = specs[p.path]
@@ -213,11 +227,12 @@ def _stage_bytes(
         zspec = zero.zero_spec(spec, p.shape) if zero is not None else spec
         z_elems = tp_elems if zero is None else _local_elems(zspec, p.shape, deg)
         tp_bytes += tp_elems * itemsize
+        tp_fp32 += 4 * tp_elems
         z_bytes += z_elems * itemsize
         block_tp += tp_elems * itemsize if p.block is not None else 0
         z_fp32 += 4 * z_elems
         z_master += 4 * z_elems if itemsize < 4 else 0  # fp32 masters of half params
-    return tp_bytes, z_bytes, block_tp, z_fp32, z_master
+    return tp_bytes, z_bytes, block_tp, z_fp32, z_master, tp_fp32
 
 
 def param_specs(patterns: ModelPatterns, mp: int) -> Mapping[str, P]:
@@ -247,8 +262,9 @@ def _param_bytes(patterns: ModelPatterns, layout: Layout, stage_blocks: int) -> 
             sizes = _stage_bytes(mine, specs, layout)
             in_blocks = sum(p.block is not None for p in mine)
             counts = (len(mine) - in_blocks, in_blocks)
-        tp_bytes, z_bytes, block_tp, z_fp32, z_master = sizes
+        tp_bytes, z_bytes, block_tp, z_fp32, z_master, tp_fp32 = sizes
         return {
+            "tp_fp32": tp_fp32,
             "z_fp32": z_fp32,
             "z_master": z_master,
             "tp_bytes": tp_bytes,

@@ -364,9 +364,10 @@ def enumerate_layouts(
         wide search does in an otherwise narrow search (the planner's retry: none fits).
       zero_spans_data: ZeRO only over every data rank (True: Megatron's distributed
         optimizer, :attr:`Layout.zero_spans_data`; meshes without a sharding axis are then
-        excluded) or only over ``sharding`` (False); default: both where ``sep`` is
-        beside a sharding axis (over ``dp`` alone it equals the mesh whose sharding axis
-        is ``dp x sharding``, enumerated as such).
+        excluded; kept to wherever ``dp`` or ``sep`` is beside a sharding axis) or only
+        over ``sharding`` (False); default: both where ``sep`` is beside a sharding axis
+        (over ``dp`` alone it equals the mesh whose sharding axis is ``dp x sharding``,
+        enumerated as such).
 
     Returns:
       ``(layouts, excluded)``; ``excluded`` holds ``(mesh name, reason)`` pairs.
@@ -450,8 +451,10 @@ def _mesh_layouts(
                              only.num_virtual_stages)
     ]  # fmt: skip
     # over dp alone it is a sharding axis of dp x sharding, a mesh of its own: offered
-    # where sep ranks are beside it, whose copies of the state it splits too
-    if deg[SHARDING] > 1 and deg[SEP] > 1 and only.zero_spans_data is not False:
+    # where sep ranks are beside it, whose copies of the state it splits too; asked for,
+    # wherever dp or sep ranks are beside a sharding axis
+    beside = deg[DP] * deg[SEP] if only.zero_spans_data else deg[SEP]
+    if deg[SHARDING] > 1 and beside > 1 and only.zero_spans_data is not False:
         spread = [dataclasses.replace(lay, zero_spans_data=True) for lay in found]
         found = spread if only.zero_spans_data else found + spread
     if not found:
