@@ -36,7 +36,12 @@ class ToDistributedConfig:
         read from the loader's first batch (the default for everything). Gives the cost
         model its batch size and sequence length.
       sequence_parallel: split activations' sequence dimension over ``mp`` between the
-        blocks (Megatron sequence parallelism) and consider ``sep`` layouts.
+        blocks (Megatron sequence parallelism) and consider ``sep`` layouts. Inside the
+        blocks the ``nnx.Linear`` / ``nnx.LinearGeneral`` / ``nnx.Einsum`` projections the
+        plan splits gather the sequence before a column projection and reduce-scatter
+        after a row one, as Megatron does
+        (:mod:`~jfleet.auto_parallel.apply.sequence_dots`); a bare ``x @ w`` is left to
+        the compiler, which may gather its weight instead.
       profile: hardware profile name (``cpu``, ``a100``, ``h100``, ``h200``) or a
         :class:`~jfleet.auto_parallel.cost.profiles.HardwareProfile`; default: ``cpu`` on CPU
         devices, else the profile named like the device kind, else ``h100``.

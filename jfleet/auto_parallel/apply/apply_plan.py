@@ -23,6 +23,7 @@ from jfleet.auto_parallel.apply.blocks import (
     wrap_blocks,
 )
 from jfleet.auto_parallel.apply.scanned_blocks import scan_blocks
+from jfleet.auto_parallel.apply.sequence_dots import pin_sequence_projections
 from jfleet.auto_parallel.match.block_extras import BlockOutputs
 from jfleet.auto_parallel.match.matched import module_at
 from jfleet.auto_parallel.match.patterns import path_str
@@ -80,6 +81,14 @@ def shape_for_plan(
         a for a in (SEP, MP) if degrees[a] > 1 and (a == SEP or plan.sequence_parallel)
     )
     seq_axes = seq_axes or None
+    if seq_axes is not None and MP in seq_axes and plan.blocks:
+        # Megatron's program inside the blocks (before stacking: the stack keeps the first
+        # block's layers): all-gather before a column projection, reduce-scatter after a
+        # row one
+        pin_sequence_projections(
+            model, {path: (p.role, p.spec) for path, p in params.items()}, plan.blocks,
+            placement.mesh, tuple(a for a in seq_axes if a != MP),
+        )  # fmt: skip
     selective = plan.layout.selective_recompute
     if plan.blocks and degrees[PP] > 1:
         container = container_of(model, plan.blocks)

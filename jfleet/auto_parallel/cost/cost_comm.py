@@ -63,25 +63,34 @@ def tensor_parallel_time(s: StepShape, coll: dict[str, float]) -> float:
     # recompute runs the forward's all-reduces again in the backward pass. A pipeline
     # counts them on each of its M + P - 1 ticks: the compiled loop holds them at
     # every tick (jfleet.testing.hlo weights them by the trip count), bubble or not.
-    per_mb = s.chunk_blocks * (fwd * (2 if s.recompute else 1) + bwd)  # a chunk per tick
-    n_mb = per_mb * (s.v * m + pp - 1 if s.piped else m) * s.accumulate
+    passes = 2 if s.recompute else 1
+    per_mb = s.chunk_blocks * (fwd * passes + bwd)  # a chunk per tick
+    calls = (s.v * m + pp - 1 if s.piped else m) * s.accumulate
+    n_mb = per_mb * calls
     roles = cached(s.patterns, ("roles",), lambda: {p.role for p in s.patterns.params})
     n_out = int("embedding" in roles) + int("head" in roles or bool(s.patterns.tied_head))
     out_bytes = n_out * s.head_tokens * h * ab
     stats = 2 * s.head_tokens * 4 if s.vocab else 0
     if s.workload.sequence_parallel:
-        # each all-reduce becomes a reduce-scatter + an all-gather: the same wire bytes;
-        # hlo counts the reduce-scatter's input and the all-gather's output
+        # Megatron's program (apply.sequence_dots): a reduce-scatter after each row
+        # projection and for each column projection's input cotangent (where the
+        # all-reduces were), an all-gather before each column projection's input (one per
+        # row projection: the attention's and the MLP's) in every forward pass and of each
+        # row output's cotangent; hlo counts the reduce-scatter's input and the
+        # all-gather's output
+        n_gather = s.chunk_blocks * fwd * (passes + 1) * calls
         coll["reduce_scatter"] += n_mb * act
-        coll["all_gather"] += n_mb * act
+        coll["all_gather"] += n_gather * act
+        count = n_mb + n_gather
+        wire = ring_bytes("reduce-scatter", n_mb * act, mp)
+        wire += ring_bytes("all-gather", n_gather * act, mp)
     else:
         coll["all_reduce"] += n_mb * act
+        count, wire = n_mb, ring_bytes("all-reduce", n_mb * act, mp)
     coll["all_reduce"] += out_bytes + stats
-    count = n_mb + n_out + (2 if stats else 0)
-    lat = s.profile.collective_latency
-    return count * lat + (
-        ring_bytes("all-reduce", n_mb * act + out_bytes + stats, mp)
-    ) / s.bandwidth(MP)
+    count += n_out + (2 if stats else 0)
+    wire += ring_bytes("all-reduce", out_bytes + stats, mp)
+    return count * s.profile.collective_latency + wire / s.bandwidth(MP)
 
 
 def data_parallel_time(s: StepShape, coll: dict[str, float]) -> float:
