@@ -9,7 +9,10 @@ learned positions, GELU, LayerNorm, tied head), for
 Sources: Llama 2 (Touvron et al., 2023, Table 1 and the released configs), Llama 3
 (Meta, "The Llama 3 Herd of Models", 2024, Table 3), GPT-3 (Brown et al., 2020, Table
 2.1), the GPT rows of Narayanan et al., SC21, Table 1 (``megatron-*``; vocabulary 51,200,
-sequence 2,048).
+sequence 2,048), MosaicML's MPT (``mpt-*``: ``scripts/train/yamls/pretrain/mpt-*.yaml`` of
+mosaicml/llm-foundry; learned positions, GELU MLP of 4 x width, LayerNorm, tied head,
+vocabulary 50,368, sequence 2,048; its benchmark table's parameter counts match the ``gpt``
+architecture's, biases included).
 
 Example:
   >>> MODEL_SHAPES["llama2-70b"].kv_heads
@@ -79,6 +82,10 @@ def _gpt(layers: int, width: int, heads: int) -> ModelShape:
     )  # fmt: skip
 
 
+def _mpt(layers: int, width: int, heads: int) -> ModelShape:
+    return dataclasses.replace(_gpt(layers, width, heads), vocab=50368)
+
+
 def _llama(layers, width, heads, kv, ffn, vocab, seq) -> ModelShape:
     return ModelShape(
         arch="llama", layers=layers, width=width, heads=heads, kv_heads=kv, ffn=ffn,
@@ -105,6 +112,12 @@ MODEL_SHAPES: dict[str, ModelShape] = {
     "megatron-310.1b": _gpt(96, 16384, 128),
     "megatron-529.6b": _gpt(105, 20480, 128),
     "megatron-1008b": _gpt(128, 25600, 160),
+    "mpt-1b": _mpt(24, 2048, 16),
+    "mpt-3b": _mpt(32, 2560, 20),
+    "mpt-7b": _mpt(32, 4096, 32),
+    "mpt-13b": _mpt(40, 5120, 40),
+    "mpt-30b": _mpt(48, 7168, 56),
+    "mpt-70b": _mpt(80, 8192, 64),
 }
 
 
