@@ -23,7 +23,7 @@ time x GPUs x the profile's bf16 dense peak. A published throughput (tokens / s 
 converts with the same FLOPs per token; the source's own MFU is shown beside it where it
 prints one (MosaicML's and torchtitan's definitions are the same FLOPs).
 
-**Held out**: the rows marked ``held_out`` (5 of 15, chosen before any row was planned).
+**Held out**: the rows marked ``held_out`` (6 of 16, chosen before any row was planned).
 No constant of ``jfleet/auto_parallel/cost`` was set on this table: every row is out of
 sample for the cost model; the held-out ones stay so for whoever calibrates on the rest.
 
@@ -34,10 +34,15 @@ pick (wide search, any layout, recompute, ZeRO, accumulation, same AMP level) wi
 memory and MFU; whether the pick is no slower than the published layout; the planning
 seconds of each plan (target <= 10 s).
 
-**Not here**: Megatron / NeMo rows with tensor + sequence parallelism and the distributed
-optimizer. Their published tables for dense Llama / GPT on H100 (NeMo 24.07's
-``performance_summary.md``, Megatron-Bridge's ``performance-summary.md``, NeMo's long-sequence
-table) are FP8 (Transformer Engine), whose MFU against a bf16 peak is not defined, and
+**Megatron**: one row, NeMo Megatron's GPT-3 5B (tensor parallel 2, bf16 O2 parameters,
+Adam replicated over the data ranks, no recompute, fused softmax: no flash attention).
+Not here: Megatron / NeMo rows with sequence parallelism and the distributed optimizer in
+bf16. Their published tables for dense Llama / GPT on H100 (NeMo 24.07's
+``performance_summary.md``, Megatron-Bridge's ``performance-summary.md`` in every version,
+NeMo's long-sequence table) are FP8 (Transformer Engine), whose MFU against a bf16 peak is
+not defined; NeMo Megatron's GPT-3 175B row (``README.md`` at d4317ddd: 8 x 8 x 16 on
+1,024 A100s, sequence parallel) ran selective recompute with a pipeline, which jfleet's
+planner does not offer (``search.layouts``: selective recompute runs without a pipeline);
 torchtitan's 2D (FSDP + TP) results are FP8 or published only as an image.
 """
 
@@ -67,6 +72,11 @@ SOURCES = {
     "table 'H100 80GB BF16'",
     "mpt-a100": "mosaicml/llm-foundry `scripts/train/benchmarking/README.md` at 061f2c7c, "
     "table 'A100 80GB with 1600 Gbps node-node interconnect (RoCE)'",
+    "nemo-gpt3-5b": "NVIDIA/NeMo-Megatron-Launcher (then bignlp-scripts) `README.md` at "
+    "b20f85d4, 7.1.2 'Training Performance Results' (GPT-3 5B, 20 nodes: 731,791 tokens/s), "
+    "run as `conf/training/gpt3/5b.yaml` at the same commit (TP 2, PP 1, micro-batch 2, "
+    "global 1,440, bf16 with `megatron_amp_O2`, `fused_adam`, no activation checkpointing, "
+    "Megatron's fused softmax: no flash attention; vocabulary 50,257 padded to 50,432)",
     "titan-llama2": "pytorch/torchtitan `docs/performance.md` at 04133643, 'Llama 2 "
     "performance numbers' (FSDP2, 64 A100 80GB)",
     "titan-h100": "pytorch/torchtitan `benchmarks/llama3_h100_202412_torchtitan.md` at "
@@ -96,6 +106,14 @@ class Row:
       measured_gib: the source's measured peak memory per GPU (None where not given).
       memory_gb: the GPU's memory in GB where it is not the profile's (torchtitan's
         96 GB H100s), with the profile's allocator margin.
+      layout: the published mesh as ``(axis, degree)`` pairs where it is not FSDP over
+        every GPU (``{"sharding": GPUs}``).
+      zero_stage: the published ZeRO stage (3: FSDP ``FULL_SHARD``; 0: Megatron's
+        replicated Adam).
+      amp_level: ``"O1"`` (fp32 parameters, bf16 compute: FSDP's mixed precision) or
+        ``"O2"`` (bf16 parameters, fp32 masters: Megatron's ``megatron_amp_O2``).
+      materialised: the run materialised the ``s x s`` scores (no flash attention).
+      vocab: the vocabulary as padded in the run, where it is not the shape's.
     """
 
     name: str
@@ -112,20 +130,32 @@ class Row:
     source_mfu: float | None = None
     measured_gib: float | None = None
     memory_gb: float | None = None
-
-    @property
-    def batch(self) -> int:
-        """The global batch in sequences (FSDP: every GPU is a data rank)."""
-        return self.micro * self.accumulate * self.gpus
+    layout: tuple[tuple[str, int], ...] | None = None
+    zero_stage: int = 3
+    amp_level: str = "O1"
+    materialised: bool = False
+    vocab: int | None = None
 
     @property
     def mesh(self) -> dict[str, int]:
-        """The published layout in jfleet's axes: FSDP over every GPU."""
-        return {"sharding": self.gpus}
+        """The published layout in jfleet's axes (default: FSDP over every GPU)."""
+        return dict(self.layout) if self.layout else {"sharding": self.gpus}
+
+    @property
+    def data(self) -> int:
+        """Data-parallel ranks (every GPU over ``mp x pp x sep``)."""
+        mesh = self.mesh
+        return self.gpus // (mesh.get("mp", 1) * mesh.get("pp", 1) * mesh.get("sep", 1))
+
+    @property
+    def batch(self) -> int:
+        """The global batch in sequences."""
+        return self.micro * self.accumulate * self.data
 
     @property
     def model_shape(self) -> ModelShape:
-        return dataclasses.replace(MODEL_SHAPES[self.shape], seq_len=self.seq)
+        shape = dataclasses.replace(MODEL_SHAPES[self.shape], seq_len=self.seq)
+        return shape if self.vocab is None else dataclasses.replace(shape, vocab=self.vocab)
 
 
 _H, _A = "mpt-h100", "mpt-a100"
@@ -142,6 +172,9 @@ ROWS = (
     Row("mpt-30b-h100-8", _H, "mpt-30b", 2048, 8, "h100", 3, 21, 2002, True, False, 38.11),
     Row("mpt-70b-h100-64", _H, "mpt-70b", 2048, 64, "h100", 8, 4, 1039, True, False, 42.57),
     Row("mpt-30b-a100-8", _A, "mpt-30b", 2048, 8, "a100", 3, 21, 916, True, True, 55.3),
+    Row("gpt3-5b-a100-160", "nemo-gpt3-5b", "gpt3-5b", 2048, 160, "a100", 2, 9, 731791 / 160,
+        False, True, layout=(("dp", 80), ("mp", 2)), zero_stage=0, amp_level="O2",
+        materialised=True, vocab=50432),
     Row("llama2-13b-a100-64", "titan-llama2", "llama2-13b", 4096, 64, "a100", 2, 1, 2162,
         False, False, 61.1),
     Row("llama3-8b-h100-8", "titan-h100", "llama3-8b", 8192, 8, "h100", 2, 1, 5762,
@@ -182,9 +215,11 @@ def run_row(row: Row) -> dict:
     patterns = match_patterns(model)
     built = time.perf_counter()
     cluster, batch = _cluster(row), (row.batch, row.seq)
-    like = {"patterns": patterns, "amp_level": "O1", "materialised_attention": False}
+    like = {"amp_level": row.amp_level, "materialised_attention": row.materialised}
+    if row.amp_level == "O1":  # O2 plans a cast copy, matched by plan_for itself
+        like["patterns"] = patterns
     published = plan(
-        model, batch, cluster, **like, force_mesh=row.mesh, zero_stage=3,
+        model, batch, cluster, **like, force_mesh=row.mesh, zero_stage=row.zero_stage,
         recompute=row.recompute, accumulate_steps=row.accumulate, distributed_optimizer=False,
     ).chosen  # fmt: skip
     pinned = time.perf_counter()
@@ -206,6 +241,12 @@ def run_row(row: Row) -> dict:
     }
 
 
+def _layout(row: Row) -> str:
+    axes = " x ".join(f"{a}{n}" for a, n in row.mesh.items())
+    opt = {3: "FSDP", 0: "Adam replicated"}.get(row.zero_stage, f"ZeRO-{row.zero_stage}")
+    return f"{axes} ({opt}, {row.amp_level}{', scores kept' if row.materialised else ''})"
+
+
 def _recompute(row: Row) -> str:
     return {False: "none", True: "full"}.get(row.recompute, row.recompute)
 
@@ -216,10 +257,11 @@ def _opt(x: float | None, fmt: str) -> str:
 
 def table(results: list[dict]) -> str:
     lines = [
-        "| row | GPUs | micro x accum x data = batch, seq | recompute | published MFU (source's) "
-        "| fits: predicted GiB (measured) | predicted MFU (ratio) | jfleet's pick | pick GiB "
-        "| pick MFU | pick no slower | plan s (published, pick) | held out |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| row | GPUs | published layout | micro x accum x data = batch, seq | recompute "
+        "| published MFU (source's) | fits: predicted GiB (measured) | predicted MFU (ratio) "
+        "| jfleet's pick | pick GiB | pick MFU | pick no slower | plan s (published, pick) "
+        "| held out |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         row, pub, pick = r["row"], r["published"], r["pick"]
@@ -233,9 +275,9 @@ def table(results: list[dict]) -> str:
                 f"{mfu(row, pick.time.total):.1%} | {no_slower}"
             )
         lines.append(
-            f"| {row.name} | {row.gpus} {row.profile} | {row.micro} x {row.accumulate} x "
-            f"{row.gpus} = {row.batch}, {row.seq} | {_recompute(row)} | {want:.1%} "
-            f"({_opt(row.source_mfu, '.1f')}) | {'yes' if pub.fits else 'NO'}: "
+            f"| {row.name} | {row.gpus} {row.profile} | {_layout(row)} | {row.micro} x "
+            f"{row.accumulate} x {row.data} = {row.batch}, {row.seq} | {_recompute(row)} | "
+            f"{want:.1%} ({_opt(row.source_mfu, '.1f')}) | {'yes' if pub.fits else 'NO'}: "
             f"{_gib(pub.memory.total)} ({_opt(row.measured_gib, '.1f')}) | {got:.1%} "
             f"({got / want:.2f}) | {chosen} | "
             f"{r['published_s']:.2f}, {r['pick_s']:.2f} | {'yes' if row.held_out else ''} |"
@@ -294,7 +336,9 @@ profiles run the step's FLOPs at ``matmul_efficiency`` (0.5) of peak whatever th
 the ratio is 0.5 / the published MFU. MosaicML's and torchtitan's FSDP runs reach 60-64% on
 A100 and 40-46% on H100: every such row lands at 0.78-0.84 (A100) or 1.08-1.26 (H100),
 inside the band, but the band is met by one constant between two GPUs, not by a model of
-either. (2) FSDP over 64 GPUs on 8 nodes (mpt-13b-h100-64, llama2-13b-a100-64): the
+either. With full recompute the prediction is 37.6% (0.5 x 3 / 4): MPT-30B on A100s, whose
+published hardware FLOPs utilisation is 73.7%, lands at 0.68. (2) FSDP over 64 GPUs on 8
+nodes (mpt-13b-h100-64, llama2-13b-a100-64): the
 gathers and reduce-scatters of a group that spans nodes are charged at the per-device
 inter-node bandwidth for the whole ring volume (``group_bandwidth`` in
 ``jfleet/auto_parallel/cost/step_shape.py``). NCCL on rail-optimised DGX nodes (one NIC a GPU)
@@ -321,11 +365,16 @@ backward loop's stacked block gradients (13.8 GiB, counted in ``activations``) a
 gradient-merge accumulator (14.0 GiB, counted in ``optimizer`` beside the 27.9 GiB of Adam
 moments): 28 GiB more than FSDP's 16 bytes a parameter (fp32 parameter, gradient and two
 moments, each over 8). (5) Planning: the wide search of mpt-70b-h100-64 (a global batch of
-2,048 on 64 GPUs: 56,991 layouts estimated) takes 7.3 s alone and 10-11 s in full-table
+2,048 on 64 GPUs: 56,991 layouts estimated) takes 7.3 s alone and 7-13 s in full-table
 runs (this machine's 2 cores are shared; the table's plan s is one run); a quarter of it is
 ``match.attention_trace.scores_materialised``, which scans every traced product of the
 model for each layout (18 M generator steps), called by ``cost.step_shape.step_shape``: one
-memoised value per matched model (``cost.memo.cached``) removes it."""
+memoised value per matched model (``cost.memo.cached``) removes it. (6) NeMo's GPT-3 5B
+(0.81, inside the band): 1.02 s of its 4.99 s predicted step is the data-parallel
+all-reduce, 74.6 GB a GPU, because jfleet's accumulation (``accumulate_steps``: a call per
+micro-batch, ``jfleet.optim.gradient_merge`` merging the reduced gradients) reduces every
+micro-batch's gradient, 9 times a step here; Megatron accumulates locally and reduces once
+(8.3 GB: with one reduction the prediction is 4.08 s, a ratio of 0.99)."""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -354,10 +354,10 @@ def test_published_fsdp_rows_parse_and_one_plans_as_run():
     from jfleet.auto_parallel.search.model_shapes import MODEL_SHAPES
 
     assert len({r.name for r in pf.ROWS}) == len(pf.ROWS)
-    assert 3 * sum(r.held_out for r in pf.ROWS) == len(pf.ROWS)
+    assert 3 * sum(r.held_out for r in pf.ROWS) >= len(pf.ROWS)
     for row in pf.ROWS:
         assert row.source in pf.SOURCES and row.shape in MODEL_SHAPES and row.gpus % 8 == 0
-        assert row.batch == row.micro * row.accumulate * row.gpus
+        assert row.batch == row.micro * row.accumulate * row.data
         assert row.recompute in (False, True, "selective")
         if row.source_mfu is not None:  # the same model FLOPs as the source's MFU
             assert pf.published_mfu(row) * 100 == pytest.approx(row.source_mfu, rel=0.015)
@@ -367,4 +367,6 @@ def test_published_fsdp_rows_parse_and_one_plans_as_run():
     assert pub.fits and pub.layout.degrees["sharding"] == 8 and pub.layout.zero_stage == 3
     assert 0.7 <= pf.mfu(row, pub.time.total) / pf.published_mfu(row) <= 1.3
     assert pick.time.total <= pub.time.total
-    assert "| mpt-13b-h100-8 | 8 h100 | 2 x 1 x 8 = 16, 2048 |" in pf.table([result])
+    assert "| mpt-13b-h100-8 | 8 h100 | sharding8 (FSDP, O1) | 2 x 1 x 8 = 16, 2048 |" in (
+        pf.table([result])
+    )
