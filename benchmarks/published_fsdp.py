@@ -364,9 +364,12 @@ one, the gradient the step returns (``grads``, 16.3 GiB with one block's in flig
 backward loop's stacked block gradients (13.8 GiB, counted in ``activations``) and the
 gradient-merge accumulator (14.0 GiB, counted in ``optimizer`` beside the 27.9 GiB of Adam
 moments): 28 GiB more than FSDP's 16 bytes a parameter (fp32 parameter, gradient and two
-moments, each over 8). (5) Planning: the wide search of mpt-70b-h100-64 (a global batch of
-2,048 on 64 GPUs: 56,991 layouts estimated) takes 7.3 s alone and 7-13 s in full-table
-runs (this machine's 2 cores are shared; the table's plan s is one run); a quarter of it is
+moments, each over 8). The compiled program agrees: in the ``zero_depth`` section ZeRO-3's
+temp (recompute on) grows 0.64 MiB an added block, its saved input (0.125 MiB) and 1.65
+fp32 gradient shards of 0.313 MiB. (5) Planning: the wide search of mpt-70b-h100-64 (a
+global batch of 2,048 on 64 GPUs: 56,991 layouts estimated) takes 7.3 s alone and 7-13 s
+in full-table runs (this machine's 2 cores are shared; the table's plan s is one run); a
+quarter of it is
 ``match.attention_trace.scores_materialised``, which scans every traced product of the
 model for each layout (18 M generator steps), called by ``cost.step_shape.step_shape``: one
 memoised value per matched model (``cost.memo.cached``) removes it. (6) NeMo's GPT-3 5B
