@@ -94,9 +94,19 @@ ROWS = (
 
 
 def model_flops(shape: ModelShape, batch: int) -> float:
-    """Model FLOPs of one step without recompute (the MFU numerator, see the docstring)."""
+    """Model FLOPs of one step without recompute (the MFU numerator, see the docstring).
+
+    Six FLOPs per token for each block matmul weight and the head (``V h``, once, tied or
+    not), plus ``12 s h`` per token per layer for the attention scores (``QK^T`` and
+    ``AV``, forward and backward, not halved for the causal mask). For a GPT shape
+    (``ffn = 4h``, no grouped-query attention) this is ``72 B s l h^2 (1 + s / 6h + V /
+    12 l h)``; it is torchtitan's and MosaicML's model FLOPs too.
+    """
     s, l, h, v = shape.seq_len, shape.layers, shape.width, shape.vocab  # noqa: E741
-    return 72 * batch * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+    kv = h // shape.heads * shape.kv_heads
+    mlp = (3 if shape.arch == "llama" else 2) * h * shape.ffn
+    matmul = l * (2 * h * h + 2 * h * kv + mlp) + v * h
+    return batch * s * (6 * matmul + 12 * s * l * h)
 
 
 def published_mfu(shape: ModelShape, tflops: float) -> float:

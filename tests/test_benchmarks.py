@@ -344,3 +344,29 @@ def test_planner_ranking_reliability_is_one_for_steady_rounds_and_low_for_noise(
     noise = rng.uniform(0.9, 1.1, size=(40, 4))  # rounds disagree: no order to predict
     r, ceiling = result(noise).reliability()
     assert abs(r) < 0.4 and (ceiling != ceiling or ceiling < 0.8)
+
+
+def test_published_fsdp_rows_parse_and_one_plans_as_run():
+    """Issue 37's published FSDP table: every row is pinned and sourced, a third is held
+    out, the published throughputs convert to the source's MFU, and one row plans, fits
+    and is matched or beaten by jfleet's pick."""
+    from benchmarks import published_fsdp as pf
+    from jfleet.auto_parallel.search.model_shapes import MODEL_SHAPES
+
+    assert len({r.name for r in pf.ROWS}) == len(pf.ROWS)
+    assert 3 * sum(r.held_out for r in pf.ROWS) >= len(pf.ROWS)
+    for row in pf.ROWS:
+        assert row.source in pf.SOURCES and row.shape in MODEL_SHAPES and row.gpus % 8 == 0
+        assert row.batch == row.micro * row.accumulate * row.data
+        assert row.recompute in (False, True, "selective")
+        if row.source_mfu is not None:  # the same model FLOPs as the source's MFU
+            assert pf.published_mfu(row) * 100 == pytest.approx(row.source_mfu, rel=0.015)
+    row = next(r for r in pf.ROWS if r.name == "mpt-13b-h100-8")
+    result = pf.run_row(row)
+    pub, pick = result["published"], result["pick"]
+    assert pub.fits and pub.layout.degrees["sharding"] == 8 and pub.layout.zero_stage == 3
+    assert 0.7 <= pf.mfu(row, pub.time.total) / pf.published_mfu(row) <= 1.3
+    assert pick.time.total <= pub.time.total
+    assert "| mpt-13b-h100-8 | 8 h100 | sharding8 (FSDP, O1) | 2 x 1 x 8 = 16, 2048 |" in (
+        pf.table([result])
+    )

@@ -8,8 +8,12 @@ learned positions, GELU, LayerNorm, tied head), for
 
 Sources: Llama 2 (Touvron et al., 2023, Table 1 and the released configs), Llama 3
 (Meta, "The Llama 3 Herd of Models", 2024, Table 3), GPT-3 (Brown et al., 2020, Table
-2.1), the GPT rows of Narayanan et al., SC21, Table 1 (``megatron-*``; vocabulary 51,200,
-sequence 2,048).
+2.1; ``gpt3-5b``: NeMo Megatron's 5B, ``conf/training/gpt3/5b.yaml`` of
+NVIDIA/NeMo-Megatron-Launcher), the GPT rows of Narayanan et al., SC21, Table 1
+(``megatron-*``; vocabulary 51,200, sequence 2,048), MosaicML's MPT (``mpt-*``:
+``scripts/train/yamls/pretrain/mpt-*.yaml`` of mosaicml/llm-foundry; learned positions,
+GELU MLP of 4 x width, LayerNorm, tied head, vocabulary 50,368, sequence 2,048; its
+benchmark table's parameter counts match the ``gpt`` architecture's, biases included).
 
 Example:
   >>> MODEL_SHAPES["llama2-70b"].kv_heads
@@ -79,6 +83,10 @@ def _gpt(layers: int, width: int, heads: int) -> ModelShape:
     )  # fmt: skip
 
 
+def _mpt(layers: int, width: int, heads: int) -> ModelShape:
+    return dataclasses.replace(_gpt(layers, width, heads), vocab=50368)
+
+
 def _llama(layers, width, heads, kv, ffn, vocab, seq) -> ModelShape:
     return ModelShape(
         arch="llama", layers=layers, width=width, heads=heads, kv_heads=kv, ffn=ffn,
@@ -95,6 +103,7 @@ MODEL_SHAPES: dict[str, ModelShape] = {
     "llama3-70b": _llama(80, 8192, 64, 8, 28672, 128256, 8192),
     "llama3-405b": _llama(126, 16384, 128, 8, 53248, 128256, 8192),
     "gpt3-175b": _gpt(96, 12288, 96),
+    "gpt3-5b": _gpt(24, 4096, 32),
     "megatron-1.7b": _gpt(24, 2304, 24),
     "megatron-3.6b": _gpt(30, 3072, 32),
     "megatron-7.5b": _gpt(36, 4096, 32),
@@ -105,6 +114,12 @@ MODEL_SHAPES: dict[str, ModelShape] = {
     "megatron-310.1b": _gpt(96, 16384, 128),
     "megatron-529.6b": _gpt(105, 20480, 128),
     "megatron-1008b": _gpt(128, 25600, 160),
+    "mpt-1b": _mpt(24, 2048, 16),
+    "mpt-3b": _mpt(32, 2560, 20),
+    "mpt-7b": _mpt(32, 4096, 32),
+    "mpt-13b": _mpt(40, 5120, 40),
+    "mpt-30b": _mpt(48, 7168, 56),
+    "mpt-70b": _mpt(80, 8192, 64),
 }
 
 
