@@ -102,8 +102,8 @@ class ToDistributedConfig:
         (:class:`~jfleet.auto_parallel.apply.scanned_blocks.ScannedBlocks`), so the compiled
         step stays the same size whatever the depth; False keeps them unrolled, one by one
         (``model.layers[3]`` reachable). Blocks that cannot be stacked (dropout RNG
-        streams, batch statistics, blocks that differ) and ZeRO-3 plans (the step gathers
-        the whole stack at once) stay unrolled either way.
+        streams, batch statistics, blocks that differ) stay unrolled either way, and are
+        planned unrolled.
       distributed_optimizer: ZeRO over every rank holding the same parameters,
         ``dp x sharding x sep`` (Megatron's distributed optimizer; with the strategy's
         AMP O2, ``amp_configs={"use_pure_bf16": True}``, half-precision parameters and

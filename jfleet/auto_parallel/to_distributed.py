@@ -387,7 +387,9 @@ def _search_settings(
         optimizer=_optimizer_kind(tx, model, wrt),
         recompute=config.recompute,
         pipeline=_pipeline_problem(model, patterns, inputs, forward),
-        scan_layers=config.scan_layers,
+        # blocks that cannot be stacked (RNG streams, ...; found by the trace above) run
+        # unrolled, and are planned so
+        scan_layers=config.scan_layers and _BLOCK_PROBLEMS.get(model, True) is True,
         dtype=_amp_dtype(config.strategy),
         amp_level=_amp_level(config.strategy),
         distributed_optimizer=config.distributed_optimizer,
