@@ -8,7 +8,9 @@ the whole model's parameters at 4 and at 16 layers (issue 37). Here each layer o
 stack gathers its own slice inside the loop body instead:
 
 * forward: the ``[...]`` slice of one layer is constrained to its tensor-parallel layout
-  (an all-gather over the ZeRO axis), used, and dropped;
+  (an all-gather over the ZeRO axis), used, and dropped; a weight whose layer computes in
+  a narrower dtype (AMP O1: fp32 parameters, bf16 matmuls) is cast first, so it is
+  gathered in the compute dtype, as FSDP does, and its gradient reduced in fp32;
 * backward: the layer's gradient is constrained to its ZeRO layout (a reduce-scatter;
   all-reduce + slice on XLA:CPU) before it leaves the loop body, so the stacked gradient
   the backward loop writes is already split;
@@ -53,6 +55,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding
@@ -62,6 +65,7 @@ from jfleet.mesh.placement import Placement
 
 __all__ = [
     "GathersLayers",
+    "compute_dtypes",
     "current",
     "gather",
     "gather_tree",
@@ -82,19 +86,27 @@ _PLACEMENT: contextvars.ContextVar[Placement | None] = contextvars.ContextVar(
 )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def gather(x: jax.Array, full: NamedSharding, shard: NamedSharding) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def gather(x: jax.Array, full: NamedSharding, shard: NamedSharding, dtype: Any = None) -> jax.Array:
     """``x`` laid out as ``full`` (an all-gather over the ZeRO axis); its cotangent laid
-    out as ``shard`` (a reduce-scatter) in the backward pass."""
-    return lax.with_sharding_constraint(x, full)
+    out as ``shard`` (a reduce-scatter) in the backward pass.
+
+    ``dtype``: the dtype the layer computes in, where narrower than ``x``'s (AMP O1: fp32
+    parameters, bf16 compute): ``x`` is cast before the all-gather, as FSDP gathers in the
+    compute dtype, and its cotangent cast back before the reduce-scatter (the gradient is
+    reduced in ``x``'s dtype). The layer's own cast is then a no-op: the same values.
+    """
+    return lax.with_sharding_constraint(x if dtype is None else x.astype(dtype), full)
 
 
-def _gather_fwd(x: jax.Array, full: NamedSharding, shard: NamedSharding) -> tuple:
-    return gather(x, full, shard), None
+def _gather_fwd(x: jax.Array, full: NamedSharding, shard: NamedSharding, dtype: Any) -> tuple:
+    return gather(x, full, shard, dtype), jnp.zeros((), x.dtype)
 
 
-def _gather_bwd(full: NamedSharding, shard: NamedSharding, _: None, ct: jax.Array) -> tuple:
-    return (lax.with_sharding_constraint(ct, shard),)
+def _gather_bwd(
+    full: NamedSharding, shard: NamedSharding, dtype: Any, like: jax.Array, ct: jax.Array
+) -> tuple:
+    return (lax.with_sharding_constraint(ct.astype(like.dtype), shard),)
 
 
 gather.defvjp(_gather_fwd, _gather_bwd)
@@ -123,24 +135,60 @@ def current() -> Placement | None:
     return _PLACEMENT.get()
 
 
-def unit_shardings(placement: Placement, state: nnx.State, lead: int) -> list[Pair | None]:
+def unit_shardings(
+    placement: Placement, state: nnx.State, lead: int, body: nnx.Module | None = None
+) -> list[tuple | None]:
     """Per leaf of ``state`` (stacked parameters, ``lead`` leading stack dimensions), in
     ``jax.tree.leaves`` order: the layouts one layer's slice is gathered to and its
-    gradient scattered to. None where ZeRO does not split the leaf, or splits it along a
-    stack dimension (no per-layer gather is possible; the leaf runs as laid out).
+    gradient scattered to, and with ``body`` (the stacked module ``state`` is of) the dtype
+    its owner computes in where narrower than the leaf (:func:`compute_dtypes`; gathered
+    in it). None where ZeRO does not split the leaf, or splits it along a stack dimension
+    (no per-layer gather is possible; the leaf runs as laid out).
 
     ZeRO-2 gathers nothing: its ``full`` is the parameter's own layout.
     """
     tp = jax.tree.leaves(placement.param_shardings(state, zero=False))
     zero = jax.tree.leaves(placement.param_shardings(state, zero=True))
-    pairs: list[Pair | None] = []
-    for whole, split in zip(tp, zero, strict=True):
+    casts = compute_dtypes(body, state) if body is not None else [None] * len(tp)
+    pairs: list[tuple | None] = []
+    for whole, split, cast in zip(tp, zero, casts, strict=True):
         full, shard = _inner(whole.spec, lead), _inner(split.spec, lead)
         if full is None or shard is None or full == shard:
             pairs.append(None)
             continue
-        pairs.append((placement.named(full), placement.named(shard)))
+        pairs.append((placement.named(full), placement.named(shard), cast))
     return pairs
+
+
+def compute_dtypes(body: nnx.Module, state: nnx.State) -> list[Any]:
+    """Per leaf of ``state`` (``body``'s), in ``jax.tree.leaves`` order: the floating dtype
+    the module owning it computes in (its ``dtype`` attribute) where narrower than the
+    leaf, else None. AMP O1 gives the white list's modules a bf16 / fp16 ``dtype`` over
+    fp32 parameters (:mod:`jfleet.precision.amp`); its black list's keep fp32.
+
+    Example:
+      >>> from flax import nnx
+      >>> import jax.numpy as jnp
+      >>> layer = nnx.Linear(2, 2, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+      >>> compute_dtypes(layer, nnx.state(layer))
+      [dtype(bfloat16), dtype(bfloat16)]
+    """
+    owners = {tuple(path): node for path, node in nnx.iter_graph(body)}
+    out = []
+    for path, leaf in zip(
+        (p for p, _ in nnx.to_flat_state(state)), jax.tree.leaves(state), strict=True
+    ):
+        want = getattr(owners.get(tuple(path[:-1])), "dtype", None)
+        have = getattr(leaf, "dtype", None)
+        narrower = (
+            want is not None
+            and have is not None
+            and jnp.issubdtype(want, jnp.floating)
+            and jnp.issubdtype(have, jnp.floating)
+            and jnp.dtype(want).itemsize < jnp.dtype(have).itemsize
+        )
+        out.append(jnp.dtype(want) if narrower else None)
+    return out
 
 
 def outside_gathers(

@@ -11,6 +11,7 @@ its whole-size gradient until the step's end.
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import numpy as np
@@ -19,8 +20,17 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jfleet import make_train_step
-from jfleet.auto_parallel import ToDistributedConfig, get_plan, to_distributed
+from jfleet import DistributedStrategy, make_train_step
+from jfleet.auto_parallel import (
+    Layout,
+    ToDistributedConfig,
+    Workload,
+    estimate,
+    get_plan,
+    get_profile,
+    match_patterns,
+    to_distributed,
+)
 from jfleet.auto_parallel.apply.scanned_blocks import ScannedBlocks
 from jfleet.mesh.placement import Placement
 from jfleet.models import lm_batches, lm_loss
@@ -142,3 +152,52 @@ def test_unit_shardings_drop_the_stack_axes():
     with layer_gather.per_layer(Placement(mesh, zero_stage=2)):
         assert layer_gather.current().zero_stage == 2
     assert layer_gather.current() is None
+
+
+def _o1() -> DistributedStrategy:
+    strategy = DistributedStrategy()
+    strategy.amp = True
+    strategy.amp_configs = {"dtype": "bfloat16"}  # O1: fp32 parameters, bf16 compute
+    return strategy
+
+
+def test_o1_gathers_each_layer_in_its_compute_dtype():
+    """AMP O1 (fp32 parameters, bf16 matmuls): each block's weights are cast to bf16
+    before the all-gather, as FSDP gathers in the compute dtype, and the gradient is cast
+    back and reduce-scattered in fp32. The layer's own cast then has nothing to do: the
+    same values (measured: bit-identical losses with the cast after the gather). Against
+    one O1 device the losses differ by bf16 roundings of the reordered sums: rtol 1e-3
+    (measured 6e-4)."""
+    data = batches(3)
+    want = train_one_device(llama(SHALLOW), optax.adam(1e-2), data, lm_loss, strategy=_o1())[0]
+    config = ToDistributedConfig(
+        force_mesh={"sharding": 8}, zero_stage=3, recompute=True, strategy=_o1()
+    )
+    model, opt, loader = to_distributed(
+        llama(SHALLOW), optax.adam(1e-2), data, device_num=8, config=config
+    )
+    step = make_train_step(lm_loss)
+    text = step.lower(model, opt, next(iter(loader))).as_text()
+    constrained = set(re.findall(r"sharding_constraint.*?tensor<([^>]*)>", text))
+    # gate / up and down, gathered whole in bf16 (their shards stay fp32)
+    assert {f"{WIDTH}x{HIDDEN}xbf16", f"{HIDDEN}x{WIDTH}xbf16"} <= constrained, constrained
+    losses = [float(step(model, opt, b)) for b in loader]
+    np.testing.assert_allclose(losses, want, rtol=1e-3)
+
+
+def test_the_cost_model_gathers_o1_layers_at_half_the_bytes():
+    """The h100 profile charges the per-layer gathers in the compute dtype: an O1 (bf16)
+    plan's block all-gathers are half an fp32 plan's; the cpu profile's stay fp32
+    (XLA:CPU runs bf16 collectives in fp32)."""
+    found = match_patterns(llama(DEEP))
+    layout = Layout(sharding=8, zero_stage=3, recompute=True)
+    gathers = {}
+    for profile in ("h100", "cpu"):
+        for dtype in ("float32", "bfloat16"):
+            work = Workload(batch_size=BATCH, seq_len=SEQ, dtype=dtype)
+            got = estimate(found, work, layout, get_profile(profile), devices_per_node=8)
+            gathers[profile, dtype] = got.collectives.all_gather
+    outside = 4 * 2 * VOCAB * WIDTH + 4 * WIDTH  # embedding, head, final norm (fp32)
+    blocks = gathers["h100", "float32"] - outside
+    assert gathers["h100", "bfloat16"] - outside == pytest.approx(blocks / 2, rel=0.02)
+    assert gathers["cpu", "bfloat16"] == gathers["cpu", "float32"]

@@ -154,7 +154,9 @@ class ScannedBlocks(nnx.Module, layer_gather.GathersLayers):
         # ZeRO-2 / 3 inside a training step: each block gathers its own weights and
         # reduce-scatters its gradient in the loop body (FSDP; jfleet.parallel.layer_gather)
         placement = layer_gather.current()
-        gathers = None if placement is None else layer_gather.unit_shardings(placement, state, 2)
+        gathers = None
+        if placement is not None:  # each layer's weights gathered in its compute dtype
+            gathers = layer_gather.unit_shardings(placement, state, 2, body=self.body)
         after = None if self.seq_axes is None else SequenceConstraint(self.mesh, self.seq_axes)
         y = stack.run_layers(
             graphdef,

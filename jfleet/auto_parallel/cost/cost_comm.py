@@ -156,9 +156,11 @@ def _one_call_reduction(s: StepShape, coll: dict[str, float]) -> float:
         # (recomputed or not: the loop body saves matmul outputs, not gathered weights),
         # one all-gather per block parameter per iteration; the rest once
         outside_leaves, block_leaves = s.leaf_counts
-        coll["all_gather"] += outside_tp + 2 * block_tp
+        # (in the dtype each layer computes in: gather_wire)
+        gathered = s.block_tp * s.gather_wire
+        coll["all_gather"] += outside_tp + 2 * gathered
         t_dp += outside_leaves * lat + ring_bytes("all-gather", outside_tp, shard) / bw_shard
-        t_dp += 2 * (block_leaves * lat + ring_bytes("all-gather", block_tp, shard) / bw_shard)
+        t_dp += 2 * (block_leaves * lat + ring_bytes("all-gather", gathered, shard) / bw_shard)
         return t_dp
     gathers = 2 if (lay.zero_stage >= 3 and s.remat_waits) else 1
     coll["all_gather"] += gathers * grads

@@ -170,7 +170,8 @@ def memory(s: StepShape) -> Memory:
     stage = s.layout.zero_stage
     gathered = 0
     if stage >= 3 and s.per_layer:  # the blocks gathered one at a time in their loop
-        gathered = max(s.outside_tp, _PER_LAYER_GATHERED * s.one_block_tp)
+        # (in the dtype each layer computes in: StepShape.gather_wire)
+        gathered = max(s.outside_tp, int(_PER_LAYER_GATHERED * s.one_block_tp * s.gather_wire))
     elif stage >= 3:
         gathered = s.outside_tp + (s.one_block_tp if s.remat_waits else s.block_tp)
     return Memory(

@@ -150,6 +150,18 @@ class StepShape:
         return self.workload.act_bytes
 
     @property
+    def gather_wire(self) -> float:
+        """Bytes a per-layer (FSDP) gather of a block's parameters moves per byte of them:
+        each is gathered in the dtype its layer computes in
+        (:func:`jfleet.parallel.layer_gather.compute_dtypes`; AMP O1 halves fp32
+        parameters' gathers), at fp32 where the compiler runs half-precision collectives
+        in fp32 (``HardwareProfile.half_precision_fp32``)."""
+        if not self.tp_bytes:
+            return 1.0
+        itemsize = 4 if self.profile.half_precision_fp32 else min(self.workload.act_bytes, 4)
+        return self.tp_fp32 / self.tp_bytes * itemsize / 4
+
+    @property
     def param_wire(self) -> float:
         """Bytes a parameter's collective moves per byte of the parameter: 1, or for
         half-precision parameters 2 where the compiler runs their collectives in fp32
