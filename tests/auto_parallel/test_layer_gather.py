@@ -145,8 +145,8 @@ def test_unit_shardings_drop_the_stack_axes():
     state = nnx.state(body)  # leaves: bias [1, 8, 16], kernel [1, 8, 8, 16]
     bias, kernel = layer_gather.unit_shardings(Placement(mesh, zero_stage=3), state, 2)
     assert bias is None
-    full, shard = kernel
-    assert (full.spec, shard.spec) == (P(), P(None, "sharding"))
+    full, shard, cast = kernel
+    assert (full.spec, shard.spec, cast) == (P(), P(None, "sharding"), None)
     with layer_gather.per_layer(Placement(mesh, zero_stage=1)):
         assert layer_gather.current() is None
     with layer_gather.per_layer(Placement(mesh, zero_stage=2)):
