@@ -396,9 +396,12 @@ class SavedStage:
     """A stage whose backward pulls back from saved matmul outputs, not the weights.
 
     ``forward(x, i) -> (y, saved)`` runs ``call(params, x, i)`` under ``jax.checkpoint``
-    saving only matmul (and convolution) outputs and returns the residuals of its
-    ``jax.vjp`` without the parameters; ``backward(saved, g, i) -> (d_params, d_x)`` puts
-    the parameters back and pulls ``g`` back (elementwise work recomputed, no matmul).
+    saving what ``policy`` keeps (default: every matmul and convolution output; selective
+    recompute: :func:`~jfleet.parallel.recompute.selective_policy`, the weight-matmul
+    outputs only) and returns the residuals of its ``jax.vjp`` without the parameters;
+    ``backward(saved, g, i) -> (d_params, d_x)`` puts the parameters back and pulls ``g``
+    back (elementwise work recomputed, and what the policy did not keep: under selective
+    recompute the attention cores).
     Stashing ``saved`` per micro-batch outside any differentiated loop keeps one copy of
     the weights: a ``lax.cond`` differentiated inside the loop would stack them per tick.
 
@@ -406,8 +409,15 @@ class SavedStage:
       shapes: the saved residuals of one micro-batch (``jax.ShapeDtypeStruct``s).
     """
 
-    def __init__(self, call: Callable[..., Any], params: Any, x: Any) -> None:
+    def __init__(
+        self,
+        call: Callable[..., Any],
+        params: Any,
+        x: Any,
+        policy: Callable[..., bool] | None = None,
+    ) -> None:
         self.call, self.params = call, params
+        self.policy = saves_matmuls if policy is None else policy
         where: list[int | None] = []
 
         def probe(params: Any, x: Any) -> list:
@@ -420,7 +430,7 @@ class SavedStage:
         self.where = tuple(where)
 
     def _linear(self, params: Any, x: Any, i: jax.Array) -> Any:
-        fn = jax.checkpoint(lambda p, x: self.call(p, x, i), policy=saves_matmuls)
+        fn = jax.checkpoint(lambda p, x: self.call(p, x, i), policy=self.policy)
         return jax.vjp(fn, params, x)
 
     def forward(self, x: Any, i: jax.Array) -> tuple[Any, list]:

@@ -48,7 +48,7 @@ from jfleet.mesh.topology import DATA_AXES, PP
 from jfleet.parallel import stack
 from jfleet.parallel import virtual_stages as virtual
 from jfleet.parallel.pipeline_forward import pipeline_forward, rows_fit
-from jfleet.parallel.recompute import remat_class
+from jfleet.parallel.recompute import SELECTIVE_POLICY, remat_class
 from jfleet.runtime.log import logger
 
 __all__ = [
@@ -129,6 +129,11 @@ class PipelinedBlocks(nnx.Module):
       num_stages: ``P``, the mesh's ``pp`` size.
       num_microbatches: micro-batches per call.
       recompute: recompute each block in the backward pass.
+      selective: (without ``recompute``) selective recompute: each stage stashes, per
+        micro-batch in flight, its input and its blocks' weight-matmul outputs, and the
+        backward recomputes only their attention cores and elementwise work, under
+        ``"FThenB"`` and ``"1F1B"`` alike (``selective`` of
+        :func:`~jfleet.parallel.pipeline_forward.pipeline_forward`; not with ``"VPP"``).
       schedule: ``"FThenB"``, ``"1F1B"`` or ``"VPP"`` (:mod:`jfleet.parallel.pipeline_forward`).
       num_virtual_stages: ``v``, chunks per stage (``"VPP"``: at least 2); device ``s``
         holds chunks ``s, s + P, ...`` of the units
@@ -161,10 +166,18 @@ class PipelinedBlocks(nnx.Module):
         num_virtual_stages: int = 1,
         outputs: BlockOutputs | None = None,
         stage_sizes: Sequence[int] | None = None,
+        selective: bool = False,
     ) -> None:
         blocks = list(blocks)
         if not blocks:
             raise ValueError("PipelinedBlocks(blocks=[]): pass the model's decoder blocks.")
+        if selective and not recompute and num_virtual_stages > 1:
+            raise ValueError(
+                f"PipelinedBlocks(selective=True, num_virtual_stages={num_virtual_stages}): "
+                "interleaved stages stash chunk inputs and recompute whole chunks; use "
+                "num_virtual_stages=1 (schedule 'FThenB' or '1F1B') for selective recompute, "
+                "or recompute=True."
+            )
         name = type(blocks[0]).__name__
         self.num_layers = len(blocks)
         self.num_stages = int(mesh.shape[PP])
@@ -209,6 +222,7 @@ class PipelinedBlocks(nnx.Module):
         self.mesh = mesh
         self.num_microbatches = num_microbatches
         self.recompute = recompute
+        self.selective = bool(selective) and not recompute
         self.schedule = schedule
         self.split_rows = split_rows
         self.seq_axes = seq_axes
@@ -291,6 +305,8 @@ class PipelinedBlocks(nnx.Module):
             schedule=self.schedule,
             rows_over_pp=self._rows_over_pp(carried_in),
             num_virtual=self.num_virtual_stages,
+            remat=self.recompute and self.schedule == "FThenB",
+            selective=self.selective,
         )
         if self.streams:  # the unpipelined forward advances each stream once per call
             advance_streams(self.body, draws)
@@ -368,6 +384,7 @@ def pipeline_blocks(
     num_virtual_stages: int = 1,
     outputs: BlockOutputs | None = None,
     stage_sizes: Sequence[int] | None = None,
+    selective: bool = False,
 ) -> PipelinedBlocks:
     """Replaces the list at ``container`` (a dotted path) by a :class:`PipelinedBlocks`.
 
@@ -381,11 +398,16 @@ def pipeline_blocks(
     ``stage_sizes``: blocks per stage (``pp`` counts, or ``pp x v`` counts per chunk with
     virtual stages), or None for the even split (``ceil`` / ``floor``, larger first).
 
+    ``selective``: selective recompute in the stages (without ``recompute``; ``"FThenB"``
+    or ``"1F1B"``): each stage stashes per micro-batch its input and its blocks'
+    weight-matmul outputs, and recomputes their attention cores and elementwise work.
+
     Raises:
       ValueError: blocks holding state other than ``nnx.Param`` and RNG streams (batch
         statistics, caches); blocks that are not
-        alike and do not repeat (the message names the first differing attribute); or
-        ``stage_sizes`` that do not sum to the blocks or leave a stage empty.
+        alike and do not repeat (the message names the first differing attribute);
+        ``stage_sizes`` that do not sum to the blocks or leave a stage empty; or
+        ``selective`` with interleaved stages.
 
     Example:
       >>> import jax
@@ -409,6 +431,7 @@ def pipeline_blocks(
         num_virtual_stages=num_virtual_stages,
         outputs=outputs,
         stage_sizes=stage_sizes,
+        selective=selective,
     )
     parent, _, name = container.rpartition(".")
     setattr(module_at(model, parent), name, stand_in)
@@ -435,7 +458,7 @@ def wrap_blocks(
     if not (recompute or selective) and seq_axes is None:
         return
     after = None if seq_axes is None else SequenceConstraint(mesh, tuple(seq_axes))
-    policy = "dots_with_no_batch_dims_saveable" if selective and not recompute else None
+    policy = SELECTIVE_POLICY if selective and not recompute else None
     for block in blocks:
         block.__class__ = remat_class(
             type(block),

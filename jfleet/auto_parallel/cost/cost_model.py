@@ -220,8 +220,8 @@ def compute_time(s: StepShape) -> tuple[float, float, float]:
     layers = len(s.patterns.blocks)
     share = 1 / pp if s.even_stages or not layers else s.stage_blocks / layers
     block_flops = (step_blocks + (fwd_blocks if s.recompute else 0.0)) * share
-    if s.selective:  # the attention cores run again in the backward pass
-        block_flops += cached(
+    if s.selective:  # the attention cores run again in the backward pass (the stage's)
+        block_flops += share * cached(
             s.patterns, ("core", *key), lambda: attention_core_flops(s.patterns, work, lay, s.specs)
         )
     outside_flops = step_outside / pp if s.rows_over_pp else step_outside

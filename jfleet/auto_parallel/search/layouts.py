@@ -348,9 +348,9 @@ def enumerate_layouts(
       num_microbatches: only this micro-batch count (pipelined layouts).
       zero_stage: only this ZeRO stage (0: no sharding axis).
       recompute: only with (True) or without (False) recompute of whole blocks, or only
-        ``"selective"`` recompute (:attr:`Layout.selective_recompute`; meshes with
-        ``pp > 1`` are then excluded). Default: without and with; the wide search adds
-        selective recompute where there is no pipeline.
+        ``"selective"`` recompute (:attr:`Layout.selective_recompute`; with a pipeline
+        under ``"FThenB"`` or ``"1F1B"``, not ``"VPP"``). Default: without and with; the
+        wide search adds selective recompute.
       num_virtual_stages: chunks per stage for ``"VPP"`` (default: :data:`VIRTUAL_OPTIONS`);
         VPP layouts are offered where ``M`` is a multiple of ``pp`` and every chunk holds
         a block (super-block).
@@ -445,7 +445,8 @@ def _mesh_layouts(
     found = [
         lay
         for stage, sched, m, rc in options
-        if not (sched in ("1F1B", "VPP") and rc and only.recompute is None)  # 1F1B recomputes
+        # 1F1B recomputes; with selective recompute it runs FThenB's program (a repeat)
+        if not (sched in ("1F1B", "VPP") and rc and only.recompute is None)
         for lay in _variants(patterns, deg, stage, sched, m, rc, local, accumulate,
                              only.num_virtual_stages)
     ]  # fmt: skip
@@ -457,7 +458,7 @@ def _mesh_layouts(
     if not found:
         return [], _nothing_left(
             patterns, deg, local, ms, only.recompute, only.accumulate_steps,
-            only.num_virtual_stages,
+            only.num_virtual_stages, only.schedule,
         )  # fmt: skip
     return found, None
 
@@ -484,9 +485,9 @@ def _variants(
     forced_v: int | None,
 ) -> list[Layout]:
     """The layouts of one mesh, ZeRO stage, schedule, ``M`` and recompute setting: every
-    virtual-stage and accumulation count to try (none for selective with a pipeline)."""
-    if rc == SELECTIVE and deg[PP] > 1:
-        return []  # the pipelined stand-in recomputes whole stages
+    virtual-stage and accumulation count to try (none for selective with VPP)."""
+    if rc == SELECTIVE and sched == "VPP":
+        return []  # interleaved stages stash chunk inputs and recompute whole chunks
     wide = accumulate["wide"]
     return [
         Layout(
@@ -512,12 +513,13 @@ def _nothing_left(
     recompute: bool | str | None,
     accumulate_steps: int | None,
     num_virtual_stages: int | None,
+    schedule: str | None = None,
 ) -> str:
     """Why a mesh the shapes allow got no layout: the forced settings it cannot take."""
-    if recompute == SELECTIVE and deg[PP] > 1:
+    if recompute == SELECTIVE and deg[PP] > 1 and schedule == "VPP":
         return (
-            f"selective recompute runs without a pipeline (pp={deg[PP]}: the pipelined "
-            "stand-in recomputes whole stages)"
+            f"selective recompute does not run with interleaved stages (pp={deg[PP]}, VPP "
+            "stashes chunk inputs and recomputes whole chunks); use schedule 'FThenB' or '1F1B'"
         )
     if accumulate_steps is not None and all(local // m % accumulate_steps for m in ms):
         per = " per pipeline micro-batch" if deg[PP] > 1 else ""
