@@ -128,7 +128,9 @@ class PipelinedBlocks(nnx.Module):
       period: ``p``, the blocks per stacked unit (1: every block alike).
       num_stages: ``P``, the mesh's ``pp`` size.
       num_microbatches: micro-batches per call.
-      recompute: recompute each block in the backward pass.
+      recompute: recompute in the backward pass: each stage from its stashed input
+        (FThenB then runs 1F1B's program, as the cost model charges it); under 1F1B and
+        VPP each block inside that recomputation too.
       selective: (without ``recompute``) selective recompute: each stage stashes, per
         micro-batch in flight, its input and its blocks' weight-matmul outputs, and the
         backward recomputes only their attention cores and elementwise work, under
@@ -270,7 +272,7 @@ class PipelinedBlocks(nnx.Module):
         stage_fn = stack.stage_function(
             graphdef,
             inputs,
-            remat_interval=1 if self.recompute else 0,
+            remat_interval=self._remat_interval,
             after=on_activation(after, outputs),
         )
         params = nnx.to_pure_dict(nnx.state(self.body, nnx.Param))
@@ -281,7 +283,7 @@ class PipelinedBlocks(nnx.Module):
             stage_fn = stack.stage_function(
                 graphdef,
                 inputs,
-                remat_interval=1 if self.recompute else 0,
+                remat_interval=self._remat_interval,
                 after=on_activation(after, outputs),
             )
         side_in, shared_in = list(side), list(shared)
@@ -312,6 +314,14 @@ class PipelinedBlocks(nnx.Module):
             advance_streams(self.body, draws)
         y = inputs.activation_of(stack.narrow(y, carried), side, shared)
         return y if outputs is None else outputs.returned(y)
+
+    @property
+    def _remat_interval(self) -> int:
+        """Blocks recomputed one by one inside the stage (1) or not (0). FThenB with
+        ``recompute`` runs 1F1B's program (``pipeline_forward(remat=True)``: the stage
+        recomputed whole from its stashed input, as the cost model charges it); 1F1B and
+        VPP with ``recompute`` also recompute each block inside that recomputation."""
+        return 1 if self.recompute and self.schedule != "FThenB" else 0
 
     def _rows_over_pp(self, carried: Any) -> bool:
         if not self.split_rows:
