@@ -195,8 +195,8 @@ class Layout:
                 f"selective_recompute=True with recompute={self.recompute}, "
                 f"num_virtual_stages={self.num_virtual_stages}: selective recompute keeps each "
                 "block's weight-matmul outputs, so it excludes whole-block recompute, and "
-                "interleaved stages (VPP) recompute whole chunks; use recompute=True, or "
-                "num_virtual_stages=1 (schedule 'FThenB' or '1F1B')."
+                "interleaved stages (VPP) recompute whole chunks; pass recompute=False (or "
+                "recompute=True alone) and num_virtual_stages=1 (schedule 'FThenB' or '1F1B')."
             )
         interleaved = self.num_virtual_stages > 1
         if self.schedule is None and interleaved:
