@@ -59,7 +59,7 @@ class ToDistributedConfig:
         whole blocks, ``"selective"`` (or Paddle's ``"core_attn"``) only each block's
         attention core and elementwise work, keeping its weight-matmul outputs
         (``jax.checkpoint`` with ``dots_with_no_batch_dims_saveable``; in a pipeline each
-        stage stashes them per micro-batch, ``"FThenB"`` or ``"1F1B"``, not ``"VPP"``),
+        stage stashes them per micro-batch, every schedule),
         False none (default: compared; selective under ``wide_search``).
       accumulate_steps: run each loader batch as this many calls of the training step with
         one optimizer update (gradient accumulation: the loader yields the batch in that

@@ -31,15 +31,16 @@ weights per tick) is stacked.
     of one chunk each, the last stage's output (and stage 0's cotangent) going round the
     ring to the next chunk, so the bubble is ``(P - 1) / (v M + P - 1)``. It stashes
     ``v M`` chunk inputs and keeps one chunk's internals; ``M`` a multiple of ``P``.
-  * ``selective=True`` (selective recompute, ``"FThenB"`` or ``"1F1B"``): both run
-    FThenB's stashing program with the stage under selective recompute's policy
+  * ``selective=True`` (selective recompute, every schedule): ``"FThenB"`` and ``"1F1B"``
+    both run FThenB's stashing program with the stage under selective recompute's policy
     (:func:`~jfleet.parallel.recompute.selective_policy`): the forward stashes, per
     micro-batch in flight, the stage input and its blocks' weight-matmul outputs; the
     backward recomputes only the attention cores (the matmuls with batch dimensions) and
     the elementwise work. Against FThenB it drops the ``s x s`` attention scores and
     probabilities from the stash; against 1F1B it trades the recomputed forward of the
     whole stage (its weight matmuls) for the kept matmul outputs of every micro-batch.
-    Interleaved stages (``"VPP"``) stash chunk inputs only and do not run it.
+    ``"VPP"`` runs it over its interleaved chunks: each chunk's kept outputs are stashed
+    per micro-batch (``v M`` stashes of a chunk's blocks, a stage's blocks in all).
 
 The schedules run ``2(v M + P - 1)`` collective-permutes per training step (one per tick and
 direction; ``v = 1`` but for VPP), plus one all-reduce of the output over ``pp``
@@ -158,7 +159,7 @@ def pipeline_forward(
         leaves are ``[P, v K, ...]``, row ``s`` holding chunks ``s, s + P, ..., s + (v - 1)
         P`` of ``K`` units each in order (:func:`~jfleet.parallel.virtual_stages.
         interleaved_order`), and ``stage_fn`` runs one chunk's ``[K, ...]``.
-      selective: selective recompute (``"FThenB"`` or ``"1F1B"``, not with ``remat``):
+      selective: selective recompute (any schedule, not with ``remat``):
         stash each micro-batch's weight-matmul outputs, recompute the attention cores and
         elementwise work (see the module docstring).
 
@@ -172,7 +173,7 @@ def pipeline_forward(
         that does not split into the micro-batches), ``rows_over_pp`` with a batch that
         does not split over the data axes x ``pp``; ``"VPP"`` with ``num_virtual < 2``, a
         single stage, ``M`` not a multiple of ``P``, or stage leaves whose second axis
-        ``num_virtual`` does not divide; ``selective`` with ``remat`` or interleaved stages.
+        ``num_virtual`` does not divide; ``selective`` with ``remat``.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -186,7 +187,7 @@ def pipeline_forward(
     v = virtual.check_virtual(num_virtual)
     virtual.check_chunks_agree(schedule, v, one_f_one_b_interleaves=True)
     schedule = "VPP" if v > 1 else schedule
-    _check_selective(selective, remat, schedule)
+    _check_selective(selective, remat)
     spec = validate(
         stage_fn,
         _no_head,
@@ -217,18 +218,12 @@ def pipeline_forward(
     return _pipelined(spec, rows, saving, v)(stage_params, inputs, side, shared)
 
 
-def _check_selective(selective: bool, remat: bool, schedule: str) -> None:
-    """Selective recompute runs on FThenB and 1F1B stages, without whole-stage remat."""
+def _check_selective(selective: bool, remat: bool) -> None:
+    """Selective recompute runs without whole-stage remat."""
     if selective and remat:
         raise ValueError(
             "pipeline_forward(selective=True, remat=True): selective recompute keeps the "
             "stage's weight-matmul outputs, remat keeps none of them; pass one of the two."
-        )
-    if selective and schedule == "VPP":
-        raise ValueError(
-            "pipeline_forward(selective=True) with interleaved stages (VPP): they stash chunk "
-            "inputs and recompute whole chunks; use num_virtual=1 (schedule 'FThenB' or "
-            "'1F1B') for selective recompute, or selective=False."
         )
 
 
@@ -402,7 +397,7 @@ def _local_forward(spec, rows, mode, saving, v, stage_params, inputs, side, shar
 
     stash: Any = mode == "stash"
     if stash and saving:
-        saved = SavedStage(call, params, take(x_mb, 0), saving)
+        saved = SavedStage(call, params, take(x_mb, 0), saving, chunked=v > 1)
         run, stash = saved.forward, saved.shapes
     got = forward_ticks(spec, run, x_mb, stage, stash=stash, virtual=v, wire=wire)
     stash = stash is not False
@@ -422,7 +417,7 @@ def _local_backward(spec, rows, saving, v, stage_params, ins, side, shared, g):
     wire = _wire(spec)
     g_mb = vary(_gather(g, spec, rows, wire), axes)
     if saving:
-        vjp = SavedStage(call, params, take(g_mb, 0), saving).backward
+        vjp = SavedStage(call, params, take(g_mb, 0), saving, chunked=v > 1).backward
     elif v > 1:
 
         def vjp(x, g, i, c):  # recompute chunk c, pull back through it

@@ -92,19 +92,21 @@ def test_selective_recompute_matches_the_compiled_step(seq):
 
 
 @pytest.mark.parametrize(
-    ("degrees", "schedule", "recompute"),
+    ("degrees", "schedule", "recompute", "layers"),
     [
-        ({"dp": 4, "pp": 2}, "FThenB", "selective"),
-        ({"dp": 2, "pp": 2, "mp": 2}, "1F1B", "selective"),
-        ({"dp": 4, "pp": 2}, "FThenB", True),
+        ({"dp": 4, "pp": 2}, "FThenB", "selective", 2),
+        ({"dp": 2, "pp": 2, "mp": 2}, "1F1B", "selective", 2),
+        ({"dp": 4, "pp": 2}, "VPP", "selective", 4),
+        ({"dp": 4, "pp": 2}, "FThenB", True, 2),
     ],
 )
-def test_pipelined_recompute_matches_the_compiled_step(degrees, schedule, recompute):
+def test_pipelined_recompute_matches_the_compiled_step(degrees, schedule, recompute, layers):
     """Selective recompute in a pipeline (each stage stashing its blocks' weight-matmul
-    outputs per micro-batch; 1F1B runs FThenB's program) and FThenB with recompute (1F1B's
-    recomputing program), 256 tokens: memory within 25%, collective bytes within 15%, dot
-    FLOPs (the stage's attention cores, or its whole forward, once more) within 10%."""
-    workload = dataclasses.replace(SMALL, seq=256)
+    outputs per micro-batch; 1F1B runs FThenB's program, VPP the same per chunk) and FThenB
+    with recompute (1F1B's recomputing program), 256 tokens: memory within 25%, collective
+    bytes within 15%, dot FLOPs (the stage's attention cores, or its whole forward, once
+    more) within 10%."""
+    workload = dataclasses.replace(SMALL, seq=256, layers=layers)
     row = cost_model_check.check(
         workload,
         degrees,

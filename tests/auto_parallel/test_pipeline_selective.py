@@ -2,9 +2,9 @@
 
 Each stage stashes, per micro-batch, its input and its blocks' weight-matmul outputs and
 recomputes only the attention cores and elementwise work, under FThenB and 1F1B alike
-(:mod:`jfleet.parallel.pipeline_forward`). It trains like one device, the compiled step
-keeps less than without recompute and more than with full recompute, and the planner
-offers it with ``pp > 1`` at a memory between the two.
+(one program), and under VPP per chunk (:mod:`jfleet.parallel.pipeline_forward`). It
+trains like one device, the compiled step keeps less than without recompute and more than
+with full recompute, and the planner offers it with ``pp > 1`` at a memory between the two.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ def selective_trainer(schedule: str):
 
     def trainer(model, optimizer, batches, loss_fn):
         config = ToDistributedConfig(
-            force_mesh={"dp": 4, "pp": 2}, schedule=schedule, recompute="selective"
-        )
+            force_mesh={"dp": 4, "pp": 2}, schedule=schedule, recompute="selective",
+            num_microbatches=2,
+        )  # fmt: skip
         placed, opt, loader = to_distributed(model, optimizer, batches, config=config)
         assert placed is model and get_plan(model).layout.selective_recompute
         assert isinstance(model.layers, PipelinedBlocks) and model.layers.selective
@@ -49,15 +50,28 @@ def selective_trainer(schedule: str):
     return trainer
 
 
-@pytest.mark.parametrize("schedule", ["FThenB", "1F1B"])
-def test_selective_recompute_in_a_pipeline_trains_like_one_device(schedule):
-    """Losses and parameters after 3 Adam steps equal one device's (fp32, 4e-5)."""
+def deeper() -> TinyLlama:
+    """Four blocks: two chunks of one block per stage under VPP (pp 2, v 2)."""
+    return TinyLlama(vocab=64, width=32, heads=8, kv_heads=4, layers=4)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "model_fn"), [("FThenB", llama), ("1F1B", llama), ("VPP", deeper)]
+)
+def test_selective_recompute_in_a_pipeline_trains_like_one_device(schedule, model_fn):
+    """Losses and parameters after 3 Adam steps equal one device's (fp32, 4e-5). The
+    four-block model (VPP) has a few entries whose gradient is near zero, where Adam's
+    ``m / sqrt(v)`` turns a 1e-7 difference of the reduction order into 1.5e-4: VPP without
+    selective recompute differs at the same entries by as much, so it gets 3e-4."""
+    tol = 3e-4 if schedule == "VPP" else None
     assert_trains_like_one_device(
-        llama,
+        model_fn,
         optax.adam(1e-2),
         lm_batches(STEPS),
         loss_fn=lm_loss,
         layout=selective_trainer(schedule),
+        rtol=tol,
+        atol=tol,
     )
 
 
@@ -96,14 +110,14 @@ def test_the_compiled_pipeline_keeps_less_than_no_recompute_and_more_than_full()
 
 
 def test_the_planner_offers_selective_recompute_with_a_pipeline_between_none_and_full():
-    """The wide search offers it on pp meshes (not VPP; under 1F1B it is FThenB's
-    program, offered once); the predicted activations of dp4 x pp2 sit between FThenB
+    """The wide search offers it on pp meshes (under 1F1B it is FThenB's program,
+    offered once); the predicted activations of dp4 x pp2 sit between FThenB
     without recompute and full recompute, and the time adds the attention cores."""
     found = match_patterns(llama())
     work = Workload(batch_size=16, seq_len=256)
     wide, _ = enumerate_layouts(found, work, device_num=8, wide=True)
     piped = [lay for lay in wide if lay.selective_recompute and lay.pp > 1]
-    assert piped and {lay.schedule for lay in piped} == {"FThenB"}
+    assert piped and {lay.schedule for lay in piped} == {"FThenB"}  # 2 blocks: no VPP
     forced, _ = enumerate_layouts(
         found, work, device_num=8, recompute="selective", force_mesh={"dp": 4, "pp": 2}
     )
@@ -117,7 +131,7 @@ def test_the_planner_offers_selective_recompute_with_a_pipeline_between_none_and
     assert none.flops < sel.flops < full.flops
 
 
-def test_selective_recompute_refuses_interleaved_stages_and_remat():
+def test_selective_recompute_refuses_whole_block_recompute():
     mesh = jax.make_mesh((4, 2), (DP, PP), axis_types=(AxisType.Auto,) * 2)
     w = jnp.stack([jnp.eye(3)] * 2)
     x = jnp.ones((8, 3))
@@ -126,11 +140,6 @@ def test_selective_recompute_refuses_interleaved_stages_and_remat():
             lambda w, x, s, c: x @ w, w, x, mesh=mesh, num_microbatches=2, remat=True,
             selective=True,
         )  # fmt: skip
-    with pytest.raises(ValueError, match="num_virtual_stages=2"):
-        pipeline_blocks(
-            TinyLlama(layers=4), "layers", mesh=mesh, num_microbatches=2, schedule="VPP",
-            num_virtual_stages=2, selective=True,
-        )  # fmt: skip
-    with pytest.raises(ValueError, match="interleaved stages"):
-        Layout(dp=4, pp=2, schedule="VPP", num_microbatches=2, num_virtual_stages=2,
+    with pytest.raises(ValueError, match="selective_recompute=True with recompute=True"):
+        Layout(dp=4, pp=2, schedule="FThenB", num_microbatches=2, recompute=True,
                selective_recompute=True)  # fmt: skip

@@ -134,8 +134,8 @@ class PipelinedBlocks(nnx.Module):
       selective: (without ``recompute``) selective recompute: each stage stashes, per
         micro-batch in flight, its input and its blocks' weight-matmul outputs, and the
         backward recomputes only their attention cores and elementwise work, under
-        ``"FThenB"`` and ``"1F1B"`` alike (``selective`` of
-        :func:`~jfleet.parallel.pipeline_forward.pipeline_forward`; not with ``"VPP"``).
+        ``"FThenB"`` and ``"1F1B"`` alike, and ``"VPP"`` per chunk (``selective`` of
+        :func:`~jfleet.parallel.pipeline_forward.pipeline_forward`).
       schedule: ``"FThenB"``, ``"1F1B"`` or ``"VPP"`` (:mod:`jfleet.parallel.pipeline_forward`).
       num_virtual_stages: ``v``, chunks per stage (``"VPP"``: at least 2); device ``s``
         holds chunks ``s, s + P, ...`` of the units
@@ -173,13 +173,6 @@ class PipelinedBlocks(nnx.Module):
         blocks = list(blocks)
         if not blocks:
             raise ValueError("PipelinedBlocks(blocks=[]): pass the model's decoder blocks.")
-        if selective and not recompute and num_virtual_stages > 1:
-            raise ValueError(
-                f"PipelinedBlocks(selective=True, num_virtual_stages={num_virtual_stages}): "
-                "interleaved stages stash chunk inputs and recompute whole chunks; use "
-                "num_virtual_stages=1 (schedule 'FThenB' or '1F1B') for selective recompute, "
-                "or recompute=True."
-            )
         name = type(blocks[0]).__name__
         self.num_layers = len(blocks)
         self.num_stages = int(mesh.shape[PP])
@@ -408,16 +401,15 @@ def pipeline_blocks(
     ``stage_sizes``: blocks per stage (``pp`` counts, or ``pp x v`` counts per chunk with
     virtual stages), or None for the even split (``ceil`` / ``floor``, larger first).
 
-    ``selective``: selective recompute in the stages (without ``recompute``; ``"FThenB"``
-    or ``"1F1B"``): each stage stashes per micro-batch its input and its blocks'
+    ``selective``: selective recompute in the stages (without ``recompute``; any
+    schedule): each stage (chunk) stashes per micro-batch its input and its blocks'
     weight-matmul outputs, and recomputes their attention cores and elementwise work.
 
     Raises:
       ValueError: blocks holding state other than ``nnx.Param`` and RNG streams (batch
         statistics, caches); blocks that are not
         alike and do not repeat (the message names the first differing attribute);
-        ``stage_sizes`` that do not sum to the blocks or leave a stage empty; or
-        ``selective`` with interleaved stages.
+        or ``stage_sizes`` that do not sum to the blocks or leave a stage empty.
 
     Example:
       >>> import jax

@@ -127,8 +127,8 @@ class Layout:
       selective_recompute: recompute only the attention core and the elementwise work of
         each block, keeping its weight-matmul outputs (Megatron's ``selective``, Paddle's
         ``recompute_granularity="core_attn"``; ``jax.checkpoint`` with
-        ``dots_with_no_batch_dims_saveable``). Excludes ``recompute`` (the whole block)
-        and interleaved stages; with a pipeline (``"FThenB"`` or ``"1F1B"``, one program)
+        ``dots_with_no_batch_dims_saveable``). Excludes ``recompute`` (the whole block).
+        With a pipeline (``"FThenB"`` and ``"1F1B"`` one program; ``"VPP"`` per chunk)
         each stage stashes its blocks' kept matmul outputs per micro-batch.
       zero_spans_data: ZeRO shards over every rank holding the same parameters,
         ``dp x sharding x sep``, not over ``sharding`` alone (Megatron's distributed
@@ -190,13 +190,11 @@ class Layout:
                 f"schedule={self.schedule!r} / num_microbatches={self.num_microbatches} "
                 "only apply with pp > 1."
             )
-        if self.selective_recompute and (self.recompute or self.num_virtual_stages > 1):
+        if self.selective_recompute and self.recompute:
             raise ValueError(
-                f"selective_recompute=True with recompute={self.recompute}, "
-                f"num_virtual_stages={self.num_virtual_stages}: selective recompute keeps each "
-                "block's weight-matmul outputs, so it excludes whole-block recompute, and "
-                "interleaved stages (VPP) recompute whole chunks; pass recompute=False (or "
-                "recompute=True alone) and num_virtual_stages=1 (schedule 'FThenB' or '1F1B')."
+                "selective_recompute=True with recompute=True: selective recompute keeps each "
+                "block's weight-matmul outputs, whole-block recompute keeps none of them; pass "
+                "one of the two."
             )
         interleaved = self.num_virtual_stages > 1
         if self.schedule is None and interleaved:

@@ -348,9 +348,8 @@ def enumerate_layouts(
       num_microbatches: only this micro-batch count (pipelined layouts).
       zero_stage: only this ZeRO stage (0: no sharding axis).
       recompute: only with (True) or without (False) recompute of whole blocks, or only
-        ``"selective"`` recompute (:attr:`Layout.selective_recompute`; with a pipeline
-        under ``"FThenB"`` or ``"1F1B"``, not ``"VPP"``). Default: without and with; the
-        wide search adds selective recompute.
+        ``"selective"`` recompute (:attr:`Layout.selective_recompute`, with or without a
+        pipeline). Default: without and with; the wide search adds selective recompute.
       num_virtual_stages: chunks per stage for ``"VPP"`` (default: :data:`VIRTUAL_OPTIONS`);
         VPP layouts are offered where ``M`` is a multiple of ``pp`` and every chunk holds
         a block (super-block).
@@ -445,8 +444,8 @@ def _mesh_layouts(
     found = [
         lay
         for stage, sched, m, rc in options
-        # 1F1B recomputes; with selective recompute it runs FThenB's program (a repeat)
-        if not (sched in ("1F1B", "VPP") and rc and only.recompute is None)
+        # 1F1B recomputes (VPP too); 1F1B with selective recompute is FThenB's program
+        if not (rc and only.recompute is None and (sched == "1F1B" or (sched, rc) == ("VPP", True)))
         for lay in _variants(patterns, deg, stage, sched, m, rc, local, accumulate,
                              only.num_virtual_stages)
     ]  # fmt: skip
@@ -458,7 +457,7 @@ def _mesh_layouts(
     if not found:
         return [], _nothing_left(
             patterns, deg, local, ms, only.recompute, only.accumulate_steps,
-            only.num_virtual_stages, only.schedule,
+            only.num_virtual_stages,
         )  # fmt: skip
     return found, None
 
@@ -485,9 +484,7 @@ def _variants(
     forced_v: int | None,
 ) -> list[Layout]:
     """The layouts of one mesh, ZeRO stage, schedule, ``M`` and recompute setting: every
-    virtual-stage and accumulation count to try (none for selective with VPP)."""
-    if rc == SELECTIVE and sched == "VPP":
-        return []  # interleaved stages stash chunk inputs and recompute whole chunks
+    virtual-stage and accumulation count to try."""
     wide = accumulate["wide"]
     return [
         Layout(
@@ -513,14 +510,8 @@ def _nothing_left(
     recompute: bool | str | None,
     accumulate_steps: int | None,
     num_virtual_stages: int | None,
-    schedule: str | None = None,
 ) -> str:
     """Why a mesh the shapes allow got no layout: the forced settings it cannot take."""
-    if recompute == SELECTIVE and deg[PP] > 1 and schedule == "VPP":
-        return (
-            f"selective recompute does not run with interleaved stages (pp={deg[PP]}, VPP "
-            "stashes chunk inputs and recomputes whole chunks); use schedule 'FThenB' or '1F1B'"
-        )
     if accumulate_steps is not None and all(local // m % accumulate_steps for m in ms):
         per = " per pipeline micro-batch" if deg[PP] > 1 else ""
         return (
