@@ -63,7 +63,8 @@ class ToDistributedConfig:
       recompute: recompute block activations in the backward pass: True (or ``"full"``)
         whole blocks, ``"selective"`` (or Paddle's ``"core_attn"``) only each block's
         attention core and elementwise work, keeping its weight-matmul outputs
-        (``jax.checkpoint`` with ``dots_with_no_batch_dims_saveable``; no pipeline),
+        (``jax.checkpoint`` with ``dots_with_no_batch_dims_saveable``; in a pipeline each
+        stage stashes them per micro-batch, every schedule),
         False none (default: compared; selective under ``wide_search``).
       accumulate_steps: run each loader batch as this many calls of the training step with
         one optimizer update (gradient accumulation: the loader yields the batch in that

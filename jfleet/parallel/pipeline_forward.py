@@ -31,6 +31,16 @@ weights per tick) is stacked.
     of one chunk each, the last stage's output (and stage 0's cotangent) going round the
     ring to the next chunk, so the bubble is ``(P - 1) / (v M + P - 1)``. It stashes
     ``v M`` chunk inputs and keeps one chunk's internals; ``M`` a multiple of ``P``.
+  * ``selective=True`` (selective recompute, every schedule): ``"FThenB"`` and ``"1F1B"``
+    both run FThenB's stashing program with the stage under selective recompute's policy
+    (:func:`~jfleet.parallel.recompute.selective_policy`): the forward stashes, per
+    micro-batch in flight, the stage input and its blocks' weight-matmul outputs; the
+    backward recomputes only the attention cores (the matmuls with batch dimensions) and
+    the elementwise work. Against FThenB it drops the ``s x s`` attention scores and
+    probabilities from the stash; against 1F1B it trades the recomputed forward of the
+    whole stage (its weight matmuls) for the kept matmul outputs of every micro-batch.
+    ``"VPP"`` runs it over its interleaved chunks: each chunk's kept outputs are stashed
+    per micro-batch (``v M`` stashes of a chunk's blocks, a stage's blocks in all).
 
 The schedules run ``2(v M + P - 1)`` collective-permutes per training step (one per tick and
 direction; ``v = 1`` but for VPP), plus one all-reduce of the output over ``pp``
@@ -95,6 +105,7 @@ from jfleet.parallel.pipeline_parts import (
     check_stage,
     forward_ticks,
     from_microbatches,
+    saves_matmuls,
     stage_call,
     stage_vjp,
     take,
@@ -102,6 +113,7 @@ from jfleet.parallel.pipeline_parts import (
     validate,
     vary,
 )
+from jfleet.parallel.recompute import selective_policy
 
 
 def pipeline_forward(
@@ -119,6 +131,7 @@ def pipeline_forward(
     schedule: str = "FThenB",
     rows_over_pp: bool = False,
     num_virtual: int = 1,
+    selective: bool = False,
 ) -> Any:
     """The output of a pipelined stack of stages, differentiable (see the module docstring).
 
@@ -146,6 +159,9 @@ def pipeline_forward(
         leaves are ``[P, v K, ...]``, row ``s`` holding chunks ``s, s + P, ..., s + (v - 1)
         P`` of ``K`` units each in order (:func:`~jfleet.parallel.virtual_stages.
         interleaved_order`), and ``stage_fn`` runs one chunk's ``[K, ...]``.
+      selective: selective recompute (any schedule, not with ``remat``):
+        stash each micro-batch's weight-matmul outputs, recompute the attention cores and
+        elementwise work (see the module docstring).
 
     Returns:
       The last stage's output for the whole batch, ``[B, ...]``: on every stage, or split
@@ -157,7 +173,7 @@ def pipeline_forward(
         that does not split into the micro-batches), ``rows_over_pp`` with a batch that
         does not split over the data axes x ``pp``; ``"VPP"`` with ``num_virtual < 2``, a
         single stage, ``M`` not a multiple of ``P``, or stage leaves whose second axis
-        ``num_virtual`` does not divide.
+        ``num_virtual`` does not divide; ``selective`` with ``remat``.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -171,6 +187,7 @@ def pipeline_forward(
     v = virtual.check_virtual(num_virtual)
     virtual.check_chunks_agree(schedule, v, one_f_one_b_interleaves=True)
     schedule = "VPP" if v > 1 else schedule
+    _check_selective(selective, remat)
     spec = validate(
         stage_fn,
         _no_head,
@@ -197,8 +214,26 @@ def pipeline_forward(
     if v > 1:
         _check_chunks(spec, stage_params, v)
     side, shared = lax.stop_gradient((side, shared))
-    saving = schedule == "FThenB" and not spec.remat
+    saving = _saving_policy(schedule, spec.remat, selective)
     return _pipelined(spec, rows, saving, v)(stage_params, inputs, side, shared)
+
+
+def _check_selective(selective: bool, remat: bool) -> None:
+    """Selective recompute runs without whole-stage remat."""
+    if selective and remat:
+        raise ValueError(
+            "pipeline_forward(selective=True, remat=True): selective recompute keeps the "
+            "stage's weight-matmul outputs, remat keeps none of them; pass one of the two."
+        )
+
+
+def _saving_policy(schedule: str, remat: bool, selective: bool) -> Callable[..., bool] | None:
+    """What each stage stashes per micro-batch: the outputs a ``jax.checkpoint`` policy
+    keeps (:class:`~jfleet.parallel.pipeline_parts.SavedStage`), or None: its input only
+    (the backward recomputes the stage)."""
+    if selective:
+        return selective_policy()
+    return saves_matmuls if schedule == "FThenB" and not remat else None
 
 
 def _check_chunks(spec: PipelineSpec, stage_params: Any, v: int) -> None:
@@ -268,11 +303,11 @@ def _scatter(tree: Any, spec: PipelineSpec, rows: bool, wire: Any = None) -> Any
 
 
 def _mapped(
-    spec: PipelineSpec, rows: bool, mode: str, saving: bool = False, v: int = 1
+    spec: PipelineSpec, rows: bool, mode: str, saving: Callable[..., bool] | None = None, v: int = 1
 ) -> Callable[..., Any]:
     """The jitted ``shard_map`` of one pass: ``"forward"``, ``"stash"`` (forward + what
-    the backward needs: the stage inputs, or with ``saving`` the matmul outputs) or
-    ``"backward"`` (the backward loop); ``v`` chunks per stage."""
+    the backward needs: the stage inputs, or with ``saving``, a ``jax.checkpoint`` policy,
+    the outputs it keeps) or ``"backward"`` (the backward loop); ``v`` chunks per stage."""
     pp, batch = spec.pp_axis, _batch_spec(spec, rows)
     if mode == "backward":
         in_specs = (P(pp), _stash_spec(spec), batch, P(), batch)
@@ -293,7 +328,9 @@ def _mapped(
     return jax.jit(mapped)
 
 
-def _pipelined(spec: PipelineSpec, rows: bool, saving: bool, v: int) -> Callable[..., Any]:
+def _pipelined(
+    spec: PipelineSpec, rows: bool, saving: Callable[..., bool] | None, v: int
+) -> Callable[..., Any]:
     """``f(stage_params, inputs, side, shared) -> y`` whose VJP is the backward loop: it
     recomputes each stage from its stashed input, or (``saving``) pulls back from the
     stashed matmul outputs."""
@@ -360,7 +397,7 @@ def _local_forward(spec, rows, mode, saving, v, stage_params, inputs, side, shar
 
     stash: Any = mode == "stash"
     if stash and saving:
-        saved = SavedStage(call, params, take(x_mb, 0))
+        saved = SavedStage(call, params, take(x_mb, 0), saving, chunked=v > 1)
         run, stash = saved.forward, saved.shapes
     got = forward_ticks(spec, run, x_mb, stage, stash=stash, virtual=v, wire=wire)
     stash = stash is not False
@@ -380,7 +417,7 @@ def _local_backward(spec, rows, saving, v, stage_params, ins, side, shared, g):
     wire = _wire(spec)
     g_mb = vary(_gather(g, spec, rows, wire), axes)
     if saving:
-        vjp = SavedStage(call, params, take(g_mb, 0)).backward
+        vjp = SavedStage(call, params, take(g_mb, 0), saving, chunked=v > 1).backward
     elif v > 1:
 
         def vjp(x, g, i, c):  # recompute chunk c, pull back through it

@@ -344,8 +344,6 @@ def forward_ticks(spec, run, x_mb, stage, *, stash=False, virtual=1, wire=None):
     m, p, axes, v = spec.num_microbatches, spec.num_stages, spec.manual_axes, virtual
     act = take(x_mb, 0)
     saving = stash not in (False, True)  # run returns (y, saved); saved is stashed
-    if saving and v > 1:
-        raise NotImplementedError("interleaved stages stash chunk inputs (recompute) only")
 
     def tick(carry, t):
         received, outs, ins = carry
@@ -376,7 +374,7 @@ def forward_ticks(spec, run, x_mb, stage, *, stash=False, virtual=1, wire=None):
         return (shift(y, spec, 1, circular=v > 1, wire=wire), outs, ins), None
 
     if saving:
-        kept0 = jax.tree.map(lambda a: jnp.zeros((m, *a.shape), a.dtype), stash)
+        kept0 = jax.tree.map(lambda a: jnp.zeros((v * m, *a.shape), a.dtype), stash)
     elif stash:
         kept0 = jax.tree.map(lambda a: jnp.zeros((v * m, *a.shape[1:]), a.dtype), x_mb)
         kept0 = kept0 if wire is None else wire.split(kept0, lead=1)
@@ -396,18 +394,32 @@ class SavedStage:
     """A stage whose backward pulls back from saved matmul outputs, not the weights.
 
     ``forward(x, i) -> (y, saved)`` runs ``call(params, x, i)`` under ``jax.checkpoint``
-    saving only matmul (and convolution) outputs and returns the residuals of its
-    ``jax.vjp`` without the parameters; ``backward(saved, g, i) -> (d_params, d_x)`` puts
-    the parameters back and pulls ``g`` back (elementwise work recomputed, no matmul).
+    saving what ``policy`` keeps (default: every matmul and convolution output; selective
+    recompute: :func:`~jfleet.parallel.recompute.selective_policy`, the weight-matmul
+    outputs only) and returns the residuals of its ``jax.vjp`` without the parameters;
+    ``backward(saved, g, i) -> (d_params, d_x)`` puts the parameters back and pulls ``g``
+    back (elementwise work recomputed, and what the policy did not keep: under selective
+    recompute the attention cores).
     Stashing ``saved`` per micro-batch outside any differentiated loop keeps one copy of
     the weights: a ``lax.cond`` differentiated inside the loop would stack them per tick.
+    ``chunked`` (interleaved stages): ``params`` are ``[v, ...]`` chunks and
+    ``forward(x, i, c)`` / ``backward(saved, g, i, c)`` run chunk ``c``.
 
     Attributes:
       shapes: the saved residuals of one micro-batch (``jax.ShapeDtypeStruct``s).
     """
 
-    def __init__(self, call: Callable[..., Any], params: Any, x: Any) -> None:
-        self.call, self.params = call, params
+    def __init__(
+        self,
+        call: Callable[..., Any],
+        params: Any,
+        x: Any,
+        policy: Callable[..., bool] | None = None,
+        *,
+        chunked: bool = False,
+    ) -> None:
+        self.call, self.params, self.chunked = call, params, chunked
+        self.policy = saves_matmuls if policy is None else policy
         where: list[int | None] = []
 
         def probe(params: Any, x: Any) -> list:
@@ -416,21 +428,25 @@ class SavedStage:
             where[:] = [next((k for k, q in enumerate(flat) if q is a), None) for a in leaves]
             return [a for a, w in zip(leaves, where, strict=True) if w is None]
 
-        self.shapes = jax.eval_shape(probe, params, x)
+        self.shapes = jax.eval_shape(probe, self._chunk(0), x)
         self.where = tuple(where)
 
     def _linear(self, params: Any, x: Any, i: jax.Array) -> Any:
-        fn = jax.checkpoint(lambda p, x: self.call(p, x, i), policy=saves_matmuls)
+        fn = jax.checkpoint(lambda p, x: self.call(p, x, i), policy=self.policy)
         return jax.vjp(fn, params, x)
 
-    def forward(self, x: Any, i: jax.Array) -> tuple[Any, list]:
-        y, pull = self._linear(self.params, x, i)
+    def _chunk(self, c: Any) -> Any:
+        return take(self.params, c) if self.chunked else self.params
+
+    def forward(self, x: Any, i: jax.Array, c: Any = None) -> tuple[Any, list]:
+        y, pull = self._linear(self._chunk(c), x, i)
         leaves = jax.tree.leaves(pull)
         return y, [a for a, w in zip(leaves, self.where, strict=True) if w is None]
 
-    def backward(self, saved: list, g: Any, i: jax.Array) -> Any:
-        tree = jax.tree.structure(jax.eval_shape(lambda x: self._linear(self.params, x, i)[1], g))
-        kept, flat = iter(saved), jax.tree.leaves(self.params)
+    def backward(self, saved: list, g: Any, i: jax.Array, c: Any = None) -> Any:
+        params = self._chunk(c)
+        tree = jax.tree.structure(jax.eval_shape(lambda x: self._linear(params, x, i)[1], g))
+        kept, flat = iter(saved), jax.tree.leaves(params)
         leaves = [next(kept) if w is None else flat[w] for w in self.where]
         return jax.tree.unflatten(tree, leaves)(g)
 

@@ -52,6 +52,11 @@ _POLICIES = {
     "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "offload_dot_with_no_batch_dims": None,  # built on demand (needs memory kinds)
 }
+#: The saving policy of selective recompute (Megatron's ``selective``, Paddle's
+#: ``core_attn``): a block keeps its weight-matmul outputs and recomputes its attention core
+#: (the matmuls with batch dimensions) and its elementwise work. Scanned, wrapped and
+#: pipelined blocks all run it (:func:`selective_policy`).
+SELECTIVE_POLICY = "dots_with_no_batch_dims_saveable"
 _REMAT_CLASSES: dict[tuple, type] = {}  # one subclass per (class, setting)
 _IN_RECOMPUTE = contextvars.ContextVar("jfleet_in_recompute", default=False)
 _LOGGED: set[str] = set()
@@ -258,6 +263,16 @@ def _make_remat_class(
 def is_recomputed(module: nnx.Module) -> bool:
     """Whether the module runs under ``jax.checkpoint`` (:func:`apply_recompute`, a remat class)."""
     return bool(getattr(type(module), "_jfleet_recompute", False))
+
+
+def selective_policy() -> Callable[..., bool]:
+    """The ``jax.checkpoint`` policy of selective recompute (:data:`SELECTIVE_POLICY`).
+
+    Example:
+      >>> selective_policy() is jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+      True
+    """
+    return _POLICIES[SELECTIVE_POLICY]
 
 
 def _policy(name: str | None) -> Any:

@@ -121,6 +121,37 @@ def test_selective_recompute_matches_the_compiled_step(seq):
 
 
 @pytest.mark.parametrize(
+    ("degrees", "schedule", "recompute", "layers"),
+    [
+        ({"dp": 4, "pp": 2}, "FThenB", "selective", 2),
+        ({"dp": 2, "pp": 2, "mp": 2}, "1F1B", "selective", 2),
+        ({"dp": 4, "pp": 2}, "VPP", "selective", 4),
+        ({"dp": 4, "pp": 2}, "FThenB", True, 2),
+    ],
+)
+def test_pipelined_recompute_matches_the_compiled_step(degrees, schedule, recompute, layers):
+    """Selective recompute in a pipeline (each stage stashing its blocks' weight-matmul
+    outputs per micro-batch; 1F1B runs FThenB's program, VPP the same per chunk) and FThenB
+    with recompute (1F1B's recomputing program), 256 tokens: memory within 25%, collective
+    bytes within 15%, dot FLOPs (the stage's attention cores, or its whole forward, once
+    more) within 10%."""
+    workload = dataclasses.replace(SMALL, seq=256, layers=layers)
+    row = cost_model_check.check(
+        workload,
+        degrees,
+        0,
+        2,
+        schedule=schedule,
+        recompute=recompute,
+        compiler_options=cost_model_check.FAST_COMPILE,
+    )
+    assert ("selective recompute" in row.name) == (recompute == "selective"), row.name
+    assert 0.75 <= row.memory_ratio <= 1.25, row
+    assert 0.85 <= row.bytes_ratio <= 1.15, row
+    assert 0.9 <= row.flops_ratio <= 1.1, row
+
+
+@pytest.mark.parametrize(
     ("schedule", "workload", "name"),
     [
         ("1F1B", SMALL, "1F1B M=2"),

@@ -103,6 +103,7 @@ def shape_for_plan(
             schedule=plan.schedule or "FThenB",
             num_virtual_stages=plan.layout.num_virtual_stages,
             outputs=outputs,
+            selective=selective,
         )
     elif scan:
         if plan.zero_stage:  # before stacking: the stack keeps each block's ZeRO layout

@@ -48,7 +48,7 @@ from jfleet.mesh.topology import DATA_AXES, PP
 from jfleet.parallel import stack
 from jfleet.parallel import virtual_stages as virtual
 from jfleet.parallel.pipeline_forward import pipeline_forward, rows_fit
-from jfleet.parallel.recompute import remat_class
+from jfleet.parallel.recompute import SELECTIVE_POLICY, remat_class
 from jfleet.runtime.log import logger
 
 __all__ = [
@@ -128,7 +128,14 @@ class PipelinedBlocks(nnx.Module):
       period: ``p``, the blocks per stacked unit (1: every block alike).
       num_stages: ``P``, the mesh's ``pp`` size.
       num_microbatches: micro-batches per call.
-      recompute: recompute each block in the backward pass.
+      recompute: recompute in the backward pass: each stage from its stashed input
+        (FThenB then runs 1F1B's program, as the cost model charges it); under 1F1B and
+        VPP each block inside that recomputation too.
+      selective: (without ``recompute``) selective recompute: each stage stashes, per
+        micro-batch in flight, its input and its blocks' weight-matmul outputs, and the
+        backward recomputes only their attention cores and elementwise work, under
+        ``"FThenB"`` and ``"1F1B"`` alike, and ``"VPP"`` per chunk (``selective`` of
+        :func:`~jfleet.parallel.pipeline_forward.pipeline_forward`).
       schedule: ``"FThenB"``, ``"1F1B"`` or ``"VPP"`` (:mod:`jfleet.parallel.pipeline_forward`).
       num_virtual_stages: ``v``, chunks per stage (``"VPP"``: at least 2); device ``s``
         holds chunks ``s, s + P, ...`` of the units
@@ -161,6 +168,7 @@ class PipelinedBlocks(nnx.Module):
         num_virtual_stages: int = 1,
         outputs: BlockOutputs | None = None,
         stage_sizes: Sequence[int] | None = None,
+        selective: bool = False,
     ) -> None:
         blocks = list(blocks)
         if not blocks:
@@ -209,6 +217,7 @@ class PipelinedBlocks(nnx.Module):
         self.mesh = mesh
         self.num_microbatches = num_microbatches
         self.recompute = recompute
+        self.selective = bool(selective) and not recompute
         self.schedule = schedule
         self.split_rows = split_rows
         self.seq_axes = seq_axes
@@ -256,7 +265,7 @@ class PipelinedBlocks(nnx.Module):
         stage_fn = stack.stage_function(
             graphdef,
             inputs,
-            remat_interval=1 if self.recompute else 0,
+            remat_interval=self._remat_interval,
             after=on_activation(after, outputs),
         )
         params = nnx.to_pure_dict(nnx.state(self.body, nnx.Param))
@@ -267,7 +276,7 @@ class PipelinedBlocks(nnx.Module):
             stage_fn = stack.stage_function(
                 graphdef,
                 inputs,
-                remat_interval=1 if self.recompute else 0,
+                remat_interval=self._remat_interval,
                 after=on_activation(after, outputs),
             )
         side_in, shared_in = list(side), list(shared)
@@ -291,11 +300,21 @@ class PipelinedBlocks(nnx.Module):
             schedule=self.schedule,
             rows_over_pp=self._rows_over_pp(carried_in),
             num_virtual=self.num_virtual_stages,
+            remat=self.recompute and self.schedule == "FThenB",
+            selective=self.selective,
         )
         if self.streams:  # the unpipelined forward advances each stream once per call
             advance_streams(self.body, draws)
         y = inputs.activation_of(stack.narrow(y, carried), side, shared)
         return y if outputs is None else outputs.returned(y)
+
+    @property
+    def _remat_interval(self) -> int:
+        """Blocks recomputed one by one inside the stage (1) or not (0). FThenB with
+        ``recompute`` runs 1F1B's program (``pipeline_forward(remat=True)``: the stage
+        recomputed whole from its stashed input, as the cost model charges it); 1F1B and
+        VPP with ``recompute`` also recompute each block inside that recomputation."""
+        return 1 if self.recompute and self.schedule != "FThenB" else 0
 
     def _rows_over_pp(self, carried: Any) -> bool:
         if not self.split_rows:
@@ -368,6 +387,7 @@ def pipeline_blocks(
     num_virtual_stages: int = 1,
     outputs: BlockOutputs | None = None,
     stage_sizes: Sequence[int] | None = None,
+    selective: bool = False,
 ) -> PipelinedBlocks:
     """Replaces the list at ``container`` (a dotted path) by a :class:`PipelinedBlocks`.
 
@@ -381,11 +401,15 @@ def pipeline_blocks(
     ``stage_sizes``: blocks per stage (``pp`` counts, or ``pp x v`` counts per chunk with
     virtual stages), or None for the even split (``ceil`` / ``floor``, larger first).
 
+    ``selective``: selective recompute in the stages (without ``recompute``; any
+    schedule): each stage (chunk) stashes per micro-batch its input and its blocks'
+    weight-matmul outputs, and recomputes their attention cores and elementwise work.
+
     Raises:
       ValueError: blocks holding state other than ``nnx.Param`` and RNG streams (batch
         statistics, caches); blocks that are not
-        alike and do not repeat (the message names the first differing attribute); or
-        ``stage_sizes`` that do not sum to the blocks or leave a stage empty.
+        alike and do not repeat (the message names the first differing attribute);
+        or ``stage_sizes`` that do not sum to the blocks or leave a stage empty.
 
     Example:
       >>> import jax
@@ -409,6 +433,7 @@ def pipeline_blocks(
         num_virtual_stages=num_virtual_stages,
         outputs=outputs,
         stage_sizes=stage_sizes,
+        selective=selective,
     )
     parent, _, name = container.rpartition(".")
     setattr(module_at(model, parent), name, stand_in)
@@ -435,7 +460,7 @@ def wrap_blocks(
     if not (recompute or selective) and seq_axes is None:
         return
     after = None if seq_axes is None else SequenceConstraint(mesh, tuple(seq_axes))
-    policy = "dots_with_no_batch_dims_saveable" if selective and not recompute else None
+    policy = SELECTIVE_POLICY if selective and not recompute else None
     for block in blocks:
         block.__class__ = remat_class(
             type(block),

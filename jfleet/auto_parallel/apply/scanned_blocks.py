@@ -53,6 +53,7 @@ from jfleet.auto_parallel.apply.blocks import SequenceConstraint
 from jfleet.auto_parallel.match.block_extras import BlockOutputs, handing, on_activation
 from jfleet.auto_parallel.match.matched import module_at
 from jfleet.parallel import layer_gather, stack
+from jfleet.parallel.recompute import selective_policy
 
 __all__ = ["ScannedBlocks", "scan_blocks"]
 
@@ -177,7 +178,7 @@ class ScannedBlocks(nnx.Module, layer_gather.GathersLayers):
         if self.recompute:
             return None
         if self.selective:
-            return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+            return selective_policy()
         return jax.checkpoint_policies.dots_saveable
 
 

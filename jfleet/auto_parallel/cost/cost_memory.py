@@ -128,6 +128,8 @@ def _layer_acts(s: StepShape, per_layer: float) -> float:
     work_set = s.tokens_mb * per_layer * ((s.chunk_blocks + unit) if looped else one_unit)
     if s.staged:  # v M chunk inputs (split over mp) + one unit's
         return s.v * s.tokens_live * h / s.wire_split + work_set
+    if s.piped and s.selective:  # each micro-batch's kept matmul outputs, stashed
+        return s.tokens_live * selective_kept_elems(s) * s.stage_blocks + work_set
     if s.piped:
         return _FTHENB_KEPT * s.tokens_live * per_layer * s.stage_blocks + work_set
     # one accumulation step's activations are live (tokens_live: all of them when A = 1)
@@ -233,7 +235,8 @@ def loop_traffic_time(s: StepShape) -> float:
     if s.staged:
         stashed = s.v * s.tokens_live * s.dims.width / s.wire_split
     elif s.piped:
-        stashed = _FTHENB_KEPT * s.tokens_live * per_layer_elems(s) * s.stage_blocks
+        kept = selective_kept_elems(s) if s.selective else _FTHENB_KEPT * per_layer_elems(s)
+        stashed = s.tokens_live * kept * s.stage_blocks
     if not s.profile.loop_traffic:
         return 0.0
     weight_passes = 4 + int(s.layout.recompute or s.staged) if s.piped else 0

@@ -127,8 +127,9 @@ class Layout:
       selective_recompute: recompute only the attention core and the elementwise work of
         each block, keeping its weight-matmul outputs (Megatron's ``selective``, Paddle's
         ``recompute_granularity="core_attn"``; ``jax.checkpoint`` with
-        ``dots_with_no_batch_dims_saveable``). Excludes ``recompute`` (the whole block);
-        without a pipeline only (the pipelined stand-in recomputes whole stages).
+        ``dots_with_no_batch_dims_saveable``). Excludes ``recompute`` (the whole block).
+        With a pipeline (``"FThenB"`` and ``"1F1B"`` one program; ``"VPP"`` per chunk)
+        each stage stashes its blocks' kept matmul outputs per micro-batch.
       zero_spans_data: ZeRO shards over every rank holding the same parameters,
         ``dp x sharding x sep``, not over ``sharding`` alone (Megatron's distributed
         optimizer; Paddle's ``sharding_configs["_dp_as_optimizer_sharding"]``). It makes a
@@ -189,11 +190,11 @@ class Layout:
                 f"schedule={self.schedule!r} / num_microbatches={self.num_microbatches} "
                 "only apply with pp > 1."
             )
-        if self.selective_recompute and (self.recompute or self.pp > 1):
+        if self.selective_recompute and self.recompute:
             raise ValueError(
-                f"selective_recompute=True with recompute={self.recompute}, pp={self.pp}: "
-                "selective recompute keeps each block's weight-matmul outputs and runs without "
-                "a pipeline; use recompute=True (whole blocks) or pp=1."
+                "selective_recompute=True with recompute=True: selective recompute keeps each "
+                "block's weight-matmul outputs, whole-block recompute keeps none of them; pass "
+                "one of the two."
             )
         interleaved = self.num_virtual_stages > 1
         if self.schedule is None and interleaved:

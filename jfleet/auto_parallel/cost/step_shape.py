@@ -73,7 +73,8 @@ class StepShape:
         (see the cost model's docstring); :attr:`per_layer` follows from them.
       selective: selective recompute (:attr:`~jfleet.auto_parallel.search.layouts.Layout.
         selective_recompute`); selective_waits: its recomputation waits for the backward
-        pass (scanned blocks, or a compiler that keeps ``jax.checkpoint``'s barriers).
+        pass (scanned or pipelined blocks, or a compiler that keeps ``jax.checkpoint``'s
+        barriers).
       v: chunks per stage; chunk_blocks: blocks per chunk (the largest chunk's when the
         stages are uneven); even_stages: every stage holds as many blocks.
       vocab: the vocabulary the head's logits span (0 without a head).
@@ -334,8 +335,10 @@ def step_shape(
     tokens_local = local_seqs * local_seq
     accumulate = layout.accumulate_steps
     piped = pp > 1
-    # 1F1B's program (VPP: the same over v interleaved chunks); FThenB with recompute too
-    staged = piped and (layout.schedule in ("1F1B", "VPP") or layout.recompute)
+    # 1F1B's program (VPP: the same over v interleaved chunks); FThenB with recompute too;
+    # selective recompute runs FThenB's stashing program under either schedule
+    selective = layout.selective_recompute
+    staged = piped and not selective and (layout.schedule in ("1F1B", "VPP") or layout.recompute)
     rows_over_pp = piped and (workload.batch_size // accumulate) % (data * pp) == 0
     scanned = (
         not piped
@@ -365,8 +368,8 @@ def step_shape(
         rows_over_pp=rows_over_pp,
         remat_waits=layout.recompute and (piped or scanned or profile.remat_barriers_kept),
         recompute=layout.recompute or staged,
-        selective=layout.selective_recompute,
-        selective_waits=layout.selective_recompute and (scanned or profile.remat_barriers_kept),
+        selective=selective,
+        selective_waits=selective and (scanned or piped or profile.remat_barriers_kept),
         v=layout.num_virtual_stages,
         chunk_blocks=stage_blocks / layout.num_virtual_stages,
         even_stages=layers % ((patterns.block_period or 1) * pp * layout.num_virtual_stages) == 0,

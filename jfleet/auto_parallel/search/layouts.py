@@ -348,9 +348,8 @@ def enumerate_layouts(
       num_microbatches: only this micro-batch count (pipelined layouts).
       zero_stage: only this ZeRO stage (0: no sharding axis).
       recompute: only with (True) or without (False) recompute of whole blocks, or only
-        ``"selective"`` recompute (:attr:`Layout.selective_recompute`; meshes with
-        ``pp > 1`` are then excluded). Default: without and with; the wide search adds
-        selective recompute where there is no pipeline.
+        ``"selective"`` recompute (:attr:`Layout.selective_recompute`, with or without a
+        pipeline). Default: without and with; the wide search adds selective recompute.
       num_virtual_stages: chunks per stage for ``"VPP"`` (default: :data:`VIRTUAL_OPTIONS`);
         VPP layouts are offered where ``M`` is a multiple of ``pp`` and every chunk holds
         a block (super-block).
@@ -446,7 +445,8 @@ def _mesh_layouts(
     found = [
         lay
         for stage, sched, m, rc in options
-        if not (sched in ("1F1B", "VPP") and rc and only.recompute is None)  # 1F1B recomputes
+        # 1F1B recomputes (VPP too); 1F1B with selective recompute is FThenB's program
+        if not (rc and only.recompute is None and (sched == "1F1B" or (sched, rc) == ("VPP", True)))
         for lay in _variants(patterns, deg, stage, sched, m, rc, local, accumulate,
                              only.num_virtual_stages)
     ]  # fmt: skip
@@ -487,9 +487,7 @@ def _variants(
     forced_v: int | None,
 ) -> list[Layout]:
     """The layouts of one mesh, ZeRO stage, schedule, ``M`` and recompute setting: every
-    virtual-stage and accumulation count to try (none for selective with a pipeline)."""
-    if rc == SELECTIVE and deg[PP] > 1:
-        return []  # the pipelined stand-in recomputes whole stages
+    virtual-stage and accumulation count to try."""
     wide = accumulate["wide"]
     return [
         Layout(
@@ -517,11 +515,6 @@ def _nothing_left(
     num_virtual_stages: int | None,
 ) -> str:
     """Why a mesh the shapes allow got no layout: the forced settings it cannot take."""
-    if recompute == SELECTIVE and deg[PP] > 1:
-        return (
-            f"selective recompute runs without a pipeline (pp={deg[PP]}: the pipelined "
-            "stand-in recomputes whole stages)"
-        )
     if accumulate_steps is not None and all(local // m % accumulate_steps for m in ms):
         per = " per pipeline micro-batch" if deg[PP] > 1 else ""
         return (

@@ -516,7 +516,7 @@ def plan_for(
       sequence_parallel: Megatron sequence parallelism over ``mp``, and ``sep`` candidates.
       optimizer: the state's kind (``adam``, ``momentum``, ``sgd``, ...).
       recompute: True (whole blocks), False, or ``"selective"`` (the attention core and
-        elementwise work; no pipeline); default: compared (selective in the wide search).
+        elementwise work, pipelined too); default: compared (wide search: selective).
       dtype: compute dtype; default the model's parameter dtype.
       pipeline: whether ``pp > 1`` may be chosen: True, or False / the reason it may not.
       scan_layers: alike blocks run as one ``lax.scan`` when not pipelined (predicted so).
