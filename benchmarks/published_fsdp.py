@@ -331,49 +331,42 @@ def breakdown(candidate) -> str:
 
 #: What the table shows that the numbers alone do not (kept with the results; diagnosed
 #: with ``--verbose``, which prints each plan's memory, time and collective terms).
-NOTES = """Why rows miss 0.7-1.3. (1) Every compute-bound prediction is 50.0% MFU: the GPU
-profiles run the step's FLOPs at ``matmul_efficiency`` (0.5) of peak whatever the shape, so
-the ratio is 0.5 / the published MFU. MosaicML's and torchtitan's FSDP runs reach 60-64% on
-A100 and 40-46% on H100: every such row lands at 0.78-0.84 (A100) or 1.08-1.26 (H100),
-inside the band, but the band is met by one constant between two GPUs, not by a model of
-either. With full recompute the prediction is 37.6% (0.5 x 3 / 4): MPT-30B on A100s, whose
-published hardware FLOPs utilisation is 73.7%, lands at 0.68. (2) FSDP over 64 GPUs on 8
-nodes (mpt-13b-h100-64, llama2-13b-a100-64): the
-gathers and reduce-scatters of a group that spans nodes are charged at the per-device
-inter-node bandwidth for the whole ring volume (``group_bandwidth`` in
-``jfleet/auto_parallel/cost/step_shape.py``). NCCL on rail-optimised DGX nodes (one NIC a GPU)
-runs a ring's inter-node hops over all eight NICs at once, so only about 1/8 of each GPU's
-bytes cross its own NIC: MosaicML's 13B runs show no cost at all from 8 to 64 GPUs (4,792
-and 4,800 tokens/s/GPU). Second, jfleet's ZeRO-3 under O1 gathers the fp32 parameters and
-casts after the gather (``jfleet/parallel/layer_gather.py``), while FSDP's
-``MixedPrecision(param_dtype=bf16)`` casts before it: twice the gather bytes (mpt-13b-h100-64:
-102 GB gathered + 51 GB reduce-scattered per GPU per step, 2.35 s exposed beside 0.68 s
-of compute). Planned with ``amp_level="O2"`` (bf16 gathers) llama2-13b-a100-64 comes to 0.83
-and mpt-13b-h100-64 to 0.56: the rest is the inter-node term. (3) torchtitan's Llama 3.1 8B
-rows (1.38, 1.42): their H100s were 96 GB HBM2e parts at a 500 W power limit, and the source
-says its MFU (against the SXM peak) is understated; its selective AC
+NOTES = """Why rows miss 0.7-1.3, and what changed. (1) Compute-bound predictions run the
+step's FLOPs at the profile's ``matmul_efficiency`` whatever the shape: 0.5 on the A100s
+(fitted on SC21's rows, ``published_configs.py``), 0.45 on the H100 / H200 since this table
+(fitted on its held-in H100 rows; Hopper's matmul peak grew 3.2x over Ampere's, its memory
+bandwidth 1.6x, so the rest of the step costs more of it). At 0.5 every H100 row was
+1.23-1.42; now 0.97-1.28. With full recompute the prediction is 3/4 of it: MPT-30B on
+A100s, whose published hardware FLOPs utilisation is 73.7%, lands at 0.68 (held out): a
+larger model reaches a higher fraction than one constant says. (2) FSDP over 64 GPUs on 8
+nodes (mpt-13b-h100-64, held out: 0.42): the gathers and reduce-scatters of a group that
+spans nodes are charged at the per-device inter-node bandwidth for the whole ring volume
+(``group_bandwidth`` in ``jfleet/auto_parallel/cost/step_shape.py``); NCCL on rail-optimised
+DGX nodes (one NIC a GPU) runs a ring's inter-node hops over all eight NICs at once, and
+MosaicML's 13B shows no cost from 8 to 64 GPUs (4,792 and 4,800 tokens/s/GPU). Left as
+found: changing it moves SC21's calibration. jfleet's ZeRO-3 now gathers each layer in
+the dtype it computes in (``layer_gather.compute_dtypes``: O1 casts before the gather, as
+FSDP's ``MixedPrecision(param_dtype=bf16)`` does), which took llama2-13b-a100-64 from 0.62
+to 0.83 and mpt-13b-h100-64 from 0.28 to 0.42. (3) torchtitan's Llama 3.1 8B rows (now
+1.24, 1.28): their H100s were 96 GB HBM2e parts at a 500 W power limit, and the source says
+its MFU (against the SXM peak) is understated; its selective AC
 (``selective_ac_option="op"``) saves every other matmul's output and recomputes the others,
-while jfleet's ``"selective"`` recomputes only the attention core and elementwise work (7%
-here: 2.06 against 1.92 s), so about 1/6 of the matmul FLOPs the run recomputed is not
-charged. Their memory is predicted to 0.1 and 1.9 GiB of the measured peak (82.5 against
-82.4, 68.9 against 67.0 GiB). (4) MPT-30B on 8 GPUs (full AC, micro-batch 3, 21
-accumulation steps), which MosaicML ran on 80 GB A100s and H100s, is predicted at 81.1 GiB
-and no layout of 8 GPUs fits (the smallest, mp8, 71.7 GiB against a 70.8 GiB budget): of
-its ZeRO-3 state jfleet's program keeps three fp32 gradient-sized shards where FSDP keeps
-one, the gradient the step returns (``grads``, 16.3 GiB with one block's in flight), the
-backward loop's stacked block gradients (13.8 GiB, counted in ``activations``) and the
-gradient-merge accumulator (14.0 GiB, counted in ``optimizer`` beside the 27.9 GiB of Adam
-moments): 28 GiB more than FSDP's 16 bytes a parameter (fp32 parameter, gradient and two
-moments, each over 8). The compiled program agrees: in the ``zero_depth`` section ZeRO-3's
-temp (recompute on) grows 0.64 MiB an added block, its saved input (0.125 MiB) and 1.65
-fp32 gradient shards of 0.313 MiB. (5) Planning: the wide search of mpt-70b-h100-64 (a
-global batch of 2,048 on 64 GPUs: 56,991 layouts estimated) takes 7.3 s alone and 7-13 s
-in full-table runs (this machine's 2 cores are shared; the table's plan s is one run); a
-quarter of it is
-``match.attention_trace.scores_materialised``, which scans every traced product of the
-model for each layout (18 M generator steps), called by ``cost.step_shape.step_shape``: one
-memoised value per matched model (``cost.memo.cached``) removes it. (6) NeMo's GPT-3 5B
-(0.81, inside the band): 1.02 s of its 4.99 s predicted step is the data-parallel
+while jfleet's ``"selective"`` recomputes only the attention core and elementwise work, so
+about 1/6 of the matmul FLOPs the run recomputed is not charged. Their memory is predicted
+to 0.1 and 1.9 GiB of the measured peak (82.5 against 82.4, 68.9 against 67.0 GiB). (4)
+MPT-30B on 8 GPUs (full AC, micro-batch 3, 21 accumulation steps), which MosaicML ran on
+80 GB A100s and H100s, is predicted at 80.2 GiB and no layout of 8 GPUs fits: of its
+ZeRO-3 state jfleet's program keeps three fp32 gradient-sized shards where FSDP keeps one,
+the gradient the step returns (``grads``, with one block's in flight), the backward loop's
+stacked block gradients (counted in ``activations``) and the gradient-merge accumulator
+(counted in ``optimizer`` beside the Adam moments). The compiled program agrees: in the
+``zero_depth`` section ZeRO-3's temp (recompute on) grows 0.64 MiB an added block, its
+saved input (0.125 MiB) and 1.65 fp32 gradient shards of 0.313 MiB. (5) Planning: the wide
+search of mpt-70b-h100-64 (a global batch of 2,048 on 64 GPUs) estimated 108k layouts once
+selective recompute ran in pipelines (12 s); it now searches pipelined selective recompute
+under FThenB only (VPP's keeps the same outputs; asked for, it is planned) and memoises
+``match.attention_trace.scores_materialised`` per model: 59k layouts, under 7 s. (6) NeMo's
+GPT-3 5B (0.81, inside the band): 1.02 s of its 4.99 s predicted step is the data-parallel
 all-reduce, 74.6 GB a GPU, because jfleet's accumulation (``accumulate_steps``: a call per
 micro-batch, ``jfleet.optim.gradient_merge`` merging the reduced gradients) reduces every
 micro-batch's gradient, 9 times a step here; Megatron accumulates locally and reduces once

@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 
@@ -93,7 +94,7 @@ class Workload:
         except TypeError as err:
             raise ValueError(f"dtype={self.dtype!r} is not a dtype name.") from err
 
-    @property
+    @functools.cached_property
     def act_bytes(self) -> int:
         """Bytes per activation element."""
         return jnp.dtype(self.dtype).itemsize

@@ -32,9 +32,10 @@ Built-in profiles (:data:`PROFILES`):
 * ``h200``: NVIDIA H200 SXM 141GB (H200 datasheet): the H100's compute, 141 GB HBM3e at
   4.8 TB/s, NVLink 900 GB/s, 400 Gb/s per GPU between nodes.
 
-Beyond the datasheets the GPU profiles reach ``matmul_efficiency`` (0.5) of peak in large
-matmuls, hide the gradient reduction and ZeRO gathers under the compute the schedule
-leaves beside them (``comm_overlap``), reduce-scatter gradients as they are produced
+Beyond the datasheets the GPU profiles reach ``matmul_efficiency`` of peak in large
+matmuls (0.5 on the A100s; 0.45 on the H100 / H200, see ``benchmarks/published_fsdp.py``),
+hide the gradient reduction and ZeRO gathers under the compute the schedule leaves beside
+them (``comm_overlap``), reduce-scatter gradients as they are produced
 (``whole_grad_temp=False``) and keep 5% of memory for the allocator (``memory_margin``);
 the emulated ``cpu`` profile keeps the terms measured on XLA:CPU (the loops' memory
 traffic, whole local gradients, no overlap).

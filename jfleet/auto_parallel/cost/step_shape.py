@@ -171,9 +171,16 @@ class StepShape:
             return self.tp_fp32 / self.tp_bytes
         return 1.0
 
+    @functools.cached_property
+    def _sizes(self) -> tuple[int, ...]:
+        """The layout's degrees in mesh order (read once: :meth:`bandwidth` is hot)."""
+        lay = self.layout
+        return tuple(lay.__dict__[a] for a in AXIS_NAMES)
+
     def bandwidth(self, *group: str) -> float:
         """Bytes/s of the links a group of mesh axes spans (:func:`group_bandwidth`)."""
-        return group_bandwidth(group, self.layout.degrees, self.profile, self.devices_per_node)
+        within = _span(group, self._sizes) <= self.devices_per_node
+        return self.profile.intra_node_bandwidth if within else self.profile.inter_node_bandwidth
 
 
 def _local_elems(spec: P, shape: Sequence[int], sizes: Mapping[str, int]) -> int:
@@ -361,7 +368,9 @@ def step_shape(
         head_tokens=(tokens_local // pp if rows_over_pp else tokens_local) // accumulate,
         tokens_live=tokens_local // accumulate,
         accumulate=accumulate,
-        scores_materialised=scores_materialised(patterns),
+        scores_materialised=cached(
+            patterns, ("scores_materialised",), lambda: scores_materialised(patterns)
+        ),
         piped=piped,
         staged=staged,
         scanned=scanned,
