@@ -141,8 +141,9 @@ LAYOUTS: tuple[tuple[dict[str, int], int, int | None], ...] = (
 #: :data:`LAYOUTS`: the stand-in's 1F1B (stage inputs stashed, the stage recomputed in
 #: its backward loop), its VPP (1F1B over 2 interleaved chunks a stage), recompute
 #: without a pipeline (scanned blocks at dp8, and at ZeRO-3 where each block gathers its
-#: weights in the loop: FSDP) and selective recompute (scanned blocks keeping their
-#: weight-matmul outputs).
+#: weights in the loop: FSDP), selective recompute (scanned blocks keeping their
+#: weight-matmul outputs; pipelined stages stashing them per micro-batch, FThenB, 1F1B and
+#: VPP) and FThenB with full recompute (the stage recomputed from its stashed input).
 SCHEDULE_LAYOUTS: tuple[tuple[dict[str, int], int, int | None, str | None, bool | str], ...] = (
     ({"dp": 2, "pp": 2, "mp": 2}, 0, 2, "1F1B", False),
     ({"dp": 4, "pp": 2}, 0, 4, "1F1B", False),
@@ -154,6 +155,10 @@ SCHEDULE_LAYOUTS: tuple[tuple[dict[str, int], int, int | None, str | None, bool 
     ({"sharding": 8}, 3, None, None, True),
     ({"dp": 8}, 0, None, None, "selective"),
     ({"dp": 2, "mp": 4}, 0, None, None, "selective"),
+    ({"dp": 4, "pp": 2}, 0, 4, "FThenB", "selective"),
+    ({"dp": 2, "pp": 2, "mp": 2}, 0, 2, "1F1B", "selective"),
+    ({"dp": 4, "pp": 2}, 0, 4, "VPP", "selective"),
+    ({"dp": 4, "pp": 2}, 0, 4, "FThenB", True),
 )
 
 #: Batch and sequence length of the NNX-zoo checks (they differ, so a layout that confused
