@@ -108,7 +108,7 @@ def _hook(module: nnx.Module) -> str | None:
     """The attribute holding ``module``'s projection op, or None."""
     if isinstance(module, nnx.Einsum):
         return "einsum_op"
-    if isinstance(module, nnx.LinearGeneral) and module.dot_general_cls is None:
+    if isinstance(module, nnx.LinearGeneral) and getattr(module, "dot_general_cls", None) is None:
         return "dot_general"  # None: jax.lax.dot_general
     if isinstance(module, nnx.Linear):
         return "dot_general"
