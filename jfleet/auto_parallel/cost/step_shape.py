@@ -179,8 +179,7 @@ class StepShape:
 
     def bandwidth(self, *group: str) -> float:
         """Bytes/s of the links a group of mesh axes spans (:func:`group_bandwidth`)."""
-        within = _span(group, self._sizes) <= self.devices_per_node
-        return self.profile.intra_node_bandwidth if within else self.profile.inter_node_bandwidth
+        return _links(self.profile, _span(group, self._sizes), self.devices_per_node)
 
 
 def _local_elems(spec: P, shape: Sequence[int], sizes: Mapping[str, int]) -> int:
@@ -195,19 +194,49 @@ def _local_elems(spec: P, shape: Sequence[int], sizes: Mapping[str, int]) -> int
 def group_bandwidth(
     group: Sequence[str], degrees: Mapping[str, int], profile: HardwareProfile, per_node: int
 ) -> float:
-    """Intra-node bandwidth when the group's devices lie within one node, else inter-node."""
+    """Bytes/s per device of a ring collective over a group of mesh axes.
+
+    Inside one node: the intra-node links. A group that spans nodes runs its ring's
+    node-crossing hops on the network, one NIC a device (rail-optimised nodes, as DGX
+    and HGX clusters are built): NCCL gives each of the group's ``m`` devices in a node a
+    ring channel of its own, each carrying ``1/m`` of the bytes through its own NIC, so
+    the ring moves ``m`` times one device's inter-node bandwidth, up to the intra-node
+    links' (NCCL's measured multi-node bus bandwidth on 8-GPU nodes is the node's NIC
+    total, not one NIC's). A data-parallel group beside ``mp8`` in each node has ``m = 1``;
+    FSDP over whole nodes has ``m = 8``.
+
+    Example:
+      >>> h100 = get_profile("h100")
+      >>> group_bandwidth(("sharding",), {**dict.fromkeys(AXIS_NAMES, 1), "sharding": 64},
+      ...                 h100, 8) / h100.inter_node_bandwidth
+      8.0
+      >>> group_bandwidth(("dp",), {**dict.fromkeys(AXIS_NAMES, 1), "dp": 8, "mp": 8},
+      ...                 h100, 8) / h100.inter_node_bandwidth
+      1.0
+    """
     span = _span(tuple(group), tuple(degrees[a] for a in AXIS_NAMES))
-    return profile.intra_node_bandwidth if span <= per_node else profile.inter_node_bandwidth
+    return _links(profile, span, per_node)
+
+
+def _links(profile: HardwareProfile, span: tuple[int, int], per_node: int) -> float:
+    """:func:`group_bandwidth` of a group spanning ``span = (devices, members)``."""
+    devices, members = span
+    if devices <= per_node:
+        return profile.intra_node_bandwidth
+    per_node_members = max(1, members * per_node // devices)
+    return min(profile.intra_node_bandwidth, per_node_members * profile.inter_node_bandwidth)
 
 
 @functools.lru_cache(maxsize=4096)
-def _span(group: tuple[str, ...], sizes: tuple[int, ...]) -> int:
-    """How many consecutive devices (row-major mesh order) a group of axes spans."""
-    span = 1
+def _span(group: tuple[str, ...], sizes: tuple[int, ...]) -> tuple[int, int]:
+    """How many consecutive devices (row-major mesh order) a group of axes spans, and
+    how many of them are the group's members."""
+    span = members = 1
     for i, axis in enumerate(AXIS_NAMES):
         if axis in group and sizes[i] > 1:
             span = max(span, math.prod(sizes[i + 1 :]) * sizes[i])
-    return span
+            members *= sizes[i]
+    return span, members
 
 
 def stored_leaves(counts: tuple[int, int], blocks: int, *, stacked: bool) -> int:
