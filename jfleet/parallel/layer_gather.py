@@ -78,7 +78,8 @@ __all__ = [
     "update_gathers",
 ]
 
-#: (full, shard): a layer's tensor-parallel layout and its ZeRO layout, per leaf.
+#: (full, shard): a layer's tensor-parallel layout and its ZeRO layout, per leaf (the
+#: per-layer gathers add the compute dtype and whether the leaf arrives split).
 Pair = tuple[NamedSharding, NamedSharding]
 
 _PLACEMENT: contextvars.ContextVar[Placement | None] = contextvars.ContextVar(
@@ -86,8 +87,10 @@ _PLACEMENT: contextvars.ContextVar[Placement | None] = contextvars.ContextVar(
 )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def gather(x: jax.Array, full: NamedSharding, shard: NamedSharding, dtype: Any = None) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def gather(
+    x: jax.Array, full: NamedSharding, shard: NamedSharding, dtype: Any = None, split: bool = True
+) -> jax.Array:
     """``x`` laid out as ``full`` (an all-gather over the ZeRO axis); its cotangent laid
     out as ``shard`` (a reduce-scatter) in the backward pass.
 
@@ -95,18 +98,72 @@ def gather(x: jax.Array, full: NamedSharding, shard: NamedSharding, dtype: Any =
     parameters, bf16 compute): ``x`` is cast before the all-gather, as FSDP gathers in the
     compute dtype, and its cotangent cast back before the reduce-scatter (the gradient is
     reduced in ``x``'s dtype). The layer's own cast is then a no-op: the same values.
+
+    ``split``: whether ``x`` arrives split as ``shard`` (ZeRO-3). ZeRO-2's parameters
+    arrive whole (``full`` is their own layout): the forward is the identity, only the
+    cotangent is reduce-scattered.
     """
-    return lax.with_sharding_constraint(x if dtype is None else x.astype(dtype), full)
+    x = x if dtype is None else x.astype(dtype)
+    flat = _flat_pair(full, shard, x.ndim) if split else None
+    if flat is None:
+        return lax.with_sharding_constraint(x, full)
+    dim, flat_full, flat_shard = flat
+    moved = jnp.moveaxis(x, dim, 0)
+    pieces = lax.with_sharding_constraint(moved.reshape(-1), flat_shard)
+    whole = lax.with_sharding_constraint(pieces, flat_full).reshape(moved.shape)
+    return lax.with_sharding_constraint(jnp.moveaxis(whole, 0, dim), full)
 
 
-def _gather_fwd(x: jax.Array, full: NamedSharding, shard: NamedSharding, dtype: Any) -> tuple:
-    return gather(x, full, shard, dtype), jnp.zeros((), x.dtype)
+def _flat_pair(full: NamedSharding, shard: NamedSharding, ndim: int) -> tuple | None:
+    """For a layer split by ZeRO along one dimension and by nothing else: that dimension
+    and the 1-D layouts of the layer flattened with it first.
+
+    A layer sliced from a stack is gathered as one flat vector: XLA places an all-gather's
+    gathered dimension outermost in memory, and gathering the ``[1, ...]`` slice of the
+    stack along a later dimension made XLA lay out (copy) the whole stacked parameter that
+    way before the layer loop, one more stack-sized buffer per parameter (issue 37).
+    """
+    mesh = full.mesh
+    whole, split = (_live(_padded(s.spec, ndim), mesh.shape) for s in (full, shard))
+    differ = [d for d in range(ndim) if whole[d] != split[d]]
+    if len(differ) != 1 or any(e is not None for e in whole):
+        return None
+    if any(e is not None for d, e in enumerate(split) if d != differ[0]):
+        return None
+    return differ[0], NamedSharding(mesh, P()), NamedSharding(mesh, P(split[differ[0]]))
+
+
+def _live(entries: tuple, sizes: Any) -> tuple:
+    """Spec entries without the mesh axes of size 1 (None where none is left)."""
+    out = []
+    for e in entries:
+        axes = tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if sizes[a] > 1)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return tuple(out)
+
+
+def _gather_fwd(
+    x: jax.Array, full: NamedSharding, shard: NamedSharding, dtype: Any, split: bool
+) -> tuple:
+    return gather(x, full, shard, dtype, split), jnp.zeros((), x.dtype)
 
 
 def _gather_bwd(
-    full: NamedSharding, shard: NamedSharding, dtype: Any, like: jax.Array, ct: jax.Array
+    full: NamedSharding,
+    shard: NamedSharding,
+    dtype: Any,
+    split: bool,
+    like: jax.Array,
+    ct: jax.Array,
 ) -> tuple:
-    return (lax.with_sharding_constraint(ct.astype(like.dtype), shard),)
+    ct = ct.astype(like.dtype)
+    flat = _flat_pair(full, shard, ct.ndim)
+    if flat is None:
+        return (lax.with_sharding_constraint(ct, shard),)
+    dim, _, flat_shard = flat
+    moved = jnp.moveaxis(ct, dim, 0)
+    pieces = lax.with_sharding_constraint(moved.reshape(-1), flat_shard).reshape(moved.shape)
+    return (lax.with_sharding_constraint(jnp.moveaxis(pieces, 0, dim), shard),)
 
 
 gather.defvjp(_gather_fwd, _gather_bwd)
@@ -145,7 +202,9 @@ def unit_shardings(
     in it). None where ZeRO does not split the leaf, or splits it along a stack dimension
     (no per-layer gather is possible; the leaf runs as laid out).
 
-    ZeRO-2 gathers nothing: its ``full`` is the parameter's own layout.
+    Each entry is ``(full, shard, dtype, split)``, :func:`gather`'s arguments; ``split``
+    is False under ZeRO-2, which gathers nothing: its ``full`` is the parameter's own
+    layout, and only the gradient is reduce-scattered.
     """
     tp = jax.tree.leaves(placement.param_shardings(state, zero=False))
     zero = jax.tree.leaves(placement.param_shardings(state, zero=True))
@@ -156,7 +215,8 @@ def unit_shardings(
         if full is None or shard is None or full == shard:
             pairs.append(None)
             continue
-        pairs.append((placement.named(full), placement.named(shard), cast))
+        split = placement.zero_stage >= 3
+        pairs.append((placement.named(full), placement.named(shard), cast, split))
     return pairs
 
 

@@ -410,9 +410,7 @@ def test_links_across_nodes_are_slower():
     # dp2 beside mp4 in each node of 4: one member a node, one NIC's bandwidth
     dp2 = _est(found, Layout(dp=2, mp=4), profile=h100, per_node=4).time.data_parallel
     dp2_inside = _est(found, Layout(dp=2, mp=4), profile=h100, per_node=8).time.data_parallel
-    assert dp2 / dp2_inside == pytest.approx(
-        h100.intra_node_bandwidth / h100.inter_node_bandwidth
-    )
+    assert dp2 / dp2_inside == pytest.approx(h100.intra_node_bandwidth / h100.inter_node_bandwidth)
     # dp outermost, mp innermost: with 4 devices a node, mp4's group stays inside one
     mp = _est(found, Layout(dp=2, mp=4), profile=h100, per_node=4).time
     mp_inside = _est(found, Layout(dp=2, mp=4), profile=h100, per_node=8).time
