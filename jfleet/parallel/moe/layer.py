@@ -120,9 +120,14 @@ def moe_local(
         )
     else:
         per_assignment = exchange.dense_exchange(
-            x, slots, capacity, weights, axis_name=axis_name, compute=compute,
+            x,
+            slots,
+            capacity,
+            weights,
+            axis_name=axis_name,
+            compute=compute,
             activation=activation,
-        )  # fmt: skip
+        )
     combine = routing.weights.T.reshape(-1, 1).astype(per_assignment.dtype)
     y = jnp.sum((per_assignment * combine).reshape(k, *x.shape), axis=0)
     dropped = jnp.maximum(slots.routed - capacity, 0)
@@ -136,9 +141,15 @@ def moe_local(
 
 
 def _check_layout(
-    mesh: Mesh, x: jax.Array, router: jax.Array, weights: ExpertWeights,
-    k: int, capacity_factor: float | None, axis_name: str, token_axes: tuple[str, ...],
-) -> None:  # fmt: skip
+    mesh: Mesh,
+    x: jax.Array,
+    router: jax.Array,
+    weights: ExpertWeights,
+    k: int,
+    capacity_factor: float | None,
+    axis_name: str,
+    token_axes: tuple[str, ...],
+) -> None:
     """Every ``ValueError`` :func:`moe` raises for arguments that cannot work together."""
     if axis_name not in mesh.axis_names:
         raise ValueError(
@@ -231,10 +242,18 @@ def moe(
         raise ValueError("compute='einsum' needs path='dense'; the ragged path runs ragged_dot.")
     body = jax.shard_map(
         lambda x, router, weights: moe_local(
-            x, router, weights, k=k, capacity_factor=capacity_factor, normalize=normalize,
-            axis_name=axis_name, token_axes=token_axes, path=chosen,
-            compute=compute or "einsum", activation=activation,
-        ),  # fmt: skip
+            x,
+            router,
+            weights,
+            k=k,
+            capacity_factor=capacity_factor,
+            normalize=normalize,
+            axis_name=axis_name,
+            token_axes=token_axes,
+            path=chosen,
+            compute=compute or "einsum",
+            activation=activation,
+        ),
         mesh=mesh,
         in_specs=(P(token_axes), P(), jax.tree.map(lambda _: P(axis_name), weights)),
         out_specs=(P(token_axes), MoEAux(P(), P(), P(), P())),

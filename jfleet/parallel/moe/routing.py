@@ -67,9 +67,7 @@ def check_routing(k: int, num_experts: int, capacity_factor: float | None) -> No
         )
 
 
-def route(
-    x: jax.Array, router: jax.Array, k: int, *, normalize: bool = True
-) -> Routing:
+def route(x: jax.Array, router: jax.Array, k: int, *, normalize: bool = True) -> Routing:
     """Top-k routing of tokens ``x [T, D]`` by a router kernel ``router [D, E]``.
 
     Args:
@@ -102,9 +100,7 @@ def route(
     return Routing(logits, probs, experts.astype(jnp.int32), top)
 
 
-def expert_capacity(
-    tokens: int, k: int, num_experts: int, capacity_factor: float | None
-) -> int:
+def expert_capacity(tokens: int, k: int, num_experts: int, capacity_factor: float | None) -> int:
     """Slots per expert for a group of ``tokens`` tokens.
 
     The rule: ``min(tokens, ceil(capacity_factor * tokens * k / num_experts))``, the
