@@ -169,10 +169,21 @@ def test_ragged_dot_compute_equals_einsum(capacity_factor):
     check_equal(got, want)
     _, einsum, _ = sharded_and_reference("dp2xep4", capacity_factor, compute="einsum")
     assert_trees_close(got, einsum, devices=1)
+    assert "ragged_dot" in traced("dp2xep4", compute="ragged_dot")
+    assert "ragged_dot" not in traced("dp2xep4", compute="einsum")
 
 
-def emulated_ragged_all_to_all(ep: int):
-    """``ragged_all_to_all`` from an all-gather, for XLA:CPU, which lacks the collective."""
+def traced(layout, **kw) -> str:
+    """The jaxpr of a layer's forward, as text."""
+    mesh = make_mesh(*LAYOUTS[layout])
+    x, router, weights, _ = make_inputs()
+    layer = lambda x, r, w: moe(x, r, w, mesh=mesh, k=K, **kw)  # noqa: E731
+    return str(jax.make_jaxpr(layer)(x, router, weights))
+
+
+def emulated_ragged_all_to_all(ep: int, calls: list[str]):
+    """``ragged_all_to_all`` from an all-gather, for XLA:CPU, which lacks the collective;
+    each trace of it appends the axis name to ``calls``."""
 
     def collective(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
                    axis_name):  # fmt: skip
@@ -181,6 +192,7 @@ def emulated_ragged_all_to_all(ep: int):
             for a in (operand, input_offsets, send_sizes, output_offsets)
         ]
         rows, starts, sizes, lands = everyone
+        calls.append(axis_name)
         me = jax.lax.axis_index(axis_name)
         i = jnp.arange(output.shape[0])
         result = output
@@ -197,9 +209,11 @@ def emulated_ragged_all_to_all(ep: int):
 @pytest.mark.parametrize("capacity_factor", [None, 1.0], ids=["dropless", "cf1"])
 def test_ragged_path_with_an_emulated_collective_equals_one_device(monkeypatch, capacity_factor):
     """The GPU / TPU path's offsets and sorting, run on CPU through an emulated collective."""
-    monkeypatch.setattr(exchange, "RAGGED_ALL_TO_ALL", emulated_ragged_all_to_all(4))
+    calls = []
+    monkeypatch.setattr(exchange, "RAGGED_ALL_TO_ALL", emulated_ragged_all_to_all(4, calls))
     _, got, want = sharded_and_reference("dp2xep4", capacity_factor, path="ragged")
     check_equal(got, want)
+    assert calls == [EP, EP]  # dispatch and combine, traced once
 
 
 def test_the_ragged_path_lowers_to_two_ragged_all_to_alls():
