@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from jfleet.parallel.moe import (
     ExpertWeights,
+    assign_slots,
     exchange,
     expert_capacity,
     load_balancing_loss,
@@ -155,6 +156,13 @@ def test_sharded_moe_equals_one_device(layout, capacity_factor):
     ep = mesh.shape[EP]
     for w in jax.tree.leaves(got[1][2]):
         assert {s.data.shape[0] for s in w.addressable_shards} == {E // ep}
+
+
+def test_drop_order_is_gshards_first_choices_first():
+    slots = assign_slots(jnp.array([[1, 0], [0, 2], [0, 1]]), 3, 2)
+    # choice-major: t0c0 t1c0 t2c0 t0c1 t1c1 t2c1; expert 0 is full before t0's second choice
+    assert slots.kept.tolist() == [True, True, True, False, True, True]
+    assert slots.expert.tolist() == [1, 0, 0, 0, 2, 1]
 
 
 def test_gated_experts_without_renormalisation_equal_one_device():

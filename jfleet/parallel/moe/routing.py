@@ -148,7 +148,9 @@ def assign_slots(experts: jax.Array, num_experts: int, capacity: int) -> Slots:
     """Positions of the assignments in their experts' buffers, in GShard's priority.
 
     First choices take slots before second choices, each in token order; an assignment
-    whose position reaches ``capacity`` is dropped.
+    whose position reaches ``capacity`` is dropped. In the example token 0's second choice
+    (expert 0) is dropped, since tokens 1 and 2 chose expert 0 first; in plain token order
+    token 2's first choice would be.
 
     Args:
       experts: ``[T, k]`` chosen experts (:attr:`Routing.experts`).
@@ -156,9 +158,9 @@ def assign_slots(experts: jax.Array, num_experts: int, capacity: int) -> Slots:
       capacity: slots per expert (:func:`expert_capacity`).
 
     Example:
-      >>> s = assign_slots(jnp.array([[0, 1], [0, 2], [0, 1]]), 3, 2)
+      >>> s = assign_slots(jnp.array([[1, 0], [0, 2], [0, 1]]), 3, 2)
       >>> s.position.tolist(), s.kept.tolist(), s.routed.tolist()
-      ([0, 1, 2, 0, 0, 1], [True, True, False, True, True, True], [3, 2, 1])
+      ([0, 0, 1, 2, 0, 1], [True, True, True, False, True, True], [3, 2, 1])
     """
     flat = experts.T.reshape(-1)
     onehot = jax.nn.one_hot(flat, num_experts, dtype=jnp.int32)
