@@ -224,27 +224,24 @@ def test_ragged_path_with_an_emulated_collective_equals_one_device(monkeypatch, 
     assert calls == [EP, EP]  # dispatch and combine, traced once
 
 
-def test_the_ragged_path_lowers_to_two_ragged_all_to_alls():
-    """XLA:CPU cannot compile it (jax#34755), but it lowers: two per layer, forward."""
+def test_the_ragged_path_lowers_to_ragged_all_to_alls():
+    """XLA:CPU cannot compile it (jax#34755), but it lowers, gradient included: two per
+    layer forward, two more (their transposes) in a training step."""
     mesh = make_mesh((2, 4), ("dp", EP))
-    x, router, weights, _ = make_inputs()
-    f = jax.jit(lambda x, r, w: moe(x, r, w, mesh=mesh, k=K, path="ragged"))
-    text = f.lower(x, router, weights).as_text()
+    x, router, weights, cotangent = make_inputs()
+    layer = lambda x, r, w: moe(x, r, w, mesh=mesh, k=K, path="ragged")  # noqa: E731
+    text = jax.jit(layer).lower(x, router, weights).as_text()
     assert text.count("ragged_all_to_all") == 2
-
-
-def compiled_forward(mesh, capacity_factor, x, router, weights):
-    names = tuple(mesh.axis_names)
-    x, router, weights, _ = place(mesh, names, x, router, weights, x)
-    f = jax.jit(lambda x, r, w: moe(x, r, w, mesh=mesh, k=K, capacity_factor=capacity_factor))
-    return f.lower(x, router, weights).compile()
+    step = objective(layer).lower(x, router, weights, cotangent).as_text()
+    assert step.count("ragged_all_to_all") == 4
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 1.0], ids=["dropless", "cf1"])
 def test_two_all_to_alls_per_layer_forward(capacity_factor):
     mesh = make_mesh((2, 4), ("dp", EP))
-    x, router, weights, _ = make_inputs()
-    compiled = compiled_forward(mesh, capacity_factor, x, router, weights)
+    args = place(mesh, ("dp", EP), *make_inputs())
+    layer = lambda x, r, w: moe(x, r, w, mesh=mesh, k=K, capacity_factor=capacity_factor)  # noqa: E731
+    compiled = jax.jit(layer).lower(*args[:3]).compile()
     text = compiled.as_text()
     found = hlo.summarize(text)["all-to-all"]
     tokens = T // 8
@@ -256,6 +253,9 @@ def test_two_all_to_alls_per_layer_forward(capacity_factor):
     (_, _, experts), _ = compiled.input_shardings
     assert experts.w_in.shard_shape((E, D, F)) == (E // 4, D, F)
     assert experts.w_out.shard_shape((E, F, D)) == (E // 4, F, D)
+    # a training step: the two transposes move the cotangents back the same way
+    step = hlo.summarize(objective(layer).lower(*args).compile().as_text())["all-to-all"]
+    assert (step.count, step.bytes) == (4, 2 * found.bytes)
 
 
 def test_aux_losses_in_shard_map_equal_the_whole_batch():
@@ -288,6 +288,8 @@ def test_aux_losses_in_shard_map_equal_the_whole_batch():
         ({"experts": 6}, r"over ep=4; use a multiple of 4 experts"),
         ({"axis_name": "expert"}, r"axis_name='expert' is not an axis of the mesh"),
         ({"tokens": 60}, r"60 tokens do not split over the 8 devices"),
+        ({"compute": "grouped"}, r"compute='grouped' is not an expert compute"),
+        ({"path": "ring"}, r"path='ring' is not an exchange"),
     ],
 )
 def test_bad_input_is_refused_with_the_fix(change, message):

@@ -237,6 +237,10 @@ def moe(
     """
     token_axes = tuple(mesh.axis_names) if token_axes is None else tuple(token_axes)
     _check_layout(mesh, x, router, weights, k, capacity_factor, axis_name, token_axes)
+    if compute not in (None, "einsum", "ragged_dot"):
+        raise ValueError(
+            f"compute={compute!r} is not an expert compute; use 'einsum' or 'ragged_dot'."
+        )
     chosen = choose_path(mesh.devices.flat[0].platform, path)
     if chosen == "ragged" and compute == "einsum":
         raise ValueError("compute='einsum' needs path='dense'; the ragged path runs ragged_dot.")
