@@ -215,7 +215,8 @@ def moe(
         have it. Only the dense path runs on CPU, so only it is tested against one device
         here; the ragged path's bookkeeping is tested on CPU with an emulated collective.
       compute: the dense path's expert compute: ``"einsum"`` (default) or
-        ``"ragged_dot"``; the ragged path always uses ``ragged_dot``.
+        ``"ragged_dot"``; the ragged path always uses ``ragged_dot`` (so ``"einsum"``
+        with ``path="auto"`` picks the dense path).
       activation: the experts' activation (gated when ``weights.w_gate`` is given).
 
     Returns:
@@ -241,7 +242,8 @@ def moe(
         raise ValueError(
             f"compute={compute!r} is not an expert compute; use 'einsum' or 'ragged_dot'."
         )
-    chosen = choose_path(mesh.devices.flat[0].platform, path)
+    platform = mesh.devices.flat[0].platform
+    chosen = choose_path(platform, "dense" if path == "auto" and compute == "einsum" else path)
     if chosen == "ragged" and compute == "einsum":
         raise ValueError("compute='einsum' needs path='dense'; the ragged path runs ragged_dot.")
     body = jax.shard_map(
