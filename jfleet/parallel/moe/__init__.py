@@ -1,0 +1,41 @@
+"""Mixture of experts over an expert-parallel mesh axis: routing, dispatch, experts, combine.
+
+``routing`` is the router's math (top-k, GShard's capacity rule and drop order, the
+load-balancing loss and router z-loss over the whole batch); ``experts`` the stacked expert
+kernels and their compute (batched einsum or ``ragged_dot``); ``exchange`` moves tokens to
+their experts and back inside ``shard_map`` (fixed-buffer ``all_to_all`` on every platform,
+``ragged_all_to_all`` on GPU / TPU); ``layer`` is the layer: :func:`moe` over global
+arrays, :func:`moe_local` inside a caller's own ``shard_map``.
+
+May import: runtime, mesh, optim.
+"""
+
+from jfleet.parallel.moe.experts import ExpertWeights, experts_einsum, experts_ragged_dot
+from jfleet.parallel.moe.layer import EP_AXIS, MoEAux, choose_path, moe, moe_local
+from jfleet.parallel.moe.routing import (
+    Routing,
+    Slots,
+    assign_slots,
+    expert_capacity,
+    load_balancing_loss,
+    route,
+    router_z_loss,
+)
+
+__all__ = [
+    "EP_AXIS",
+    "ExpertWeights",
+    "MoEAux",
+    "Routing",
+    "Slots",
+    "assign_slots",
+    "choose_path",
+    "expert_capacity",
+    "experts_einsum",
+    "experts_ragged_dot",
+    "load_balancing_loss",
+    "moe",
+    "moe_local",
+    "route",
+    "router_z_loss",
+]
