@@ -12,7 +12,8 @@ layers below it (see ``CONTRIBUTING.md``):
 - ``training``: the strategy, the engine, replicas, the distributed model and optimizer
 - ``auto_parallel``: ``to_distributed``: matching, the cost model, the planner
 - ``checkpoint``, ``ps``, ``launch``: operational subsystems
-- ``fleet``, ``distributed``: Paddle's package trees (facades); ``testing``: users' test tools
+- ``fleet``, ``distributed``, ``incubate``: Paddle's package trees (facades); ``testing``:
+  users' test tools
 
 This file imports nothing eagerly: ``import jfleet.launch`` needs no JAX. The names below
 load on first use, and the module paths of earlier releases (``jfleet.amp``,
@@ -125,6 +126,7 @@ _SUBPACKAGES = (
     "checkpoint",
     "distributed",
     "fleet",
+    "incubate",
     "launch",
     "mesh",
     "models",

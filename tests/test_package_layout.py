@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("auto_parallel",),
     ("checkpoint", "launch", "ps"),
     ("fleet",),
-    ("distributed",),
+    ("distributed", "incubate"),
     ("testing",),
 )
 AXIS_MODULE = "jfleet.mesh.topology"
@@ -228,7 +228,8 @@ def test_jfleet_imports_its_modules_by_their_homes():
 
 def test_ls_jfleet_shows_the_layers():
     entries = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__")
-    assert len(entries) <= 15, entries
+    # the eleven layers' fourteen packages (three Paddle facades among them) and __init__
+    assert len(entries) <= 16, entries
     assert [e for e in entries if e.endswith(".py")] == ["__init__.py"]
 
 

@@ -3,7 +3,7 @@
 The top layer: users' test tools; nothing in jfleet imports it.
 
 May import: runtime, mesh, optim, parallel, models, precision, training, auto_parallel,
-checkpoint, launch, ps, fleet, distributed.
+checkpoint, launch, ps, fleet, distributed, incubate.
 
 * :mod:`~jfleet.testing.assertions`: trains like one device, sharded as meant, the compiled
   step's collectives and memory.

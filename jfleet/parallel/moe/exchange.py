@@ -28,8 +28,9 @@ import jax.numpy as jnp
 
 from jfleet.parallel.moe.experts import (
     Activation,
+    Experts,
     ExpertWeights,
-    experts_einsum,
+    experts_apply,
     experts_ragged_dot,
 )
 from jfleet.parallel.moe.routing import Slots
@@ -61,7 +62,7 @@ def dense_exchange(
     x: jax.Array,
     slots: Slots,
     capacity: int,
-    weights: ExpertWeights,
+    weights: Experts,
     *,
     axis_name: str,
     compute: Compute = "einsum",
@@ -73,9 +74,11 @@ def dense_exchange(
       x: ``[T, D]`` this device's tokens.
       slots: the ``k * T`` assignments' experts, positions and kept flags.
       capacity: slots per expert ``C``.
-      weights: this device's ``E_local`` experts.
+      weights: this device's ``E_local`` experts (kernels, or modules:
+        :class:`~jfleet.parallel.moe.experts.StackedExperts`).
       axis_name: the expert-parallel mesh axis.
-      compute: ``"einsum"`` (batched over the buffers) or ``"ragged_dot"`` (a grouped
+      compute: ``"einsum"`` (batched over the buffers; modules run by ``vmap``) or
+        ``"ragged_dot"`` (kernels only) (a grouped
         matmul over the filled slots; a flag column rides with the tokens so the
         receiver knows which slots are filled, one extra element per row).
       activation: the experts' activation.
@@ -85,7 +88,7 @@ def dense_exchange(
     """
     tokens, d = x.shape
     num_experts = slots.routed.shape[0]
-    ep = num_experts // weights.w_in.shape[0]
+    ep = num_experts // weights.num_experts
     e_local = num_experts // ep
     index = jnp.where(slots.kept, slots.expert * capacity + slots.position, num_experts * capacity)
     source = x[jnp.arange(index.shape[0]) % tokens]
@@ -101,7 +104,7 @@ def dense_exchange(
     if compute == "ragged_dot":
         out = _ragged_dot_on_buffers(h[..., :d], h[..., d] > 0, weights, activation)
     else:
-        out = experts_einsum(h, weights, activation)
+        out = experts_apply(h, weights, activation)
     back = out.reshape(e_local, ep, capacity, d).transpose(1, 0, 2, 3)
     returned = jax.lax.all_to_all(back, axis_name, 0, 0).reshape(num_experts * capacity, d)
     return returned.at[index].get(mode="fill", fill_value=0)

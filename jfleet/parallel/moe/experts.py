@@ -5,7 +5,11 @@ An expert is an MLP, ``act(x @ w_in) @ w_out``, or a gated one (SwiGLU when ``ac
 stacked on a leading expert axis, ``[E, D, F]`` and ``[E, F, D]``, which the expert-parallel
 mesh axis splits: each device holds ``E / ep`` experts.
 
-Two ways to run a device's experts:
+Experts written as modules (Paddle's ``MoELayer`` takes a list of any expert layers)
+are :class:`StackedExperts`: the modules' parameters stacked on the expert axis, run on
+the fixed buffers by ``jax.vmap`` over it (:func:`experts_apply`).
+
+Two ways to run a device's experts given as kernels:
 
 * :func:`experts_einsum`: on fixed buffers ``[E_local, N, D]`` (``N`` slots per expert,
   padding included), one batched einsum per kernel;
@@ -16,11 +20,13 @@ Two ways to run a device's experts:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 Activation = Callable[[jax.Array], jax.Array]
 
@@ -44,7 +50,7 @@ class ExpertWeights(NamedTuple):
         return self.w_in.shape[0]
 
 
-def check_expert_weights(weights: ExpertWeights, d_model: int) -> None:
+def check_expert_weights(weights: ExpertWeights | StackedExperts, d_model: int) -> None:
     """Raise a ``ValueError`` naming every kernel whose shape does not fit the others.
 
     Example:
@@ -55,6 +61,8 @@ def check_expert_weights(weights: ExpertWeights, d_model: int) -> None:
       ...
       ValueError: expert kernels do not fit tokens of width 6: w_in (4, 8, 16) should be ...
     """
+    if not isinstance(weights, ExpertWeights):
+        return  # modules: their own call checks the width
     e, f = weights.w_in.shape[0], weights.w_in.shape[-1]
     want = {"w_in": (e, d_model, f), "w_out": (e, f, d_model)}
     if weights.w_gate is not None:
@@ -111,3 +119,48 @@ def experts_ragged_dot(
     else:
         hidden = activation(jax.lax.ragged_dot(rows, weights.w_gate, sizes)) * hidden
     return jax.lax.ragged_dot(hidden, weights.w_out, sizes)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StackedExperts:
+    """Expert modules of one definition with their parameters stacked: ``[E, ...]`` each.
+
+    A pytree whose leaves are the stacked parameters (so ``shard_map`` splits them over
+    the expert axis) and whose ``graphdef`` is static.
+
+    Attributes:
+      graphdef: the experts' shared ``nnx`` graph definition.
+      params: their parameters, each with a leading expert axis.
+
+    Example:
+      >>> from flax import nnx
+      >>> experts = [nnx.Linear(4, 4, rngs=nnx.Rngs(i)) for i in range(3)]
+      >>> graphdef, _ = nnx.split(experts[0])
+      >>> params = jax.tree.map(lambda *a: jnp.stack(a), *[nnx.state(e) for e in experts])
+      >>> stacked = StackedExperts(graphdef, params)
+      >>> stacked.num_experts, experts_apply(jnp.ones((3, 2, 4)), stacked).shape
+      (3, (3, 2, 4))
+    """
+
+    graphdef: Any = dataclasses.field(metadata={"static": True})
+    params: Any
+
+    @property
+    def num_experts(self) -> int:
+        """``E``, the experts the parameters hold."""
+        return jax.tree.leaves(self.params)[0].shape[0]
+
+
+Experts = ExpertWeights | StackedExperts
+
+
+def experts_apply(
+    x: jax.Array, weights: Experts, activation: Activation = jax.nn.silu
+) -> jax.Array:
+    """Each expert on its own buffer, ``x [E, N, D] -> [E, N, D]``: kernels through
+    :func:`experts_einsum`, modules (:class:`StackedExperts`) by ``jax.vmap`` over the
+    expert axis (``activation`` is theirs, not applied here)."""
+    if isinstance(weights, ExpertWeights):
+        return experts_einsum(x, weights, activation)
+    return jax.vmap(lambda p, h: nnx.merge(weights.graphdef, p)(h))(weights.params, x)

@@ -16,6 +16,7 @@ into the same groups. Dropless (``capacity_factor=None``) does not depend on it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
@@ -27,13 +28,19 @@ from jax.sharding import PartitionSpec as P
 
 from jfleet.mesh import topology
 from jfleet.parallel.moe import exchange
-from jfleet.parallel.moe.experts import Activation, ExpertWeights, check_expert_weights
+from jfleet.parallel.moe.experts import (
+    Activation,
+    Experts,
+    ExpertWeights,
+    check_expert_weights,
+)
 from jfleet.parallel.moe.routing import (
     assign_slots,
     check_routing,
     expert_capacity,
     load_balancing_loss,
     route,
+    route_logits,
     router_z_loss,
 )
 
@@ -78,8 +85,8 @@ def choose_path(platform: str, path: Path = "auto") -> Literal["dense", "ragged"
 
 def moe_local(
     x: jax.Array,
-    router: jax.Array,
-    weights: ExpertWeights,
+    router: jax.Array | None,
+    weights: Experts,
     *,
     k: int,
     capacity_factor: float | None = None,
@@ -89,13 +96,17 @@ def moe_local(
     path: Literal["dense", "ragged"] = "dense",
     compute: exchange.Compute = "einsum",
     activation: Activation = jax.nn.silu,
+    logits: jax.Array | None = None,
+    second_draws: jax.Array | None = None,
+    groups: int = 1,
 ) -> tuple[jax.Array, MoEAux]:
     """One device's MoE layer, called inside ``shard_map`` (see :func:`moe`).
 
     Args:
       x: ``[T, D]`` this device's tokens.
-      router: ``[D, E]`` the whole router kernel.
-      weights: this device's ``E / ep`` experts.
+      router: ``[D, E]`` the whole router kernel, or None with ``logits``.
+      weights: this device's ``E / ep`` experts (kernels or
+        :class:`~jfleet.parallel.moe.experts.StackedExperts`).
       k: experts per token.
       capacity_factor: GShard's factor (``expert_capacity``), or ``None`` for dropless.
       normalize: renormalise the top-k weights to sum to one.
@@ -105,15 +116,84 @@ def moe_local(
       path: ``"dense"`` (fixed buffers, ``all_to_all``) or ``"ragged"``.
       compute: the dense path's expert compute, ``"einsum"`` or ``"ragged_dot"``.
       activation: the experts' activation.
+      logits: ``[T, E]`` router logits a gate computed, in place of ``router``.
+      second_draws: ``[T]`` uniform draws for GShard's random routing: a token's second
+        choice is routed only where ``2 * w2 >= draw`` (``w2`` its weight); an unrouted
+        choice takes no slot and gives nothing. None: every choice is routed.
+      groups: token groups the device's tokens form, each with its own capacity
+        (GShard's groups; default one). A one-device run with ``groups`` equal to the
+        devices reproduces their drops.
 
     Returns:
       ``([T, D]`` outputs, :class:`MoEAux`).
     """
     token_axes = (axis_name,) if token_axes is None else tuple(token_axes)
-    num_experts = router.shape[-1]
-    routing = route(x, router, k, normalize=normalize)
-    capacity = expert_capacity(x.shape[0], k, num_experts, capacity_factor)
-    slots = assign_slots(routing.experts, num_experts, capacity)
+    if logits is None:
+        routing = route(x, router, k, normalize=normalize)
+    else:
+        routing = route_logits(logits, k, normalize=normalize)
+    num_experts = routing.probs.shape[-1]
+    if groups < 1 or x.shape[0] % groups or (groups > 1 and path == "ragged"):
+        raise ValueError(
+            f"groups={groups!r} must be a positive int dividing the {x.shape[0]} tokens "
+            "(and 1 on the ragged path)."
+        )
+    capacity = expert_capacity(x.shape[0] // groups, k, num_experts, capacity_factor)
+    keep = jnp.ones(routing.experts.shape, bool)
+    if second_draws is not None and k > 1:
+        keep = keep.at[:, 1].set(2 * routing.weights[:, 1] >= second_draws)
+    chosen = jnp.where(keep, routing.experts, num_experts)
+    one_group = functools.partial(
+        _one_group,
+        weights=weights,
+        num_experts=num_experts,
+        capacity=capacity,
+        k=k,
+        axis_name=axis_name,
+        path=path,
+        compute=compute,
+        activation=activation,
+    )
+
+    if groups == 1:
+        y, routed, dropped = one_group(x, chosen, keep, routing.weights)
+    else:  # GShard's token groups: each its own capacity (a one-device run of ep devices)
+        split = lambda a: a.reshape(groups, -1, *a.shape[1:])  # noqa: E731
+        y, routed, dropped = jax.vmap(one_group)(
+            split(x), split(chosen), split(keep), split(routing.weights)
+        )
+        y, routed, dropped = y.reshape(x.shape), routed.sum(0), dropped.sum(0)
+    aux = MoEAux(
+        load_balancing_loss(routing.probs, routing.experts, axis_names=token_axes),
+        router_z_loss(routing.logits, axis_names=token_axes),
+        jax.lax.psum(routed, token_axes),
+        jax.lax.psum(dropped, token_axes),
+    )
+    return y.astype(x.dtype), aux
+
+
+def _one_group(
+    x: jax.Array,
+    chosen: jax.Array,
+    keep: jax.Array,
+    weights_k: jax.Array,
+    *,
+    weights: Experts,
+    num_experts: int,
+    capacity: int,
+    k: int,
+    axis_name: str,
+    path: str,
+    compute: exchange.Compute,
+    activation: Activation,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One token group's slots, exchange and combine: (outputs, routed, dropped per expert)."""
+    slots = assign_slots(chosen, num_experts, capacity)
+    # an unrouted assignment (random routing) takes no slot
+    slots = slots._replace(
+        expert=jnp.minimum(slots.expert, num_experts - 1),
+        kept=slots.kept & keep.T.reshape(-1),
+    )
     if path == "ragged":
         per_assignment = exchange.ragged_exchange(
             x, slots, capacity, weights, axis_name=axis_name, k=k, activation=activation
@@ -128,23 +208,16 @@ def moe_local(
             compute=compute,
             activation=activation,
         )
-    combine = routing.weights.T.reshape(-1, 1).astype(per_assignment.dtype)
+    combine = weights_k.T.reshape(-1, 1).astype(per_assignment.dtype)
     y = jnp.sum((per_assignment * combine).reshape(k, *x.shape), axis=0)
-    dropped = jnp.maximum(slots.routed - capacity, 0)
-    aux = MoEAux(
-        load_balancing_loss(routing.probs, routing.experts, axis_names=token_axes),
-        router_z_loss(routing.logits, axis_names=token_axes),
-        jax.lax.psum(slots.routed, token_axes),
-        jax.lax.psum(dropped, token_axes),
-    )
-    return y.astype(x.dtype), aux
+    return y, slots.routed, jnp.maximum(slots.routed - capacity, 0)
 
 
 def _check_layout(
     mesh: Mesh,
     x: jax.Array,
-    router: jax.Array,
-    weights: ExpertWeights,
+    num_experts: int,
+    weights: Experts,
     k: int,
     capacity_factor: float | None,
     axis_name: str,
@@ -162,7 +235,6 @@ def _check_layout(
             f"token_axes={token_axes} must be axes of the mesh {tuple(mesh.axis_names)} and "
             f"include the expert axis {axis_name!r}: tokens are split over it."
         )
-    num_experts = router.shape[-1]
     check_routing(k, num_experts, capacity_factor)
     check_expert_weights(weights, x.shape[-1])
     ep = mesh.shape[axis_name]
@@ -181,10 +253,31 @@ def _check_layout(
         )
 
 
+def _exchange_path(mesh: Mesh, weights: Experts, path: Path, compute: str | None) -> str:
+    """The exchange :func:`moe` runs, or a ``ValueError`` for a combination that cannot."""
+    if compute not in (None, "einsum", "ragged_dot"):
+        raise ValueError(
+            f"compute={compute!r} is not an expert compute; use 'einsum' or 'ragged_dot'."
+        )
+    modules = not isinstance(weights, ExpertWeights)
+    if modules and (compute == "ragged_dot" or path == "ragged"):
+        raise ValueError(
+            f"experts given as modules run on fixed buffers (compute='einsum', path='dense'), "
+            f"not compute={compute!r}, path={path!r}; give stacked kernels (ExpertWeights) "
+            "for the grouped matmul."
+        )
+    platform = mesh.devices.flat[0].platform
+    dense = path == "auto" and (compute == "einsum" or modules)
+    chosen = choose_path(platform, "dense" if dense else path)
+    if chosen == "ragged" and compute == "einsum":
+        raise ValueError("compute='einsum' needs path='dense'; the ragged path runs ragged_dot.")
+    return chosen
+
+
 def moe(
     x: jax.Array,
-    router: jax.Array,
-    weights: ExpertWeights,
+    router: jax.Array | None,
+    weights: Experts,
     *,
     mesh: Mesh,
     k: int,
@@ -195,6 +288,9 @@ def moe(
     path: Path = "auto",
     compute: exchange.Compute | None = None,
     activation: Activation = jax.nn.silu,
+    logits: jax.Array | None = None,
+    second_draws: jax.Array | None = None,
+    groups: int = 1,
 ) -> tuple[jax.Array, MoEAux]:
     """An expert-parallel MoE layer over global arrays: ``x [..., D] -> [..., D]``.
 
@@ -217,7 +313,14 @@ def moe(
       compute: the dense path's expert compute: ``"einsum"`` (default) or
         ``"ragged_dot"``; the ragged path always uses ``ragged_dot`` (so ``"einsum"``
         with ``path="auto"`` picks the dense path).
-      activation: the experts' activation (gated when ``weights.w_gate`` is given).
+      activation: the experts' activation (gated when ``weights.w_gate`` is given;
+        experts given as modules apply their own).
+      logits: router logits ``[..., E]`` a gate computed (shaped like ``x`` but for the
+        last dimension), in place of ``router`` (pass ``router=None``).
+      second_draws: ``[...]`` uniform draws a token for GShard's random routing
+        (:func:`moe_local`).
+      groups: token groups a device's tokens form for the capacity rule
+        (:func:`moe_local`).
 
     Returns:
       ``(y, aux)``: outputs shaped like ``x`` and the :class:`MoEAux`.
@@ -237,32 +340,54 @@ def moe(
       ((16, 4), 0, 1.0)
     """
     token_axes = tuple(mesh.axis_names) if token_axes is None else tuple(token_axes)
-    _check_layout(mesh, x, router, weights, k, capacity_factor, axis_name, token_axes)
-    if compute not in (None, "einsum", "ragged_dot"):
-        raise ValueError(
-            f"compute={compute!r} is not an expert compute; use 'einsum' or 'ragged_dot'."
-        )
-    platform = mesh.devices.flat[0].platform
-    chosen = choose_path(platform, "dense" if path == "auto" and compute == "einsum" else path)
-    if chosen == "ragged" and compute == "einsum":
-        raise ValueError("compute='einsum' needs path='dense'; the ragged path runs ragged_dot.")
-    body = jax.shard_map(
-        lambda x, router, weights: moe_local(
-            x,
-            router,
-            weights,
-            k=k,
-            capacity_factor=capacity_factor,
-            normalize=normalize,
-            axis_name=axis_name,
-            token_axes=token_axes,
-            path=chosen,
-            compute=compute or "einsum",
-            activation=activation,
-        ),
-        mesh=mesh,
-        in_specs=(P(token_axes), P(), jax.tree.map(lambda _: P(axis_name), weights)),
-        out_specs=(P(token_axes), MoEAux(P(), P(), P(), P())),
+    if (router is None) == (logits is None):
+        raise ValueError("pass the router kernel or the router logits (logits=...), one of them.")
+    num_experts = (router if logits is None else logits).shape[-1]
+    _check_layout(mesh, x, num_experts, weights, k, capacity_factor, axis_name, token_axes)
+    chosen = _exchange_path(mesh, weights, path, compute)
+    options = dict(
+        k=k,
+        capacity_factor=capacity_factor,
+        normalize=normalize,
+        axis_name=axis_name,
+        token_axes=token_axes,
+        path=chosen,
+        compute=compute or "einsum",
+        activation=activation,
+        groups=groups,
     )
-    y, aux = body(x.reshape(-1, x.shape[-1]), router, weights)
+    return _sharded(mesh, x, router, weights, logits, second_draws, options)
+
+
+def _sharded(
+    mesh: Mesh,
+    x: jax.Array,
+    router: jax.Array | None,
+    weights: Experts,
+    logits: jax.Array | None,
+    second_draws: jax.Array | None,
+    options: dict,
+) -> tuple[jax.Array, MoEAux]:
+    """:func:`moe_local` in ``shard_map``: tokens (and logits, draws) split over the token
+    axes, the experts over the expert axis, the router replicated."""
+    tokens = P(options["token_axes"])
+    num_experts = (router if logits is None else logits).shape[-1]
+    args = [x.reshape(-1, x.shape[-1])]
+    args.append(router if logits is None else logits.reshape(-1, num_experts))
+    args.append(weights)
+    specs = [tokens, P() if logits is None else tokens]
+    specs.append(jax.tree.map(lambda _: P(options["axis_name"]), weights))
+    if second_draws is not None:
+        args.append(second_draws.reshape(-1))
+        specs.append(tokens)
+
+    def local(x, routed_by, weights, draws=None):
+        if logits is None:
+            return moe_local(x, routed_by, weights, second_draws=draws, **options)
+        return moe_local(x, None, weights, logits=routed_by, second_draws=draws, **options)
+
+    body = jax.shard_map(
+        local, mesh=mesh, in_specs=tuple(specs), out_specs=(tokens, MoEAux(P(), P(), P(), P()))
+    )
+    y, aux = body(*args)
     return y.reshape(x.shape), aux

@@ -90,9 +90,22 @@ def route(x: jax.Array, router: jax.Array, k: int, *, normalize: bool = True) ->
       >>> r.experts.tolist(), r.weights.sum(-1).round(6).tolist()
       ([[0, 1], [2, 0]], [1.0, 1.0])
     """
-    num_experts = router.shape[-1]
+    logits = jnp.dot(x, router, preferred_element_type=jnp.float32)
+    return route_logits(logits, k, normalize=normalize)
+
+
+def route_logits(logits: jax.Array, k: int, *, normalize: bool = True) -> Routing:
+    """:func:`route` from router logits ``[T, E]`` a gate computed (a router with a bias,
+    Switch's noise, a norm before it).
+
+    Example:
+      >>> r = route_logits(jnp.array([[0.0, 2.0, 1.0]]), 2, normalize=False)
+      >>> r.experts.tolist(), round(float(r.weights.sum()), 4)
+      ([[1, 2]], 0.91)
+    """
+    num_experts = logits.shape[-1]
     check_routing(k, num_experts, None)
-    logits = jnp.dot(x, router, preferred_element_type=jnp.float32).astype(jnp.float32)
+    logits = logits.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     top, experts = jax.lax.top_k(probs, k)
     if normalize:
