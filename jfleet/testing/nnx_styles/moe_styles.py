@@ -72,7 +72,7 @@ def load_balancing_loss(router_logits: jax.Array, top_k: int) -> jax.Array:
     """The Switch / Hugging Face load-balancing loss ``E * sum_e f_e P_e`` of one router.
 
     ``f_e``: the fraction of tokens with ``e`` among their top-k experts; ``P_e``: the mean
-    router probability of ``e``; ``router_logits: [T, E]``. 1.0 when both are uniform.
+    router probability of ``e``; ``router_logits: [T, E]``. ``top_k`` when both are uniform.
 
     Example:
       >>> float(load_balancing_loss(jnp.zeros((4, 8)).at[:, :2].set(1.0), 2)) > 1.0
