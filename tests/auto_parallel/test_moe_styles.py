@@ -6,7 +6,10 @@ What ``to_distributed`` does with them today: on 8 devices it plans ``dp8`` for 
 (the experts are tiny). Forced to ``dp2 x mp4`` it splits Qwen3-MoE's dense stacked experts
 on their hidden dimension (router whole) and refuses the others: ``ragged_dot`` and the
 per-token gather of GPT-OSS are not read as projections, and Mixtral's router is left whole
-(those tests are strict xfails, to flip when the planner learns experts).
+(those tests are strict xfails, to flip when the planner learns experts). Pipelined
+(``dp4 x pp2``, 2 micro-batches), Mixtral trains like one device without its auxiliary loss,
+and with it gets gradient accumulation's value of the nonlinear Switch loss, not the whole
+batch's (a strict xfail: issue 39 item 4).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from jfleet.testing.nnx_styles.moe_styles import (
     GptOssConfig,
     GptOssMLP,
     MixtralConfig,
+    MixtralForCausalLM,
     MixtralSparseMoeBlock,
     Qwen3MoeConfig,
     Qwen3MoeSparseMoeBlock,
@@ -260,10 +264,13 @@ def test_to_distributed_on_8_devices_trains_each_style_like_one_device(name):
     assert_trees_close(np.asarray(losses), np.asarray(reference), devices=8)
 
 
-REFUSED_AT_MP4 = {
-    "qwen3_moe_ragged": "ragged_dot is not read as a projection: stacked experts left whole",
-    "gpt_oss": "the per-token gather of expert weights is not read as a projection",
-    "mixtral": "the router gate [32x8] is left whole, larger than the tiny experts allow",
+REFUSED_AT_MP4 = {  # to_distributed's ValueError today, in short
+    "qwen3_moe_ragged": "mp=4 would leave mlp.gate_proj / up_proj / down_proj whole: 'not used "
+    "as a projection (a dot_general / einsum operand)' (they feed jax.lax.ragged_dot)",
+    "gpt_oss": "mp=4 would leave mlp.experts.gate_up_proj / down_proj whole: 'not used as a "
+    "projection' (each token's experts are gathered before the einsum)",
+    "mixtral": "mp=4 would leave block_sparse_moe.gate.kernel [32x8] whole: 'no column/row pair "
+    "to split it in' (the router is large beside the 32x16 experts)",
 }
 
 
@@ -287,3 +294,38 @@ def test_forced_dp2_mp4_splits_experts_on_their_hidden_dim_and_trains_like_one_d
             assert (p.role, p.spec) == (style.roles[pattern], want), p.path
     assert plan.spec(f"{style.blocks_at}.0.{ROUTED[name][0]}") == P()  # the router stays whole
     assert_trees_close(np.asarray(losses), np.asarray(one_device(name)), devices=8)
+
+
+def _pipelined_mixtral(coef: float) -> tuple[list[float], tuple[float, ...]]:
+    """Mixtral at ``dp4 x pp2`` over 2 micro-batches and on one device: the two loss lists."""
+    style = MOE_STYLES["mixtral"]
+
+    def build():
+        return MixtralForCausalLM(MixtralConfig(router_aux_loss_coef=coef), rngs=nnx.Rngs(0))
+
+    config = ToDistributedConfig(
+        forward=style.forward, force_mesh={"dp": 4, "pp": 2}, num_microbatches=2
+    )
+    model, opt, loader = to_distributed(
+        build(), optax.adam(1e-3), style.batches(STEPS), 8, config=config
+    )
+    assert get_plan(model).layout.pp == 2
+    step = make_train_step(style.loss_fn)
+    want, _ = train_one_device(build(), optax.adam(1e-3), style.batches(STEPS), style.loss_fn)
+    return [float(step(model, opt, batch)) for batch in loader], tuple(want)
+
+
+def test_pipelined_mixtral_without_its_aux_loss_trains_like_one_device():
+    losses, want = _pipelined_mixtral(0.0)
+    assert_trees_close(np.asarray(losses), np.asarray(want), devices=8)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="issue 39 item 4: a pipeline sums the Switch loss per micro-batch (gradient "
+    "accumulation's value), not over the whole batch",
+)
+def test_pipelined_mixtral_load_balancing_loss_is_the_whole_batch_value():
+    losses, want = _pipelined_mixtral(MixtralConfig().router_aux_loss_coef)
+    assert_trees_close(np.asarray(losses), np.asarray(want), devices=8)

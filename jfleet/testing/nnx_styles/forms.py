@@ -394,10 +394,10 @@ MOE_STYLES: dict[str, Style] = {
             """,
             (64, 32, 4, 2, 8, 16, 2),
             "model.layers",
-            True,
+            False,
             "fused interleaved gate/up [E, D, 2F] with biases, clamped swiglu, top-4 logits -> "
-            "softmax, experts' weights gathered per token; attention sinks; sliding / full "
-            "layers alternate (stages need whole pairs)",
+            "softmax, experts' weights gathered per token; attention sinks; its 2 layers are "
+            "one sliding / full pair, so no pipeline (stages need whole pairs)",
         ),
         kv_replicated_at=4,
     ),
