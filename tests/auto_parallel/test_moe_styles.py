@@ -106,6 +106,28 @@ def test_the_load_balancing_loss_is_switch_s_product_of_dispatch_and_probability
     assert float(load_balancing_loss(jnp.asarray(balanced), 2)) == pytest.approx(2.0, rel=1e-6)
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_the_aux_loss_is_hugging_face_s_over_all_layers_or_maxtext_s_per_layer_sum(name):
+    """Qwen3-MoE: one loss over every layer's router logits concatenated; Mixtral: the sum
+    of each layer's own loss (the two differ: the loss is not linear in the logits)."""
+    model = MOE_STYLES[name].build(nnx.Rngs(0))
+    tokens = _tokens()
+    positions = arange_positions(tokens)
+    x, outs = model.model.embed_tokens(tokens), []
+    for layer in model.model.layers:
+        x, out = layer(x, positions, _causal_mask(positions))
+        outs.append(out)
+    if name == "qwen3_moe":
+        per_layer = [load_balancing_loss(logits, 2) for logits in outs]
+        want = load_balancing_loss(jnp.concatenate(outs), 2)
+    else:
+        per_layer = want = outs
+    want, summed = float(jnp.sum(jnp.asarray(want))), float(sum(per_layer))
+    assert abs(want - summed) > 1e-4 if name == "qwen3_moe" else want == summed
+    _, aux = model(tokens)
+    np.testing.assert_allclose(aux, model.config.router_aux_loss_coef * want, rtol=1e-6)
+
+
 def test_mixtral_sends_each_token_to_the_softmax_of_its_top2_logits_by_hand():
     block = MixtralSparseMoeBlock(MixtralConfig(), rngs=nnx.Rngs(0))
     x = np.random.default_rng(1).normal(size=(1, 5, 32)).astype(np.float32)

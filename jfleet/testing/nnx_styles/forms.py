@@ -353,7 +353,8 @@ MOE_STYLES: dict[str, Style] = {
         "qwen3_moe",
         "dense",
         "stacked [E, D, F] experts, router 'gate', softmax -> top-2 renormalised, every token "
-        "through every expert (zero-filled combine); (logits, aux), a nonlinear aux: no pipeline",
+        "through every expert (zero-filled combine); one aux over every layer's router logits "
+        "(blocks return them): no pipeline",
     ),
     "qwen3_moe_ragged": _qwen3_moe(
         "qwen3_moe_ragged",

@@ -22,11 +22,13 @@
   ``weight[expert_indices]``), and attention with a learned sink logit per head joining the
   softmax, sliding-window and full attention alternating over the layers.
 
-Qwen3-MoE and Mixtral return ``(logits, aux)``: Hugging Face's load-balancing loss times
-``router_aux_loss_coef``. Each decoder layer returns ``(x, aux)`` with its own router's
-Switch loss ``E * sum_e f_e P_e`` and the model adds them up, the form ``to_distributed``
-plans (Hugging Face concatenates every layer's router logits before one product instead).
-GPT-OSS returns logits alone, as the reference does.
+Qwen3-MoE and Mixtral return ``(logits, aux)``: a Switch load-balancing loss ``E * sum_e
+f_e P_e`` (:func:`load_balancing_loss`) times ``router_aux_loss_coef``, in two forms. Qwen3-MoE's
+decoder layers return ``(x, router_logits)`` and the model takes one loss over every layer's
+logits concatenated (Hugging Face's ``load_balancing_loss_func``); Mixtral's layers return
+``(x, aux)`` with their own router's loss and the model adds them up (MaxText's per-layer
+loss; the summed block output ``to_distributed`` carries through pipelines). GPT-OSS returns
+logits alone, as the reference does.
 
 Example:
   >>> import jax.numpy as jnp
@@ -188,9 +190,11 @@ class Qwen3MoeDecoderLayer(nnx.Module):
     def __call__(
         self, x: jax.Array, positions: jax.Array, mask: jax.Array
     ) -> tuple[jax.Array, jax.Array]:
+        """``(hidden_states, router_logits [b * s, E])``, as Hugging Face's layer returns them
+        with ``output_router_logits=True``."""
         x = x + self.self_attn(self.input_layernorm(x), positions, mask)
         out, router_logits = self.mlp(self.post_attention_layernorm(x))
-        return x + out, load_balancing_loss(router_logits, self.config.num_experts_per_tok)
+        return x + out, router_logits
 
 
 class Qwen3MoeForCausalLM(nnx.Module):
@@ -216,11 +220,14 @@ class Qwen3MoeForCausalLM(nnx.Module):
     def __call__(self, input_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
         positions = arange_positions(input_ids)
         mask = _causal_mask(positions)
-        hidden_states, aux_loss = self.model.embed_tokens(input_ids), 0.0
+        hidden_states, all_router_logits = self.model.embed_tokens(input_ids), ()
         for decoder_layer in self.model.layers:
-            hidden_states, layer_aux = decoder_layer(hidden_states, positions, mask)
-            aux_loss = aux_loss + layer_aux
+            hidden_states, router_logits = decoder_layer(hidden_states, positions, mask)
+            all_router_logits += (router_logits,)
         logits = self.lm_head(self.model.norm(hidden_states))
+        aux_loss = load_balancing_loss(
+            jnp.concatenate(all_router_logits, axis=0), self.config.num_experts_per_tok
+        )
         return logits, self.config.router_aux_loss_coef * aux_loss
 
 
