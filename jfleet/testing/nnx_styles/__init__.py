@@ -20,6 +20,16 @@ trained through a KV cache, and decoders whose blocks return ``(cache, x)`` or `
 "aux_loss"}`` or hold dropout streams: the forms of issue 27, with image or token batches.
 :data:`RETURN_STYLES`: decoders whose blocks return ``(cache, x)`` with the cache None in
 training, ``(x, None)``, ``{"hidden": x, "cache": None}`` or ``(x, aux)`` (issue 35).
+:data:`MOE_STYLES` (:mod:`.moe_styles`, issue 39): tiny MoE decoders (8 experts of width 16)
+in the styles of public MoE code:
+
+* ``qwen3_moe`` / ``qwen3_moe_ragged``: Qwen3-MoE ports (tunix, Hugging Face): stacked
+  ``[E, D, F]`` experts, a router ``gate``, softmax then renormalised top-2; a dense dispatch
+  (every token through every expert) or tokens sorted by expert into ``jax.lax.ragged_dot``.
+* ``mixtral``: Mixtral (Mistral's reference, Hugging Face): an ``nnx.List`` of ``w1`` / ``w2``
+  / ``w3`` experts, the top-2 logits then their softmax, each expert masked by ``jnp.where``.
+* ``gpt_oss``: GPT-OSS (OpenAI's reference, Hugging Face): fused interleaved ``gate_up_proj``
+  with biases, the clamped SwiGLU, top-4, attention sinks, sliding / full layers alternating.
 
 The models live in :mod:`.flax_tutorials`, :mod:`.gemma` and :mod:`.ports`; :mod:`.registry`
 holds :data:`STYLES`. Every name stays importable from ``jfleet.testing.nnx_styles``.
@@ -55,6 +65,7 @@ from jfleet.testing.nnx_styles.flax_tutorials import (
 )
 from jfleet.testing.nnx_styles.forms import (
     FORMS,
+    MOE_STYLES,
     RETURN_STYLES,
 )
 from jfleet.testing.nnx_styles.gemma import (
@@ -67,6 +78,14 @@ from jfleet.testing.nnx_styles.gemma import (
     GemmaEmbedder,
     GemmaFeedForward,
     GemmaLM,
+)
+from jfleet.testing.nnx_styles.moe_styles import (
+    GptOssConfig,
+    GptOssForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 from jfleet.testing.nnx_styles.ports import (
     GPT,
@@ -96,6 +115,7 @@ __all__ = [
     "GPT",
     "MAX_SEQ",
     "MLP",
+    "MOE_STYLES",
     "RETURN_STYLES",
     "STYLES",
     "AuxLossDecoder",
@@ -116,12 +136,16 @@ __all__ = [
     "GemmaEmbedder",
     "GemmaFeedForward",
     "GemmaLM",
+    "GptOssConfig",
+    "GptOssForCausalLM",
     "LlamaCacheAttention",
     "LlamaCacheBlock",
     "LlamaCacheTransformer",
     "LlamaFeedForward",
     "MiniGPT",
     "MiniGPTBlock",
+    "MixtralConfig",
+    "MixtralForCausalLM",
     "ModelArgs",
     "QkvEinsumBlock",
     "QkvEinsumLM",
@@ -131,6 +155,8 @@ __all__ = [
     "Qwen3ForCausalLM",
     "Qwen3MLP",
     "Qwen3Model",
+    "Qwen3MoeConfig",
+    "Qwen3MoeForCausalLM",
     "ReturnFormDecoder",
     "Style",
     "TokenAndPositionEmbedding",

@@ -12,6 +12,11 @@ for a block index) of the weights a Megatron layout splits over ``mp``.
 ``(x, None)``, ``{"hidden": x, "cache": None}`` and ``(x, aux)`` with the auxiliary losses
 added to the loss. The first three compute the same function from the same seed.
 
+:data:`MOE_STYLES` holds issue 39's MoE decoders in public styles (:mod:`.moe_styles`):
+Qwen3-MoE's stacked experts with a dense or a ragged dispatch, Mixtral's list of expert MLPs
+and GPT-OSS's fused gate/up with attention sinks. Their ``splits`` are the Megatron cut of
+each expert on its hidden dimension ``F`` (the router stays whole).
+
 Example:
   >>> sorted(FORMS)  # doctest: +NORMALIZE_WHITESPACE
   ['aux_loss', 'cache_returning', 'cnn', 'dropout_blocks', 'encoder_decoder',
@@ -20,6 +25,8 @@ Example:
   (8, 8, 8, 3)
   >>> sorted(RETURN_STYLES)
   ['cache_first', 'dict_cache', 'x_aux', 'x_none']
+  >>> sorted(MOE_STYLES)
+  ['gpt_oss', 'mixtral', 'qwen3_moe', 'qwen3_moe_ragged']
 """
 
 from __future__ import annotations
@@ -46,10 +53,18 @@ from jfleet.testing.nnx_styles.block_forms import (
     DropoutDecoder,
     ReturnFormDecoder,
 )
+from jfleet.testing.nnx_styles.moe_styles import (
+    GptOssConfig,
+    GptOssForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 from jfleet.testing.nnx_styles.ports import LlamaCacheTransformer, ModelArgs
 from jfleet.testing.nnx_styles.registry import Style, token_batches
 
-__all__ = ["FORMS", "RETURN_STYLES"]
+__all__ = ["FORMS", "MOE_STYLES", "RETURN_STYLES"]
 
 
 def image_batches(
@@ -100,7 +115,7 @@ def _seq2seq(model: nnx.Module, batch: dict) -> jax.Array:
 
 
 def _form(name, build, batches, forward, table, sizes, blocks_at, pipelines, note) -> Style:
-    rows = [line.split() for line in table.strip().splitlines()]
+    rows = [line.split() for line in table.strip().splitlines() if line.strip()]
     vocab, width, heads, kv_heads, head_dim, hidden, layers = sizes
     return Style(
         name=name,
@@ -296,3 +311,96 @@ RETURN_STYLES: dict[str, Style] = {
     form: _return_style(form) for form in ("cache_first", "x_none", "dict_cache", "x_aux")
 }
 """Issue 35's block output forms, by name."""
+
+
+def _moe_attention(prefix: str, q: int, kv: int, width: int = 32) -> str:
+    """Split-table rows of a GQA attention's ``q_proj`` .. ``o_proj`` under ``prefix``."""
+    return f"""
+    {prefix}.q_proj.kernel  q  1  {width}x{q}
+    {prefix}.k_proj.kernel  k  1  {width}x{kv}
+    {prefix}.v_proj.kernel  v  1  {width}x{kv}
+    {prefix}.o_proj.kernel  o  0  {q}x{width}
+    """
+
+
+_QWEN3_MOE_TABLE = (
+    _moe_attention("model.layers.*.self_attn", 32, 16)
+    + """
+    model.layers.*.mlp.gate_proj  gate  2  8x32x16
+    model.layers.*.mlp.up_proj    up    2  8x32x16
+    model.layers.*.mlp.down_proj  down  1  8x16x32
+    """
+)
+
+
+def _qwen3_moe(name: str, dispatch: str, note: str) -> Style:
+    style = _form(
+        name,
+        lambda rngs: Qwen3MoeForCausalLM(Qwen3MoeConfig(dispatch=dispatch), rngs=rngs),
+        functools.partial(token_batches, vocab=64),
+        _with_aux,
+        _QWEN3_MOE_TABLE,
+        (64, 32, 4, 2, 8, 16, 2),
+        "model.layers",
+        False,
+        note,
+    )
+    return dataclasses.replace(style, loss_fn=_aux_loss, kv_replicated_at=4)
+
+
+MOE_STYLES: dict[str, Style] = {
+    "qwen3_moe": _qwen3_moe(
+        "qwen3_moe",
+        "dense",
+        "stacked [E, D, F] experts, router 'gate', softmax -> top-2 renormalised, every token "
+        "through every expert (zero-filled combine); one aux over every layer's router logits "
+        "(blocks return them): no pipeline",
+    ),
+    "qwen3_moe_ragged": _qwen3_moe(
+        "qwen3_moe_ragged",
+        "ragged",
+        "qwen3_moe with the token copies sorted by expert and jax.lax.ragged_dot",
+    ),
+    "mixtral": dataclasses.replace(
+        _form(
+            "mixtral",
+            lambda rngs: MixtralForCausalLM(MixtralConfig(), rngs=rngs),
+            functools.partial(token_batches, vocab=64),
+            _with_aux,
+            _moe_attention("model.layers.*.self_attn", 32, 16)
+            + """
+            model.layers.*.block_sparse_moe.experts.*.w1.kernel  gate  1  32x16
+            model.layers.*.block_sparse_moe.experts.*.w3.kernel  up    1  32x16
+            model.layers.*.block_sparse_moe.experts.*.w2.kernel  down  0  16x32
+            """,
+            (64, 32, 4, 2, 8, 16, 2),
+            "model.layers",
+            False,
+            "nnx.List of w1/w2/w3 experts, top-2 logits -> softmax, each expert masked by "
+            "jnp.where; (logits, aux): a nonlinear aux, so no pipeline",
+        ),
+        loss_fn=_aux_loss,
+        kv_replicated_at=4,
+    ),
+    "gpt_oss": dataclasses.replace(
+        _form(
+            "gpt_oss",
+            lambda rngs: GptOssForCausalLM(GptOssConfig(), rngs=rngs),
+            functools.partial(token_batches, vocab=64),
+            _tokens,
+            _moe_attention("model.layers.*.self_attn", 32, 16)
+            + """
+            model.layers.*.mlp.experts.gate_up_proj  gate_up  2  8x32x32
+            model.layers.*.mlp.experts.down_proj     down     1  8x16x32
+            """,
+            (64, 32, 4, 2, 8, 16, 2),
+            "model.layers",
+            False,
+            "fused interleaved gate/up [E, D, 2F] with biases, clamped swiglu, top-4 logits -> "
+            "softmax, experts' weights gathered per token; attention sinks; its 2 layers are "
+            "one sliding / full pair, so no pipeline (stages need whole pairs)",
+        ),
+        kv_replicated_at=4,
+    ),
+}
+"""Issue 39's MoE decoders in public styles, by name."""
