@@ -10,7 +10,7 @@ The strategy's ``pipeline_configs`` choose the schedule (``schedule_mode``: ``"1
 ``num_virtual_pipeline_stages >= 2``, and then ``"1F1B"`` runs it too, as in Paddle),
 ``"ZBH1"`` (zero-bubble H1)) and the micro-batching: ``accumulate_steps`` micro-batches
 of ``micro_batch_size`` rows per data-parallel replica, so a batch has
-``micro_batch_size x accumulate_steps x (dp x sharding)`` rows.
+``micro_batch_size x accumulate_steps x (dp x sharding x ep)`` rows.
 
 ``train_batch(lr_scheduler=..., scaler=...)`` binds a ``GradScaler`` and applies a
 scheduler's learning rate as every ``train_batch`` does
@@ -145,7 +145,7 @@ class PipelineParallel(DistributedModel):
         Args:
           data: ``(inputs, labels)`` (Paddle's form), or a dict with ``"labels"`` and one
             other key (the inputs, e.g. ``"tokens"``). Batch first; ``micro_batch_size x
-            accumulate_steps x (dp x sharding)`` rows.
+            accumulate_steps x (dp x sharding x ep)`` rows.
           optimizer: from ``fleet.distributed_optimizer``.
           lr_scheduler: a Paddle-style scheduler or an optax schedule whose learning rate
             the step applies (:func:`~jfleet.distributed_model.run_train_batch`).
