@@ -140,24 +140,32 @@ def test_a_topology_without_the_expert_axis_gets_it_as_degree_one():
 # ----- order and the world-size arithmetic ---------------------------------------------------
 
 
+PADDLE5 = ["dp", "pp", "sharding", "sep", "mp"]
+
+
 @pytest.mark.parametrize(
-    ("order", "axes"),
+    ("order", "stored", "axes"),
     [
-        (None, ("dp", "pp", "sharding", "sep", "ep", "mp")),
-        # Paddle's five-axis order: ep goes just outside mp
-        (["dp", "pp", "sharding", "sep", "mp"], ("dp", "pp", "sharding", "sep", "ep", "mp")),
+        # Paddle's default order, kept in the strategy; the mesh puts ep just outside mp
+        (None, PADDLE5, ("dp", "pp", "sharding", "sep", "ep", "mp")),
+        (PADDLE5, PADDLE5, ("dp", "pp", "sharding", "sep", "ep", "mp")),
         # Paddle's MoE order: moe_sharding and cp dropped, ep where it is named
         (
             ["sharding", "moe_sharding", "pp", "sep", "cp", "dp", "ep", "mp"],
+            ["sharding", "pp", "sep", "dp", "ep", "mp"],
             ("sharding", "pp", "sep", "dp", "ep", "mp"),
         ),
-        (["ep", "dp", "pp", "sharding", "sep", "mp"], ("ep", "dp", "pp", "sharding", "sep", "mp")),
+        (
+            ["ep", "dp", "pp", "sharding", "sep", "mp"],
+            ["ep", "dp", "pp", "sharding", "sep", "mp"],
+            ("ep", "dp", "pp", "sharding", "sep", "mp"),
+        ),
     ],
 )
-def test_order_may_name_ep_or_leave_it_out(order, axes):
+def test_order_may_name_ep_or_leave_it_out(order, stored, axes):
     hybrid = dict(DP2_EP4, **({"order": order} if order else {}))
     strategy = make_strategy(hybrid)
-    assert tuple(strategy.hybrid_configs["order"]) == axes
+    assert strategy.hybrid_configs["order"] == stored
     fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
     hcg = fleet.get_hybrid_communicate_group()
     assert hcg.mesh.axis_names == axes
