@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from jfleet.mesh import context as _context
 from jfleet.mesh.layer_mesh import named
-from jfleet.mesh.topology import DATA_AXES, DP, SEP, SHARDING
+from jfleet.mesh.topology import DATA_AXES, DP, EP, SEP, SHARDING
 from jfleet.runtime import consistency
 from jfleet.runtime.log import logger
 
@@ -289,7 +289,10 @@ class Placement:
         multi = jax.process_count() > 1
         if multi:
             consistency.check_batch(batch)
-        parts = [(a, self.mesh.shape[a]) for a in self.data_axes]
+        # a degree-1 ep (every run without experts split) is left out of the message
+        parts = [
+            (a, self.mesh.shape[a]) for a in self.data_axes if a != EP or self.mesh.shape[a] > 1
+        ]
         rows_factor = size // self.process_data_slices if multi else 1
 
         def _check_rows(path: Any, global_n: int | None) -> None:

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from jfleet.mesh.placement import Placement
-from jfleet.mesh.topology import PP
+from jfleet.mesh.topology import EP, PP
 from jfleet.parallel.pipeline_layer import PipelineLayer
 from jfleet.parallel.pipeline_schedule import SCHEDULES
 from jfleet.parallel.virtual_stages import TABLE_RUN, check_microbatches, pipeline_schedule_for
@@ -214,8 +214,9 @@ class PipelineParallel(DistributedModel):
         if dp == 1:
             where = f"the batch size {rows}"
         else:
+            shape = self.placement.mesh.shape
             axes = " x ".join(
-                f"{a} {self.placement.mesh.shape[a]}" for a in self.placement.data_axes
+                f"{a} {shape[a]}" for a in self.placement.data_axes if a != EP or shape[a] > 1
             )
             per = f"{rows // dp}" if rows % dp == 0 else f"{rows / dp:g}"
             where = (
