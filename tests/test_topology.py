@@ -382,8 +382,8 @@ def test_build_with_given_devices():
     [
         (
             {"dp_degree": 2, "pp_degree": 2, "mp_degree": 4},
-            "dp_degree=2 x pp_degree=2 x sharding_degree=1 x sep_degree=1 x ep_degree=1 x mp_degree=4 = 16, "
-            "but there are 8 devices",
+            "dp_degree=2 x pp_degree=2 x sharding_degree=1 x sep_degree=1 x ep_degree=1 x "
+            "mp_degree=4 = 16, but there are 8 devices",
         ),
         ({"dp_degree": -1, "pp_degree": 3}, "pp_degree=3"),
         ({"mp_degree": 0}, "mp_degree=0"),
