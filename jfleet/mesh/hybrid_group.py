@@ -498,7 +498,7 @@ def build_hybrid_communicate_group(
 
     Returns:
       The ``HybridCommunicateGroup``; its topology uses Paddle's names
-      (``data, pipe, sharding, sep, model``) in ``order``.
+      (``data, pipe, sharding, sep, expert, model``) in ``order``.
 
     Raises:
       ValueError: a degree is not an int >= 1 (dp may be -1), ``moe_sharding_degree`` is

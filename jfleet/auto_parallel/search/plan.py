@@ -228,7 +228,8 @@ class Plan:
     """A parallel plan: the mesh, the layouts, the pipeline, and why it was chosen.
 
     Attributes:
-      mesh: ``(axis, size)`` pairs in mesh order ``dp, pp, sharding, sep, mp``.
+      mesh: ``(axis, size)`` pairs in mesh order ``dp, pp, sharding, sep, mp`` (``ep`` only above
+        degree 1: it is not planned yet).
       zero_stage: 0 (none), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters),
         over the ``sharding`` axis.
       schedule: ``"FThenB"`` or ``"1F1B"`` when ``pp > 1``, else None.
