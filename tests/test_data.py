@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from jfleet import fleet
 from jfleet.mesh.placement import Placement
-from jfleet.mesh.topology import DATA_AXES, DP, MP, SHARDING
+from jfleet.mesh.topology import DATA_AXES, MP
 from jfleet.testing import make_strategy
 from jfleet.training.data import ShardedLoader, batch_shape, peek
 
