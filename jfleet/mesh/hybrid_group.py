@@ -456,8 +456,9 @@ class HybridCommunicateGroup:
         """The mode ``distributed_model`` dispatches on, with Paddle's priority.
 
         ``pp`` > 1: PIPELINE; else ``mp`` > 1: TENSOR; else ``sep`` > 1: SEGMENT; else
-        ``sharding`` > 1: SHARDING (even with ``dp`` > 1); else DATA. When every degree is 1
-        Paddle returns ``None``; jfleet returns DATA_PARALLEL.
+        ``sharding`` > 1: SHARDING (even with ``dp`` > 1); else DATA (``ep``, data to the
+        dense parameters, changes no mode). When every degree is 1 Paddle returns ``None``;
+        jfleet returns DATA_PARALLEL.
         """
         d = self._dims
         if d[PP] > 1:
@@ -487,10 +488,9 @@ def build_hybrid_communicate_group(
     ``ep`` is a mesh axis of its own that takes its ranks from the data ranks (as in
     Megatron-Core and MaxText): ``{"dp_degree": 2, "ep_degree": 4}`` on 8 devices is a
     ``dp2 x ep4`` mesh whose batch is split 8 ways. Paddle's expert-parallel group instead
-    overlaps the other axes (its ``ep_degree`` is not in the device product); a Paddle
-    config with ``ep_degree`` equal to its ``sharding_degree`` becomes here
-    ``sharding_degree / ep_degree`` times ``ep_degree``. Paddle clamps degrees of 0 to 1;
-    jfleet rejects them.
+    overlaps the other axes (its ``ep_degree`` is not in the device product): Paddle's
+    ``{"sharding_degree": 8, "ep_degree": 8}`` is ``{"sharding_degree": 1,
+    "ep_degree": 8}`` here. Paddle clamps degrees of 0 to 1; jfleet rejects them.
 
     Args:
       hybrid_configs: the ``DistributedStrategy.hybrid_configs`` dict.
