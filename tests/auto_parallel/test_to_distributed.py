@@ -241,7 +241,7 @@ def test_a_generator_loader_is_read_once_and_sharded():
     model, _, loader = to_distributed(llama(), optax.sgd(0.1), batches())
     placed = list(loader)
     assert len(placed) == 3  # the batch peeked for planning is not lost
-    assert all(spec_of(b["labels"]) == P(("dp", "sharding")) for b in placed)
+    assert all(spec_of(b["labels"]) == P(("dp", "sharding", "ep")) for b in placed)
     assert get_plan(model).optimizer == "sgd"
 
 
