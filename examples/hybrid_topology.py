@@ -2,6 +2,7 @@
 
     python examples/hybrid_topology.py              # dp 2 x pp 2 x mp 2
     python examples/hybrid_topology.py --mp 4 --sharding 2 --dp 1 --pp 1
+    python examples/hybrid_topology.py --dp 2 --ep 4 --pp 1 --mp 1   # an expert axis
 
 Set JAX_PLATFORMS to use real accelerators instead of emulated CPU devices.
 """
@@ -21,7 +22,8 @@ from jfleet import fleet
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for axis, default in (("dp", 2), ("pp", 2), ("sharding", 1), ("sep", 1), ("mp", 2)):
+    axes = (("dp", 2), ("pp", 2), ("sharding", 1), ("sep", 1), ("ep", 1), ("mp", 2))
+    for axis, default in axes:
         parser.add_argument(f"--{axis}", type=int, default=default, help=f"{axis}_degree")
     parser.add_argument("--devices", type=int, default=8, help="emulated CPU devices")
     args = parser.parse_args()
@@ -29,9 +31,7 @@ def main() -> None:
         jax.config.update("jax_num_cpu_devices", args.devices)
 
     strategy = fleet.DistributedStrategy()
-    strategy.hybrid_configs = {
-        f"{axis}_degree": getattr(args, axis) for axis in ("dp", "pp", "sharding", "sep", "mp")
-    }
+    strategy.hybrid_configs = {f"{axis}_degree": getattr(args, axis) for axis, _ in axes}
     fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
     hcg = fleet.get_hybrid_communicate_group()
     topo = fleet.get_hybrid_parallel_topology()

@@ -92,7 +92,7 @@ def test_resume_on_the_same_mesh_is_bit_exact_and_continues_the_data(reference):
     got, meta, (_, opt) = resumed(reference, PIPELINE)
     assert got == losses[SAVE_AT:]  # bit for bit; the loader gave batches 3, 4, 5
     assert meta["step"] == SAVE_AT and meta["extra"] == {"losses": losses[:SAVE_AT]}
-    assert meta["mesh_shape"] == {"dp": 2, "pp": 2, "sharding": 1, "sep": 1, "mp": 2}
+    assert meta["mesh_shape"] == {"dp": 2, "pp": 2, "sharding": 1, "sep": 1, "ep": 1, "mp": 2}
     assert meta["plan"]["mesh"]["pp"] == 2
     assert int(opt.step[...]) == STEPS
     # on disk: the plain model's per-layer paths, no stacked [pp, L/pp, ...] leaf
@@ -212,6 +212,15 @@ MOVES = {
         make_strategy({"dp_degree": 2, "sharding_degree": 4}, sharding_configs={"stage": 1}),
     ),
     "fp16-o2-loss-scale": (make_strategy({"dp_degree": 8}, **FP16_O2),) * 2,
+    # a mesh with an expert axis saves and restores like any other
+    "dp2xep4-to-zero1-dp2xsharding4": (
+        make_strategy({"dp_degree": 2, "ep_degree": 4}),
+        make_strategy({"dp_degree": 2, "sharding_degree": 4}, sharding_configs={"stage": 1}),
+    ),
+    "dp8-to-dp2xep4": (
+        make_strategy({"dp_degree": 8}),
+        make_strategy({"dp_degree": 2, "ep_degree": 4}),
+    ),
     "gradient-merge-k4-mid-accumulation": (
         make_strategy({"dp_degree": 8}, gradient_merge=True, gradient_merge_configs={"k_steps": 4}),
     )

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from jfleet import fleet
 from jfleet.mesh.placement import Placement
-from jfleet.mesh.topology import DATA_AXES, DP, MP, SHARDING
+from jfleet.mesh.topology import DATA_AXES, MP
 from jfleet.testing import make_strategy
 from jfleet.training.data import ShardedLoader, batch_shape, peek
 
@@ -50,7 +50,7 @@ def test_batches_are_split_over_the_data_axes_and_replicated_over_mp(placement):
         for key in ("tokens", "labels"):
             x = got[key]
             assert isinstance(x, jax.Array) and x.shape == (16, 8)
-            assert x.sharding.spec == P((DP, SHARDING))
+            assert x.sharding.spec == P(DATA_AXES)
             assert x.sharding.is_equivalent_to(NamedSharding(mesh, P(DATA_AXES)), 2)
             np.testing.assert_array_equal(np.asarray(x), raw[key])
             rows = rows_per_device(x)
@@ -69,7 +69,7 @@ def test_scalar_leaves_are_replicated(placement):
     batch = {"tokens": np.zeros((8, 4), np.int32), "step": np.int32(3)}
     (got,) = ShardedLoader([batch], placement)
     assert got["step"].sharding.spec == P() and int(got["step"]) == 3
-    assert got["tokens"].sharding.spec == P((DP, SHARDING))
+    assert got["tokens"].sharding.spec == P(DATA_AXES)
 
 
 def test_a_one_shot_iterator_keeps_the_peeked_first_batch(placement):

@@ -80,7 +80,7 @@ def test_dgc_trains_dense_momentum_first_then_sparse_updates_and_converges():
         (
             {"dp_degree": 1, "mp_degree": DP},
             hyperparams.momentum(0.1),
-            r"more than one data-parallel worker.*dp x sharding = 1",
+            r"more than one data-parallel worker.*dp x sharding x ep = 1",
         ),
     ],
 )

@@ -38,12 +38,12 @@ def check_ok(proc: subprocess.CompletedProcess) -> str:
 
 def test_hybrid_topology_prints_the_default_layout():
     out = check_ok(run_example("hybrid_topology.py"))
-    assert "mesh axes: {'dp': 2, 'pp': 2, 'sharding': 1, 'sep': 1, 'mp': 2}" in out
+    assert "mesh axes: {'dp': 2, 'pp': 2, 'sharding': 1, 'sep': 1, 'ep': 1, 'mp': 2}" in out
     assert "parallel mode:" in out
     ranks = re.findall(r"^\s+(\d+)\s+\((\d+(?:, \d+)*)\)\s+\S", out, re.M)
     assert [int(r) for r, _ in ranks] == list(range(8)), out
-    # coordinates in (dp, pp, sharding, sep, mp) order, mp innermost
-    assert ranks[1][1] == "0, 0, 0, 0, 1" and ranks[7][1] == "1, 1, 0, 0, 1", out
+    # coordinates in (dp, pp, sharding, sep, ep, mp) order, mp innermost
+    assert ranks[1][1] == "0, 0, 0, 0, 0, 1" and ranks[7][1] == "1, 1, 0, 0, 0, 1", out
     assert re.search(r"model groups: \[\[0, 1\], \[2, 3\], \[4, 5\], \[6, 7\]\]", out), out
 
 
@@ -51,7 +51,12 @@ def test_hybrid_topology_takes_other_degrees():
     out = check_ok(
         run_example("hybrid_topology.py", "--dp", "1", "--pp", "1", "--mp", "4", "--sharding", "2")
     )
-    assert "mesh axes: {'dp': 1, 'pp': 1, 'sharding': 2, 'sep': 1, 'mp': 4}" in out
+    assert "mesh axes: {'dp': 1, 'pp': 1, 'sharding': 2, 'sep': 1, 'ep': 1, 'mp': 4}" in out
+    out = check_ok(
+        run_example("hybrid_topology.py", "--dp", "2", "--ep", "4", "--pp", "1", "--mp", "1")
+    )
+    assert "mesh axes: {'dp': 2, 'pp': 1, 'sharding': 1, 'sep': 1, 'ep': 4, 'mp': 1}" in out
+    assert re.search(r"expert groups: \[\[0, 1, 2, 3\], \[4, 5, 6, 7\]\]", out), out
 
 
 def parse_training(out: str) -> tuple[list[int], list[float], float, float, str]:
@@ -73,17 +78,17 @@ def parse_training(out: str) -> tuple[list[int], list[float], float, float, str]
     [
         (
             ["--steps", "10"],
-            "{'dp': 2, 'pp': 1, 'sharding': 4, 'sep': 1, 'mp': 1}",
+            "{'dp': 2, 'pp': 1, 'sharding': 4, 'sep': 1, 'ep': 1, 'mp': 1}",
             "['ShardingOptimizer']",
         ),
         (
             ["--steps", "6", "--log-every", "2", "--stage", "3", "--amp", "fp16"],
-            "{'dp': 2, 'pp': 1, 'sharding': 4, 'sep': 1, 'mp': 1}",
+            "{'dp': 2, 'pp': 1, 'sharding': 4, 'sep': 1, 'ep': 1, 'mp': 1}",
             "['ShardingOptimizer', 'AMPOptimizer']",
         ),
         (
             ["--steps", "6", "--dp", "8", "--sharding", "1", "--amp", "bf16"],
-            "{'dp': 8, 'pp': 1, 'sharding': 1, 'sep': 1, 'mp': 1}",
+            "{'dp': 8, 'pp': 1, 'sharding': 1, 'sep': 1, 'ep': 1, 'mp': 1}",
             "['AMPOptimizer']",
         ),
     ],
@@ -117,7 +122,7 @@ def test_tensor_parallel_gpt_trains_at_dp2_mp4(sequence_parallel):
     if sequence_parallel:
         args.append("--sequence-parallel")
     out = check_ok(run_example("tensor_parallel_gpt.py", *args))
-    assert "mesh axes: {'dp': 2, 'pp': 1, 'sharding': 1, 'sep': 1, 'mp': 4}" in out, out
+    assert "mesh axes: {'dp': 2, 'pp': 1, 'sharding': 1, 'sep': 1, 'ep': 1, 'mp': 4}" in out, out
     assert "model parallel groups: [[0, 1, 2, 3], [4, 5, 6, 7]]" in out, out
     assert f"sequence parallel {'on' if sequence_parallel else 'off'}" in out, out
     layouts = parse_layouts(out)
@@ -184,7 +189,8 @@ def test_llama_to_distributed_rejects_an_unknown_mesh_axis():
 def test_resume_on_another_mesh_continues_the_uninterrupted_curve(tmp_path):
     args = ["--steps", "4", "--save-at", "2", "--check", "--dir", str(tmp_path)]
     out = check_ok(run_example("resume.py", *args))  # dp2 x pp2 x mp2, resumed on dp8
-    assert "restored step 2 (saved on {'dp': 2, 'pp': 2, 'sharding': 1, 'sep': 1, 'mp': 2})" in out
+    saved = "{'dp': 2, 'pp': 2, 'sharding': 1, 'sep': 1, 'ep': 1, 'mp': 2}"
+    assert f"restored step 2 (saved on {saved})" in out
     assert "onto dp=8; batches seen: 2" in out, out  # the loader skips them
     rows = re.findall(r"^\s+(\d)\s+(\d+\.\d+)\s+(\d+\.\d+)", out, re.M)
     assert [int(s) for s, _, _ in rows] == [1, 2, 3, 4], out

@@ -156,9 +156,9 @@ def test_all_reduce_bad_value_names_it():
 def test_default_mesh_axes_sizes_and_types():
     fleet.init(is_collective=True)
     mesh = fleet.get_hybrid_communicate_group().mesh
-    assert mesh.axis_names == ("dp", "pp", "sharding", "sep", "mp")
-    assert dict(mesh.shape) == {"dp": 8, "pp": 1, "sharding": 1, "sep": 1, "mp": 1}
-    assert mesh.axis_types == (AxisType.Auto,) * 5
+    assert mesh.axis_names == ("dp", "pp", "sharding", "sep", "ep", "mp")
+    assert dict(mesh.shape) == {"dp": 8, "pp": 1, "sharding": 1, "sep": 1, "ep": 1, "mp": 1}
+    assert mesh.axis_types == (AxisType.Auto,) * 6
 
 
 def test_hybrid_mesh_follows_the_strategy():
@@ -166,8 +166,8 @@ def test_hybrid_mesh_follows_the_strategy():
     fleet.init(is_collective=True, strategy=strategy)
     hcg = fleet.get_hybrid_communicate_group()
     mesh = hcg.mesh
-    assert mesh.axis_names == ("dp", "pp", "sharding", "sep", "mp")
-    assert dict(mesh.shape) == {"dp": 2, "pp": 1, "sharding": 2, "sep": 1, "mp": 2}
+    assert mesh.axis_names == ("dp", "pp", "sharding", "sep", "ep", "mp")
+    assert dict(mesh.shape) == {"dp": 2, "pp": 1, "sharding": 2, "sep": 1, "ep": 1, "mp": 2}
     assert all(t == AxisType.Auto for t in mesh.axis_types)
     assert hcg.get_data_parallel_world_size() == 2
     assert hcg.get_sharding_parallel_world_size() == 2
@@ -183,10 +183,11 @@ def test_hybrid_parallel_topology():
     )
     topo = fleet.get_hybrid_parallel_topology()
     assert topo is fleet.get_hybrid_communicate_group().topology()
-    assert topo.get_hybrid_group_names() == ["data", "pipe", "sharding", "sep", "model"]
-    assert [topo.get_dim(n) for n in topo.get_hybrid_group_names()] == [2, 2, 1, 1, 2]
+    names = ["data", "pipe", "sharding", "sep", "expert", "model"]
+    assert topo.get_hybrid_group_names() == names
+    assert [topo.get_dim(n) for n in topo.get_hybrid_group_names()] == [2, 2, 1, 1, 1, 2]
     assert topo.world_size() == 8
-    assert topo.get_rank(data=1, pipe=0, sharding=0, sep=0, model=1) == 5
+    assert topo.get_rank(data=1, pipe=0, sharding=0, sep=0, expert=0, model=1) == 5
     assert topo.get_comm_list("model") == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
@@ -221,15 +222,16 @@ def test_non_default_order_changes_the_mesh_axis_order():
     strategy = make_strategy(dict(dp_degree=2, mp_degree=4, order=order))
     fleet.init(is_collective=True, strategy=strategy)
     mesh = fleet.get_hybrid_communicate_group().mesh
-    assert mesh.axis_names == tuple(order)
-    assert dict(mesh.shape) == {"mp": 4, "sep": 1, "sharding": 1, "pp": 1, "dp": 2}
-    assert mesh.axis_types == (AxisType.Auto,) * 5
+    # ep, which the order leaves out, goes just outside mp
+    assert mesh.axis_names == ("ep", *order)
+    assert dict(mesh.shape) == {"ep": 1, "mp": 4, "sep": 1, "sharding": 1, "pp": 1, "dp": 2}
+    assert mesh.axis_types == (AxisType.Auto,) * 6
     # mp is now outermost: the devices along mp (dp=0) are every other rank.
     ids = np.vectorize(lambda d: d.id)(mesh.devices)
-    assert ids[:, 0, 0, 0, 0].tolist() == [0, 2, 4, 6]
-    assert ids[0, 0, 0, 0, :].tolist() == [0, 1]
+    assert ids[0, :, 0, 0, 0, 0].tolist() == [0, 2, 4, 6]
+    assert ids[0, 0, 0, 0, 0, :].tolist() == [0, 1]
     topo = fleet.get_hybrid_parallel_topology()
-    assert topo.get_hybrid_group_names() == ["model", "sep", "sharding", "pipe", "data"]
+    assert topo.get_hybrid_group_names() == ["expert", "model", "sep", "sharding", "pipe", "data"]
 
 
 def test_order_alias_and_cp_entry():
@@ -238,8 +240,8 @@ def test_order_alias_and_cp_entry():
     strategy.hybrid_parallel_order = ["pp", "dp", "cp", "sharding", "sep", "mp"]
     fleet.init(is_collective=True, strategy=strategy)
     mesh = fleet.get_hybrid_communicate_group().mesh
-    assert mesh.axis_names == ("pp", "dp", "sharding", "sep", "mp")
-    assert dict(mesh.shape) == {"pp": 2, "dp": 2, "sharding": 1, "sep": 1, "mp": 2}
+    assert mesh.axis_names == ("pp", "dp", "sharding", "sep", "ep", "mp")
+    assert dict(mesh.shape) == {"pp": 2, "dp": 2, "sharding": 1, "sep": 1, "ep": 1, "mp": 2}
 
 
 def test_init_again_rebuilds_the_mesh():

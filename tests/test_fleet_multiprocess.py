@@ -38,7 +38,7 @@ assert jax.process_count() == 2 and jax.process_index() == rank
 
 mesh = fleet.get_hybrid_communicate_group().mesh
 assert mesh.devices.size == 8, mesh
-assert dict(mesh.shape) == {{"dp": 2, "pp": 1, "sharding": 1, "sep": 1, "mp": 4}}, mesh
+assert dict(mesh.shape) == {{"dp": 2, "pp": 1, "sharding": 1, "sep": 1, "ep": 1, "mp": 4}}, mesh
 assert fleet.worker_index() == fleet.rank() == rank
 assert fleet.worker_num() == fleet.world_size() == 2
 assert fleet.is_first_worker() is (rank == 0)

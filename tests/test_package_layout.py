@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("testing",),
 )
 AXIS_MODULE = "jfleet.mesh.topology"
-AXIS_NAMES = {"dp", "pp", "sharding", "sep", "mp"}
+AXIS_NAMES = {"dp", "pp", "sharding", "sep", "ep", "mp"}
 #: String constants equal to an axis name that are not axis names.
 NOT_AXES = {
     # Paddle's ``strategy.sharding`` switch: a setting's name, not the mesh axis.

@@ -19,7 +19,7 @@ from jfleet.mesh.placement import (
     put,
     resolve_placement,
 )
-from jfleet.mesh.topology import DP, MP, SHARDING
+from jfleet.mesh.topology import DP, EP, MP, SHARDING
 from jfleet.training.distributed_model import DistributedModel
 from tests.fleet_setup import fleet_mesh, init_fleet
 
@@ -41,7 +41,7 @@ def test_from_fleet_reads_the_run():
     assert placement.mesh is fleet_mesh()
     assert placement.zero_stage == 2
     assert placement.zero_axis == SHARDING
-    assert placement.data_axes == (DP, SHARDING)
+    assert placement.data_axes == (DP, SHARDING, EP)
     assert placement.data_parallel_size == 4
     assert placement.zero_degree == 2
 
@@ -155,7 +155,7 @@ def test_shard_batch_splits_the_leading_dimension_over_the_data_axes():
     init_fleet(HYBRID)
     placement = Placement(mesh=fleet_mesh())
     batch = placement.shard_batch({"x": np.arange(16).reshape(8, 2), "step": np.int32(3)})
-    assert batch["x"].sharding.spec == P((DP, SHARDING))
+    assert batch["x"].sharding.spec == P((DP, SHARDING, EP))
     assert batch["step"].sharding.spec == P()
     np.testing.assert_array_equal(np.asarray(batch["x"]), np.arange(16).reshape(8, 2))
     again = placement.shard_batch(batch)  # a global array is re-laid out, not copied in

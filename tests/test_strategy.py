@@ -722,9 +722,14 @@ def _assign(name, value):
             r"cp_degree=2.*context parallelism is not available",
         ),
         (
-            _assign("hybrid_configs", {"ep_degree": 4}),
+            _assign("hybrid_configs", {"ep_degree": 0}),
             ValueError,
-            r"ep_degree=4.*expert parallelism is not available",
+            r"ep_degree=0 is not valid; set it to >= 1",
+        ),
+        (
+            _assign("hybrid_configs", {"moe_sharding_degree": 2}),
+            ValueError,
+            r"moe_sharding_degree=2 is not valid; set it to 1: jfleet splits expert weights",
         ),
         (
             _assign("hybrid_configs", {"order": ["dp", "mp"]}),

@@ -158,7 +158,8 @@ def test_fleet_init_sees_item_and_attribute_writes():
     assert hcg.get_pipe_parallel_world_size() == 2
     assert hcg.get_data_parallel_world_size() == 1
     names = fleet.get_hybrid_parallel_topology().get_hybrid_group_names()
-    assert list(names) == ["pipe", "data", "sharding", "sep", "model"]
+    # ep, which the order leaves out, goes just outside mp
+    assert list(names) == ["pipe", "data", "sharding", "sep", "expert", "model"]
 
 
 def test_unknown_keys_raise_what_paddle_raises_and_write_nothing():
@@ -280,7 +281,7 @@ FIXES = [
         lambda s: s.hybrid_parallel_order == ["pp", "dp", "sharding", "sep", "mp"],
     ),
     (
-        "strategy.hybrid_configs['order'] = ['dp', 'pp', 'sharding', 'ep', 'mp']",
+        "strategy.hybrid_configs['order'] = ['dp', 'pp', 'sharding', 'moe', 'mp']",
         ValueError,
         lambda s, m: _set_order(_after_eg(m))(s),
         lambda s: s.hybrid_parallel_order == ["dp", "pp", "sharding", "sep", "mp"],
@@ -440,9 +441,9 @@ def _setting(statement: str):
             r"refined_ops_patterns\[0\]\.num=-2",
         ),
         (
-            "strategy.hybrid_configs['order'] = ['dp', 'pp', 'sharding', 'ep', 'mp']",
+            "strategy.hybrid_configs['order'] = ['dp', 'pp', 'sharding', 'moe', 'mp']",
             ValueError,
-            r"order=\[.*'ep'.*'ep' is not an axis",
+            r"order=\[.*'moe'.*'moe' is not an axis",
         ),
         (
             "strategy.hybrid_configs['order'] = ['dp', 'pp', 'pp', 'sharding', 'mp']",

@@ -142,11 +142,11 @@ def test_default_topology_is_one_rank():
 @pytest.mark.parametrize(
     "names,dims,axes",
     [
-        (NAMES5, (2, 2, 1, 1, 2), ("dp", "pp", "sharding", "sep", "mp")),
-        (NAMES5, (1, 1, 4, 1, 2), ("dp", "pp", "sharding", "sep", "mp")),
+        (NAMES5, (2, 2, 1, 1, 2), ("dp", "pp", "sharding", "sep", "mp", "ep")),
+        (NAMES5, (1, 1, 4, 1, 2), ("dp", "pp", "sharding", "sep", "mp", "ep")),
         (("pipe", "data", "sharding", "sep", "model"), (2, 2, 1, 1, 2),
-         ("pp", "dp", "sharding", "sep", "mp")),
-        (("dp", "sep", "mp"), (2, 2, 2), ("dp", "sep", "mp", "pp", "sharding")),
+         ("pp", "dp", "sharding", "sep", "mp", "ep")),
+        (("dp", "sep", "mp"), (2, 2, 2), ("dp", "sep", "mp", "pp", "sharding", "ep")),
     ],
 )  # fmt: skip
 def test_mesh_layout_equals_topology_ranks(names, dims, axes):
@@ -175,7 +175,7 @@ def test_groups_host_view_dp2_pp2_mp2():
     assert hcg.get_dp_sep_parallel_group().ranks == (0, 4)
     assert hcg.get_pp_mp_parallel_group().ranks == (0, 1, 2, 3)
     check = hcg.get_check_parallel_group()
-    assert check.axis_name == ("pp", "sharding", "sep", "mp")
+    assert check.axis_name == ("pp", "sharding", "sep", "mp", "ep")
     assert check.ranks == (0, 1, 2, 3)
     assert hcg.get_check_parallel_group(sharding=True).ranks == tuple(range(8))
     assert [hcg.get_data_parallel_world_size(), hcg.get_pipe_parallel_world_size()] == [2, 2]
@@ -342,8 +342,15 @@ def test_parallel_mode_single_device_is_data():
 def test_build_infers_dp_and_uses_paddle_names():
     hcg = build_hybrid_communicate_group({"dp_degree": -1, "mp_degree": 2, "pp_degree": 2})
     assert hcg.get_data_parallel_world_size() == 2
-    assert hcg.topology().get_hybrid_group_names() == list(NAMES5)
-    assert dict(hcg.mesh.shape) == {"dp": 2, "pp": 2, "sharding": 1, "sep": 1, "mp": 2}
+    assert hcg.topology().get_hybrid_group_names() == [
+        "data",
+        "pipe",
+        "sharding",
+        "sep",
+        "expert",
+        "model",
+    ]
+    assert dict(hcg.mesh.shape) == {"dp": 2, "pp": 2, "sharding": 1, "sep": 1, "ep": 1, "mp": 2}
     # jfleet divides by sharding and sep too (Paddle would infer dp=8 // 2 = 4 here).
     hcg = build_hybrid_communicate_group({"dp_degree": -1, "sharding_degree": 2, "mp_degree": 2})
     assert hcg.get_data_parallel_world_size() == 2
@@ -359,7 +366,7 @@ def test_build_order_drops_cp_and_ignores_other_keys():
         "order": ["pp", "dp", "cp", "sharding", "sep", "mp"],
     }
     hcg = build_hybrid_communicate_group(configs)
-    assert hcg.mesh.axis_names == ("pp", "dp", "sharding", "sep", "mp")
+    assert hcg.mesh.axis_names == ("pp", "dp", "sharding", "sep", "ep", "mp")
     assert hcg.topology().get_comm_list("data") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert hcg.get_data_parallel_group().ranks == (0, 2)
     assert hcg.get_pipe_parallel_group().ranks == (0, 4)
@@ -375,8 +382,8 @@ def test_build_with_given_devices():
     [
         (
             {"dp_degree": 2, "pp_degree": 2, "mp_degree": 4},
-            "dp_degree=2 x pp_degree=2 x sharding_degree=1 x sep_degree=1 x mp_degree=4 = 16, "
-            "but there are 8 devices",
+            "dp_degree=2 x pp_degree=2 x sharding_degree=1 x sep_degree=1 x ep_degree=1 x "
+            "mp_degree=4 = 16, but there are 8 devices",
         ),
         ({"dp_degree": -1, "pp_degree": 3}, "pp_degree=3"),
         ({"mp_degree": 0}, "mp_degree=0"),

@@ -15,7 +15,7 @@ As in Paddle, ``jfleet.fleet``'s functions are bound to one process-wide
     strategy.hybrid_configs = {"dp_degree": 2, "pp_degree": 2, "mp_degree": 2}
     fleet.init(is_collective=True, strategy=strategy)
     hcg = fleet.get_hybrid_communicate_group()
-    mesh = hcg.mesh  # one jax.sharding.Mesh with axes (dp, pp, sharding, sep, mp)
+    mesh = hcg.mesh  # one jax.sharding.Mesh with axes (dp, pp, sharding, sep, ep, mp)
 
 The package mirrors Paddle's tree (``paddle.distributed.fleet`` → ``jfleet.fleet``):
 ``fleet.utils`` (``recompute``, ``sequence_parallel_utils``, ``hybrid_parallel_util``,

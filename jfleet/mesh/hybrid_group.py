@@ -10,6 +10,9 @@ Example:
   >>> hcg = build_hybrid_communicate_group({"dp_degree": 2, "mp_degree": 4})
   >>> hcg.get_model_parallel_world_size(), dict(hcg.mesh.shape)["dp"]
   (4, 2)
+  >>> hcg = build_hybrid_communicate_group({"dp_degree": 2, "ep_degree": 4})
+  >>> hcg.mesh.axis_names, hcg.get_expert_parallel_group().ranks
+  (('dp', 'pp', 'sharding', 'sep', 'ep', 'mp'), (0, 1, 2, 3))
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from jax.sharding import AxisType, Mesh
 from jfleet.mesh.topology import (
     DEFAULT_ORDER,
     DP,
+    EP,
     MESH_TO_TOPO,
     MP,
     PP,
@@ -39,17 +43,45 @@ from jfleet.mesh.topology import (
     is_int,
 )
 
-__all__ = ["HybridCommunicateGroup", "build_hybrid_communicate_group"]
+__all__ = ["HybridCommunicateGroup", "build_hybrid_communicate_group", "moe_sharding_problem"]
+
+#: Paddle's ``order`` entries that are not jfleet mesh axes, dropped from an order (their
+#: degrees must be 1): context parallelism and MoE sharding.
+ORDER_DROPPED = ("cp", "moe_sharding")
+
+
+def moe_sharding_problem(value: Any) -> str | None:
+    """Why ``hybrid_configs["moe_sharding_degree"]=value`` cannot run, or None (it is 1).
+
+    Paddle's ``moe_sharding`` is a ZeRO group for the expert weights alone, beside ``ep``.
+    In jfleet expert weights are split over ``ep`` and replicated over the other data
+    axes; sharding them further is not built, so the degree must be 1.
+
+    Example:
+      >>> moe_sharding_problem(1) is None, "moe_sharding_degree=2" in moe_sharding_problem(2)
+      (True, True)
+    """
+    if is_int(value) and value == 1:
+        return None
+    return (
+        f"moe_sharding_degree={value!r} is not supported; expected 1. jfleet splits expert "
+        f"weights over the '{EP}' axis (ep_degree) and keeps each expert shard replicated "
+        f"over the other data axes ('{DP}', '{SHARDING}'); ZeRO over the expert weights "
+        "alone (Paddle's moe_sharding group) is not built. Set moe_sharding_degree=1 and "
+        "give its ranks to dp_degree (or to sharding_degree, which shards the dense "
+        "parameters)."
+    )
 
 
 class HybridCommunicateGroup:
     """Paddle's ``HybridCommunicateGroup`` over one ``jax.sharding.Mesh``.
 
-    Topology names map to mesh axis names ``data->dp, pipe->pp, sharding, sep, model->mp``
-    (short names are accepted as they are; other names are used verbatim). The mesh has
-    the topology's axes in its order, each ``AxisType.Auto``, degree-1 axes kept; any of
-    ``dp, pp, sharding, sep, mp`` the topology lacks is appended as a degree-1 axis so the
-    mesh always has all five. Devices are laid out row-major, so ``mesh.devices.flat[r]``
+    Topology names map to mesh axis names
+    ``data->dp, pipe->pp, sharding, sep, expert->ep, model->mp`` (short names are accepted
+    as they are; other names are used verbatim). The mesh has the topology's axes in its
+    order, each ``AxisType.Auto``, degree-1 axes kept; any of
+    ``dp, pp, sharding, sep, ep, mp`` the topology lacks is appended as a degree-1 axis so
+    the mesh always has all six. Devices are laid out row-major, so ``mesh.devices.flat[r]``
     is ``devices[r]`` and its mesh coordinate is ``topology.get_coord(r)``.
 
     Rank getters answer for the host process (see the module docstring); for per-device
@@ -67,7 +99,7 @@ class HybridCommunicateGroup:
       >>> topo = CommunicateTopology(("data", "pipe", "model"), (2, 2, 2))
       >>> hcg = HybridCommunicateGroup(topo)  # with 8 devices
       >>> hcg.mesh.axis_names, hcg.get_model_parallel_group().ranks
-      (('dp', 'pp', 'mp', 'sharding', 'sep'), (0, 1))
+      (('dp', 'pp', 'mp', 'sharding', 'sep', 'ep'), (0, 1))
     """
 
     def __init__(
@@ -257,6 +289,33 @@ class HybridCommunicateGroup:
         """Host view: the first global rank of this process's ``sep`` group."""
         return self.get_sep_parallel_group().ranks[0]
 
+    # ----- expert parallel -------------------------------------------------------------
+
+    def get_expert_parallel_rank(self) -> int:
+        """Host view: this process's ``ep`` coordinate (traced: ``get_axis_rank("ep")``)."""
+        return self._coord[EP]
+
+    def get_expert_parallel_world_size(self) -> int:
+        """The ``ep`` degree (``hybrid_configs["ep_degree"]``; 1 without experts split)."""
+        return self._dims[EP]
+
+    def get_expert_parallel_group(self) -> Group:
+        """The ``ep`` group (``axis_name="ep"``) of this process: the ranks an MoE layer's
+        experts are split over, which its all-to-alls run in (a one-rank group at ``ep``
+        1, where Paddle's hybrid group has no such getter).
+
+        Example:
+          >>> hcg = build_hybrid_communicate_group({"dp_degree": 2, "ep_degree": 4})
+          >>> g = hcg.get_expert_parallel_group()
+          >>> g.axis_name, g.ranks, hcg.get_expert_parallel_world_size()
+          ('ep', (0, 1, 2, 3), 4)
+        """
+        return self._group([EP], EP)
+
+    def get_expert_parallel_group_src_rank(self) -> int:
+        """Host view: the first global rank of this process's ``ep`` group."""
+        return self.get_expert_parallel_group().ranks[0]
+
     # ----- pipeline parallel -----------------------------------------------------------
 
     @property
@@ -374,9 +433,11 @@ class HybridCommunicateGroup:
     # ----- MoE sharding (no such axis) -------------------------------------------------
 
     def get_moe_sharding_parallel_world_size(self) -> int:
-        """0: no MoE-sharding group, as Paddle's hybrid group without expert parallelism
-        says (its code tests ``> 0``); ``moe_sharding_degree`` other than 1 is refused."""
-        return 0
+        """0 without expert parallelism (``ep`` 1), as Paddle's hybrid group says (its code
+        tests ``> 0``); 1 with ``ep`` > 1, as Paddle's expert-parallel group says for
+        ``moe_sharding_degree`` 1. A ``moe_sharding_degree`` other than 1 is refused
+        (:func:`moe_sharding_problem`)."""
+        return 0 if self._dims[EP] == 1 else 1
 
     def get_moe_sharding_parallel_rank(self) -> int:
         """0: this process's index in its one-rank MoE-sharding group."""
@@ -395,8 +456,9 @@ class HybridCommunicateGroup:
         """The mode ``distributed_model`` dispatches on, with Paddle's priority.
 
         ``pp`` > 1: PIPELINE; else ``mp`` > 1: TENSOR; else ``sep`` > 1: SEGMENT; else
-        ``sharding`` > 1: SHARDING (even with ``dp`` > 1); else DATA. When every degree is 1
-        Paddle returns ``None``; jfleet returns DATA_PARALLEL.
+        ``sharding`` > 1: SHARDING (even with ``dp`` > 1); else DATA (``ep``, data to the
+        dense parameters, changes no mode). When every degree is 1 Paddle returns ``None``;
+        jfleet returns DATA_PARALLEL.
         """
         d = self._dims
         if d[PP] > 1:
@@ -416,11 +478,19 @@ def build_hybrid_communicate_group(
     """Builds the topology and mesh from a strategy's ``hybrid_configs`` (``fleet.init``).
 
     Reads ``dp_degree`` (-1: infer), ``mp_degree``, ``pp_degree``, ``sharding_degree``,
-    ``sep_degree`` (default 1 each, dp -1) and ``order`` (default ``DEFAULT_ORDER``; a
-    ``"cp"`` entry is dropped); other keys are ignored. ``dp_degree=-1`` becomes
-    ``devices // (mp * pp * sharding * sep)``; Paddle leaves sharding and sep out of that
-    division, jfleet does not, so the product always equals the device count. Paddle
-    clamps degrees of 0 to 1; jfleet rejects them.
+    ``sep_degree``, ``ep_degree`` (default 1 each, dp -1), ``moe_sharding_degree`` (must
+    be 1) and ``order`` (default ``DEFAULT_ORDER``; ``"cp"`` and ``"moe_sharding"``
+    entries are dropped, and an order without ``"ep"`` gets it just outside ``"mp"``);
+    other keys are ignored. ``dp_degree=-1`` becomes
+    ``devices // (pp * sharding * sep * ep * mp)``; Paddle leaves sharding and sep out of
+    that division, jfleet does not, so the product always equals the device count.
+
+    ``ep`` is a mesh axis of its own that takes its ranks from the data ranks (as in
+    Megatron-Core and MaxText): ``{"dp_degree": 2, "ep_degree": 4}`` on 8 devices is a
+    ``dp2 x ep4`` mesh whose batch is split 8 ways. Paddle's expert-parallel group instead
+    overlaps the other axes (its ``ep_degree`` is not in the device product): Paddle's
+    ``{"sharding_degree": 8, "ep_degree": 8}`` is ``{"sharding_degree": 1,
+    "ep_degree": 8}`` here. Paddle clamps degrees of 0 to 1; jfleet rejects them.
 
     Args:
       hybrid_configs: the ``DistributedStrategy.hybrid_configs`` dict.
@@ -428,11 +498,12 @@ def build_hybrid_communicate_group(
 
     Returns:
       The ``HybridCommunicateGroup``; its topology uses Paddle's names
-      (``data, pipe, sharding, sep, model``) in ``order``.
+      (``data, pipe, sharding, sep, expert, model``) in ``order``.
 
     Raises:
-      ValueError: a degree is not an int >= 1 (dp may be -1), ``order`` is not a
-        permutation of ``DEFAULT_ORDER``, or the degrees do not multiply to the device count.
+      ValueError: a degree is not an int >= 1 (dp may be -1), ``moe_sharding_degree`` is
+        not 1, ``order`` is not a permutation of ``DEFAULT_ORDER`` (``"ep"`` may be left
+        out), or the degrees do not multiply to the device count.
 
     Example:
       >>> hcg = build_hybrid_communicate_group({"dp_degree": -1, "mp_degree": 2})
@@ -444,12 +515,18 @@ def build_hybrid_communicate_group(
     if isinstance(order, str) or not isinstance(order, Sequence):
         raise ValueError(f"order={order!r} must be a list, a permutation of {list(DEFAULT_ORDER)}.")
     given = list(order)
-    order = [a for a in given if a != "cp"]
+    order = [a for a in given if a not in ORDER_DROPPED]
+    if EP not in order and MP in order:
+        order.insert(order.index(MP), EP)
     if not all(isinstance(a, str) for a in order) or sorted(order) != sorted(DEFAULT_ORDER):
         raise ValueError(
-            f"order={given} is not a permutation of "
-            f"{list(DEFAULT_ORDER)} (a 'cp' entry is allowed and dropped); list each once."
+            f"order={given} is not a permutation of {list(DEFAULT_ORDER)} ('ep' may be left "
+            f"out: it goes just outside 'mp'; 'cp' and 'moe_sharding' entries are allowed and "
+            "dropped); list each once."
         )
+    problem = moe_sharding_problem(hybrid_configs.get("moe_sharding_degree", 1))
+    if problem is not None:
+        raise ValueError(problem)
     degrees = {}
     for a in DEFAULT_ORDER:
         key = f"{a}_degree"
@@ -472,9 +549,16 @@ def build_hybrid_communicate_group(
     total = math.prod(degrees.values())
     if total != n:
         product = " x ".join(f"{a}_degree={degrees[a]}" for a in order)
+        hint = ""
+        if degrees[EP] > 1:
+            hint = (
+                f" ep_degree counts in the product: jfleet's '{EP}' axis takes its ranks from "
+                "the data ranks (Paddle's expert group overlaps the other axes), so divide "
+                "dp_degree or sharding_degree by ep_degree."
+            )
         raise ValueError(
             f"{product} = {total}, but there are {n} devices; make the product equal the "
-            "device count or set dp_degree=-1."
+            f"device count or set dp_degree=-1.{hint}"
         )
     topology = CommunicateTopology([MESH_TO_TOPO[a] for a in order], [degrees[a] for a in order])
     return HybridCommunicateGroup(topology, devices)

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from jfleet.mesh import context as _context
 from jfleet.mesh.layer_mesh import named
-from jfleet.mesh.topology import DATA_AXES, SEP, SHARDING
+from jfleet.mesh.topology import DATA_AXES, DP, EP, SEP, SHARDING
 from jfleet.runtime import consistency
 from jfleet.runtime.log import logger
 
@@ -119,7 +119,7 @@ class Placement:
 
     @property
     def data_parallel_size(self) -> int:
-        """How many ways a batch is split (dp x sharding)."""
+        """How many ways a batch is split (dp x sharding x ep)."""
         return math.prod(self.mesh.shape[a] for a in self.data_axes)
 
     @property
@@ -289,7 +289,10 @@ class Placement:
         multi = jax.process_count() > 1
         if multi:
             consistency.check_batch(batch)
-        parts = [(a, self.mesh.shape[a]) for a in self.data_axes]
+        # a degree-1 ep (every run without experts split) is left out of the message
+        parts = [
+            (a, self.mesh.shape[a]) for a in self.data_axes if a != EP or self.mesh.shape[a] > 1
+        ]
         rows_factor = size // self.process_data_slices if multi else 1
 
         def _check_rows(path: Any, global_n: int | None) -> None:
@@ -329,7 +332,8 @@ def zero_axes(mesh: Mesh | Any, spans_data: bool) -> str | tuple[str, ...]:
     """The axis (or axes) ZeRO shards over on ``mesh``: ``"sharding"``; with
     ``spans_data``, every axis of degree > 1 whose ranks hold the same parameters
     (``dp``, ``sharding``, ``sep``, in mesh order): Megatron's distributed optimizer, as
-    Paddle's ``sharding_configs["_dp_as_optimizer_sharding"]`` asks.
+    Paddle's ``sharding_configs["_dp_as_optimizer_sharding"]`` asks. ``ep`` is left out:
+    its ranks hold different experts (dense parameters stay ZeRO-sharded over the others).
 
     Example:
       >>> from jax.sharding import AbstractMesh
@@ -340,7 +344,7 @@ def zero_axes(mesh: Mesh | Any, spans_data: bool) -> str | tuple[str, ...]:
     if not spans_data:
         return SHARDING
     shape = dict(mesh.shape)
-    axes = tuple(a for a in (*DATA_AXES, SEP) if shape.get(a, 1) > 1)
+    axes = tuple(a for a in (DP, SHARDING, SEP) if shape.get(a, 1) > 1)
     if len(axes) <= 1:
         return axes[0] if axes else SHARDING
     return axes

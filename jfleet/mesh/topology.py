@@ -1,7 +1,7 @@
 """The axis vocabulary and Paddle's hybrid-parallel rank arithmetic.
 
 The one place the mesh axis names are spelled (``DP``, ``PP``, ``SHARDING``, ``SEP``,
-``MP``). ``CommunicateTopology`` reproduces Paddle's row-major rank arithmetic (rank ``r``
+``EP``, ``MP``). ``CommunicateTopology`` reproduces Paddle's row-major rank arithmetic (rank ``r``
 has the coordinate ``np.unravel_index(r, dims)``, the last axis fastest);
 :class:`~jfleet.mesh.hybrid_group.HybridCommunicateGroup` turns it into one ``Mesh`` whose
 axes are the topology's axes in the same order, so that ``mesh.devices.flat[r]`` is Paddle
@@ -40,6 +40,7 @@ __all__ = [
     "DATA_AXES",
     "DEFAULT_ORDER",
     "DP",
+    "EP",
     "MP",
     "PP",
     "SEP",
@@ -61,18 +62,25 @@ SHARDING = "sharding"
 """The ZeRO axis (Paddle's ``sharding`` / ``sharding_degree``); batches split on it too."""
 SEP = "sep"
 """The sequence (segment) parallel axis (Paddle's ``sep`` / ``sep_degree``)."""
+EP = "ep"
+"""The expert-parallel axis (Paddle's ``expert`` / ``ep_degree``): an MoE layer's experts
+``[E, ...]`` are split over it. It reuses data ranks (as Megatron-Core's and MaxText's
+expert axes do): everything that is not an expert sees it as data, so a batch is split
+over it and dense gradients are reduced over it."""
 MP = "mp"
 """The tensor-parallel axis (Paddle's ``model`` / ``mp_degree``)."""
 
-DEFAULT_ORDER = (DP, PP, SHARDING, SEP, MP)
-"""Paddle's default ``hybrid_configs["order"]``, outermost axis first."""
+DEFAULT_ORDER = (DP, PP, SHARDING, SEP, EP, MP)
+"""jfleet's default ``hybrid_configs["order"]``, outermost axis first: Paddle's
+``["dp", "pp", "sharding", "sep", "mp"]`` with ``ep`` innermost among the data axes, next
+to ``mp``, so that an expert all-to-all stays within a node."""
 AXIS_NAMES = DEFAULT_ORDER
-"""Every axis of a jfleet mesh (each mesh has all five, degree-1 axes kept)."""
-DATA_AXES = (DP, SHARDING)
+"""Every axis of a jfleet mesh (each mesh has all six, degree-1 axes kept)."""
+DATA_AXES = (DP, SHARDING, EP)
 """The axes a batch is split over, outermost first (use as one ``PartitionSpec`` entry)."""
 
 #: Paddle's topology axis names -> the mesh's, and back.
-TOPO_TO_MESH = {"data": DP, "pipe": PP, "sharding": SHARDING, "sep": SEP, "model": MP}
+TOPO_TO_MESH = {"data": DP, "pipe": PP, "sharding": SHARDING, "sep": SEP, "expert": EP, "model": MP}
 MESH_TO_TOPO = {v: k for k, v in TOPO_TO_MESH.items()}
 
 

@@ -309,7 +309,7 @@ def _dgc(
         if workers < 2:
             raise ValueError(
                 "strategy.dgc=True needs more than one data-parallel worker (as Paddle's DGC "
-                f"does), but dp x sharding = {workers}; set hybrid_configs dp_degree > 1, or "
+                f"does), but dp x sharding x ep = {workers}; set hybrid_configs dp_degree > 1, or "
                 "strategy.dgc=False."
             )
     begin, rampup, sparsity = cfg["rampup_begin_step"], cfg["rampup_step"], cfg["sparsity"]

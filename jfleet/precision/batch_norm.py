@@ -9,7 +9,7 @@ replicas. jfleet gives both meanings to the user's own ``nnx.BatchNorm`` modules
 
 * ``sync_batch_norm=True``: statistics over the whole (data-sharded) batch, equal to one
   device on the global batch; XLA all-reduces the per-device sums.
-* ``sync_batch_norm=False`` (Paddle's default) with R = dp x sharding > 1: the batch's
+* ``sync_batch_norm=False`` (Paddle's default) with R = dp x sharding x ep > 1: the batch's
   leading dimension is cut into R contiguous parts, the rows each data-parallel replica
   holds, and each part is normalised with its own mean and variance, as R separate copies
   of the module would (no collective in the forward pass). The leading dimension of a

@@ -2,7 +2,7 @@
 
 :class:`ShardedLoader` wraps any iterable of batches (a list, a generator, a ``torch`` or
 ``grain`` loader) and places each one with :meth:`jfleet.placement.Placement.shard_batch`:
-the batch dimension split over ``dp x sharding``, the rest replicated. ``to_distributed``
+the batch dimension split over ``dp x sharding x ep``, the rest replicated. ``to_distributed``
 returns one; a Fleet script wraps its own loader in one for the run's placement
 (``Placement.from_fleet()``). :func:`peek` and :func:`batch_shape` read a loader's first
 batch for planning.
@@ -279,7 +279,7 @@ def local_rows(batch: Any, placement: Placement | None = None) -> Any:
     """This process's rows of a global batch: what it passes to ``train_batch`` or a loader.
 
     In one process the batch comes back as it is. With several processes each keeps the
-    rows its devices hold on the data axes (``dp x sharding``), in order, so every process
+    rows its devices hold on the data axes (``dp x sharding x ep``), in order, so every process
     can read the same global batch and the job trains on exactly that batch.
 
     Args:

@@ -85,7 +85,7 @@ class DistributedModel(nnx.Module):
 
         Args:
           batch: a pytree of arrays whose leading dimension is the global batch
-            (divisible by dp x sharding).
+            (divisible by dp x sharding x ep).
           optimizer: from ``fleet.distributed_optimizer``.
           loss_fn: ``loss_fn(model, batch)`` returning a scalar or ``(loss, aux)``.
           lr_scheduler: a Paddle-style scheduler (``jfleet.optim.lr``) or an optax

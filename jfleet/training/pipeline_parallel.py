@@ -10,7 +10,7 @@ The strategy's ``pipeline_configs`` choose the schedule (``schedule_mode``: ``"1
 ``num_virtual_pipeline_stages >= 2``, and then ``"1F1B"`` runs it too, as in Paddle),
 ``"ZBH1"`` (zero-bubble H1)) and the micro-batching: ``accumulate_steps`` micro-batches
 of ``micro_batch_size`` rows per data-parallel replica, so a batch has
-``micro_batch_size x accumulate_steps x (dp x sharding)`` rows.
+``micro_batch_size x accumulate_steps x (dp x sharding x ep)`` rows.
 
 ``train_batch(lr_scheduler=..., scaler=...)`` binds a ``GradScaler`` and applies a
 scheduler's learning rate as every ``train_batch`` does
@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from jfleet.mesh.placement import Placement
-from jfleet.mesh.topology import PP
+from jfleet.mesh.topology import EP, PP
 from jfleet.parallel.pipeline_layer import PipelineLayer
 from jfleet.parallel.pipeline_schedule import SCHEDULES
 from jfleet.parallel.virtual_stages import TABLE_RUN, check_microbatches, pipeline_schedule_for
@@ -145,7 +145,7 @@ class PipelineParallel(DistributedModel):
         Args:
           data: ``(inputs, labels)`` (Paddle's form), or a dict with ``"labels"`` and one
             other key (the inputs, e.g. ``"tokens"``). Batch first; ``micro_batch_size x
-            accumulate_steps x (dp x sharding)`` rows.
+            accumulate_steps x (dp x sharding x ep)`` rows.
           optimizer: from ``fleet.distributed_optimizer``.
           lr_scheduler: a Paddle-style scheduler or an optax schedule whose learning rate
             the step applies (:func:`~jfleet.distributed_model.run_train_batch`).
@@ -214,8 +214,9 @@ class PipelineParallel(DistributedModel):
         if dp == 1:
             where = f"the batch size {rows}"
         else:
+            shape = self.placement.mesh.shape
             axes = " x ".join(
-                f"{a} {self.placement.mesh.shape[a]}" for a in self.placement.data_axes
+                f"{a} {shape[a]}" for a in self.placement.data_axes if a != EP or shape[a] > 1
             )
             per = f"{rows // dp}" if rows % dp == 0 else f"{rows / dp:g}"
             where = (

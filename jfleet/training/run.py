@@ -12,7 +12,7 @@ Example:
   >>> strategy.hybrid_configs = {"dp_degree": 4, "mp_degree": 2}
   >>> run = start_run(PaddleCloudRoleMaker(is_collective=True), strategy)
   >>> dict(run.mesh.shape)
-  {'dp': 4, 'pp': 1, 'sharding': 1, 'sep': 1, 'mp': 2}
+  {'dp': 4, 'pp': 1, 'sharding': 1, 'sep': 1, 'ep': 1, 'mp': 2}
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ tables hang off the schema, all keyed by dotted path:
 - ``SPMD_NOOP_SETTINGS``: settings accepted for compatibility that have no effect under
   SPMD, each with the reason. ``fleet.init`` logs the ones set to a non-default value.
 - ``NORMALIZE``: values stored in a canonical form (``'F-then-B'`` -> ``'FThenB'``, the
-  hybrid ``order`` completed to the five jfleet axes, see :func:`complete_order`).
+  hybrid ``order`` completed, see :func:`complete_order`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,13 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from jfleet.mesh.topology import DEFAULT_ORDER, MP, SEP
+from jfleet.mesh.hybrid_group import ORDER_DROPPED
+from jfleet.mesh.topology import DEFAULT_ORDER, EP, MP, SEP
 from jfleet.precision.nonfinite import MODES as NONFINITE_MODES
+
+PADDLE_ORDER = tuple(a for a in DEFAULT_ORDER if a != EP)
+"""Paddle's default ``hybrid_configs["order"]`` (no ``ep``: the mesh puts it just outside
+``mp``, :func:`~jfleet.mesh.hybrid_group.build_hybrid_communicate_group`)."""
 
 
 class ListOf:
@@ -103,7 +108,7 @@ SCHEMA: dict[str, Any] = {
     "hybrid_configs": {
         "dp_degree": -1, "mp_degree": 1, "pp_degree": 1, "sharding_degree": 1, "sep_degree": 1,
         "cp_degree": 1, "ep_degree": 1, "moe_sharding_degree": 1, "cp_sharding_degree": 1,
-        "order": ListOf(str, DEFAULT_ORDER),
+        "order": ListOf(str, PADDLE_ORDER),
         "mp_configs": {
             "sync_param": True, "sync_grad": False, "sync_moment": False,
             "sync_mode": "broadcast", "mp_async_allreduce": False, "mp_skip_c_identity": False,
@@ -308,12 +313,12 @@ SPMD_NOOP_SETTINGS: dict[str, str] = {
 
 CP = "cp"
 """Paddle 3.x's context-parallel axis name in ``order``; jfleet has no such mesh axis."""
-_REQUIRED_AXES = tuple(a for a in DEFAULT_ORDER if a != SEP)
+_REQUIRED_AXES = tuple(a for a in DEFAULT_ORDER if a not in (SEP, EP))
 
 
 def order_problem(order: list[str]) -> str | None:
     """Why ``order`` is not a hybrid order Paddle accepts, or ``None`` if it is one."""
-    unknown = [a for a in order if a not in (*DEFAULT_ORDER, CP)]
+    unknown = [a for a in order if a not in (*DEFAULT_ORDER, *ORDER_DROPPED)]
     if unknown:
         return f"{unknown[0]!r} is not an axis"
     twice = sorted({a for a in order if order.count(a) > 1})
@@ -326,42 +331,46 @@ def order_problem(order: list[str]) -> str | None:
 
 
 def complete_order(order: list[str]) -> list[str]:
-    """The five-axis order a Paddle order stands for (outermost first).
+    """The order a Paddle order stands for (outermost first), as jfleet stores it.
 
     Paddle's ``fleet.init`` builds its topology from the axes ``order`` names, in that
     order (its completeness check never fires: it compares two ``list.sort()`` results,
     both ``None``). Orders written for Paddles without the sep axis have four, without
     ``sep`` (PaddleNLP's trainer still falls back to ``["dp", "pp", "sharding", "mp"]`` when
     ``HybridCommunicateGroup`` has no ``get_sep_parallel_world_size``); Paddle 3.x's
-    default has six, with ``cp`` between ``sep`` and ``mp``. jfleet's mesh always has
-    the five axes, so: a missing ``sep`` is put just outside ``mp`` (where Paddle's
-    default and PaddleNLP's five-axis orders have it; with ``sep_degree`` 1, as an
-    order without ``sep`` needs in Paddle, its place changes no rank; with a larger
-    ``sep_degree`` Paddle's topology would not match the device count, jfleet's puts
-    ``sep`` there), and ``cp`` is dropped (``cp_degree`` must be 1: jfleet has no
-    context-parallel axis). Other names (``ep``, ``moe_sharding``...) are not mesh axes
-    in jfleet and are refused; their degrees must be 1.
+    default has six, with ``cp`` between ``sep`` and ``mp``, and its MoE orders eight
+    (``["sharding", "moe_sharding", "pp", "sep", "cp", "dp", "ep", "mp"]``). So: a missing
+    ``sep`` is put just outside ``mp`` (where Paddle's default and PaddleNLP's five-axis
+    orders have it; with ``sep_degree`` 1, as an order without ``sep`` needs in Paddle, its
+    place changes no rank; with a larger ``sep_degree`` Paddle's topology would not match
+    the device count, jfleet's puts ``sep`` there), and ``cp`` and ``moe_sharding`` are
+    dropped (their degrees must be 1: jfleet has no context-parallel axis, and no ZeRO
+    group for expert weights alone). ``ep`` stays where it is named; an order without it
+    (Paddle's default) is stored as it is, and the mesh puts ``ep`` just outside ``mp``.
 
     Example:
       >>> complete_order(["dp", "pp", "sharding", "mp"])
       ['dp', 'pp', 'sharding', 'sep', 'mp']
       >>> complete_order(["dp", "pp", "sharding", "sep", "cp", "mp"])
       ['dp', 'pp', 'sharding', 'sep', 'mp']
+      >>> complete_order(["sharding", "moe_sharding", "pp", "sep", "cp", "dp", "ep", "mp"])
+      ['sharding', 'pp', 'sep', 'dp', 'ep', 'mp']
     """
-    out = [a for a in order if a != CP]
+    out = [a for a in order if a not in ORDER_DROPPED]
     if SEP not in out:
         out.insert(out.index(MP), SEP)
     return out
 
 
 def _order_expected(order: Any) -> str:
-    known = [a for a in dict.fromkeys(order) if a in (*DEFAULT_ORDER, CP)]
+    known = [a for a in dict.fromkeys(order) if a in (*DEFAULT_ORDER, *ORDER_DROPPED)]
     missing = [a for a in _REQUIRED_AXES if a not in known]
-    fix = list(DEFAULT_ORDER) if missing else complete_order(known)
+    fix = list(PADDLE_ORDER) if missing else complete_order(known)
+    dropped = " and ".join(repr(a) for a in ORDER_DROPPED)
     return (
-        f"a permutation of {list(DEFAULT_ORDER)}, outermost first ({order_problem(order)}); "
-        f"'{SEP}' may be left out (Paddle's four-axis order) and '{CP}' may appear "
-        f"(dropped), e.g. {fix}"
+        f"a permutation of {list(PADDLE_ORDER)}, outermost first ({order_problem(order)}); "
+        f"'{SEP}' may be left out (Paddle's four-axis order), '{EP}' may be added (without "
+        f"it, it goes just outside '{MP}') and {dropped} may appear (dropped), e.g. {fix}"
     )
 
 
@@ -417,8 +426,14 @@ RULES: dict[str, Rule] = {
     "hybrid_configs.mp_degree": _GE1, "hybrid_configs.pp_degree": _GE1,
     "hybrid_configs.sharding_degree": _GE1, "hybrid_configs.sep_degree": _GE1,
     "hybrid_configs.cp_degree": _not_available("context parallelism"),
-    "hybrid_configs.ep_degree": _not_available("expert parallelism"),
-    "hybrid_configs.moe_sharding_degree": _not_available("MoE sharding"),
+    "hybrid_configs.ep_degree": _GE1,
+    "hybrid_configs.moe_sharding_degree": (
+        (lambda v: v == 1),
+        "1: jfleet splits expert weights over the 'ep' axis (ep_degree) and keeps each expert "
+        "shard replicated over the other data axes; ZeRO over the expert weights alone "
+        "(Paddle's moe_sharding group) is not built, so give its ranks to dp_degree (or to "
+        "sharding_degree, which shards the dense parameters)",
+    ),
     "hybrid_configs.cp_sharding_degree": _not_available("context-parallel sharding"),
     "hybrid_configs.order": ((lambda v: order_problem(v) is None), _order_expected),
     "hybrid_configs.mp_configs.sync_mode": _SYNC_MODES,

@@ -149,7 +149,7 @@ def test_llama_trains_like_one_device(mesh, zero):
         assert moments and all("sharding" in str(spec_of(x)) for x in moments)
         assert optimizer_layouts(model) == planned_optimizer_layouts(plan, model)
     batch = next(iter(loader))
-    assert spec_of(batch["tokens"]) == P(("dp", "sharding"))
+    assert spec_of(batch["tokens"]) == P(("dp", "sharding", "ep"))  # the data axes
     losses = train(model, opt, loader)
     np.testing.assert_allclose(losses, single_device_losses("llama"), rtol=0, atol=TOL)
     assert losses[-1] < losses[0]
@@ -241,7 +241,7 @@ def test_a_generator_loader_is_read_once_and_sharded():
     model, _, loader = to_distributed(llama(), optax.sgd(0.1), batches())
     placed = list(loader)
     assert len(placed) == 3  # the batch peeked for planning is not lost
-    assert all(spec_of(b["labels"]) == P(("dp", "sharding")) for b in placed)
+    assert all(spec_of(b["labels"]) == P(("dp", "sharding", "ep")) for b in placed)
     assert get_plan(model).optimizer == "sgd"
 
 

@@ -170,7 +170,7 @@ def test_a_function_runs_in_two_processes_of_four_devices(emulated_processes):
 
 def test_mesh_factory_and_its_device_hint(mesh_factory):
     mesh = mesh_factory(dp=2, mp=2)
-    assert dict(mesh.shape) == {"dp": 2, "pp": 1, "sharding": 1, "sep": 1, "mp": 2}
+    assert dict(mesh.shape) == {"dp": 2, "pp": 1, "sharding": 1, "sep": 1, "ep": 1, "mp": 2}
     assert mesh.devices.size == 4
     with pytest.raises(RuntimeError, match="mesh_factory\\(dp=16\\) needs 16 devices.*"
                        "--jfleet-devices 16"):  # fmt: skip

@@ -1,7 +1,8 @@
 """A layout and a workload: what the cost model prices.
 
 A :class:`Layout` is one way to run a training step: the mesh degrees
-``dp x pp x sharding x sep x mp`` (mesh order, outermost first), the ZeRO stage, the
+``dp x pp x sharding x sep x ep x mp`` (mesh order, outermost first; the planner keeps
+``ep`` at 1: it does not plan expert parallelism yet), the ZeRO stage, the
 pipeline schedule and micro-batch count, and recompute. A :class:`Workload` is what the
 step processes (batch, sequence, dtype, optimizer). Both validate themselves; which
 layouts a model's shapes allow is the search's business
@@ -114,6 +115,8 @@ class Layout:
       pp: pipeline stages.
       sharding: ZeRO (sharding) degree; the batch is split over ``dp x sharding``.
       sep: sequence (segment) parallel degree.
+      ep: expert-parallel degree (the ``ep`` mesh axis). The cost model prices no expert
+        layouts yet and the search keeps it at 1; a layout with ``ep`` > 1 is refused.
       mp: tensor-parallel degree.
       zero_stage: 0 without a sharding axis, else 1, 2 or 3.
       schedule: ``"FThenB"``, ``"1F1B"`` or ``"VPP"`` when ``pp > 1``, else None.
@@ -152,6 +155,7 @@ class Layout:
     pp: int = 1
     sharding: int = 1
     sep: int = 1
+    ep: int = 1
     mp: int = 1
     zero_stage: int = 0
     schedule: str | None = None
@@ -167,6 +171,11 @@ class Layout:
             value = getattr(self, name)
             if not _count_ok(value):
                 raise ValueError(f"{name}={value!r} must be an int >= 1.")
+        if self.ep != 1:
+            raise ValueError(
+                f"ep={self.ep}: the cost model does not price expert parallelism yet; use "
+                "ep=1 (train an expert-parallel layout with fleet's hybrid_configs ep_degree)."
+            )
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage={self.zero_stage!r} must be 0, 1, 2 or 3.")
         if self.zero_stage and self.sharding == 1:

@@ -311,7 +311,8 @@ def _meshes(
     """Every mesh to consider, as degree tuples in mesh order."""
     if force_mesh is not None:
         return [tuple(force_mesh.get(a, 1) for a in AXIS_NAMES)]
-    axes = AXIS_NAMES if sequence_parallel else (DP, PP, SHARDING, MP)
+    # ep is not searched (the cost model prices no expert layouts yet): it stays 1
+    axes = (DP, PP, SHARDING, SEP, MP) if sequence_parallel else (DP, PP, SHARDING, MP)
     meshes = []
     for combo in _factorisations(total, len(axes)):
         deg = dict(zip(axes, combo, strict=True))

@@ -31,6 +31,7 @@ from jfleet.auto_parallel.cost.cost_model import Candidate, Collectives, Memory,
 from jfleet.auto_parallel.cost.layout import Layout
 from jfleet.auto_parallel.cost.profiles import HardwareProfile
 from jfleet.auto_parallel.match.patterns import path_str
+from jfleet.mesh.topology import EP
 from jfleet.runtime.log import logger
 
 __all__ = ["ParamPlan", "Plan", "spec_from_json", "spec_to_json", "split_devices"]
@@ -156,7 +157,8 @@ def _placed_specs(model: nnx.Module, blocks: Sequence[str]) -> dict[str, tuple[t
 
 def _candidate_to_dict(c: Candidate) -> dict[str, Any]:
     return {
-        "layout": dataclasses.asdict(c.layout),
+        # ep is not planned yet (always 1): left out, so plans read as before the axis
+        "layout": {k: v for k, v in dataclasses.asdict(c.layout).items() if k != EP or v != 1},
         "memory": dataclasses.asdict(c.memory),
         "time": dataclasses.asdict(c.time),
         "collectives": dataclasses.asdict(c.collectives),
@@ -226,7 +228,8 @@ class Plan:
     """A parallel plan: the mesh, the layouts, the pipeline, and why it was chosen.
 
     Attributes:
-      mesh: ``(axis, size)`` pairs in mesh order ``dp, pp, sharding, sep, mp``.
+      mesh: ``(axis, size)`` pairs in mesh order ``dp, pp, sharding, sep, mp`` (``ep`` only above
+        degree 1: it is not planned yet).
       zero_stage: 0 (none), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters),
         over the ``sharding`` axis.
       schedule: ``"FThenB"`` or ``"1F1B"`` when ``pp > 1``, else None.
@@ -304,7 +307,8 @@ class Plan:
 
     @property
     def axis_names(self) -> tuple[str, ...]:
-        """The mesh's axis names (all five, degree-1 axes kept)."""
+        """The mesh's axis names (degree-1 axes kept; ``ep``, which is not planned yet, only
+        above degree 1)."""
         return tuple(a for a, _ in self.mesh)
 
     @property

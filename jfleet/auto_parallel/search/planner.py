@@ -42,7 +42,7 @@ from jfleet.auto_parallel.match.patterns import ModelPatterns, match_patterns, p
 from jfleet.auto_parallel.search.layouts import enumerate_layouts, shape_problem
 from jfleet.auto_parallel.search.plan import ParamPlan, Plan, _mib, _secs
 from jfleet.mesh.placement import Placement
-from jfleet.mesh.topology import AXIS_NAMES, MP, PP, SEP
+from jfleet.mesh.topology import AXIS_NAMES, EP, MP, PP, SEP
 from jfleet.parallel.virtual_stages import check_chunks_agree, even_sizes, slot_units
 from jfleet.precision.amp import apply_amp
 from jfleet.runtime.log import logger
@@ -68,6 +68,12 @@ def _check_force_mesh(force_mesh: Mapping[str, int], device_num: int, node_num: 
         )
     for a, n in force_mesh.items():
         _positive_int(f"force_mesh[{a!r}]", n)
+    if force_mesh.get(EP, 1) != 1:
+        raise ValueError(
+            f"force_mesh={dict(force_mesh)} asks for {EP}={force_mesh[EP]}, but to_distributed "
+            f"does not plan expert parallelism yet; leave '{EP}' out (or 1), or train the "
+            "expert-parallel layout with fleet (hybrid_configs ep_degree)."
+        )
     product = math.prod(force_mesh.values())
     total = device_num * node_num
     if product != total:
@@ -642,7 +648,8 @@ def _build_plan(
         _secs(best.time.total),
     )
     return Plan(
-        mesh=tuple(lay.degrees.items()),
+        # ep is not planned yet: a plan leaves its degree 1 out, as plans before the axis did
+        mesh=tuple((a, n) for a, n in lay.degrees.items() if a != EP or n > 1),
         zero_stage=lay.zero_stage,
         schedule=lay.schedule,
         num_microbatches=lay.num_microbatches,
