@@ -66,16 +66,16 @@ class BaseGate(nnx.Module):
 
     def set_loss(self, loss: jax.Array) -> None:
         """Keep ``loss`` as the gate's loss (read it with :meth:`get_loss`)."""
-        self.loss.value = jnp.asarray(loss, jnp.float32)
+        self.loss[...] = jnp.asarray(loss, jnp.float32)
 
     def get_loss(self, clear: bool = True) -> jax.Array | None:
         """The loss of the last call (None for a gate that keeps none); ``clear`` resets it
         to zero (Paddle sets it to None)."""
         if not self.has_loss:
             return None
-        loss = self.loss.value
+        loss = self.loss[...]
         if clear:
-            self.loss.value = jnp.zeros((), jnp.float32)
+            self.loss[...] = jnp.zeros((), jnp.float32)
         return loss
 
     def record(self, aux: MoEAux) -> None:

@@ -46,7 +46,7 @@ from jfleet.parallel.moe.routing import (
 
 #: The expert-parallel mesh axis name (``jfleet.mesh.topology.EP`` once the vocabulary
 #: has it).
-EP_AXIS: str = getattr(topology, "EP", "ep")
+EP_AXIS: str = topology.EP
 Path = Literal["auto", "dense", "ragged"]
 #: Platforms with ``jax.lax.ragged_all_to_all``.
 RAGGED_PLATFORMS = frozenset({"gpu", "cuda", "rocm", "tpu"})

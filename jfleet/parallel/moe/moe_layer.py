@@ -109,7 +109,7 @@ class MoELayer(nnx.Module):
         experts = list(experts)
         if not experts:
             raise ValueError("MoELayer: experts is empty; pass the layer's expert modules.")
-        self.mesh = nnx.data(layer_mesh(mesh))
+        self.mesh = layer_mesh(mesh)
         self.groups = int(groups)
         self.axis_name = _group_axis(moe_group, "moe_group", default=EP_AXIS)
         if mp_group is not None and _group_axis(mp_group, "mp_group", default=MP) != MP:
@@ -126,7 +126,7 @@ class MoELayer(nnx.Module):
         self.num_expert = len(experts)
         self.gate = _build_gate(gate, d_model, len(experts), ep, rngs)
         self.top_k = self.gate.top_k
-        self.experts = _stack_experts(experts, self.axis_name)
+        self.experts = _stack_experts(experts, self.axis_name, self.mesh)
         self.token_axes = tuple(a for a in (*DATA_AXES, *((MP,) if mp_group else ())))
         if self.axis_name not in self.token_axes:
             self.token_axes = (*self.token_axes, self.axis_name)
@@ -169,9 +169,9 @@ class MoELayer(nnx.Module):
         y, aux = run(inp, logits, params, draws)
         self.gate.record(aux)
         if self.gate.has_loss and self.z_loss_coef:
-            self.gate.set_loss(self.gate.loss.value + self.z_loss_coef * aux.router_z_loss)
-        self.dropped.value = aux.dropped
-        self.routed.value = aux.routed
+            self.gate.set_loss(self.gate.loss[...] + self.z_loss_coef * aux.router_z_loss)
+        self.dropped[...] = aux.dropped
+        self.routed[...] = aux.routed
         return y
 
 
@@ -236,14 +236,14 @@ def _build_gate(
     return _GATES[kind](d_model, num_experts // ep, ep, top_k, rngs=rngs, **config)
 
 
-def _stack_experts(experts: list[nnx.Module], axis: str) -> nnx.Module:
+def _stack_experts(experts: list[nnx.Module], axis: str, mesh: Mesh) -> nnx.Module:
     """The experts' parameters stacked ``[1, E, ...]``, split over ``axis`` on the expert
     dimension (their own tensor-parallel split kept behind it)."""
     stacked = stack_layers(experts, 1, "expert")
     for _, param in nnx.iter_graph(stacked):
         if isinstance(param, nnx.Param):
             inner = tuple(param.get_metadata().get("out_sharding") or ())[2:]
-            param.set_metadata(out_sharding=(None, axis, *inner))
+            param.set_metadata(out_sharding=(None, axis, *inner), mesh=mesh)
     return stacked
 
 
@@ -265,6 +265,6 @@ def moe_stats(model: nnx.Module) -> dict[str, jax.Array]:
     if not layers:
         raise ValueError(f"moe_stats: {type(model).__name__} holds no MoELayer.")
     return {
-        "dropped": sum(jnp.sum(m.dropped.value) for m in layers),
-        "routed": sum(jnp.sum(m.routed.value) for m in layers),
+        "dropped": sum(jnp.sum(m.dropped[...]) for m in layers),
+        "routed": sum(jnp.sum(m.routed[...]) for m in layers),
     }

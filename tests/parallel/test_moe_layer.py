@@ -1,0 +1,142 @@
+"""Paddle's ``MoELayer`` (issue 39): a Paddle MoE script's model trained through fleet on
+an expert-parallel mesh equals the same model on one device (fp32, 3 Adam steps), dropless
+and with GShard's capacity (its drops counted and equal to the one-device run's with the
+same token groups); expert weights split ``1 / ep`` per device; the gates' rules.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+from jfleet import fleet
+from jfleet.incubate.distributed.models.moe import MoELayer
+from jfleet.mesh.topology import AXIS_NAMES
+from jfleet.parallel.moe import moe_stats
+from jfleet.testing import assert_trees_close, make_strategy, train_one_device
+
+VOCAB, D_MODEL, HIDDEN, EXPERTS, BATCH, SEQ = 64, 16, 32, 8, 8, 16
+
+
+class ExpertLayer(nnx.Module):
+    """Paddle's docstring expert: ``htoh4`` then ``h4toh``, biases on."""
+
+    def __init__(self, d_model: int, d_hidden: int, *, rngs: nnx.Rngs):
+        self.htoh4 = nnx.Linear(d_model, d_hidden, rngs=rngs)
+        self.h4toh = nnx.Linear(d_hidden, d_model, rngs=rngs)
+
+    def __call__(self, x):
+        return self.h4toh(jax.nn.gelu(self.htoh4(x)))
+
+
+class MoELM(nnx.Module):
+    """Embedding, two pre-norm MoE blocks with residuals, a head."""
+
+    def __init__(self, gate, *, mesh=None, groups=1, mp=False, layers=2):
+        rngs = nnx.Rngs(0)
+        hcg = None if mesh is not None else fleet.get_hybrid_communicate_group()
+        self.embed = nnx.Embed(VOCAB, D_MODEL, rngs=rngs)
+        self.norms = nnx.List([nnx.RMSNorm(D_MODEL, rngs=rngs) for _ in range(layers)])
+        self.moes = nnx.List(
+            [
+                MoELayer(
+                    D_MODEL,
+                    [ExpertLayer(D_MODEL, HIDDEN, rngs=rngs) for _ in range(EXPERTS)],
+                    gate=dict(gate),
+                    moe_group=None if hcg is None else hcg.get_expert_parallel_group(),
+                    mp_group=hcg.get_model_parallel_group() if mp and hcg else None,
+                    groups=groups,
+                    mesh=mesh,
+                    rngs=rngs,
+                )
+                for _ in range(layers)
+            ]
+        )
+        self.head = nnx.Linear(D_MODEL, VOCAB, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for norm, moe in zip(self.norms, self.moes, strict=True):
+            x = x + moe(norm(x))
+        return self.head(x)
+
+
+def moe_loss(model, batch):
+    """Paddle's pattern: the cross-entropy plus each gate's loss of this forward."""
+    logits = model(batch["tokens"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+    layers = getattr(model, "module", model).moes  # fleet.distributed_model wraps it
+    aux = sum(m.gate.get_loss() for m in layers)
+    return ce + 0.01 * aux
+
+
+def batches(n=3):
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(n):
+        tokens = rng.integers(0, VOCAB, (BATCH, SEQ + 1), dtype=np.int32)
+        out.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]})
+    return out
+
+
+def one_device_mesh() -> Mesh:
+    return Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(AXIS_NAMES)), AXIS_NAMES)
+
+
+def fleet_train(hybrid, gate, data, *, mp=False):
+    fleet.init(is_collective=True, strategy=make_strategy(hybrid), log_level="WARNING")
+    model = fleet.distributed_model(MoELM(gate, mp=mp))
+    opt = fleet.distributed_optimizer(optax.adam(1e-2))
+    losses, dropped = [], []
+    for b in data:
+        losses.append(float(model.train_batch(b, opt, loss_fn=moe_loss)))
+        dropped.append(int(moe_stats(model.module)["dropped"]))  # the step's own count
+    return np.array(losses), dropped, nnx.state(model.module, nnx.Param), model
+
+
+def reference(gate, data, groups=1):
+    """The same model on one device (token groups: the sharded run's devices)."""
+    model = MoELM(gate, mesh=one_device_mesh(), groups=groups)
+    losses, params = train_one_device(model, optax.adam(1e-2), data, moe_loss)
+    return losses, params, int(moe_stats(model)["dropped"])
+
+
+LAYOUTS = {
+    "dp2_ep4": ({"dp_degree": 2, "ep_degree": 4}, False),
+    "ep4_mp2": ({"ep_degree": 4, "mp_degree": 2}, True),
+}
+DROPLESS = {"type": "gshard", "top_k": 2, "capacity": None, "random_routing": False}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_dropless_moe_lm_trains_like_one_device(layout):
+    hybrid, mp = LAYOUTS[layout]
+    data = batches()
+    want_losses, want_params, _ = reference(DROPLESS, data)
+    got_losses, dropped, got_params, model = fleet_train(hybrid, DROPLESS, data, mp=mp)
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
+    assert_trees_close(got_params, want_params, devices=8)
+    assert dropped == [0, 0, 0]
+    # each device holds E / ep experts of every expert kernel
+    kernel = model.module.moes[0].experts.htoh4.kernel[...]
+    assert kernel.shape == (1, EXPERTS, D_MODEL, HIDDEN)
+    assert kernel.sharding.shard_shape(kernel.shape) == (1, EXPERTS // 4, D_MODEL, HIDDEN)
+
+
+def test_capacity_drops_like_one_device_with_the_same_token_groups():
+    """GShard's capacity 1.0 drops tokens per device's group; a one-device run with those
+    eight groups drops the same ones and trains the same."""
+    gate = {"type": "gshard", "top_k": 2, "capacity": (1.0, 1.0), "random_routing": False}
+    data = batches()
+    want_losses, want_params, want_dropped = reference(gate, data, groups=8)
+    got_losses, dropped, got_params, _ = fleet_train({"dp_degree": 2, "ep_degree": 4}, gate, data)
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
+    assert_trees_close(got_params, want_params, devices=8)
+    assert all(d > 0 for d in dropped) and dropped[-1] == want_dropped, (dropped, want_dropped)
+    # a one-device run of one group drops otherwise (the rule depends on the groups)
+    other, _, _ = reference(gate, data[:1], groups=1)
+    assert abs(other[0] - want_losses[0]) > 1e-6
