@@ -23,6 +23,7 @@ PACKAGES = (
     "jfleet",
     "jfleet.fleet",
     "jfleet.distributed",
+    "jfleet.incubate.distributed.models.moe",
     "jfleet.testing",
     "jfleet.auto_parallel",
 )

@@ -44,8 +44,7 @@ from jfleet.parallel.moe.routing import (
     router_z_loss,
 )
 
-#: The expert-parallel mesh axis name (``jfleet.mesh.topology.EP`` once the vocabulary
-#: has it).
+#: The expert-parallel mesh axis name (the vocabulary's ``EP``).
 EP_AXIS: str = topology.EP
 Path = Literal["auto", "dense", "ragged"]
 #: Platforms with ``jax.lax.ragged_all_to_all``.

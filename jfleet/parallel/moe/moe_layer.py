@@ -89,6 +89,18 @@ class MoELayer(nnx.Module):
       ValueError: no experts, unlike experts, a gate type or ``top_k`` that cannot work,
         a gate over another number of experts, a group that is not one mesh axis, or
         experts that do not split evenly over it.
+
+    Example:
+      >>> from flax import nnx
+      >>> from jfleet import fleet
+      >>> strategy = fleet.DistributedStrategy()
+      >>> strategy.hybrid_configs = {"dp_degree": 2, "ep_degree": 4}
+      >>> _ = fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
+      >>> experts = [nnx.Linear(8, 8, rngs=nnx.Rngs(i)) for i in range(8)]
+      >>> layer = MoELayer(8, experts, gate={"type": "switch"}, rngs=nnx.Rngs(0))
+      >>> kernel = layer.experts.kernel  # 8 experts stacked, split over ep: 2 a device
+      >>> kernel.shape, kernel.get_metadata()["out_sharding"]
+      ((1, 8, 8, 8), (None, 'ep'))
     """
 
     def __init__(
@@ -111,8 +123,9 @@ class MoELayer(nnx.Module):
             raise ValueError("MoELayer: experts is empty; pass the layer's expert modules.")
         self.mesh = layer_mesh(mesh)
         self.groups = int(groups)
-        self.axis_name = _group_axis(moe_group, "moe_group", default=EP_AXIS)
-        if mp_group is not None and _group_axis(mp_group, "mp_group", default=MP) != MP:
+        self.axis_name = _group_axis(moe_group, "moe_group", default=EP_AXIS, mesh=self.mesh)
+        mp_axis = _group_axis(mp_group, "mp_group", default=MP, mesh=self.mesh)
+        if mp_group is not None and mp_axis != MP:
             raise ValueError(
                 f"MoELayer: mp_group={mp_group!r} is not the fleet's model-parallel group."
             )
@@ -189,19 +202,20 @@ def _run(
     )
 
 
-def _group_axis(group: Any, what: str, *, default: str) -> str:
-    """The one mesh axis a Paddle group names."""
+def _group_axis(group: Any, what: str, *, default: str, mesh: Mesh) -> str:
+    """The one mesh axis a Paddle group spans (its other axes of size 1): a hybrid-group
+    getter's group, or ``dist.new_group(ranks)``'s."""
     if group is None:
         return default
     axis = getattr(group, "axis_name", None)
-    if isinstance(axis, tuple) and len(axis) == 1:
-        axis = axis[0]
-    if not isinstance(axis, str):
+    axes = (axis,) if isinstance(axis, str) else tuple(axis) if isinstance(axis, tuple) else ()
+    spanned = [a for a in axes if mesh.shape.get(a, 1) > 1] or list(axes[:1])
+    if len(spanned) != 1:
         raise ValueError(
-            f"MoELayer: {what}={group!r} is not the group of one mesh axis; pass a group of "
-            "the fleet's hybrid group (e.g. hcg.get_expert_parallel_group()) or None."
+            f"MoELayer: {what}={group!r} spans the mesh axes {axes}; the experts go over one "
+            "axis: pass hcg.get_expert_parallel_group() (or another one-axis group) or None."
         )
-    return axis
+    return spanned[0]
 
 
 def _build_gate(
