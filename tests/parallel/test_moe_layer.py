@@ -13,11 +13,12 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
-from jfleet import fleet
+from jfleet import fleet, make_train_step
+from jfleet.auto_parallel.cost.cost_moe import moe_exchange, moe_exchange_bytes
 from jfleet.incubate.distributed.models.moe import MoELayer
 from jfleet.mesh.topology import AXIS_NAMES
 from jfleet.parallel.moe import moe_stats
-from jfleet.testing import assert_trees_close, make_strategy, train_one_device
+from jfleet.testing import assert_trees_close, hlo, make_strategy, train_one_device
 
 VOCAB, D_MODEL, HIDDEN, EXPERTS, BATCH, SEQ = 64, 16, 32, 8, 8, 16
 
@@ -140,3 +141,33 @@ def test_capacity_drops_like_one_device_with_the_same_token_groups():
     # a one-device run of one group drops otherwise (the rule depends on the groups)
     other, _, _ = reference(gate, data[:1], groups=1)
     assert abs(other[0] - want_losses[0]) > 1e-6
+
+
+@pytest.mark.parametrize("capacity", [None, (1.0, 1.0)], ids=["dropless", "capacity1"])
+def test_all_to_all_bytes_per_layer_match_the_cost_model(capacity):
+    """The compiled training step's all-to-alls, per MoE layer: two forward and two
+    backward buffers of ``E x C x D`` (``C`` the capacity of a device's 16 tokens), as
+    ``jfleet.auto_parallel.cost.cost_moe`` charges them (within 15%; here exact)."""
+    gate = {"type": "gshard", "top_k": 2, "capacity": capacity, "random_routing": False}
+    fleet.init(
+        is_collective=True,
+        strategy=make_strategy({"dp_degree": 2, "ep_degree": 4}),
+        log_level="WARNING",
+    )
+    model = fleet.distributed_model(MoELM(gate))
+    opt = fleet.distributed_optimizer(optax.adam(1e-2))
+    step = make_train_step(moe_loss).lower(model, opt, batches(1)[0]).compile()
+    found = [c for c in hlo.collectives(step.as_text()) if c.kind == "all-to-all"]
+    layers = len(model.module.moes)
+    tokens = BATCH * SEQ // 8
+    factor = None if capacity is None else capacity[0]
+    buffer = moe_exchange_bytes(
+        tokens=tokens, width=D_MODEL, k=2, experts=EXPERTS, capacity_factor=factor
+    )
+    predicted = moe_exchange(buffer, ep=4, bandwidth=1.0)
+    assert all(c.group_size == 4 for c in found)
+    assert sum(c.weight for c in found) == predicted.count * layers
+    measured = sum(c.weight * c.bytes for c in found) / layers
+    assert measured == pytest.approx(predicted.count * buffer, rel=0.15)
+    wire = sum(c.weight * c.wire_bytes for c in found) / layers
+    assert wire == pytest.approx(predicted.wire_bytes, rel=0.15)
