@@ -1,4 +1,4 @@
-"""Reference models for the docs, examples, notebooks, benchmarks and tests.
+r"""Reference models for the docs, examples, notebooks, benchmarks and tests.
 
 Reference models, built from the parallel layer (beside ``precision``, neither importing
 the other); the planner's named model shapes build them abstractly.
@@ -14,6 +14,8 @@ says otherwise; all train on the token batches of :mod:`jfleet.models.tiny_lm`.
   jfleet's tensor-parallel layers (Megatron layout, optional sequence parallel).
 * :mod:`~jfleet.models.gpt2`: ``TinyGPT2``, GPT-2-style (fused qkv, tied head).
 * :mod:`~jfleet.models.llama`: ``TinyLlama``, Llama-style (RMSNorm, RoPE, GQA, SwiGLU).
+* :mod:`~jfleet.models.moe_lm`: ``TinyMoELM``, whose blocks are Paddle ``MoELayer``\ s
+  (experts over the ``ep`` axis), and ``moe_lm_loss`` (cross-entropy plus the gates' losses).
 * :mod:`~jfleet.models.attention`: the attention core they share, ``causal_attention``
   (``jax.nn.dot_product_attention``: cuDNN flash attention on a GPU, XLA elsewhere).
 
@@ -23,6 +25,8 @@ Example:
   True
 """
 
+from jfleet.models.moe_lm import TinyMoELM as TinyMoELM
+from jfleet.models.moe_lm import moe_lm_loss as moe_lm_loss
 from jfleet.models.tiny_lm import Block as Block
 from jfleet.models.tiny_lm import TinyLM as TinyLM
 from jfleet.models.tiny_lm import lm_batches as lm_batches

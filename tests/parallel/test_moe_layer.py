@@ -15,64 +15,21 @@ from jax.sharding import Mesh
 
 from jfleet import fleet, make_train_step
 from jfleet.auto_parallel.cost.cost_moe import moe_exchange, moe_exchange_bytes
-from jfleet.incubate.distributed.models.moe import MoELayer
 from jfleet.mesh.topology import AXIS_NAMES
+from jfleet.models import TinyMoELM, moe_lm_loss
 from jfleet.parallel.moe import moe_stats
 from jfleet.testing import assert_trees_close, hlo, make_strategy, train_one_device
 
 VOCAB, D_MODEL, HIDDEN, EXPERTS, BATCH, SEQ = 64, 16, 32, 8, 8, 16
 
 
-class ExpertLayer(nnx.Module):
-    """Paddle's docstring expert: ``htoh4`` then ``h4toh``, biases on."""
-
-    def __init__(self, d_model: int, d_hidden: int, *, rngs: nnx.Rngs):
-        self.htoh4 = nnx.Linear(d_model, d_hidden, rngs=rngs)
-        self.h4toh = nnx.Linear(d_hidden, d_model, rngs=rngs)
-
-    def __call__(self, x):
-        return self.h4toh(jax.nn.gelu(self.htoh4(x)))
+def MoELM(gate, *, mesh=None, groups=1, mp=False):
+    return TinyMoELM(
+        VOCAB, D_MODEL, HIDDEN, EXPERTS, gate=gate, split_mp=mp, groups=groups, mesh=mesh
+    )
 
 
-class MoELM(nnx.Module):
-    """Embedding, two pre-norm MoE blocks with residuals, a head."""
-
-    def __init__(self, gate, *, mesh=None, groups=1, mp=False, layers=2):
-        rngs = nnx.Rngs(0)
-        hcg = None if mesh is not None else fleet.get_hybrid_communicate_group()
-        self.embed = nnx.Embed(VOCAB, D_MODEL, rngs=rngs)
-        self.norms = nnx.List([nnx.RMSNorm(D_MODEL, rngs=rngs) for _ in range(layers)])
-        self.moes = nnx.List(
-            [
-                MoELayer(
-                    D_MODEL,
-                    [ExpertLayer(D_MODEL, HIDDEN, rngs=rngs) for _ in range(EXPERTS)],
-                    gate=dict(gate),
-                    moe_group=None if hcg is None else hcg.get_expert_parallel_group(),
-                    mp_group=hcg.get_model_parallel_group() if mp and hcg else None,
-                    groups=groups,
-                    mesh=mesh,
-                    rngs=rngs,
-                )
-                for _ in range(layers)
-            ]
-        )
-        self.head = nnx.Linear(D_MODEL, VOCAB, rngs=rngs)
-
-    def __call__(self, tokens):
-        x = self.embed(tokens)
-        for norm, moe in zip(self.norms, self.moes, strict=True):
-            x = x + moe(norm(x))
-        return self.head(x)
-
-
-def moe_loss(model, batch):
-    """Paddle's pattern: the cross-entropy plus each gate's loss of this forward."""
-    logits = model(batch["tokens"])
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
-    layers = getattr(model, "module", model).moes  # fleet.distributed_model wraps it
-    aux = sum(m.gate.get_loss() for m in layers)
-    return ce + 0.01 * aux
+moe_loss = moe_lm_loss
 
 
 def batches(n=3):
