@@ -339,15 +339,17 @@ bandwidth 1.6x, so the rest of the step costs more of it). At 0.5 every H100 row
 1.23-1.42; now 0.97-1.28. With full recompute the prediction is 3/4 of it: MPT-30B on
 A100s, whose published hardware FLOPs utilisation is 73.7%, lands at 0.68 (held out): a
 larger model reaches a higher fraction than one constant says. (2) FSDP over 64 GPUs on 8
-nodes (mpt-13b-h100-64, held out: 0.42): the gathers and reduce-scatters of a group that
-spans nodes are charged at the per-device inter-node bandwidth for the whole ring volume
-(``group_bandwidth`` in ``jfleet/auto_parallel/cost/step_shape.py``); NCCL on rail-optimised
-DGX nodes (one NIC a GPU) runs a ring's inter-node hops over all eight NICs at once, and
-MosaicML's 13B shows no cost from 8 to 64 GPUs (4,792 and 4,800 tokens/s/GPU). Left as
-found: changing it moves SC21's calibration. jfleet's ZeRO-3 now gathers each layer in
-the dtype it computes in (``layer_gather.compute_dtypes``: O1 casts before the gather, as
-FSDP's ``MixedPrecision(param_dtype=bf16)`` does), which took llama2-13b-a100-64 from 0.62
-to 0.83 and mpt-13b-h100-64 from 0.28 to 0.42. (3) torchtitan's Llama 3.1 8B rows (now
+nodes (mpt-13b-h100-64, held out: 0.42 before, 1.13 now): a ring over a group that spans
+nodes was charged at one device's inter-node bandwidth for the whole ring volume. NCCL on
+rail-optimised nodes (one NIC a GPU) gives each of the group's ``m`` devices in a node a
+channel of its own through its own NIC, so the ring moves ``m`` NICs' bandwidth, up to the
+NVLink's (``group_bandwidth`` in ``jfleet/auto_parallel/cost/step_shape.py``); MosaicML's
+13B shows no cost from 8 to 64 GPUs (4,792 and 4,800 tokens/s/GPU). Not fitted to the row:
+a physical change, checked on SC21's table (``published_configs.py``), whose published
+layouts keep their predictions (their data-parallel groups beside ``mp8`` have one member
+a node) while the FSDP picks it offers for them changed. jfleet's ZeRO-3 also gathers each
+layer in the dtype it computes in (``layer_gather.compute_dtypes``), which took
+llama2-13b-a100-64 from 0.62 to 0.83. (3) torchtitan's Llama 3.1 8B rows (now
 1.24, 1.28): their H100s were 96 GB HBM2e parts at a 500 W power limit, and the source says
 its MFU (against the SXM peak) is understated; its selective AC
 (``selective_ac_option="op"``) saves every other matmul's output and recomputes the others,
@@ -355,13 +357,15 @@ while jfleet's ``"selective"`` recomputes only the attention core and elementwis
 about 1/6 of the matmul FLOPs the run recomputed is not charged. Their memory is predicted
 to 0.1 and 1.9 GiB of the measured peak (82.5 against 82.4, 68.9 against 67.0 GiB). (4)
 MPT-30B on 8 GPUs (full AC, micro-batch 3, 21 accumulation steps), which MosaicML ran on
-80 GB A100s and H100s, is predicted at 80.2 GiB and no layout of 8 GPUs fits: of its
-ZeRO-3 state jfleet's program keeps three fp32 gradient-sized shards where FSDP keeps one,
-the gradient the step returns (``grads``, with one block's in flight), the backward loop's
-stacked block gradients (counted in ``activations``) and the gradient-merge accumulator
-(counted in ``optimizer`` beside the Adam moments). The compiled program agrees: in the
-``zero_depth`` section ZeRO-3's temp (recompute on) grows 0.64 MiB an added block, its
-saved input (0.125 MiB) and 1.65 fp32 gradient shards of 0.313 MiB. (5) Planning: the wide
+80 GB A100s and H100s, is predicted at 80.2 GiB and no layout of 8 GPUs fits: jfleet keeps
+two fp32 gradient-sized shards where FSDP keeps one, the backward loop's stacked block
+gradients and the gradient-merge accumulator (optimizer state), because the accumulation
+adds each call's gradient after the backward pass instead of inside it (FSDP adds each
+layer's reduce-scattered gradient into ``.grad`` as it is made). The compiled program
+agrees: in the ``zero_depth`` section ZeRO-3's temp (recompute on) grows by one block's
+saved input and one gradient shard a block (it grew 1.65 shards until each layer was
+gathered as one flat vector: XLA had copied every stacked parameter shard into the
+all-gather's layout). (5) Planning: the wide
 search of mpt-70b-h100-64 (a global batch of 2,048 on 64 GPUs) estimated 108k layouts once
 selective recompute ran in pipelines (12 s); it now searches pipelined selective recompute
 under FThenB only (VPP's keeps the same outputs; asked for, it is planned) and memoises
