@@ -6,15 +6,21 @@ same token groups); expert weights split ``1 / ep`` per device; the gates' rules
 
 from __future__ import annotations
 
+import re
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
+import jfleet.distributed as dist
 from jfleet import fleet, make_train_step
 from jfleet.auto_parallel.cost.cost_moe import moe_exchange, moe_exchange_bytes
+from jfleet.incubate.distributed.models.moe import MoELayer
+from jfleet.incubate.distributed.models.moe.gate import NaiveGate
 from jfleet.mesh.topology import AXIS_NAMES
 from jfleet.models import TinyMoELM, moe_lm_loss
 from jfleet.parallel.moe import moe_stats
@@ -128,3 +134,78 @@ def test_all_to_all_bytes_per_layer_match_the_cost_model(capacity):
     assert measured == pytest.approx(predicted.count * buffer, rel=0.15)
     wire = sum(c.weight * c.wire_bytes for c in found) / layers
     assert wire == pytest.approx(predicted.wire_bytes, rel=0.15)
+
+
+def _experts(n, width=D_MODEL):
+    return [nnx.Linear(width, width, rngs=nnx.Rngs(i)) for i in range(n)]
+
+
+BAD = {
+    "experts_not_over_ep": (lambda: MoELayer(D_MODEL, _experts(6), rngs=nnx.Rngs(0)), "6 experts"),
+    "no_experts": (lambda: MoELayer(D_MODEL, [], rngs=nnx.Rngs(0)), "experts is empty"),
+    "gate_type": (
+        lambda: MoELayer(D_MODEL, _experts(8), gate={"type": "topk"}, rngs=nnx.Rngs(0)),
+        "'topk' is not one of",
+    ),
+    "gate_setting": (
+        lambda: MoELayer(
+            D_MODEL, _experts(8), gate={"type": "naive", "capacity": None}, rngs=nnx.Rngs(0)
+        ),
+        "not settings of a 'naive' gate",
+    ),
+    "gshard_top3": (
+        lambda: MoELayer(D_MODEL, _experts(8), gate={"top_k": 3}, rngs=nnx.Rngs(0)),
+        "topk=2",
+    ),
+    "switch_top2": (
+        lambda: MoELayer(
+            D_MODEL, _experts(8), gate={"type": "switch", "top_k": 2}, rngs=nnx.Rngs(0)
+        ),
+        "topk=1",
+    ),
+    "gate_experts": (
+        lambda: MoELayer(D_MODEL, _experts(8), gate=NaiveGate(D_MODEL, 2, 2, rngs=nnx.Rngs(0))),
+        "routes over 4 experts but there are 8",
+    ),
+    "no_rngs": (lambda: MoELayer(D_MODEL, _experts(8)), "rngs=nnx.Rngs"),
+    "groups": (
+        lambda: MoELayer(D_MODEL, _experts(8), groups=1.5, rngs=nnx.Rngs(0)),
+        "groups=1.5",
+    ),
+    "capacity": (
+        lambda: MoELayer(D_MODEL, _experts(8), gate={"capacity": (0, 1)}, rngs=nnx.Rngs(0)),
+        "two positive factors",
+    ),
+    "two_axis_group": (
+        lambda: MoELayer(
+            D_MODEL,
+            _experts(8),
+            moe_group=dist.new_group(list(range(8))),  # dp and ep
+            rngs=nnx.Rngs(0),
+        ),
+        "spans the mesh axes",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_arguments_get_clear_errors(case):
+    fleet.init(
+        is_collective=True,
+        strategy=make_strategy({"dp_degree": 2, "ep_degree": 4}),
+        log_level="WARNING",
+    )
+    build, message = BAD[case]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build()
+
+
+def test_input_width_is_checked():
+    fleet.init(
+        is_collective=True,
+        strategy=make_strategy({"dp_degree": 2, "ep_degree": 4}),
+        log_level="WARNING",
+    )
+    layer = MoELayer(D_MODEL, _experts(8), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="does not end in d_model=16"):
+        layer(jnp.ones((8, 4, D_MODEL + 1)))

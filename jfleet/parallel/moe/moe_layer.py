@@ -121,8 +121,16 @@ class MoELayer(nnx.Module):
         experts = list(experts)
         if not experts:
             raise ValueError("MoELayer: experts is empty; pass the layer's expert modules.")
+        for name, value in (("d_model", d_model), ("groups", groups)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MoELayer: {name}={value!r} must be a positive int.")
+        if isinstance(recompute_interval, bool) or not isinstance(recompute_interval, int):
+            raise ValueError(
+                f"MoELayer: recompute_interval={recompute_interval!r} must be an int "
+                "(0: no recompute)."
+            )
         self.mesh = layer_mesh(mesh)
-        self.groups = int(groups)
+        self.groups = groups
         self.axis_name = _group_axis(moe_group, "moe_group", default=EP_AXIS, mesh=self.mesh)
         mp_axis = _group_axis(mp_group, "mp_group", default=MP, mesh=self.mesh)
         if mp_group is not None and mp_axis != MP:
@@ -143,7 +151,7 @@ class MoELayer(nnx.Module):
         self.token_axes = tuple(a for a in (*DATA_AXES, *((MP,) if mp_group else ())))
         if self.axis_name not in self.token_axes:
             self.token_axes = (*self.token_axes, self.axis_name)
-        self.recompute_interval = int(recompute_interval)
+        self.recompute_interval = recompute_interval
         if recompute_ctx is not None:
             logger.info("MoELayer: recompute_ctx means nothing under SPMD and is ignored")
         self.z_loss_coef = float(z_loss_coef)
