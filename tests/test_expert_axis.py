@@ -262,10 +262,23 @@ def test_moe_sharding_getters_answer_as_paddle_with_and_without_ep():
 # ----- training: dense parameters see ep as data ---------------------------------------------
 
 
-def test_dense_training_on_dp2_ep4_equals_one_device_with_the_batch_split_8_ways():
+TRAINED = {
+    "dp2xep4": (DP2_EP4, {}, P(("dp", "ep"))),
+    # ZeRO-2 of the dense parameters stays on sharding; the batch is split over all three
+    "dp2xsharding2xep2-zero2": (
+        {"dp_degree": 2, "sharding_degree": 2, "ep_degree": 2},
+        {"sharding_configs": {"stage": 2}},
+        P(("dp", "sharding", "ep")),
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", list(TRAINED))
+def test_dense_training_with_ep_equals_one_device_with_the_batch_split_8_ways(layout):
+    hybrid, settings, batch_spec = TRAINED[layout]
     batches = lm_batches(3)
     want_losses, want_params = train_one_device(TinyLM(), optax.adam(1e-2), batches, lm_loss)
-    init_fleet(DP2_EP4)
+    init_fleet(hybrid, **settings)
     model = fleet.distributed_model(TinyLM())
     opt = fleet.distributed_optimizer(optax.adam(1e-2))
     rows = []
@@ -279,15 +292,15 @@ def test_dense_training_on_dp2_ep4_equals_one_device_with_the_batch_split_8_ways
     losses = [float(model.train_batch(b, opt, loss_fn=loss_fn)) for b in batches]
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     assert_trees_close(nnx.state(model.module, nnx.Param), want_params, rtol=1e-5, atol=1e-6)
-    # the step saw 16 / 8 = 2 rows per device: the batch is split over dp x ep
+    # the step saw 16 / 8 = 2 rows per device: the batch is split over the data axes, ep too
     assert rows and set(rows) == {2}
     placement = Placement.from_fleet()
     assert placement.data_axes == ("dp", "sharding", "ep")
     assert placement.data_parallel_size == 8
+    assert placement.zero_axis == "sharding"
+    assert placement.zero_stage == (2 if settings else 0)
     placed = placement.shard_batch(batches[0])["tokens"]
-    assert placed.sharding.is_equivalent_to(
-        NamedSharding(placement.mesh, P(("dp", "ep"))), placed.ndim
-    )
+    assert placed.sharding.is_equivalent_to(NamedSharding(placement.mesh, batch_spec), 2)
     assert {s.data.shape for s in placed.addressable_shards} == {(2, 8)}
 
 

@@ -14,7 +14,7 @@ Example:
   >>> from jfleet.mesh.topology import DATA_AXES
   >>> x = constrain(jnp.ones((8, 4)), mesh, DATA_AXES, None)
   >>> x.sharding.spec
-  P(('dp', 'sharding'), None)
+  P(('dp', 'sharding', 'ep'), None)
 """
 
 from __future__ import annotations

@@ -188,7 +188,7 @@ def draw_param(
 def activation_entries(mesh: Mesh, shape: Sequence[int], last: Any) -> tuple[Any, ...]:
     """Spec entries for an activation: batch over the data axes, ``last`` on the last dim.
 
-    The leading dimension (for rank >= 2) is split over ``dp`` x ``sharding`` when
+    The leading dimension (for rank >= 2) is split over ``dp x sharding x ep`` when
     they divide it and left to the compiler otherwise; middle dimensions are
     replicated, so every layer's output layout is fixed.
 
@@ -197,7 +197,7 @@ def activation_entries(mesh: Mesh, shape: Sequence[int], last: Any) -> tuple[Any
       >>> from jfleet.mesh.layer_mesh import layer_mesh
       >>> _ = fleet.init(is_collective=True, log_level="WARNING")
       >>> activation_entries(layer_mesh(), (8, 3, 4), "mp")[0]
-      ('dp', 'sharding')
+      ('dp', 'sharding', 'ep')
     """
     if len(shape) == 0:
         return ()
@@ -357,7 +357,7 @@ class ColumnParallelLinear(_ParallelLinear):
       >>> layer = ColumnParallelLinear(4, 8, has_bias=True, gather_output=False,
       ...                              rngs=nnx.Rngs(0))
       >>> layer(jnp.ones((2, 4))).sharding.spec
-      P(('dp', 'sharding'), 'mp')
+      P(('dp', 'sharding', 'ep'), 'mp')
     """
 
     def __init__(
@@ -456,7 +456,7 @@ class RowParallelLinear(_ParallelLinear):
       >>> _ = fleet.init(is_collective=True, strategy=s, log_level="WARNING")
       >>> layer = RowParallelLinear(8, 4, rngs=nnx.Rngs(0))
       >>> layer.kernel.sharding.spec, layer(jnp.ones((2, 8))).sharding.spec
-      (P('mp', None), P(('dp', 'sharding'), None))
+      (P('mp', None), P(('dp', 'sharding', 'ep'), None))
     """
 
     def __init__(
@@ -611,7 +611,7 @@ class VocabParallelEmbedding(nnx.Module):
       >>> emb = VocabParallelEmbedding(16, 4, rngs=nnx.Rngs(0))
       >>> h = emb(jnp.array([[1, 15], [0, 7]]))
       >>> h.shape, emb.attend(h).sharding.spec
-      ((2, 2, 4), P(('dp', 'sharding'), None, 'mp'))
+      ((2, 2, 4), P(('dp', 'sharding', 'ep'), None, 'mp'))
     """
 
     def __init__(

@@ -26,7 +26,7 @@ Example:
   >>> _ = fleet.init(is_collective=True, strategy=s, log_level="WARNING")
   >>> x = scatter_to_sequence_parallel(jnp.ones((8, 2, 4)))  # [s, b, h]
   >>> x.sharding.spec
-  P('mp', ('dp', 'sharding'), None)
+  P('mp', ('dp', 'sharding', 'ep'), None)
 """
 
 from __future__ import annotations

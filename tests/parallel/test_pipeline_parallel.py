@@ -135,6 +135,17 @@ def test_pp2_sharding2_dp2_zero1_trains_like_one_device():
     assert_trees_close(params, want_params, **FP32, check_dtypes=False)
 
 
+def test_pp2_ep2_dp2_trains_like_one_device():
+    """The expert axis is data to a dense pipeline: micro-batches split over dp x ep."""
+    want_losses, want_params = fp32_reference()
+    strategy = pipeline_strategy({"dp_degree": 2, "ep_degree": 2, "pp_degree": 2}, 2, 2)
+    losses, params, model, _ = pipeline_run(strategy)
+    assert model.placement.data_axes == ("dp", "sharding", "ep")
+    assert model.placement.data_parallel_size == 4  # 2 rows x 2 micro-batches x 4 = 16
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    assert_trees_close(params, want_params, **FP32, check_dtypes=False)
+
+
 def test_amp_bf16_o1_with_gradient_clipping_trains_like_one_device():
     def clipped():  # the norm is below the gradients' (~1): every step clips
         return optax.chain(clip_by_global_norm(0.05), optax.sgd(0.5))
