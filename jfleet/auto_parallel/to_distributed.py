@@ -435,7 +435,7 @@ def _apply(
     _context.replace(optimizer=dist)  # what fleet's optimizer getters read
     dist.wrt = wrt
     dist.init(model, placement)
-    _PLANS[model] = plan = _noted(plan.as_placed(model), unscanned)  # the arrays as placed
+    _PLANS[model] = plan = _noted(plan.as_placed(model), unscanned, outputs)  # as placed
     logger.info("to_distributed: %s", plan.layout.name)
     return model, dist, placement
 
@@ -568,12 +568,42 @@ def _pipeline_problem(
     return problem or True
 
 
-def _noted(plan: Plan, unscanned: str | None) -> Plan:
-    """``plan`` with why its blocks run unrolled among its notes (``unscanned``, if any)."""
-    if not unscanned:
-        return plan
-    note = f"decoder blocks kept unrolled (not scanned): {unscanned}"
-    return dataclasses.replace(plan, notes=(*plan.notes, note))
+def _noted(plan: Plan, unscanned: str | None, outputs: BlockOutputs | None = None) -> Plan:
+    """``plan`` with why its blocks run unrolled among its notes (``unscanned``, if any)
+    and, where the layout splits the batch into parts, what that does to the blocks'
+    auxiliary outputs (:func:`aux_note`)."""
+    notes = [f"decoder blocks kept unrolled (not scanned): {unscanned}"] if unscanned else []
+    aux = aux_note(plan, outputs)
+    if aux:
+        logger.warning("to_distributed: %s", aux)
+        notes.append(aux)
+    return dataclasses.replace(plan, notes=(*plan.notes, *notes)) if notes else plan
+
+
+def aux_note(plan: Plan, outputs: BlockOutputs | None) -> str | None:
+    """What a layout that splits each batch (pipeline micro-batches, gradient accumulation)
+    does to the blocks' auxiliary outputs (an MoE load-balancing loss), or None.
+
+    Each part's forward computes its own value and the step averages them: the whole
+    batch's value for a loss linear in the batch (a mean of per-token terms), not for one
+    that multiplies batch statistics, such as the Switch / GShard load-balancing loss
+    ``E * sum_e f_e * P_e``.
+    """
+    if outputs is None or not outputs.sums:
+        return None
+    parts = []
+    if plan.mesh_shape[PP] > 1 and plan.num_microbatches > 1:
+        parts.append(f"{plan.num_microbatches} pipeline micro-batches")
+    if plan.layout.accumulate_steps > 1:
+        parts.append(f"{plan.layout.accumulate_steps} accumulation steps")
+    if not parts:
+        return None
+    return (
+        f"the blocks' auxiliary output is the mean over {' x '.join(parts)} of each part's "
+        "value: the whole batch's for a loss linear in the batch, not for one that "
+        "multiplies batch statistics (the Switch / GShard load-balancing loss); for that "
+        "plan with num_microbatches=1 and no accumulation"
+    )
 
 
 def _scan_problem(

@@ -334,12 +334,19 @@ def _pipelined_mixtral(coef: float) -> tuple[list[float], tuple[float, ...]]:
     assert get_plan(model).layout.pp == 2
     step = make_train_step(style.loss_fn)
     want, _ = train_one_device(build(), optax.adam(1e-3), style.batches(STEPS), style.loss_fn)
+    _NOTES[coef] = get_plan(model).notes
     return [float(step(model, opt, batch)) for batch in loader], tuple(want)
+
+
+_NOTES: dict[float, tuple[str, ...]] = {}
 
 
 def test_pipelined_mixtral_without_its_aux_loss_trains_like_one_device():
     losses, want = _pipelined_mixtral(0.0)
     assert_trees_close(np.asarray(losses), np.asarray(want), devices=8)
+    # the plan says its blocks' auxiliary output is each micro-batch's, averaged
+    (note,) = [n for n in _NOTES[0.0] if "auxiliary output" in n]
+    assert "2 pipeline micro-batches" in note and "load-balancing" in note, note
 
 
 @pytest.mark.xfail(
