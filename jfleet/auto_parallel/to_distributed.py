@@ -62,7 +62,7 @@ from jfleet.mesh import context as _context
 from jfleet.mesh.create import create_placed
 from jfleet.mesh.lazy import unbuilt
 from jfleet.mesh.placement import Placement, check_divides
-from jfleet.mesh.topology import DP, PP, SHARDING
+from jfleet.mesh.topology import AXIS_NAMES, DP, PP, SHARDING
 from jfleet.optim.compiler import amp_settings
 from jfleet.runtime.devices import fix_hint
 from jfleet.runtime.log import logger
@@ -789,7 +789,8 @@ def _default_profile() -> str:
 def _init_fleet(plan: Plan, strategy: DistributedStrategy, n: int) -> Placement:
     """Starts the run (``fleet.init``'s work) with the plan's degrees and the user's
     meta-optimizer settings."""
-    degrees = plan.mesh_shape
+    degrees = {**dict.fromkeys(AXIS_NAMES, 1), **plan.mesh_shape}  # every axis: a user's
+    # ep_degree must not outlive a plan without ep
     strategy.hybrid_configs = {f"{a}_degree": n for a, n in degrees.items()}
     strategy.sharding = plan.zero_stage > 0
     spans = plan.layout.zero_spans_data

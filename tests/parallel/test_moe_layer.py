@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 
 import jfleet.distributed as dist
 from jfleet import fleet, make_train_step
+from jfleet.auto_parallel import get_plan, to_distributed
 from jfleet.auto_parallel.cost.cost_moe import moe_exchange, moe_exchange_bytes
 from jfleet.incubate.distributed.models.moe import MoELayer
 from jfleet.incubate.distributed.models.moe.gate import NaiveGate
@@ -209,3 +210,21 @@ def test_input_width_is_checked():
     layer = MoELayer(D_MODEL, _experts(8), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="does not end in d_model=16"):
         layer(jnp.ones((8, 4, D_MODEL + 1)))
+
+
+def test_to_distributed_replans_a_model_built_on_an_expert_mesh():
+    """A model whose MoE layers were built on a dp2 x ep4 fleet, handed to
+    ``to_distributed``: the plan's mesh (no ep yet) replaces the fleet's, the layers run on
+    it, and training equals one device."""
+    fleet.init(
+        is_collective=True,
+        strategy=make_strategy({"dp_degree": 2, "ep_degree": 4}),
+        log_level="WARNING",
+    )
+    data = batches()
+    model, opt, loader = to_distributed(MoELM(DROPLESS), optax.adam(1e-2), data, device_num=8)
+    assert get_plan(model).mesh_shape.get("ep", 1) == 1
+    step = make_train_step(moe_loss)
+    got = [float(step(model, opt, b)) for b in loader]
+    want, _, _ = reference(DROPLESS, data)
+    np.testing.assert_allclose(got, want, rtol=1e-5)

@@ -82,7 +82,8 @@ class MoELayer(nnx.Module):
       groups: token groups each device's tokens form for the capacity rule (GShard's
         groups): a run on one device with ``groups`` equal to the data-parallel devices of
         another run drops what that run drops.
-      mesh: the mesh (default: the fleet's).
+      mesh: the mesh (default: the fleet's, as it is when the layer runs: a model
+        ``to_distributed`` re-plans runs on the plan's mesh).
       rngs: the gate's parameter (and noise) keys, when ``gate`` is a dict.
 
     Raises:
@@ -129,7 +130,8 @@ class MoELayer(nnx.Module):
                 f"MoELayer: recompute_interval={recompute_interval!r} must be an int "
                 "(0: no recompute)."
             )
-        self.mesh = layer_mesh(mesh)
+        self.mesh = layer_mesh(mesh)  # the fleet's, read again at each call unless given
+        self.own_mesh = mesh is not None
         self.groups = groups
         self.axis_name = _group_axis(moe_group, "moe_group", default=EP_AXIS, mesh=self.mesh)
         mp_axis = _group_axis(mp_group, "mp_group", default=MP, mesh=self.mesh)
@@ -169,6 +171,7 @@ class MoELayer(nnx.Module):
             raise ValueError(
                 f"MoELayer: input of shape {inp.shape} does not end in d_model={self.d_model}."
             )
+        mesh = self.mesh if self.own_mesh else layer_mesh()  # to_distributed re-plans it
         training = not self.gate.deterministic
         logits = self.gate(inp)
         draws = self.gate.random_draws(inp.shape[:-1])
@@ -177,7 +180,7 @@ class MoELayer(nnx.Module):
         run = functools.partial(
             _run,
             graphdef=graphdef,
-            mesh=self.mesh,
+            mesh=mesh,
             k=self.top_k,
             capacity_factor=self.gate.capacity_factor(training),
             normalize=self.gate.normalize,
