@@ -228,3 +228,34 @@ def test_to_distributed_replans_a_model_built_on_an_expert_mesh():
     got = [float(step(model, opt, b)) for b in loader]
     want, _, _ = reference(DROPLESS, data)
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_random_routing_and_switch_noise_train_like_one_device():
+    """GShard's random routing of second choices (drawn from the gate's stream in
+    training) routes the same tokens on dp2 x ep4 as on one device: the draws are the
+    whole batch's, split like it."""
+    gate = {"type": "gshard", "top_k": 2, "capacity": None, "random_routing": True}
+    data = batches()
+    want_losses, want_params, _ = reference(gate, data)
+    got_losses, _, got_params, model = fleet_train({"dp_degree": 2, "ep_degree": 4}, gate, data)
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
+    assert_trees_close(got_params, want_params, devices=8)
+    # the draws dropped some second choices: fewer routed than two a token
+    assert int(moe_stats(model.module)["routed"]) < 2 * BATCH * SEQ * len(model.module.moes)
+
+
+def test_eval_mode_uses_the_evaluation_capacity_and_no_noise():
+    fleet.init(
+        is_collective=True,
+        strategy=make_strategy({"dp_degree": 2, "ep_degree": 4}),
+        log_level="WARNING",
+    )
+    gate = {"type": "switch", "capacity": (0.5, 4.0)}
+    model = MoELM(gate)
+    tokens = jnp.asarray(batches(1)[0]["tokens"])
+    model(tokens)
+    assert int(moe_stats(model)["dropped"]) > 0  # training: half an even share an expert
+    model.eval()
+    first = model(tokens)
+    assert int(moe_stats(model)["dropped"]) == 0  # evaluation: 4x an even share
+    np.testing.assert_array_equal(np.asarray(model(tokens)), np.asarray(first))  # no noise
