@@ -11,9 +11,9 @@ Paddle's (fastmoe's) bugs fixed, as each class says:
   which Paddle adapted, takes the softmax over the top-k logits, as here;
 * the capacity is GShard's: ``capacity=(1.2, 2.4)`` are factors of a token group's even
   share per expert, ``ceil(factor * T * k / E)`` slots (training, evaluation). Paddle
-  computes ``ceil(factor * T)`` slots an expert, which no expert can fill (a token's k
-  experts are distinct), so a Paddle run never drops a token; ``capacity=None`` gives
-  that, dropless;
+  gives each expert ``ceil(factor * T)`` slots for what every rank sends it, ``E / k``
+  times that share (one rank never drops); fastmoe, which Paddle adapted, has since
+  scaled it by ``k / E``, as here. ``capacity=None`` is dropless;
 * the Switch loss is Switch's: ``E * sum_e f_e * P_e`` with ``f_e`` the fraction of all
   tokens routed to ``e`` and ``P_e`` its mean probability over all tokens (Paddle divides
   both by the tokens kept after the capacity limit).
