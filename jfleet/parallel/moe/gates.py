@@ -123,6 +123,7 @@ class NaiveGate(BaseGate):
             )
         self.gate = nnx.Linear(d_model, self.tot_expert, rngs=rngs)
         self.top_k = topk
+        self.capacity: tuple[float, float] | None = None  # no limit
         self.deterministic = False
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -130,8 +131,8 @@ class NaiveGate(BaseGate):
         return self.gate(x).astype(jnp.float32)
 
     def capacity_factor(self, training: bool) -> float | None:
-        """None: dropless."""
-        return None
+        """The training or evaluation capacity factor (None: dropless, the naive gate's)."""
+        return None if self.capacity is None else self.capacity[0 if training else 1]
 
     def random_draws(self, shape: tuple[int, ...]) -> jax.Array | None:
         """Uniform draws for GShard's random routing (None: every choice is routed)."""
@@ -176,10 +177,6 @@ class GShardGate(NaiveGate):
         self.random_routing = bool(random_routing)
         self.rngs = rngs["gate"].fork() if random_routing else nnx.data(None)
         self.has_loss = True
-
-    def capacity_factor(self, training: bool) -> float | None:
-        """The training or evaluation factor (None: dropless)."""
-        return None if self.capacity is None else self.capacity[0 if training else 1]
 
     def random_draws(self, shape: tuple[int, ...]) -> jax.Array | None:
         """Uniform ``[0, 1)`` draws a token, in training with random routing."""
@@ -238,9 +235,6 @@ class SwitchGate(NaiveGate):
             return logits
         noise = jax.random.uniform(self.rngs(), logits.shape, jnp.float32)
         return logits + (2 * noise - 1) * self.switch_eps
-
-    def capacity_factor(self, training: bool) -> float | None:
-        return None if self.capacity is None else self.capacity[0 if training else 1]
 
     def record(self, aux: MoEAux) -> None:
         self.set_loss(aux.load_balancing_loss)
