@@ -17,6 +17,11 @@ Differences from ``optax.MultiSteps``, on purpose:
 - ``k_steps`` is a fixed ``int`` (Paddle's), not a schedule; ``k_steps=1`` passes the
   gradients straight through and keeps no accumulator.
 
+At mini-step 0 the accumulator is read as zeros, whatever it holds: it is reset after
+each inner step, except where the engine merged a scanned stack's gradients into it in
+the backward pass (:mod:`jfleet.parallel.merged_backward`), which leaves the last merged
+sum there (so the backward loop's buffer is the accumulator's, with no copy).
+
 The accumulator is float32 at least (bfloat16 gradients are summed in float32, as
 Paddle's fp32 merge buffers do) and the merged gradient is cast back to the gradients'
 dtype before the inner optimizer sees it. It is shaped and sharded like the gradients.
@@ -141,7 +146,14 @@ def gradient_merge(
                 inner_state=inner_state,
             )
 
-        acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), state.acc_grads, updates)
+        # at mini-step 0 the accumulator is read as zeros: it holds the last merged sum
+        # where the engine merged a stack's gradients in its backward pass (and zeros else)
+        fresh = state.mini_step == 0
+        acc = jax.tree.map(
+            lambda a, g: jnp.where(fresh, jnp.zeros_like(a), a) + g.astype(a.dtype),
+            state.acc_grads,
+            updates,
+        )
         emit = state.mini_step == k - 1
 
         def step(acc: Any, inner_state: Any) -> tuple[Any, Any]:

@@ -61,6 +61,7 @@ from jfleet.mesh.topology import PP
 from jfleet.parallel import virtual_stages as virtual
 from jfleet.parallel.alike import block_period, first_difference, first_mismatch
 from jfleet.parallel.layer_gather import Pair, gather_tree
+from jfleet.parallel.merged_backward import Accumulate, run_merged
 from jfleet.parallel.stage_io import (
     CARRIED,
     SHARED,
@@ -387,6 +388,7 @@ def run_layers(
     after: Callable[[Any], Any] | None = None,
     remat_policy: Callable[..., bool] | None = None,
     gathers: list[Pair | None] | None = None,
+    accumulate: Accumulate | None = None,
 ) -> Any:
     """``x`` through the layers whose parameters are ``params`` (leaves ``[n, ...]``).
 
@@ -413,6 +415,11 @@ def run_layers(
         ``jax.tree.leaves`` order), None or the (tensor-parallel, ZeRO) layouts of
         :func:`jfleet.parallel.layer_gather.unit_shardings`: the unit's slice is gathered
         inside the loop body and its gradient reduce-scattered there.
+      accumulate: gradient merge in the backward pass: the accumulators of ``params``'
+        gradients (a tree like ``params``, same dtypes); the gradient of ``params`` is then
+        the accumulators plus this call's, added one layer at a time into their buffers
+        (:func:`jfleet.parallel.merged_backward.run_merged`). Only with ``remat_interval=1``
+        and ``remat_policy=None`` (full recompute: the forward keeps each layer's input).
 
     Returns:
       The last layer's output.
@@ -428,7 +435,7 @@ def run_layers(
     """
     kwargs = kwargs or {}
 
-    def one(h: Any, w: Any) -> tuple[Any, None]:
+    def unit(h: Any, w: Any, args: tuple, kwargs: dict) -> Any:
         y = h
         if gathers is not None:
             w = gather_tree(w, gathers)
@@ -436,7 +443,20 @@ def run_layers(
             y = layer(y, *args, **kwargs)
             y = y if after is None else after(y)
         _check_carried(y, h, layer)
-        return jax.tree.map(lambda a, b: a.astype(b.dtype), y, h), None
+        return jax.tree.map(lambda a, b: a.astype(b.dtype), y, h)
+
+    def one(h: Any, w: Any) -> tuple[Any, None]:
+        return unit(h, w, args, kwargs), None
+
+    if accumulate is not None:
+        if remat_interval != 1 or remat_policy is not None:
+            raise ValueError(
+                f"run_layers(accumulate=...) with remat_interval={remat_interval} and "
+                f"remat_policy={remat_policy!r}: merging gradients in the backward pass "
+                "recomputes each layer from its input; use remat_interval=1 and "
+                "remat_policy=None (full recompute), or accumulate after the step."
+            )
+        return run_merged(unit, params, accumulate, x, args, kwargs)
 
     def scan(h: Any, w: Any) -> Any:
         return lax.scan(one, h, w)[0]

@@ -58,8 +58,9 @@ from flax import nnx
 
 from jfleet.mesh import context as _context
 from jfleet.mesh.placement import Placement, resolve_placement
+from jfleet.optim.gradient_merge import GradientMergeState
 from jfleet.optim.loss_scale import finite_flags, floating_leaves
-from jfleet.parallel import layer_gather
+from jfleet.parallel import layer_gather, merged_backward
 from jfleet.parallel.loss import scalar_loss
 from jfleet.precision.nonfinite import Guard, check_mode, leaf_names
 from jfleet.runtime import interrupts, watchdog
@@ -429,8 +430,15 @@ class TrainStep(_Step):
 
         if comm is not None or local is not None:
             check_supported(placement, _switches(optimizer))
+        # ZeRO-2 / 3 stacks under gradient merge add their gradients into its accumulator
+        # in the backward pass (one gradient-sized buffer, not two); not under loss
+        # scaling, whose accumulator holds unscaled sums of differently scaled steps
+        merge_in_backward = per_layer is not None and per_layer.zero_stage >= 2 and not scaled
 
         def objective(model, batch, scale):
+            accumulators = merged_backward.current()
+            if accumulators is not None:  # the stacks find their accumulators by array
+                accumulators.bind(nnx.state(model, wrt))
             if gathered is not None:
                 params = nnx.state(model, wrt)
                 nnx.update(model, jax.lax.with_sharding_constraint(params, gathered))
@@ -459,16 +467,21 @@ class TrainStep(_Step):
                     )  # fmt: skip
                     nnx.update(opt.comm_state, nnx.state(comm_state))
                 else:
-                    grads, (loss, aux) = nnx.grad(
-                        objective, argnums=nnx.DiffState(0, wrt), has_aux=True
-                    )(model, batch, scale)
+                    accumulators = _accumulators(opt, model, wrt) if merge_in_backward else None
+                    with merged_backward.accumulating(accumulators):
+                        grads, (loss, aux) = nnx.grad(
+                            objective, argnums=nnx.DiffState(0, wrt), has_aux=True
+                        )(model, batch, scale)
                 if grad_shardings is not None:
                     grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
                 # The guard: with loss scaling the scaler skips overflowing steps itself (and
                 # lowers the scale), so only the loss is checked; else the loss and gradients.
                 checked = (loss,) if scaled else (loss, grads)
                 flags = finite_flags(checked)
-                opt.update(model, grads)
+                if accumulators is None or not accumulators.taken:
+                    opt.update(model, grads)
+                else:  # those gradients hold their merge, in the accumulators' buffers
+                    _update_merged(opt, model, grads, accumulators.taken)
             if regathers is not None:  # the guard below selects on the shards
                 nnx.update(model, layer_gather.split_tree(nnx.state(model, wrt), regathers))
             names[:] = leaf_names([path for path, _ in floating_leaves(checked)])
@@ -498,6 +511,42 @@ class TrainStep(_Step):
         )
         self._leaf_names[id(fn)] = names  # filled when the step is traced
         return fn
+
+
+def _accumulators(
+    opt: nnx.Optimizer, model: nnx.Module, wrt: Any
+) -> merged_backward.Accumulators | None:
+    """The gradient-merge accumulators of ``model``'s parameters in ``opt``, where its
+    optimizer is a :func:`jfleet.optim.gradient_merge` (outermost, so it gets the raw
+    gradients) that keeps them in its parameters' dtypes; else None."""
+    state = opt.opt_state
+    if not isinstance(state, GradientMergeState) or isinstance(state.acc_grads, tuple):
+        return None
+    params = dict(nnx.to_flat_state(nnx.state(model, wrt)))
+    by_path = {}
+    for path, var in nnx.to_flat_state(state.acc_grads):
+        param = params.get(path)
+        if param is not None and var.get_value().dtype == param.get_value().dtype:
+            by_path[path] = var.get_value()
+    if not by_path:
+        return None
+    return merged_backward.Accumulators(by_path, fresh=state.mini_step.get_value() == 0)
+
+
+def _update_merged(opt: nnx.Optimizer, model: nnx.Module, grads: Any, paths: set) -> None:
+    """``opt.update(model, grads)`` where the gradients at ``paths`` are merged already
+    (:mod:`jfleet.parallel.merged_backward`): the gradient merge gets zeros for their
+    accumulators (the compiler drops its ``0 + g``), and keeps the merged gradients as
+    their accumulators (it reads them as zero at its next mini-step 0), so the backward
+    loop's buffer is the accumulator's, with no copy."""
+    accs = {path: var for path, var in nnx.to_flat_state(opt.opt_state.acc_grads) if path in paths}
+    for var in accs.values():
+        var.set_value(jnp.zeros_like(var.get_value()))
+    opt.update(model, grads)
+    merged = dict(nnx.to_flat_state(grads))
+    for path, var in accs.items():
+        grad = merged[path]
+        var.set_value(grad.get_value() if isinstance(grad, nnx.Variable) else grad)
 
 
 def _zero_layouts(placement: Any, model: Any, wrt: Any, per_layer: Any) -> tuple:

@@ -37,6 +37,8 @@ def llama() -> TinyLlama:
 @pytest.mark.parametrize(
     ("mesh", "zero", "k", "optimizer"),
     [
+        ({"sharding": 8}, 3, 2, "sgd"),
+        ({"dp": 2, "sharding": 4}, 2, 2, "adam"),
         ({"dp": 2, "mp": 4}, None, 2, "adam"),
         ({"dp": 2, "sharding": 2, "mp": 2}, 2, 4, "adam"),
         ({"dp": 2, "pp": 2, "mp": 2}, None, 2, "adam"),
@@ -44,6 +46,8 @@ def llama() -> TinyLlama:
         ({"dp": 2, "pp": 2, "mp": 2}, None, 2, "sgd"),
     ],
     ids=[
+        "sgd-zero3-sharding8-accumulate2-merged-in-backward",
+        "zero2-dp2-sharding4-accumulate2-merged-in-backward",
         "dp2-mp4-accumulate2",
         "zero2-dp2-sharding2-mp2-accumulate4",
         "dp2-pp2-mp2-accumulate2",
@@ -58,8 +62,9 @@ def test_an_accumulating_plan_trains_like_one_device(mesh, zero, k, optimizer):
     is not, so the SGD runs tell k slices' summed gradients from their mean (issue 40)."""
     microbatches = 2 if mesh.get("pp", 1) > 1 else None
     config = ToDistributedConfig(
-        force_mesh=mesh, zero_stage=zero, accumulate_steps=k, num_microbatches=microbatches
-    )
+        force_mesh=mesh, zero_stage=zero, accumulate_steps=k, num_microbatches=microbatches,
+        recompute=True if "sharding" in mesh and "mp" not in mesh else None,
+    )  # fmt: skip
     tx = optax.adam(1e-2) if optimizer == "adam" else optax.sgd(0.5)
     assert_trains_like_one_device(llama, tx, lm_batches(STEPS), loss_fn=lm_loss, layout=config)
     plan = get_plan_of_last_run(config)

@@ -52,7 +52,7 @@ from jax.sharding import Mesh
 from jfleet.auto_parallel.apply.blocks import SequenceConstraint
 from jfleet.auto_parallel.match.block_extras import BlockOutputs, handing, on_activation
 from jfleet.auto_parallel.match.matched import module_at
-from jfleet.parallel import layer_gather, stack
+from jfleet.parallel import layer_gather, merged_backward, stack
 from jfleet.parallel.recompute import selective_policy
 
 __all__ = ["ScannedBlocks", "scan_blocks"]
@@ -151,13 +151,15 @@ class ScannedBlocks(nnx.Module, layer_gather.GathersLayers):
         """
         outputs = self.outputs
         graphdef, state = nnx.split(self.body)
-        params = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), nnx.to_pure_dict(state))
+        stacked = nnx.to_pure_dict(state)
+        params = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), stacked)
         # ZeRO-2 / 3 inside a training step: each block gathers its own weights and
         # reduce-scatters its gradient in the loop body (FSDP; jfleet.parallel.layer_gather)
         placement = layer_gather.current()
         gathers = None
         if placement is not None:  # each layer's weights gathered in its compute dtype
             gathers = layer_gather.unit_shardings(placement, state, 2, body=self.body)
+        accumulate = self._accumulators(stacked, params)
         after = None if self.seq_axes is None else SequenceConstraint(self.mesh, self.seq_axes)
         y = stack.run_layers(
             graphdef,
@@ -169,8 +171,23 @@ class ScannedBlocks(nnx.Module, layer_gather.GathersLayers):
             after=on_activation(after, outputs),
             remat_policy=self._policy(),
             gathers=gathers,
+            accumulate=accumulate,
         )
         return y if outputs is None else outputs.returned(y)
+
+    def _accumulators(self, stacked: Any, params: Any) -> merged_backward.Accumulate | None:
+        """Gradient merge in the backward pass (:mod:`jfleet.parallel.merged_backward`):
+        the accumulators of the stack's parameters, laid out like ``params``, when the
+        step merges into them and the blocks recompute in full; else None."""
+        accumulators = merged_backward.current()
+        if accumulators is None or self._policy() is not None:
+            return None
+        taken = accumulators.take(jax.tree.leaves(stacked))
+        if taken is None:
+            return None
+        leaves = [a.reshape(p.shape) for a, p in zip(taken, jax.tree.leaves(params), strict=True)]
+        acc = jax.tree.unflatten(jax.tree.structure(params), leaves)
+        return merged_backward.Accumulate(acc, accumulators.fresh)
 
     def _policy(self) -> Any:
         """What each scanned block keeps for the backward pass: nothing (recompute), its
