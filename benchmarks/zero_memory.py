@@ -556,6 +556,9 @@ DEPTH_CONFIGS = (
     ("ZeRO-3 (sharding 8)", {"sharding": 8}, 3),
 )
 DEPTH_LAYERS = (4, 16)
+#: gradient accumulation's calls per update in the merged-backward rows (each call gets the
+#: workload's batch, so its activations are those of the rows without accumulation)
+DEPTH_ACCUMULATE = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -606,14 +609,25 @@ class DepthRow:
     loop_scatters: int
     outside_gathers: int
     predicted: dict[str, int]
+    accumulate: int = 1
 
 
 def depth_row(
-    workload: DepthWorkload, name: str, mesh: dict, stage: int, layers: int, recompute: bool
+    workload: DepthWorkload,
+    name: str,
+    mesh: dict,
+    stage: int,
+    layers: int,
+    recompute: bool,
+    accumulate: int = 1,
 ) -> DepthRow:
-    """``to_distributed`` at ``mesh`` / ``stage``, the engine's step compiled (not run)."""
-    data = lm_batches(1, batch=workload.batch, seq=workload.seq, vocab=workload.vocab)
-    config = ToDistributedConfig(force_mesh=mesh, zero_stage=stage, recompute=recompute)
+    """``to_distributed`` at ``mesh`` / ``stage``, the engine's step compiled (not run);
+    with ``accumulate`` calls per update, each of the workload's batch."""
+    batch = workload.batch * accumulate
+    data = lm_batches(1, batch=batch, seq=workload.seq, vocab=workload.vocab)
+    config = ToDistributedConfig(
+        force_mesh=mesh, zero_stage=stage, recompute=recompute, accumulate_steps=accumulate
+    )
     model, opt, loader = to_distributed(
         workload.model(layers), make_tx(), data, device_num=8, config=config
     )
@@ -623,7 +637,7 @@ def depth_row(
     found = hlo.collectives(compiled.as_text())
     loop = [c for c in found if c.weight == layers]
     patterns = match_patterns(workload.model(layers))
-    plan_workload = PlanWorkload(batch_size=workload.batch, seq_len=workload.seq)
+    plan_workload = PlanWorkload(batch_size=batch, seq_len=workload.seq)
     predicted = {
         profile: estimate(
             patterns, plan_workload, layout, get_profile(profile), devices_per_node=8
@@ -642,6 +656,7 @@ def depth_row(
                           for c in loop if c.kind in ("all-reduce", "reduce-scatter")),
         outside_gathers=sum(c.bytes for c in found if c.kind == "all-gather" and c.weight == 1),
         predicted=predicted,
+        accumulate=accumulate,
     )  # fmt: skip
 
 
@@ -653,6 +668,12 @@ def run_depth(workload: DepthWorkload, log: Callable[[str], None]) -> list[Depth
             for layers in DEPTH_LAYERS:
                 log(f"{name}, {layers} layers, recompute={recompute}")
                 rows.append(depth_row(workload, name, mesh, stage, layers, recompute))
+    for name, mesh, stage in DEPTH_CONFIGS:  # gradient merge in the backward loop
+        for layers in DEPTH_LAYERS if stage >= 2 else ():
+            log(f"{name}, {layers} layers, accumulate {DEPTH_ACCUMULATE}")
+            rows.append(
+                depth_row(workload, name, mesh, stage, layers, True, DEPTH_ACCUMULATE)
+            )
     return rows
 
 
@@ -681,6 +702,8 @@ def render_depth(rows: list[DepthRow], workload: DepthWorkload, header: list[str
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     dp = {(r.layers, r.recompute): r for r in rows if r.name.startswith("DP")}
+    merged = [r for r in rows if r.accumulate > 1]
+    rows = [r for r in rows if r.accumulate == 1]
     for r in rows:
         peak = r.argument + r.temp
         base = dp[(r.layers, r.recompute)]
@@ -729,7 +752,36 @@ def render_depth(rows: list[DepthRow], workload: DepthWorkload, header: list[str
         "are gathered back one block at a time (`layer_gather.regather`).",
         "",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + _render_merged(merged, by, workload))
+
+
+def _render_merged(merged: list[DepthRow], by: dict, workload: DepthWorkload) -> list[str]:
+    """The gradient-accumulation rows: the backward loop adds into the accumulator."""
+    shallow, deep = DEPTH_LAYERS
+    lines = [
+        f"Gradient accumulation ({DEPTH_ACCUMULATE} calls per update, each of the batch "
+        "above; the strategy's gradient merge), recompute on: the backward loop adds each "
+        "block's gradient shard into its row of the accumulator "
+        "(`jfleet/parallel/merged_backward.py`), so temp keeps no stacked gradient beside "
+        "the accumulator (which is optimizer state: argument). Temp against the same step "
+        "without accumulation, the growth per added block against its saved input, and "
+        "the cost model's peak over the compiled argument + temp:",
+        "",
+        "| config | blocks | argument | temp | temp without accumulation | temp growth "
+        "per added block / saved input | predicted cpu | predicted h100 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    at = {(r.name, r.layers): r for r in merged}
+    for r in merged:
+        plain = by[(r.name, r.layers, True)]
+        growth = (at[(r.name, deep)].temp - at[(r.name, shallow)].temp) / (deep - shallow)
+        peak = r.argument + r.temp
+        lines.append(
+            f"| {r.name} | {r.layers} | {_mib(r.argument)} | {_mib(r.temp)} "
+            f"| {_mib(plain.temp)} | {_ratio(growth, workload.saved_bytes(True))} "
+            f"| {_ratio(r.predicted['cpu'], peak)} | {_ratio(r.predicted['h100'], peak)} |"
+        )
+    return [*lines, ""]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -155,10 +155,11 @@ def activation_bytes(s: StepShape) -> int:
     h = s.dims.width
     outside = OUTSIDE_H_ELEMS * h + LOGIT_ELEMS * s.vocab / s.layout.mp
     activations = int((_layer_acts(s, per_layer_elems(s)) + s.head_tokens * outside) * s.act_bytes)
-    if s.piped or s.scanned:
+    if (s.piped or s.scanned) and not s.merges_in_backward:
         # the backward loop carries the stacked blocks' gradients, accumulated over its
         # iterations, while the residuals are live (split over the ZeRO axis when each
-        # block reduce-scatters its own)
+        # block reduce-scatters its own; merged into gradient accumulation's accumulator,
+        # optimizer state, when the loop adds them there)
         activations += s.block_tp // s.layout.zero_degree if s.per_layer else s.block_tp
     if s.piped:
         # the stack holds its replica's whole input and outputs (forward), its output's
@@ -216,6 +217,8 @@ def gradient_bytes(s: StepShape) -> int:
     """
     if s.per_layer:  # the program reduce-scatters each block's gradient in its loop
         outside = s.outside_tp // s.layout.zero_degree if s.layout.zero_stage >= 3 else s.outside_tp
+        if s.merges_in_backward:  # the blocks' shards go into the accumulator (optimizer)
+            return outside + s.one_block_tp
         return outside + s.block_tp // s.layout.zero_degree + s.one_block_tp
     if s.profile.whole_grad_temp or s.layout.zero_stage < 2:
         return s.tp_bytes

@@ -126,6 +126,22 @@ class StepShape:
         return self.scanned and self.layout.zero_stage >= 2
 
     @property
+    def merges_in_backward(self) -> bool:
+        """Gradient accumulation's merge inside the scanned blocks' backward loop
+        (:mod:`jfleet.parallel.merged_backward`): per-layer ZeRO with full recompute, fp32
+        parameters and no fp16 loss scaling; the blocks' gradient shards are added into the
+        accumulator (optimizer state) as the loop makes them, so the step keeps no stacked
+        gradient of its own."""
+        return (
+            self.per_layer
+            and self.accumulate > 1
+            and self.recompute
+            and not self.selective
+            and self.z_master == 0
+            and self.workload.dtype != "float16"
+        )
+
+    @property
     def dims(self) -> ModelDims:
         """The model's sizes."""
         return self.patterns.dims
