@@ -671,9 +671,7 @@ def run_depth(workload: DepthWorkload, log: Callable[[str], None]) -> list[Depth
     for name, mesh, stage in DEPTH_CONFIGS:  # gradient merge in the backward loop
         for layers in DEPTH_LAYERS if stage >= 2 else ():
             log(f"{name}, {layers} layers, accumulate {DEPTH_ACCUMULATE}")
-            rows.append(
-                depth_row(workload, name, mesh, stage, layers, True, DEPTH_ACCUMULATE)
-            )
+            rows.append(depth_row(workload, name, mesh, stage, layers, True, DEPTH_ACCUMULATE))
     return rows
 
 
