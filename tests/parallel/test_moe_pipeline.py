@@ -1,0 +1,169 @@
+"""An MoE LM in a pipeline (issue 39): Paddle's ``PipelineLayer`` of ``LayerDesc``\\ s whose
+blocks hold ``MoELayer``\\ s (8 experts, GShard top 2, dropless) trains on dp2 x pp2 x ep2
+like the same layers on one device (fp32, 3 Adam steps, losses and parameters). Inside a
+stage each device holds ``E / ep`` experts and the tokens move by all-to-all over ``ep``;
+the gate's loss rides with the activation and is the mean over micro-batches of each
+micro-batch's loss; what stays unsupported is refused clearly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+from jfleet import fleet
+from jfleet.mesh.topology import AXIS_NAMES
+from jfleet.models.moe_lm import ExpertLayer
+from jfleet.parallel.moe import moe_layer, moe_stats
+from jfleet.parallel.moe.moe_layer import MoELayer
+from jfleet.parallel.pipeline_layer import LayerDesc, PipelineLayer
+from jfleet.testing import assert_trees_close, hlo, make_strategy, train_one_device
+
+VOCAB, D, HIDDEN, EXPERTS, LAYERS, SEQ = 32, 8, 16, 8, 2, 8
+REPLICAS, MICRO = 4, 2  # dp2 x ep2 data replicas; micro-batches a step
+BATCH = REPLICAS * MICRO  # one row a micro-batch a replica
+AUX_WEIGHT = 0.1
+HYBRID = {"dp_degree": 2, "pp_degree": 2, "ep_degree": 2}
+DROPLESS = {"type": "gshard", "top_k": 2, "capacity": None, "random_routing": False}
+
+
+# ------------------------------------------------------------------ the layers
+class EmbedPipe(nnx.Module):
+    """tokens -> (hidden, the gates' loss so far: zeros a row)."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.embed(tokens), jnp.zeros(tokens.shape[:1], jnp.float32)
+
+
+class MoEBlockPipe(nnx.Module):
+    """Pre-norm MoE block with a residual; adds its gate's loss to the carried loss."""
+
+    def __init__(self, gate: dict, *, mesh: Mesh | None = None, rngs: nnx.Rngs):
+        self.norm = nnx.RMSNorm(D, rngs=rngs)
+        experts = [ExpertLayer(D, HIDDEN, rngs=rngs) for _ in range(EXPERTS)]
+        self.moe = MoELayer(D, experts, gate=dict(gate), mesh=mesh, rngs=rngs)
+
+    def __call__(self, x):
+        h, aux = x
+        h = h + self.moe(self.norm(h))
+        return h, aux + self.moe.gate.get_loss()
+
+
+class HeadPipe(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.head = nnx.Linear(D, VOCAB, rngs=rngs)
+
+    def __call__(self, x):
+        h, aux = x
+        return self.head(h), aux
+
+
+def loss_fn(output, labels):
+    logits, aux = output
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    return ce + AUX_WEIGHT * jnp.mean(aux)
+
+
+def descs(gate=DROPLESS) -> list:
+    return [
+        LayerDesc(EmbedPipe),
+        *[LayerDesc(MoEBlockPipe, gate) for _ in range(LAYERS)],
+        LayerDesc(HeadPipe),
+    ]
+
+
+class Sequential(nnx.Module):
+    """The same layers (same seed, same build order) on one device, run in turn."""
+
+    def __init__(self, mesh: Mesh):
+        rngs = nnx.Rngs(0)
+        self.embed = EmbedPipe(rngs=rngs)
+        self.blocks = nnx.List([MoEBlockPipe(DROPLESS, mesh=mesh, rngs=rngs) for _ in range(LAYERS)])
+        self.head = HeadPipe(rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def batches(n: int = 3) -> list:
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(n):
+        tokens = rng.integers(0, VOCAB, (BATCH, SEQ + 1), dtype=np.int32)
+        out.append((tokens[:, :-1], tokens[:, 1:]))
+    return out
+
+
+def micro_batch_mean_loss(model: Sequential, batch) -> jax.Array:
+    """The pipeline's objective on one device: micro-batch ``k`` is row ``k`` of every
+    replica's rows; the gates' loss is each micro-batch's, averaged over them."""
+    tokens, labels = (a.reshape(REPLICAS, MICRO, SEQ) for a in batch)
+    return jnp.mean(
+        jnp.stack([loss_fn(model(tokens[:, k]), labels[:, k]) for k in range(MICRO)])
+    )
+
+
+def one_device_mesh() -> Mesh:
+    return Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(AXIS_NAMES)), AXIS_NAMES)
+
+
+def reference(data):
+    model = Sequential(one_device_mesh())
+    losses, _ = train_one_device(model, optax.adam(1e-2), data, micro_batch_mean_loss)
+    return losses, model
+
+
+def pipeline_train(data, **kwargs):
+    configs = {"micro_batch_size": 1, "accumulate_steps": MICRO, **kwargs}
+    strategy = make_strategy(HYBRID, pipeline_configs=configs)
+    fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
+    layer = PipelineLayer(descs(), num_stages=2, loss_fn=loss_fn, seed=0)
+    model = fleet.distributed_model(layer)
+    opt = fleet.distributed_optimizer(optax.adam(1e-2))
+    losses = np.array([float(model.train_batch(b, opt)) for b in data])
+    return losses, layer, model, opt
+
+
+def as_pipeline_params(ref: Sequential) -> dict:
+    """The reference's parameters laid out as the PipelineLayer holds them."""
+    blocks = [nnx.to_pure_dict(nnx.state(b, nnx.Param)) for b in ref.blocks]
+    body = jax.tree.map(lambda *a: jnp.stack(a).reshape(2, LAYERS // 2, *a[0].shape), *blocks)
+    return {
+        "pre": nnx.to_pure_dict(nnx.state(ref.embed, nnx.Param)),
+        "body": body,
+        "post": nnx.to_pure_dict(nnx.state(ref.head, nnx.Param)),
+    }
+
+
+def pipeline_params(layer: PipelineLayer) -> dict:
+    return {
+        "pre": nnx.to_pure_dict(nnx.state(layer.pre[0].layer, nnx.Param)),
+        "body": nnx.to_pure_dict(nnx.state(layer.body, nnx.Param)),
+        "post": nnx.to_pure_dict(nnx.state(layer.post[0].layer, nnx.Param)),
+    }
+
+
+# ------------------------------------------------------------------ tests
+def test_dropless_moe_lm_pipeline_trains_like_one_device():
+    data = batches()
+    want_losses, ref = reference(data)
+    got_losses, layer, _, _ = pipeline_train(data)
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
+    assert_trees_close(pipeline_params(layer), as_pipeline_params(ref), devices=8)
+    # the gates' loss is in the objective (it moves the router's training)
+    assert not np.allclose(np.asarray(ref.blocks[0].moe.gate.gate.kernel[...]), 0)
+    # each device holds its stage's E / ep experts of every expert kernel
+    kernel = layer.body.moe.experts.htoh4.kernel[...]
+    assert kernel.shape == (2, LAYERS // 2, 1, EXPERTS, D, HIDDEN)
+    assert kernel.sharding.shard_shape(kernel.shape) == (1, LAYERS // 2, 1, EXPERTS // 2, D, HIDDEN)
