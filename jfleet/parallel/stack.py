@@ -174,7 +174,8 @@ def check_params_only(
         raise ValueError(
             f"{what} hold state other than nnx.Param ({kinds}); pipelined layers may only "
             "hold parameters (no batch statistics, caches or RNG streams: build dropout "
-            f"without rngs{', ' + fix if fix else ''})."
+            "without rngs, an MoE gate without random draws (GShard's random_routing=False, "
+            f"no Switch gate){', ' + fix if fix else ''})."
         )
 
 

@@ -8,6 +8,8 @@ micro-batch's loss; what stays unsupported is refused clearly.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,14 +17,17 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jfleet import fleet
 from jfleet.mesh.topology import AXIS_NAMES
 from jfleet.models.moe_lm import ExpertLayer
-from jfleet.parallel.moe import moe_layer, moe_stats
+from jfleet.parallel.moe import moe_stats
 from jfleet.parallel.moe.moe_layer import MoELayer
 from jfleet.parallel.pipeline_layer import LayerDesc, PipelineLayer
 from jfleet.testing import assert_trees_close, hlo, make_strategy, train_one_device
+from jfleet.training.engine import TrainStep, cached_step
+from jfleet.training.pipeline_parallel import _PipelineObjective
 
 VOCAB, D, HIDDEN, EXPERTS, LAYERS, SEQ = 32, 8, 16, 8, 2, 8
 REPLICAS, MICRO = 4, 2  # dp2 x ep2 data replicas; micro-batches a step
@@ -155,15 +160,91 @@ def pipeline_params(layer: PipelineLayer) -> dict:
 
 
 # ------------------------------------------------------------------ tests
-def test_dropless_moe_lm_pipeline_trains_like_one_device():
+@pytest.fixture(scope="module")
+def trained():
     data = batches()
-    want_losses, ref = reference(data)
-    got_losses, layer, _, _ = pipeline_train(data)
+    return data, reference(data), pipeline_train(data)
+
+
+def test_dropless_moe_lm_pipeline_trains_like_one_device(trained):
+    _, (want_losses, ref), (got_losses, layer, _, _) = trained
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
     assert_trees_close(pipeline_params(layer), as_pipeline_params(ref), devices=8)
-    # the gates' loss is in the objective (it moves the router's training)
-    assert not np.allclose(np.asarray(ref.blocks[0].moe.gate.gate.kernel[...]), 0)
     # each device holds its stage's E / ep experts of every expert kernel
     kernel = layer.body.moe.experts.htoh4.kernel[...]
     assert kernel.shape == (2, LAYERS // 2, 1, EXPERTS, D, HIDDEN)
     assert kernel.sharding.shard_shape(kernel.shape) == (1, LAYERS // 2, 1, EXPERTS // 2, D, HIDDEN)
+
+
+def test_the_gate_loss_is_in_the_objective(trained):
+    """Without the gates' loss the one-device run trains otherwise: the pipeline's equality
+    above includes it."""
+    data, (want_losses, _), _ = trained
+    global AUX_WEIGHT
+    weight, AUX_WEIGHT = AUX_WEIGHT, 0.0
+    try:
+        losses, _ = reference(data[:2])
+    finally:
+        AUX_WEIGHT = weight
+    assert abs(losses[1] - want_losses[1]) > 1e-4
+
+
+def test_the_compiled_step_holds_e_over_ep_experts_and_exchanges_over_ep(trained):
+    """The training step's program: expert kernels only as each device's ``E / ep`` slice
+    (no whole expert kernel, no all-gather), and all-to-alls over the two ``ep`` ranks."""
+    data, _, (_, _, model, opt) = trained
+    batch = model.placement.shard_batch(data[0])
+    step = cached_step(TrainStep, _PipelineObjective(0, False), model.placement)
+    text = step.lower(model, opt, batch).compile().as_text()
+    local = f"f32[1,{LAYERS // 2},1,{EXPERTS // 2},{D},{HIDDEN}]"
+    assert local in text
+    assert not re.search(rf"f32\[\d+,\d+,1,{EXPERTS},{D},{HIDDEN}\]", text)
+    found = hlo.collectives(text)
+    exchanges = [c for c in found if c.kind == "all-to-all"]
+    assert exchanges and all(c.group_size == 2 for c in exchanges)
+    assert not [c for c in found if c.kind == "all-gather"]
+
+
+def test_what_a_pipelined_body_does_not_keep_is_refused(trained):
+    *_, (_, layer, _, _) = trained
+    with pytest.raises(ValueError, match=r"stacked in a pipelined body .* inside the block"):
+        layer.body.moe.gate.get_loss()
+    with pytest.raises(ValueError, match=r"stacked in a pipelined body .* no counts"):
+        moe_stats(layer)
+
+
+def test_random_routing_in_a_pipeline_is_refused():
+    """GShard's random routing draws from an RNG stream, which a pipelined body may not hold."""
+    gate = dict(DROPLESS, random_routing=True)
+    fleet.init(is_collective=True, strategy=make_strategy(HYBRID), log_level="WARNING")
+    with pytest.raises(ValueError, match=r"MoEBlockPipe layers hold state other than nnx.Param \(\['RngCount', 'RngKey'\]\).*random_routing=False"):
+        PipelineLayer(descs(gate), num_stages=2, loss_fn=loss_fn, seed=0)
+
+
+def test_interleaved_schedule_with_split_experts_is_refused():
+    configs = {"micro_batch_size": 1, "accumulate_steps": MICRO, "schedule_mode": "ZBH1"}
+    fleet.init(
+        is_collective=True,
+        strategy=make_strategy(HYBRID, pipeline_configs=configs),
+        log_level="WARNING",
+    )
+    model = fleet.distributed_model(PipelineLayer(descs(), num_stages=2, loss_fn=loss_fn))
+    opt = fleet.distributed_optimizer(optax.adam(1e-2))
+    with pytest.raises(ValueError, match=r"schedule='ZBH1' cannot run .* split over 'ep'"):
+        model.train_batch(batches(1)[0], opt)
+
+
+def test_whole_experts_inside_a_shard_map_are_refused():
+    """Inside a shard_map manual over ``ep`` the layer needs its ``E / ep`` experts; given
+    all of them (replicated in), it says so instead of running the wrong ones."""
+    mesh = jax.make_mesh((2,), ("ep",), (jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+    layer = MoELayer(D, [ExpertLayer(D, HIDDEN, rngs=nnx.Rngs(i)) for i in range(4)],
+                     gate=DROPLESS, mesh=mesh, rngs=nnx.Rngs(0))  # fmt: skip
+    graphdef, state = nnx.split(layer)
+
+    def body(state, x):
+        return nnx.merge(graphdef, state)(x)
+
+    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("ep")), out_specs=P("ep")))
+    with pytest.raises(ValueError, match=r"holds 4 expert\(s\) of 4 over ep=2"):
+        run(state, jnp.ones((4, D)))
