@@ -79,10 +79,10 @@ from jfleet.parallel.stage_io import (
 
 __all__ = [
     "CARRIED",
-    "CallOutput",
     "SHARED",
     "SIDE",
     "STATIC",
+    "CallOutput",
     "PaddedSlot",
     "StageFn",
     "StageInputs",
