@@ -663,8 +663,9 @@ def _stage_specs(params: nnx.State) -> Any:
 
     def one(var: Any) -> P:
         layout = tuple(var.get_metadata("out_sharding", None) or ())[1:]
-        keep = [e if e == EP or (isinstance(e, tuple) and EP in e) else None for e in layout]
-        return P(PP, *[EP if e is not None else None for e in keep])
+        return P(
+            PP, *(EP if e == EP or (isinstance(e, tuple) and EP in e) else None for e in layout)
+        )
 
     flat = {path: one(var) for path, var in nnx.to_flat_state(params)}
     named = any(EP in tuple(s) for s in flat.values())

@@ -137,7 +137,7 @@ def pipeline_train(data, **kwargs):
     model = fleet.distributed_model(layer)
     opt = fleet.distributed_optimizer(optax.adam(1e-2))
     losses = np.array([float(model.train_batch(b, opt)) for b in data])
-    return losses, layer, model, opt
+    return losses, layer, model, opt, float(model.eval_batch(data[0], compute_loss=True))
 
 
 def as_pipeline_params(ref: Sequential) -> dict:
@@ -167,7 +167,7 @@ def trained():
 
 
 def test_dropless_moe_lm_pipeline_trains_like_one_device(trained):
-    _, (want_losses, ref), (got_losses, layer, _, _) = trained
+    _, (want_losses, ref), (got_losses, layer, *_) = trained
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
     assert_trees_close(pipeline_params(layer), as_pipeline_params(ref), devices=8)
     # each device holds its stage's E / ep experts of every expert kernel
@@ -176,9 +176,16 @@ def test_dropless_moe_lm_pipeline_trains_like_one_device(trained):
     assert kernel.sharding.shard_shape(kernel.shape) == (1, LAYERS // 2, 1, EXPERTS // 2, D, HIDDEN)
 
 
+def test_eval_batch_gives_the_trained_models_loss(trained):
+    """The forward-only pipeline (experts split over ep too) against the one-device model."""
+    data, (_, ref), (*_, evaluated) = trained
+    want = nnx.jit(micro_batch_mean_loss)(ref, data[0])
+    np.testing.assert_allclose(evaluated, want, rtol=1e-5)
+
+
 def test_fthenb_trains_like_one_device_too(trained):
     data, (want_losses, ref), _ = trained
-    got_losses, layer, _, _ = pipeline_train(data, schedule_mode="FThenB")
+    got_losses, layer, *_ = pipeline_train(data, schedule_mode="FThenB")
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
     assert_trees_close(pipeline_params(layer), as_pipeline_params(ref), devices=8)
 
@@ -199,7 +206,7 @@ def test_the_gate_loss_is_in_the_objective(trained):
 def test_the_compiled_step_holds_e_over_ep_experts_and_exchanges_over_ep(trained):
     """The training step's program: expert kernels only as each device's ``E / ep`` slice
     (no whole expert kernel, no all-gather), and all-to-alls over the two ``ep`` ranks."""
-    data, _, (_, _, model, opt) = trained
+    data, _, (_, _, model, opt, _) = trained
     batch = model.placement.shard_batch(data[0])
     step = cached_step(TrainStep, _PipelineObjective(0, False), model.placement)
     text = step.lower(model, opt, batch).compile().as_text()
@@ -213,7 +220,7 @@ def test_the_compiled_step_holds_e_over_ep_experts_and_exchanges_over_ep(trained
 
 
 def test_what_a_pipelined_body_does_not_keep_is_refused(trained):
-    *_, (_, layer, _, _) = trained
+    *_, (_, layer, *_) = trained
     with pytest.raises(ValueError, match=r"stacked in a pipelined body .* inside the block"):
         layer.body.moe.gate.get_loss()
     with pytest.raises(ValueError, match=r"stacked in a pipelined body .* no counts"):
