@@ -22,6 +22,12 @@ expert-parallel group and the tokens moved to them by all-to-all.
   :attr:`MoELayer.dropped` and :func:`moe_stats`.
 * ``recompute_interval > 0`` recomputes the layer in the backward pass
   (``jax.checkpoint``); ``recompute_ctx`` is accepted and not needed (logged once).
+* In a pipeline (blocks holding an ``MoELayer`` stacked by ``PipelineLayer``) the layer
+  runs inside the stage's ``shard_map``, already manual over ``pp`` and the data axes: it
+  calls :func:`~jfleet.parallel.moe.layer.moe_local` on its ``E / ep`` experts (the stage's
+  expert kernels arrive split over ``ep``). Its gate loss and counts are seen only inside
+  the block right after the call (a block returns the loss with its activation); the
+  stacked body keeps neither (``docs/moe.md``, "MoE in a pipeline").
 
 Example:
   >>> from flax import nnx
