@@ -155,7 +155,12 @@ def _check_stage_specs(specs: Any, stage_params: Any, pp_axis: str, data_axes: t
 
 
 def spec_axes(spec: P) -> frozenset:
-    """The mesh axes a ``PartitionSpec`` names."""
+    """The mesh axes a ``PartitionSpec`` names.
+
+    Example:
+      >>> sorted(spec_axes(P("pp", None, ("ep", "mp"))))
+      ['ep', 'mp', 'pp']
+    """
     return frozenset(a for e in spec for a in (e if isinstance(e, tuple) else (e,)) if a)
 
 

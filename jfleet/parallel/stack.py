@@ -151,6 +151,16 @@ class CallOutput(nnx.Variable):
     like the parameters; a pipeline runs each layer on scratch copies of them, so their
     values are only seen inside the block that calls the layer (which may return them
     with its activation), never kept in the stacked module.
+
+    Example:
+      >>> class Probe(nnx.Module):  # reports the mean of its last input
+      ...     def __init__(self):
+      ...         self.mean = CallOutput(jnp.zeros(()))
+      ...     def __call__(self, x):
+      ...         self.mean[...] = x.mean()
+      ...         return x
+      >>> stack_layers([Probe(), Probe()], 2, outputs=True).mean.shape
+      (2, 1)
     """
 
 
