@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from jfleet import fleet
 from jfleet.mesh.topology import AXIS_NAMES
 from jfleet.models.moe_lm import ExpertLayer
+from jfleet.parallel import stack
 from jfleet.parallel.moe import moe_stats
 from jfleet.parallel.moe.moe_layer import MoELayer
 from jfleet.parallel.pipeline_layer import LayerDesc, PipelineLayer
@@ -77,10 +78,10 @@ def loss_fn(output, labels):
     return ce + AUX_WEIGHT * jnp.mean(aux)
 
 
-def descs(gate=DROPLESS) -> list:
+def descs(gate=DROPLESS, layers=LAYERS) -> list:
     return [
         LayerDesc(EmbedPipe),
-        *[LayerDesc(MoEBlockPipe, gate) for _ in range(LAYERS)],
+        *[LayerDesc(MoEBlockPipe, gate) for _ in range(layers)],
         LayerDesc(HeadPipe),
     ]
 
@@ -88,11 +89,11 @@ def descs(gate=DROPLESS) -> list:
 class Sequential(nnx.Module):
     """The same layers (same seed, same build order) on one device, run in turn."""
 
-    def __init__(self, mesh: Mesh):
+    def __init__(self, mesh: Mesh, layers: int = LAYERS):
         rngs = nnx.Rngs(0)
         self.embed = EmbedPipe(rngs=rngs)
         self.blocks = nnx.List(
-            [MoEBlockPipe(DROPLESS, mesh=mesh, rngs=rngs) for _ in range(LAYERS)]
+            [MoEBlockPipe(DROPLESS, mesh=mesh, rngs=rngs) for _ in range(layers)]
         )
         self.head = HeadPipe(rngs=rngs)
 
@@ -123,17 +124,17 @@ def one_device_mesh() -> Mesh:
     return Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(AXIS_NAMES)), AXIS_NAMES)
 
 
-def reference(data):
-    model = Sequential(one_device_mesh())
+def reference(data, layers=LAYERS):
+    model = Sequential(one_device_mesh(), layers)
     losses, _ = train_one_device(model, optax.adam(1e-2), data, micro_batch_mean_loss)
     return losses, model
 
 
-def pipeline_train(data, **kwargs):
+def pipeline_train(data, layers=LAYERS, **kwargs):
     configs = {"micro_batch_size": 1, "accumulate_steps": MICRO, **kwargs}
     strategy = make_strategy(HYBRID, pipeline_configs=configs)
     fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
-    layer = PipelineLayer(descs(), num_stages=2, loss_fn=loss_fn, seed=0)
+    layer = PipelineLayer(descs(layers=layers), num_stages=2, loss_fn=loss_fn, seed=0)
     model = fleet.distributed_model(layer)
     opt = fleet.distributed_optimizer(optax.adam(1e-2))
     losses = np.array([float(model.train_batch(b, opt)) for b in data])
@@ -141,9 +142,9 @@ def pipeline_train(data, **kwargs):
 
 
 def as_pipeline_params(ref: Sequential) -> dict:
-    """The reference's parameters laid out as the PipelineLayer holds them."""
+    """The reference's parameters as :func:`pipeline_params` gives them (blocks stacked)."""
     blocks = [nnx.to_pure_dict(nnx.state(b, nnx.Param)) for b in ref.blocks]
-    body = jax.tree.map(lambda *a: jnp.stack(a).reshape(2, LAYERS // 2, *a[0].shape), *blocks)
+    body = jax.tree.map(lambda *a: jnp.stack(a), *blocks)
     return {
         "pre": nnx.to_pure_dict(nnx.state(ref.embed, nnx.Param)),
         "body": body,
@@ -152,9 +153,11 @@ def as_pipeline_params(ref: Sequential) -> dict:
 
 
 def pipeline_params(layer: PipelineLayer) -> dict:
+    """The trained parameters, the stacked body's in layer order (padded slots left out)."""
+    body = nnx.to_pure_dict(nnx.state(layer.body, nnx.Param))
     return {
         "pre": nnx.to_pure_dict(nnx.state(layer.pre[0].layer, nnx.Param)),
-        "body": nnx.to_pure_dict(nnx.state(layer.body, nnx.Param)),
+        "body": stack.layer_order(body, layer.chunk_sizes),
         "post": nnx.to_pure_dict(nnx.state(layer.post[0].layer, nnx.Param)),
     }
 
@@ -174,6 +177,17 @@ def test_dropless_moe_lm_pipeline_trains_like_one_device(trained):
     kernel = layer.body.moe.experts.htoh4.kernel[...]
     assert kernel.shape == (2, LAYERS // 2, 1, EXPERTS, D, HIDDEN)
     assert kernel.sharding.shard_shape(kernel.shape) == (1, LAYERS // 2, 1, EXPERTS // 2, D, HIDDEN)
+
+
+def test_uneven_stages_train_like_one_device(trained):
+    """Three MoE blocks on two stages (1 and 2): the padded slot's scratch state and its
+    split experts ride through like the others."""
+    data = trained[0][:2]
+    want_losses, ref = reference(data, layers=3)
+    got_losses, layer, *_ = pipeline_train(data, layers=3)
+    assert layer.chunk_sizes == (1, 2)
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
+    assert_trees_close(pipeline_params(layer), as_pipeline_params(ref), devices=8)
 
 
 def test_eval_batch_gives_the_trained_models_loss(trained):
