@@ -54,11 +54,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jfleet.mesh import context as _context
 from jfleet.mesh.layer_mesh import layer_mesh
 from jfleet.mesh.placement import Placement
-from jfleet.mesh.topology import MP, PP
+from jfleet.mesh.topology import EP, MP, PP
 from jfleet.parallel import pipeline_executor, pipeline_schedule, segment, stack
 from jfleet.parallel import virtual_stages as virtual
 from jfleet.parallel.layer_desc import (
@@ -210,7 +211,9 @@ class PipelineLayer(nnx.Module):
             self.pre = nnx.List([Run(layer, func) for layer, func, _ in built[:start]])
             self.post = nnx.List([Run(layer, func) for layer, func, _ in built[end:]])
             layers_ = [layer for layer, _, _ in built[start:end]]
-            self.body = stack.stack_layers(layers_, stages, layers[start].name, chunk_sizes=sizes)
+            self.body = stack.stack_layers(
+                layers_, stages, layers[start].name, chunk_sizes=sizes, outputs=True
+            )
             self._body_order = tuple(path for path, _ in params_in_order(layers_[0]))
             self.stages = None
             if not virtual.is_even(sizes):
@@ -412,7 +415,15 @@ class PipelineLayer(nnx.Module):
             stage_fn, stage_params, carried, mesh=mesh
         )
         run, extra = pipeline_schedule.pipeline_loss, {}
+        if parts.stage_specs is not None:  # expert kernels stay split over ep in the stage
+            extra["stage_specs"] = parts.stage_specs
         if schedule in virtual.TABLE_RUN:  # stage leaves [P, v, ...]: chunk c of each stage
+            if extra:
+                raise ValueError(
+                    f"schedule={schedule!r} cannot run a body whose parameters stay split over "
+                    f"{EP!r} in the stage (an MoELayer's experts); use schedule '1F1B' or "
+                    "'FThenB' without virtual stages."
+                )
             run, extra = pipeline_executor.table_pipeline_loss, {"num_virtual": self.v}
             stage_params = virtual.chunked(stage_params, self.v)
         return run(
@@ -451,13 +462,22 @@ class PipelineLayer(nnx.Module):
             x = self.run_pre(inputs)
             first = stack.batch_first_leaves(self.run_pre, inputs)
             split, carried, side, shared = stack.stage_inputs(x, batch=batch, batch_first=first)
-            body_def, body_state = nnx.split(self.body)
+            body_def, body_state, outputs = nnx.split(self.body, nnx.Param, ...)
             stage_params = nnx.to_pure_dict(body_state)
+            specs = _stage_specs(body_state)
+            # what the layers report (stack.CallOutput) lives in per-stage scratch copies
+            scratch = nnx.to_pure_dict(outputs)
+            scratch = jax.tree.map(lambda a: np.zeros(a.shape[1:], a.dtype), scratch)
             if not virtual.is_even(self.chunk_sizes):  # padded slots skipped exactly
                 body_def, stage_params = stack.padded_stage(
                     self.body, stage_params, self.chunk_sizes, self.num_stages, mesh
                 )
-            stage_fn = stack.stage_function(body_def, split, remat_interval=self.recompute_interval)
+                scratch = {"unit": scratch}
+                specs = specs and {"unit": specs, "real": P(PP)}
+            stage_fn = _with_scratch(
+                stack.stage_function(body_def, split, remat_interval=self.recompute_interval),
+                scratch,
+            )
             rows, tied = {}, self.post
 
             def post(rows: Any, out: Any, runs: Any) -> Any:
@@ -465,6 +485,9 @@ class PipelineLayer(nnx.Module):
                     out = run(out)
                 return out
 
+            return _StageParts(
+                stage_fn, stage_params, rows, post, tied, split, carried, side, shared, specs
+            )
         return _StageParts(stage_fn, stage_params, rows, post, tied, split, carried, side, shared)
 
     def _loss_fn(self, idx: int) -> Callable[..., Any]:
@@ -630,6 +653,37 @@ class _StageParts(NamedTuple):
     carried: Any
     side: Any
     shared: Any
+    stage_specs: Any = None
+
+
+def _stage_specs(params: nnx.State) -> Any:
+    """Per stacked parameter, ``P(pp, ...)`` keeping the expert axis of its layout (an
+    MoELayer's expert kernels stay split over ``ep`` inside the stage), or None when no
+    parameter is split over ``ep``."""
+
+    def one(var: Any) -> P:
+        layout = tuple(var.get_metadata("out_sharding", None) or ())[1:]
+        return P(
+            PP, *(EP if e == EP or (isinstance(e, tuple) and EP in e) else None for e in layout)
+        )
+
+    flat = {path: one(var) for path, var in nnx.to_flat_state(params)}
+    named = any(EP in tuple(s) for s in flat.values())
+    return nnx.traversals.unflatten_mapping(flat) if named else None
+
+
+def _with_scratch(stage_fn: Callable[..., Any], scratch: Any) -> Callable[..., Any]:
+    """``stage_fn`` given the stage's parameters with zero ``scratch`` merged in: the
+    stacked :class:`~jfleet.parallel.stack.CallOutput` state each layer overwrites."""
+    if not jax.tree.leaves(scratch):
+        return stage_fn
+    flat_scratch = nnx.traversals.flatten_mapping(scratch)
+
+    def run(params: Any, carried: Any, side: Any, shared: Any) -> Any:
+        flat = {**nnx.traversals.flatten_mapping(params), **flat_scratch}
+        return stage_fn(nnx.traversals.unflatten_mapping(flat), carried, side, shared)
+
+    return run
 
 
 def _head_function(parts: _StageParts, loss_fn: Callable[..., Any]) -> tuple[Callable, Any]:

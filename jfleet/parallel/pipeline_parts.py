@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jfleet.mesh.placement import check_divides
 from jfleet.parallel.schedule_ticks import (
@@ -51,6 +52,9 @@ class PipelineSpec:
     pp_axis: str
     data_axes: tuple[str, ...]
     remat: bool
+    #: per stage leaf, its ``PartitionSpec`` (``pp`` first, then the manual data axes it
+    #: is split over, e.g. experts over ``ep``), or None: every leaf ``P(pp)``
+    stage_specs: Any = dataclasses.field(default=None, compare=False)
 
     @property
     def num_stages(self) -> int:
@@ -67,7 +71,7 @@ class PipelineSpec:
 
 def validate(
     stage_fn, head_fn, stage_params, batched, *, mesh, schedule, num_microbatches, pp_axis,
-    data_axes, remat,
+    data_axes, remat, stage_specs=None,
 ) -> PipelineSpec:  # fmt: skip
     """Checks the arguments; ``batched`` maps names to the pytrees split into micro-batches."""
     _check_schedule(schedule)
@@ -122,7 +126,58 @@ def validate(
         + (f"; num_microbatches dividing {local}: {fits}" if fits else ""),
         label="micro-batch count x data-parallel size",
     )
-    return PipelineSpec(stage_fn, head_fn, mesh, schedule, m, pp_axis, data_axes, bool(remat))
+    specs = _check_stage_specs(stage_specs, stage_params, pp_axis, data_axes)
+    return PipelineSpec(
+        stage_fn, head_fn, mesh, schedule, m, pp_axis, data_axes, bool(remat), specs
+    )
+
+
+def _check_stage_specs(specs: Any, stage_params: Any, pp_axis: str, data_axes: tuple) -> Any:
+    """``specs`` (one ``PartitionSpec`` a stage leaf) if each starts with ``pp_axis`` and
+    names only data axes after it; None stays None."""
+    if specs is None:
+        return None
+    is_spec = lambda s: isinstance(s, P)  # noqa: E731
+    flat, tree = jax.tree.flatten(specs, is_leaf=is_spec)
+    if tree != jax.tree.structure(stage_params) or not all(map(is_spec, flat)):
+        raise ValueError(
+            f"stage_specs has structure {tree}; give one PartitionSpec per stage_params leaf "
+            f"({jax.tree.structure(stage_params)})."
+        )
+    for s in flat:
+        named = {a for e in tuple(s)[1:] for a in (e if isinstance(e, tuple) else (e,)) if a}
+        if not s or s[0] != pp_axis or not named <= set(data_axes):
+            raise ValueError(
+                f"stage_specs entry {s} must be P({pp_axis!r}, ...) naming only the data axes "
+                f"{data_axes} after the stage axis (those the leaf arrives split over)."
+            )
+    return specs
+
+
+def spec_axes(spec: P) -> frozenset:
+    """The mesh axes a ``PartitionSpec`` names.
+
+    Example:
+      >>> sorted(spec_axes(P("pp", None, ("ep", "mp"))))
+      ['ep', 'mp', 'pp']
+    """
+    return frozenset(a for e in spec for a in (e if isinstance(e, tuple) else (e,)) if a)
+
+
+def stage_grad_sum(spec: PipelineSpec, grads: Any) -> Any:
+    """Stage gradients summed over the data axes, each leaf over those it is not split
+    over (:attr:`PipelineSpec.stage_specs`: an expert kernel split over ``ep`` sums over
+    ``dp`` and ``sharding`` only)."""
+    if spec.stage_specs is None:
+        return lax.psum(grads, spec.data_axes) if spec.data_axes else grads
+
+    def one(g: jax.Array, s: P) -> jax.Array:
+        over = tuple(a for a in spec.data_axes if a not in spec_axes(s))
+        return lax.psum(g, over) if over else g
+
+    leaves, tree = jax.tree.flatten(grads)
+    specs = jax.tree.leaves(spec.stage_specs, is_leaf=lambda s: isinstance(s, P))
+    return jax.tree.unflatten(tree, [one(g, s) for g, s in zip(leaves, specs, strict=True)])
 
 
 def batch_rows(tree: Any, name: str, optional: bool = False) -> set[int]:

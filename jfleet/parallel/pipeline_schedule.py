@@ -91,6 +91,7 @@ from jfleet.parallel.pipeline_parts import (
     select,
     shift,
     stage_call,
+    stage_grad_sum,
     stage_vjp,
     take,
     to_microbatches,
@@ -125,6 +126,7 @@ def pipeline_loss(
     data_axes: tuple[str, ...] = DATA_AXES,
     remat: bool = False,
     micro_losses: bool = False,
+    stage_specs: Any = None,
 ) -> Any:
     """The mean loss of a pipelined stack of stages, differentiable in all its arrays.
 
@@ -159,6 +161,11 @@ def pipeline_loss(
         stage in its own backward loop (bubble ticks skipped). 1F1B always recomputes
         each stage from its stashed input, so the flag changes nothing there.
       micro_losses: also return each micro-batch's loss (mean over replicas; no gradient).
+      stage_specs: one ``PartitionSpec`` per ``stage_params`` leaf, ``P(pp_axis, ...)``
+        naming the data axes the leaf stays split over inside the stage (an MoE layer's
+        expert kernels over ``ep``: each device gets its ``E / ep`` experts and their
+        gradients are summed over the other data axes only); None: every leaf ``P(pp)``,
+        whole on each device of its stage.
 
     Returns:
       The fp32 mean of ``head_fn`` over micro-batches and data-parallel replicas; with
@@ -191,6 +198,7 @@ def pipeline_loss(
         pp_axis=pp_axis,
         data_axes=data_axes,
         remat=remat,
+        stage_specs=stage_specs,
     )
     out = _differentiable(spec)(stage_params, head_params, inputs, targets, side, shared)
     return out if micro_losses else out[0]
@@ -246,11 +254,12 @@ def _sharded(spec: PipelineSpec, local: Local, *, forward_only: bool, with_dx: b
     """The jitted ``shard_map`` computing the loss (and, unless forward_only, the grads)."""
     pp, data = spec.pp_axis, spec.data_axes
     batch_spec = P(data) if data else P()
+    stage_spec = P(pp) if spec.stage_specs is None else spec.stage_specs
     loss_out = (P(), P())
     if forward_only:
         out_specs: Any = loss_out
     else:
-        out_specs = (loss_out, (P(pp), P(), batch_spec if with_dx else None))
+        out_specs = (loss_out, (stage_spec, P(), batch_spec if with_dx else None))
 
     def body(stage_params, head_params, inputs, targets, side, shared):
         return local(
@@ -260,7 +269,7 @@ def _sharded(spec: PipelineSpec, local: Local, *, forward_only: bool, with_dx: b
     mapped = jax.shard_map(
         body,
         mesh=spec.mesh,
-        in_specs=(P(pp), P(), batch_spec, batch_spec, batch_spec, P()),
+        in_specs=(stage_spec, P(), batch_spec, batch_spec, batch_spec, P()),
         out_specs=out_specs,
         axis_names=frozenset(spec.manual_axes),
         check_vma=True,
@@ -295,7 +304,7 @@ def _local_step(
         tree = lax.psum(tree, over) if over else tree
         return jax.tree.map(lambda d, p: (d * scale).astype(p.dtype), tree, like)
 
-    d_stage = jax.tree.map(lambda d: d[None], finish(d_stage, spec.data_axes, params))
+    d_stage = jax.tree.map(lambda d: d[None], finish(stage_grad_sum(spec, d_stage), (), params))
     d_head = finish(d_head, axes, head_params)
     if with_dx:
         d_x = from_microbatches(finish(d_x, (spec.pp_axis,), x_mb))

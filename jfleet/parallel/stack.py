@@ -83,6 +83,7 @@ __all__ = [
     "SHARED",
     "SIDE",
     "STATIC",
+    "CallOutput",
     "PaddedSlot",
     "StageFn",
     "StageInputs",
@@ -143,9 +144,32 @@ def _steps(module: nnx.Module) -> Iterator[nnx.Module]:
 # ------------------------------------------------------------------ stacking
 
 
-def check_params_only(module: Any, what: str, fix: str = "", *, streams: bool = False) -> None:
+class CallOutput(nnx.Variable):
+    """State a layer overwrites on every call before reading it: what its last call
+    reported (an MoE gate's auxiliary loss, its routing counts), not an input of the next.
+
+    A stack built with ``outputs=True`` (:func:`stack_layers`) holds such variables stacked
+    like the parameters; a pipeline runs each layer on scratch copies of them, so their
+    values are only seen inside the block that calls the layer (which may return them
+    with its activation), never kept in the stacked module.
+
+    Example:
+      >>> class Probe(nnx.Module):  # reports the mean of its last input
+      ...     def __init__(self):
+      ...         self.mean = CallOutput(jnp.zeros(()))
+      ...     def __call__(self, x):
+      ...         self.mean[...] = x.mean()
+      ...         return x
+      >>> stack_layers([Probe(), Probe()], 2, outputs=True).mean.shape
+      (2, 1)
+    """
+
+
+def check_params_only(
+    module: Any, what: str, fix: str = "", *, streams: bool = False, outputs: bool = False
+) -> None:
     """Raises when ``module`` holds state other than ``nnx.Param`` (pipelined layers may not;
-    with ``streams``, RNG streams are allowed too).
+    with ``streams``, RNG streams are allowed too; with ``outputs``, :class:`CallOutput`\\ s).
 
     Raises:
       ValueError: naming ``what``, the state kinds found and the fix.
@@ -153,14 +177,16 @@ def check_params_only(module: Any, what: str, fix: str = "", *, streams: bool = 
     Example:
       >>> check_params_only(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), "a stage")
     """
-    kept = nnx.Any(nnx.Param, nnx.RngState) if streams else nnx.Param
+    kept = (nnx.Param, *((nnx.RngState,) if streams else ()), *((CallOutput,) if outputs else ()))
+    kept = nnx.Any(*kept) if len(kept) > 1 else nnx.Param
     other = nnx.state(module, nnx.Not(kept))
     if jax.tree.leaves(other):
         kinds = sorted({type(v).__name__ for _, v in nnx.to_flat_state(other)})
         raise ValueError(
             f"{what} hold state other than nnx.Param ({kinds}); pipelined layers may only "
             "hold parameters (no batch statistics, caches or RNG streams: build dropout "
-            f"without rngs{', ' + fix if fix else ''})."
+            "without rngs, an MoE gate without random draws (GShard's random_routing=False, "
+            f"no Switch gate){', ' + fix if fix else ''})."
         )
 
 
@@ -172,6 +198,7 @@ def stack_layers(
     period: int = 1,
     streams: bool = False,
     chunk_sizes: Sequence[int] | None = None,
+    outputs: bool = False,
 ) -> Any:
     """One module whose parameters are the layers' stacked to ``[P, N/P, ...]``.
 
@@ -200,6 +227,7 @@ def stack_layers(
         slot holds a copy of a real unit of its row and is skipped by
         :func:`padded_stage`. ``P`` need not divide the units then. None: ``P`` equal
         stages of the layers as given (already in stacked order).
+      outputs: allow :class:`CallOutput` state (stacked like the parameters).
 
     Returns:
       A module of the layers' class (``period=1``) or a :class:`SuperBlock` (its
@@ -232,7 +260,9 @@ def stack_layers(
       (2, 3, 2, 2)
     """
     layers = list(layers)
-    name = _check_stackable(layers, num_stages, period, name, streams, chunk_sizes is None)
+    name = _check_stackable(
+        layers, num_stages, period, name, streams, chunk_sizes is None, outputs=outputs
+    )
     count, units = len(layers), len(layers) // period
     if period > 1:
         layers = [SuperBlock(layers[k : k + period]) for k in range(0, count, period)]
@@ -288,6 +318,8 @@ def _check_stackable(
     name: str | None,
     streams: bool = False,
     even: bool = True,
+    *,
+    outputs: bool = False,
 ) -> str:
     """Raises when ``layers`` cannot be stacked; returns what they are called."""
     if not layers:
@@ -321,6 +353,7 @@ def _check_stackable(
             f"the pipelined body's {name} layers",
             "or keep such layers in the pre / post part",
             streams=streams,
+            outputs=outputs,
         )
     mismatch = first_mismatch(layers, period)
     if mismatch:

@@ -38,12 +38,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jfleet.parallel.moe.layer import MoEAux
+from jfleet.parallel.stack import CallOutput
 
 __all__ = ["BaseGate", "GShardGate", "GateLoss", "NaiveGate", "SwitchGate"]
 
 
-class GateLoss(nnx.Variable):
-    """A gate's auxiliary loss of its last call (state, not a parameter)."""
+class GateLoss(CallOutput):
+    """A gate's auxiliary loss of its last call (state, not a parameter; in a pipelined
+    body it is only seen inside the block, right after the layer's call)."""
 
 
 def _positive_int(cls: str, **values: Any) -> None:
@@ -73,6 +75,13 @@ class BaseGate(nnx.Module):
         to zero (Paddle sets it to None)."""
         if not self.has_loss:
             return None
+        if self.loss.ndim:
+            raise ValueError(
+                f"{type(self).__name__}.get_loss(): this gate is stacked in a pipelined body "
+                f"(its loss has shape {self.loss.shape}, one a layer) and keeps no loss after "
+                "a step; read gate.get_loss() inside the block right after the MoE layer's "
+                "call and return it with the activation (docs/moe.md, 'MoE in a pipeline')."
+            )
         loss = self.loss[...]
         if clear:
             self.loss[...] = jnp.zeros((), jnp.float32)

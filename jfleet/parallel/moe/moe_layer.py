@@ -22,6 +22,12 @@ expert-parallel group and the tokens moved to them by all-to-all.
   :attr:`MoELayer.dropped` and :func:`moe_stats`.
 * ``recompute_interval > 0`` recomputes the layer in the backward pass
   (``jax.checkpoint``); ``recompute_ctx`` is accepted and not needed (logged once).
+* In a pipeline (blocks holding an ``MoELayer`` stacked by ``PipelineLayer``) the layer
+  runs inside the stage's ``shard_map``, already manual over ``pp`` and the data axes: it
+  calls :func:`~jfleet.parallel.moe.layer.moe_local` on its ``E / ep`` experts (the stage's
+  expert kernels arrive split over ``ep``). Its gate loss and counts are seen only inside
+  the block right after the call (a block returns the loss with its activation); the
+  stacked body keeps neither (``docs/moe.md``, "MoE in a pipeline").
 
 Example:
   >>> from flax import nnx
@@ -45,12 +51,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from jfleet.mesh.group_collective import manual_axes
 from jfleet.mesh.layer_mesh import layer_mesh
 from jfleet.mesh.topology import DATA_AXES, MP
 from jfleet.parallel.moe.experts import StackedExperts
 from jfleet.parallel.moe.gates import BaseGate, GShardGate, NaiveGate, SwitchGate
-from jfleet.parallel.moe.layer import EP_AXIS, MoEAux, moe
-from jfleet.parallel.stack import stack_layers
+from jfleet.parallel.moe.layer import EP_AXIS, MoEAux, moe, moe_local
+from jfleet.parallel.stack import CallOutput, stack_layers
 from jfleet.runtime.log import logger
 
 __all__ = ["MoELayer", "MoEStat", "moe_stats"]
@@ -58,8 +65,9 @@ __all__ = ["MoELayer", "MoEStat", "moe_stats"]
 _GATES = {"naive": NaiveGate, "gshard": GShardGate, "switch": SwitchGate}
 
 
-class MoEStat(nnx.Variable):
-    """What an MoE layer's last call counted (state, not a parameter)."""
+class MoEStat(CallOutput):
+    """What an MoE layer's last call counted (state, not a parameter; not kept by a
+    pipelined body, see :func:`moe_stats`)."""
 
 
 class MoELayer(nnx.Module):
@@ -208,9 +216,56 @@ def _run(
     graphdef: Any,
     **kwargs: Any,
 ) -> tuple[jax.Array, MoEAux]:
-    return moe(
-        x, None, StackedExperts(graphdef, params), logits=logits, second_draws=draws, **kwargs
+    experts = StackedExperts(graphdef, params)
+    if manual_axes():  # inside a shard_map (a pipeline stage): this device's experts
+        return _run_local(x, logits, experts, draws, **kwargs)
+    return moe(x, None, experts, logits=logits, second_draws=draws, **kwargs)
+
+
+def _run_local(
+    x: jax.Array,
+    logits: jax.Array,
+    experts: StackedExperts,
+    draws: jax.Array | None,
+    *,
+    mesh: Mesh,
+    axis_name: str,
+    token_axes: tuple[str, ...],
+    **kwargs: Any,
+) -> tuple[jax.Array, MoEAux]:
+    """:func:`~jfleet.parallel.moe.layer.moe_local` on this device's tokens and experts,
+    inside a ``shard_map`` already manual over the expert axis and the token axes (a
+    pipeline stage, manual over ``pp`` and the data axes ``dp``, ``sharding``, ``ep``)."""
+    manual = set(manual_axes())
+    context = jax.sharding.get_abstract_mesh()
+    missing = [a for a in token_axes if a not in manual and context.shape.get(a, 1) > 1]
+    if axis_name not in manual or missing:
+        raise ValueError(
+            f"MoELayer runs inside a shard_map manual over {sorted(manual)}; it splits its "
+            f"experts over {axis_name!r} and its tokens over {token_axes}, which must all be "
+            f"manual there ({[axis_name, *missing]} are not): run it in a pipeline stage "
+            "(manual over pp and the data axes) without mp_group, or outside shard_map."
+        )
+    ep = context.shape[axis_name]
+    local, total = experts.num_experts, logits.shape[-1]
+    if local * ep != total:
+        raise ValueError(
+            f"MoELayer: this device holds {local} expert(s) of {total} over "
+            f"{axis_name}={ep}; inside a shard_map each needs its {total // ep} (the expert "
+            f"kernels passed split over {axis_name!r}, as PipelineLayer passes them)."
+        )
+    d = x.shape[-1]
+    y, aux = moe_local(
+        x.reshape(-1, d),
+        None,
+        experts,
+        logits=logits.reshape(-1, total),
+        second_draws=None if draws is None else draws.reshape(-1),
+        axis_name=axis_name,
+        token_axes=tuple(a for a in token_axes if a in manual),
+        **kwargs,
     )
+    return y.reshape(x.shape), aux
 
 
 def _group_axis(group: Any, what: str, *, default: str, mesh: Mesh) -> str:
@@ -289,6 +344,14 @@ def moe_stats(model: nnx.Module) -> dict[str, jax.Array]:
     layers = [m for _, m in nnx.iter_graph(model) if isinstance(m, MoELayer)]
     if not layers:
         raise ValueError(f"moe_stats: {type(model).__name__} holds no MoELayer.")
+    stacked = [m for m in layers if m.routed.ndim > 1]
+    if stacked:
+        raise ValueError(
+            f"moe_stats: {type(model).__name__} holds MoELayers stacked in a pipelined body "
+            f"(counts of shape {stacked[0].routed.shape}); a pipeline keeps no counts of its "
+            "layers' calls. Return layer.routed / layer.dropped from the block with its "
+            "activation if you need them, or count without the pipeline."
+        )
     return {
         "dropped": sum(jnp.sum(m.dropped[...]) for m in layers),
         "routed": sum(jnp.sum(m.routed[...]) for m in layers),
