@@ -159,6 +159,11 @@ from jfleet.auto_parallel.cost.cost_comm import (
     tensor_parallel_time,
 )
 from jfleet.auto_parallel.cost.cost_memory import loop_traffic_time, memory
+from jfleet.auto_parallel.cost.cost_moe import (
+    expert_reduction_time,
+    moe_exchange_time,
+    moe_flops,
+)
 from jfleet.auto_parallel.cost.cost_types import (
     TIME_WORDS,
     Candidate,
@@ -226,6 +231,7 @@ def compute_time(s: StepShape) -> tuple[float, float, float]:
         block_flops += share * cached(
             s.patterns, ("core", *key), lambda: attention_core_flops(s.patterns, work, lay, s.specs)
         )
+    block_flops += moe_flops(s)  # the stage's routed experts and routers (0 without)
     outside_flops = step_outside / pp if s.rows_over_pp else step_outside
     peak = profile.flops(s.workload.dtype) * matmul_efficiency(s)
     t_blocks = block_flops / peak
@@ -283,10 +289,13 @@ def estimate(
         compute=compute,
         bubble=bubble,
         tensor_parallel=tensor_parallel_time(s, coll),
-        data_parallel=exposed(data_parallel_time(s, coll), s, compute),
+        data_parallel=exposed(
+            data_parallel_time(s, coll) + expert_reduction_time(s, coll), s, compute
+        ),
         pipeline=pipeline_time(s, coll),
         sequence=sequence_time(s, coll),
         memory_traffic=loop_traffic_time(s),
+        expert_parallel=moe_exchange_time(s, coll),
     )
     return Candidate(
         layout=layout,
