@@ -106,6 +106,8 @@ def selective_kept_elems(s: StepShape) -> float:
         kept += (d.q_dim + 2 * d.kv_dim) / attn_mp + d.width
     if s.patterns.mlp:
         kept += _MLP_UP[s.patterns.mlp] * d.hidden / mlp_mp + d.width
+    if s.patterns.moe is not None:  # the routed experts' exchanged rows (cost_moe)
+        kept += moe_elems(s, kept=True)
     return kept
 
 

@@ -159,27 +159,37 @@ def moe_rows(s: StepShape) -> float:
     return moe.experts * expert_capacity(t, moe.top_k, moe.experts, moe.capacity_factor)
 
 
+def _rerun(s: StepShape) -> bool:
+    """Whether the experts' forward (and exchange) runs again in the backward pass: under
+    recompute, and under selective recompute too (``dots_with_no_batch_dims_saveable``
+    saves no expert product: a batched einsum or a ``ragged_dot``)."""
+    return s.recompute or s.selective
+
+
 def moe_flops(s: StepShape) -> float:
     """Dot FLOPs of the stage's routed experts and routers per device per step (forward,
-    two backward products each; recompute runs the forward again): 0 without experts."""
+    two backward products each; recompute, selective too, runs the forward again): 0
+    without experts."""
     moe = s.patterns.moe
     if moe is None:
         return 0.0
     h, calls = s.dims.width, s.layout.num_microbatches * s.accumulate
     fwd = 2 * moe_rows(s) * moe.one_expert(h) + 2 * _call_tokens(s) * h * moe.experts
-    passes = 3 + (1 if s.recompute else 0)
+    passes = 3 + (1 if _rerun(s) else 0)
     return passes * fwd * calls * moe_stage_layers(s)
 
 
-def moe_elems(s: StepShape) -> float:
+def moe_elems(s: StepShape, *, kept: bool = False) -> float:
     """Activation elements per device token and decoder layer the routed experts keep
     (their MLP's per routed row, the dispatched and combined rows, the router's logits
-    and probabilities), averaged over the layers: 0 without experts."""
+    and probabilities), averaged over the layers: 0 without experts. ``kept``: what
+    selective recompute keeps of them (the dispatched and combined rows and the router's;
+    the experts run again)."""
     moe = s.patterns.moe
     if moe is None:
         return 0.0
     rows_per_token = moe_rows(s) / max(s.tokens_mb, 1)
-    per_row = _EXPERT_ELEMS[moe.gated] * moe.expert_ffn + 2 * s.dims.width
+    per_row = (0 if kept else _EXPERT_ELEMS[moe.gated] * moe.expert_ffn) + 2 * s.dims.width
     router = 2 * moe.experts / s.layout.mp
     share = moe.layers / (len(s.patterns.blocks) or s.dims.layers or 1)
     return (rows_per_token * per_row + router) * share
@@ -269,7 +279,7 @@ def expert_reduction_time(s: StepShape, coll: dict[str, float]) -> float:
 
 def moe_exchange_time(s: StepShape, coll: dict[str, float]) -> float:
     """The stage's MoE all-to-alls per device per step: dispatch and combine forward and
-    backward (:func:`moe_exchange`; again forward where the blocks are recomputed) per MoE
+    backward (:func:`moe_exchange`; again forward where the experts are recomputed) per MoE
     layer and call, of :func:`moe_exchange_bytes` buffers (ragged on GPU / TPU, with the
     busiest rank's imbalance), at the bandwidth of the links the ``ep`` group spans
     (:func:`~jfleet.auto_parallel.cost.step_shape.group_bandwidth`). 0 without experts or
@@ -283,7 +293,7 @@ def moe_exchange_time(s: StepShape, coll: dict[str, float]) -> float:
         imbalance=_imbalance(s),
     )  # fmt: skip
     one = moe_exchange(buffer, ep, s.bandwidth(EP), s.profile.collective_latency)
-    passes = (one.count + (2 if s.recompute else 0)) / one.count
+    passes = (one.count + (2 if _rerun(s) else 0)) / one.count
     times = moe_stage_layers(s) * s.layout.num_microbatches * s.accumulate * passes
     coll["all_to_all"] += times * one.count * buffer
     return times * one.seconds

@@ -157,7 +157,8 @@ def _placed_specs(model: nnx.Module, blocks: Sequence[str]) -> dict[str, tuple[t
 
 def _candidate_to_dict(c: Candidate) -> dict[str, Any]:
     return {
-        # ep is not planned yet (always 1): left out, so plans read as before the axis
+        # ep of degree 1 (every model without routed experts): left out, so plans read as
+        # before the axis
         "layout": {k: v for k, v in dataclasses.asdict(c.layout).items() if k != EP or v != 1},
         "memory": dataclasses.asdict(c.memory),
         # no expert all-to-all (a model without routed experts): left out, as before
