@@ -269,8 +269,30 @@ def main(argv: list[str] | None = None) -> int:
 
 
 #: What the table shows that the numbers alone do not.
-NOTES = """See the module docstring of `benchmarks/published_moe.py` for how each row is
-pinned; the cost terms are `jfleet/auto_parallel/cost/cost_moe.py`'s."""
+NOTES = """How each row is pinned: the module docstring of `benchmarks/published_moe.py`; the
+cost terms: `jfleet/auto_parallel/cost/cost_moe.py`. No constant was set on this table.
+(1) Compute is the step's FLOPs at the H100 profile's `matmul_efficiency` (0.45, fitted
+on dense FSDP rows, `published_fsdp.py`) with the routed rows x `LOAD_IMBALANCE` (1.1)
+where `ep > 1`; these runs force-balanced their routers, so that factor overcharges the
+experts by up to 10% here. (2) The all-to-alls: jfleet's mesh order puts `ep` outside
+`mp` (`dp, pp, sharding, sep, ep, mp`) and its MoE layer splits tokens over `mp` too, so
+`ep8` beside `mp2` spans 16 GPUs, two nodes, where Megatron's EP 8 (ETP 1) folds its TP
+ranks into one node: qwen3-235b-ep8-fsdp is charged 5.9 s of all-to-all over the network
+(of a 25.3 s step; 17.6 s measured, ratio 0.70), qwen3-235b-ep32-pp8 6.5 s (`ep16 x mp2`,
+32 GPUs). Megatron's DeepEP also overlaps dispatch with compute (its "+1f1b overlap" row:
+19.7 -> 17.6 s); jfleet charges the exchange unoverlapped. (3) Memory: jfleet's ZeRO shards
+over `sharding` only, so beside `ep` the runs' distributed optimizer (over the
+expert-data-parallel ranks) is not expressible: qwen3-30b-h100-8 pinned as `ep8` keeps
+Adam replicated (60.6 GiB of optimizer state) and every routed row's activations without
+recompute (82.4 GiB): 152.6 GiB, where AutoModel's FSDP run fit 80 GB. (4) The picks keep
+`ep = 1` for every row: FSDP over all GPUs (ZeRO-3 gathering each MoE layer's experts, fully
+overlapped with compute by the profile's `comm_overlap`) is predicted faster than any
+`ep`, whose all-to-alls (and, for the 235B rows, the halved NIC count of a ZeRO ring beside
+an inner `ep` axis) cost more than the gathers they save; qwen3-235b-ep8-fsdp's measured
+17.6 s (31.5% MFU) against the pick's predicted 16.3 s (33.9%) is the nearest check of that
+claim. (5) Planning: the wide search on 256 GPUs takes 90-140 s a plan (the `ep` axis
+multiplies the meshes by up to 8 divisors of the 128 experts), over the 10 s target of
+issue 37; `--narrow` takes 55-80 s."""
 
 
 if __name__ == "__main__":
