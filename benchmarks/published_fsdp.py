@@ -292,12 +292,8 @@ def _no_slower(r: dict) -> bool:
 def summary(results: list[dict]) -> str:
     """Issue 37's bars, computed from the rows, calibration and held-out apart."""
     lines = []
-    for held in (False, True):
-        rs = [r for r in results if r["row"].held_out == held]
-        if not rs:
-            continue
-        ratios = [mfu(r["row"], r["published"].time.total) / published_mfu(r["row"]) for r in rs]
-        outside = [r["row"].name for r, x in zip(rs, ratios, strict=True) if not 0.7 <= x <= 1.3]
+    ratio = lambda r: mfu(r["row"], r["published"].time.total) / published_mfu(r["row"])  # noqa: E731
+    for held, rs, ratios, outside in held_apart(results, ratio):
         slow = max(max(r["published_s"], r["pick_s"]) for r in rs)
         lines.append(
             f"- {'held-out' if held else 'other'} rows ({len(rs)}): published layout fits: "
@@ -318,7 +314,9 @@ def breakdown(candidate) -> str:
         for f in ("params", "optimizer", "grads", "gathered", "activations", "inputs")
     )
     terms = ("compute", "bubble", "tensor_parallel", "data_parallel", "pipeline", "sequence")
-    times = ", ".join(f"{f} {getattr(t, f):.3f}" for f in (*terms, "memory_traffic"))
+    times = ", ".join(
+        f"{f} {getattr(t, f):.3f}" for f in (*terms, "memory_traffic", "expert_parallel")
+    )
     c = candidate.collectives
     moved = ", ".join(
         f"{f} {getattr(c, f) / 1e9:.1f} GB" for f in ("all_gather", "reduce_scatter", "all_reduce")
@@ -377,16 +375,41 @@ micro-batch's gradient, 9 times a step here; Megatron accumulates locally and re
 (8.3 GB: with one reduction the prediction is 4.08 s, a ratio of 0.99)."""
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def row_arguments(
+    argv: list[str] | None, rows: tuple, description: str, *flags: tuple[str, str]
+) -> tuple[argparse.Namespace, list]:
+    """A published-runs benchmark's command line: ``--rows``, ``--no-write``,
+    ``--verbose`` and ``flags`` (``(name, help)`` switches); the arguments and the rows
+    asked for."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rows", help="comma-separated row names (default: all)")
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--verbose", action="store_true", help="print each plan's terms")
+    for name, text in flags:
+        parser.add_argument(name, action="store_true", help=text)
     args = parser.parse_args(argv)
     wanted = set(args.rows.split(",")) if args.rows else None
-    rows = [r for r in ROWS if wanted is None or r.name in wanted]
-    if wanted and len(rows) != len(wanted):
-        parser.error(f"--rows={args.rows}: known rows are {[r.name for r in ROWS]}")
+    chosen = [r for r in rows if wanted is None or r.name in wanted]
+    if wanted and len(chosen) != len(wanted):
+        parser.error(f"--rows={args.rows}: known rows are {[r.name for r in rows]}")
+    return args, chosen
+
+
+def held_apart(results: list[dict], ratio) -> list[tuple[bool, list, list, list]]:
+    """``(held out, rows' results, ratios, names outside 0.7-1.3)`` for the other rows and
+    the held-out ones (those present); ``ratio(result)`` is a row's predicted / published."""
+    out = []
+    for held in (False, True):
+        rs = [r for r in results if r["row"].held_out == held]
+        if rs:
+            ratios = [ratio(r) for r in rs]
+            names = [r["row"].name for r, x in zip(rs, ratios, strict=True) if not 0.7 <= x <= 1.3]
+            out.append((held, rs, ratios, names))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, rows = row_arguments(argv, ROWS, __doc__.split("\n")[0])
     results = []
     for row in rows:
         results.append(run_row(row))

@@ -339,12 +339,11 @@ def test_a_degree_one_ep_axis_compiles_the_same_program():
     assert program == compiled(five, ("dp", "sharding"))
 
 
-# ----- the planner does not plan ep yet -------------------------------------------------------
+# ----- the planner plans ep only for routed experts it knows ----------------------------------
 
 
-def test_the_planner_keeps_ep_at_one_and_refuses_it_when_forced():
-    with pytest.raises(ValueError, match="ep=2: the cost model does not price expert"):
-        Layout(dp=4, ep=2)
+def test_the_planner_keeps_ep_at_one_without_experts_and_refuses_it_when_forced():
+    assert Layout(dp=4, ep=2).data_degree == 8  # ep is a data axis
     assert Layout(dp=8).degrees == {"dp": 8, "pp": 1, "sharding": 1, "sep": 1, "ep": 1, "mp": 1}
     plan = plan_for(TinyLM(), device_num=8, batch_size=16, seq_len=8, force_mesh={"dp": 2, "mp": 4})
     assert plan.mesh_shape == {"dp": 2, "pp": 1, "sharding": 1, "sep": 1, "mp": 4}

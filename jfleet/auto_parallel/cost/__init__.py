@@ -9,6 +9,8 @@ collective bytes and step time, each with its terms, and why a layout does not f
 * ``layout``: the inputs; ``profiles``: the hardware (emulated CPU, A100, H100, H200, ...).
 * ``step_shape``, ``step_work``, ``memo``: what one step of a layout computes and holds.
 * ``cost_memory``, ``cost_comm``, ``cost_types``, ``cost_model``: the terms and the sum.
+* ``cost_moe``: a mixture of experts' terms (expert weights over ``ep``, their compute, the
+  all-to-alls, the expert gradients' reduction).
 
 May import: the layers below ``auto_parallel``; the match stage.
 

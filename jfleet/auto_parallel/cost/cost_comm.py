@@ -24,7 +24,7 @@ from __future__ import annotations
 from jfleet.auto_parallel.cost.memo import cached
 from jfleet.auto_parallel.cost.step_shape import StepShape, ring_bytes, stored_leaves
 from jfleet.auto_parallel.cost.step_work import tp_reductions
-from jfleet.mesh.topology import DP, MP, PP, SEP, SHARDING
+from jfleet.mesh.topology import DP, EP, MP, PP, SEP, SHARDING
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -120,9 +120,10 @@ def _one_call_reduction(s: StepShape, coll: dict[str, float]) -> float:
     t_dp = 0.0
     if red <= 1:
         return t_dp
+    data = (DP, SHARDING, SEP, EP)  # ep is a data axis (degree 1 without routed experts)
     if lay.zero_stage == 0:
         coll["all_reduce"] += grads
-        return t_dp + lat + ring_bytes("all-reduce", grads, red) / s.bandwidth(DP, SHARDING, SEP)
+        return t_dp + lat + ring_bytes("all-reduce", grads, red) / s.bandwidth(*data)
     zeroed = grads
     if s.piped:
         # the pipelined blocks' weights enter the pipeline's shard_map (manual over dp and
@@ -131,7 +132,7 @@ def _one_call_reduction(s: StepShape, coll: dict[str, float]) -> float:
         # and the head's are reduced in the ZeRO layout
         zeroed = outside_tp
         coll["all_reduce"] += block_tp
-        t_dp += lat + ring_bytes("all-reduce", block_tp, red) / s.bandwidth(DP, SHARDING, SEP)
+        t_dp += lat + ring_bytes("all-reduce", block_tp, red) / s.bandwidth(*data)
     # ZeRO over sharding: reduce-scatter there, all-reduce the shards over dp x sep; over
     # every data rank (the distributed optimizer): one reduce-scatter over all of them
     zero_over = (DP, SHARDING, SEP) if lay.zero_spans_data else (SHARDING,)
@@ -142,11 +143,12 @@ def _one_call_reduction(s: StepShape, coll: dict[str, float]) -> float:
     else:
         coll["all_reduce"] += zeroed
         t_dp += lat + ring_bytes("all-reduce", zeroed, shard) / bw_shard
-    if lay.dp * lay.sep > 1 and not lay.zero_spans_data:
+    # the shards' all-reduce over the data ranks ZeRO leaves out (ep's too)
+    rest = lay.ep if lay.zero_spans_data else lay.dp * lay.sep * lay.ep
+    if rest > 1:
         coll["all_reduce"] += zeroed / shard
-        t_dp += lat + ring_bytes("all-reduce", zeroed / shard, lay.dp * lay.sep) / s.bandwidth(
-            DP, SEP
-        )
+        rest_axes = (EP,) if lay.zero_spans_data else (DP, SEP, EP)
+        t_dp += lat + ring_bytes("all-reduce", zeroed / shard, rest) / s.bandwidth(*rest_axes)
     # ZeRO's all-gathers (of the updated shards; at stage 3 of the parameters before use)
     # are one per parameter leaf, as the step holds them (stacked when the blocks are
     # scanned or pipelined): XLA combines all-reduces, not these (measured: 13

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+from jfleet.auto_parallel.cost.cost_moe import expert_memory, moe_elems
 from jfleet.auto_parallel.cost.cost_types import Memory
 from jfleet.auto_parallel.cost.layout import OPTIMIZER_MOMENTS
 from jfleet.auto_parallel.cost.memo import cached
@@ -82,6 +83,8 @@ def per_layer_elems(s: StepShape) -> float:
         per_layer += (ATTN_Q_ELEMS * d.q_dim + scores) / attn_mp
     if s.patterns.mlp:
         per_layer += MLP_ELEMS[s.patterns.mlp] * d.hidden / mlp_mp
+    if s.patterns.moe is not None:  # the routed experts' rows (cost_moe)
+        per_layer += moe_elems(s)
     return per_layer
 
 
@@ -103,6 +106,8 @@ def selective_kept_elems(s: StepShape) -> float:
         kept += (d.q_dim + 2 * d.kv_dim) / attn_mp + d.width
     if s.patterns.mlp:
         kept += _MLP_UP[s.patterns.mlp] * d.hidden / mlp_mp + d.width
+    if s.patterns.moe is not None:  # the routed experts' exchanged rows (cost_moe)
+        kept += moe_elems(s, kept=True)
     return kept
 
 
@@ -177,15 +182,18 @@ def memory(s: StepShape) -> Memory:
         gathered = max(s.outside_tp, int(_PER_LAYER_GATHERED * s.one_block_tp * s.gather_wire))
     elif stage >= 3:
         gathered = s.outside_tp + (s.one_block_tp if s.remat_waits else s.block_tp)
+    # the routed experts' share (0 without experts): split over ep (cost_moe)
+    moments = OPTIMIZER_MOMENTS[s.workload.optimizer]
+    e_params, e_optimizer, e_grads, e_gathered = expert_memory(s, moments)
     return Memory(
-        params=s.z_bytes if stage >= 3 else s.tp_bytes,
-        optimizer=optimizer_bytes(s),
+        params=(s.z_bytes if stage >= 3 else s.tp_bytes) + e_params,
+        optimizer=optimizer_bytes(s) + e_optimizer,
         inputs=2 * s.tokens_live * 4,  # one call's token ids and labels, int32
-        grads=gradient_bytes(s),
+        grads=gradient_bytes(s) + e_grads,
         # the whole local gradient beside the reduction's output (at fp32 where the
         # compiler reduces half-precision gradients in fp32)
         grad_copies=1 + s.param_wire if s.profile.whole_grad_temp and not s.per_layer else 1,
-        gathered=gathered,
+        gathered=gathered + e_gathered,
         activations=activation_bytes(s),
     )
 

@@ -125,6 +125,27 @@ and 256, dp8 and dp2 x mp4: 0.99-1.13 of the compiled memory). The constants (1.
 * sequence parallel (``sep``): an all-gather of k and v per block forward and a
   reduce-scatter of their gradients backward.
 
+**Routed experts** (a model whose patterns carry a
+:class:`~jfleet.auto_parallel.match.moe_spec.MoESpec`; every term 0 without one, so a dense
+model's prediction is unchanged; formulas in :mod:`jfleet.auto_parallel.cost.cost_moe`):
+``ep`` is a data axis (the batch splits over ``dp x sharding x ep``; the non-expert
+gradients are reduced over it too). Each MoE layer's ``E`` experts are split over ``ep``
+(``[E, ...]`` kernels placed ``P('ep')``, whole over ``mp``), the router replicated:
+memory ``E / ep x`` an expert's weights a layer, split further by ZeRO as the rest (one
+layer's experts gathered at a time at ZeRO-3). The layer routes a device's ``T`` tokens a
+call split over ``mp`` too (its default token axes are every mesh axis). Compute: on the
+ragged path (GPU, TPU) ``2 x rows x`` an expert's weights forward with ``rows = T k x``
+:data:`~jfleet.auto_parallel.cost.cost_moe.LOAD_IMBALANCE` where ``ep > 1`` (the busiest
+rank; capped by the capacity factor), on the fixed-buffer path ``rows = E x C`` (padding
+included; ``C = T`` dropless), plus the router's ``2 T h E``; three passes a step, four
+with recompute. The all-to-alls (:func:`~jfleet.auto_parallel.cost.cost_moe.moe_exchange`):
+dispatch and combine, forward and backward (6 with recompute) per MoE layer and call, each
+sending ``(ep - 1) / ep`` of its buffer at the bandwidth of the links the ``ep`` group
+spans (``StepTime.expert_parallel``). The expert gradients are all-reduced over the ranks
+holding the same experts, ``dp x sharding x sep x mp`` (with ZeRO: reduce-scatter, the
+rest all-reduced, the shard all-gathered; ZeRO-3 gathers each MoE layer's experts forward
+and backward).
+
 Every collective also pays the profile's latency; ZeRO's all-gathers are one per parameter
 array (XLA does not combine them as it does all-reduces). A group's bandwidth is intra-node
 when its devices lie within one node (row-major mesh order), else inter-node.
@@ -159,6 +180,11 @@ from jfleet.auto_parallel.cost.cost_comm import (
     tensor_parallel_time,
 )
 from jfleet.auto_parallel.cost.cost_memory import loop_traffic_time, memory
+from jfleet.auto_parallel.cost.cost_moe import (
+    expert_reduction_time,
+    moe_exchange_time,
+    moe_flops,
+)
 from jfleet.auto_parallel.cost.cost_types import (
     TIME_WORDS,
     Candidate,
@@ -226,6 +252,7 @@ def compute_time(s: StepShape) -> tuple[float, float, float]:
         block_flops += share * cached(
             s.patterns, ("core", *key), lambda: attention_core_flops(s.patterns, work, lay, s.specs)
         )
+    block_flops += moe_flops(s)  # the stage's routed experts and routers (0 without)
     outside_flops = step_outside / pp if s.rows_over_pp else step_outside
     peak = profile.flops(s.workload.dtype) * matmul_efficiency(s)
     t_blocks = block_flops / peak
@@ -283,10 +310,13 @@ def estimate(
         compute=compute,
         bubble=bubble,
         tensor_parallel=tensor_parallel_time(s, coll),
-        data_parallel=exposed(data_parallel_time(s, coll), s, compute),
+        data_parallel=exposed(
+            data_parallel_time(s, coll) + expert_reduction_time(s, coll), s, compute
+        ),
         pipeline=pipeline_time(s, coll),
         sequence=sequence_time(s, coll),
         memory_traffic=loop_traffic_time(s),
+        expert_parallel=moe_exchange_time(s, coll),
     )
     return Candidate(
         layout=layout,

@@ -22,10 +22,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from jfleet.auto_parallel.cost.step_shape import ring_bytes
+import jax.numpy as jnp
+
+from jfleet.auto_parallel.cost.step_shape import StepShape, ring_bytes
+from jfleet.mesh.topology import DP, EP, MP, SEP, SHARDING
+from jfleet.parallel.moe.layer import choose_path
 from jfleet.parallel.moe.routing import expert_capacity
 
-__all__ = ["MoEExchange", "moe_exchange", "moe_exchange_bytes"]
+__all__ = ["LOAD_IMBALANCE", "MoEExchange", "moe_exchange", "moe_exchange_bytes"]
+__all__ += ["expert_memory", "expert_reduction_time", "moe_elems", "moe_exchange_time"]
+__all__ += ["moe_flops", "moe_rows", "moe_stage_layers"]
 
 
 def moe_exchange_bytes(
@@ -94,3 +100,200 @@ def moe_exchange(
     return MoEExchange(
         count, buffer_bytes, wire, count * latency + wire / bandwidth if ep > 1 else 0.0
     )
+
+
+# ------------------------------------------------------------------ a layout's MoE terms
+#: The busiest ``ep`` rank's routed rows over the mean, where experts are split over ``ep``
+#: (ragged path: it computes and receives that many; with ``ep = 1`` every device holds
+#: every expert and computes its own ``T k`` rows, balanced or not). A stated assumption,
+#: not a fit: routers trained with GShard's / Switch's load-balancing loss (coefficient
+#: 1e-2, Mixtral's and Megatron-Core's default) or DeepSeek-V3's bias balancing keep the
+#: per-expert load near the mean; Switch Transformer (Fedus et al., JMLR 2022, Sec. 2.2)
+#: sizes its default capacity 1.25 x the mean to absorb the imbalance, so 1.1 is taken
+#: for a group of experts (an ``ep`` rank holds ``E / ep`` of them, whose loads average).
+#: The capacity factor caps it where one is set.
+LOAD_IMBALANCE = 1.1
+#: Elements per routed row the expert MLP keeps for the backward pass, x its hidden
+#: (gated: gate, up, silu's two parts, the product; as a dense MLP's ``MLP_ELEMS``).
+_EXPERT_ELEMS = {True: 5, False: 3}
+
+
+def moe_stage_layers(s: StepShape) -> float:
+    """MoE layers on the largest pipeline stage (its blocks' share of the MoE layers)."""
+    moe = s.patterns.moe
+    blocks = len(s.patterns.blocks) or s.dims.layers or 1
+    return moe.layers * s.stage_blocks / blocks
+
+
+def _call_tokens(s: StepShape) -> int:
+    """Tokens one device's MoE layer routes per call (micro-batch): the layer splits its
+    tokens over every mesh axis (:func:`jfleet.parallel.moe.layer.moe`'s default token
+    axes), ``mp`` included."""
+    return max(s.tokens_mb // s.layout.mp, 1)
+
+
+def _ragged(s: StepShape) -> bool:
+    return choose_path(s.profile.platform) == "ragged"
+
+
+def _imbalance(s: StepShape) -> float:
+    """The busiest rank's rows over the mean: :data:`LOAD_IMBALANCE` with ``ep`` > 1,
+    capped by the capacity factor."""
+    cap = s.patterns.moe.capacity_factor
+    imb = LOAD_IMBALANCE if s.layout.ep > 1 else 1.0
+    return min(imb, cap) if cap is not None else imb
+
+
+def moe_rows(s: StepShape) -> float:
+    """Rows one device's experts compute per MoE layer and call.
+
+    The fixed-buffer (dense) path, :func:`jfleet.parallel.moe.exchange.dense_exchange`,
+    runs the expert matmuls over every slot of the ``E x C`` buffers it receives, padding
+    included (``C`` = GShard's capacity of the ``T`` tokens, ``T`` when dropless: ``E / k``
+    times the routed rows). The ragged path (GPU, TPU) runs ``ragged_dot`` over the routed
+    rows only: ``T k`` times the busiest rank's imbalance.
+    """
+    moe, t = s.patterns.moe, _call_tokens(s)
+    if _ragged(s):
+        return t * moe.top_k * _imbalance(s)
+    return moe.experts * expert_capacity(t, moe.top_k, moe.experts, moe.capacity_factor)
+
+
+def _rerun(s: StepShape) -> bool:
+    """Whether the experts' forward (and exchange) runs again in the backward pass: under
+    recompute, and under selective recompute too (``dots_with_no_batch_dims_saveable``
+    saves no expert product: a batched einsum or a ``ragged_dot``)."""
+    return s.recompute or s.selective
+
+
+def moe_flops(s: StepShape) -> float:
+    """Dot FLOPs of the stage's routed experts and routers per device per step (forward,
+    two backward products each; recompute, selective too, runs the forward again): 0
+    without experts."""
+    moe = s.patterns.moe
+    if moe is None:
+        return 0.0
+    h, calls = s.dims.width, s.layout.num_microbatches * s.accumulate
+    fwd = 2 * moe_rows(s) * moe.one_expert(h) + 2 * _call_tokens(s) * h * moe.experts
+    passes = 3 + (1 if _rerun(s) else 0)
+    return passes * fwd * calls * moe_stage_layers(s)
+
+
+def moe_elems(s: StepShape, *, kept: bool = False) -> float:
+    """Activation elements per device token and decoder layer the routed experts keep
+    (their MLP's per routed row, the dispatched and combined rows, the router's logits
+    and probabilities), averaged over the layers: 0 without experts. ``kept``: what
+    selective recompute keeps of them (the dispatched and combined rows and the router's;
+    the experts run again)."""
+    moe = s.patterns.moe
+    if moe is None:
+        return 0.0
+    rows_per_token = moe_rows(s) / max(s.tokens_mb, 1)
+    per_row = (0 if kept else _EXPERT_ELEMS[moe.gated] * moe.expert_ffn) + 2 * s.dims.width
+    router = 2 * moe.experts / s.layout.mp
+    share = moe.layers / (len(s.patterns.blocks) or s.dims.layers or 1)
+    return (rows_per_token * per_row + router) * share
+
+
+def _expert_elems(s: StepShape) -> tuple[float, float]:
+    """(routed experts' elements on one device, routers'), of the stage's MoE layers."""
+    moe, h = s.patterns.moe, s.dims.width
+    layers = moe_stage_layers(s)
+    return layers * moe.experts // s.layout.ep * moe.one_expert(h), layers * h * moe.experts
+
+
+def _itemsize(s: StepShape) -> int:
+    """Bytes an element of the experts: the dtype of the model's largest block kernel."""
+    kernels = [p for p in s.patterns.params if p.block is not None] or list(s.patterns.params)
+    largest = max(kernels, key=lambda p: p.size, default=None)
+    return jnp.dtype(largest.dtype).itemsize if largest is not None else 4
+
+
+def _gathered_bytes(s: StepShape) -> float:
+    """Bytes of the stage's local experts as ZeRO-3 gathers them: in the compute dtype
+    (fp32 where the compiler runs half-precision collectives in fp32)."""
+    size = _itemsize(s)
+    wire = 4 if s.profile.half_precision_fp32 else min(s.workload.act_bytes, size)
+    return _expert_elems(s)[0] * wire
+
+
+def expert_memory(s: StepShape, moments: int) -> tuple[int, int, int, int]:
+    """(parameters, optimizer state, gradient, gathered) bytes of the routed experts and
+    routers on one device: each MoE layer's experts split over ``ep`` (``[E, ...]``
+    kernels placed ``P('ep')``, whole over ``mp``), the routers replicated; ZeRO splits
+    them over its axes as it does the rest (state at stage >= 1, parameters at 3, the
+    gradient at 2 / 3 where gradients are reduce-scattered as produced); half-precision
+    experts keep fp32 moments and masters. At ZeRO-3 one MoE layer's experts are gathered
+    at a time. ``(0, 0, 0, 0)`` without experts."""
+    if s.patterns.moe is None:
+        return 0, 0, 0, 0
+    experts, routers = _expert_elems(s)
+    elems = experts + routers
+    size, stage, zero = _itemsize(s), s.layout.zero_stage, s.layout.zero_degree
+    params = elems * size / (zero if stage >= 3 else 1)
+    state_elems = elems / (zero if stage >= 1 else 1)
+    half = size < 4
+    optimizer = moments * state_elems * (4 if half else size) + (4 * state_elems if half else 0)
+    whole = s.profile.whole_grad_temp or stage < 2
+    grads = elems * size / (1 if whole else zero)
+    layers = max(moe_stage_layers(s), 1)
+    gathered = _gathered_bytes(s) / layers if stage >= 3 else 0
+    return int(params), int(optimizer), int(grads), int(gathered)
+
+
+def expert_reduction_time(s: StepShape, coll: dict[str, float]) -> float:
+    """The routed experts' gradient reduction: each expert shard is held by every rank of
+    ``dp x sharding x sep x mp`` (the layer splits its tokens over ``mp`` too), so its
+    gradient is all-reduced there (with ZeRO: reduce-scattered over the ZeRO axis,
+    all-reduced over the rest, the updated shard all-gathered; at ZeRO-3 each MoE layer's
+    experts gathered in the forward and again in the backward pass, one all-gather a
+    layer); once a call, as the rest. The routers' (``h x E`` a layer) are left out. 0
+    without experts."""
+    if s.patterns.moe is None:
+        return 0.0
+    lay, lat = s.layout, s.profile.collective_latency
+    grads = _expert_elems(s)[0] * _itemsize(s) * s.param_wire
+    group = lay.dp * lay.sharding * lay.sep * lay.mp
+    if group <= 1:
+        return 0.0
+    if not lay.zero_stage:
+        coll["all_reduce"] += s.accumulate * grads
+        bw = s.bandwidth(DP, SHARDING, SEP, MP)
+        return s.accumulate * (lat + ring_bytes("all-reduce", grads, group) / bw)
+    shard = lay.zero_degree
+    zero_bw = s.bandwidth(*((DP, SHARDING, SEP) if lay.zero_spans_data else (SHARDING,)))
+    t = 2 * lat + (ring_bytes("reduce-scatter", grads, shard) * 2) / zero_bw
+    coll["reduce_scatter"] += s.accumulate * grads
+    coll["all_gather"] += s.accumulate * grads
+    if lay.zero_stage >= 3:  # each MoE layer's experts gathered forward and backward
+        gathered, layers = _gathered_bytes(s), moe_stage_layers(s)
+        coll["all_gather"] += s.accumulate * 2 * gathered
+        t += 2 * (layers * lat + ring_bytes("all-gather", gathered, shard) / zero_bw)
+    rest = group // shard
+    if rest > 1:
+        coll["all_reduce"] += s.accumulate * grads / shard
+        rest_axes = (MP,) if lay.zero_spans_data else (DP, SEP, MP)
+        t += lat + ring_bytes("all-reduce", grads / shard, rest) / s.bandwidth(*rest_axes)
+    return s.accumulate * t
+
+
+def moe_exchange_time(s: StepShape, coll: dict[str, float]) -> float:
+    """The stage's MoE all-to-alls per device per step: dispatch and combine forward and
+    backward (:func:`moe_exchange`; again forward where the experts are recomputed) per MoE
+    layer and call, of :func:`moe_exchange_bytes` buffers (ragged on GPU / TPU, with the
+    busiest rank's imbalance), at the bandwidth of the links the ``ep`` group spans
+    (:func:`~jfleet.auto_parallel.cost.step_shape.group_bandwidth`). 0 without experts or
+    with ``ep = 1``."""
+    moe, ep = s.patterns.moe, s.layout.ep
+    if moe is None or ep <= 1:
+        return 0.0
+    buffer = moe_exchange_bytes(
+        tokens=_call_tokens(s), width=s.dims.width, k=moe.top_k, experts=moe.experts,
+        capacity_factor=moe.capacity_factor, act_bytes=s.act_bytes, ragged=_ragged(s),
+        imbalance=_imbalance(s),
+    )  # fmt: skip
+    one = moe_exchange(buffer, ep, s.bandwidth(EP), s.profile.collective_latency)
+    passes = (one.count + (2 if _rerun(s) else 0)) / one.count
+    times = moe_stage_layers(s) * s.layout.num_microbatches * s.accumulate * passes
+    coll["all_to_all"] += times * one.count * buffer
+    return times * one.seconds

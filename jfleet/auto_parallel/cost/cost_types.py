@@ -81,6 +81,7 @@ class StepTime:
       sequence: ``sep`` all-gathers / reduce-scatters of k and v.
       memory_traffic: the residuals the step's loops (pipeline ticks, a scan over
         layers) stash and fetch, at the profile's memory bandwidth.
+      expert_parallel: the MoE layers' all-to-alls over ``ep`` (dispatch and combine).
     """
 
     compute: float
@@ -90,6 +91,7 @@ class StepTime:
     pipeline: float = 0.0
     sequence: float = 0.0
     memory_traffic: float = 0.0
+    expert_parallel: float = 0.0
 
     @property
     def total(self) -> float:
@@ -102,12 +104,19 @@ class StepTime:
             + self.pipeline
             + self.sequence
             + self.memory_traffic
+            + self.expert_parallel
         )
 
     @property
     def communication(self) -> float:
         """All communication time."""
-        return self.tensor_parallel + self.data_parallel + self.pipeline + self.sequence
+        return (
+            self.tensor_parallel
+            + self.data_parallel
+            + self.pipeline
+            + self.sequence
+            + self.expert_parallel
+        )
 
 
 TIME_WORDS = {
@@ -118,6 +127,7 @@ TIME_WORDS = {
     "pipeline": "pipeline transfer",
     "sequence": "sequence-parallel gather",
     "memory_traffic": "loop memory traffic",
+    "expert_parallel": "expert all-to-all",
 }
 
 

@@ -1,8 +1,8 @@
 """A layout and a workload: what the cost model prices.
 
 A :class:`Layout` is one way to run a training step: the mesh degrees
-``dp x pp x sharding x sep x ep x mp`` (mesh order, outermost first; the planner keeps
-``ep`` at 1: it does not plan expert parallelism yet), the ZeRO stage, the
+``dp x pp x sharding x sep x ep x mp`` (mesh order, outermost first; ``ep`` > 1 only for
+a model with routed experts), the ZeRO stage, the
 pipeline schedule and micro-batch count, and recompute. A :class:`Workload` is what the
 step processes (batch, sequence, dtype, optimizer). Both validate themselves; which
 layouts a model's shapes allow is the search's business
@@ -115,8 +115,10 @@ class Layout:
       pp: pipeline stages.
       sharding: ZeRO (sharding) degree; the batch is split over ``dp x sharding``.
       sep: sequence (segment) parallel degree.
-      ep: expert-parallel degree (the ``ep`` mesh axis). The cost model prices no expert
-        layouts yet and the search keeps it at 1; a layout with ``ep`` > 1 is refused.
+      ep: expert-parallel degree (the ``ep`` mesh axis): a data axis (the batch is split
+        over ``dp x sharding x ep``) over which each MoE layer's experts are split
+        (:mod:`jfleet.auto_parallel.cost.cost_moe`); the search keeps it 1 for a model
+        without routed experts.
       mp: tensor-parallel degree.
       zero_stage: 0 without a sharding axis, else 1, 2 or 3.
       schedule: ``"FThenB"``, ``"1F1B"`` or ``"VPP"`` when ``pp > 1``, else None.
@@ -171,11 +173,6 @@ class Layout:
             value = getattr(self, name)
             if not _count_ok(value):
                 raise ValueError(f"{name}={value!r} must be an int >= 1.")
-        if self.ep != 1:
-            raise ValueError(
-                f"ep={self.ep}: the cost model does not price expert parallelism yet; use "
-                "ep=1 (train an expert-parallel layout with fleet's hybrid_configs ep_degree)."
-            )
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage={self.zero_stage!r} must be 0, 1, 2 or 3.")
         if self.zero_stage and self.sharding == 1:
@@ -230,8 +227,8 @@ class Layout:
 
     @property
     def data_degree(self) -> int:
-        """How many ways the batch is split (dp x sharding)."""
-        return self.dp * self.sharding
+        """How many ways the batch is split (dp x sharding x ep: ``ep`` is a data axis)."""
+        return self.dp * self.sharding * self.ep
 
     @property
     def zero_axes(self) -> str | tuple[str, ...]:

@@ -20,6 +20,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jfleet.auto_parallel.match.moe_spec import MoESpec
 from jfleet.mesh.topology import MP
 
 __all__ = [
@@ -232,6 +233,8 @@ class ModelPatterns:
         of one period.
       stacks: ``(block paths, class)`` of each stack of blocks, in the model's order (an
         encoder-decoder has two; ``blocks`` holds them all, stack by stack).
+      moe: the routed experts (:class:`~jfleet.auto_parallel.match.moe_spec.MoESpec`;
+        ``params`` and ``dots`` then leave them and their routers out), or None.
 
     Example:
       >>> import numpy as np
@@ -260,6 +263,7 @@ class ModelPatterns:
     activation: str | None = None
     inputs: tuple[tuple[tuple[int, ...], str], ...] = ()
     stacks: tuple[tuple[tuple[str, ...], str], ...] = ()
+    moe: MoESpec | None = None
 
     @property
     def input_kind(self) -> str:

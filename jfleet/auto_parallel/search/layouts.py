@@ -18,7 +18,8 @@ its q heads need) and splits q and o. ``mp > 1`` is excluded when it would leave
 the decoder blocks' kernel elements whole (attention or MLP that could not be paired).
 ``pp`` is at most the decoder blocks (super-blocks when they repeat with a period): when it
 does not divide them the stages hold ``ceil`` or ``floor`` of ``L / pp`` each, the larger
-first (the cost model charges the largest stage). ``dp x sharding`` divides the batch;
+first (the cost model charges the largest stage). ``dp x sharding x ep`` divides the batch
+(``ep`` > 1 only for a model with routed experts, ``patterns.moe``, and dividing its experts);
 ``sep`` divides the sequence. A model with no recognised parts gets ``mp = pp = 1``; one
 with no repeated blocks gets ``pp = 1``.
 
@@ -50,7 +51,7 @@ from jfleet.auto_parallel.cost.layout import (
     mesh_name,
 )
 from jfleet.auto_parallel.match.patterns import ModelPatterns
-from jfleet.mesh.topology import AXIS_NAMES, DP, MP, PP, SEP, SHARDING
+from jfleet.mesh.topology import AXIS_NAMES, DP, EP, MP, PP, SEP, SHARDING
 
 __all__ = [
     "OPTIMIZER_MOMENTS",
@@ -113,7 +114,12 @@ def shape_problem(
       use mp in (1, 2, 4), or sizes that 8 divides
     """
     mp, pp, sep = degrees.get(MP, 1), degrees.get(PP, 1), degrees.get(SEP, 1)
-    data = degrees.get(DP, 1) * degrees.get(SHARDING, 1)
+    ep = degrees.get(EP, 1)
+    data = degrees.get(DP, 1) * degrees.get(SHARDING, 1) * ep
+    if ep > 1:
+        problem = _expert_problem(patterns, ep)
+        if problem is not None:
+            return problem
     if mp > 1:
         if not patterns.recognised:
             return "no tensor-parallel parts were recognised"
@@ -171,7 +177,17 @@ def shape_problem(
         if workload.seq_len % sep:
             return f"sep={sep} does not divide seq_len={workload.seq_len}"
     if workload.batch_size % data:
-        return f"dp x sharding = {data} does not divide batch_size={workload.batch_size}"
+        over = "dp x sharding x ep" if ep > 1 else "dp x sharding"
+        return f"{over} = {data} does not divide batch_size={workload.batch_size}"
+    return None
+
+
+def _expert_problem(patterns: ModelPatterns, ep: int) -> str | None:
+    """Why ``ep`` cannot split this model's routed experts, or None."""
+    if patterns.moe is None:
+        return f"ep={ep} needs routed experts; the model has none the planner knows of"
+    if patterns.moe.experts % ep:
+        return f"ep={ep} does not divide the {patterns.moe.experts} experts of a MoE layer"
     return None
 
 
@@ -306,16 +322,23 @@ def _no_interleaving(patterns: ModelPatterns, pp: int, ms: list[int], v: int | N
 
 
 def _meshes(
-    total: int, sequence_parallel: bool, force_mesh: Mapping[str, int] | None
+    total: int,
+    sequence_parallel: bool,
+    force_mesh: Mapping[str, int] | None,
+    experts: int = 0,
 ) -> list[tuple[int, ...]]:
-    """Every mesh to consider, as degree tuples in mesh order."""
+    """Every mesh to consider, as degree tuples in mesh order (``ep`` only with
+    ``experts``: among the divisors of the experts a MoE layer holds)."""
     if force_mesh is not None:
         return [tuple(force_mesh.get(a, 1) for a in AXIS_NAMES)]
-    # ep is not searched (the cost model prices no expert layouts yet): it stays 1
     axes = (DP, PP, SHARDING, SEP, MP) if sequence_parallel else (DP, PP, SHARDING, MP)
+    if experts:
+        axes = (*axes[:-1], EP, MP)
     meshes = []
     for combo in _factorisations(total, len(axes)):
         deg = dict(zip(axes, combo, strict=True))
+        if experts and experts % deg[EP]:
+            continue
         meshes.append(tuple(deg.get(a, 1) for a in AXIS_NAMES))
     return meshes
 
@@ -389,7 +412,8 @@ def enumerate_layouts(
     )  # fmt: skip
     layouts: list[Layout] = []
     excluded: list[tuple[str, str]] = []
-    for sizes in _meshes(device_num * node_num, workload.sequence_parallel, force_mesh):
+    experts = patterns.moe.experts if patterns.moe is not None else 0
+    for sizes in _meshes(device_num * node_num, workload.sequence_parallel, force_mesh, experts):
         deg = dict(zip(AXIS_NAMES, sizes, strict=True))
         found, problem = _mesh_layouts(patterns, workload, deg, device_num, only)
         layouts.extend(found)
@@ -429,7 +453,7 @@ def _mesh_layouts(
         problem = "the distributed optimizer (ZeRO over every data rank) needs sharding > 1"
     if problem is not None:
         return [], problem
-    local = workload.batch_size // (deg[DP] * deg[SHARDING])
+    local = workload.batch_size // (deg[DP] * deg[SHARDING] * deg[EP])
     piped = deg[PP] > 1
     ms = _microbatch_options(local, deg[PP], only.num_microbatches, only.wide) if piped else [1]
     if not ms:

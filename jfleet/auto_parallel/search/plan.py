@@ -157,10 +157,14 @@ def _placed_specs(model: nnx.Module, blocks: Sequence[str]) -> dict[str, tuple[t
 
 def _candidate_to_dict(c: Candidate) -> dict[str, Any]:
     return {
-        # ep is not planned yet (always 1): left out, so plans read as before the axis
+        # ep of degree 1 (every model without routed experts): left out, so plans read as
+        # before the axis
         "layout": {k: v for k, v in dataclasses.asdict(c.layout).items() if k != EP or v != 1},
         "memory": dataclasses.asdict(c.memory),
-        "time": dataclasses.asdict(c.time),
+        # no expert all-to-all (a model without routed experts): left out, as before
+        "time": {
+            k: v for k, v in dataclasses.asdict(c.time).items() if k != "expert_parallel" or v
+        },
         "collectives": dataclasses.asdict(c.collectives),
         "flops": c.flops,
         "fits": c.fits,
@@ -479,6 +483,7 @@ class Plan:
                     ("pipeline", t.pipeline),
                     ("sequence", t.sequence),
                     ("loop memory traffic", t.memory_traffic),
+                    ("expert all-to-all", t.expert_parallel),
                 )
                 if v
             )

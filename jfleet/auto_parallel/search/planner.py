@@ -38,6 +38,7 @@ from jfleet.auto_parallel.cost.layout import (
 )
 from jfleet.auto_parallel.cost.profiles import HardwareProfile, get_profile
 from jfleet.auto_parallel.match.attention_trace import attention_as_run
+from jfleet.auto_parallel.match.moe_spec import MoESpec
 from jfleet.auto_parallel.match.patterns import ModelPatterns, match_patterns, path_str
 from jfleet.auto_parallel.search.layouts import enumerate_layouts, shape_problem
 from jfleet.auto_parallel.search.plan import ParamPlan, Plan, _mib, _secs
@@ -47,7 +48,7 @@ from jfleet.parallel.virtual_stages import check_chunks_agree, even_sizes, slot_
 from jfleet.precision.amp import apply_amp
 from jfleet.runtime.log import logger
 
-__all__ = ["plan_for", "recompute_setting"]
+__all__ = ["expert_choice", "plan_for", "recompute_setting"]
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -68,12 +69,6 @@ def _check_force_mesh(force_mesh: Mapping[str, int], device_num: int, node_num: 
         )
     for a, n in force_mesh.items():
         _positive_int(f"force_mesh[{a!r}]", n)
-    if force_mesh.get(EP, 1) != 1:
-        raise ValueError(
-            f"force_mesh={dict(force_mesh)} asks for {EP}={force_mesh[EP]}, but to_distributed "
-            f"does not plan expert parallelism yet; leave '{EP}' out (or 1), or train the "
-            "expert-parallel layout with fleet (hybrid_configs ep_degree)."
-        )
     product = math.prod(force_mesh.values())
     total = device_num * node_num
     if product != total:
@@ -84,6 +79,75 @@ def _check_force_mesh(force_mesh: Mapping[str, int], device_num: int, node_num: 
             f"whose product is {total}."
         )
     return {a: int(force_mesh.get(a, 1)) for a in AXIS_NAMES}
+
+
+def _check_forced_ep(forced: dict | None, force_mesh: Any, patterns: ModelPatterns) -> None:
+    """Refuses a forced ``ep`` > 1 for a model without routed experts (``patterns.moe``)."""
+    if forced is None or forced[EP] == 1 or patterns.moe is not None:
+        return
+    raise ValueError(
+        f"force_mesh={dict(force_mesh)} asks for {EP}={forced[EP]}, but the model has no "
+        "routed experts the planner knows of (to_distributed does not plan expert parallelism "
+        f"yet for experts in traced code); leave '{EP}' out (or 1), or train the "
+        "expert-parallel layout with fleet (hybrid_configs ep_degree)."
+    )
+
+
+def _matched(
+    model: nnx.Module, patterns: Any, forced: dict | None, force_mesh: Any
+) -> ModelPatterns:
+    """``match_patterns(model)`` (or the given ``patterns``, checked), with the routed
+    experts the model carries (``model.routed_experts``, a
+    :class:`~jfleet.auto_parallel.match.moe_spec.MoESpec`: a shape-built
+    :class:`~jfleet.auto_parallel.search.model_shapes.MoELlama`) where they have none; a
+    forced ``ep`` > 1 without experts refused."""
+    patterns = match_patterns(model) if patterns is None else _check_patterns(patterns, model)
+    spec = getattr(model, "routed_experts", None)
+    if patterns.moe is None and isinstance(spec, MoESpec):
+        patterns = dataclasses.replace(patterns, moe=spec)
+    _check_forced_ep(forced, force_mesh, patterns)
+    return patterns
+
+
+def _ep_text(c: Candidate, device_num: int) -> str:
+    """Where a candidate's ``ep`` group runs and what its all-to-alls cost."""
+    lay = c.layout
+    where = "within a node" if lay.ep * lay.mp <= device_num else "across nodes"
+    moved = c.collectives.all_to_all * (lay.ep - 1) / lay.ep
+    return (
+        f"all-to-alls over ep{lay.ep} {where}, {_mib(moved)} a device a step sent "
+        f"({_secs(c.time.expert_parallel)})"
+    )
+
+
+def expert_choice(ranked: list[Candidate], patterns: ModelPatterns, device_num: int) -> str:
+    """Why the plan's ``ep`` was chosen, from the ranked candidates ('' without experts):
+    what the chosen degree holds and moves, and the best layout of the other kind (``ep =
+    1`` against ``ep > 1``) with why it lost."""
+    moe = patterns.moe
+    if moe is None or not ranked:
+        return ""
+    best = ranked[0]
+    ep = best.layout.ep
+    billions = moe.expert_params(patterns.dims.width) / 1e9
+    if ep > 1:
+        held = (
+            f"ep{ep} chosen: each device holds {moe.experts // ep} of the {moe.experts} experts "
+            f"of each MoE layer (1/{ep} of their {billions:.1f}B parameters); "
+            + _ep_text(best, device_num)
+        )
+    else:
+        held = (
+            f"ep1 chosen: every device holds all {moe.experts} experts of each MoE layer "
+            f"({billions:.1f}B parameters over the model), no all-to-all"
+        )
+    other = next((c for c in ranked if (c.layout.ep > 1) != (ep > 1)), None)
+    if other is None:
+        kind = "ep1" if ep > 1 else "ep > 1"
+        return f"{held}; no {kind} layout is left to compare (none allowed, or all dominated)."
+    lost = other.reason if other.fits else f"does not fit ({_mib(other.memory.total)})"
+    extra = f"; {_ep_text(other, device_num)}" if other.layout.ep > 1 else ""
+    return f"{held}; the best {other.layout.name}: {lost}{extra}."
 
 
 def _check_patterns(patterns: Any, model: nnx.Module) -> ModelPatterns:
@@ -561,7 +625,7 @@ def plan_for(
     forced = _checked_force(force_mesh, device_num, node_num, sequence_parallel)
     prof, budget = _profile_budget(profile, memory_budget)
     model, dtype = _as_amp_stores(model, amp_level, dtype, given=patterns is not None)
-    patterns = match_patterns(model) if patterns is None else _check_patterns(patterns, model)
+    patterns = _matched(model, patterns, forced, force_mesh)
     workload = _workload(patterns, batch_size, seq_len, dtype, optimizer, sequence_parallel)
     _report_patterns(patterns, name := type(model).__name__, forced, force_mesh)
     patterns = _attention_as_run(patterns, prof, workload, materialised_attention)
@@ -648,7 +712,7 @@ def _build_plan(
         _secs(best.time.total),
     )
     return Plan(
-        # ep is not planned yet: a plan leaves its degree 1 out, as plans before the axis did
+        # a plan leaves ep's degree 1 out, as plans before the axis did
         mesh=tuple((a, n) for a, n in lay.degrees.items() if a != EP or n > 1),
         zero_stage=lay.zero_stage,
         schedule=lay.schedule,
@@ -663,7 +727,7 @@ def _build_plan(
         excluded=tuple(excluded),
         architecture=f"{model_name}: {patterns.summary()}",
         unmatched=patterns.unmatched,
-        notes=patterns.notes,
+        notes=(*patterns.notes, *filter(None, [expert_choice(ranked, patterns, device_num)])),
         batch_size=workload.batch_size,
         seq_len=workload.seq_len,
         dtype=workload.dtype,
