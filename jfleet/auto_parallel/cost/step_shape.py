@@ -299,11 +299,16 @@ def _param_bytes(patterns: ModelPatterns, layout: Layout, stage_blocks: int) -> 
     """
     specs = param_specs(patterns, layout.mp)
 
+    mesh_key = (layout.zero_stage, layout.zero_spans_data, tuple(layout.degrees.items()))
+
     def compute() -> dict:
         outside, first, uniform = block_groups(patterns)
-        if uniform:
-            out_b = _stage_bytes(outside, specs, layout)
-            one_b = _stage_bytes(first, specs, layout)
+        if uniform:  # the sums over the parts do not depend on the stage's blocks: once a mesh
+            out_b, one_b = cached(
+                patterns,
+                ("block_bytes", *mesh_key),
+                lambda: (_stage_bytes(outside, specs, layout), _stage_bytes(first, specs, layout)),
+            )
             sizes = tuple(o + stage_blocks * b for o, b in zip(out_b, one_b, strict=True))
             counts = (len(outside), len(first) * stage_blocks)
         else:
@@ -324,14 +329,7 @@ def _param_bytes(patterns: ModelPatterns, layout: Layout, stage_blocks: int) -> 
             "leaf_counts": counts,
         }
 
-    key = (
-        "bytes",
-        layout.zero_stage,
-        layout.zero_spans_data,
-        tuple(layout.degrees.items()),
-        stage_blocks,
-    )
-    return {"specs": specs, **cached(patterns, key, compute)}
+    return {"specs": specs, **cached(patterns, ("bytes", *mesh_key, stage_blocks), compute)}
 
 
 def largest_stage_blocks(blocks: int, period: int, pp: int, v: int = 1) -> int:
