@@ -36,6 +36,10 @@ _STORE: dict[int, dict[Hashable, Any]] = {}
 
 def cached(patterns: ModelPatterns, key: Hashable, compute: Callable[[], T]) -> T:
     """``compute()`` the first time ``key`` is asked of ``patterns``, the kept value after."""
+    try:  # the kept value: planning asks several a layout, hundreds of thousands a plan
+        return _STORE[id(patterns)][key]
+    except KeyError:
+        pass
     ident = id(patterns)
     store = _STORE.get(ident)
     if store is None:

@@ -52,6 +52,8 @@ class StepShape:
       patterns, workload, layout, profile: the inputs.
       devices_per_node: devices per node (intra- vs inter-node links).
       sizes: the layout's degrees in mesh order (``AXIS_NAMES``'; :meth:`bandwidth` reads them).
+      links: :meth:`bandwidth`'s answers by group, shared by the layouts of one mesh, node
+        size and profile (it is asked a few times a layout, of a few groups a mesh).
       specs: each parameter's ``mp`` spec at this layout, by path.
       leaf_counts: how many parameters one device's stage holds (blocks of stage 0
         first): (outside the blocks, in them).
@@ -88,6 +90,7 @@ class StepShape:
     profile: HardwareProfile
     devices_per_node: int
     sizes: tuple[int, ...]
+    links: dict[tuple[str, ...], float]
     specs: Mapping[str, P]
     leaf_counts: tuple[int, int]
     stage_blocks: int
@@ -176,7 +179,13 @@ class StepShape:
 
     def bandwidth(self, *group: str) -> float:
         """Bytes/s of the links a group of mesh axes spans (:func:`group_bandwidth`)."""
-        return _links(self.profile, _span(group, self.sizes), self.devices_per_node)
+        try:
+            return self.links[group]
+        except KeyError:
+            bw = self.links[group] = _links(
+                self.profile, _span(group, self.sizes), self.devices_per_node
+            )
+            return bw
 
 
 def _local_elems(spec: P, shape: Sequence[int], sizes: Mapping[str, int]) -> int:
@@ -403,6 +412,10 @@ def step_shape(
         profile=profile,
         devices_per_node=devices_per_node,
         sizes=sizes,
+        # (the memo holds the profile: its id stays its own while the entry lives)
+        links=cached(
+            patterns, ("links", sizes, devices_per_node, id(profile)), lambda: (profile, {})
+        )[1],
         stage_blocks=stage_blocks,
         norms=norms,
         local_seqs=local_seqs,
