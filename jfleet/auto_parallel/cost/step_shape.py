@@ -313,9 +313,10 @@ def _param_bytes(
         specs = param_specs(patterns, layout.mp)
         outside, first, uniform = block_groups(patterns)
         if uniform:
+            # (ZeRO's split is the same at every stage: the stage only picks what it splits)
             out_b, one_b = cached(
                 patterns,
-                ("block_bytes", *mesh_key),
+                ("block_bytes", layout.zero_stage > 0, layout.zero_spans_data, sizes),
                 lambda: (_stage_bytes(outside, specs, layout), _stage_bytes(first, specs, layout)),
             )
             totals = tuple(o + stage_blocks * b for o, b in zip(out_b, one_b, strict=True))
