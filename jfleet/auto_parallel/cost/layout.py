@@ -231,7 +231,8 @@ class Layout:
         v, m, pp, zero = self.num_virtual_stages, self.num_microbatches, self.pp, self.zero_stage
         counts = (*_DEGREES(self), m, v, self.accumulate_steps)
         return (
-            all(type(n) is int and n >= 1 for n in counts)
+            {*map(type, counts)} == {int}
+            and min(counts) >= 1
             and self.ep == 1
             and type(zero) is int
             and 0 <= zero <= 3
