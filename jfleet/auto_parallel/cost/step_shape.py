@@ -315,45 +315,47 @@ def _param_bytes(
 ) -> dict:
     """The stage's parameters, their specs and their local bytes with and without ZeRO
     (once a mesh, ZeRO setting and stage size; ``sizes``: the layout's degrees in mesh order).
-
-    Identical blocks (:func:`~jfleet.auto_parallel.cost.memo.block_groups`) are summed over
-    block 0 and multiplied by the stage's blocks; those sums are kept once a mesh and ZeRO
-    setting, whatever the stage size (uneven pipeline splits give a mesh many).
     """
-    mesh_key = (layout.zero_stage, layout.zero_spans_data, sizes)
+    key = ("bytes", layout.zero_stage, layout.zero_spans_data, sizes, stage_blocks)
+    return cached(patterns, key, lambda: _stage_params(patterns, layout, sizes, stage_blocks))
 
-    def compute() -> dict:
-        specs = param_specs(patterns, layout.mp)
-        outside, first, uniform = block_groups(patterns)
-        if uniform:
-            # (ZeRO's split is the same at every stage: the stage only picks what it splits)
-            out_b, one_b = cached(
-                patterns,
-                ("block_bytes", layout.zero_stage > 0, layout.zero_spans_data, sizes),
-                lambda: (_stage_bytes(outside, specs, layout), _stage_bytes(first, specs, layout)),
-            )
-            totals = tuple(o + stage_blocks * b for o, b in zip(out_b, one_b, strict=True))
-            counts = (len(outside), len(first) * stage_blocks)
-        else:
-            mine = tuple(p for p in patterns.params if p.block is None or p.block < stage_blocks)
-            totals = _stage_bytes(mine, specs, layout)
-            in_blocks = sum(p.block is not None for p in mine)
-            counts = (len(mine) - in_blocks, in_blocks)
-        tp_bytes, z_bytes, block_tp, z_fp32, z_master, tp_fp32 = totals
-        return {
-            "specs": specs,
-            "tp_fp32": tp_fp32,
-            "z_fp32": z_fp32,
-            "z_master": z_master,
-            "tp_bytes": tp_bytes,
-            "z_bytes": z_bytes,
-            "block_tp": block_tp,
-            "outside_tp": tp_bytes - block_tp,
-            "one_block_tp": block_tp // stage_blocks if stage_blocks else 0,
-            "leaf_counts": counts,
-        }
 
-    return cached(patterns, ("bytes", *mesh_key, stage_blocks), compute)
+def _stage_params(
+    patterns: ModelPatterns, layout: Layout, sizes: tuple[int, ...], stage_blocks: int
+) -> dict:
+    """:func:`_param_bytes` computed. Identical blocks
+    (:func:`~jfleet.auto_parallel.cost.memo.block_groups`) are summed over block 0 and
+    multiplied by the stage's blocks; those sums are kept once a mesh and ZeRO setting,
+    whatever the stage size (uneven pipeline splits give a mesh many)."""
+    specs = param_specs(patterns, layout.mp)
+    outside, first, uniform = block_groups(patterns)
+    if uniform:
+        # (ZeRO's split is the same at every stage: the stage only picks what it splits)
+        out_b, one_b = cached(
+            patterns,
+            ("block_bytes", layout.zero_stage > 0, layout.zero_spans_data, sizes),
+            lambda: (_stage_bytes(outside, specs, layout), _stage_bytes(first, specs, layout)),
+        )
+        totals = tuple(o + stage_blocks * b for o, b in zip(out_b, one_b, strict=True))
+        counts = (len(outside), len(first) * stage_blocks)
+    else:
+        mine = tuple(p for p in patterns.params if p.block is None or p.block < stage_blocks)
+        totals = _stage_bytes(mine, specs, layout)
+        in_blocks = sum(p.block is not None for p in mine)
+        counts = (len(mine) - in_blocks, in_blocks)
+    tp_bytes, z_bytes, block_tp, z_fp32, z_master, tp_fp32 = totals
+    return {
+        "specs": specs,
+        "tp_fp32": tp_fp32,
+        "z_fp32": z_fp32,
+        "z_master": z_master,
+        "tp_bytes": tp_bytes,
+        "z_bytes": z_bytes,
+        "block_tp": block_tp,
+        "outside_tp": tp_bytes - block_tp,
+        "one_block_tp": block_tp // stage_blocks if stage_blocks else 0,
+        "leaf_counts": counts,
+    }
 
 
 def largest_stage_blocks(blocks: int, period: int, pp: int, v: int = 1) -> int:
