@@ -11,6 +11,7 @@ bytes 36,836 times for 3,088 meshes and ZeRO settings).
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import pytest
 
@@ -114,3 +115,27 @@ def test_model_terms_once_a_degree(counted):
              for lay, n in tokens.items()}  # fmt: skip
     assert counters["efficiency"].calls <= len(micro)
     assert counters["estimate"].calls == len(layouts)
+
+
+def test_no_cycle_collection_while_pricing(monkeypatch, model):
+    """Python's cyclic collector is paused while the layouts are priced (its collections,
+    set off by the search's allocations, scanned every live object: a quarter of the 1T
+    row's planning) and left as it was after, on or off."""
+    seen = []
+    inner = planner.estimate
+
+    def noting(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "estimate", noting)
+    assert gc.isenabled()
+    plan(model, BATCH, CLUSTER, patterns=match_patterns(model))
+    assert seen and not any(seen)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        plan(model, BATCH, CLUSTER, patterns=match_patterns(model), force_mesh={"dp": 32})
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -18,9 +18,11 @@ Example:
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import gc
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax.numpy as jnp
@@ -444,6 +446,22 @@ def _choose(
     ]
 
 
+@contextlib.contextmanager
+def _cycles_uncollected() -> Iterator[None]:
+    """Python's cyclic garbage collector paused (left as it was after): a wide search
+    allocates millions of small objects (a layout, its step shape and its predictions, each
+    freed by its reference count: they hold no cycles), whose allocations set off
+    collections that scan every object the process holds; they were a quarter of planning
+    the 1T model on 3072 GPUs, more with earlier plans alive."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _ranked_search(
     patterns: ModelPatterns,
     workload: Workload,
@@ -459,20 +477,21 @@ def _ranked_search(
     local batch in smaller calls)."""
 
     def ranked_in(search: dict[str, Any]) -> tuple[list[Candidate], list]:
-        layouts, excluded = _candidate_layouts(patterns, workload, **where, search=search)
-        candidates = [
-            estimate(
-                patterns,
-                workload,
-                lay,
-                prof,
-                devices_per_node=where["device_num"],
-                scan_layers=scan,
-            )
-            for lay in layouts
-        ]
-        candidates = prune_dominated(candidates) if search["wide"] else candidates
-        return rank(candidates, budget), excluded
+        with _cycles_uncollected():
+            layouts, excluded = _candidate_layouts(patterns, workload, **where, search=search)
+            candidates = [
+                estimate(
+                    patterns,
+                    workload,
+                    lay,
+                    prof,
+                    devices_per_node=where["device_num"],
+                    scan_layers=scan,
+                )
+                for lay in layouts
+            ]
+            candidates = prune_dominated(candidates) if search["wide"] else candidates
+            return rank(candidates, budget), excluded
 
     ranked, excluded = ranked_in(search)
     if not ranked[0].fits and not search["wide"] and search["accumulate_steps"] is None:
