@@ -1,8 +1,8 @@
 """Published training configurations against jfleet's planner: does it find them, fit them,
 and predict their speed?
 
-Run from the repository root (abstract models only, no devices; about a minute a row on
-one loaded core)::
+Run from the repository root (abstract models only, no devices; up to about 10 s a row on
+one core: the 1T row's wide search prices 148,417 layouts)::
 
     python benchmarks/published_configs.py              # every row, writes RESULTS.md
     python benchmarks/published_configs.py --rows 1.7B,18.4B --no-write

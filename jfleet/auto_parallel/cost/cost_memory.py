@@ -71,6 +71,11 @@ _PER_LAYER_GATHERED = 1
 
 def per_layer_elems(s: StepShape) -> float:
     """Activation elements per token one decoder layer keeps (split by ``mp`` as it splits)."""
+    key = ("per_layer_elems", s.layout.mp, s.workload.sequence_parallel, s.workload.seq_len)
+    return cached(s.patterns, key, lambda: _per_layer_elems(s))  # the same for every M, v, ...
+
+
+def _per_layer_elems(s: StepShape) -> float:
     d, mp = s.dims, s.layout.mp
     sp = mp if s.workload.sequence_parallel else 1
     per_layer = NORM_ELEMS * s.norms * d.width / sp

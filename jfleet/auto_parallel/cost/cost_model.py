@@ -194,7 +194,7 @@ from jfleet.auto_parallel.cost.cost_types import (
     gib_text,
 )
 from jfleet.auto_parallel.cost.layout import Layout, Workload
-from jfleet.auto_parallel.cost.memo import cached
+from jfleet.auto_parallel.cost.memo import cached, cached_for
 from jfleet.auto_parallel.cost.profiles import HardwareProfile, get_profile
 from jfleet.auto_parallel.cost.step_shape import StepShape, step_shape
 from jfleet.auto_parallel.cost.step_work import attention_core_flops, step_flops
@@ -254,7 +254,11 @@ def compute_time(s: StepShape) -> tuple[float, float, float]:
         )
     block_flops += moe_flops(s)  # the stage's routed experts and routers (0 without)
     outside_flops = step_outside / pp if s.rows_over_pp else step_outside
-    peak = profile.flops(s.workload.dtype) * matmul_efficiency(s)
+    # (the same for every layout of a micro-batch size and mp)
+    at = ("peak", s.workload.dtype, s.act_bytes, s.tokens_mb, lay.mp)
+    peak = cached_for(
+        s.patterns, profile, at, lambda: profile.flops(s.workload.dtype) * matmul_efficiency(s)
+    )
     t_blocks = block_flops / peak
     t_head = outside_flops / peak
     bubble = 0.0

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 from collections.abc import Mapping
 
 import jax.numpy as jnp
@@ -34,6 +35,10 @@ SCHEDULES = ("FThenB", "1F1B", "VPP")
 SELECTIVE = "selective"
 #: Optimizer state per parameter, in parameter-sized arrays.
 OPTIMIZER_MOMENTS = {"adam": 2, "adamw": 2, "lamb": 2, "momentum": 1, "lars": 1, "sgd": 0}
+
+
+#: A layout's degrees in mesh order.
+_DEGREES = operator.attrgetter(*AXIS_NAMES)
 
 
 def _count_ok(value: object) -> bool:
@@ -169,6 +174,8 @@ class Layout:
     zero_spans_data: bool = False
 
     def __post_init__(self) -> None:
+        if self._plainly_valid():
+            return
         for name in (*AXIS_NAMES, "num_microbatches", "num_virtual_stages", "accumulate_steps"):
             value = getattr(self, name)
             if not _count_ok(value):
@@ -214,6 +221,25 @@ class Layout:
                 f"VPP runs micro-batches in groups of pp={self.pp}; num_microbatches="
                 f"{self.num_microbatches} is not a multiple of it."
             )
+
+    def _plainly_valid(self) -> bool:
+        """The checks of ``__post_init__`` at once, for the layouts a search builds by the
+        hundred thousand (True only where every check passes; else they run one by one)."""
+        v, m, pp, zero = self.num_virtual_stages, self.num_microbatches, self.pp, self.zero_stage
+        counts = (*_DEGREES(self), m, v, self.accumulate_steps)
+        return (
+            {*map(type, counts)} == {int}
+            and min(counts) >= 1
+            and self.ep == 1
+            and type(zero) is int
+            and 0 <= zero <= 3
+            and (zero == 0) == (self.sharding == 1)
+            and (not self.zero_spans_data or (zero > 0 and self.dp * self.sep > 1))
+            and (self.schedule in SCHEDULES if pp > 1 else self.schedule is None and m == 1)
+            and not (self.selective_recompute and self.recompute)
+            and (self.schedule == "VPP") == (v > 1)
+            and (v == 1 or m % pp == 0)
+        )
 
     @property
     def degrees(self) -> dict[str, int]:

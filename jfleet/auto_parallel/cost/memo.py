@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 from jfleet.auto_parallel.match.patterns import ModelPatterns, ParamInfo
 
-__all__ = ["block_groups", "cached"]
+__all__ = ["block_groups", "cached", "cached_for"]
 
 T = TypeVar("T")
 _STORE: dict[int, dict[Hashable, Any]] = {}
@@ -36,6 +36,10 @@ _STORE: dict[int, dict[Hashable, Any]] = {}
 
 def cached(patterns: ModelPatterns, key: Hashable, compute: Callable[[], T]) -> T:
     """``compute()`` the first time ``key`` is asked of ``patterns``, the kept value after."""
+    try:  # the kept value: planning asks several a layout, hundreds of thousands a plan
+        return _STORE[id(patterns)][key]
+    except KeyError:
+        pass
     ident = id(patterns)
     store = _STORE.get(ident)
     if store is None:
@@ -44,6 +48,19 @@ def cached(patterns: ModelPatterns, key: Hashable, compute: Callable[[], T]) -> 
     if key not in store:
         store[key] = compute()
     return store[key]
+
+
+def cached_for(patterns: ModelPatterns, owner: object, key: tuple, compute: Callable[[], T]) -> T:
+    """:func:`cached` for what ``owner`` (a hardware profile) decides too, told apart by
+    identity: the entry holds ``owner``, so its ``id`` stays its own while the entry lives.
+
+    >>> from jfleet.auto_parallel.match.patterns import match_patterns
+    >>> from jfleet.models.llama import TinyLlama
+    >>> found, a, b = match_patterns(TinyLlama(vocab=64, width=32, heads=4, layers=2)), [], []
+    >>> cached_for(found, a, ("n",), lambda: 1), cached_for(found, b, ("n",), lambda: 2)
+    (1, 2)
+    """
+    return cached(patterns, (id(owner), *key), lambda: (owner, compute()))[1]
 
 
 def _relative(p: ParamInfo, prefix: str) -> tuple:

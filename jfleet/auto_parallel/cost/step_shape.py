@@ -24,14 +24,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from jfleet.auto_parallel.cost.layout import Layout, Workload
-from jfleet.auto_parallel.cost.memo import block_groups, cached
+from jfleet.auto_parallel.cost.memo import block_groups, cached, cached_for
 from jfleet.auto_parallel.cost.profiles import HardwareProfile, get_profile
 from jfleet.auto_parallel.cost.step_work import layers_and_norms
 from jfleet.auto_parallel.match.attention_trace import scores_materialised
@@ -50,6 +52,9 @@ class StepShape:
     Attributes:
       patterns, workload, layout, profile: the inputs.
       devices_per_node: devices per node (intra- vs inter-node links).
+      sizes: the layout's degrees in mesh order (``AXIS_NAMES``'; :meth:`bandwidth` reads them).
+      links: :meth:`bandwidth`'s answers by group, shared by the layouts of one mesh, node
+        size and profile (it is asked a few times a layout, of a few groups a mesh).
       specs: each parameter's ``mp`` spec at this layout, by path.
       leaf_counts: how many parameters one device's stage holds (blocks of stage 0
         first): (outside the blocks, in them).
@@ -85,6 +90,8 @@ class StepShape:
     layout: Layout
     profile: HardwareProfile
     devices_per_node: int
+    sizes: tuple[int, ...]
+    links: dict[tuple[str, ...], float]
     specs: Mapping[str, P]
     leaf_counts: tuple[int, int]
     stage_blocks: int
@@ -117,6 +124,18 @@ class StepShape:
     chunk_blocks: float
     even_stages: bool = True
     vocab: int
+
+    @classmethod
+    def _assembled(cls, shared: Mapping[str, Any], **own: Any) -> StepShape:
+        """``StepShape(**shared, **own)``, its fields set at once: the dataclass's frozen
+        ``__init__`` sets each of them through ``object.__setattr__``, over half of
+        :func:`step_shape`'s time, which planning runs once a layout (148,417 times for
+        the 1T model on 3072 GPUs). Every field is given (tests check it)."""
+        shape = object.__new__(cls)
+        fields = shape.__dict__
+        fields.update(shared)
+        fields.update(own)
+        return shape
 
     @property
     def per_layer(self) -> bool:
@@ -187,15 +206,15 @@ class StepShape:
             return self.tp_fp32 / self.tp_bytes
         return 1.0
 
-    @functools.cached_property
-    def _sizes(self) -> tuple[int, ...]:
-        """The layout's degrees in mesh order (read once: :meth:`bandwidth` is hot)."""
-        lay = self.layout
-        return tuple(lay.__dict__[a] for a in AXIS_NAMES)
-
     def bandwidth(self, *group: str) -> float:
         """Bytes/s of the links a group of mesh axes spans (:func:`group_bandwidth`)."""
-        return _links(self.profile, _span(group, self._sizes), self.devices_per_node)
+        try:
+            return self.links[group]
+        except KeyError:
+            bw = self.links[group] = _links(
+                self.profile, _span(group, self.sizes), self.devices_per_node
+            )
+            return bw
 
 
 def _local_elems(spec: P, shape: Sequence[int], sizes: Mapping[str, int]) -> int:
@@ -307,47 +326,52 @@ def param_specs(patterns: ModelPatterns, mp: int) -> Mapping[str, P]:
     )
 
 
-def _param_bytes(patterns: ModelPatterns, layout: Layout, stage_blocks: int) -> dict:
-    """The stage's parameters and their local bytes with and without ZeRO (once a mesh).
-
-    Identical blocks (:func:`~jfleet.auto_parallel.cost.memo.block_groups`) are summed over
-    block 0 and multiplied by the stage's blocks.
+def _param_bytes(
+    patterns: ModelPatterns, layout: Layout, sizes: tuple[int, ...], stage_blocks: int
+) -> dict:
+    """The stage's parameters, their specs and their local bytes with and without ZeRO
+    (once a mesh, ZeRO setting and stage size; ``sizes``: the layout's degrees in mesh order).
     """
+    key = ("bytes", layout.zero_stage, layout.zero_spans_data, sizes, stage_blocks)
+    return cached(patterns, key, lambda: _stage_params(patterns, layout, sizes, stage_blocks))
+
+
+def _stage_params(
+    patterns: ModelPatterns, layout: Layout, sizes: tuple[int, ...], stage_blocks: int
+) -> dict:
+    """:func:`_param_bytes` computed. Identical blocks
+    (:func:`~jfleet.auto_parallel.cost.memo.block_groups`) are summed over block 0 and
+    multiplied by the stage's blocks; those sums are kept once a mesh and ZeRO setting,
+    whatever the stage size (uneven pipeline splits give a mesh many)."""
     specs = param_specs(patterns, layout.mp)
-
-    def compute() -> dict:
-        outside, first, uniform = block_groups(patterns)
-        if uniform:
-            out_b = _stage_bytes(outside, specs, layout)
-            one_b = _stage_bytes(first, specs, layout)
-            sizes = tuple(o + stage_blocks * b for o, b in zip(out_b, one_b, strict=True))
-            counts = (len(outside), len(first) * stage_blocks)
-        else:
-            mine = tuple(p for p in patterns.params if p.block is None or p.block < stage_blocks)
-            sizes = _stage_bytes(mine, specs, layout)
-            in_blocks = sum(p.block is not None for p in mine)
-            counts = (len(mine) - in_blocks, in_blocks)
-        tp_bytes, z_bytes, block_tp, z_fp32, z_master, tp_fp32 = sizes
-        return {
-            "tp_fp32": tp_fp32,
-            "z_fp32": z_fp32,
-            "z_master": z_master,
-            "tp_bytes": tp_bytes,
-            "z_bytes": z_bytes,
-            "block_tp": block_tp,
-            "outside_tp": tp_bytes - block_tp,
-            "one_block_tp": block_tp // stage_blocks if stage_blocks else 0,
-            "leaf_counts": counts,
-        }
-
-    key = (
-        "bytes",
-        layout.zero_stage,
-        layout.zero_spans_data,
-        tuple(layout.degrees.items()),
-        stage_blocks,
-    )
-    return {"specs": specs, **cached(patterns, key, compute)}
+    outside, first, uniform = block_groups(patterns)
+    if uniform:
+        # (ZeRO's split is the same at every stage: the stage only picks what it splits)
+        out_b, one_b = cached(
+            patterns,
+            ("block_bytes", layout.zero_stage > 0, layout.zero_spans_data, sizes),
+            lambda: (_stage_bytes(outside, specs, layout), _stage_bytes(first, specs, layout)),
+        )
+        totals = tuple(o + stage_blocks * b for o, b in zip(out_b, one_b, strict=True))
+        counts = (len(outside), len(first) * stage_blocks)
+    else:
+        mine = tuple(p for p in patterns.params if p.block is None or p.block < stage_blocks)
+        totals = _stage_bytes(mine, specs, layout)
+        in_blocks = sum(p.block is not None for p in mine)
+        counts = (len(mine) - in_blocks, in_blocks)
+    tp_bytes, z_bytes, block_tp, z_fp32, z_master, tp_fp32 = totals
+    return {
+        "specs": specs,
+        "tp_fp32": tp_fp32,
+        "z_fp32": z_fp32,
+        "z_master": z_master,
+        "tp_bytes": tp_bytes,
+        "z_bytes": z_bytes,
+        "block_tp": block_tp,
+        "outside_tp": tp_bytes - block_tp,
+        "one_block_tp": block_tp // stage_blocks if stage_blocks else 0,
+        "leaf_counts": counts,
+    }
 
 
 def largest_stage_blocks(blocks: int, period: int, pp: int, v: int = 1) -> int:
@@ -365,6 +389,25 @@ def largest_stage_blocks(blocks: int, period: int, pp: int, v: int = 1) -> int:
     return v * -(-units // (pp * v)) * period
 
 
+#: A layout's degrees in mesh order.
+_DEGREES = operator.attrgetter(*AXIS_NAMES)
+
+
+def _model_facts(patterns: ModelPatterns) -> tuple[int, int, int, bool, int, bool]:
+    """What every layout's step reads of the model: its layers and norms per layer, the
+    block period, whether its attention materialises the scores, the head's vocabulary
+    (0 without a tied head) and whether its blocks can run as one scan (one stack)."""
+    layers, norms = layers_and_norms(patterns)
+    return (
+        layers,
+        norms,
+        patterns.block_period or 1,
+        scores_materialised(patterns),
+        patterns.dims.vocab if patterns.tied_head is not None else 0,
+        bool(patterns.blocks) and len(patterns.stacks) <= 1,  # several stacks run unrolled
+    )
+
+
 def step_shape(
     patterns: ModelPatterns,
     workload: Workload,
@@ -377,10 +420,11 @@ def step_shape(
     """Measures one layout's step once for every cost term (arguments as ``estimate``'s)."""
     profile = get_profile(profile)
     pp, m = layout.pp, layout.num_microbatches
-    layers, norms = cached(patterns, ("layers_and_norms",), lambda: layers_and_norms(patterns))
-    stage_blocks = largest_stage_blocks(
-        layers, patterns.block_period or 1, pp, layout.num_virtual_stages
+    layers, norms, period, scores, vocab, one_stack = cached(
+        patterns, ("step_shape_model",), lambda: _model_facts(patterns)
     )
+    sizes = _DEGREES(layout)
+    stage_blocks = largest_stage_blocks(layers, period, pp, layout.num_virtual_stages)
     data = layout.data_degree
     local_seqs = workload.batch_size // data
     local_seq = workload.seq_len // layout.sep
@@ -392,18 +436,16 @@ def step_shape(
     selective = layout.selective_recompute
     staged = piped and not selective and (layout.schedule in ("1F1B", "VPP") or layout.recompute)
     rows_over_pp = piped and (workload.batch_size // accumulate) % (data * pp) == 0
-    scanned = (
-        not piped
-        and scan_layers
-        and bool(patterns.blocks)
-        and len(patterns.stacks) <= 1  # several stacks run unrolled (not one scan)
-    )
-    return StepShape(
+    scanned = not piped and scan_layers and one_stack
+    return StepShape._assembled(
+        _param_bytes(patterns, layout, sizes, stage_blocks),
         patterns=patterns,
         workload=workload,
         layout=layout,
         profile=profile,
         devices_per_node=devices_per_node,
+        sizes=sizes,
+        links=cached_for(patterns, profile, ("links", sizes, devices_per_node), dict),
         stage_blocks=stage_blocks,
         norms=norms,
         local_seqs=local_seqs,
@@ -413,9 +455,7 @@ def step_shape(
         head_tokens=(tokens_local // pp if rows_over_pp else tokens_local) // accumulate,
         tokens_live=tokens_local // accumulate,
         accumulate=accumulate,
-        scores_materialised=cached(
-            patterns, ("scores_materialised",), lambda: scores_materialised(patterns)
-        ),
+        scores_materialised=scores,
         piped=piped,
         staged=staged,
         scanned=scanned,
@@ -426,7 +466,6 @@ def step_shape(
         selective_waits=selective and (scanned or piped or profile.remat_barriers_kept),
         v=layout.num_virtual_stages,
         chunk_blocks=stage_blocks / layout.num_virtual_stages,
-        even_stages=layers % ((patterns.block_period or 1) * pp * layout.num_virtual_stages) == 0,
-        vocab=patterns.dims.vocab if patterns.tied_head is not None else 0,
-        **_param_bytes(patterns, layout, stage_blocks),
+        even_stages=layers % (period * pp * layout.num_virtual_stages) == 0,
+        vocab=vocab,
     )

@@ -50,6 +50,7 @@ from jfleet.auto_parallel.cost.layout import (
     Workload,
     mesh_name,
 )
+from jfleet.auto_parallel.cost.memo import cached
 from jfleet.auto_parallel.match.patterns import ModelPatterns
 from jfleet.mesh.topology import AXIS_NAMES, DP, EP, MP, PP, SEP, SHARDING
 
@@ -121,34 +122,14 @@ def shape_problem(
         if problem is not None:
             return problem
     if mp > 1:
-        if not patterns.recognised:
-            return "no tensor-parallel parts were recognised"
-        if mp > devices_per_node:
-            return f"mp={mp} exceeds the {devices_per_node} devices of a node"
-        bad = patterns.indivisible(mp)
-        if bad:
-            return _indivisible_reason(patterns, bad, mp, devices_per_node)
-        kernels = [p for p in patterns.params if p.block is not None and len(p.shape) >= 2]
-        largest = max((p.size for p in kernels), default=0)
-        # k / v whole where mp cuts their kv heads is the grouped-query layout; any other
-        # large block kernel left whole would be computed on every mp rank
-        whole = [
-            p
-            for p in patterns.replicated_at(mp)
-            if p.role not in ("k", "v", "kv") and 8 * p.size >= largest
-        ]
-        if whole:
-            why = dict(patterns.replicated_in_blocks)
-            shown = "; ".join(
-                f"{p.path} [{'x'.join(map(str, p.shape))}]"
-                + (f": {why[p.path]}" if p.path in why else "")
-                for p in whole
-                if p.block == 0
-            )
-            return (
-                f"mp={mp} would leave large decoder-block kernels whole on every mp rank "
-                f"({shown}; ... in every block)"
-            )
+        # the same few mp degrees recur in every mesh: each one's answer once a model
+        problem = cached(
+            patterns,
+            ("mp_problem", mp, devices_per_node),
+            lambda: _mp_problem(patterns, mp, devices_per_node),
+        )
+        if problem is not None:
+            return problem
     if pp > 1:
         blocks, period = len(patterns.blocks), patterns.block_period
         if blocks < 2:
@@ -188,6 +169,39 @@ def _expert_problem(patterns: ModelPatterns, ep: int) -> str | None:
         return f"ep={ep} needs routed experts; the model has none the planner knows of"
     if patterns.moe.experts % ep:
         return f"ep={ep} does not divide the {patterns.moe.experts} experts of a MoE layer"
+    return None
+
+
+def _mp_problem(patterns: ModelPatterns, mp: int, devices_per_node: int) -> str | None:
+    """Why ``mp > 1`` cannot split this model (:func:`shape_problem`'s ``mp`` part), or None."""
+    if not patterns.recognised:
+        return "no tensor-parallel parts were recognised"
+    if mp > devices_per_node:
+        return f"mp={mp} exceeds the {devices_per_node} devices of a node"
+    bad = patterns.indivisible(mp)
+    if bad:
+        return _indivisible_reason(patterns, bad, mp, devices_per_node)
+    kernels = [p for p in patterns.params if p.block is not None and len(p.shape) >= 2]
+    largest = max((p.size for p in kernels), default=0)
+    # k / v whole where mp cuts their kv heads is the grouped-query layout; any other
+    # large block kernel left whole would be computed on every mp rank
+    whole = [
+        p
+        for p in patterns.replicated_at(mp)
+        if p.role not in ("k", "v", "kv") and 8 * p.size >= largest
+    ]
+    if whole:
+        why = dict(patterns.replicated_in_blocks)
+        shown = "; ".join(
+            f"{p.path} [{'x'.join(map(str, p.shape))}]"
+            + (f": {why[p.path]}" if p.path in why else "")
+            for p in whole
+            if p.block == 0
+        )
+        return (
+            f"mp={mp} would leave large decoder-block kernels whole on every mp rank "
+            f"({shown}; ... in every block)"
+        )
     return None
 
 

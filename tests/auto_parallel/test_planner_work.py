@@ -1,0 +1,141 @@
+"""How much work a wide search does (issue 37: planning a published row in <= 10 s).
+
+Counted, not timed: planning a 14-block GPT on 4 nodes of 8 (uneven pipeline splits, every
+``v``, accumulation, ZeRO) must take each expensive step once a mesh or degree, not once a
+layout. The wide search prices thousands of layouts, most of a mesh differing only in
+micro-batches, ``v`` or accumulation; these counts grew with the layouts before (the 1T row
+of ``benchmarks/published_configs.py`` built 148,417 step shapes and summed its parameter
+bytes 36,836 times for 3,088 meshes and ZeRO settings).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+
+import pytest
+
+from jfleet.auto_parallel.cost import cost_memory, cost_model, step_shape
+from jfleet.auto_parallel.cost.layout import Layout, Workload
+from jfleet.auto_parallel.match.matched import ModelPatterns
+from jfleet.auto_parallel.match.patterns import match_patterns
+from jfleet.auto_parallel.search import planner
+from jfleet.auto_parallel.search.cluster_plan import Cluster, plan
+from jfleet.auto_parallel.search.model_shapes import ModelShape, abstract_model
+
+SHAPE = ModelShape(
+    arch="gpt", layers=14, width=512, heads=8, kv_heads=8, ffn=2048, vocab=4096, seq_len=512
+)
+BATCH = (96, 512)
+CLUSTER = Cluster(nodes=4, devices_per_node=8, profile="a100")
+
+
+class _Counter:
+    """Wraps ``owner.name``, counting calls (and keeping what it was asked with)."""
+
+    def __init__(self, monkeypatch, owner, name):
+        self.calls, self.args = 0, []
+        inner = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            self.args.append(args)
+            return inner(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return abstract_model(SHAPE)
+
+
+@pytest.fixture
+def counted(monkeypatch, model):
+    """Plans SHAPE (wide search) with the expensive steps counted; returns the counters,
+    the layouts priced and the plan."""
+    counters = {
+        "stage_bytes": _Counter(monkeypatch, step_shape, "_stage_bytes"),
+        "per_layer": _Counter(monkeypatch, cost_memory, "_per_layer_elems"),
+        "efficiency": _Counter(monkeypatch, cost_model, "matmul_efficiency"),
+        "replicated_at": _Counter(monkeypatch, ModelPatterns, "replicated_at"),
+        "init": _Counter(monkeypatch, step_shape.StepShape, "__init__"),
+        "estimate": _Counter(monkeypatch, planner, "estimate"),
+    }
+    result = plan(model, BATCH, CLUSTER, patterns=match_patterns(model))
+    layouts = [args[2] for args in counters["estimate"].args]
+    return counters, layouts, result
+
+
+def _stage_blocks(lay: Layout) -> int:
+    return step_shape.largest_stage_blocks(SHAPE.layers, 1, lay.pp, lay.num_virtual_stages)
+
+
+def test_the_search_is_wide_and_uneven(counted):
+    """The shape this file counts on: thousands of layouts, uneven splits of a mesh."""
+    _, layouts, result = counted
+    assert len(layouts) > 3000
+    meshes = {tuple(lay.degrees.values()) for lay in layouts}
+    assert len(layouts) > 10 * len(meshes)
+    sizes = {(tuple(lay.degrees.values()), _stage_blocks(lay)) for lay in layouts}
+    assert len(sizes) > 2 * len(meshes)  # uneven VPP: a mesh holds stages of many sizes
+    assert result.chosen.fits
+
+
+def test_parameter_bytes_once_a_mesh_and_zero_setting(counted):
+    """A stage's parameter bytes are summed (block 0 and the rest) once a mesh and
+    whether ZeRO splits them, whatever the stage's size, micro-batches or ZeRO stage."""
+    counters, layouts, _ = counted
+    keys = {(tuple(lay.degrees.values()), lay.zero_stage > 0, lay.zero_spans_data)
+            for lay in layouts}  # fmt: skip
+    assert counters["stage_bytes"].calls <= 2 * len(keys)
+
+
+def test_no_dataclass_init_per_layout(counted):
+    """Each layout's StepShape is assembled (its frozen ``__init__`` was half the step's
+    time), with every field of the dataclass."""
+    counters, layouts, _ = counted
+    assert counters["init"].calls == 0
+    work = Workload(batch_size=BATCH[0], seq_len=BATCH[1], dtype="bfloat16")
+    found = match_patterns(abstract_model(SHAPE))
+    s = step_shape.step_shape(found, work, layouts[-1], "a100", devices_per_node=8)
+    assert set(vars(s)) == {f.name for f in dataclasses.fields(step_shape.StepShape)}
+
+
+def test_model_terms_once_a_degree(counted):
+    """What depends on the model and ``mp`` (or the micro-batch) only is derived once for
+    it: the per-layer activations, the matmul efficiency, and which kernels ``mp`` leaves
+    whole (the shape check of every mesh)."""
+    counters, layouts, _ = counted
+    mps = {lay.mp for lay in layouts}
+    assert counters["per_layer"].calls <= len(mps)
+    assert counters["replicated_at"].calls <= 3  # mp 2, 4 and 8
+    tokens = {lay: BATCH[0] // lay.data_degree * (BATCH[1] // lay.sep) for lay in layouts}
+    micro = {(lay.mp, n // (lay.num_microbatches * lay.accumulate_steps))
+             for lay, n in tokens.items()}  # fmt: skip
+    assert counters["efficiency"].calls <= len(micro)
+    assert counters["estimate"].calls == len(layouts)
+
+
+def test_no_cycle_collection_while_pricing(monkeypatch, model):
+    """Python's cyclic collector is paused while the layouts are priced (its collections,
+    set off by the search's allocations, scanned every live object: a quarter of the 1T
+    row's planning) and left as it was after, on or off."""
+    seen = []
+    inner = planner.estimate
+
+    def noting(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "estimate", noting)
+    assert gc.isenabled()
+    plan(model, BATCH, CLUSTER, patterns=match_patterns(model))
+    assert seen and not any(seen)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        plan(model, BATCH, CLUSTER, patterns=match_patterns(model), force_mesh={"dp": 32})
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
