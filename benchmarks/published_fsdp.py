@@ -355,15 +355,15 @@ while jfleet's ``"selective"`` recomputes only the attention core and elementwis
 about 1/6 of the matmul FLOPs the run recomputed is not charged. Their memory is predicted
 to 0.1 and 1.9 GiB of the measured peak (82.5 against 82.4, 68.9 against 67.0 GiB). (4)
 MPT-30B on 8 GPUs (full AC, micro-batch 3, 21 accumulation steps), which MosaicML ran on
-80 GB A100s and H100s, is predicted at 80.2 GiB and no layout of 8 GPUs fits: jfleet keeps
+80 GB A100s and H100s, was predicted at 80.2 GiB, and no layout of 8 GPUs fit: jfleet kept
 two fp32 gradient-sized shards where FSDP keeps one, the backward loop's stacked block
-gradients and the gradient-merge accumulator (optimizer state), because the accumulation
-adds each call's gradient after the backward pass instead of inside it (FSDP adds each
-layer's reduce-scattered gradient into ``.grad`` as it is made). The compiled program
-agrees: in the ``zero_depth`` section ZeRO-3's temp (recompute on) grows by one block's
-saved input and one gradient shard a block (it grew 1.65 shards until each layer was
-gathered as one flat vector: XLA had copied every stacked parameter shard into the
-all-gather's layout). (5) Planning: the wide
+gradients and the gradient-merge accumulator (optimizer state). Now the scanned blocks'
+backward adds each layer's reduce-scattered gradient into its row of the accumulator as
+FSDP adds into ``.grad`` (``jfleet/parallel/merged_backward.py``; with full recompute, fp32
+parameters and no fp16 loss scaling): 66.4 GiB, and it fits. The compiled program agrees:
+in the ``zero_depth`` section, accumulating ZeRO-2 / 3 steps grow by exactly one block's
+saved input a block and no gradient shard (temp at 16 blocks 9.7 MiB against 14.4 without
+accumulation), and the prediction is 0.94-1.02 of the compiled peak. (5) Planning: the wide
 search of mpt-70b-h100-64 (a global batch of 2,048 on 64 GPUs) estimated 108k layouts once
 selective recompute ran in pipelines (12 s); it now searches pipelined selective recompute
 under FThenB only (VPP's keeps the same outputs; asked for, it is planned) and memoises
