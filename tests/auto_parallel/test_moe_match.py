@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import re
 
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -148,3 +149,14 @@ def test_forced_ep8_qwen3_step_never_gathers_an_expert_stack_whole():
     gathered = re.findall(r"= (f32\[[\d,]+\])\{[^}]*\} all-gather(?:-start)?\(", hlo.as_text())
     assert gathered, "expected the step to all-gather something (the router logits at least)"
     assert not {"f32[8,32,16]", "f32[8,16,32]"} & set(gathered), gathered
+
+
+def test_only_stacked_kernels_and_their_biases_are_taken_beside_a_router():
+    style = MOE_STYLES["qwen3_moe"]
+    model = style.build(nnx.Rngs(0))
+    for layer in model.model.layers:  # [E, 7]: no expert kernel's output, so no expert bias
+        layer.mlp.table = nnx.Param(jnp.zeros((8, 7)))
+    found = match_patterns(model, style.batches(1)[0], forward=style.forward)
+    assert found.moe == _config_spec("qwen3_moe")
+    assert "model.layers.0.mlp.table" in {p.path for p in found.params}
+    assert "model.layers.0.mlp.table" not in {p.path for p in found.routed}

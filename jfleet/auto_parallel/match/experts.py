@@ -4,11 +4,11 @@ A **router** is a ``[D, E]`` kernel inside a decoder block whose scores a ``jax.
 reads (through a softmax or not: :attr:`~jfleet.auto_parallel.match.dataflow.Trace.top_k`),
 ``k`` of ``E``. Its **experts** are the parameters beside it — under the module holding the
 router's module (the MoE block: Qwen3-MoE's ``mlp``, gpt-oss's ``mlp``) — whose leading
-dimension is ``E``: stacked ``[E, D, F]`` / ``[E, F, D]`` kernels and their ``[E, ...]``
-biases, however the code dispatches to them (a one-hot combine over every expert, a gather
-of each token's experts, ``jax.lax.ragged_dot`` over sorted tokens). The router's own bias
-goes with it. Experts kept as a list of separate modules (Mixtral's ``nnx.List``) have no
-expert dimension to split and are not taken (a note says so).
+dimension is ``E``: stacked ``[E, D, F]`` / ``[E, F, D]`` kernels and their ``[E, F]`` /
+``[E, D]`` biases, however the code dispatches to them (a one-hot combine over every
+expert, a gather of each token's experts, ``jax.lax.ragged_dot`` over sorted tokens). The
+router's own bias goes with it. Experts kept as a list of separate modules (Mixtral's
+``nnx.List``) have no expert dimension to split and are not taken (a note says so).
 
 :func:`find_experts` returns the :class:`~jfleet.auto_parallel.match.moe_spec.MoESpec`
 and the routed parameters' paths; :func:`split_routed` takes them and the products that
@@ -97,13 +97,12 @@ def _layer(trace: Trace, blocks: Blocks, router: int, k: int, experts: int) -> _
         return None
     module, owner = path[:-1], path[:-2]
     routers = frozenset(i for i, p in enumerate(trace.paths) if p[:-1] == module)
-    stacked = frozenset(
-        i
-        for i, p in enumerate(trace.paths)
-        if _under(p, owner) and i not in routers and len(trace.shapes[i]) >= 2
-        and trace.shapes[i][0] == experts
-    )  # fmt: skip
-    ffn = _ffn([trace.shapes[i] for i in stacked if len(trace.shapes[i]) == 3], shape[0])
+    beside = [i for i, p in enumerate(trace.paths) if _under(p, owner) and i not in routers]
+    kernels = {i for i in beside if len(trace.shapes[i]) == 3 and trace.shapes[i][0] == experts}
+    outputs = {trace.shapes[i][-1] for i in kernels}
+    biases = {i for i in beside if trace.shapes[i] in {(experts, n) for n in outputs}}
+    stacked = frozenset(kernels | biases)  # [E, a, b] kernels and their [E, b] biases
+    ffn = _ffn([trace.shapes[i] for i in kernels], shape[0])
     if ffn is None:
         return (
             f"{'.'.join(map(str, module))} routes to the top {k} of {experts} experts, but no "
