@@ -100,6 +100,8 @@ class Trace:
         recently (through any work).
       batched: ``{projection: size}``: projections whose kernel has a batch dimension in
         its product (one kernel per expert), and that dimension's size.
+      top_k: ``{projection: (k, choices)}``: projections whose output a ``top_k`` read
+        most recently (routers: ``k`` of ``choices`` experts).
     """
 
     paths: tuple[tuple, ...]
@@ -121,6 +123,7 @@ class Trace:
     input_dtypes: tuple[str, ...] = ()
     fed_by: dict[int, frozenset] = dataclasses.field(default_factory=dict)
     batched: dict[int, int] = dataclasses.field(default_factory=dict)
+    top_k: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     def path(self, i: int) -> str:
         """Parameter ``i``'s dotted path."""
@@ -227,4 +230,5 @@ def trace_model(
         input_dtypes=tuple(str(v.dtype) for v in ivals),
         fed_by={k: frozenset(v) for k, v in walk.fed_by.items()},
         batched=dict(walk.batched),
+        top_k=dict(walk.top_k),
     )

@@ -235,6 +235,9 @@ class ModelPatterns:
         encoder-decoder has two; ``blocks`` holds them all, stack by stack).
       moe: the routed experts (:class:`~jfleet.auto_parallel.match.moe_spec.MoESpec`;
         ``params`` and ``dots`` then leave them and their routers out), or None.
+      routed: the parameters ``params`` leaves out for ``moe`` (found in a traced model:
+        the stacked ``[E, ...]`` expert weights, split over ``ep`` on their leading
+        dimension, and the routers, replicated; :mod:`~jfleet.auto_parallel.match.experts`).
 
     Example:
       >>> import numpy as np
@@ -264,6 +267,7 @@ class ModelPatterns:
     inputs: tuple[tuple[tuple[int, ...], str], ...] = ()
     stacks: tuple[tuple[tuple[str, ...], str], ...] = ()
     moe: MoESpec | None = None
+    routed: tuple[ParamInfo, ...] = ()
 
     @property
     def input_kind(self) -> str:

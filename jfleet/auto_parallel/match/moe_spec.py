@@ -6,9 +6,10 @@ describe the model *without* its routed experts and routers (attention, norms, s
 experts or dense MLPs, embedding, head); the spec adds the experts' weights, their
 compute, the router and the all-to-alls
 (:mod:`jfleet.auto_parallel.cost.cost_moe`). Shape-built plans set it
-(:class:`~jfleet.auto_parallel.search.model_shapes.ModelShape`'s ``moe``); a matcher that
-recognises experts in traced code sets it and leaves the expert kernels out of
-``params``.
+(:class:`~jfleet.auto_parallel.search.model_shapes.ModelShape`'s ``moe``), and so does the
+matcher for traced code routing to stacked experts
+(:func:`~jfleet.auto_parallel.match.experts.find_experts`), which holds the expert weights
+and routers in ``routed`` instead of ``params``.
 
 Example:
   >>> mixtral = MoESpec(experts=8, top_k=2, expert_ffn=14336, layers=32)

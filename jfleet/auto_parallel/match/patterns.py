@@ -81,6 +81,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jfleet.auto_parallel.match.dataflow import Trace, TraceError, trace_model
+from jfleet.auto_parallel.match.experts import find_experts, split_routed
 from jfleet.auto_parallel.match.matched import (
     COLUMN_ROLES,
     ROW_ROLES,
@@ -296,19 +297,22 @@ def name_roles(trace: Trace | None, groups: list[Pair], parts: Parts) -> PairRol
     return out
 
 
-def dot_costs(trace: Trace | None, blocks: Blocks) -> tuple[DotCost, ...]:
-    """The traced products for the cost model, each placed in its block."""
+def dot_costs(
+    trace: Trace | None, blocks: Blocks, dots: tuple | None = None
+) -> tuple[DotCost, ...]:
+    """The traced products (``dots``: these of them) for the cost model, each placed in
+    its block."""
     if trace is None:
         return ()
     blocks_of = {i: blocks.of(path) for i, path in enumerate(trace.paths)}
-    dots = []
-    for d in trace.dots:
+    out = []
+    for d in trace.dots if dots is None else dots:
         if d.param is not None:
             block = blocks_of[d.param]
         else:
             inside = [blocks_of[i] for i in d.last if blocks_of[i] is not None]
             block = max(inside) if inside else None
-        dots.append(
+        out.append(
             DotCost(
                 flops=d.flops,
                 param=None if d.param is None else path_str(trace.paths[d.param]),
@@ -319,7 +323,7 @@ def dot_costs(trace: Trace | None, blocks: Blocks) -> tuple[DotCost, ...]:
                 platform_attention=d.param is None and d.scoped,
             )
         )
-    return tuple(dots)
+    return tuple(out)
 
 
 def _reason(i: int, trace: Trace | None, projections: set[int]) -> str:
@@ -444,7 +448,11 @@ def match_patterns(
     blocks = find_blocks(parts, _first_used(trace))
     read, projections, found_roles = _read_trace(trace, parts, blocks)
     tied = find_head(parts, blocks, bool(found_roles.attention or found_roles.mlp))
+    routed = find_experts(read, blocks)
     infos, replicated = param_infos(parts, blocks, read, projections)
+    infos, routed_infos, dots = split_routed(infos, read.dots if read else (), routed, read)
+    taken = {p.path for p in routed_infos}
+    replicated = tuple((path, why) for path, why in replicated if path not in taken)
     found = ModelPatterns(
         params=infos,
         dims=ModelDims(
@@ -459,12 +467,14 @@ def match_patterns(
         has_attention_bias=found_roles.attention_bias,
         activation=found_roles.activation,
         inputs=_inputs_of(trace),
-        notes=tuple(parts.notes),
-        dots=dot_costs(trace, blocks),
+        notes=(*parts.notes, *routed.notes),
+        dots=dot_costs(read, blocks, dots) if read is not None else dot_costs(trace, blocks),
         traced_tokens=traced_tokens,
         replicated_in_blocks=replicated,
         block_period=blocks.period,
         stacks=tuple((tuple(path_str(b) for b in paths), cls) for paths, cls in blocks.stacks),
+        moe=routed.spec,
+        routed=routed_infos,
     )
     logger.debug("patterns: %s; unmatched %s", found.summary(), list(found.unmatched))
     return found

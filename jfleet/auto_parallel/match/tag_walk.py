@@ -211,6 +211,7 @@ class Walk:
         self.cut: dict[int, str] = {}
         self.batched: dict[int, int] = {}  # projections with a batch dim (experts): its size
         self.fed_by: dict[int, set[int]] = {}  # the projections each projection's input came from
+        self.top_k: dict[int, tuple[int, int]] = {}  # projection -> (k, choices) a top_k read
 
     # ------------------------------------------------------------ helpers
     def _generic(self, args: list[Val], outs: Sequence[Any]) -> list[Val]:
@@ -568,6 +569,9 @@ class Walk:
         if name == "squeeze":
             gone = {d % len(ins[0].tags) for d in p["dimensions"]}
             return [self._drop(ins[0], [i for i in range(len(ins[0].tags)) if i not in gone])]
+        if name == "top_k":  # a router: the projections its scores came from, k of how many
+            for param in ins[0].last:
+                self.top_k.setdefault(param, (int(p["k"]), int(_shape(eqn.invars[0])[-1])))
         if name == "gather":
             for a in ins[:1]:
                 for ts in a.tags:

@@ -152,6 +152,21 @@ def expert_choice(ranked: list[Candidate], patterns: ModelPatterns, device_num: 
     return f"{held}; the best {other.layout.name}: {lost}{extra}."
 
 
+def _own_dispatch(patterns: ModelPatterns, lay: Any) -> str:
+    """The note of a traced model's experts split over ``ep``: its own dispatch code runs
+    as GSPMD partitions it, not as the cost model priced it ('' otherwise)."""
+    if not patterns.routed or lay.ep == 1:
+        return ""
+    return (
+        f"the experts are split over ep{lay.ep} on their leading dimension and run the "
+        "model's own dispatch code as GSPMD partitions it; the cost model prices jfleet's "
+        "dispatch (jfleet.parallel.moe.moe: two all-to-alls a MoE layer forward, two "
+        "backward), and GSPMD may instead gather the tokens or the experts (a one-hot "
+        "combine over every expert gathers every token to every ep rank), so the step "
+        "time and the all-to-all bytes above are a prediction for that dispatch, not this one"
+    )
+
+
 def _check_patterns(patterns: Any, model: nnx.Module) -> ModelPatterns:
     """``patterns`` when they are ``model``'s (the same parameter paths and shapes)."""
     if not isinstance(model, nnx.Module):
@@ -163,7 +178,7 @@ def _check_patterns(patterns: Any, model: nnx.Module) -> ModelPatterns:
             f"patterns={patterns!r} ({type(patterns).__name__}) is not a ModelPatterns; pass "
             "match_patterns(model)'s result, or leave patterns out."
         )
-    found = {p.path: tuple(p.shape) for p in patterns.params}
+    found = {p.path: tuple(p.shape) for p in (*patterns.params, *patterns.routed)}
     have = {
         path_str(path): tuple(var.shape)
         for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
@@ -707,8 +722,11 @@ def _build_plan(
     stages, stage_of = _stages(patterns, lay)
     params = []
     why = dict(patterns.replicated_in_blocks)
-    for p in patterns.params:
+    routed = {p.path for p in patterns.routed}
+    for p in (*patterns.params, *patterns.routed):
         spec = p.spec_for(lay.mp)
+        if p.path in routed and p.role != "router" and lay.ep > 1:  # an expert: E over ep
+            spec = P(EP, *(tuple(spec) + (None,) * len(p.shape))[1 : len(p.shape)])
         reason = why.get(p.path, "")
         if lay.mp > 1 and p.split_dim is not None and spec == P():
             reason = f"mp={lay.mp} does not divide its {p.units} {_UNIT_WORDS.get(p.role, 'units')}"
@@ -748,7 +766,12 @@ def _build_plan(
         excluded=tuple(excluded),
         architecture=f"{model_name}: {patterns.summary()}",
         unmatched=patterns.unmatched,
-        notes=(*patterns.notes, *filter(None, [expert_choice(ranked, patterns, device_num)])),
+        notes=(
+            *patterns.notes,
+            *filter(
+                None, [expert_choice(ranked, patterns, device_num), _own_dispatch(patterns, lay)]
+            ),
+        ),
         batch_size=workload.batch_size,
         seq_len=workload.seq_len,
         dtype=workload.dtype,

@@ -1,0 +1,178 @@
+"""Routed experts in a traced model: the routers, the stacked expert weights, their spec.
+
+A **router** is a ``[D, E]`` kernel inside a decoder block whose scores a ``jax.lax.top_k``
+reads (through a softmax or not: :attr:`~jfleet.auto_parallel.match.dataflow.Trace.top_k`),
+``k`` of ``E``. Its **experts** are the parameters beside it — under the module holding the
+router's module (the MoE block: Qwen3-MoE's ``mlp``, gpt-oss's ``mlp``) — whose leading
+dimension is ``E``: stacked ``[E, D, F]`` / ``[E, F, D]`` kernels and their ``[E, F]`` /
+``[E, D]`` biases, however the code dispatches to them (a one-hot combine over every
+expert, a gather of each token's experts, ``jax.lax.ragged_dot`` over sorted tokens). The
+router's own bias goes with it. Experts kept as a list of separate modules (Mixtral's
+``nnx.List``) have no expert dimension to split and are not taken (a note says so).
+
+:func:`find_experts` returns the :class:`~jfleet.auto_parallel.match.moe_spec.MoESpec`
+and the routed parameters' paths; :func:`split_routed` takes them and the products that
+read them out of the patterns' ``params`` and ``dots`` (the spec prices them instead).
+
+Example:
+  >>> from flax import nnx
+  >>> from jfleet.auto_parallel import match_patterns
+  >>> from jfleet.testing.nnx_styles import MOE_STYLES
+  >>> style = MOE_STYLES["qwen3_moe"]
+  >>> found = match_patterns(style.build(nnx.Rngs(0)), style.batches(1)[0],
+  ...                        forward=style.forward)
+  >>> found.moe
+  MoESpec(experts=8, top_k=2, expert_ffn=16, layers=2, every=1, gated=True, capacity_factor=None)
+  >>> sorted(p.path for p in found.routed if p.block == 0)[:2]
+  ['model.layers.0.mlp.down_proj', 'model.layers.0.mlp.gate.kernel']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from jfleet.auto_parallel.match.dataflow import Trace
+from jfleet.auto_parallel.match.matched import ParamInfo
+from jfleet.auto_parallel.match.module_parts import Blocks
+from jfleet.auto_parallel.match.moe_spec import MoESpec
+from jfleet.auto_parallel.match.tag_walk import Dot
+
+__all__ = ["Routed", "find_experts", "split_routed"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Routed:
+    """What :func:`find_experts` found.
+
+    Attributes:
+      spec: the experts as the cost model prices them, or None.
+      experts: trace indices of the stacked expert weights (leading dim ``E``).
+      routers: trace indices of the routers' parameters (kernel and bias).
+      notes: why routers were found but no spec made.
+    """
+
+    spec: MoESpec | None = None
+    experts: frozenset[int] = frozenset()
+    routers: frozenset[int] = frozenset()
+    notes: tuple[str, ...] = ()
+
+    @property
+    def indices(self) -> frozenset[int]:
+        """Every routed parameter (experts and routers)."""
+        return self.experts | self.routers
+
+
+def _under(path: tuple, prefix: tuple) -> bool:
+    return path[: len(prefix)] == prefix
+
+
+def _ffn(kernels: Sequence[tuple[int, ...]], width: int) -> tuple[int, int] | None:
+    """``(F, matrices)`` of one expert from its ``[E, a, b]`` kernels: ``F`` the smallest
+    side that is not the width (a fused ``gate_up [E, D, 2F]`` counts as two matrices)."""
+    sides = [b if a == width else a for _, a, b in kernels if width in (a, b)]
+    if len(sides) != len(kernels) or not sides:
+        return None
+    ffn = min(sides)
+    elems = sum(a * b for _, a, b in kernels)
+    matrices, rest = divmod(elems, width * ffn)
+    return (ffn, matrices) if not rest and matrices in (2, 3) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layer:
+    block: int
+    k: int
+    experts: int
+    ffn: tuple[int, int]
+    routers: frozenset[int]
+    stacked: frozenset[int]
+
+
+def _layer(trace: Trace, blocks: Blocks, router: int, k: int, experts: int) -> _Layer | str | None:
+    """One MoE layer around ``router`` (None: not a router in a block; a str: why no spec)."""
+    path, shape = trace.paths[router], trace.shapes[router]
+    block = blocks.of(path)
+    if block is None or len(shape) != 2 or shape[-1] != experts or len(path) < 3:
+        return None
+    module, owner = path[:-1], path[:-2]
+    routers = frozenset(i for i, p in enumerate(trace.paths) if p[:-1] == module)
+    beside = [i for i, p in enumerate(trace.paths) if _under(p, owner) and i not in routers]
+    kernels = {i for i in beside if len(trace.shapes[i]) == 3 and trace.shapes[i][0] == experts}
+    outputs = {trace.shapes[i][-1] for i in kernels}
+    biases = {i for i in beside if trace.shapes[i] in {(experts, n) for n in outputs}}
+    stacked = frozenset(kernels | biases)  # [E, a, b] kernels and their [E, b] biases
+    ffn = _ffn([trace.shapes[i] for i in kernels], shape[0])
+    if ffn is None:
+        return (
+            f"{'.'.join(map(str, module))} routes to the top {k} of {experts} experts, but no "
+            f"stacked [{experts}, ...] expert kernels of width {shape[0]} lie beside it (a list "
+            "of separate expert modules has no expert dimension to split over ep); its experts "
+            "are priced as dense layers and ep stays 1"
+        )
+    return _Layer(block, k, experts, ffn, routers, stacked)
+
+
+def find_experts(trace: Trace | None, blocks: Blocks) -> Routed:
+    """The routed experts of a traced model (see the module's docstring); an empty
+    :class:`Routed` for a dense model."""
+    if trace is None:
+        return Routed()
+    found = [_layer(trace, blocks, r, k, e) for r, (k, e) in sorted(trace.top_k.items())]
+    notes = tuple(f for f in found if isinstance(f, str))
+    if len(notes) > 1:
+        notes = (f"{notes[0]} (and alike in {len(notes) - 1} more blocks)",)
+    layers = sorted((f for f in found if isinstance(f, _Layer)), key=lambda f: f.block)
+    if not layers or notes:
+        return Routed(notes=notes)
+    at = [f.block for f in layers]
+    every = at[1] - at[0] if len(at) > 1 else len(blocks.paths)
+    regular = at == list(range(at[0], len(blocks.paths), every)) and at[0] < every
+    kinds = {(f.k, f.experts, f.ffn) for f in layers}
+    if len(kinds) != 1 or not regular:
+        why = "layers of different experts" if len(kinds) != 1 else f"at blocks {at}"
+        return Routed(
+            notes=(
+                f"routed experts found ({why}) are not one repeating MoE layer; they are "
+                "priced as dense layers and ep stays 1",
+            )
+        )
+    ((k, experts, (ffn, matrices)),) = kinds
+    spec = MoESpec(
+        experts=experts,
+        top_k=k,
+        expert_ffn=ffn,
+        layers=len(layers),
+        every=every if len(layers) > 1 else 1,
+        gated=matrices == 3,
+    )
+    return Routed(
+        spec=spec,
+        experts=frozenset().union(*(f.stacked for f in layers)),
+        routers=frozenset().union(*(f.routers for f in layers)),
+    )
+
+
+def split_routed(
+    infos: Sequence[ParamInfo], dots: Sequence[Dot], routed: Routed, trace: Trace
+) -> tuple[tuple[ParamInfo, ...], tuple[ParamInfo, ...], tuple[Dot, ...]]:
+    """``(params, routed params, dots)``: the routed parameters taken out of ``infos``, and
+    the products reading them (an expert's or the router's product, the combine of the
+    experts' outputs by the router's weights, a gathered expert's product) out of ``dots``."""
+    if routed.spec is None:
+        return tuple(infos), (), tuple(dots)
+    names = {".".join(map(str, trace.paths[i])) for i in routed.indices}
+    routers = {".".join(map(str, trace.paths[i])) for i in routed.routers}
+    kept = tuple(p for p in infos if p.path not in names)
+    taken = tuple(
+        dataclasses.replace(p, role="router", split_dim=None, units=0)
+        if p.path in routers
+        else dataclasses.replace(p, role=p.role or "expert")
+        for p in infos
+        if p.path in names
+    )
+    reads = routed.indices
+    left = tuple(
+        d for d in dots if d.param not in reads and not (d.param is None and d.last & reads)
+    )
+    return kept, taken, left
