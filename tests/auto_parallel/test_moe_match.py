@@ -1,8 +1,10 @@
 """Issue 39 item 4: ``to_distributed`` recognises routed experts in traced user code
-(:mod:`jfleet.auto_parallel.match.experts`), splits them over ``ep`` and may choose it."""
+(:mod:`jfleet.auto_parallel.match.experts`) and splits them over a forced ``ep``; its search
+keeps them off ``ep`` (their own dispatch is not what the cost model prices) and says so."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -14,7 +16,9 @@ from flax import nnx
 
 from jfleet import make_train_step
 from jfleet.auto_parallel import ToDistributedConfig, get_plan, match_patterns, to_distributed
+from jfleet.auto_parallel.cost.layout import Workload
 from jfleet.auto_parallel.match.moe_spec import MoESpec
+from jfleet.auto_parallel.search.layouts import enumerate_layouts
 from jfleet.auto_parallel.search.planner import plan_for
 from jfleet.models.llama import TinyLlama
 from jfleet.testing import assert_trees_close, train_one_device
@@ -89,24 +93,20 @@ def test_a_dense_model_has_no_routed_experts():
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
-def test_the_search_picks_ep_where_its_own_cost_model_predicts_it_faster(name):
-    """No compile: the plan's choice and its note against the ranked candidates' numbers."""
-    style = MOE_STYLES[name]
+def test_the_search_keeps_traced_experts_off_ep_and_says_why(name):
+    """No compile. The cost model prices jfleet's dispatch over ep; a traced model's own
+    dispatch runs as GSPMD partitions it (the xfail below: whole expert stacks gathered),
+    so the search offers no ep > 1 layout for it, and the plan says so and how to force it.
+    The same experts with their dispatch priced as jfleet's (``routed`` emptied: what a
+    shape-built plan is) are searched over ep."""
     model, found = _matched(name)
     plan = plan_for(model, device_num=8, batch_size=8, seq_len=8, patterns=found)
-    fits = [c for c in plan.candidates if c.fits]
-    best_ep = min((c for c in fits if c.layout.ep > 1), key=lambda c: c.time.total)
-    best_one = min((c for c in fits if c.layout.ep == 1), key=lambda c: c.time.total)
-    chosen = plan.chosen
-    assert (chosen.layout.ep > 1) == (best_ep.time.total < best_one.time.total)
-    assert chosen.time.total == min(best_ep.time.total, best_one.time.total)
-    ep = chosen.layout.ep
-    (note,) = [n for n in plan.notes if n.startswith(f"ep{ep} chosen")]
-    assert f"the best {best_one.layout.name if ep > 1 else best_ep.layout.name}" in note
-    if ep > 1:  # the experts go over ep; the note says whose dispatch the cost model priced
-        assert plan.spec(f"{style.blocks_at}.0.{ROUTED[name][1][0]}")[0] == "ep"
-        (own,) = [n for n in plan.notes if "model's own dispatch code" in n]
-        assert "as GSPMD partitions it" in own and "jfleet.parallel.moe.moe" in own
+    assert {c.layout.ep for c in plan.candidates} == {1}
+    (note,) = [n for n in plan.notes if n.startswith("ep not searched")]
+    assert "as GSPMD partitions it" in note and "force_mesh" in note
+    priced = dataclasses.replace(found, routed=())
+    layouts, _ = enumerate_layouts(priced, Workload(batch_size=8, seq_len=8), device_num=8)
+    assert {lay.ep for lay in layouts} > {1}
 
 
 def test_forced_dp2_ep4_splits_qwen3_experts_a_quarter_a_device_and_trains_like_one_device():

@@ -426,7 +426,10 @@ def enumerate_layouts(
     )  # fmt: skip
     layouts: list[Layout] = []
     excluded: list[tuple[str, str]] = []
-    experts = patterns.moe.experts if patterns.moe is not None else 0
+    # ep is searched for experts that run jfleet's dispatch (the one the cost model prices:
+    # shape-built plans); a traced model's own dispatch code runs as GSPMD partitions it,
+    # which gathers experts or tokens instead (issue 39), so ep is only forced there
+    experts = patterns.moe.experts if patterns.moe is not None and not patterns.routed else 0
     for sizes in _meshes(device_num * node_num, workload.sequence_parallel, force_mesh, experts):
         deg = dict(zip(AXIS_NAMES, sizes, strict=True))
         found, problem = _mesh_layouts(patterns, workload, deg, device_num, only)

@@ -153,10 +153,19 @@ def expert_choice(ranked: list[Candidate], patterns: ModelPatterns, device_num: 
 
 
 def _own_dispatch(patterns: ModelPatterns, lay: Any) -> str:
-    """The note of a traced model's experts split over ``ep``: its own dispatch code runs
-    as GSPMD partitions it, not as the cost model priced it ('' otherwise)."""
-    if not patterns.routed or lay.ep == 1:
+    """The note of a traced model's routed experts: the search keeps them off ``ep``, and
+    split over a forced ``ep`` its own dispatch code runs as GSPMD partitions it, not as the
+    cost model priced it ('' without traced experts)."""
+    if not patterns.routed:
         return ""
+    if lay.ep == 1:
+        return (
+            "ep not searched: the model's own dispatch code would run over ep as GSPMD "
+            "partitions it, which gathers every expert stack or every token to each ep rank "
+            "where the cost model prices jfleet's all-to-alls (jfleet.parallel.moe.moe); "
+            "force_mesh={..., 'ep': n} places the experts over ep anyway (it trains like one "
+            "device), or route through jfleet's MoELayer"
+        )
     return (
         f"the experts are split over ep{lay.ep} on their leading dimension and run the "
         "model's own dispatch code as GSPMD partitions it; the cost model prices jfleet's "
