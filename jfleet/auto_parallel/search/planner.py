@@ -130,18 +130,27 @@ def expert_choice(ranked: list[Candidate], patterns: ModelPatterns, device_num: 
     if moe is None or not ranked:
         return ""
     best = ranked[0]
-    ep = best.layout.ep
-    billions = moe.expert_params(patterns.dims.width) / 1e9
+    lay = best.layout
+    ep = lay.ep
+    count = _parameter_count(moe.expert_params(patterns.dims.width))
+    split = (
+        f"ZeRO-3 splits each 1/{lay.zero_degree} over the ZeRO axis (gathered a layer at a time)"
+        if lay.zero_stage >= 3 and lay.zero_degree > 1
+        else ""
+    )
     if ep > 1:
         held = (
             f"ep{ep} chosen: each device holds {moe.experts // ep} of the {moe.experts} experts "
-            f"of each MoE layer (1/{ep} of their {billions:.1f}B parameters); "
+            f"of each MoE layer (1/{ep} of their {count} parameters"
+            + (f"; {split}" if split else "")
+            + "); "
             + _ep_text(best, device_num)
         )
     else:
         held = (
-            f"ep1 chosen: every device holds all {moe.experts} experts of each MoE layer "
-            f"({billions:.1f}B parameters over the model), no all-to-all"
+            f"ep1 chosen: no all-to-all; the {moe.experts} experts of each MoE layer ({count} "
+            "parameters over the model) are laid out like the other weights: "
+            + (split or "whole on every device")
         )
     other = next((c for c in ranked if (c.layout.ep > 1) != (ep > 1)), None)
     if other is None:
@@ -150,6 +159,14 @@ def expert_choice(ranked: list[Candidate], patterns: ModelPatterns, device_num: 
     lost = other.reason if other.fits else f"does not fit ({_mib(other.memory.total)})"
     extra = f"; {_ep_text(other, device_num)}" if other.layout.ep > 1 else ""
     return f"{held}; the best {other.layout.name}: {lost}{extra}."
+
+
+def _parameter_count(n: float) -> str:
+    """``n`` parameters, readably: ``'227.1B'``, ``'48.0M'``, ``'12.3K'``."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n:.0f}"
 
 
 def _own_dispatch(patterns: ModelPatterns, lay: Any) -> str:
