@@ -430,10 +430,7 @@ class TrainStep(_Step):
 
         if comm is not None or local is not None:
             check_supported(placement, _switches(optimizer))
-        # ZeRO-2 / 3 stacks under gradient merge add their gradients into its accumulator
-        # in the backward pass (one gradient-sized buffer, not two); not under loss
-        # scaling, whose accumulator holds unscaled sums of differently scaled steps
-        merge_in_backward = per_layer is not None and per_layer.zero_stage >= 2 and not scaled
+        merge_in_backward = _merges_in_backward(per_layer, scaled)
 
         def objective(model, batch, scale):
             accumulators = merged_backward.current()
@@ -466,22 +463,18 @@ class TrainStep(_Step):
                         nnx.as_pure(opt.comm_state),
                     )  # fmt: skip
                     nnx.update(opt.comm_state, nnx.state(comm_state))
+                    accumulators = None
                 else:
-                    accumulators = _accumulators(opt, model, wrt) if merge_in_backward else None
-                    with merged_backward.accumulating(accumulators):
-                        grads, (loss, aux) = nnx.grad(
-                            objective, argnums=nnx.DiffState(0, wrt), has_aux=True
-                        )(model, batch, scale)
+                    grads, loss, aux, accumulators = _gradients(
+                        objective, model, opt, wrt, batch, scale, merge_in_backward
+                    )
                 if grad_shardings is not None:
                     grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
                 # The guard: with loss scaling the scaler skips overflowing steps itself (and
                 # lowers the scale), so only the loss is checked; else the loss and gradients.
                 checked = (loss,) if scaled else (loss, grads)
                 flags = finite_flags(checked)
-                if accumulators is None or not accumulators.taken:
-                    opt.update(model, grads)
-                else:  # those gradients hold their merge, in the accumulators' buffers
-                    _update_merged(opt, model, grads, accumulators.taken)
+                _update(opt, model, grads, accumulators)
             if regathers is not None:  # the guard below selects on the shards
                 nnx.update(model, layer_gather.split_tree(nnx.state(model, wrt), regathers))
             names[:] = leaf_names([path for path, _ in floating_leaves(checked)])
@@ -511,6 +504,37 @@ class TrainStep(_Step):
         )
         self._leaf_names[id(fn)] = names  # filled when the step is traced
         return fn
+
+
+def _merges_in_backward(per_layer: Placement | None, scaled: bool) -> bool:
+    """Whether ZeRO-2 / 3 stacks add their gradients into gradient merge's accumulator in
+    the backward pass (one gradient-sized buffer, not two): not under loss scaling, whose
+    accumulator holds unscaled sums of differently scaled steps."""
+    return per_layer is not None and per_layer.zero_stage >= 2 and not scaled
+
+
+def _gradients(
+    objective: Callable, model: nnx.Module, opt: nnx.Optimizer, wrt: Any, batch: Any,
+    scale: jax.Array, merge_in_backward: bool,
+) -> tuple:  # fmt: skip
+    """``(grads, loss, aux, accumulators)``: ``objective``'s gradients with respect to the
+    ``wrt`` parameters, the stacks merging theirs into gradient merge's accumulators where
+    ``merge_in_backward`` (:mod:`jfleet.parallel.merged_backward`; None: nothing merged)."""
+    accumulators = _accumulators(opt, model, wrt) if merge_in_backward else None
+    with merged_backward.accumulating(accumulators):
+        grads, (loss, aux) = nnx.grad(objective, argnums=nnx.DiffState(0, wrt), has_aux=True)(
+            model, batch, scale
+        )
+    return grads, loss, aux, accumulators
+
+
+def _update(opt: nnx.Optimizer, model: nnx.Module, grads: Any, accumulators: Any) -> None:
+    """``opt.update(model, grads)``, or :func:`_update_merged` where stacks merged their
+    gradients into ``accumulators`` already."""
+    if accumulators is None or not accumulators.taken:
+        opt.update(model, grads)
+    else:  # those gradients hold their merge, in the accumulators' buffers
+        _update_merged(opt, model, grads, accumulators.taken)
 
 
 def _accumulators(
