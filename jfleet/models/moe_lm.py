@@ -12,8 +12,9 @@ Example:
   >>> strategy = fleet.DistributedStrategy()
   >>> strategy.hybrid_configs = {"dp_degree": 2, "ep_degree": 4}
   >>> _ = fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
+  >>> from flax import nnx
   >>> model = TinyMoELM()
-  >>> float(moe_lm_loss(model, lm_batches(1, batch=8)[0])) > 0
+  >>> float(nnx.jit(moe_lm_loss)(model, lm_batches(1, batch=8)[0])) > 0
   True
 """
 
