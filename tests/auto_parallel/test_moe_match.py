@@ -23,7 +23,11 @@ from jfleet.auto_parallel.search.planner import plan_for
 from jfleet.models.llama import TinyLlama
 from jfleet.testing import assert_trees_close, train_one_device
 from jfleet.testing.nnx_styles import MOE_STYLES
-from jfleet.testing.nnx_styles.moe_styles import GptOssConfig, Qwen3MoeConfig
+from jfleet.testing.nnx_styles.moe_styles import (
+    GptOssConfig,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 STACKED = ("qwen3_moe", "qwen3_moe_ragged", "gpt_oss")
 #: Per style: the router module and the stacked expert weights, under a block.
@@ -38,6 +42,9 @@ ROUTED = {
     ),
 }
 ROUTED["qwen3_moe_ragged"] = ROUTED["qwen3_moe"]
+#: How each style reaches its experts: every expert on every token (a one-hot combine), or
+#: only the routed rows (ragged_dot, a per-token gather of the experts' weights).
+DISPATCH = {"qwen3_moe": "every_expert", "qwen3_moe_ragged": "own", "gpt_oss": "own"}
 
 
 @functools.cache
@@ -47,7 +54,7 @@ def _matched(name: str):
     return model, match_patterns(model, style.batches(1)[0], forward=style.forward)
 
 
-def _config_spec(name: str) -> MoESpec:
+def _config_spec(name: str, dispatch: str = "exchange") -> MoESpec:
     config = GptOssConfig() if name == "gpt_oss" else Qwen3MoeConfig()
     experts = getattr(config, "num_experts", None) or config.num_local_experts
     ffn = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
@@ -56,13 +63,14 @@ def _config_spec(name: str) -> MoESpec:
         top_k=config.num_experts_per_tok,
         expert_ffn=ffn,
         layers=config.num_hidden_layers,
+        dispatch=dispatch,
     )
 
 
 @pytest.mark.parametrize("name", STACKED)
 def test_stacked_experts_are_matched_as_the_style_s_config_and_left_out_of_params(name):
     model, found = _matched(name)
-    assert found.moe == _config_spec(name)
+    assert found.moe == _config_spec(name, DISPATCH[name])
     router, experts = ROUTED[name]
     routed = {p.path: p for p in found.routed}
     want = set()
@@ -92,13 +100,13 @@ def test_a_dense_model_has_no_routed_experts():
     assert found.moe is None and found.routed == ()
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
-def test_the_search_keeps_traced_experts_off_ep_and_says_why(name):
-    """No compile. The cost model prices jfleet's dispatch over ep; a traced model's own
-    dispatch runs as GSPMD partitions it (the xfail below: whole expert stacks gathered),
-    so the search offers no ep > 1 layout for it, and the plan says so and how to force it.
-    The same experts with their dispatch priced as jfleet's (``routed`` emptied: what a
-    shape-built plan is) are searched over ep."""
+@pytest.mark.parametrize("name", ["qwen3_moe_ragged", "gpt_oss"])
+def test_the_search_keeps_routed_row_dispatch_off_ep_and_says_why(name):
+    """No compile. A traced dispatch of routed rows (ragged_dot, a per-token gather) runs
+    over ep as GSPMD partitions it, not as the cost model prices, so the search offers no
+    ep > 1 layout for it, and the plan says so and how to force it. The same experts with
+    their dispatch priced as jfleet's (``routed`` emptied: what a shape-built plan is) are
+    searched over ep."""
     model, found = _matched(name)
     plan = plan_for(model, device_num=8, batch_size=8, seq_len=8, patterns=found)
     assert {c.layout.ep for c in plan.candidates} == {1}
@@ -131,24 +139,51 @@ def test_forced_dp2_ep4_splits_qwen3_experts_a_quarter_a_device_and_trains_like_
     assert_trees_close(np.asarray(losses), np.asarray(want), devices=8)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the model's own one-hot dispatch runs as GSPMD partitions it: at ep8 the backward "
-    "gathers each [8, 32, 16] expert stack whole (and every token to every rank), where the "
-    "cost model prices jfleet's moe() (4 all-to-alls a layer, experts never gathered); "
-    "swapping the dispatch for jfleet.parallel.moe.moe would pass it",
-)
-def test_forced_ep8_qwen3_step_never_gathers_an_expert_stack_whole():
+def _big_experts() -> nnx.Module:
+    """Qwen3-MoE (one-hot dispatch) whose experts outweigh its tokens: 8 experts of width
+    128 against 64 tokens of width 32 a step."""
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(moe_intermediate_size=128), rngs=nnx.Rngs(0))
+
+
+def _collective_bytes(hlo: str, op: str) -> tuple[int, list[str]]:
+    """Bytes of the outputs of ``op`` in a compiled module's text, and their shapes."""
+    shapes = re.findall(rf"= (f32\[[\d,]+\])\{{[^}}]*\}} {op}(?:-start)?\(", hlo)
+    sizes = [np.prod([int(n) for n in s[4:-1].split(",")]) * 4 for s in shapes]
+    return int(sum(sizes)), shapes
+
+
+def test_searched_ep_gathers_tokens_never_experts_trains_like_one_device_and_says_why():
+    """Experts that outweigh the tokens: the search picks ep8 for the model's own one-hot
+    dispatch, priced with each MoE layer's tokens gathered over ep. The compiled step
+    all-gathers the tokens (the bytes the cost model predicted) and never an expert stack,
+    holds 1/8 of the experts a device, trains like one device, and the plan says why."""
     style = MOE_STYLES["qwen3_moe"]
-    config = ToDistributedConfig(forward=style.forward, force_mesh={"ep": 8})
     model, opt, loader = to_distributed(
-        style.build(nnx.Rngs(0)), optax.adam(1e-3), style.batches(1), 8, config=config
-    )
-    hlo = make_train_step(style.loss_fn).lower(model, opt, next(iter(loader))).compile()
-    gathered = re.findall(r"= (f32\[[\d,]+\])\{[^}]*\} all-gather(?:-start)?\(", hlo.as_text())
-    assert gathered, "expected the step to all-gather something (the router logits at least)"
-    assert not {"f32[8,32,16]", "f32[8,16,32]"} & set(gathered), gathered
+        _big_experts(), optax.adam(1e-3), style.batches(3), 8,
+        config=ToDistributedConfig(forward=style.forward),
+    )  # fmt: skip
+    plan = get_plan(model)
+    assert plan.layout.ep == 8, plan.layout.name
+    (why,) = [n for n in plan.notes if n.startswith("ep8 chosen")]
+    assert "tokens gathered over ep8" in why and "slower than the best" in why, why
+    (how,) = [n for n in plan.notes if "ring of experts" in n]
+    assert "the experts never move" in how, how
+    mlp = model.model.layers[0].mlp
+    for kernel in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        assert kernel[...].addressable_shards[0].data.shape[0] == 1  # 1 of 8 experts
+    batches = list(loader)
+    step = make_train_step(style.loss_fn)
+    hlo = step.lower(model, opt, batches[0]).compile().as_text()
+    gathered, shapes = _collective_bytes(hlo, "all-gather")
+    assert not {"f32[8,32,128]", "f32[8,128,32]"} & set(shapes), shapes
+    # 2 MoE layers x (input forward, output cotangent backward) x the 8 x 8 x 32 tokens
+    assert shapes == ["f32[8,8,32]"] * 4, shapes
+    assert gathered == pytest.approx(plan.chosen.collectives.all_gather, rel=0.15)
+    assert type(mlp).__qualname__ == "Qwen3MoeSparseMoeBlock[ep tokens]"
+    losses = [float(step(model, opt, batch)) for batch in batches]
+    want, _ = train_one_device(_big_experts(), optax.adam(1e-3), style.batches(3), style.loss_fn)
+    assert want[-1] < want[0]
+    assert_trees_close(np.asarray(losses), np.asarray(want), devices=8)
 
 
 def test_only_stacked_kernels_and_their_biases_are_taken_beside_a_router():
@@ -157,6 +192,6 @@ def test_only_stacked_kernels_and_their_biases_are_taken_beside_a_router():
     for layer in model.model.layers:  # [E, 7]: no expert kernel's output, so no expert bias
         layer.mlp.table = nnx.Param(jnp.zeros((8, 7)))
     found = match_patterns(model, style.batches(1)[0], forward=style.forward)
-    assert found.moe == _config_spec("qwen3_moe")
+    assert found.moe == _config_spec("qwen3_moe", "every_expert")
     assert "model.layers.0.mlp.table" in {p.path for p in found.params}
     assert "model.layers.0.mlp.table" not in {p.path for p in found.routed}

@@ -11,6 +11,14 @@ ep`` of a buffer and sends the rest over the links the ``ep`` group spans
 sends only the routed rows: ``T * k`` of them when no expert overflows, the load-balanced
 case; ``imbalance`` scales that for a skewed router.
 
+A traced model's own one-hot dispatch (:attr:`MoESpec.dispatch
+<jfleet.auto_parallel.match.moe_spec.MoESpec>` ``"every_expert"``) runs every expert on
+every token. ``to_distributed`` runs it over ``ep`` with each MoE layer's tokens gathered
+over the ``ep`` group (:mod:`jfleet.auto_parallel.apply.expert_tokens`). That costs an
+all-gather of the group's tokens and an all-reduce of the layer's output, and the same two
+again in the backward pass (:func:`ring_exchange_time`). Each device computes its ``E / ep``
+experts on ``ep`` times its tokens: ``E x T`` rows, as at ``ep = 1``.
+
 Example:
   >>> moe_exchange_bytes(tokens=64, width=16, k=2, experts=8, capacity_factor=None)
   32768
@@ -23,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jfleet.auto_parallel.cost.step_shape import StepShape, ring_bytes
 from jfleet.mesh.topology import DP, EP, MP, SEP, SHARDING
@@ -31,7 +40,7 @@ from jfleet.parallel.moe.routing import expert_capacity
 
 __all__ = ["LOAD_IMBALANCE", "MoEExchange", "moe_exchange", "moe_exchange_bytes"]
 __all__ += ["expert_memory", "expert_reduction_time", "moe_elems", "moe_exchange_time"]
-__all__ += ["moe_flops", "moe_rows", "moe_stage_layers"]
+__all__ += ["moe_flops", "moe_rows", "moe_stage_layers", "ring_exchange_time"]
 
 
 def moe_exchange_bytes(
@@ -125,10 +134,28 @@ def moe_stage_layers(s: StepShape) -> float:
     return moe.layers * s.stage_blocks / blocks
 
 
+def _every_expert(s: StepShape) -> bool:
+    """A traced model's own dispatch running every expert on every token."""
+    return s.patterns.moe.dispatch == "every_expert"
+
+
+def _expert_mp(s: StepShape) -> int:
+    """What ``mp`` divides each expert by: a traced one-hot dispatch's experts are read as
+    projection pairs and split on their hidden dimension like a dense MLP; jfleet's
+    experts stay whole over ``mp`` (its layer splits the tokens instead)."""
+    mp = s.layout.mp
+    if mp == 1 or not _every_expert(s):
+        return 1
+    experts = [p for p in s.patterns.routed if p.role != "router"]
+    return mp if experts and all(p.spec_for(mp) != P() for p in experts) else 1
+
+
 def _call_tokens(s: StepShape) -> int:
-    """Tokens one device's MoE layer routes per call (micro-batch): the layer splits its
-    tokens over every mesh axis (:func:`jfleet.parallel.moe.layer.moe`'s default token
-    axes), ``mp`` included."""
+    """Tokens one device's MoE layer routes per call (micro-batch): jfleet's layer splits
+    its tokens over every mesh axis (:func:`jfleet.parallel.moe.layer.moe`'s default token
+    axes), ``mp`` included; a traced one-hot dispatch keeps the device's tokens."""
+    if _every_expert(s):
+        return max(s.tokens_mb, 1)
     return max(s.tokens_mb // s.layout.mp, 1)
 
 
@@ -140,7 +167,7 @@ def _imbalance(s: StepShape) -> float:
     """The busiest rank's rows over the mean: :data:`LOAD_IMBALANCE` with ``ep`` > 1,
     capped by the capacity factor."""
     cap = s.patterns.moe.capacity_factor
-    imb = LOAD_IMBALANCE if s.layout.ep > 1 else 1.0
+    imb = LOAD_IMBALANCE if s.layout.ep > 1 and not _every_expert(s) else 1.0
     return min(imb, cap) if cap is not None else imb
 
 
@@ -151,9 +178,13 @@ def moe_rows(s: StepShape) -> float:
     runs the expert matmuls over every slot of the ``E x C`` buffers it receives, padding
     included (``C`` = GShard's capacity of the ``T`` tokens, ``T`` when dropless: ``E / k``
     times the routed rows). The ragged path (GPU, TPU) runs ``ragged_dot`` over the routed
-    rows only: ``T k`` times the busiest rank's imbalance.
+    rows only: ``T k`` times the busiest rank's imbalance. A traced one-hot dispatch runs
+    ``E x T`` rows (its ``E / ep`` experts on the ``ep`` group's tokens), over ``mp``
+    where its experts are split there.
     """
     moe, t = s.patterns.moe, _call_tokens(s)
+    if _every_expert(s):
+        return moe.experts * t / _expert_mp(s)
     if _ragged(s):
         return t * moe.top_k * _imbalance(s)
     return moe.experts * expert_capacity(t, moe.top_k, moe.experts, moe.capacity_factor)
@@ -174,7 +205,8 @@ def moe_flops(s: StepShape) -> float:
     if moe is None:
         return 0.0
     h, calls = s.dims.width, s.layout.num_microbatches * s.accumulate
-    fwd = 2 * moe_rows(s) * moe.one_expert(h) + 2 * _call_tokens(s) * h * moe.experts
+    routed = _call_tokens(s) * (s.layout.ep if _every_expert(s) else 1)  # gathered over ep
+    fwd = 2 * moe_rows(s) * moe.one_expert(h) + 2 * routed * h * moe.experts
     passes = 3 + (1 if _rerun(s) else 0)
     return passes * fwd * calls * moe_stage_layers(s)
 
@@ -199,7 +231,8 @@ def _expert_elems(s: StepShape) -> tuple[float, float]:
     """(routed experts' elements on one device, routers'), of the stage's MoE layers."""
     moe, h = s.patterns.moe, s.dims.width
     layers = moe_stage_layers(s)
-    return layers * moe.experts // s.layout.ep * moe.one_expert(h), layers * h * moe.experts
+    local = moe.experts // s.layout.ep * moe.one_expert(h) / _expert_mp(s)
+    return layers * local, layers * h * moe.experts
 
 
 def _itemsize(s: StepShape) -> int:
@@ -287,6 +320,8 @@ def moe_exchange_time(s: StepShape, coll: dict[str, float]) -> float:
     moe, ep = s.patterns.moe, s.layout.ep
     if moe is None or ep <= 1:
         return 0.0
+    if _every_expert(s):
+        return ring_exchange_time(s, coll)
     buffer = moe_exchange_bytes(
         tokens=_call_tokens(s), width=s.dims.width, k=moe.top_k, experts=moe.experts,
         capacity_factor=moe.capacity_factor, act_bytes=s.act_bytes, ragged=_ragged(s),
@@ -297,3 +332,25 @@ def moe_exchange_time(s: StepShape, coll: dict[str, float]) -> float:
     times = moe_stage_layers(s) * s.layout.num_microbatches * s.accumulate * passes
     coll["all_to_all"] += times * one.count * buffer
     return times * one.seconds
+
+
+def ring_exchange_time(s: StepShape, coll: dict[str, float]) -> float:
+    """A traced one-hot dispatch's token exchange over ``ep`` per device per step: per MoE
+    layer and call, the layer's input all-gathered over the ``ep`` group and its output
+    all-reduced there (``ep x T x D`` elements each), and in the backward pass the
+    output's cotangent all-gathered and the input's all-reduced (again forward where the
+    experts are recomputed); at the bandwidth the ``ep`` group spans. 0 with ``ep = 1``.
+
+    On XLA:CPU the output's sum is an all-reduce (measured); a reduce-scatter would move
+    half of it.
+    """
+    ep = s.layout.ep
+    if ep <= 1:
+        return 0.0
+    gathered = ep * _call_tokens(s) * s.dims.width * s.act_bytes
+    pairs = 2 + (1 if _rerun(s) else 0)  # (all-gather, all-reduce) pairs a layer and call
+    times = moe_stage_layers(s) * s.layout.num_microbatches * s.accumulate * pairs
+    coll["all_gather"] += times * gathered
+    coll["all_reduce"] += times * gathered
+    wire = ring_bytes("all-gather", gathered, ep) + ring_bytes("all-reduce", gathered, ep)
+    return times * (2 * s.profile.collective_latency + wire / s.bandwidth(EP))

@@ -7,8 +7,12 @@ router's module (the MoE block: Qwen3-MoE's ``mlp``, gpt-oss's ``mlp``) — whos
 dimension is ``E``: stacked ``[E, D, F]`` / ``[E, F, D]`` kernels and their ``[E, F]`` /
 ``[E, D]`` biases, however the code dispatches to them (a one-hot combine over every
 expert, a gather of each token's experts, ``jax.lax.ragged_dot`` over sorted tokens). The
-router's own bias goes with it. Experts kept as a list of separate modules (Mixtral's
-``nnx.List``) have no expert dimension to split and are not taken (a note says so).
+router's own bias goes with it. The spec's ``dispatch`` says how the code reaches them:
+every expert on every token, combined by the router's weights (the products' FLOPs are the
+router's tokens times each whole stack: ``"every_expert"``), or the routed rows alone
+(``ragged_dot``, a per-token gather: ``"own"``). Experts kept as a list of separate modules
+(Mixtral's ``nnx.List``) have no expert dimension to split and are not taken (a note says
+so).
 
 :func:`find_experts` returns the :class:`~jfleet.auto_parallel.match.moe_spec.MoESpec`
 and the routed parameters' paths; :func:`split_routed` takes them and the products that
@@ -21,8 +25,8 @@ Example:
   >>> style = MOE_STYLES["qwen3_moe"]
   >>> found = match_patterns(style.build(nnx.Rngs(0)), style.batches(1)[0],
   ...                        forward=style.forward)
-  >>> found.moe
-  MoESpec(experts=8, top_k=2, expert_ffn=16, layers=2, every=1, gated=True, capacity_factor=None)
+  >>> found.moe.experts, found.moe.top_k, found.moe.expert_ffn, found.moe.dispatch
+  (8, 2, 16, 'every_expert')
   >>> sorted(p.path for p in found.routed if p.block == 0)[:2]
   ['model.layers.0.mlp.down_proj', 'model.layers.0.mlp.gate.kernel']
 """
@@ -87,6 +91,22 @@ class _Layer:
     ffn: tuple[int, int]
     routers: frozenset[int]
     stacked: frozenset[int]
+    dispatch: str
+
+
+def _dispatch(trace: Trace, router: int, kernels: set[int]) -> str:
+    """``"every_expert"`` when each stacked kernel's products cost the router's tokens times
+    the whole stack (every expert runs on every token), else ``"own"``."""
+    width, experts = trace.shapes[router]
+    router_flops = sum(d.flops for d in trace.dots if d.param == router)
+    tokens = router_flops // (2 * width * experts)
+    for i in kernels:
+        size = 1
+        for n in trace.shapes[i]:
+            size *= n
+        if not tokens or sum(d.flops for d in trace.dots if d.param == i) != 2 * tokens * size:
+            return "own"
+    return "every_expert"
 
 
 def _layer(trace: Trace, blocks: Blocks, router: int, k: int, experts: int) -> _Layer | str | None:
@@ -110,7 +130,7 @@ def _layer(trace: Trace, blocks: Blocks, router: int, k: int, experts: int) -> _
             "of separate expert modules has no expert dimension to split over ep); its experts "
             "are priced as dense layers and ep stays 1"
         )
-    return _Layer(block, k, experts, ffn, routers, stacked)
+    return _Layer(block, k, experts, ffn, routers, stacked, _dispatch(trace, router, kernels))
 
 
 def find_experts(trace: Trace | None, blocks: Blocks) -> Routed:
@@ -128,7 +148,7 @@ def find_experts(trace: Trace | None, blocks: Blocks) -> Routed:
     at = [f.block for f in layers]
     every = at[1] - at[0] if len(at) > 1 else len(blocks.paths)
     regular = at == list(range(at[0], len(blocks.paths), every)) and at[0] < every
-    kinds = {(f.k, f.experts, f.ffn) for f in layers}
+    kinds = {(f.k, f.experts, f.ffn, f.dispatch) for f in layers}
     if len(kinds) != 1 or not regular:
         why = "layers of different experts" if len(kinds) != 1 else f"at blocks {at}"
         return Routed(
@@ -137,7 +157,7 @@ def find_experts(trace: Trace | None, blocks: Blocks) -> Routed:
                 "priced as dense layers and ep stays 1",
             )
         )
-    ((k, experts, (ffn, matrices)),) = kinds
+    ((k, experts, (ffn, matrices), dispatch),) = kinds
     spec = MoESpec(
         experts=experts,
         top_k=k,
@@ -145,6 +165,7 @@ def find_experts(trace: Trace | None, blocks: Blocks) -> Routed:
         layers=len(layers),
         every=every if len(layers) > 1 else 1,
         gated=matrices == 3,
+        dispatch=dispatch,
     )
     return Routed(
         spec=spec,

@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["MoESpec"]
+__all__ = ["DISPATCHES", "MoESpec"]
+
+#: :attr:`MoESpec.dispatch`'s values.
+DISPATCHES = ("exchange", "every_expert", "own")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -37,6 +40,14 @@ class MoESpec:
       gated: SwiGLU experts (gate, up, down: 3 matrices) or not (up, down: 2).
       capacity_factor: GShard's factor (``ceil(f T k / E)`` slots an expert, tokens over it
         dropped), or None for dropless.
+      dispatch: how tokens reach the experts: ``"exchange"``, jfleet's all-to-alls
+        (:func:`jfleet.parallel.moe.layer.moe`; shape-built plans); ``"every_expert"``, a
+        traced model's own code running every expert on every token and combining the
+        outputs by the router's weights (a one-hot combine: Qwen3-MoE's CPU path), which
+        ``to_distributed`` runs over ``ep`` by gathering each MoE layer's tokens over the
+        ``ep`` group (:mod:`jfleet.auto_parallel.apply.expert_tokens`); ``"own"``, a traced
+        model's dispatch of routed rows (``ragged_dot``, a per-token gather of the experts'
+        weights), which GSPMD does not run over ``ep`` as priced: ``ep`` is not searched.
     """
 
     experts: int
@@ -46,6 +57,7 @@ class MoESpec:
     every: int = 1
     gated: bool = True
     capacity_factor: float | None = None
+    dispatch: str = "exchange"
 
     def __post_init__(self) -> None:
         for f in ("experts", "top_k", "expert_ffn", "layers", "every"):
@@ -56,6 +68,10 @@ class MoESpec:
             raise ValueError(f"MoESpec(top_k={self.top_k}) exceeds experts={self.experts}.")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"MoESpec(capacity_factor={self.capacity_factor!r}) must be > 0.")
+        if self.dispatch not in DISPATCHES:
+            raise ValueError(
+                f"MoESpec(dispatch={self.dispatch!r}): expected one of {', '.join(DISPATCHES)}."
+            )
 
     @property
     def matrices(self) -> int:

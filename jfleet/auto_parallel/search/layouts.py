@@ -118,7 +118,7 @@ def shape_problem(
     ep = degrees.get(EP, 1)
     data = degrees.get(DP, 1) * degrees.get(SHARDING, 1) * ep
     if ep > 1:
-        problem = _expert_problem(patterns, ep)
+        problem = _expert_problem(patterns, ep, pp, sep)
         if problem is not None:
             return problem
     if mp > 1:
@@ -163,12 +163,22 @@ def shape_problem(
     return None
 
 
-def _expert_problem(patterns: ModelPatterns, ep: int) -> str | None:
+def _expert_problem(patterns: ModelPatterns, ep: int, pp: int = 1, sep: int = 1) -> str | None:
     """Why ``ep`` cannot split this model's routed experts, or None."""
     if patterns.moe is None:
         return f"ep={ep} needs routed experts; the model has none the planner knows of"
     if patterns.moe.experts % ep:
         return f"ep={ep} does not divide the {patterns.moe.experts} experts of a MoE layer"
+    if patterns.routed and (pp > 1 or sep > 1):
+        # the tokens are gathered over ep at each MoE layer's boundary (apply/expert_tokens),
+        # a constraint over the data axes a pipeline stage holds manual, and the sequence
+        # dimension it leaves whole
+        return (
+            f"ep={ep} with {'pp' if pp > 1 else 'sep'} > 1: a traced model's own expert "
+            "dispatch runs over ep with each MoE layer's tokens gathered over the ep group, "
+            "which jfleet does inside neither a pipeline stage nor a sequence split; use "
+            "jfleet's MoELayer (it pipelines over ep) or ep with dp / sharding / mp only"
+        )
     return None
 
 
@@ -426,10 +436,14 @@ def enumerate_layouts(
     )  # fmt: skip
     layouts: list[Layout] = []
     excluded: list[tuple[str, str]] = []
-    # ep is searched for experts that run jfleet's dispatch (the one the cost model prices:
-    # shape-built plans); a traced model's own dispatch code runs as GSPMD partitions it,
-    # which gathers experts or tokens instead (issue 39), so ep is only forced there
-    experts = patterns.moe.experts if patterns.moe is not None and not patterns.routed else 0
+    # ep is searched for experts whose dispatch the cost model prices: jfleet's (shape-built
+    # plans) and a traced one-hot dispatch (run with each layer's tokens gathered over ep);
+    # a traced dispatch of routed rows (ragged_dot, a per-token gather) runs as GSPMD
+    # partitions it, all-reducing its per-row intermediates (issue 39), so ep is only
+    # forced there
+    moe = patterns.moe
+    searched = moe is not None and (not patterns.routed or moe.dispatch == "every_expert")
+    experts = moe.experts if searched else 0
     for sizes in _meshes(device_num * node_num, workload.sequence_parallel, force_mesh, experts):
         deg = dict(zip(AXIS_NAMES, sizes, strict=True))
         found, problem = _mesh_layouts(patterns, workload, deg, device_num, only)

@@ -115,6 +115,8 @@ def _ep_text(c: Candidate, device_num: int) -> str:
     """Where a candidate's ``ep`` group runs and what its all-to-alls cost."""
     lay = c.layout
     where = "within a node" if lay.ep * lay.mp <= device_num else "across nodes"
+    if c.collectives.all_to_all == 0:  # a traced one-hot dispatch: tokens gathered over ep
+        return f"tokens gathered over ep{lay.ep} {where} ({_secs(c.time.expert_parallel)})"
     moved = c.collectives.all_to_all * (lay.ep - 1) / lay.ep
     return (
         f"all-to-alls over ep{lay.ep} {where}, {_mib(moved)} a device a step sent "
@@ -170,26 +172,40 @@ def _parameter_count(n: float) -> str:
 
 
 def _own_dispatch(patterns: ModelPatterns, lay: Any) -> str:
-    """The note of a traced model's routed experts: the search keeps them off ``ep``, and
-    split over a forced ``ep`` its own dispatch code runs as GSPMD partitions it, not as the
-    cost model priced it ('' without traced experts)."""
+    """The note of a traced model's routed experts: how its own dispatch code runs over
+    ``ep`` (tokens gathered a MoE layer at a time), or why ``ep`` was not searched for a
+    dispatch of routed rows ('' without traced experts)."""
     if not patterns.routed:
         return ""
+    moe = patterns.moe
+    if moe.dispatch == "every_expert":
+        if lay.ep == 1:
+            return ""
+        return (
+            f"the model's own dispatch runs every expert on every token, so over ep{lay.ep} "
+            "each MoE layer's tokens are all-gathered over the ep group at its input and its "
+            "output all-reduced there (their cotangents the reverse: MaxText's ring of "
+            f"experts); each device runs its {moe.experts // lay.ep} experts on the group's "
+            "tokens and the experts never move"
+        )
     if lay.ep == 1:
         return (
-            "ep not searched: the model's own dispatch code would run over ep as GSPMD "
-            "partitions it, which gathers every expert stack or every token to each ep rank "
-            "where the cost model prices jfleet's all-to-alls (jfleet.parallel.moe.moe); "
+            "ep not searched: the model's own dispatch of routed rows (a ragged_dot or a "
+            "per-token gather of the experts' weights) would run over ep as GSPMD partitions "
+            "it, which all-reduces its per-row intermediates over the ep group, where the "
+            "cost model prices jfleet's all-to-alls (jfleet.parallel.moe.moe); "
             "force_mesh={..., 'ep': n} places the experts over ep anyway (it trains like one "
-            "device), or route through jfleet's MoELayer"
+            "device), or route through jfleet's MoELayer, or combine every expert's output "
+            "one-hot (then ep is searched)"
         )
     return (
-        f"the experts are split over ep{lay.ep} on their leading dimension and run the "
-        "model's own dispatch code as GSPMD partitions it; the cost model prices jfleet's "
-        "dispatch (jfleet.parallel.moe.moe: two all-to-alls a MoE layer forward, two "
-        "backward), and GSPMD may instead gather the tokens or the experts (a one-hot "
-        "combine over every expert gathers every token to every ep rank), so the step "
-        "time and the all-to-all bytes above are a prediction for that dispatch, not this one"
+        f"the experts are split over ep{lay.ep} on their leading dimension and each MoE "
+        "layer's tokens gathered over the ep group; the model's own dispatch of routed rows "
+        "(a ragged_dot or a per-token gather) then runs as GSPMD partitions it, all-reducing "
+        "its per-row intermediates there, while the cost model prices jfleet's dispatch "
+        "(jfleet.parallel.moe.moe: two all-to-alls a MoE layer forward, two backward), so "
+        "the step time and the collective bytes above are a prediction for that dispatch, "
+        "not this one"
     )
 
 
