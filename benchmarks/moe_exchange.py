@@ -10,6 +10,14 @@ For each layout (``hybrid_configs``) and capacity rule it builds
 the all-to-alls of the compiled HLO (count, buffer bytes, bytes sent) beside
 :mod:`jfleet.auto_parallel.cost.cost_moe`'s prediction, and the expert kernels' bytes per
 device from their shardings.
+
+A second table does the same for a traced model's own one-hot dispatch (the Qwen3-MoE style
+of :mod:`jfleet.testing.nnx_styles.moe_styles`, experts of width 128) through
+``to_distributed`` with a forced ``ep``: each MoE layer's tokens are all-gathered over the
+``ep`` group (:mod:`jfleet.auto_parallel.apply.expert_tokens`), which the cost model prices
+(:func:`~jfleet.auto_parallel.cost.cost_moe.ring_exchange_time`); the table reads the
+compiled step's all-gathers beside the prediction, checks no expert stack is gathered, and
+shows the layout the search picks.
 """
 
 from __future__ import annotations
@@ -79,11 +87,48 @@ def row(name: str, hybrid: dict, split_mp: bool, rule: str, factor: float | None
     ]  # fmt: skip
 
 
+RING_FFN, RING_LAYOUTS = 128, ({"dp": 4, "ep": 2}, {"dp": 2, "ep": 4}, {"ep": 8})
+
+
+def ring_row(force: dict | None) -> list[str]:
+    """A traced one-hot dispatch at one forced mesh (None: the search's pick): the compiled
+    step's all-gathers per MoE layer beside the cost model's."""
+    from jfleet.auto_parallel import ToDistributedConfig, get_plan, to_distributed
+    from jfleet.testing.nnx_styles import MOE_STYLES
+    from jfleet.testing.nnx_styles.moe_styles import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    style = MOE_STYLES["qwen3_moe"]
+    config = Qwen3MoeConfig(moe_intermediate_size=RING_FFN)
+    model, opt, loader = to_distributed(
+        Qwen3MoeForCausalLM(config, rngs=nnx.Rngs(0)), optax.adam(1e-3), style.batches(1), 8,
+        config=ToDistributedConfig(forward=style.forward, force_mesh=force),
+    )  # fmt: skip
+    plan, layers = get_plan(model), config.num_hidden_layers
+    text = make_train_step(style.loss_fn).lower(model, opt, next(iter(loader))).compile()
+    ep = plan.layout.ep
+    gathers = [c for c in hlo.collectives(text.as_text()) if c.kind == "all-gather"]
+    found = [c for c in gathers if c.group_size == ep]  # over the ep group
+    others = sum(c.weight * c.bytes for c in gathers if c.group_size != ep) / layers
+    measured = sum(c.weight * c.bytes for c in found) / layers
+    predicted = plan.chosen.collectives.all_gather / layers
+    mlp = model.model.layers[0].mlp
+    whole = any(c.bytes == 4 * config.num_experts * config.hidden_size * RING_FFN for c in found)
+    local = sum(w[...].addressable_shards[0].data.nbytes for w in (mlp.gate_proj, mlp.up_proj))
+    return [
+        plan.layout.name + ("" if force else " (searched)"),
+        f"{sum(c.weight for c in found) / layers:g}", f"{int(measured)}", f"{int(predicted)}",
+        f"{measured / predicted:.3f}" if predicted else "-", f"{int(others)}",
+        "yes" if whole else "no",
+        f"{local / (2 * mlp.gate_proj[...].nbytes):.3f}",
+    ]  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
     rows = [row(*layout, *cap) for layout in LAYOUTS for cap in CAPACITIES]
+    ring = [ring_row(force) for force in (*RING_LAYOUTS, None)]
     lines = [
         "## MoE token exchange per layout (issue 39)",
         "",
@@ -100,6 +145,23 @@ def main(argv: list[str] | None = None) -> int:
         "predicted sent | expert bytes / device | share |",
         "|---|---|---|---|---|---|---|---|---|---|",
         *("| " + " | ".join(r) + " |" for r in rows),
+        "",
+        "### A traced model's own one-hot dispatch over ep (`to_distributed`)",
+        "",
+        f"- model: the `qwen3_moe` style (`Qwen3MoeForCausalLM`, 8 experts of width {RING_FFN}, "
+        "top 2, 2 layers, every expert on every token, one-hot combine), batch 8 x 8; "
+        "`to_distributed` with the mesh forced, or searched (last row)",
+        "- per MoE layer: all-gathers over the ep group in the compiled HLO and their bytes, "
+        "beside the cost model's (`ring_exchange_time`: the layer's input forward, its "
+        "output's cotangent backward, `ep x T x D` each); the bytes of the step's other "
+        "all-gathers (over dp: the model's own load-balancing loss takes every layer's "
+        "router logits over the whole batch, which the cost model does not price); whether "
+        "an expert stack is all-gathered; the experts' share held per device",
+        "",
+        "| layout | all-gathers over ep | bytes | predicted | ratio | other all-gather bytes "
+        "| expert stack gathered | share |",
+        "|---|---|---|---|---|---|---|---|",
+        *("| " + " | ".join(r) + " |" for r in ring),
     ]
     report = "\n".join(lines) + "\n"
     print(report)
