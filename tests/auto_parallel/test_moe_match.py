@@ -44,7 +44,11 @@ ROUTED = {
 ROUTED["qwen3_moe_ragged"] = ROUTED["qwen3_moe"]
 #: How each style reaches its experts: every expert on every token (a one-hot combine), or
 #: only the routed rows (ragged_dot, a per-token gather of the experts' weights).
-DISPATCH = {"qwen3_moe": "every_expert", "qwen3_moe_ragged": "own", "gpt_oss": "own"}
+DISPATCH = {
+    "qwen3_moe": ("einsum", 8.0),
+    "qwen3_moe_ragged": ("own", None),
+    "gpt_oss": ("own", None),
+}
 
 
 @functools.cache
@@ -54,7 +58,7 @@ def _matched(name: str):
     return model, match_patterns(model, style.batches(1)[0], forward=style.forward)
 
 
-def _config_spec(name: str, dispatch: str = "exchange") -> MoESpec:
+def _config_spec(name: str, dispatch: tuple = ("exchange", None)) -> MoESpec:
     config = GptOssConfig() if name == "gpt_oss" else Qwen3MoeConfig()
     experts = getattr(config, "num_experts", None) or config.num_local_experts
     ffn = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
@@ -63,7 +67,8 @@ def _config_spec(name: str, dispatch: str = "exchange") -> MoESpec:
         top_k=config.num_experts_per_tok,
         expert_ffn=ffn,
         layers=config.num_hidden_layers,
-        dispatch=dispatch,
+        dispatch=dispatch[0],
+        rows_per_token=dispatch[1],
     )
 
 
@@ -139,10 +144,11 @@ def test_forced_dp2_ep4_splits_qwen3_experts_a_quarter_a_device_and_trains_like_
     assert_trees_close(np.asarray(losses), np.asarray(want), devices=8)
 
 
-def _big_experts() -> nnx.Module:
-    """Qwen3-MoE (one-hot dispatch) whose experts outweigh its tokens: 8 experts of width
-    128 against 64 tokens of width 32 a step."""
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(moe_intermediate_size=128), rngs=nnx.Rngs(0))
+def _big_experts(dispatch: str) -> nnx.Module:
+    """Qwen3-MoE with einsum dispatch (every expert on every token, or capacity 1.0) whose
+    experts outweigh its tokens: 8 experts of width 128 against 64 tokens of width 32."""
+    config = Qwen3MoeConfig(moe_intermediate_size=128, dispatch=dispatch, capacity_factor=1.0)
+    return Qwen3MoeForCausalLM(config, rngs=nnx.Rngs(0))
 
 
 def _collective_bytes(hlo: str, op: str) -> tuple[int, list[str]]:
@@ -152,14 +158,22 @@ def _collective_bytes(hlo: str, op: str) -> tuple[int, list[str]]:
     return int(sum(sizes)), shapes
 
 
-def test_searched_ep_gathers_tokens_never_experts_trains_like_one_device_and_says_why():
-    """Experts that outweigh the tokens: the search picks ep8 for the model's own one-hot
-    dispatch, priced with each MoE layer's tokens gathered over ep. The compiled step
-    all-gathers the tokens (the bytes the cost model predicted) and never an expert stack,
-    holds 1/8 of the experts a device, trains like one device, and the plan says why."""
+@pytest.mark.parametrize("dispatch, rows", [("dense", 8.0), ("capacity", 2.0)])
+def test_searched_ep_gathers_tokens_never_experts_trains_like_one_device_and_says_why(
+    dispatch, rows
+):
+    """Experts that outweigh the tokens: the search picks ep8 for the model's own einsum
+    dispatch (every expert on every token: 8 rows a token; GShard's capacity 1.0 dispatch:
+    16 slots x 8 experts / 64 tokens = 2), priced with each MoE layer's tokens gathered over
+    ep. The compiled step all-gathers the tokens (the bytes the cost model predicted) and
+    never an expert stack, holds 1/8 of the experts a device, trains like one device (the
+    same tokens dropped: the capacity rule is the code's, over the whole batch), and the
+    plan says why."""
     style = MOE_STYLES["qwen3_moe"]
+    found = match_patterns(_big_experts(dispatch), style.batches(1)[0], forward=style.forward)
+    assert (found.moe.dispatch, found.moe.rows_per_token) == ("einsum", rows)
     model, opt, loader = to_distributed(
-        _big_experts(), optax.adam(1e-3), style.batches(3), 8,
+        _big_experts(dispatch), optax.adam(1e-3), style.batches(3), 8,
         config=ToDistributedConfig(forward=style.forward),
     )  # fmt: skip
     plan = get_plan(model)
@@ -181,7 +195,9 @@ def test_searched_ep_gathers_tokens_never_experts_trains_like_one_device_and_say
     assert gathered == pytest.approx(plan.chosen.collectives.all_gather, rel=0.15)
     assert type(mlp).__qualname__ == "Qwen3MoeSparseMoeBlock[ep tokens]"
     losses = [float(step(model, opt, batch)) for batch in batches]
-    want, _ = train_one_device(_big_experts(), optax.adam(1e-3), style.batches(3), style.loss_fn)
+    want, _ = train_one_device(
+        _big_experts(dispatch), optax.adam(1e-3), style.batches(3), style.loss_fn
+    )
     assert want[-1] < want[0]
     assert_trees_close(np.asarray(losses), np.asarray(want), devices=8)
 
@@ -192,6 +208,6 @@ def test_only_stacked_kernels_and_their_biases_are_taken_beside_a_router():
     for layer in model.model.layers:  # [E, 7]: no expert kernel's output, so no expert bias
         layer.mlp.table = nnx.Param(jnp.zeros((8, 7)))
     found = match_patterns(model, style.batches(1)[0], forward=style.forward)
-    assert found.moe == _config_spec("qwen3_moe", "every_expert")
+    assert found.moe == _config_spec("qwen3_moe", DISPATCH["qwen3_moe"])
     assert "model.layers.0.mlp.table" in {p.path for p in found.params}
     assert "model.layers.0.mlp.table" not in {p.path for p in found.routed}

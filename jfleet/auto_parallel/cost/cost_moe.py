@@ -11,13 +11,15 @@ ep`` of a buffer and sends the rest over the links the ``ep`` group spans
 sends only the routed rows: ``T * k`` of them when no expert overflows, the load-balanced
 case; ``imbalance`` scales that for a skewed router.
 
-A traced model's own one-hot dispatch (:attr:`MoESpec.dispatch
-<jfleet.auto_parallel.match.moe_spec.MoESpec>` ``"every_expert"``) runs every expert on
-every token. ``to_distributed`` runs it over ``ep`` with each MoE layer's tokens gathered
-over the ``ep`` group (:mod:`jfleet.auto_parallel.apply.expert_tokens`). That costs an
-all-gather of the group's tokens and an all-reduce of the layer's output, and the same two
-again in the backward pass (:func:`ring_exchange_time`). Each device computes its ``E / ep``
-experts on ``ep`` times its tokens: ``E x T`` rows, as at ``ep = 1``.
+A traced model's own einsum dispatch (:attr:`MoESpec.dispatch
+<jfleet.auto_parallel.match.moe_spec.MoESpec>` ``"einsum"``: every expert on every token,
+or a one-hot capacity dispatch) keeps its code. ``to_distributed`` runs it over ``ep`` with
+each MoE layer's tokens gathered over the ``ep`` group
+(:mod:`jfleet.auto_parallel.apply.expert_tokens`). That costs an all-gather of the group's
+tokens and an all-reduce of the layer's output, and the same two again in the backward pass
+(:func:`ring_exchange_time`). Each device computes its ``E / ep`` experts on ``ep`` times
+its tokens: the traced rows a token (``rows_per_token``) times its own tokens, as at
+``ep = 1``.
 
 Example:
   >>> moe_exchange_bytes(tokens=64, width=16, k=2, experts=8, capacity_factor=None)
@@ -134,17 +136,17 @@ def moe_stage_layers(s: StepShape) -> float:
     return moe.layers * s.stage_blocks / blocks
 
 
-def _every_expert(s: StepShape) -> bool:
-    """A traced model's own dispatch running every expert on every token."""
-    return s.patterns.moe.dispatch == "every_expert"
+def _einsum(s: StepShape) -> bool:
+    """A traced model's own einsum dispatch (whole expert stacks in its products)."""
+    return s.patterns.moe.dispatch == "einsum"
 
 
 def _expert_mp(s: StepShape) -> int:
-    """What ``mp`` divides each expert by: a traced one-hot dispatch's experts are read as
+    """What ``mp`` divides each expert by: a traced einsum dispatch's experts are read as
     projection pairs and split on their hidden dimension like a dense MLP; jfleet's
     experts stay whole over ``mp`` (its layer splits the tokens instead)."""
     mp = s.layout.mp
-    if mp == 1 or not _every_expert(s):
+    if mp == 1 or not _einsum(s):
         return 1
     experts = [p for p in s.patterns.routed if p.role != "router"]
     return mp if experts and all(p.spec_for(mp) != P() for p in experts) else 1
@@ -153,8 +155,8 @@ def _expert_mp(s: StepShape) -> int:
 def _call_tokens(s: StepShape) -> int:
     """Tokens one device's MoE layer routes per call (micro-batch): jfleet's layer splits
     its tokens over every mesh axis (:func:`jfleet.parallel.moe.layer.moe`'s default token
-    axes), ``mp`` included; a traced one-hot dispatch keeps the device's tokens."""
-    if _every_expert(s):
+    axes), ``mp`` included; a traced einsum dispatch keeps the device's tokens."""
+    if _einsum(s):
         return max(s.tokens_mb, 1)
     return max(s.tokens_mb // s.layout.mp, 1)
 
@@ -167,7 +169,7 @@ def _imbalance(s: StepShape) -> float:
     """The busiest rank's rows over the mean: :data:`LOAD_IMBALANCE` with ``ep`` > 1,
     capped by the capacity factor."""
     cap = s.patterns.moe.capacity_factor
-    imb = LOAD_IMBALANCE if s.layout.ep > 1 and not _every_expert(s) else 1.0
+    imb = LOAD_IMBALANCE if s.layout.ep > 1 and not _einsum(s) else 1.0
     return min(imb, cap) if cap is not None else imb
 
 
@@ -178,13 +180,13 @@ def moe_rows(s: StepShape) -> float:
     runs the expert matmuls over every slot of the ``E x C`` buffers it receives, padding
     included (``C`` = GShard's capacity of the ``T`` tokens, ``T`` when dropless: ``E / k``
     times the routed rows). The ragged path (GPU, TPU) runs ``ragged_dot`` over the routed
-    rows only: ``T k`` times the busiest rank's imbalance. A traced one-hot dispatch runs
-    ``E x T`` rows (its ``E / ep`` experts on the ``ep`` group's tokens), over ``mp``
-    where its experts are split there.
+    rows only: ``T k`` times the busiest rank's imbalance. A traced einsum dispatch runs
+    its traced rows a token times ``T`` (its ``E / ep`` experts on the ``ep`` group's
+    tokens), over ``mp`` where its experts are split there.
     """
     moe, t = s.patterns.moe, _call_tokens(s)
-    if _every_expert(s):
-        return moe.experts * t / _expert_mp(s)
+    if _einsum(s):
+        return moe.rows_per_token * t / _expert_mp(s)
     if _ragged(s):
         return t * moe.top_k * _imbalance(s)
     return moe.experts * expert_capacity(t, moe.top_k, moe.experts, moe.capacity_factor)
@@ -205,7 +207,7 @@ def moe_flops(s: StepShape) -> float:
     if moe is None:
         return 0.0
     h, calls = s.dims.width, s.layout.num_microbatches * s.accumulate
-    routed = _call_tokens(s) * (s.layout.ep if _every_expert(s) else 1)  # gathered over ep
+    routed = _call_tokens(s) * (s.layout.ep if _einsum(s) else 1)  # gathered over ep
     fwd = 2 * moe_rows(s) * moe.one_expert(h) + 2 * routed * h * moe.experts
     passes = 3 + (1 if _rerun(s) else 0)
     return passes * fwd * calls * moe_stage_layers(s)
@@ -320,7 +322,7 @@ def moe_exchange_time(s: StepShape, coll: dict[str, float]) -> float:
     moe, ep = s.patterns.moe, s.layout.ep
     if moe is None or ep <= 1:
         return 0.0
-    if _every_expert(s):
+    if _einsum(s):
         return ring_exchange_time(s, coll)
     buffer = moe_exchange_bytes(
         tokens=_call_tokens(s), width=s.dims.width, k=moe.top_k, experts=moe.experts,
@@ -335,7 +337,7 @@ def moe_exchange_time(s: StepShape, coll: dict[str, float]) -> float:
 
 
 def ring_exchange_time(s: StepShape, coll: dict[str, float]) -> float:
-    """A traced one-hot dispatch's token exchange over ``ep`` per device per step: per MoE
+    """A traced einsum dispatch's token exchange over ``ep`` per device per step: per MoE
     layer and call, the layer's input all-gathered over the ``ep`` group and its output
     all-reduced there (``ep x T x D`` elements each), and in the backward pass the
     output's cotangent all-gathered and the input's all-reduced (again forward where the

@@ -8,8 +8,9 @@ dimension is ``E``: stacked ``[E, D, F]`` / ``[E, F, D]`` kernels and their ``[E
 ``[E, D]`` biases, however the code dispatches to them (a one-hot combine over every
 expert, a gather of each token's experts, ``jax.lax.ragged_dot`` over sorted tokens). The
 router's own bias goes with it. The spec's ``dispatch`` says how the code reaches them:
-every expert on every token, combined by the router's weights (the products' FLOPs are the
-router's tokens times each whole stack: ``"every_expert"``), or the routed rows alone
+each whole stack in products that keep the expert dimension (every expert on every token,
+or the slots of a one-hot capacity dispatch: ``"einsum"``, with the rows a token costs
+from the products' FLOPs over the router's tokens), or the routed rows alone
 (``ragged_dot``, a per-token gather: ``"own"``). Experts kept as a list of separate modules
 (Mixtral's ``nnx.List``) have no expert dimension to split and are not taken (a note says
 so).
@@ -26,7 +27,9 @@ Example:
   >>> found = match_patterns(style.build(nnx.Rngs(0)), style.batches(1)[0],
   ...                        forward=style.forward)
   >>> found.moe.experts, found.moe.top_k, found.moe.expert_ffn, found.moe.dispatch
-  (8, 2, 16, 'every_expert')
+  (8, 2, 16, 'einsum')
+  >>> found.moe.rows_per_token  # every expert on every token
+  8.0
   >>> sorted(p.path for p in found.routed if p.block == 0)[:2]
   ['model.layers.0.mlp.down_proj', 'model.layers.0.mlp.gate.kernel']
 """
@@ -34,6 +37,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 from jfleet.auto_parallel.match.dataflow import Trace
@@ -91,22 +95,22 @@ class _Layer:
     ffn: tuple[int, int]
     routers: frozenset[int]
     stacked: frozenset[int]
-    dispatch: str
+    dispatch: tuple[str, float | None]
 
 
-def _dispatch(trace: Trace, router: int, kernels: set[int]) -> str:
-    """``"every_expert"`` when each stacked kernel's products cost the router's tokens times
-    the whole stack (every expert runs on every token), else ``"own"``."""
+def _dispatch(trace: Trace, router: int, kernels: set[int]) -> tuple[str, float | None]:
+    """``("einsum", rows a token)`` when every stacked kernel is read by products that keep
+    its expert dimension (free or batched), else ``("own", None)``."""
     width, experts = trace.shapes[router]
-    router_flops = sum(d.flops for d in trace.dots if d.param == router)
-    tokens = router_flops // (2 * width * experts)
+    tokens = sum(d.flops for d in trace.dots if d.param == router) / (2 * width * experts)
+    rows = []
     for i in kernels:
-        size = 1
-        for n in trace.shapes[i]:
-            size *= n
-        if not tokens or sum(d.flops for d in trace.dots if d.param == i) != 2 * tokens * size:
-            return "own"
-    return "every_expert"
+        keeps = 0 in trace.free.get(i, ()) or trace.batched.get(i) == experts
+        flops = sum(d.flops for d in trace.dots if d.param == i)
+        if not (keeps and flops and tokens):
+            return "own", None
+        rows.append(flops * experts / (2 * math.prod(trace.shapes[i]) * tokens))
+    return "einsum", max(rows)
 
 
 def _layer(trace: Trace, blocks: Blocks, router: int, k: int, experts: int) -> _Layer | str | None:
@@ -157,7 +161,7 @@ def find_experts(trace: Trace | None, blocks: Blocks) -> Routed:
                 "priced as dense layers and ep stays 1",
             )
         )
-    ((k, experts, (ffn, matrices), dispatch),) = kinds
+    ((k, experts, (ffn, matrices), (dispatch, rows)),) = kinds
     spec = MoESpec(
         experts=experts,
         top_k=k,
@@ -166,6 +170,7 @@ def find_experts(trace: Trace | None, blocks: Blocks) -> Routed:
         every=every if len(layers) > 1 else 1,
         gated=matrices == 3,
         dispatch=dispatch,
+        rows_per_token=rows,
     )
     return Routed(
         spec=spec,

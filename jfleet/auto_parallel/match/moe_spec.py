@@ -24,7 +24,7 @@ import dataclasses
 __all__ = ["DISPATCHES", "MoESpec"]
 
 #: :attr:`MoESpec.dispatch`'s values.
-DISPATCHES = ("exchange", "every_expert", "own")
+DISPATCHES = ("exchange", "einsum", "own")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,13 +41,18 @@ class MoESpec:
       capacity_factor: GShard's factor (``ceil(f T k / E)`` slots an expert, tokens over it
         dropped), or None for dropless.
       dispatch: how tokens reach the experts: ``"exchange"``, jfleet's all-to-alls
-        (:func:`jfleet.parallel.moe.layer.moe`; shape-built plans); ``"every_expert"``, a
-        traced model's own code running every expert on every token and combining the
-        outputs by the router's weights (a one-hot combine: Qwen3-MoE's CPU path), which
-        ``to_distributed`` runs over ``ep`` by gathering each MoE layer's tokens over the
-        ``ep`` group (:mod:`jfleet.auto_parallel.apply.expert_tokens`); ``"own"``, a traced
-        model's dispatch of routed rows (``ragged_dot``, a per-token gather of the experts'
-        weights), which GSPMD does not run over ``ep`` as priced: ``ep`` is not searched.
+        (:func:`jfleet.parallel.moe.layer.moe`; shape-built plans); ``"einsum"``, a traced
+        model's own code applying each whole expert stack in products that keep the expert
+        dimension (every expert on every token and a one-hot combine, Qwen3-MoE's CPU path;
+        or the slots of a one-hot capacity dispatch, GShard's and MaxText's
+        ``dense_matmul``), which ``to_distributed`` runs over ``ep`` by gathering each MoE
+        layer's tokens over the ``ep`` group (:mod:`jfleet.auto_parallel.apply.expert_tokens`);
+        ``"own"``, a traced model's dispatch of routed rows (``ragged_dot``, a per-token
+        gather of the experts' weights), which GSPMD does not run over ``ep`` as priced:
+        ``ep`` is not searched.
+      rows_per_token: with ``"einsum"``, the expert rows the traced products compute a token
+        (``E`` for every expert on every token, ``E x C / T`` with ``C`` slots an expert);
+        None otherwise.
     """
 
     experts: int
@@ -58,6 +63,7 @@ class MoESpec:
     gated: bool = True
     capacity_factor: float | None = None
     dispatch: str = "exchange"
+    rows_per_token: float | None = None
 
     def __post_init__(self) -> None:
         for f in ("experts", "top_k", "expert_ffn", "layers", "every"):

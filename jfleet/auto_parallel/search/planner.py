@@ -115,7 +115,7 @@ def _ep_text(c: Candidate, device_num: int) -> str:
     """Where a candidate's ``ep`` group runs and what its all-to-alls cost."""
     lay = c.layout
     where = "within a node" if lay.ep * lay.mp <= device_num else "across nodes"
-    if c.collectives.all_to_all == 0:  # a traced one-hot dispatch: tokens gathered over ep
+    if c.collectives.all_to_all == 0:  # a traced einsum dispatch: tokens gathered over ep
         return f"tokens gathered over ep{lay.ep} {where} ({_secs(c.time.expert_parallel)})"
     moved = c.collectives.all_to_all * (lay.ep - 1) / lay.ep
     return (
@@ -178,15 +178,16 @@ def _own_dispatch(patterns: ModelPatterns, lay: Any) -> str:
     if not patterns.routed:
         return ""
     moe = patterns.moe
-    if moe.dispatch == "every_expert":
+    if moe.dispatch == "einsum":
         if lay.ep == 1:
             return ""
+        local = moe.experts // lay.ep
         return (
-            f"the model's own dispatch runs every expert on every token, so over ep{lay.ep} "
-            "each MoE layer's tokens are all-gathered over the ep group at its input and its "
-            "output all-reduced there (their cotangents the reverse: MaxText's ring of "
-            f"experts); each device runs its {moe.experts // lay.ep} experts on the group's "
-            "tokens and the experts never move"
+            f"the model's own dispatch applies whole expert stacks in einsums, so over "
+            f"ep{lay.ep} each MoE layer's tokens are all-gathered over the ep group at its "
+            "input and its output all-reduced there (their cotangents the reverse: MaxText's "
+            f"ring of experts); each device runs its {local} expert{'s' if local > 1 else ''} "
+            "on the group's tokens and the experts never move"
         )
     if lay.ep == 1:
         return (
@@ -195,8 +196,9 @@ def _own_dispatch(patterns: ModelPatterns, lay: Any) -> str:
             "it, which all-reduces its per-row intermediates over the ep group, where the "
             "cost model prices jfleet's all-to-alls (jfleet.parallel.moe.moe); "
             "force_mesh={..., 'ep': n} places the experts over ep anyway (it trains like one "
-            "device), or route through jfleet's MoELayer, or combine every expert's output "
-            "one-hot (then ep is searched)"
+            "device), or route through jfleet's MoELayer, or apply the expert stacks in "
+            "einsums (every expert on every token, or a one-hot capacity dispatch: then ep "
+            "is searched)"
         )
     return (
         f"the experts are split over ep{lay.ep} on their leading dimension and each MoE "

@@ -8,7 +8,11 @@
   top-k, renormalised (``norm_topk_prob=True``). ``dispatch="dense"`` sends every token
   through every expert and weights the outputs by a zero-filled ``[T, E]`` combine matrix
   (tunix's CPU path); ``dispatch="ragged"`` sorts the token copies by expert and runs
-  ``jax.lax.ragged_dot`` over the groups (tunix's Megablox path, MaxText's ``sparse_matmul``).
+  ``jax.lax.ragged_dot`` over the groups (tunix's Megablox path, MaxText's ``sparse_matmul``);
+  ``dispatch="capacity"`` gives each expert ``ceil(capacity_factor * T * k / E)`` slots, fills
+  them in routing order by a cumulative sum of the one-hot choices (first choices first),
+  drops the rest, and moves the tokens in and out of the ``[E, C, D]`` buffers by einsums
+  with the one-hot dispatch and combine tensors (GShard's and MaxText's ``dense_matmul``).
   Attention: the ``gqa_qknorm`` style's :class:`~.ports.Qwen3Attention` (GQA, q/k norms).
 * :class:`MixtralForCausalLM` (``mixtral``): Mistral's reference and Hugging Face's Mixtral:
   a ``block_sparse_moe`` holding a router ``gate`` and an ``nnx.List`` of expert MLPs with
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -114,10 +119,11 @@ class Qwen3MoeConfig(Qwen3Config):
     norm_topk_prob: bool = True
     router_aux_loss_coef: float = 0.001
     dispatch: str = "dense"
+    capacity_factor: float = 1.25
 
     def __post_init__(self):
-        if self.dispatch not in ("dense", "ragged"):
-            raise ValueError(f"dispatch={self.dispatch!r}: use 'dense' or 'ragged'.")
+        if self.dispatch not in ("dense", "ragged", "capacity"):
+            raise ValueError(f"dispatch={self.dispatch!r}: use 'dense', 'ragged' or 'capacity'.")
 
 
 class Qwen3MoeSparseMoeBlock(nnx.Module):
@@ -170,11 +176,28 @@ class Qwen3MoeSparseMoeBlock(nnx.Module):
         out = out[jnp.argsort(order)].reshape(x.shape[0], k, x.shape[-1])
         return jnp.einsum("tkd,tk->td", out, weights)
 
+    def capacity(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+        """``C`` slots an expert filled in routing order; one-hot einsums in and out."""
+        (t, k), e = experts.shape, self.config.num_experts
+        slots = math.ceil(self.config.capacity_factor * t * k / e)
+        chosen = jax.nn.one_hot(experts, e, dtype=jnp.int32)  # [T, k, E]
+        order = chosen.transpose(1, 0, 2).reshape(k * t, e)  # every first choice first
+        position = (jnp.cumsum(order, axis=0) - 1).reshape(k, t, e).transpose(1, 0, 2)
+        kept = chosen * (position < slots)
+        dispatch = jax.nn.one_hot(jnp.sum(position * kept, -1), slots) * kept.sum(-1)[..., None]
+        dispatch = jnp.einsum("tke,tkc->tec", kept.astype(x.dtype), dispatch)  # [T, E, C]
+        combine = jnp.einsum("tk,tke,tec->tec", weights, kept.astype(x.dtype), dispatch)
+        expert_in = jnp.einsum("tec,td->ecd", dispatch, x)
+        gate = jnp.einsum("ecd,edf->ecf", expert_in, self.gate_proj[...])
+        up = jnp.einsum("ecd,edf->ecf", expert_in, self.up_proj[...])
+        out = jnp.einsum("ecf,efd->ecd", nnx.silu(gate) * up, self.down_proj[...])
+        return jnp.einsum("ecd,tec->td", out, combine)
+
     def __call__(self, hidden_states: jax.Array) -> tuple[jax.Array, jax.Array]:
         b, s, d = hidden_states.shape
         x = hidden_states.reshape(b * s, d)
         weights, experts, router_logits = self.route(x)
-        dispatch = self.dense if self.config.dispatch == "dense" else self.ragged
+        dispatch = getattr(self, self.config.dispatch)
         return dispatch(x, weights, experts).reshape(b, s, d), router_logits
 
 
