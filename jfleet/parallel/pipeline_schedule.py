@@ -86,6 +86,7 @@ from jfleet.parallel.pipeline_parts import (
     check_stage,
     forward_ticks,
     from_microbatches,
+    pooled_outputs,
     put,
     reduced_loss,
     select,
@@ -127,6 +128,7 @@ def pipeline_loss(
     remat: bool = False,
     micro_losses: bool = False,
     stage_specs: Any = None,
+    pooled: tuple[bool, ...] | None = None,
 ) -> Any:
     """The mean loss of a pipelined stack of stages, differentiable in all its arrays.
 
@@ -166,6 +168,12 @@ def pipeline_loss(
         expert kernels over ``ep``: each device gets its ``E / ep`` experts and their
         gradients are summed over the other data axes only); None: every leaf ``P(pp)``,
         whole on each device of its stage.
+      pooled: one bool per leaf of ``inputs`` (the activation): under ``"FThenB"`` those
+        leaves of the last stage's output are summed over the micro-batches and every
+        micro-batch's ``head_fn`` gets the sum (MoE router statistics, whose nonlinear
+        load-balancing loss is then the whole batch's, value and gradient: every forward
+        runs before the first backward). Ignored by ``"1F1B"``, which cannot (a backward
+        starts before the last forward).
 
     Returns:
       The fp32 mean of ``head_fn`` over micro-batches and data-parallel replicas; with
@@ -199,6 +207,7 @@ def pipeline_loss(
         data_axes=data_axes,
         remat=remat,
         stage_specs=stage_specs,
+        pooled=pooled if schedule == "FThenB" else None,
     )
     out = _differentiable(spec)(stage_params, head_params, inputs, targets, side, shared)
     return out if micro_losses else out[0]
@@ -326,7 +335,7 @@ def _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage):
 
         # vmap, not lax.map: a loss that opens its own shard_map over mp (ParallelCrossEntropy)
         # does not lower inside a differentiated scan here
-        return vary(jax.vmap(one)((outs, t_mb)), axes)
+        return vary(jax.vmap(one)((pooled_outputs(spec, outs), t_mb)), axes)
 
     zeros = jnp.zeros((spec.num_microbatches,), jnp.float32)
     return lax.cond(stage == p - 1, heads, lambda: vary(zeros, axes))
@@ -350,7 +359,7 @@ def _fthenb(spec, call, params, head, x_mb, t_mb, stage, with_dx):
             return jnp.asarray(spec.head_fn(head, y, t), jnp.float32)
 
         def total(head, outs):
-            losses = jax.vmap(one, (None, 0, 0))(head, outs, t_mb)
+            losses = jax.vmap(one, (None, 0, 0))(head, pooled_outputs(spec, outs), t_mb)
             return jnp.sum(losses), losses
 
         (_, losses), grads = jax.value_and_grad(total, (0, 1), has_aux=True)(head, outs)
