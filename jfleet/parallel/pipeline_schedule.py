@@ -36,7 +36,10 @@ Schedules (:mod:`jfleet.parallel.schedule_ticks` counts their ticks, work and co
 
 The loss is the mean over micro-batches of ``head_fn``'s loss, and over the data-parallel
 replicas: with a ``head_fn`` that averages over its micro-batch's samples it equals the
-single-device mean over the global batch, whatever the data-parallel degree.
+single-device mean over the global batch, whatever the data-parallel degree. A loss that is
+not linear in the batch (an MoE load-balancing loss) gets the whole batch's value under
+FThenB from statistics the activation carries (``pooled`` leaves, summed over the
+micro-batches before the head, which has every micro-batch's output before any backward).
 
 One stage function serves both entry points: ``stage_fn(params_of_one_stage, x, side,
 shared) -> y``. ``x`` is the activation passed from stage to stage (differentiated);
@@ -168,12 +171,10 @@ def pipeline_loss(
         expert kernels over ``ep``: each device gets its ``E / ep`` experts and their
         gradients are summed over the other data axes only); None: every leaf ``P(pp)``,
         whole on each device of its stage.
-      pooled: one bool per leaf of ``inputs`` (the activation): under ``"FThenB"`` those
-        leaves of the last stage's output are summed over the micro-batches and every
-        micro-batch's ``head_fn`` gets the sum (MoE router statistics, whose nonlinear
-        load-balancing loss is then the whole batch's, value and gradient: every forward
-        runs before the first backward). Ignored by ``"1F1B"``, which cannot (a backward
-        starts before the last forward).
+      pooled: one bool per ``inputs`` leaf: ``"FThenB"`` sums those leaves of the last
+        stage's output over the micro-batches and gives every ``head_fn`` call the sum (MoE
+        router statistics: the whole batch's load-balancing loss, value and gradient).
+        ``"1F1B"`` ignores it (a backward starts before the last forward).
 
     Returns:
       The fp32 mean of ``head_fn`` over micro-batches and data-parallel replicas; with

@@ -3,7 +3,9 @@ blocks hold ``MoELayer``\\ s (8 experts, GShard top 2, dropless) trains on dp2 x
 like the same layers on one device (fp32, 3 Adam steps, losses and parameters). Inside a
 stage each device holds ``E / ep`` experts and the tokens move by all-to-all over ``ep``;
 the gate's loss rides with the activation and is the mean over micro-batches of each
-micro-batch's loss; what stays unsupported is refused clearly.
+micro-batch's loss; blocks that carry ``LoadStats`` instead get the whole batch's
+load-balancing loss under FThenB (pp2 x 4 micro-batches: values, gradients, 3 Adam steps)
+and each micro-batch's, noted once, under 1F1B; what stays unsupported is refused clearly.
 """
 
 from __future__ import annotations

@@ -27,7 +27,10 @@ expert-parallel group and the tokens moved to them by all-to-all.
   calls :func:`~jfleet.parallel.moe.layer.moe_local` on its ``E / ep`` experts (the stage's
   expert kernels arrive split over ``ep``). Its gate loss and counts are seen only inside
   the block right after the call (a block returns the loss with its activation); the
-  stacked body keeps neither (``docs/moe.md``, "MoE in a pipeline").
+  stacked body keeps neither (``docs/moe.md``, "MoE in a pipeline"). For the whole
+  batch's load-balancing loss a block carries
+  :class:`~jfleet.parallel.moe.load_stats.LoadStats` instead (``layer(x,
+  load_stats=stats)``), which the FThenB schedule sums over the micro-batches.
 
 Example:
   >>> from flax import nnx
