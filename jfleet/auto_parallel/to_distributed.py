@@ -587,7 +587,8 @@ def aux_note(plan: Plan, outputs: BlockOutputs | None) -> str | None:
     Each part's forward computes its own value and the step averages them: the whole
     batch's value for a loss linear in the batch (a mean of per-token terms), not for one
     that multiplies batch statistics, such as the Switch / GShard load-balancing loss
-    ``E * sum_e f_e * P_e``.
+    ``E * sum_e f_e * P_e``. A block's scalar output is all the trace has (its router
+    statistics are gone), so the note names the paths that have the whole batch's value.
     """
     if outputs is None or not outputs.sums:
         return None
@@ -601,8 +602,11 @@ def aux_note(plan: Plan, outputs: BlockOutputs | None) -> str | None:
     return (
         f"the blocks' auxiliary output is the mean over {' x '.join(parts)} of each part's "
         "value: the whole batch's for a loss linear in the batch, not for one that "
-        "multiplies batch statistics (the Switch / GShard load-balancing loss); for that "
-        "plan with num_microbatches=1 and no accumulation"
+        "multiplies batch statistics (the Switch / GShard load-balancing loss), and a "
+        "scalar cannot be un-averaged; for that plan with num_microbatches=1 and no "
+        "accumulation, or build the blocks on jfleet's MoELayer carrying LoadStats in a "
+        "PipelineLayer with schedule_mode='FThenB', which sums the router statistics over "
+        "the micro-batches (docs/moe.md, 'MoE in a pipeline')"
     )
 
 

@@ -426,6 +426,11 @@ class PipelineLayer(nnx.Module):
                 )
             run, extra = pipeline_executor.table_pipeline_loss, {"num_virtual": self.v}
             stage_params = virtual.chunked(stage_params, self.v)
+        pooled = _pooled_leaves(parts.split)
+        if schedule == "FThenB" and any(pooled):
+            extra["pooled"] = pooled  # router statistics summed over the micro-batches
+        elif any(pooled) and num_microbatches > 1:
+            _note_per_microbatch(schedule, num_microbatches)
         return run(
             stage_fn,
             stack.widened(head_fn, (head_params, carried), wide=wide),
@@ -505,6 +510,41 @@ class PipelineLayer(nnx.Module):
 
 
 # ------------------------------------------------------------------ running helpers
+_NOTED: set[str] = set()
+
+
+def _pooled_leaves(split: stack.StageInputs) -> tuple[bool, ...]:
+    """Per carried leaf of the activation, whether it lies in a node whose class sets
+    ``pooled_over_microbatches`` (router statistics,
+    :class:`~jfleet.parallel.moe.load_stats.LoadStats`)."""
+    kinds = split.act_kinds
+    numbered = jax.tree.unflatten(split.activation, list(range(len(kinds))))
+    marked = lambda node: getattr(type(node), "pooled_over_microbatches", False)  # noqa: E731
+    inside = {
+        i
+        for node in jax.tree.leaves(numbered, is_leaf=marked)
+        if marked(node)
+        for i in jax.tree.leaves(node)
+    }
+    return tuple(i in inside for i, k in enumerate(kinds) if k == stack.CARRIED)
+
+
+def _note_per_microbatch(schedule: str, num_microbatches: int) -> None:
+    """Says once per schedule that the router statistics' loss is each micro-batch's."""
+    if schedule in _NOTED:
+        return
+    _NOTED.add(schedule)
+    logger.warning(
+        "PipelineLayer: schedule=%r runs a backward before the last forward, so the MoE "
+        "load-balancing loss of the activation's router statistics (LoadStats) is each of "
+        "the %d micro-batches' values, averaged (gradient accumulation's value); "
+        "schedule_mode='FThenB' gives the whole batch's, at the cost of keeping every "
+        "micro-batch's activations until the backward",
+        schedule,
+        num_microbatches,
+    )
+
+
 def _loss_value(loss_fn: Callable[..., Any], output: Any, labels: Any) -> jax.Array:
     """The float32 scalar loss; a per-token loss (``ParallelCrossEntropy``'s) is averaged."""
     loss = loss_fn(cast_floating(output, jnp.float32), labels)

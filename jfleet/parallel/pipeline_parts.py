@@ -55,6 +55,9 @@ class PipelineSpec:
     #: per stage leaf, its ``PartitionSpec`` (``pp`` first, then the manual data axes it
     #: is split over, e.g. experts over ``ep``), or None: every leaf ``P(pp)``
     stage_specs: Any = dataclasses.field(default=None, compare=False)
+    #: per leaf of the activation, whether FThenB sums it over the micro-batches before the
+    #: head (router statistics, :class:`~jfleet.parallel.moe.load_stats.LoadStats`), or None
+    pooled: tuple[bool, ...] | None = None
 
     @property
     def num_stages(self) -> int:
@@ -71,7 +74,7 @@ class PipelineSpec:
 
 def validate(
     stage_fn, head_fn, stage_params, batched, *, mesh, schedule, num_microbatches, pp_axis,
-    data_axes, remat, stage_specs=None,
+    data_axes, remat, stage_specs=None, pooled=None,
 ) -> PipelineSpec:  # fmt: skip
     """Checks the arguments; ``batched`` maps names to the pytrees split into micro-batches."""
     _check_schedule(schedule)
@@ -127,9 +130,37 @@ def validate(
         label="micro-batch count x data-parallel size",
     )
     specs = _check_stage_specs(stage_specs, stage_params, pp_axis, data_axes)
+    if pooled is not None:
+        pooled = tuple(bool(p) for p in pooled)
+        n = len(jax.tree.leaves(batched["inputs"]))
+        if len(pooled) != n:
+            raise ValueError(
+                f"pooled has {len(pooled)} entries; give one bool per leaf of inputs ({n})."
+            )
     return PipelineSpec(
-        stage_fn, head_fn, mesh, schedule, m, pp_axis, data_axes, bool(remat), specs
+        stage_fn, head_fn, mesh, schedule, m, pp_axis, data_axes, bool(remat), specs, pooled
     )
+
+
+def pooled_outputs(spec: PipelineSpec, outs: Any) -> Any:
+    """The last stage's outputs ``[M, ...]`` with the :attr:`PipelineSpec.pooled` leaves
+    summed over the micro-batches, each micro-batch given the sum (differentiable: the
+    head's cotangent reaches every micro-batch's statistics).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> spec = PipelineSpec(None, None, None, "FThenB", 2, "pp", (), False, None, (False, True))
+      >>> [a.tolist() for a in pooled_outputs(spec, [jnp.array([1.0, 2.0]), jnp.array([1.0, 2.0])])]
+      [[1.0, 2.0], [3.0, 3.0]]
+    """
+    if not spec.pooled or not any(spec.pooled):
+        return outs
+    leaves, tree = jax.tree.flatten(outs)
+    leaves = [
+        jnp.broadcast_to(jnp.sum(a, axis=0, keepdims=True), a.shape) if p else a
+        for a, p in zip(leaves, spec.pooled, strict=True)
+    ]
+    return jax.tree.unflatten(tree, leaves)
 
 
 def _check_stage_specs(specs: Any, stage_params: Any, pp_axis: str, data_axes: tuple) -> Any:

@@ -36,7 +36,10 @@ Schedules (:mod:`jfleet.parallel.schedule_ticks` counts their ticks, work and co
 
 The loss is the mean over micro-batches of ``head_fn``'s loss, and over the data-parallel
 replicas: with a ``head_fn`` that averages over its micro-batch's samples it equals the
-single-device mean over the global batch, whatever the data-parallel degree.
+single-device mean over the global batch, whatever the data-parallel degree. A loss that is
+not linear in the batch (an MoE load-balancing loss) gets the whole batch's value under
+FThenB from statistics the activation carries (``pooled`` leaves, summed over the
+micro-batches before the head, which has every micro-batch's output before any backward).
 
 One stage function serves both entry points: ``stage_fn(params_of_one_stage, x, side,
 shared) -> y``. ``x`` is the activation passed from stage to stage (differentiated);
@@ -86,6 +89,7 @@ from jfleet.parallel.pipeline_parts import (
     check_stage,
     forward_ticks,
     from_microbatches,
+    pooled_outputs,
     put,
     reduced_loss,
     select,
@@ -127,6 +131,7 @@ def pipeline_loss(
     remat: bool = False,
     micro_losses: bool = False,
     stage_specs: Any = None,
+    pooled: tuple[bool, ...] | None = None,
 ) -> Any:
     """The mean loss of a pipelined stack of stages, differentiable in all its arrays.
 
@@ -166,6 +171,10 @@ def pipeline_loss(
         expert kernels over ``ep``: each device gets its ``E / ep`` experts and their
         gradients are summed over the other data axes only); None: every leaf ``P(pp)``,
         whole on each device of its stage.
+      pooled: one bool per ``inputs`` leaf: ``"FThenB"`` sums those leaves of the last
+        stage's output over the micro-batches and gives every ``head_fn`` call the sum (MoE
+        router statistics: the whole batch's load-balancing loss, value and gradient).
+        ``"1F1B"`` ignores it (a backward starts before the last forward).
 
     Returns:
       The fp32 mean of ``head_fn`` over micro-batches and data-parallel replicas; with
@@ -199,6 +208,7 @@ def pipeline_loss(
         data_axes=data_axes,
         remat=remat,
         stage_specs=stage_specs,
+        pooled=pooled if schedule == "FThenB" else None,
     )
     out = _differentiable(spec)(stage_params, head_params, inputs, targets, side, shared)
     return out if micro_losses else out[0]
@@ -326,7 +336,7 @@ def _gpipe_forward(spec, call, params, head, x_mb, t_mb, stage):
 
         # vmap, not lax.map: a loss that opens its own shard_map over mp (ParallelCrossEntropy)
         # does not lower inside a differentiated scan here
-        return vary(jax.vmap(one)((outs, t_mb)), axes)
+        return vary(jax.vmap(one)((pooled_outputs(spec, outs), t_mb)), axes)
 
     zeros = jnp.zeros((spec.num_microbatches,), jnp.float32)
     return lax.cond(stage == p - 1, heads, lambda: vary(zeros, axes))
@@ -350,7 +360,7 @@ def _fthenb(spec, call, params, head, x_mb, t_mb, stage, with_dx):
             return jnp.asarray(spec.head_fn(head, y, t), jnp.float32)
 
         def total(head, outs):
-            losses = jax.vmap(one, (None, 0, 0))(head, outs, t_mb)
+            losses = jax.vmap(one, (None, 0, 0))(head, pooled_outputs(spec, outs), t_mb)
             return jnp.sum(losses), losses
 
         (_, losses), grads = jax.value_and_grad(total, (0, 1), has_aux=True)(head, outs)

@@ -10,7 +10,8 @@ per-token gather of GPT-OSS are not read as projections, and Mixtral's router is
 (those tests are strict xfails, to flip when the planner learns experts). Pipelined
 (``dp4 x pp2``, 2 micro-batches), Mixtral trains like one device without its auxiliary loss,
 and with it gets gradient accumulation's value of the nonlinear Switch loss, not the whole
-batch's (a strict xfail: issue 39 item 4).
+batch's (a strict xfail: issue 39 item 4; a scalar per micro-batch cannot be un-averaged,
+and the plan's note names the exact path, ``MoELayer`` with ``LoadStats`` under FThenB).
 """
 
 from __future__ import annotations
@@ -365,13 +366,18 @@ def test_pipelined_mixtral_without_its_aux_loss_trains_like_one_device():
     # the plan says its blocks' auxiliary output is each micro-batch's, averaged
     (note,) = [n for n in _NOTES[0.0] if "auxiliary output" in n]
     assert "2 pipeline micro-batches" in note and "load-balancing" in note, note
+    assert "LoadStats" in note and "FThenB" in note, note  # and names the exact path
 
 
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
-    reason="issue 39 item 4: a pipeline sums the Switch loss per micro-batch (gradient "
-    "accumulation's value), not over the whole batch",
+    reason="issue 39 item 4: Mixtral's blocks return the Switch loss as a scalar per "
+    "micro-batch; the pipeline can only average those (gradient accumulation's value), and a "
+    "mean of E * sum_e f_e * P_e over micro-batches cannot be un-averaged into the whole "
+    "batch's (its f_e, P_e are gone from the trace). The exact path is jfleet's MoELayer "
+    "carrying LoadStats under schedule FThenB (tests/parallel/test_moe_pipeline.py); the "
+    "plan's note names it",
 )
 def test_pipelined_mixtral_load_balancing_loss_is_the_whole_batch_value():
     losses, want = _pipelined_mixtral(MixtralConfig().router_aux_loss_coef)

@@ -3,7 +3,9 @@ blocks hold ``MoELayer``\\ s (8 experts, GShard top 2, dropless) trains on dp2 x
 like the same layers on one device (fp32, 3 Adam steps, losses and parameters). Inside a
 stage each device holds ``E / ep`` experts and the tokens move by all-to-all over ``ep``;
 the gate's loss rides with the activation and is the mean over micro-batches of each
-micro-batch's loss; what stays unsupported is refused clearly.
+micro-batch's loss; blocks that carry ``LoadStats`` instead get the whole batch's
+load-balancing loss under FThenB (pp2 x 4 micro-batches: values, gradients, 3 Adam steps)
+and each micro-batch's, noted once, under 1F1B; what stays unsupported is refused clearly.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from jax.sharding import PartitionSpec as P
 from jfleet import fleet
 from jfleet.mesh.topology import AXIS_NAMES
 from jfleet.models.moe_lm import ExpertLayer
-from jfleet.parallel import stack
-from jfleet.parallel.moe import moe_stats
+from jfleet.parallel import pipeline_layer, stack
+from jfleet.parallel.moe import LoadStats, moe_stats
 from jfleet.parallel.moe.moe_layer import MoELayer
 from jfleet.parallel.pipeline_layer import LayerDesc, PipelineLayer
 from jfleet.testing import assert_trees_close, hlo, make_strategy, train_one_device
@@ -277,3 +279,120 @@ def test_whole_experts_inside_a_shard_map_are_refused():
     run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("ep")), out_specs=P("ep")))
     with pytest.raises(ValueError, match=r"holds 4 expert\(s\) of 4 over ep=2"):
         run(state, jnp.ones((4, D)))
+
+
+# ------------------------------------------------- the whole batch's load-balancing loss
+# Blocks that carry their MoE layers' router statistics (LoadStats) with the activation:
+# under FThenB the pipeline sums them over the micro-batches before the loss, so the
+# nonlinear GShard loss is the whole batch's (value and gradient) at pp2 x M4; under
+# 1F1B it stays each micro-batch's, averaged, and a note says so once.
+MICRO4 = 4
+
+
+class EmbedStats(nnx.Module):
+    """tokens -> (hidden, empty router statistics for the LAYERS MoE layers)."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.embed(tokens), LoadStats.zeros(tokens.shape[0], LAYERS, EXPERTS)
+
+
+class MoEBlockStats(MoEBlockPipe):
+    def __call__(self, x):
+        h, stats = x
+        y, stats = self.moe(self.norm(h), load_stats=stats)
+        return h + y, stats
+
+
+def whole_loss_fn(output, labels):
+    logits, stats = output
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    return ce + AUX_WEIGHT * stats.loss()
+
+
+class SequentialStats(Sequential):
+    def __init__(self, mesh: Mesh):
+        rngs = nnx.Rngs(0)
+        self.embed = EmbedStats(rngs=rngs)
+        self.blocks = nnx.List([MoEBlockStats(DROPLESS, mesh=mesh, rngs=rngs) for _ in range(2)])
+        self.head = HeadPipe(rngs=rngs)
+
+
+def whole_batch_loss(model, batch):
+    return whole_loss_fn(model(batch[0]), batch[1])
+
+
+def micro4_batches(n: int) -> list:
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, VOCAB, (n, REPLICAS * MICRO4, SEQ + 1), dtype=np.int32)
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def stats_pipeline(schedule: str) -> tuple:
+    configs = {"micro_batch_size": 1, "accumulate_steps": MICRO4, "schedule_mode": schedule}
+    strategy = make_strategy(HYBRID, pipeline_configs=configs)
+    fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
+    descs = [LayerDesc(EmbedStats), *[LayerDesc(MoEBlockStats, DROPLESS)] * 2, LayerDesc(HeadPipe)]
+    layer = PipelineLayer(descs, num_stages=2, loss_fn=whole_loss_fn, seed=0)
+    return layer, fleet.distributed_model(layer)
+
+
+def micro_batch_mean(model, batch, m):
+    """The one-device mean over the ``m`` micro-batches of each one's objective."""
+    tokens, labels = (a.reshape(REPLICAS, m, SEQ) for a in batch)
+    parts = [whole_batch_loss(model, (tokens[:, k], labels[:, k])) for k in range(m)]
+    return jnp.mean(jnp.stack(parts))
+
+
+def in_layer_order(pipeline_grads, layer, one_device_grads) -> tuple[dict, dict]:
+    """Both gradients as :func:`pipeline_params` gives parameters (blocks stacked)."""
+    got, want = nnx.to_pure_dict(pipeline_grads), nnx.to_pure_dict(one_device_grads)
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *want["blocks"].values())
+    return (
+        {
+            "pre": got["pre"][0]["layer"],
+            "body": stack.layer_order(got["body"], layer.chunk_sizes),
+            "post": got["post"][0]["layer"],
+        },
+        {"pre": want["embed"], "body": stacked, "post": want["head"]},
+    )
+
+
+def test_load_stats_under_fthenb_give_the_whole_batchs_loss_at_pp2_m4():
+    """Values, gradients, 3 Adam steps and parameters equal one device's whole-batch
+    objective, which differs from the micro-batches' mean (what 1F1B trains)."""
+    data = micro4_batches(3)
+    ref = SequentialStats(one_device_mesh())
+    micro_mean = nnx.jit(micro_batch_mean, static_argnums=2)(ref, data[0], MICRO4)
+    want_grads = nnx.jit(nnx.grad(whole_batch_loss))(ref, data[0])
+    want, _ = train_one_device(ref, optax.adam(1e-2), data, whole_batch_loss)
+    assert abs(want[0] - micro_mean) > 1e-3  # the two objectives differ here
+    layer, model = stats_pipeline("FThenB")
+    batch = model.placement.shard_batch(data[0])
+    grads = nnx.jit(
+        nnx.grad(lambda lay: lay.pipeline_loss(*batch, schedule="FThenB", num_microbatches=4))
+    )(layer)
+    assert_trees_close(*in_layer_order(grads, layer, want_grads), devices=8)
+    opt = fleet.distributed_optimizer(optax.adam(1e-2))
+    got = np.array([float(model.train_batch(b, opt)) for b in data])
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert_trees_close(pipeline_params(layer), as_pipeline_params(ref), devices=8)
+
+
+def test_load_stats_under_1f1b_are_each_micro_batchs_and_a_note_says_so(caplog):
+    """1F1B cannot have the whole batch's statistics before its first backward: its loss is
+    the micro-batches' mean (the forward schedule's value here), noted once."""
+    data = micro4_batches(1)
+    layer, model = stats_pipeline("1F1B")
+    batch = model.placement.shard_batch(data[0])
+    pipeline_layer._NOTED.discard("1F1B")
+    run = lambda lay: lay.pipeline_loss(*batch, schedule="1F1B", num_microbatches=MICRO4)  # noqa: E731
+    with caplog.at_level("WARNING", logger="jfleet"):
+        got = nnx.jit(run)(layer)
+        nnx.eval_shape(run, layer)
+    ref = SequentialStats(one_device_mesh())
+    want = nnx.jit(micro_batch_mean, static_argnums=2)(ref, data[0], MICRO4)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert caplog.text.count("schedule_mode='FThenB' gives the whole batch's") == 1, caplog.text

@@ -1,7 +1,8 @@
 """Mixture of experts over an expert-parallel mesh axis: routing, dispatch, experts, combine.
 
 ``routing`` is the router's math (top-k, GShard's capacity rule and drop order, the
-load-balancing loss and router z-loss over the whole batch); ``experts`` the stacked expert
+load-balancing loss and router z-loss over the whole batch; ``load_stats`` their sums per
+row, for a pipeline to add over micro-batches); ``experts`` the stacked expert
 kernels and their compute (batched einsum or ``ragged_dot``); ``exchange`` moves tokens to
 their experts and back inside ``shard_map`` (fixed-buffer ``all_to_all`` on every platform,
 ``ragged_all_to_all`` on GPU / TPU); ``layer`` is the layer: :func:`moe` over global
@@ -21,6 +22,7 @@ from jfleet.parallel.moe.experts import (
 )
 from jfleet.parallel.moe.gates import BaseGate, GShardGate, NaiveGate, SwitchGate
 from jfleet.parallel.moe.layer import EP_AXIS, MoEAux, choose_path, moe, moe_local
+from jfleet.parallel.moe.load_stats import LoadStats, row_stats
 from jfleet.parallel.moe.moe_layer import MoELayer, MoEStat, moe_stats
 from jfleet.parallel.moe.routing import (
     Routing,
@@ -38,6 +40,7 @@ __all__ = [
     "BaseGate",
     "ExpertWeights",
     "GShardGate",
+    "LoadStats",
     "MoEAux",
     "MoELayer",
     "MoEStat",
@@ -59,4 +62,5 @@ __all__ = [
     "route",
     "route_logits",
     "router_z_loss",
+    "row_stats",
 ]

@@ -90,6 +90,11 @@ class BaseGate(nnx.Module):
     def record(self, aux: MoEAux) -> None:
         """Keep this gate's loss from the layer's :class:`MoEAux` (none by default)."""
 
+    @property
+    def balance_scale(self) -> float:
+        """The gate's loss as a multiple of the Switch load-balancing loss (0: none)."""
+        return 0.0
+
 
 class NaiveGate(BaseGate):
     """Top-k routing by a linear layer's logits; no capacity limit, no loss.
@@ -194,7 +199,11 @@ class GShardGate(NaiveGate):
         return jax.random.uniform(self.rngs(), shape, jnp.float32)
 
     def record(self, aux: MoEAux) -> None:
-        self.set_loss(self.top_k * aux.load_balancing_loss)
+        self.set_loss(self.balance_scale * aux.load_balancing_loss)
+
+    @property
+    def balance_scale(self) -> float:
+        return float(self.top_k)
 
 
 class SwitchGate(NaiveGate):
@@ -247,6 +256,10 @@ class SwitchGate(NaiveGate):
 
     def record(self, aux: MoEAux) -> None:
         self.set_loss(aux.load_balancing_loss)
+
+    @property
+    def balance_scale(self) -> float:
+        return 1.0
 
 
 def _capacity_pair(cls: str, capacity: Any) -> tuple[float, float] | None:

@@ -27,7 +27,10 @@ expert-parallel group and the tokens moved to them by all-to-all.
   calls :func:`~jfleet.parallel.moe.layer.moe_local` on its ``E / ep`` experts (the stage's
   expert kernels arrive split over ``ep``). Its gate loss and counts are seen only inside
   the block right after the call (a block returns the loss with its activation); the
-  stacked body keeps neither (``docs/moe.md``, "MoE in a pipeline").
+  stacked body keeps neither (``docs/moe.md``, "MoE in a pipeline"). For the whole
+  batch's load-balancing loss a block carries
+  :class:`~jfleet.parallel.moe.load_stats.LoadStats` instead (``layer(x,
+  load_stats=stats)``), which the FThenB schedule sums over the micro-batches.
 
 Example:
   >>> from flax import nnx
@@ -57,6 +60,7 @@ from jfleet.mesh.topology import DATA_AXES, MP
 from jfleet.parallel.moe.experts import StackedExperts
 from jfleet.parallel.moe.gates import BaseGate, GShardGate, NaiveGate, SwitchGate
 from jfleet.parallel.moe.layer import EP_AXIS, MoEAux, moe, moe_local
+from jfleet.parallel.moe.load_stats import LoadStats, row_stats
 from jfleet.parallel.stack import CallOutput, stack_layers
 from jfleet.runtime.log import logger
 
@@ -169,11 +173,19 @@ class MoELayer(nnx.Module):
         self.dropped = MoEStat(zero)
         self.routed = MoEStat(zero)
 
-    def __call__(self, inp: jax.Array) -> jax.Array:
+    def __call__(
+        self, inp: jax.Array, *, load_stats: LoadStats | None = None
+    ) -> jax.Array | tuple[jax.Array, LoadStats]:
         """``inp [..., d_model]`` through the gate and the experts; same shape out.
 
         The gate's loss (:meth:`BaseGate.get_loss`) and the dropped / routed assignments
         per expert (:attr:`dropped`, :attr:`routed`) are this call's afterwards.
+
+        With ``load_stats`` (:class:`~jfleet.parallel.moe.load_stats.LoadStats`, rows
+        first like ``inp``) the call returns ``(output, load_stats)`` with this layer's
+        router statistics pushed in: carried with the activation, their
+        :meth:`~jfleet.parallel.moe.load_stats.LoadStats.loss` is the gate's loss over
+        the whole batch, also in a pipeline (``schedule="FThenB"``).
         """
         if inp.shape[-1] != self.d_model:
             raise ValueError(
@@ -204,7 +216,11 @@ class MoELayer(nnx.Module):
             self.gate.set_loss(self.gate.loss[...] + self.z_loss_coef * aux.router_z_loss)
         self.dropped[...] = aux.dropped
         self.routed[...] = aux.routed
-        return y
+        if load_stats is None:
+            return y
+        z_coef = self.z_loss_coef if self.gate.has_loss else 0.0
+        mine = row_stats(logits, self.top_k, self.gate.balance_scale, z_coef)
+        return y, load_stats.push(mine)
 
 
 def _run(
