@@ -211,3 +211,15 @@ def test_only_stacked_kernels_and_their_biases_are_taken_beside_a_router():
     assert found.moe == _config_spec("qwen3_moe", DISPATCH["qwen3_moe"])
     assert "model.layers.0.mlp.table" in {p.path for p in found.params}
     assert "model.layers.0.mlp.table" not in {p.path for p in found.routed}
+
+
+def test_forced_ep_with_pp_on_a_traced_dispatch_is_refused_with_the_reason():
+    """No compile. The tokens are gathered over ep at each MoE layer's boundary, a
+    constraint a pipeline stage (manual over the data axes) cannot hold: refused, with
+    the way out."""
+    model, found = _matched("qwen3_moe")
+    with pytest.raises(ValueError, match=r"ep=2 with pp > 1: .* use jfleet's MoELayer"):
+        plan_for(
+            model, device_num=8, batch_size=8, seq_len=8, patterns=found,
+            force_mesh={"dp": 2, "pp": 2, "ep": 2},
+        )  # fmt: skip
