@@ -21,7 +21,7 @@ from jfleet.auto_parallel.match.moe_spec import MoESpec
 from jfleet.auto_parallel.search.layouts import enumerate_layouts
 from jfleet.auto_parallel.search.planner import plan_for
 from jfleet.models.llama import TinyLlama
-from jfleet.testing import assert_trees_close, train_one_device
+from jfleet.testing import assert_trees_close, hlo, train_one_device
 from jfleet.testing.nnx_styles import MOE_STYLES
 from jfleet.testing.nnx_styles.moe_styles import (
     GptOssConfig,
@@ -223,3 +223,29 @@ def test_forced_ep_with_pp_on_a_traced_dispatch_is_refused_with_the_reason():
             model, device_num=8, batch_size=8, seq_len=8, patterns=found,
             force_mesh={"dp": 2, "pp": 2, "ep": 2},
         )  # fmt: skip
+
+
+def test_zero3_beside_ep_gathers_each_expert_shard_over_sharding_only_and_trains_like_one_device():
+    """sharding2 x ep4 at ZeRO-3, capacity dispatch: ZeRO gathers each device's 2 of the 8
+    experts over the 2 sharding ranks (never a whole stack over ep), the only all-gathers
+    over the 4 ep ranks are the tokens, and it trains like one device."""
+    style = MOE_STYLES["qwen3_moe"]
+    config = ToDistributedConfig(
+        forward=style.forward, force_mesh={"sharding": 2, "ep": 4}, zero_stage=3
+    )
+    model, opt, loader = to_distributed(
+        _big_experts("capacity"), optax.adam(1e-3), style.batches(3), 8, config=config
+    )
+    assert get_plan(model).zero_stage == 3
+    batches = list(loader)
+    step = make_train_step(style.loss_fn)
+    found = hlo.collectives(step.lower(model, opt, batches[0]).compile().as_text())
+    gathers = [c for c in found if c.kind == "all-gather"]
+    local_stack = 2 * 32 * 128 * 4  # 2 experts x [32, 128] fp32
+    assert max(c.bytes for c in gathers) == local_stack
+    assert {c.bytes for c in gathers if c.group_size == 4} == {4 * 8 * 32 * 4}  # the tokens
+    losses = [float(step(model, opt, batch)) for batch in batches]
+    want, _ = train_one_device(
+        _big_experts("capacity"), optax.adam(1e-3), style.batches(3), style.loss_fn
+    )
+    assert_trees_close(np.asarray(losses), np.asarray(want), devices=8)
