@@ -127,7 +127,7 @@ TIME_WORDS = {
     "pipeline": "pipeline transfer",
     "sequence": "sequence-parallel gather",
     "memory_traffic": "loop memory traffic",
-    "expert_parallel": "expert all-to-all",
+    "expert_parallel": "expert token exchange",
 }
 
 

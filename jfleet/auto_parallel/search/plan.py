@@ -483,7 +483,7 @@ class Plan:
                     ("pipeline", t.pipeline),
                     ("sequence", t.sequence),
                     ("loop memory traffic", t.memory_traffic),
-                    ("expert all-to-all", t.expert_parallel),
+                    ("expert token exchange", t.expert_parallel),
                 )
                 if v
             )
