@@ -19,6 +19,7 @@ from jfleet.auto_parallel import ToDistributedConfig, get_plan, match_patterns, 
 from jfleet.auto_parallel.cost.layout import Workload
 from jfleet.auto_parallel.match.moe_spec import MoESpec
 from jfleet.auto_parallel.search.layouts import enumerate_layouts
+from jfleet.auto_parallel.search.plan import Plan
 from jfleet.auto_parallel.search.planner import plan_for
 from jfleet.models.llama import TinyLlama
 from jfleet.testing import assert_trees_close, hlo, train_one_device
@@ -117,6 +118,12 @@ def test_the_search_keeps_routed_row_dispatch_off_ep_and_says_why(name):
     assert {c.layout.ep for c in plan.candidates} == {1}
     (note,) = [n for n in plan.notes if n.startswith("ep not searched")]
     assert "as GSPMD partitions it" in note and "force_mesh" in note
+    # forced, the experts go over ep, and the tokens are left to GSPMD (gathering them
+    # all-reduces the per-row intermediates: more than it saves, measured)
+    forced = plan_for(
+        model, device_num=8, batch_size=8, seq_len=8, patterns=found, force_mesh={"ep": 8}
+    )
+    assert forced.layout.ep == 8 and forced.moe_layers == ()
     priced = dataclasses.replace(found, routed=())
     layouts, _ = enumerate_layouts(priced, Workload(batch_size=8, seq_len=8), device_num=8)
     assert {lay.ep for lay in layouts} > {1}
@@ -182,6 +189,8 @@ def test_searched_ep_gathers_tokens_never_experts_trains_like_one_device_and_say
     assert "tokens gathered over ep8" in why and "slower than the best" in why, why
     (how,) = [n for n in plan.notes if "ring of experts" in n]
     assert "the experts never move" in how, how
+    assert plan.moe_layers == ("model.layers.0.mlp", "model.layers.1.mlp")
+    assert Plan.from_json(plan.to_json()).moe_layers == plan.moe_layers
     mlp = model.model.layers[0].mlp
     for kernel in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
         assert kernel[...].addressable_shards[0].data.shape[0] == 1  # 1 of 8 experts

@@ -22,7 +22,7 @@ from jfleet.auto_parallel.apply.blocks import (
     pipeline_blocks,
     wrap_blocks,
 )
-from jfleet.auto_parallel.apply.expert_tokens import gather_expert_tokens, moe_layer_paths
+from jfleet.auto_parallel.apply.expert_tokens import gather_expert_tokens
 from jfleet.auto_parallel.apply.scanned_blocks import scan_blocks
 from jfleet.auto_parallel.apply.sequence_dots import pin_sequence_projections
 from jfleet.auto_parallel.match.block_extras import BlockOutputs
@@ -30,7 +30,7 @@ from jfleet.auto_parallel.match.matched import module_at
 from jfleet.auto_parallel.match.patterns import path_str
 from jfleet.auto_parallel.search.plan import Plan
 from jfleet.mesh.placement import Placement
-from jfleet.mesh.topology import EP, MP, PP, SEP
+from jfleet.mesh.topology import MP, PP, SEP
 
 
 def _padded(spec: Any, ndim: int) -> tuple:
@@ -65,8 +65,8 @@ def shape_for_plan(
     """Annotates and restructures ``model`` for ``plan``, placing nothing (it may be traced:
     :func:`~jfleet.mesh.create.create_placed` runs it inside ``jax.jit``).
 
-    A traced model's MoE layers (the modules holding the plan's routers) over ``ep`` > 1
-    have their tokens gathered over ``ep`` at their boundary
+    The plan's ``moe_layers`` (a traced einsum dispatch over ``ep`` > 1) have their tokens
+    gathered over ``ep`` at their boundary
     (:func:`~jfleet.auto_parallel.apply.expert_tokens.gather_expert_tokens`).
 
     The layouts are the plan's, computed once by the planner: each parameter's
@@ -94,9 +94,8 @@ def shape_for_plan(
             model, {path: (p.role, p.spec) for path, p in params.items()}, plan.blocks,
             placement.mesh, tuple(a for a in seq_axes if a != MP),
         )  # fmt: skip
-    routers = [p.path for p in plan.params if p.role == "router"]
-    if routers and degrees.get(EP, 1) > 1:  # a traced model's own dispatch over ep
-        gather_expert_tokens(model, moe_layer_paths(routers), placement.mesh)
+    if plan.moe_layers:  # a traced model's own einsum dispatch over ep
+        gather_expert_tokens(model, plan.moe_layers, placement.mesh)
     selective = plan.layout.selective_recompute
     if plan.blocks and degrees[PP] > 1:
         container = container_of(model, plan.blocks)

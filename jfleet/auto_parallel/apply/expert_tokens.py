@@ -46,18 +46,7 @@ from jfleet.auto_parallel.match.matched import module_at
 from jfleet.mesh.layer_mesh import constrain
 from jfleet.mesh.topology import DATA_AXES, EP
 
-__all__ = ["gather_expert_tokens", "moe_layer_paths"]
-
-
-def moe_layer_paths(router_params: Iterable[str]) -> list[str]:
-    """The MoE layers' paths from their routers' parameter paths (the router module's
-    parent), in order.
-
-    Example:
-      >>> moe_layer_paths(["m.layers.0.mlp.gate.kernel", "m.layers.0.mlp.gate.bias"])
-      ['m.layers.0.mlp']
-    """
-    return sorted({p.rsplit(".", 2)[0] for p in router_params})
+__all__ = ["gather_expert_tokens"]
 
 
 def _pins(mesh: Mesh) -> tuple[tuple[str, ...], tuple[str, ...]]:

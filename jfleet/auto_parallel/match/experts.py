@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from jfleet.auto_parallel.match.dataflow import Trace
 from jfleet.auto_parallel.match.matched import ParamInfo
@@ -46,7 +46,7 @@ from jfleet.auto_parallel.match.module_parts import Blocks
 from jfleet.auto_parallel.match.moe_spec import MoESpec
 from jfleet.auto_parallel.match.tag_walk import Dot
 
-__all__ = ["Routed", "find_experts", "split_routed"]
+__all__ = ["Routed", "find_experts", "moe_layer_paths", "split_routed"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,3 +202,14 @@ def split_routed(
         d for d in dots if d.param not in reads and not (d.param is None and d.last & reads)
     )
     return kept, taken, left
+
+
+def moe_layer_paths(router_params: Iterable[str]) -> list[str]:
+    """The MoE layers' paths from their routers' parameter paths (the router module's
+    parent), in order.
+
+    Example:
+      >>> moe_layer_paths(["m.layers.0.mlp.gate.kernel", "m.layers.0.mlp.gate.bias"])
+      ['m.layers.0.mlp']
+    """
+    return sorted({p.rsplit(".", 2)[0] for p in router_params})

@@ -262,6 +262,9 @@ class Plan:
       workload: the inputs in their own words when they are not token ids (``images 32 x
         28x28x1``; :meth:`~jfleet.auto_parallel.match.matched.ModelPatterns.workload`); empty:
         ``batch x seq`` of tokens.
+      moe_layers: module paths of a traced model's MoE layers whose tokens are gathered over
+        ``ep`` at their boundary (an einsum dispatch over ``ep`` > 1:
+        :mod:`jfleet.auto_parallel.apply.expert_tokens`); empty otherwise.
 
     Example:
       >>> import optax
@@ -302,6 +305,7 @@ class Plan:
     profile: HardwareProfile
     memory_budget: int
     workload: str = ""
+    moe_layers: tuple[str, ...] = ()
 
     # ------------------------------------------------------------ views
     @property
@@ -584,44 +588,48 @@ class Plan:
     # ------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (:meth:`from_dict` rebuilds the plan exactly)."""
-        return {
-            "format": _FORMAT,
-            "mesh": dict(self.mesh),
-            "zero_stage": self.zero_stage,
-            "schedule": self.schedule,
-            "num_microbatches": self.num_microbatches,
-            "recompute": self.recompute,
-            "sequence_parallel": self.sequence_parallel,
-            "params": [
-                {
-                    "path": p.path,
-                    "shape": list(p.shape),
-                    "dtype": p.dtype,
-                    "role": p.role,
-                    "spec": spec_to_json(p.spec),
-                    "zero_spec": spec_to_json(p.zero_spec),
-                    "stage": p.stage,
-                    "replicated_why": p.replicated_why,
-                }
-                for p in self.params
-            ],
-            "blocks": list(self.blocks),
-            "stages": [list(s) for s in self.stages],
-            "chosen": _candidate_to_dict(self.chosen),
-            "candidates": [_candidate_to_dict(c) for c in self.candidates],
-            "excluded": [list(e) for e in self.excluded],
-            "architecture": self.architecture,
-            "unmatched": list(self.unmatched),
-            "notes": list(self.notes),
-            "batch_size": self.batch_size,
-            "seq_len": self.seq_len,
-            "dtype": self.dtype,
-            "optimizer": self.optimizer,
-            "device_num": self.device_num,
-            "node_num": self.node_num,
-            "profile": self.profile.to_dict(),
-            "memory_budget": self.memory_budget,
-        } | ({"workload": self.workload} if self.workload else {})
+        return (
+            {
+                "format": _FORMAT,
+                "mesh": dict(self.mesh),
+                "zero_stage": self.zero_stage,
+                "schedule": self.schedule,
+                "num_microbatches": self.num_microbatches,
+                "recompute": self.recompute,
+                "sequence_parallel": self.sequence_parallel,
+                "params": [
+                    {
+                        "path": p.path,
+                        "shape": list(p.shape),
+                        "dtype": p.dtype,
+                        "role": p.role,
+                        "spec": spec_to_json(p.spec),
+                        "zero_spec": spec_to_json(p.zero_spec),
+                        "stage": p.stage,
+                        "replicated_why": p.replicated_why,
+                    }
+                    for p in self.params
+                ],
+                "blocks": list(self.blocks),
+                "stages": [list(s) for s in self.stages],
+                "chosen": _candidate_to_dict(self.chosen),
+                "candidates": [_candidate_to_dict(c) for c in self.candidates],
+                "excluded": [list(e) for e in self.excluded],
+                "architecture": self.architecture,
+                "unmatched": list(self.unmatched),
+                "notes": list(self.notes),
+                "batch_size": self.batch_size,
+                "seq_len": self.seq_len,
+                "dtype": self.dtype,
+                "optimizer": self.optimizer,
+                "device_num": self.device_num,
+                "node_num": self.node_num,
+                "profile": self.profile.to_dict(),
+                "memory_budget": self.memory_budget,
+            }
+            | ({"workload": self.workload} if self.workload else {})
+            | ({"moe_layers": list(self.moe_layers)} if self.moe_layers else {})
+        )
 
     def to_json(self, indent: int | None = 2) -> str:
         """The plan as JSON text."""
@@ -677,6 +685,7 @@ class Plan:
                 profile=HardwareProfile(**d["profile"]),
                 memory_budget=d["memory_budget"],
                 workload=d.get("workload", ""),
+                moe_layers=tuple(d.get("moe_layers", ())),
             )
         except KeyError as err:
             raise ValueError(f"plan JSON lacks the field {err.args[0]!r}.") from err

@@ -40,6 +40,7 @@ from jfleet.auto_parallel.cost.layout import (
 )
 from jfleet.auto_parallel.cost.profiles import HardwareProfile, get_profile
 from jfleet.auto_parallel.match.attention_trace import attention_as_run
+from jfleet.auto_parallel.match.experts import moe_layer_paths
 from jfleet.auto_parallel.match.moe_spec import MoESpec
 from jfleet.auto_parallel.match.patterns import ModelPatterns, match_patterns, path_str
 from jfleet.auto_parallel.search.layouts import enumerate_layouts, shape_problem
@@ -193,7 +194,8 @@ def _own_dispatch(patterns: ModelPatterns, lay: Any) -> str:
         return (
             "ep not searched: the model's own dispatch of routed rows (a ragged_dot or a "
             "per-token gather of the experts' weights) would run over ep as GSPMD partitions "
-            "it, which all-reduces its per-row intermediates over the ep group, where the "
+            "it, which gathers expert stacks or all-reduces per-row intermediates over the ep "
+            "group (measured), where the "
             "cost model prices jfleet's all-to-alls (jfleet.parallel.moe.moe); "
             "force_mesh={..., 'ep': n} places the experts over ep anyway (it trains like one "
             "device), or route through jfleet's MoELayer, or apply the expert stacks in "
@@ -201,10 +203,10 @@ def _own_dispatch(patterns: ModelPatterns, lay: Any) -> str:
             "is searched)"
         )
     return (
-        f"the experts are split over ep{lay.ep} on their leading dimension and each MoE "
-        "layer's tokens gathered over the ep group; the model's own dispatch of routed rows "
-        "(a ragged_dot or a per-token gather) then runs as GSPMD partitions it, all-reducing "
-        "its per-row intermediates there, while the cost model prices jfleet's dispatch "
+        f"the experts are split over ep{lay.ep} on their leading dimension, and the model's "
+        "own dispatch of routed rows (a ragged_dot or a per-token gather) runs as GSPMD "
+        "partitions it (it may gather expert stacks or all-reduce per-row intermediates "
+        "over the ep group), while the cost model prices jfleet's dispatch "
         "(jfleet.parallel.moe.moe: two all-to-alls a MoE layer forward, two backward), so "
         "the step time and the collective bytes above are a prediction for that dispatch, "
         "not this one"
@@ -827,4 +829,14 @@ def _build_plan(
         workload=""
         if patterns.input_kind == "tokens"
         else patterns.workload(workload.batch_size, workload.seq_len),
+        moe_layers=_gathered_moe_layers(patterns, lay),
     )
+
+
+def _gathered_moe_layers(patterns: ModelPatterns, lay: Any) -> tuple[str, ...]:
+    """The traced MoE layers whose tokens the plan gathers over ``ep``: an einsum dispatch
+    over ``ep`` > 1 (a dispatch of routed rows is left to GSPMD: gathering its tokens
+    all-reduces its per-row intermediates, more than it saves; measured)."""
+    if lay.ep == 1 or not patterns.routed or patterns.moe.dispatch != "einsum":
+        return ()
+    return tuple(moe_layer_paths(p.path for p in patterns.routed if p.role == "router"))
