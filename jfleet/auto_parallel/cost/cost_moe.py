@@ -40,7 +40,7 @@ from jfleet.mesh.topology import DP, EP, MP, SEP, SHARDING
 from jfleet.parallel.moe.layer import choose_path
 from jfleet.parallel.moe.routing import expert_capacity
 
-__all__ = ["LOAD_IMBALANCE", "MoEExchange", "moe_exchange", "moe_exchange_bytes"]
+__all__ = ["LOAD_IMBALANCE", "SLOT_TENSORS", "MoEExchange", "moe_exchange", "moe_exchange_bytes"]
 __all__ += ["expert_memory", "expert_reduction_time", "moe_elems", "moe_exchange_time"]
 __all__ += ["moe_flops", "moe_rows", "moe_stage_layers", "ring_exchange_time"]
 
@@ -213,6 +213,27 @@ def moe_flops(s: StepShape) -> float:
     return passes * fwd * calls * moe_stage_layers(s)
 
 
+#: ``[T, E, C]`` tensors a traced one-hot capacity dispatch keeps a MoE layer: the dispatch
+#: and combine tensors, their cotangents and two intermediates of the one-hot products,
+#: split over the data ranks. Read off the compiled steps of the ``qwen3_moe`` style with
+#: ``dispatch="capacity"`` (``benchmarks/moe_exchange.py``, ``capacity_memory``): 6.05 at
+#: ep8 with 2048 tokens, the other rows held out.
+SLOT_TENSORS = 3
+
+
+def _slot_elems(s: StepShape) -> float:
+    """Elements per device token of a traced capacity dispatch's ``[T, E, C]`` one-hot
+    tensors (0 for any other dispatch): ``T`` the layer's tokens over every data rank, as
+    the code's capacity rule sees them, so ``T x E x C = rows_per_token x T^2``, split
+    over the data ranks; quadratic in the tokens, as GShard's dispatch without groups is."""
+    moe = s.patterns.moe
+    if not _einsum(s) or moe.rows_per_token >= moe.experts:  # every expert: no slots
+        return 0.0
+    lay = s.layout
+    tokens = s.tokens_mb * lay.dp * lay.sharding * lay.ep
+    return SLOT_TENSORS * moe.rows_per_token * tokens
+
+
 def moe_elems(s: StepShape, *, kept: bool = False) -> float:
     """Activation elements per device token and decoder layer the routed experts keep
     (their MLP's per routed row, the dispatched and combined rows, the router's logits
@@ -226,7 +247,8 @@ def moe_elems(s: StepShape, *, kept: bool = False) -> float:
     per_row = (0 if kept else _EXPERT_ELEMS[moe.gated] * moe.expert_ffn) + 2 * s.dims.width
     router = 2 * moe.experts / s.layout.mp
     share = moe.layers / (len(s.patterns.blocks) or s.dims.layers or 1)
-    return (rows_per_token * per_row + router) * share
+    slots = 0.0 if kept else _slot_elems(s)
+    return (rows_per_token * per_row + router + slots) * share
 
 
 def _expert_elems(s: StepShape) -> tuple[float, float]:
