@@ -24,7 +24,9 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from jfleet.auto_parallel.cost.memo import cached
 from jfleet.auto_parallel.cost.step_shape import StepShape, ring_bytes
+from jfleet.auto_parallel.match.patterns import ModelPatterns
 from jfleet.mesh.topology import DP, EP, MP, SEP, SHARDING
 from jfleet.parallel.moe.layer import choose_path
 from jfleet.parallel.moe.routing import expert_capacity
@@ -120,9 +122,23 @@ _EXPERT_ELEMS = {True: 5, False: 3}
 
 def moe_stage_layers(s: StepShape) -> float:
     """MoE layers on the largest pipeline stage (its blocks' share of the MoE layers)."""
-    moe = s.patterns.moe
+    return _stage_experts(s)[0]
+
+
+def _stage_experts(s: StepShape) -> tuple[float, float, float]:
+    """(:func:`moe_stage_layers`, the routed experts' elements on one device, the
+    routers'), once a model, stage size and ``ep``: every MoE term of a layout reads them,
+    and the layouts of a stage size and ``ep`` (every ``M``, ``v``, accumulation, ZeRO
+    stage and recompute of their meshes) share them."""
+    key = ("moe_stage", s.stage_blocks, s.layout.ep)
+    return cached(s.patterns, key, lambda: _stage_experts_of(s))
+
+
+def _stage_experts_of(s: StepShape) -> tuple[float, float, float]:
+    moe, h = s.patterns.moe, s.dims.width
     blocks = len(s.patterns.blocks) or s.dims.layers or 1
-    return moe.layers * s.stage_blocks / blocks
+    layers = moe.layers * s.stage_blocks / blocks
+    return layers, layers * moe.experts // s.layout.ep * moe.one_expert(h), layers * h * moe.experts
 
 
 def _call_tokens(s: StepShape) -> int:
@@ -197,14 +213,18 @@ def moe_elems(s: StepShape, *, kept: bool = False) -> float:
 
 def _expert_elems(s: StepShape) -> tuple[float, float]:
     """(routed experts' elements on one device, routers'), of the stage's MoE layers."""
-    moe, h = s.patterns.moe, s.dims.width
-    layers = moe_stage_layers(s)
-    return layers * moe.experts // s.layout.ep * moe.one_expert(h), layers * h * moe.experts
+    _, experts, routers = _stage_experts(s)
+    return experts, routers
 
 
 def _itemsize(s: StepShape) -> int:
-    """Bytes an element of the experts: the dtype of the model's largest block kernel."""
-    kernels = [p for p in s.patterns.params if p.block is not None] or list(s.patterns.params)
+    """Bytes an element of the experts: the dtype of the model's largest block kernel (found
+    once a model: a scan of every parameter, asked several times a layout)."""
+    return cached(s.patterns, ("expert_itemsize",), lambda: _largest_itemsize(s.patterns))
+
+
+def _largest_itemsize(patterns: ModelPatterns) -> int:
+    kernels = [p for p in patterns.params if p.block is not None] or list(patterns.params)
     largest = max(kernels, key=lambda p: p.size, default=None)
     return jnp.dtype(largest.dtype).itemsize if largest is not None else 4
 
