@@ -164,6 +164,8 @@ def test_expert_terms_once_a_model_stage_size_and_ep(monkeypatch):
     model = abstract_model(MOE_SHAPE)
     found = match_patterns(model)
     elems = _Counter(monkeypatch, cost_moe, "_stage_experts_of")
+    reductions = _Counter(monkeypatch, cost_moe, "_one_call_expert_reduction")
+    exchanges = _Counter(monkeypatch, cost_moe, "_one_exchange")
     estimates = _Counter(monkeypatch, planner, "estimate")
     monkeypatch.setattr(ParamInfo, "size", property(counted_size))
     result = plan(model, (64, 128), CLUSTER, patterns=found, wide_search=True)
@@ -173,9 +175,21 @@ def test_expert_terms_once_a_model_stage_size_and_ep(monkeypatch):
     # the stage's blocks and ep decide the experts' elements
     stages = {(_moe_stage_blocks(lay), lay.ep) for lay in layouts}
     assert elems.calls <= len(stages) < len(layouts) / 10
+    # a call's expert reduction once a mesh, ZeRO setting and stage size; a call's
+    # all-to-alls once a mesh and micro-batch size
+    zeros = {(tuple(lay.degrees.values()), lay.zero_stage, lay.zero_spans_data,
+              _moe_stage_blocks(lay)) for lay in layouts}  # fmt: skip
+    assert reductions.calls <= len(zeros) < len(layouts) / 4
+    tokens = {(tuple(lay.degrees.values()), _moe_tokens_mb(lay)) for lay in layouts if lay.ep > 1}
+    assert 0 < exchanges.calls <= len(tokens) < len(layouts) / 4
     # a parameter's size is read a bounded number of times whatever the layouts' count
     assert reads["size"] <= 10 * len(found.params) < len(layouts)
 
 
 def _moe_stage_blocks(lay: Layout) -> int:
     return step_shape.largest_stage_blocks(MOE_SHAPE.layers, 1, lay.pp, lay.num_virtual_stages)
+
+
+def _moe_tokens_mb(lay: Layout) -> int:
+    local = 64 // lay.data_degree * (MOE_SHAPE.seq_len // lay.sep)
+    return local // (lay.num_microbatches * lay.accumulate_steps)
