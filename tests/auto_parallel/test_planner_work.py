@@ -15,7 +15,8 @@ import gc
 
 import pytest
 
-from jfleet.auto_parallel.cost import cost_memory, cost_model, cost_moe, step_shape
+from jfleet.auto_parallel.cost import cost_comm, cost_memory, cost_model, cost_moe, step_shape
+from jfleet.auto_parallel.cost.cost_types import Candidate, Collectives, Memory, StepTime
 from jfleet.auto_parallel.cost.layout import Layout, Workload
 from jfleet.auto_parallel.match.matched import ModelPatterns, ParamInfo
 from jfleet.auto_parallel.match.moe_spec import MoESpec
@@ -61,7 +62,12 @@ def counted(monkeypatch, model):
         "efficiency": _Counter(monkeypatch, cost_model, "matmul_efficiency"),
         "replicated_at": _Counter(monkeypatch, ModelPatterns, "replicated_at"),
         "init": _Counter(monkeypatch, step_shape.StepShape, "__init__"),
+        **{
+            f"init_{cls.__name__}": _Counter(monkeypatch, cls, "__init__")
+            for cls in (Candidate, Memory, StepTime, Collectives)
+        },
         "estimate": _Counter(monkeypatch, planner, "estimate"),
+        "reduction": _Counter(monkeypatch, cost_comm, "_one_call_reduction"),
     }
     result = plan(model, BATCH, CLUSTER, patterns=match_patterns(model))
     layouts = [args[2] for args in counters["estimate"].args]
@@ -92,15 +98,33 @@ def test_parameter_bytes_once_a_mesh_and_zero_setting(counted):
     assert counters["stage_bytes"].calls <= 2 * len(keys)
 
 
-def test_no_dataclass_init_per_layout(counted):
-    """Each layout's StepShape is assembled (its frozen ``__init__`` was half the step's
-    time), with every field of the dataclass."""
+def test_gradient_reduction_once_a_mesh_zero_setting_and_stage(counted):
+    """A call's gradient reduction and ZeRO gathers are priced once a mesh, ZeRO setting,
+    stage size and whether recompute waits (the layouts of one differ in micro-batches,
+    ``v`` or accumulation, which only repeat it)."""
     counters, layouts, _ = counted
+    keys = {(tuple(lay.degrees.values()), lay.zero_stage, lay.zero_spans_data,
+             _stage_blocks(lay)) for lay in layouts}  # fmt: skip
+    assert counters["reduction"].calls <= 2 * len(keys) < len(layouts) / 4
+
+
+def test_no_dataclass_init_per_layout(counted):
+    """Each layout's StepShape and predictions (candidate, memory, time, collective bytes)
+    are assembled (their frozen ``__init__`` was half the step's time, and a fifth of the
+    estimate), with every field of the dataclass, in order; only the ranked candidates
+    (``rank`` marks each) are built by ``__init__``."""
+    counters, layouts, result = counted
     assert counters["init"].calls == 0
+    for cls in (Memory, StepTime, Collectives):
+        assert counters[f"init_{cls.__name__}"].calls == 0
+    assert counters["init_Candidate"].calls <= len(result.candidates) < len(layouts) / 10
     work = Workload(batch_size=BATCH[0], seq_len=BATCH[1], dtype="bfloat16")
     found = match_patterns(abstract_model(SHAPE))
     s = step_shape.step_shape(found, work, layouts[-1], "a100", devices_per_node=8)
     assert set(vars(s)) == {f.name for f in dataclasses.fields(step_shape.StepShape)}
+    c = cost_model.estimate(found, work, layouts[-1], "a100", devices_per_node=8)
+    for made in (c, c.memory, c.time, c.collectives):
+        assert list(vars(made)) == [f.name for f in dataclasses.fields(made)]
 
 
 def test_model_terms_once_a_degree(counted):
