@@ -16,6 +16,7 @@ import gc
 import pytest
 
 from jfleet.auto_parallel.cost import cost_comm, cost_memory, cost_model, cost_moe, step_shape
+from jfleet.auto_parallel.cost import layout as layout_module
 from jfleet.auto_parallel.cost.cost_types import Candidate, Collectives, Memory, StepTime
 from jfleet.auto_parallel.cost.layout import Layout, Workload
 from jfleet.auto_parallel.match.matched import ModelPatterns, ParamInfo
@@ -189,6 +190,7 @@ def test_expert_terms_once_a_model_stage_size_and_ep(monkeypatch):
     found = match_patterns(model)
     elems = _Counter(monkeypatch, cost_moe, "_stage_experts_of")
     reductions = _Counter(monkeypatch, cost_moe, "_one_call_expert_reduction")
+    checks = _Counter(monkeypatch, layout_module, "_count_ok")
     exchanges = _Counter(monkeypatch, cost_moe, "_one_exchange")
     estimates = _Counter(monkeypatch, planner, "estimate")
     monkeypatch.setattr(ParamInfo, "size", property(counted_size))
@@ -206,6 +208,9 @@ def test_expert_terms_once_a_model_stage_size_and_ep(monkeypatch):
     assert reductions.calls <= len(zeros) < len(layouts) / 4
     tokens = {(tuple(lay.degrees.values()), _moe_tokens_mb(lay)) for lay in layouts if lay.ep > 1}
     assert 0 < exchanges.calls <= len(tokens) < len(layouts) / 4
+    # every layout, ep > 1 too, passes Layout's checks at once, not one count at a time
+    # (counted: the Workload's batch and sequence, once)
+    assert checks.calls == 2
     # a parameter's size is read a bounded number of times whatever the layouts' count
     assert reads["size"] <= 10 * len(found.params) < len(layouts)
 
