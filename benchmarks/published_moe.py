@@ -290,9 +290,14 @@ overlapped with compute by the profile's `comm_overlap`) is predicted faster tha
 `ep`, whose all-to-alls (and, for the 235B rows, the halved NIC count of a ZeRO ring beside
 an inner `ep` axis) cost more than the gathers they save; qwen3-235b-ep8-fsdp's measured
 17.6 s (31.5% MFU) against the pick's predicted 16.3 s (33.9%) is the nearest check of that
-claim. (5) Planning: the wide search on 256 GPUs takes 90-140 s a plan (the `ep` axis
-multiplies the meshes by up to 8 divisors of the 128 experts), over the 10 s target of
-issue 37; `--narrow` takes 55-80 s."""
+claim. (5) Planning: the wide search on 256 GPUs prices 244,140 layouts (the `ep` axis
+multiplies the meshes by up to 8 divisors of the 128 experts). The table's seconds are
+wall-clock on a 2-core machine shared with other jobs (load average 2-5 while measured).
+In CPU time qwen3-235b-ep8-fsdp's pick takes 12-15 s (74-93 s before the experts' terms
+were kept once a model, mesh and stage, measured back to back): about 8 s prices the
+layouts (30 us each), 2 s traces the model, 1.5 s enumerates the layouts and 0.8 s prunes
+them, still over the 10 s target of issue 37; qwen3-30b-h100-8's takes 1.5-1.8 s (3.1-3.5
+s before)."""
 
 
 if __name__ == "__main__":

@@ -15,9 +15,12 @@ import gc
 
 import pytest
 
-from jfleet.auto_parallel.cost import cost_memory, cost_model, step_shape
+from jfleet.auto_parallel.cost import cost_comm, cost_memory, cost_model, cost_moe, step_shape
+from jfleet.auto_parallel.cost import layout as layout_module
+from jfleet.auto_parallel.cost.cost_types import Candidate, Collectives, Memory, StepTime
 from jfleet.auto_parallel.cost.layout import Layout, Workload
-from jfleet.auto_parallel.match.matched import ModelPatterns
+from jfleet.auto_parallel.match.matched import ModelPatterns, ParamInfo
+from jfleet.auto_parallel.match.moe_spec import MoESpec
 from jfleet.auto_parallel.match.patterns import match_patterns
 from jfleet.auto_parallel.search import planner
 from jfleet.auto_parallel.search.cluster_plan import Cluster, plan
@@ -60,7 +63,12 @@ def counted(monkeypatch, model):
         "efficiency": _Counter(monkeypatch, cost_model, "matmul_efficiency"),
         "replicated_at": _Counter(monkeypatch, ModelPatterns, "replicated_at"),
         "init": _Counter(monkeypatch, step_shape.StepShape, "__init__"),
+        **{
+            f"init_{cls.__name__}": _Counter(monkeypatch, cls, "__init__")
+            for cls in (Candidate, Memory, StepTime, Collectives)
+        },
         "estimate": _Counter(monkeypatch, planner, "estimate"),
+        "reduction": _Counter(monkeypatch, cost_comm, "_one_call_reduction"),
     }
     result = plan(model, BATCH, CLUSTER, patterns=match_patterns(model))
     layouts = [args[2] for args in counters["estimate"].args]
@@ -91,15 +99,33 @@ def test_parameter_bytes_once_a_mesh_and_zero_setting(counted):
     assert counters["stage_bytes"].calls <= 2 * len(keys)
 
 
-def test_no_dataclass_init_per_layout(counted):
-    """Each layout's StepShape is assembled (its frozen ``__init__`` was half the step's
-    time), with every field of the dataclass."""
+def test_gradient_reduction_once_a_mesh_zero_setting_and_stage(counted):
+    """A call's gradient reduction and ZeRO gathers are priced once a mesh, ZeRO setting,
+    stage size and whether recompute waits (the layouts of one differ in micro-batches,
+    ``v`` or accumulation, which only repeat it)."""
     counters, layouts, _ = counted
+    keys = {(tuple(lay.degrees.values()), lay.zero_stage, lay.zero_spans_data,
+             _stage_blocks(lay)) for lay in layouts}  # fmt: skip
+    assert counters["reduction"].calls <= 2 * len(keys) < len(layouts) / 4
+
+
+def test_no_dataclass_init_per_layout(counted):
+    """Each layout's StepShape and predictions (candidate, memory, time, collective bytes)
+    are assembled (their frozen ``__init__`` was half the step's time, and a fifth of the
+    estimate), with every field of the dataclass, in order; only the ranked candidates
+    (``rank`` marks each) are built by ``__init__``."""
+    counters, layouts, result = counted
     assert counters["init"].calls == 0
+    for cls in (Memory, StepTime, Collectives):
+        assert counters[f"init_{cls.__name__}"].calls == 0
+    assert counters["init_Candidate"].calls <= len(result.candidates) < len(layouts) / 10
     work = Workload(batch_size=BATCH[0], seq_len=BATCH[1], dtype="bfloat16")
     found = match_patterns(abstract_model(SHAPE))
     s = step_shape.step_shape(found, work, layouts[-1], "a100", devices_per_node=8)
     assert set(vars(s)) == {f.name for f in dataclasses.fields(step_shape.StepShape)}
+    c = cost_model.estimate(found, work, layouts[-1], "a100", devices_per_node=8)
+    for made in (c, c.memory, c.time, c.collectives):
+        assert list(vars(made)) == [f.name for f in dataclasses.fields(made)]
 
 
 def test_model_terms_once_a_degree(counted):
@@ -139,3 +165,60 @@ def test_no_cycle_collection_while_pricing(monkeypatch, model):
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+#: A shape-built mixture of experts: the wide search multiplies its meshes by ``ep``.
+MOE_SHAPE = ModelShape(
+    arch="llama", layers=8, width=256, heads=4, kv_heads=4, ffn=0, vocab=1024, seq_len=128,
+    moe=MoESpec(experts=8, top_k=2, expert_ffn=512, layers=8),
+)  # fmt: skip
+
+
+def test_expert_terms_once_a_model_stage_size_and_ep(monkeypatch):
+    """The routed experts' terms read the model's parameters once (the experts' dtype, the
+    largest block kernel's: it scanned every parameter several times a layout, 82% of
+    planning Qwen3-235B-A22B on 256 GPUs) and their per-device elements once a stage size
+    and ``ep``, not once a layout."""
+    reads = {"size": 0}
+    size = ParamInfo.size
+
+    def counted_size(p):
+        reads["size"] += 1
+        return size.fget(p)
+
+    model = abstract_model(MOE_SHAPE)
+    found = match_patterns(model)
+    elems = _Counter(monkeypatch, cost_moe, "_stage_experts_of")
+    reductions = _Counter(monkeypatch, cost_moe, "_one_call_expert_reduction")
+    checks = _Counter(monkeypatch, layout_module, "_count_ok")
+    exchanges = _Counter(monkeypatch, cost_moe, "_one_exchange")
+    estimates = _Counter(monkeypatch, planner, "estimate")
+    monkeypatch.setattr(ParamInfo, "size", property(counted_size))
+    result = plan(model, (64, 128), CLUSTER, patterns=found, wide_search=True)
+    layouts = [args[2] for args in estimates.args]
+    assert len(layouts) > 1000 and len({lay.ep for lay in layouts}) == 4  # ep 1, 2, 4, 8
+    assert result.chosen.fits
+    # the stage's blocks and ep decide the experts' elements
+    stages = {(_moe_stage_blocks(lay), lay.ep) for lay in layouts}
+    assert elems.calls <= len(stages) < len(layouts) / 10
+    # a call's expert reduction once a mesh, ZeRO setting and stage size; a call's
+    # all-to-alls once a mesh and micro-batch size
+    zeros = {(tuple(lay.degrees.values()), lay.zero_stage, lay.zero_spans_data,
+              _moe_stage_blocks(lay)) for lay in layouts}  # fmt: skip
+    assert reductions.calls <= len(zeros) < len(layouts) / 4
+    tokens = {(tuple(lay.degrees.values()), _moe_tokens_mb(lay)) for lay in layouts if lay.ep > 1}
+    assert 0 < exchanges.calls <= len(tokens) < len(layouts) / 4
+    # every layout, ep > 1 too, passes Layout's checks at once, not one count at a time
+    # (counted: the Workload's batch and sequence, once)
+    assert checks.calls == 2
+    # a parameter's size is read a bounded number of times whatever the layouts' count
+    assert reads["size"] <= 10 * len(found.params) < len(layouts)
+
+
+def _moe_stage_blocks(lay: Layout) -> int:
+    return step_shape.largest_stage_blocks(MOE_SHAPE.layers, 1, lay.pp, lay.num_virtual_stages)
+
+
+def _moe_tokens_mb(lay: Layout) -> int:
+    local = 64 // lay.data_degree * (MOE_SHAPE.seq_len // lay.sep)
+    return local // (lay.num_microbatches * lay.accumulate_steps)

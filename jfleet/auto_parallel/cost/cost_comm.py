@@ -21,7 +21,7 @@ Example:
 
 from __future__ import annotations
 
-from jfleet.auto_parallel.cost.memo import cached
+from jfleet.auto_parallel.cost.memo import cached, cached_for
 from jfleet.auto_parallel.cost.step_shape import StepShape, ring_bytes, stored_leaves
 from jfleet.auto_parallel.cost.step_work import tp_reductions
 from jfleet.mesh.topology import DP, EP, MP, PP, SEP, SHARDING
@@ -100,16 +100,40 @@ def data_parallel_time(s: StepShape, coll: dict[str, float]) -> float:
     (the engine's gradient merge is an optax transformation after the reduction, its
     update applied on the last call), so the step pays them ``accumulate`` times.
     """
+    seconds, adds, once = _call_reduction(s)
     if s.accumulate == 1:
-        return _one_call_reduction(s, coll)
-    once = new_counts()
-    seconds = _one_call_reduction(s, once)
+        for kind, nbytes in adds:  # as _one_call_reduction adds them, in order
+            coll[kind] += nbytes
+        return seconds
     for kind, nbytes in once.items():
         coll[kind] += s.accumulate * nbytes
     return s.accumulate * seconds
 
 
-def _one_call_reduction(s: StepShape, coll: dict[str, float]) -> float:
+def _call_reduction(s: StepShape) -> tuple[float, tuple[tuple[str, float], ...], dict]:
+    """(:func:`_one_call_reduction`'s seconds, the bytes it adds to the counts, in order,
+    and their sums from zero), once a mesh, ZeRO setting, stage and program: the layouts of
+    a mesh that differ in micro-batches, ``v`` or accumulation alone reduce alike."""
+    lay = s.layout
+    # (the mesh, ZeRO setting and stage size decide the stage's bytes and leaves,
+    # step_shape._param_bytes; the profile and the compute dtype their wire bytes)
+    key = ("call_reduction", s.sizes, s.devices_per_node, lay.zero_stage, lay.zero_spans_data)
+    key += (s.stage_blocks, s.scanned, s.remat_waits, s.workload.act_bytes)
+
+    def reduce() -> tuple[float, tuple[tuple[str, float], ...], dict]:
+        adds: list[tuple[str, float]] = []
+        seconds = _one_call_reduction(s, adds)
+        once = new_counts()
+        for kind, nbytes in adds:
+            once[kind] += nbytes
+        return seconds, tuple(adds), once
+
+    return cached_for(s.patterns, s.profile, key, reduce)
+
+
+def _one_call_reduction(s: StepShape, adds: list[tuple[str, float]]) -> float:
+    """One call's gradient reduction and ZeRO gathers: its seconds; the collective bytes
+    it moves appended to ``adds`` as (kind, bytes), in order."""
     lay = s.layout
     red = lay.data_degree * lay.sep
     # the parameters' bytes as their collectives move them (fp32 where the compiler runs
@@ -122,7 +146,7 @@ def _one_call_reduction(s: StepShape, coll: dict[str, float]) -> float:
         return t_dp
     data = (DP, SHARDING, SEP, EP)  # ep is a data axis (degree 1 without routed experts)
     if lay.zero_stage == 0:
-        coll["all_reduce"] += grads
+        adds.append(("all_reduce", grads))
         return t_dp + lat + ring_bytes("all-reduce", grads, red) / s.bandwidth(*data)
     zeroed = grads
     if s.piped:
@@ -131,22 +155,22 @@ def _one_call_reduction(s: StepShape, coll: dict[str, float]) -> float:
         # dp x sharding: one all-reduce, not ZeRO's reduce-scatter; only the embedding's
         # and the head's are reduced in the ZeRO layout
         zeroed = outside_tp
-        coll["all_reduce"] += block_tp
+        adds.append(("all_reduce", block_tp))
         t_dp += lat + ring_bytes("all-reduce", block_tp, red) / s.bandwidth(*data)
     # ZeRO over sharding: reduce-scatter there, all-reduce the shards over dp x sep; over
     # every data rank (the distributed optimizer): one reduce-scatter over all of them
     zero_over = (DP, SHARDING, SEP) if lay.zero_spans_data else (SHARDING,)
     shard, bw_shard = lay.zero_degree, s.bandwidth(*zero_over)
     if s.profile.reduce_scatter_native:
-        coll["reduce_scatter"] += zeroed
+        adds.append(("reduce_scatter", zeroed))
         t_dp += lat + ring_bytes("reduce-scatter", zeroed, shard) / bw_shard
     else:
-        coll["all_reduce"] += zeroed
+        adds.append(("all_reduce", zeroed))
         t_dp += lat + ring_bytes("all-reduce", zeroed, shard) / bw_shard
     # the shards' all-reduce over the data ranks ZeRO leaves out (ep's too)
     rest = lay.ep if lay.zero_spans_data else lay.dp * lay.sep * lay.ep
     if rest > 1:
-        coll["all_reduce"] += zeroed / shard
+        adds.append(("all_reduce", zeroed / shard))
         rest_axes = (EP,) if lay.zero_spans_data else (DP, SEP, EP)
         t_dp += lat + ring_bytes("all-reduce", zeroed / shard, rest) / s.bandwidth(*rest_axes)
     # ZeRO's all-gathers (of the updated shards; at stage 3 of the parameters before use)
@@ -160,12 +184,12 @@ def _one_call_reduction(s: StepShape, coll: dict[str, float]) -> float:
         outside_leaves, block_leaves = s.leaf_counts
         # (in the dtype each layer computes in: gather_wire)
         gathered = s.block_tp * s.gather_wire
-        coll["all_gather"] += outside_tp + 2 * gathered
+        adds.append(("all_gather", outside_tp + 2 * gathered))
         t_dp += outside_leaves * lat + ring_bytes("all-gather", outside_tp, shard) / bw_shard
         t_dp += 2 * (block_leaves * lat + ring_bytes("all-gather", gathered, shard) / bw_shard)
         return t_dp
     gathers = 2 if (lay.zero_stage >= 3 and s.remat_waits) else 1
-    coll["all_gather"] += gathers * grads
+    adds.append(("all_gather", gathers * grads))
     leaves = stored_leaves(s.leaf_counts, s.stage_blocks, stacked=s.piped or s.scanned)
     t_dp += gathers * (leaves * lat + ring_bytes("all-gather", grads, shard) / bw_shard)
     return t_dp

@@ -20,7 +20,7 @@ Example:
 from __future__ import annotations
 
 from jfleet.auto_parallel.cost.cost_moe import expert_memory, moe_elems
-from jfleet.auto_parallel.cost.cost_types import Memory
+from jfleet.auto_parallel.cost.cost_types import Memory, assembled
 from jfleet.auto_parallel.cost.layout import OPTIMIZER_MOMENTS
 from jfleet.auto_parallel.cost.memo import cached
 from jfleet.auto_parallel.cost.step_shape import StepShape
@@ -190,16 +190,20 @@ def memory(s: StepShape) -> Memory:
     # the routed experts' share (0 without experts): split over ep (cost_moe)
     moments = OPTIMIZER_MOMENTS[s.workload.optimizer]
     e_params, e_optimizer, e_grads, e_gathered = expert_memory(s, moments)
-    return Memory(
-        params=(s.z_bytes if stage >= 3 else s.tp_bytes) + e_params,
-        optimizer=optimizer_bytes(s) + e_optimizer,
-        inputs=2 * s.tokens_live * 4,  # one call's token ids and labels, int32
-        grads=gradient_bytes(s) + e_grads,
-        # the whole local gradient beside the reduction's output (at fp32 where the
-        # compiler reduces half-precision gradients in fp32)
-        grad_copies=1 + s.param_wire if s.profile.whole_grad_temp and not s.per_layer else 1,
-        gathered=gathered + e_gathered,
-        activations=activation_bytes(s),
+    # Memory(...)'s every field, in order, set at once (cost_types.assembled)
+    return assembled(
+        Memory,
+        {
+            "params": (s.z_bytes if stage >= 3 else s.tp_bytes) + e_params,
+            "optimizer": optimizer_bytes(s) + e_optimizer,
+            "inputs": 2 * s.tokens_live * 4,  # one call's token ids and labels, int32
+            "grads": gradient_bytes(s) + e_grads,
+            "gathered": gathered + e_gathered,
+            "activations": activation_bytes(s),
+            # the whole local gradient beside the reduction's output (at fp32 where the
+            # compiler reduces half-precision gradients in fp32)
+            "grad_copies": 1 + s.param_wire if s.profile.whole_grad_temp and not s.per_layer else 1,
+        },
     )
 
 

@@ -191,6 +191,7 @@ from jfleet.auto_parallel.cost.cost_types import (
     Collectives,
     Memory,
     StepTime,
+    assembled,
     gib_text,
 )
 from jfleet.auto_parallel.cost.layout import Layout, Workload
@@ -310,24 +311,33 @@ def estimate(
     )
     compute, bubble, executed = compute_time(s)
     coll = new_counts()
-    time = StepTime(
-        compute=compute,
-        bubble=bubble,
-        tensor_parallel=tensor_parallel_time(s, coll),
-        data_parallel=exposed(
-            data_parallel_time(s, coll) + expert_reduction_time(s, coll), s, compute
-        ),
-        pipeline=pipeline_time(s, coll),
-        sequence=sequence_time(s, coll),
-        memory_traffic=loop_traffic_time(s),
-        expert_parallel=moe_exchange_time(s, coll),
+    # every field of the four given, in order (the terms add to coll in this order)
+    time = assembled(
+        StepTime,
+        {
+            "compute": compute,
+            "bubble": bubble,
+            "tensor_parallel": tensor_parallel_time(s, coll),
+            "data_parallel": exposed(
+                data_parallel_time(s, coll) + expert_reduction_time(s, coll), s, compute
+            ),
+            "pipeline": pipeline_time(s, coll),
+            "sequence": sequence_time(s, coll),
+            "memory_traffic": loop_traffic_time(s),
+            "expert_parallel": moe_exchange_time(s, coll),
+        },
     )
-    return Candidate(
-        layout=layout,
-        flops=executed,
-        memory=memory(s),
-        time=time,
-        collectives=Collectives(**{k: round(v) for k, v in coll.items()}),
+    return assembled(
+        Candidate,
+        {
+            "layout": layout,
+            "memory": memory(s),
+            "time": time,
+            "collectives": assembled(Collectives, {k: round(v) for k, v in coll.items()}),
+            "flops": executed,
+            "fits": True,
+            "reason": "",
+        },
     )
 
 

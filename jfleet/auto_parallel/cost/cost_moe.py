@@ -35,7 +35,9 @@ import dataclasses
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jfleet.auto_parallel.cost.memo import cached, cached_for
 from jfleet.auto_parallel.cost.step_shape import StepShape, ring_bytes
+from jfleet.auto_parallel.match.patterns import ModelPatterns
 from jfleet.mesh.topology import DP, EP, MP, SEP, SHARDING
 from jfleet.parallel.moe.layer import choose_path
 from jfleet.parallel.moe.routing import expert_capacity
@@ -131,9 +133,24 @@ _EXPERT_ELEMS = {True: 5, False: 3}
 
 def moe_stage_layers(s: StepShape) -> float:
     """MoE layers on the largest pipeline stage (its blocks' share of the MoE layers)."""
-    moe = s.patterns.moe
+    return _stage_experts(s)[0]
+
+
+def _stage_experts(s: StepShape) -> tuple[float, float, float]:
+    """(:func:`moe_stage_layers`, the routed experts' elements on one device, the
+    routers'), once a model, stage size and ``ep``: every MoE term of a layout reads them,
+    and the layouts of a stage size and ``ep`` (every ``M``, ``v``, accumulation, ZeRO
+    stage and recompute of their meshes) share them."""
+    key = ("moe_stage", s.stage_blocks, s.layout.ep, _expert_mp(s))
+    return cached(s.patterns, key, lambda: _stage_experts_of(s))
+
+
+def _stage_experts_of(s: StepShape) -> tuple[float, float, float]:
+    moe, h = s.patterns.moe, s.dims.width
     blocks = len(s.patterns.blocks) or s.dims.layers or 1
-    return moe.layers * s.stage_blocks / blocks
+    layers = moe.layers * s.stage_blocks / blocks
+    experts = layers * moe.experts // s.layout.ep * moe.one_expert(h) / _expert_mp(s)
+    return layers, experts, layers * h * moe.experts
 
 
 def _einsum(s: StepShape) -> bool:
@@ -148,7 +165,11 @@ def _expert_mp(s: StepShape) -> int:
     mp = s.layout.mp
     if mp == 1 or not _einsum(s):
         return 1
-    experts = [p for p in s.patterns.routed if p.role != "router"]
+    return cached(s.patterns, ("expert_mp", mp), lambda: _experts_split_at(s.patterns, mp))
+
+
+def _experts_split_at(patterns: ModelPatterns, mp: int) -> int:
+    experts = [p for p in patterns.routed if p.role != "router"]
     return mp if experts and all(p.spec_for(mp) != P() for p in experts) else 1
 
 
@@ -203,21 +224,30 @@ def moe_flops(s: StepShape) -> float:
     """Dot FLOPs of the stage's routed experts and routers per device per step (forward,
     two backward products each; recompute, selective too, runs the forward again): 0
     without experts."""
-    moe = s.patterns.moe
-    if moe is None:
+    if s.patterns.moe is None:
         return 0.0
-    h, calls = s.dims.width, s.layout.num_microbatches * s.accumulate
-    routed = _call_tokens(s) * (s.layout.ep if _einsum(s) else 1)  # gathered over ep
-    fwd = 2 * moe_rows(s) * moe.one_expert(h) + 2 * routed * h * moe.experts
+    calls = s.layout.num_microbatches * s.accumulate
+    # one call's forward, once a micro-batch size, mp, ep and platform
+    key = ("moe_fwd", s.tokens_mb, s.layout.mp, s.layout.ep, s.profile.platform)
+    fwd = cached(s.patterns, key, lambda: _call_flops(s))
     passes = 3 + (1 if _rerun(s) else 0)
     return passes * fwd * calls * moe_stage_layers(s)
 
 
-#: ``[T, E, C]`` tensors a traced one-hot capacity dispatch keeps a MoE layer: the dispatch
-#: and combine tensors, their cotangents and two intermediates of the one-hot products,
-#: split over the data ranks. Read off the compiled steps of the ``qwen3_moe`` style with
-#: ``dispatch="capacity"`` (``benchmarks/moe_exchange.py``, ``capacity_memory``): 6.05 at
-#: ep8 with 2048 tokens, the other rows held out.
+def _call_flops(s: StepShape) -> float:
+    """One MoE layer's forward dot FLOPs per device and call: its experts' and router's (a
+    traced einsum dispatch's router runs on the tokens gathered over ``ep``)."""
+    moe, h = s.patterns.moe, s.dims.width
+    routed = _call_tokens(s) * (s.layout.ep if _einsum(s) else 1)
+    return 2 * moe_rows(s) * moe.one_expert(h) + 2 * routed * h * moe.experts
+
+
+#: ``[T, E, C]`` tensors a traced one-hot capacity dispatch keeps a MoE layer (its dispatch
+#: and combine tensors and what their products keep), split over the data ranks. Read off
+#: the compiled step of the ``qwen3_moe`` style with ``dispatch="capacity"`` at ep8 with
+#: 2048 tokens (``benchmarks/moe_exchange.py``, ``capacity_memory``: 3.0); the table's
+#: other rows are held out. Where ``dp`` splits the capacity rule's tokens GSPMD keeps more
+#: than this split (the model under-predicts there: 0.5 at dp8).
 SLOT_TENSORS = 3
 
 
@@ -253,15 +283,18 @@ def moe_elems(s: StepShape, *, kept: bool = False) -> float:
 
 def _expert_elems(s: StepShape) -> tuple[float, float]:
     """(routed experts' elements on one device, routers'), of the stage's MoE layers."""
-    moe, h = s.patterns.moe, s.dims.width
-    layers = moe_stage_layers(s)
-    local = moe.experts // s.layout.ep * moe.one_expert(h) / _expert_mp(s)
-    return layers * local, layers * h * moe.experts
+    _, experts, routers = _stage_experts(s)
+    return experts, routers
 
 
 def _itemsize(s: StepShape) -> int:
-    """Bytes an element of the experts: the dtype of the model's largest block kernel."""
-    kernels = [p for p in s.patterns.params if p.block is not None] or list(s.patterns.params)
+    """Bytes an element of the experts: the dtype of the model's largest block kernel (found
+    once a model: a scan of every parameter, asked several times a layout)."""
+    return cached(s.patterns, ("expert_itemsize",), lambda: _largest_itemsize(s.patterns))
+
+
+def _largest_itemsize(patterns: ModelPatterns) -> int:
+    kernels = [p for p in patterns.params if p.block is not None] or list(patterns.params)
     largest = max(kernels, key=lambda p: p.size, default=None)
     return jnp.dtype(largest.dtype).itemsize if largest is not None else 4
 
@@ -284,6 +317,15 @@ def expert_memory(s: StepShape, moments: int) -> tuple[int, int, int, int]:
     at a time. ``(0, 0, 0, 0)`` without experts."""
     if s.patterns.moe is None:
         return 0, 0, 0, 0
+    lay, profile = s.layout, s.profile
+    key = ("moe_memory", s.stage_blocks, lay.ep, _expert_mp(s), lay.zero_stage, lay.zero_degree)
+    key += (moments,)
+    key += (profile.whole_grad_temp, profile.half_precision_fp32, s.workload.act_bytes)
+    return cached(s.patterns, key, lambda: _expert_memory(s, moments))
+
+
+def _expert_memory(s: StepShape, moments: int) -> tuple[int, int, int, int]:
+    """:func:`expert_memory`'s bytes (what its key holds decides them)."""
     experts, routers = _expert_elems(s)
     elems = experts + routers
     size, stage, zero = _itemsize(s), s.layout.zero_stage, s.layout.zero_degree
@@ -308,30 +350,51 @@ def expert_reduction_time(s: StepShape, coll: dict[str, float]) -> float:
     without experts."""
     if s.patterns.moe is None:
         return 0.0
+    lay, profile = s.layout, s.profile
+    # one call's reduction, once a mesh, ZeRO setting, stage size and wire (the layouts of
+    # a mesh differ in micro-batches, v, accumulation and recompute, which it ignores)
+    key = ("moe_reduction", s.sizes, s.devices_per_node, lay.zero_stage, lay.zero_spans_data)
+    key += (s.stage_blocks, s.param_wire, s.workload.act_bytes)
+    t, grads, gathered, shard, rest = cached_for(
+        s.patterns, profile, key, lambda: _one_call_expert_reduction(s)
+    )
+    if t is None:  # no group to reduce over
+        return 0.0
+    if not lay.zero_stage:
+        coll["all_reduce"] += s.accumulate * grads
+        return s.accumulate * t
+    coll["reduce_scatter"] += s.accumulate * grads
+    coll["all_gather"] += s.accumulate * grads
+    if lay.zero_stage >= 3:  # each MoE layer's experts gathered forward and backward
+        coll["all_gather"] += s.accumulate * 2 * gathered
+    if rest > 1:
+        coll["all_reduce"] += s.accumulate * grads / shard
+    return s.accumulate * t
+
+
+def _one_call_expert_reduction(s: StepShape) -> tuple[float | None, float, float, int, int]:
+    """(seconds of one call's expert-gradient reduction, or None without a group; the
+    gradient's bytes, one MoE layer's gathered bytes, the ZeRO degree, the ranks beside it)."""
     lay, lat = s.layout, s.profile.collective_latency
     grads = _expert_elems(s)[0] * _itemsize(s) * s.param_wire
     group = lay.dp * lay.sharding * lay.sep * lay.mp
     if group <= 1:
-        return 0.0
+        return None, grads, 0.0, 1, 1
     if not lay.zero_stage:
-        coll["all_reduce"] += s.accumulate * grads
         bw = s.bandwidth(DP, SHARDING, SEP, MP)
-        return s.accumulate * (lat + ring_bytes("all-reduce", grads, group) / bw)
+        return lat + ring_bytes("all-reduce", grads, group) / bw, grads, 0.0, 1, 1
     shard = lay.zero_degree
     zero_bw = s.bandwidth(*((DP, SHARDING, SEP) if lay.zero_spans_data else (SHARDING,)))
     t = 2 * lat + (ring_bytes("reduce-scatter", grads, shard) * 2) / zero_bw
-    coll["reduce_scatter"] += s.accumulate * grads
-    coll["all_gather"] += s.accumulate * grads
-    if lay.zero_stage >= 3:  # each MoE layer's experts gathered forward and backward
+    gathered = 0.0
+    if lay.zero_stage >= 3:
         gathered, layers = _gathered_bytes(s), moe_stage_layers(s)
-        coll["all_gather"] += s.accumulate * 2 * gathered
         t += 2 * (layers * lat + ring_bytes("all-gather", gathered, shard) / zero_bw)
     rest = group // shard
     if rest > 1:
-        coll["all_reduce"] += s.accumulate * grads / shard
         rest_axes = (MP,) if lay.zero_spans_data else (DP, SEP, MP)
         t += lat + ring_bytes("all-reduce", grads / shard, rest) / s.bandwidth(*rest_axes)
-    return s.accumulate * t
+    return t, grads, gathered, shard, rest
 
 
 def moe_exchange_time(s: StepShape, coll: dict[str, float]) -> float:
@@ -341,21 +404,28 @@ def moe_exchange_time(s: StepShape, coll: dict[str, float]) -> float:
     busiest rank's imbalance), at the bandwidth of the links the ``ep`` group spans
     (:func:`~jfleet.auto_parallel.cost.step_shape.group_bandwidth`). 0 without experts or
     with ``ep = 1``."""
-    moe, ep = s.patterns.moe, s.layout.ep
-    if moe is None or ep <= 1:
+    if s.patterns.moe is None or s.layout.ep <= 1:
         return 0.0
     if _einsum(s):
         return ring_exchange_time(s, coll)
+    # one layer's all-to-alls of a call, once a mesh and micro-batch size
+    key = ("moe_a2a", s.sizes, s.devices_per_node, s.tokens_mb, s.act_bytes)
+    buffer, one = cached_for(s.patterns, s.profile, key, lambda: _one_exchange(s))
+    passes = (one.count + (2 if _rerun(s) else 0)) / one.count
+    times = moe_stage_layers(s) * s.layout.num_microbatches * s.accumulate * passes
+    coll["all_to_all"] += times * one.count * buffer
+    return times * one.seconds
+
+
+def _one_exchange(s: StepShape) -> tuple[int, MoEExchange]:
+    """(the buffer's bytes, :func:`moe_exchange` of it) of one MoE layer and call."""
+    moe, ep = s.patterns.moe, s.layout.ep
     buffer = moe_exchange_bytes(
         tokens=_call_tokens(s), width=s.dims.width, k=moe.top_k, experts=moe.experts,
         capacity_factor=moe.capacity_factor, act_bytes=s.act_bytes, ragged=_ragged(s),
         imbalance=_imbalance(s),
     )  # fmt: skip
-    one = moe_exchange(buffer, ep, s.bandwidth(EP), s.profile.collective_latency)
-    passes = (one.count + (2 if _rerun(s) else 0)) / one.count
-    times = moe_stage_layers(s) * s.layout.num_microbatches * s.accumulate * passes
-    coll["all_to_all"] += times * one.count * buffer
-    return times * one.seconds
+    return buffer, moe_exchange(buffer, ep, s.bandwidth(EP), s.profile.collective_latency)
 
 
 def ring_exchange_time(s: StepShape, coll: dict[str, float]) -> float:

@@ -14,12 +14,31 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, TypeVar
 
 from jfleet.auto_parallel.cost.layout import Layout
 
 __all__ = ["TIME_WORDS", "Candidate", "Collectives", "GiB", "Memory", "StepTime", "gib_text"]
 
 GiB = 2**30
+T = TypeVar("T")
+
+
+def assembled(cls: type[T], fields: dict[str, Any]) -> T:
+    """``cls(**fields)`` of a frozen dataclass without ``__post_init__``, given every field
+    (in field order), set at once: the frozen ``__init__`` sets each through
+    ``object.__setattr__``, and building a layout's four predictions so was a fifth of its
+    estimate, which planning runs once a layout (244,140 times for Qwen3-235B-A22B on 256
+    GPUs).
+
+    >>> assembled(Collectives, dict(all_reduce=1, reduce_scatter=0, all_gather=2,
+    ...                             collective_permute=0, all_to_all=0)) == Collectives(
+    ...     all_reduce=1, all_gather=2)
+    True
+    """
+    made = object.__new__(cls)
+    made.__dict__.update(fields)
+    return made
 
 
 def gib_text(n: float) -> str:

@@ -224,13 +224,14 @@ class Layout:
 
     def _plainly_valid(self) -> bool:
         """The checks of ``__post_init__`` at once, for the layouts a search builds by the
-        hundred thousand (True only where every check passes; else they run one by one)."""
+        hundred thousand (True only where every check passes; else they run one by one).
+        Any ``ep`` >= 1 passes, as one by one (it kept ``ep = 1`` from when ``ep > 1`` was
+        refused, so every expert-parallel layout of a MoE search was checked one by one)."""
         v, m, pp, zero = self.num_virtual_stages, self.num_microbatches, self.pp, self.zero_stage
         counts = (*_DEGREES(self), m, v, self.accumulate_steps)
         return (
             {*map(type, counts)} == {int}
             and min(counts) >= 1
-            and self.ep == 1
             and type(zero) is int
             and 0 <= zero <= 3
             and (zero == 0) == (self.sharding == 1)
