@@ -33,11 +33,12 @@ logits alone, as the reference does.
 Example:
   >>> import jax.numpy as jnp
   >>> from flax import nnx
+  >>> call = nnx.jit(lambda m, t: m(t))  # one program (eagerly, each op runs on its own)
   >>> model = MixtralForCausalLM(MixtralConfig(), rngs=nnx.Rngs(0))
-  >>> logits, aux = model(jnp.zeros((2, 6), jnp.int32))
+  >>> logits, aux = call(model, jnp.zeros((2, 6), jnp.int32))
   >>> logits.shape, aux.shape
   ((2, 6, 64), ())
-  >>> GptOssForCausalLM(GptOssConfig(), rngs=nnx.Rngs(0))(jnp.zeros((2, 6), jnp.int32)).shape
+  >>> call(GptOssForCausalLM(GptOssConfig(), rngs=nnx.Rngs(0)), jnp.zeros((2, 6), jnp.int32)).shape
   (2, 6, 64)
 """
 
