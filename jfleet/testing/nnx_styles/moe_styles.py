@@ -203,7 +203,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
 
     Example:
       >>> model = Qwen3MoeForCausalLM(Qwen3MoeConfig(dispatch="ragged"), rngs=nnx.Rngs(0))
-      >>> model(jnp.zeros((2, 6), jnp.int32))[0].shape
+      >>> nnx.jit(lambda m, t: m(t))(model, jnp.zeros((2, 6), jnp.int32))[0].shape  # one program
       (2, 6, 64)
     """
 
