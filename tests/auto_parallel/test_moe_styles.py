@@ -111,12 +111,17 @@ def test_the_aux_loss_is_hugging_face_s_over_all_layers_or_maxtext_s_per_layer_s
     """Qwen3-MoE: one loss over every layer's router logits concatenated; Mixtral: the sum
     of each layer's own loss (the two differ: the loss is not linear in the logits)."""
     model = MOE_STYLES[name].build(nnx.Rngs(0))
-    tokens = _tokens()
-    positions = arange_positions(tokens)
-    x, outs = model.model.embed_tokens(tokens), []
-    for layer in model.model.layers:
-        x, out = layer(x, positions, _causal_mask(positions))
-        outs.append(out)
+
+    @nnx.jit  # one program (eagerly, every op of the routing runs on its own)
+    def layer_by_layer_and_whole(model, tokens):
+        positions = arange_positions(tokens)
+        x, outs = model.model.embed_tokens(tokens), []
+        for layer in model.model.layers:
+            x, out = layer(x, positions, _causal_mask(positions))
+            outs.append(out)
+        return outs, model(tokens)[1]
+
+    outs, aux = layer_by_layer_and_whole(model, _tokens())
     if name == "qwen3_moe":
         per_layer = [load_balancing_loss(logits, 2) for logits in outs]
         want = load_balancing_loss(jnp.concatenate(outs), 2)
@@ -124,7 +129,6 @@ def test_the_aux_loss_is_hugging_face_s_over_all_layers_or_maxtext_s_per_layer_s
         per_layer = want = outs
     want, summed = float(jnp.sum(jnp.asarray(want))), float(sum(per_layer))
     assert abs(want - summed) > 1e-4 if name == "qwen3_moe" else want == summed
-    _, aux = model(tokens)
     np.testing.assert_allclose(aux, model.config.router_aux_loss_coef * want, rtol=1e-6)
 
 
