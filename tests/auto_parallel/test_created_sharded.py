@@ -14,6 +14,8 @@ and into the pipeline, each array read into its own layout (issue 38).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import optax
@@ -59,16 +61,29 @@ def _created(config: ToDistributedConfig, monkeypatch, build=factory) -> tuple:
     return (*made, programs)
 
 
-def _trains_like_one_device(model, opt, loader) -> None:
+@functools.cache
+def _compiled_values(build) -> dict[str, np.ndarray]:
+    """The construction compiled on one device, once per factory (read only)."""
+    return values(compiled_on_one_device(build))
+
+
+@functools.cache
+def _one_device() -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """``factory()`` trained on one device: its losses and parameters (both tests train it)."""
     want_model = factory()
     want_losses, _ = train_one_device(want_model, optax.adam(1e-2), lm_batches(STEPS), lm_loss)
+    return np.asarray(want_losses), values(want_model)
+
+
+def _trains_like_one_device(model, opt, loader) -> None:
+    want_losses, want_values = _one_device()
     step = make_train_step(lm_loss)
     losses = np.asarray([float(step(model, opt, batch)) for batch in loader])
     # under a planned gradient accumulation each call returns its micro-batch's mean loss;
     # the batch's is their mean (equal micro-batches)
     losses = losses.reshape(STEPS, -1).mean(axis=1)
-    assert_trees_close(losses, np.asarray(want_losses), devices=8)
-    assert_trees_close(values(model), values(want_model), devices=8)
+    assert_trees_close(losses, want_losses, devices=8)
+    assert_trees_close(values(model), want_values, devices=8)
 
 
 @pytest.mark.parametrize(
@@ -86,7 +101,7 @@ def test_a_factory_is_created_in_its_planned_layout_never_whole(mesh, zero, trai
     build = wide_factory if zero == 3 else factory
     model, opt, loader, programs = _created(config, monkeypatch, build)
     got = values(model)
-    want = values(compiled_on_one_device(build))
+    want = _compiled_values(build)
     assert got.keys() == want.keys()
     differ = [k for k in want if not np.array_equal(got[k], want[k])]
     assert not differ, (

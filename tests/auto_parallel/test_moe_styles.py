@@ -83,7 +83,7 @@ def _tokens() -> jax.Array:
 def test_each_style_gives_logits_and_its_split_table_names_its_weights(name):
     style = MOE_STYLES[name]
     model = style.build(nnx.Rngs(0))
-    out = model(_tokens())
+    out = nnx.jit(lambda m, t: m(t))(model, _tokens())  # one compile (eager: 17 s for qwen3)
     logits, aux = out if name in WITH_AUX else (out, None)
     assert logits.shape == (8, 8, style.vocab)
     if name in WITH_AUX:  # coef x the per-layer Switch losses, each at least ~1 (top_k at uniform)
@@ -113,12 +113,17 @@ def test_the_aux_loss_is_hugging_face_s_over_all_layers_or_maxtext_s_per_layer_s
     """Qwen3-MoE: one loss over every layer's router logits concatenated; Mixtral: the sum
     of each layer's own loss (the two differ: the loss is not linear in the logits)."""
     model = MOE_STYLES[name].build(nnx.Rngs(0))
-    tokens = _tokens()
-    positions = arange_positions(tokens)
-    x, outs = model.model.embed_tokens(tokens), []
-    for layer in model.model.layers:
-        x, out = layer(x, positions, _causal_mask(positions))
-        outs.append(out)
+
+    @nnx.jit  # one program (eagerly, every op of the routing runs on its own)
+    def layer_by_layer_and_whole(model, tokens):
+        positions = arange_positions(tokens)
+        x, outs = model.model.embed_tokens(tokens), []
+        for layer in model.model.layers:
+            x, out = layer(x, positions, _causal_mask(positions))
+            outs.append(out)
+        return outs, model(tokens)[1]
+
+    outs, aux = layer_by_layer_and_whole(model, _tokens())
     if name == "qwen3_moe":
         per_layer = [load_balancing_loss(logits, 2) for logits in outs]
         want = load_balancing_loss(jnp.concatenate(outs), 2)
@@ -126,7 +131,6 @@ def test_the_aux_loss_is_hugging_face_s_over_all_layers_or_maxtext_s_per_layer_s
         per_layer = want = outs
     want, summed = float(jnp.sum(jnp.asarray(want))), float(sum(per_layer))
     assert abs(want - summed) > 1e-4 if name == "qwen3_moe" else want == summed
-    _, aux = model(tokens)
     np.testing.assert_allclose(aux, model.config.router_aux_loss_coef * want, rtol=1e-6)
 
 
@@ -270,13 +274,20 @@ def one_device(name: str) -> tuple[float, ...]:
 
 
 def _distributed(name: str, mesh: dict | None) -> tuple[object, list[float]]:
+    plan, train = _planned(name, mesh)
+    return plan, train()
+
+
+def _planned(name: str, mesh: dict | None):
+    """The plan, and a call that trains the distributed model (so a check of the plan
+    that fails costs no compile)."""
     style = MOE_STYLES[name]
     config = ToDistributedConfig(forward=style.forward, force_mesh=mesh)
     model, opt, loader = to_distributed(
         style.build(nnx.Rngs(0)), optax.adam(1e-3), style.batches(STEPS), 8, config=config
     )
     step = make_train_step(style.loss_fn)
-    return get_plan(model), [float(step(model, opt, batch)) for batch in loader]
+    return get_plan(model), lambda: [float(step(model, opt, batch)) for batch in loader]
 
 
 @pytest.mark.parametrize("name", list(MOE_STYLES))
@@ -326,7 +337,7 @@ REFUSED_AT_MP4 = {  # to_distributed's ValueError today, in short
 )
 def test_forced_dp2_mp4_splits_experts_on_their_hidden_dim_and_trains_like_one_device(name):
     style = MOE_STYLES[name]
-    plan, losses = _distributed(name, {"dp": 2, "mp": 4})
+    plan, train = _planned(name, {"dp": 2, "mp": 4})
     for p in plan.params:
         pattern = next((s for s in style.splits if fnmatch.fnmatch(p.path, s)), None)
         if pattern is not None and style.roles[pattern] not in ("k", "v"):  # 2 kv heads: whole
@@ -334,7 +345,7 @@ def test_forced_dp2_mp4_splits_experts_on_their_hidden_dim_and_trains_like_one_d
             want = P(*("mp" if d == dim else None for d in range(len(style.shapes[pattern]))))
             assert (p.role, p.spec) == (style.roles[pattern], want), p.path
     assert plan.spec(f"{style.blocks_at}.0.{ROUTED[name][0]}") == P()  # the router stays whole
-    assert_trees_close(np.asarray(losses), np.asarray(one_device(name)), devices=8)
+    assert_trees_close(np.asarray(train()), np.asarray(one_device(name)), devices=8)
 
 
 def _pipelined_mixtral(coef: float) -> tuple[list[float], tuple[float, ...]]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,6 +56,12 @@ def test_forward_and_gradients_equal_the_plain_model(hybrid, sequence_parallel):
     close(nnx.state(grads, nnx.Param), nnx.state(want_grads, nnx.Param))
 
 
+@functools.cache
+def _one_device():
+    """The plain TinyGPT's steps on one device: losses and parameters (read only)."""
+    return train_one_device(TinyGPT(), make_tx(), lm_batches(STEPS), gpt_loss)
+
+
 @pytest.mark.parametrize(
     ("hybrid", "sequence_parallel"),
     [("mp4_dp2", False), ("mp4_dp2", True), ("mp2_sharding2_dp2", False)],
@@ -61,7 +69,7 @@ def test_forward_and_gradients_equal_the_plain_model(hybrid, sequence_parallel):
 )
 def test_five_training_steps_equal_the_plain_model(hybrid, sequence_parallel):
     batches = lm_batches(STEPS)
-    want_losses, want_params = train_one_device(TinyGPT(), make_tx(), batches, gpt_loss)
+    want_losses, want_params = _one_device()
     init_fleet(HYBRIDS[hybrid])
     model = fleet.distributed_model(
         TinyGPT(tensor_parallel=True, sequence_parallel=sequence_parallel)

@@ -334,7 +334,8 @@ def moe(
       >>> mesh = Mesh(np.array(jax.devices()), ("ep",))
       >>> w = ExpertWeights(jnp.ones((8, 4, 6)) * 0.1, jnp.ones((8, 6, 4)) * 0.1)
       >>> x = jnp.ones((16, 4))
-      >>> y, aux = moe(x, jnp.zeros((4, 8)), w, mesh=mesh, k=2)
+      >>> layer = jax.jit(lambda x, r, w: moe(x, r, w, mesh=mesh, k=2))  # one program
+      >>> y, aux = layer(x, jnp.zeros((4, 8)), w)
       >>> y.shape, int(aux.dropped.sum()), float(aux.load_balancing_loss)
       ((16, 4), 0, 1.0)
     """

@@ -39,7 +39,8 @@ Example:
   >>> _ = fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
   >>> experts = [nnx.Linear(8, 8, rngs=nnx.Rngs(i)) for i in range(4)]
   >>> layer = MoELayer(8, experts, gate={"type": "gshard", "top_k": 2}, rngs=nnx.Rngs(0))
-  >>> layer(jnp.ones((2, 4, 8))).shape, layer.gate.get_loss().shape
+  >>> call = nnx.jit(lambda m, x: m(x))  # one program (eagerly, each op runs on its own)
+  >>> call(layer, jnp.ones((2, 4, 8))).shape, layer.gate.get_loss().shape
   ((2, 4, 8), ())
 """
 
@@ -353,7 +354,7 @@ def moe_stats(model: nnx.Module) -> dict[str, jax.Array]:
       >>> _ = fleet.init(is_collective=True, log_level="WARNING")
       >>> experts = [nnx.Linear(4, 4, rngs=nnx.Rngs(i)) for i in range(2)]
       >>> layer = MoELayer(4, experts, gate={"type": "naive", "top_k": 1}, rngs=nnx.Rngs(0))
-      >>> _ = layer(jnp.ones((8, 4)))
+      >>> _ = nnx.jit(lambda m, x: m(x))(layer, jnp.ones((8, 4)))  # the counts leave jit too
       >>> {k: int(v) for k, v in moe_stats(layer).items()}
       {'dropped': 0, 'routed': 8}
     """

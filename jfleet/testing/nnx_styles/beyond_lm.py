@@ -19,7 +19,7 @@ Example:
   >>> import jax.numpy as jnp
   >>> from flax import nnx
   >>> vit = VisionTransformer(rngs=nnx.Rngs(0))
-  >>> vit(jnp.zeros((2, 8, 8, 3))).shape
+  >>> nnx.jit(lambda m, x: m(x))(vit, jnp.zeros((2, 8, 8, 3))).shape  # one program
   (2, 10)
 """
 

@@ -37,11 +37,12 @@ logits alone, as the reference does.
 Example:
   >>> import jax.numpy as jnp
   >>> from flax import nnx
+  >>> call = nnx.jit(lambda m, t: m(t))  # one program (eagerly, each op runs on its own)
   >>> model = MixtralForCausalLM(MixtralConfig(), rngs=nnx.Rngs(0))
-  >>> logits, aux = model(jnp.zeros((2, 6), jnp.int32))
+  >>> logits, aux = call(model, jnp.zeros((2, 6), jnp.int32))
   >>> logits.shape, aux.shape
   ((2, 6, 64), ())
-  >>> GptOssForCausalLM(GptOssConfig(), rngs=nnx.Rngs(0))(jnp.zeros((2, 6), jnp.int32)).shape
+  >>> call(GptOssForCausalLM(GptOssConfig(), rngs=nnx.Rngs(0)), jnp.zeros((2, 6), jnp.int32)).shape
   (2, 6, 64)
 """
 
@@ -225,7 +226,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
 
     Example:
       >>> model = Qwen3MoeForCausalLM(Qwen3MoeConfig(dispatch="ragged"), rngs=nnx.Rngs(0))
-      >>> model(jnp.zeros((2, 6), jnp.int32))[0].shape
+      >>> nnx.jit(lambda m, t: m(t))(model, jnp.zeros((2, 6), jnp.int32))[0].shape  # one program
       (2, 6, 64)
     """
 
