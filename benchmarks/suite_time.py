@@ -1,7 +1,8 @@
 """The test suite's time, file by file: wall seconds per file, and the whole run's CPU.
 
-Runs the README's test command's pytest (``python -m pytest -q``) once with a JUnit report,
-or reads reports already written, and writes the per-file table to ``benchmarks/RESULTS.md``
+Runs the README's test command's pytest (``python -m pytest -q -n 2 --dist loadfile``: two
+workers, so the files' seconds add up to more than the wall time) once with a JUnit
+report, or reads reports already written, and writes the per-file table to ``benchmarks/RESULTS.md``
 (section ``suite_time``): each file's summed test seconds (setup, call and teardown, module
 fixtures included), its share of the run, and, given an earlier report (``--before``), the
 same file's seconds there and the ratio.
@@ -37,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.results_file import write_section  # noqa: E402
 
 SECTION = "suite_time"
-VERSIONS = ("jax", "jaxlib", "flax", "optax", "numpy", "pytest")
+VERSIONS = ("jax", "jaxlib", "flax", "optax", "numpy", "pytest", "pytest-xdist")
 
 
 def per_file(junit: Path) -> dict[str, float]:
@@ -56,7 +57,8 @@ def run_suite(junit: Path) -> tuple[float, float, int]:
     """Runs the suite with a JUnit report: (wall s, CPU s of it and its children, exit code)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile"]
+    cmd += ["-p", "no:cacheprovider", f"--junitxml={junit}"]
     code = subprocess.run(cmd, cwd=ROOT).returncode
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
