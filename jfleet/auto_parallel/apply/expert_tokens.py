@@ -2,8 +2,9 @@
 
 ``to_distributed`` splits a traced model's stacked experts ``[E, ...]`` over ``ep`` and
 leaves the model's own dispatch code in place. Left to GSPMD, a one-hot dispatch (every
-expert on every token, combined by the router's weights) gathers every expert stack whole
-in the backward pass. :func:`gather_expert_tokens` instead pins each MoE layer's
+expert on every token, combined by the router's weights) runs as its propagation picks:
+at ep8 with the Qwen3-MoE style's 8 experts of width 16, the backward pass gathered every
+expert stack whole (measured). :func:`gather_expert_tokens` instead pins each MoE layer's
 boundary, as MaxText's "ring of experts" does: its input is all-gathered over ``ep``
 and its output summed back to the ``ep`` ranks' tokens. Each rank then runs its ``E / ep``
 experts on the ``ep`` group's tokens, and the experts never move. The backward pass does
