@@ -206,10 +206,10 @@ def main(argv: list[str] | None = None) -> int:
         "(`capacity`: one-hot `[T, E, C]` dispatch and combine tensors, quadratic in the "
         "tokens); sequences of 32; `to_distributed` with the mesh forced",
         "- compiled: argument + temp bytes of one device's training step; predicted: the "
-        "cost model's total. `cost_moe.SLOT_TENSORS` (3 `[T, E, C]` tensors a layer, split "
-        "over the data ranks) was read off the first row; the rest are held out. Where "
-        "`dp` splits the capacity rule's tokens, GSPMD keeps more of the one-hot tensors "
-        "than that split: the model under-predicts there",
+        "cost model's total. `cost_moe.SLOT_TENSORS` (3 `[T, E, C]` tensors a layer) was "
+        "read off the first row and `cost_moe.SLOT_OVER_EP` (the share split over ep alone, "
+        "not over the dp ranks that split the capacity rule's tokens) off the dp8 capacity "
+        "row; the rest are held out",
         "",
         "| layout | dispatch | tokens | compiled MiB | predicted MiB | ratio |",
         "|---|---|---|---|---|---|",

@@ -42,7 +42,14 @@ from jfleet.mesh.topology import DP, EP, MP, SEP, SHARDING
 from jfleet.parallel.moe.layer import choose_path
 from jfleet.parallel.moe.routing import expert_capacity
 
-__all__ = ["LOAD_IMBALANCE", "SLOT_TENSORS", "MoEExchange", "moe_exchange", "moe_exchange_bytes"]
+__all__ = [
+    "LOAD_IMBALANCE",
+    "SLOT_OVER_EP",
+    "SLOT_TENSORS",
+    "MoEExchange",
+    "moe_exchange",
+    "moe_exchange_bytes",
+]
 __all__ += ["expert_memory", "expert_reduction_time", "moe_elems", "moe_exchange_time"]
 __all__ += ["moe_flops", "moe_rows", "moe_stage_layers", "ring_exchange_time"]
 
@@ -243,25 +250,31 @@ def _call_flops(s: StepShape) -> float:
 
 
 #: ``[T, E, C]`` tensors a traced one-hot capacity dispatch keeps a MoE layer (its dispatch
-#: and combine tensors and what their products keep), split over the data ranks. Read off
-#: the compiled step of the ``qwen3_moe`` style with ``dispatch="capacity"`` at ep8 with
-#: 2048 tokens (``benchmarks/moe_exchange.py``, ``capacity_memory``: 3.0); the table's
-#: other rows are held out. Where ``dp`` splits the capacity rule's tokens GSPMD keeps more
-#: than this split (the model under-predicts there: 0.5 at dp8).
+#: and combine tensors and what their products keep). Read off the compiled step of the
+#: ``qwen3_moe`` style with ``dispatch="capacity"`` at ep8 with 2048 tokens
+#: (``benchmarks/moe_exchange.py``, ``capacity_memory``: 3.0).
 SLOT_TENSORS = 3
+#: Of those, the share GSPMD splits over ``ep`` alone, not over the ranks that split the
+#: capacity rule's tokens (``dp``, ``sharding``): the running position of each token in
+#: its expert's slots is a cumulative sum over every token. Read off the dp8 row (0.72);
+#: the table's other ``dp`` rows are held out.
+SLOT_OVER_EP = 0.75
 
 
 def _slot_elems(s: StepShape) -> float:
     """Elements per device token of a traced capacity dispatch's ``[T, E, C]`` one-hot
     tensors (0 for any other dispatch): ``T`` the layer's tokens over every data rank, as
-    the code's capacity rule sees them, so ``T x E x C = rows_per_token x T^2``, split
-    over the data ranks; quadratic in the tokens, as GShard's dispatch without groups is."""
+    the code's capacity rule sees them, so ``T x E x C = rows_per_token x T^2``; split over
+    the data ranks but :data:`SLOT_OVER_EP` of a tensor split over ``ep`` alone. Quadratic
+    in the tokens, as GShard's dispatch without groups is."""
     moe = s.patterns.moe
     if not _einsum(s) or moe.rows_per_token >= moe.experts:  # every expert: no slots
         return 0.0
     lay = s.layout
-    tokens = s.tokens_mb * lay.dp * lay.sharding * lay.ep
-    return SLOT_TENSORS * moe.rows_per_token * tokens
+    data = lay.dp * lay.sharding * lay.ep
+    tokens = s.tokens_mb * data  # per device token: T x E x C / data / (T / data)
+    split = (SLOT_TENSORS - SLOT_OVER_EP) + SLOT_OVER_EP * data / lay.ep
+    return split * moe.rows_per_token * tokens
 
 
 def moe_elems(s: StepShape, *, kept: bool = False) -> float:
