@@ -35,9 +35,13 @@ from flax import nnx
 import benchmarks  # noqa: F401  (first: CPU, 8 emulated devices, before JAX starts)
 from benchmarks.results_file import environment, write_section
 from jfleet import fleet, make_train_step
+from jfleet.auto_parallel import ToDistributedConfig, get_plan, to_distributed
 from jfleet.auto_parallel.cost.cost_moe import moe_exchange, moe_exchange_bytes
 from jfleet.models import TinyMoELM, lm_batches, moe_lm_loss
 from jfleet.testing import hlo, make_strategy
+from jfleet.testing.nnx_styles import MOE_STYLES
+from jfleet.testing.nnx_styles.moe_styles import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from jfleet.testing.nnx_styles.registry import token_batches
 
 VOCAB, WIDTH, HIDDEN, EXPERTS, LAYERS, BATCH, SEQ = 64, 32, 64, 8, 2, 16, 32
 LAYOUTS = (
@@ -88,31 +92,36 @@ def row(name: str, hybrid: dict, split_mp: bool, rule: str, factor: float | None
 
 
 RING_FFN, RING_LAYOUTS = 128, ({"dp": 4, "ep": 2}, {"dp": 2, "ep": 4}, {"ep": 8})
+QWEN3_MOE = MOE_STYLES["qwen3_moe"]
+
+
+def _traced_step(force: dict | None, batch: int, dispatch: str, seq: int = 32) -> tuple:
+    """The ``qwen3_moe`` style with experts of width :data:`RING_FFN` through
+    ``to_distributed`` (mesh ``force``-d, or searched: None) on ``batch`` sequences of
+    ``seq`` tokens: ``(config, model, plan, compiled training step)``."""
+    config = Qwen3MoeConfig(moe_intermediate_size=RING_FFN, dispatch=dispatch, capacity_factor=1.0)
+    model, opt, loader = to_distributed(
+        Qwen3MoeForCausalLM(config, rngs=nnx.Rngs(0)), optax.adam(1e-3),
+        token_batches(1, vocab=64, batch=batch, seq=seq), 8,
+        config=ToDistributedConfig(forward=QWEN3_MOE.forward, force_mesh=force),
+    )  # fmt: skip
+    step = make_train_step(QWEN3_MOE.loss_fn).lower(model, opt, next(iter(loader))).compile()
+    return config, model, get_plan(model), step
 
 
 def ring_row(force: dict | None) -> list[str]:
     """A traced one-hot dispatch at one forced mesh (None: the search's pick): the compiled
     step's all-gathers per MoE layer beside the cost model's."""
-    from jfleet.auto_parallel import ToDistributedConfig, get_plan, to_distributed
-    from jfleet.testing.nnx_styles import MOE_STYLES
-    from jfleet.testing.nnx_styles.moe_styles import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    style = MOE_STYLES["qwen3_moe"]
-    config = Qwen3MoeConfig(moe_intermediate_size=RING_FFN)
-    model, opt, loader = to_distributed(
-        Qwen3MoeForCausalLM(config, rngs=nnx.Rngs(0)), optax.adam(1e-3), style.batches(1), 8,
-        config=ToDistributedConfig(forward=style.forward, force_mesh=force),
-    )  # fmt: skip
-    plan, layers = get_plan(model), config.num_hidden_layers
-    text = make_train_step(style.loss_fn).lower(model, opt, next(iter(loader))).compile()
-    ep = plan.layout.ep
-    gathers = [c for c in hlo.collectives(text.as_text()) if c.kind == "all-gather"]
+    config, model, plan, step = _traced_step(force, 8, "dense", seq=8)
+    layers, ep = config.num_hidden_layers, plan.layout.ep
+    gathers = [c for c in hlo.collectives(step.as_text()) if c.kind == "all-gather"]
     found = [c for c in gathers if c.group_size == ep]  # over the ep group
     others = sum(c.weight * c.bytes for c in gathers if c.group_size != ep) / layers
     measured = sum(c.weight * c.bytes for c in found) / layers
     predicted = plan.chosen.collectives.all_gather / layers
     mlp = model.model.layers[0].mlp
-    whole = any(c.bytes == 4 * config.num_experts * config.hidden_size * RING_FFN for c in found)
+    stack = 4 * config.num_experts * config.hidden_size * RING_FFN
+    whole = any(c.bytes == stack for c in gathers)  # over any group
     local = sum(w[...].addressable_shards[0].data.nbytes for w in (mlp.gate_proj, mlp.up_proj))
     return [
         plan.layout.name + ("" if force else " (searched)"),
@@ -133,21 +142,8 @@ MEMORY_ROWS = (  # (forced mesh, batch of 32-token sequences, dispatch)
 
 def memory_row(force: dict, batch: int, dispatch: str) -> list[str]:
     """A traced einsum dispatch's compiled step (argument + temp bytes a device) beside the
-    cost model's total, whose capacity term (``SLOT_TENSORS``) was read off the first row."""
-    from jfleet.auto_parallel import ToDistributedConfig, get_plan, to_distributed
-    from jfleet.testing.nnx_styles import MOE_STYLES
-    from jfleet.testing.nnx_styles.moe_styles import Qwen3MoeConfig, Qwen3MoeForCausalLM
-    from jfleet.testing.nnx_styles.registry import token_batches
-
-    style = MOE_STYLES["qwen3_moe"]
-    config = Qwen3MoeConfig(moe_intermediate_size=RING_FFN, dispatch=dispatch, capacity_factor=1.0)
-    model, opt, loader = to_distributed(
-        Qwen3MoeForCausalLM(config, rngs=nnx.Rngs(0)), optax.adam(1e-3),
-        token_batches(1, vocab=64, batch=batch, seq=32), 8,
-        config=ToDistributedConfig(forward=style.forward, force_mesh=force),
-    )  # fmt: skip
-    plan = get_plan(model)
-    step = make_train_step(style.loss_fn).lower(model, opt, next(iter(loader))).compile()
+    cost model's total (its capacity terms read off two rows, the rest held out)."""
+    _, _, plan, step = _traced_step(force, batch, dispatch)
     mem = step.memory_analysis()
     compiled = mem.argument_size_in_bytes + mem.temp_size_in_bytes
     predicted = plan.chosen.memory.total
