@@ -24,7 +24,13 @@ print("[Gloo] Rank", rank, "is connected to 1 peer ranks.", flush=True)
 # two of Gloo's connecting threads at once: the end of one message lands on a line alone
 gloo = "[Gloo] Rank {} is connected to 3 peer ranks. Expected number of connected peer ranks is : "
 print(gloo.format(0) + gloo.format(1) + "3", "3", "the program's own line:", "3", sep="\\n")
+(out / f"printed.{rank}").touch()
 if rank == "1":
+    # rank 0's lines are out before rank 1 fails: a loaded machine may start rank 0 late,
+    # and the launcher stops rank 0 as soon as rank 1 exits
+    deadline = time.monotonic() + 30
+    while not (out / "printed.0").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
     raise RuntimeError("rank 1 ran out of patience")
 while not (out / "log" / "workerlog.1").read_text().count("out of patience"):
     time.sleep(0.01)
