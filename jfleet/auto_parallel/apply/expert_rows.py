@@ -1,0 +1,311 @@
+"""A traced ``ragged_dot`` dispatch over ``ep``: each rank runs its own experts' rows.
+
+A model that sorts its token copies by expert and runs ``jax.lax.ragged_dot`` over the
+groups (tunix's Megablox path, MaxText's ``sparse_matmul``, the ``qwen3_moe_ragged`` style)
+cannot be split over ``ep`` by sharding constraints: GSPMD does not partition a
+``ragged_dot`` over its groups. :func:`ring_ragged_experts` runs each such MoE layer in a
+``shard_map`` over ``ep`` the way MaxText's "ring of experts" does:
+
+1. the layer's tokens are all-gathered over ``ep``, so every rank of the group routes the
+   same tokens (the model's own routing code, run as written);
+2. every ``ragged_dot`` whose groups are an expert stack ``[E, ...]`` (held ``E / ep`` a
+   rank) runs on this rank's experts only: the sorted rows of its groups are moved to the
+   front (a dynamic slice by the row count of the experts before them), multiplied by the
+   local stack with the local group sizes, and moved back; every other row comes out zero;
+3. the code between and after the products runs as written; the output, a sum of rows
+   that each rank computed for its own experts, is reduce-scattered over ``ep`` back to
+   each rank's tokens. Outputs that do not depend on the experts (the router's logits)
+   are the rank's own slice of the gathered tokens.
+
+This is exact when the rows a rank did not compute cannot reach the output. The layer's
+computation is checked while it is traced, equation by equation: between products only
+row-wise (elementwise) code; a non-expert row is zero after each product and a product
+(``x * 0``) keeps it zero; after the last product only linear code (gathers, reshapes,
+sums, products with routing weights). A layer that does anything else raises a
+``ValueError`` naming the equation, and the planner prices no such layer over ``ep``
+(:mod:`jfleet.auto_parallel.match.experts` marks only a dispatch read by ``ragged_dot``
+alone). Values and gradients equal one device's (tested at dp2 x ep4 and ep8).
+
+Example:
+  >>> import jax
+  >>> from flax import nnx
+  >>> from jfleet.testing.nnx_styles import MOE_STYLES
+  >>> model = MOE_STYLES["qwen3_moe_ragged"].build(nnx.Rngs(0))
+  >>> mesh = jax.make_mesh((2, 4), ("dp", "ep"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  >>> ring_ragged_experts(model, ["model.layers.0.mlp", "model.layers.1.mlp"], mesh)
+  >>> type(model.model.layers[0].mlp).__qualname__
+  'Qwen3MoeSparseMoeBlock[ep rows]'
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.extend import core as jcore
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jfleet.auto_parallel.match.matched import module_at
+from jfleet.mesh.topology import DATA_AXES, EP
+
+__all__ = ["ring_ragged_experts"]
+
+# What a value is on one rank of the ep group, as the layer is evaluated.
+_REP = "replicated"  # the same on every rank: the gathered tokens, routing, the router
+_STACK = "stack"  # this rank's E / ep experts of a stacked expert parameter
+_CLEAN = "clean"  # rows of this rank's experts exact, every other row zero
+_DIRTY = "dirty"  # rows of this rank's experts exact, the others anything (finite)
+
+#: Row-wise primitives: each output element depends on the same element of each input.
+_ELEMENTWISE = frozenset(
+    """abs add atan2 cos cosh div erf erf_inv exp exp2 expm1 integer_pow logistic log log1p
+    max min mul neg pow rsqrt select_n sign sin sinh sqrt square sub tan tanh clamp
+    convert_element_type copy copy_p stop_gradient""".split()
+)
+#: Linear in each operand, moving or summing elements: a sum over ranks passes through.
+_LINEAR = frozenset(
+    """reshape transpose squeeze expand_dims broadcast_in_dim gather slice dynamic_slice
+    reduce_sum convert_element_type copy copy_p neg concatenate rev pad""".split()
+)
+
+
+class _Rows:
+    """Evaluates one MoE layer's jaxpr on one ep rank, each ``ragged_dot`` over a stack
+    restricted to the rank's experts, checking that the rows it skips cannot reach the
+    output."""
+
+    def __init__(self, experts: int, ep: int):
+        self.local = experts // ep
+        self.kind: dict[Any, str] = {}
+        self.groups: Any = None  # the one group-sizes value every product shares
+
+    def read(self, env: dict, v: Any) -> Any:
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    def kind_of(self, v: Any) -> str:
+        return _REP if isinstance(v, jcore.Literal) else self.kind[v]
+
+    def run(self, jaxpr: Any, consts: list, args: list, kinds: list[str]) -> tuple[list, list]:
+        env: dict = {}
+        for v, c in zip(jaxpr.constvars, consts, strict=True):
+            env[v], self.kind[v] = c, _REP
+        for v, a, k in zip(jaxpr.invars, args, kinds, strict=True):
+            env[v], self.kind[v] = a, k
+        for eqn in jaxpr.eqns:
+            values = [self.read(env, v) for v in eqn.invars]
+            kinds_in = [self.kind_of(v) for v in eqn.invars]
+            outs, kind = self.eqn(eqn, values, kinds_in)
+            for v, o in zip(eqn.outvars, outs, strict=True):
+                env[v], self.kind[v] = o, kind
+        return [self.read(env, v) for v in jaxpr.outvars], [self.kind_of(v) for v in jaxpr.outvars]
+
+    def eqn(self, eqn: Any, values: list, kinds: list[str]) -> tuple[list, str]:
+        name = eqn.primitive.name
+        if name == "ragged_dot_general" and kinds[1] == _STACK:
+            return [self.ragged(eqn, *values, kinds)], _CLEAN
+        if name in ("jit", "pjit", "closed_call", "core_call") and set(kinds) != {_REP}:
+            sub = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
+            closed = sub if hasattr(sub, "consts") else jcore.ClosedJaxpr(sub, ())
+            outs, out_kinds = self.run(closed.jaxpr, list(closed.consts), values, kinds)
+            return outs, self.join(eqn, out_kinds)
+        outs = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
+        outs = outs if eqn.primitive.multiple_results else [outs]
+        return outs, self.result(eqn, name, kinds)
+
+    def join(self, eqn: Any, kinds: list[str]) -> str:
+        if len(set(kinds)) > 1:
+            self.refuse(eqn, f"its outputs mix {sorted(set(kinds))} rows")
+        return kinds[0] if kinds else _REP
+
+    def result(self, eqn: Any, name: str, kinds: list[str]) -> str:
+        present = set(kinds)
+        if present == {_REP}:
+            return _REP
+        if _STACK in present:
+            if name in ("convert_element_type", "copy", "copy_p") and len(kinds) == 1:
+                return _STACK
+            self.refuse(eqn, "it reads an expert stack other than as a ragged_dot's groups")
+        rowwise = name in _ELEMENTWISE and all(
+            getattr(v.aval, "shape", ()) == eqn.outvars[0].aval.shape
+            for v, k in zip(eqn.invars, kinds, strict=True)
+            if k != _REP
+        )
+        if rowwise:
+            if name == "mul" and _CLEAN in present:
+                return _CLEAN  # x * 0: a skipped row stays zero
+            if name in ("add", "sub", "neg", "convert_element_type", "copy") and present <= {
+                _CLEAN,
+                _REP,
+            }:
+                if _REP not in present or name in ("neg", "convert_element_type", "copy"):
+                    return _CLEAN
+            return _DIRTY
+        if present == {_CLEAN} or (present == {_CLEAN, _REP} and self.linear(eqn, kinds)):
+            if name in _LINEAR or (name == "dot_general" and kinds.count(_CLEAN) == 1):
+                return _CLEAN
+        self.refuse(eqn, f"it is not linear in the expert rows it reads ({sorted(present)})")
+        raise AssertionError  # unreachable
+
+    @staticmethod
+    def linear(eqn: Any, kinds: list[str]) -> bool:
+        """The replicated operands are positions, sizes or the other factor, never added."""
+        return eqn.primitive.name in _LINEAR | {"dot_general", "mul"}
+
+    def refuse(self, eqn: Any, why: str) -> None:
+        raise ValueError(
+            f"cannot run this MoE layer's ragged_dot dispatch over ep: at `{eqn}`, {why}. "
+            "Run it with ep_degree=1 (let to_distributed choose), or route with "
+            "jfleet.parallel.moe.MoELayer."
+        )
+
+    def ragged(self, eqn: Any, lhs: Any, rhs: Any, sizes: Any, kinds: list[str]) -> Any:
+        if kinds[2] != _REP:
+            self.refuse(eqn, "its group sizes depend on the expert rows")
+        if eqn.params["group_offset"] is not None:
+            self.refuse(eqn, "it has a group_offset")
+        dims = eqn.params["ragged_dot_dimension_numbers"]
+        if tuple(dims.lhs_ragged_dimensions) != (0,) or tuple(dims.rhs_group_dimensions) != (0,):
+            self.refuse(eqn, "its rows are not the first dimension of lhs, its groups of rhs")
+        if self.groups is None:
+            self.groups = sizes
+        elif self.groups is not sizes and not _same(self.groups, sizes):
+            self.refuse(eqn, "two products group the rows differently")
+        first = jax.lax.axis_index(EP) * self.local
+        local = jax.lax.dynamic_slice_in_dim(sizes, first, self.local)
+        start = jnp.sum(jnp.where(jnp.arange(sizes.shape[0]) < first, sizes, 0))
+        rows = lhs.shape[0]
+        front = jax.lax.dynamic_slice_in_dim(
+            jnp.concatenate([lhs, jnp.zeros_like(lhs)]), start, rows
+        )
+        params = dict(eqn.params)
+        out = eqn.primitive.bind(front, rhs, local, **params)
+        padded = jnp.concatenate([jnp.zeros_like(out), out])
+        return jax.lax.dynamic_slice_in_dim(padded, rows - start, rows)
+
+
+def _attr(key: Any) -> bool:
+    return isinstance(key, jax.tree_util.GetAttrKey)
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a is b
+
+
+def _split_tokens(a: Any, outer: int, ep: int) -> Any:
+    """``[b, ...]`` -> ``[outer, ep, b / (outer ep), ...]``: the batch's layout over the data
+    axes before ``ep``, ``ep``, and those after it, as three dimensions (free: no data moves)."""
+    return a.reshape(outer, ep, a.shape[0] // (outer * ep), *a.shape[1:])
+
+
+def _merge_tokens(a: Any) -> Any:
+    return a.reshape(-1, *a.shape[3:])
+
+
+def _layer_call(
+    self: nnx.Module, base: type, mesh: Mesh, stacks: frozenset, x: Any, *args: Any, **kwargs: Any
+) -> Any:
+    ep = mesh.shape[EP]
+    data = tuple(a for a in DATA_AXES if a in mesh.axis_names)
+    before, after = data[: data.index(EP)], data[data.index(EP) + 1 :]
+    outer = math.prod(mesh.shape[a] for a in before)
+    ranks = outer * ep * math.prod(mesh.shape[a] for a in after)
+    graphdef, state = nnx.split(self)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    names = [
+        ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path if not _attr(k))
+        for path, _ in leaves
+    ]
+    is_stack = [n in stacks for n in names]
+    values = [leaf for _, leaf in leaves]
+    if not any(is_stack):
+        raise ValueError(
+            f"ring_ragged_experts: none of {sorted(stacks)} is a parameter of "
+            f"{base.__name__} (its parameters: {names})."
+        )
+    experts = next(v.shape[0] for v, s in zip(values, is_stack, strict=True) if s)
+
+    def original(values, x, args, kwargs):
+        module = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, values))
+        return base.__call__(module, x, *args, **kwargs)
+
+    out_shape = jax.eval_shape(original, values, x, args, kwargs)
+    out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
+    for o in [x, *out_leaves]:
+        if not o.shape or o.shape[0] % ranks:
+            raise ValueError(
+                f"ring_ragged_experts: {base.__name__} takes or returns a {o.shape} value; "
+                f"its input and every output must be per token (a leading dimension divisible "
+                f"by the {ranks} data ranks), as its tokens are gathered over ep."
+            )
+    n_in = len(jax.tree_util.tree_leaves((values, x, args, kwargs)))
+    in_kinds = [_STACK if s else _REP for s in is_stack] + [_REP] * (n_in - len(values))
+
+    def body(values, x, args, kwargs):
+        gathered = _merge_tokens(jax.lax.all_gather(x, EP, axis=1, tiled=True))
+        whole = [  # the layer as written sees every expert: traced with the whole stacks
+            jax.ShapeDtypeStruct((experts, *v.shape[1:]), v.dtype) if s else v
+            for v, s in zip(values, is_stack, strict=True)
+        ]
+        closed = jax.make_jaxpr(original)(whole, gathered, args, kwargs)
+        flat = jax.tree_util.tree_leaves((values, gathered, args, kwargs))
+        outs, kinds = _Rows(experts, ep).run(closed.jaxpr, list(closed.consts), flat, in_kinds)
+        done = []
+        for o, k in zip(outs, kinds, strict=True):
+            o = _split_tokens(o, 1, ep)
+            if k == _CLEAN:  # each rank's experts' rows: summed, scattered back
+                done.append(jax.lax.psum_scatter(o, EP, scatter_dimension=1, tiled=True))
+            elif k == _REP:  # the same on every rank: this rank's tokens
+                done.append(jax.lax.dynamic_slice_in_dim(o, jax.lax.axis_index(EP), 1, axis=1))
+            else:
+                raise ValueError(
+                    f"cannot run {base.__name__}'s ragged_dot dispatch over ep: an output "
+                    f"{o.shape} has {k} rows (neither the experts' rows summed nor the same "
+                    "on every rank)."
+                )
+        return done
+
+    split = P(before or None, EP, after or None)
+    outs = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=([P(EP) if s else P() for s in is_stack], split, P(), P()),
+        out_specs=[split] * len(out_leaves),
+        axis_names=frozenset(data),
+        check_vma=False,
+    )(values, _split_tokens(x, outer, ep), args, kwargs)
+    return jax.tree_util.tree_unflatten(out_tree, [_merge_tokens(o) for o in outs])
+
+
+@functools.cache
+def _ring_class(base: type, mesh: Mesh, stacks: frozenset) -> type:
+    def __call__(self, x, *args, **kwargs):  # noqa: N807
+        return _layer_call(self, base, mesh, stacks, x, *args, **kwargs)
+
+    name = f"{base.__name__}[ep rows]"
+    return type(base.__name__, (base,), {"__call__": __call__, "__qualname__": name})
+
+
+def ring_ragged_experts(
+    model: nnx.Module, layers: Iterable[str], mesh: Mesh, stacks: Iterable[str] = ()
+) -> None:
+    """Runs each MoE layer at ``layers`` (dotted paths) with its ``ragged_dot`` experts
+    over ``mesh``'s ``ep`` axis (see the module's docstring), in place. ``stacks``: the
+    layer-relative paths of its stacked expert parameters (default: every parameter whose
+    leading dimension is the largest leading dimension shared by three or more).
+
+    Raises:
+      ValueError: the mesh has no ``ep`` axis above 1.
+    """
+    if mesh.shape.get(EP, 1) <= 1:
+        raise ValueError(f"ring_ragged_experts needs an ep axis above 1; mesh has {mesh.shape}.")
+    for path in layers:
+        layer = module_at(model, path)
+        base = type(layer)
+        if "[ep rows]" not in base.__qualname__:
+            layer.__class__ = _ring_class(base, mesh, frozenset(stacks))
