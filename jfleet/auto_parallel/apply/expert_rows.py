@@ -59,103 +59,137 @@ __all__ = ["ring_ragged_experts"]
 # What a value is on one rank of the ep group, as the layer is evaluated.
 _REP = "replicated"  # the same on every rank: the gathered tokens, routing, the router
 _STACK = "stack"  # this rank's E / ep experts of a stacked expert parameter
-_CLEAN = "clean"  # rows of this rank's experts exact, every other row zero
-_DIRTY = "dirty"  # rows of this rank's experts exact, the others anything (finite)
+_CLEAN = "clean"  # sorted rows: this rank's experts' rows exact, every other row zero
+_DIRTY = "dirty"  # sorted rows: this rank's experts' rows exact, the others anything finite
+_PARTIAL = "partial"  # this rank's share: the sum over the ep ranks is the value
 
-#: Row-wise primitives: each output element depends on the same element of each input.
-_ELEMENTWISE = frozenset(
-    """abs add atan2 cos cosh div erf erf_inv exp exp2 expm1 integer_pow logistic log log1p
-    max min mul neg pow rsqrt select_n sign sin sinh sqrt square sub tan tanh clamp
-    convert_element_type copy copy_p stop_gradient""".split()
-)
-#: Linear in each operand, moving or summing elements: a sum over ranks passes through.
-_LINEAR = frozenset(
-    """reshape transpose squeeze expand_dims broadcast_in_dim gather slice dynamic_slice
-    reduce_sum convert_element_type copy copy_p neg concatenate rev pad""".split()
-)
+#: Element-wise primitives (every operand of the output's shape).
+# fmt: off
+_ELEMENTWISE = frozenset({
+    "abs", "add", "atan2", "cos", "cosh", "div", "erf", "erf_inv", "exp", "exp2", "expm1",
+    "integer_pow", "logistic", "log", "log1p", "max", "min", "mul", "neg", "pow", "rsqrt",
+    "select_n", "sign", "sin", "sinh", "sqrt", "square", "sub", "tan", "tanh", "clamp",
+    "convert_element_type", "copy", "copy_p", "stop_gradient", "reduce_precision",
+})
+# fmt: on
+#: Element-wise and linear: a row that is zero stays zero, a sum over ranks passes through.
+_ZERO_KEEPING = frozenset(["neg", "convert_element_type", "copy", "copy_p", "reduce_precision"])
+#: Linear in their first operand, moving or summing its elements; any other operand is a
+#: position or a size (replicated).
+# fmt: off
+_MOVING = frozenset({
+    "reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "gather", "slice",
+    "dynamic_slice", "reduce_sum", "rev", "cumsum",
+})
+# fmt: on
+#: Calls whose body is evaluated here (a ragged_dot may be inside).
+_CALLS = frozenset(["jit", "pjit", "closed_call", "core_call"])
+#: Calls bound whole (their own derivative rules), classified by their body.
+_CUSTOM = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr"}
+
+
+def _body(params: dict, key: str) -> tuple[Any, list]:
+    sub = params[key]
+    return (sub.jaxpr, list(sub.consts)) if hasattr(sub, "consts") else (sub, [])
 
 
 class _Rows:
-    """Evaluates one MoE layer's jaxpr on one ep rank, each ``ragged_dot`` over a stack
-    restricted to the rank's experts, checking that the rows it skips cannot reach the
-    output."""
+    """Evaluates one MoE layer's jaxpr on one ep rank, each ``ragged_dot`` over an expert
+    stack restricted to the rank's experts, and classifies every value (``_REP`` ...
+    ``_PARTIAL``) to check that the rows it skips cannot reach the output."""
 
     def __init__(self, experts: int, ep: int):
         self.local = experts // ep
-        self.kind: dict[Any, str] = {}
-        self.groups: Any = None  # the one group-sizes value every product shares
-
-    def read(self, env: dict, v: Any) -> Any:
-        return v.val if isinstance(v, jcore.Literal) else env[v]
-
-    def kind_of(self, v: Any) -> str:
-        return _REP if isinstance(v, jcore.Literal) else self.kind[v]
+        self.groups: Any = None  # the group sizes every product shares
 
     def run(self, jaxpr: Any, consts: list, args: list, kinds: list[str]) -> tuple[list, list]:
+        """``(outputs, their kinds)``; ``args`` None: classify only."""
         env: dict = {}
+        kind: dict = {}
         for v, c in zip(jaxpr.constvars, consts, strict=True):
-            env[v], self.kind[v] = c, _REP
-        for v, a, k in zip(jaxpr.invars, args, kinds, strict=True):
-            env[v], self.kind[v] = a, k
-        for eqn in jaxpr.eqns:
-            values = [self.read(env, v) for v in eqn.invars]
-            kinds_in = [self.kind_of(v) for v in eqn.invars]
-            outs, kind = self.eqn(eqn, values, kinds_in)
-            for v, o in zip(eqn.outvars, outs, strict=True):
-                env[v], self.kind[v] = o, kind
-        return [self.read(env, v) for v in jaxpr.outvars], [self.kind_of(v) for v in jaxpr.outvars]
+            env[v], kind[v] = c, _REP
+        for v, a, k in zip(jaxpr.invars, args or [None] * len(kinds), kinds, strict=True):
+            env[v], kind[v] = a, k
 
-    def eqn(self, eqn: Any, values: list, kinds: list[str]) -> tuple[list, str]:
+        def read(v):
+            return v.val if isinstance(v, jcore.Literal) else env[v]
+
+        def kind_of(v):
+            return _REP if isinstance(v, jcore.Literal) else kind[v]
+
+        for eqn in jaxpr.eqns:
+            values = [read(v) for v in eqn.invars] if args is not None else None
+            outs, k = self.eqn(eqn, values, [kind_of(v) for v in eqn.invars])
+            for i, v in enumerate(eqn.outvars):
+                env[v], kind[v] = (outs[i] if outs is not None else None), k
+        outs = [read(v) for v in jaxpr.outvars] if args is not None else None
+        return outs, [kind_of(v) for v in jaxpr.outvars]
+
+    def eqn(self, eqn: Any, values: list | None, kinds: list[str]) -> tuple[list | None, str]:
         name = eqn.primitive.name
+        if set(kinds) == {_REP} or not kinds:
+            return self.bind(eqn, values), _REP
         if name == "ragged_dot_general" and kinds[1] == _STACK:
-            return [self.ragged(eqn, *values, kinds)], _CLEAN
-        if name in ("jit", "pjit", "closed_call", "core_call") and set(kinds) != {_REP}:
-            sub = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
-            closed = sub if hasattr(sub, "consts") else jcore.ClosedJaxpr(sub, ())
-            outs, out_kinds = self.run(closed.jaxpr, list(closed.consts), values, kinds)
+            self.check_ragged(eqn, values, kinds)
+            return (None if values is None else [self.ragged(eqn, *values)]), _CLEAN
+        if name in _CALLS:
+            outs, out_kinds = self.run(*_body(eqn.params, "jaxpr"), values, kinds)
             return outs, self.join(eqn, out_kinds)
+        if name in _CUSTOM:
+            _, out_kinds = self.run(*_body(eqn.params, _CUSTOM[name]), None, kinds)
+            return self.bind(eqn, values), self.join(eqn, out_kinds)
+        return self.bind(eqn, values), self.kind(eqn, name, kinds)
+
+    @staticmethod
+    def bind(eqn: Any, values: list | None) -> list | None:
+        if values is None:
+            return None
         outs = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
-        outs = outs if eqn.primitive.multiple_results else [outs]
-        return outs, self.result(eqn, name, kinds)
+        return list(outs) if eqn.primitive.multiple_results else [outs]
 
     def join(self, eqn: Any, kinds: list[str]) -> str:
         if len(set(kinds)) > 1:
-            self.refuse(eqn, f"its outputs mix {sorted(set(kinds))} rows")
+            self.refuse(eqn, f"its outputs mix {sorted(set(kinds))} values")
         return kinds[0] if kinds else _REP
 
-    def result(self, eqn: Any, name: str, kinds: list[str]) -> str:
+    def kind(self, eqn: Any, name: str, kinds: list[str]) -> str:
+        """The kind of a primitive's outputs (not all operands replicated)."""
         present = set(kinds)
-        if present == {_REP}:
-            return _REP
         if _STACK in present:
-            if name in ("convert_element_type", "copy", "copy_p") and len(kinds) == 1:
-                return _STACK
+            if name in _ZERO_KEEPING and len(kinds) == 1:
+                return _STACK  # a cast of the experts (mixed precision)
             self.refuse(eqn, "it reads an expert stack other than as a ragged_dot's groups")
-        rowwise = name in _ELEMENTWISE and all(
-            getattr(v.aval, "shape", ()) == eqn.outvars[0].aval.shape
-            for v, k in zip(eqn.invars, kinds, strict=True)
-            if k != _REP
-        )
-        if rowwise:
-            if name == "mul" and _CLEAN in present:
-                return _CLEAN  # x * 0: a skipped row stays zero
-            if name in ("add", "sub", "neg", "convert_element_type", "copy") and present <= {
-                _CLEAN,
-                _REP,
-            }:
-                if _REP not in present or name in ("neg", "convert_element_type", "copy"):
-                    return _CLEAN
-            return _DIRTY
-        if present == {_CLEAN} or (present == {_CLEAN, _REP} and self.linear(eqn, kinds)):
-            if name in _LINEAR or (name == "dot_general" and kinds.count(_CLEAN) == 1):
-                return _CLEAN
-        self.refuse(eqn, f"it is not linear in the expert rows it reads ({sorted(present)})")
-        raise AssertionError  # unreachable
+        shape = eqn.outvars[0].aval.shape
+        if name in _ELEMENTWISE and all(v.aval.shape == shape for v in eqn.invars[-1:]):
+            return self.elementwise(eqn, name, kinds, present)
+        moved, rest = kinds[0], set(kinds[1:])
+        if name == "dot_general" and sorted(kinds) in ([_CLEAN, _REP], [_PARTIAL, _REP]):
+            return _PARTIAL
+        if name in _MOVING and moved in (_CLEAN, _PARTIAL) and rest <= {_REP}:
+            return _PARTIAL
+        if name == "concatenate" and present <= {_CLEAN, _PARTIAL}:
+            return _PARTIAL
+        self.refuse(eqn, f"it is not linear in the experts' rows it reads ({sorted(present)})")
+        raise AssertionError  # refuse raises
 
-    @staticmethod
-    def linear(eqn: Any, kinds: list[str]) -> bool:
-        """The replicated operands are positions, sizes or the other factor, never added."""
-        return eqn.primitive.name in _LINEAR | {"dot_general", "mul"}
+    def elementwise(self, eqn: Any, name: str, kinds: list[str], present: set) -> str:
+        if name == "select_n":  # a replicated choice between values of one kind
+            cases = set(kinds[1:])
+            if kinds[0] == _REP and len(cases) == 1 and cases <= {_CLEAN, _PARTIAL}:
+                return cases.pop()
+        if _PARTIAL in present:  # sums pass through a sum, scaling and a cast only
+            if name in _ZERO_KEEPING or (name in ("add", "sub") and _REP not in present):
+                return _PARTIAL
+            if name == "mul" and sorted(kinds) == [_PARTIAL, _REP]:
+                return _PARTIAL
+            self.refuse(eqn, "it is not linear in the experts' summed rows")
+        if name == "mul" and _CLEAN in present:
+            return _CLEAN  # a skipped row is zero times something finite
+        if name == "div" and kinds[0] == _CLEAN and kinds[1] == _REP:
+            return _CLEAN
+        if name in _ZERO_KEEPING or (name in ("add", "sub") and present == {_CLEAN}):
+            return present.pop() if len(present) == 1 else _DIRTY
+        return _DIRTY  # row-wise: this rank's rows still exact
 
     def refuse(self, eqn: Any, why: str) -> None:
         raise ValueError(
@@ -164,18 +198,22 @@ class _Rows:
             "jfleet.parallel.moe.MoELayer."
         )
 
-    def ragged(self, eqn: Any, lhs: Any, rhs: Any, sizes: Any, kinds: list[str]) -> Any:
-        if kinds[2] != _REP:
-            self.refuse(eqn, "its group sizes depend on the expert rows")
+    def check_ragged(self, eqn: Any, values: list | None, kinds: list[str]) -> None:
+        if kinds[0] == _PARTIAL or kinds[2] != _REP:
+            self.refuse(eqn, "its rows or group sizes were moved after an expert product")
         if eqn.params["group_offset"] is not None:
             self.refuse(eqn, "it has a group_offset")
         dims = eqn.params["ragged_dot_dimension_numbers"]
         if tuple(dims.lhs_ragged_dimensions) != (0,) or tuple(dims.rhs_group_dimensions) != (0,):
-            self.refuse(eqn, "its rows are not the first dimension of lhs, its groups of rhs")
+            self.refuse(eqn, "its rows are not lhs's first dimension, its groups not rhs's")
+        sizes = eqn.invars[2]
         if self.groups is None:
             self.groups = sizes
-        elif self.groups is not sizes and not _same(self.groups, sizes):
-            self.refuse(eqn, "two products group the rows differently")
+        elif sizes is not self.groups:
+            self.refuse(eqn, "two products read different group sizes")
+
+    def ragged(self, eqn: Any, lhs: Any, rhs: Any, sizes: Any) -> Any:
+        """The rank's experts' rows moved to the front, multiplied, moved back."""
         first = jax.lax.axis_index(EP) * self.local
         local = jax.lax.dynamic_slice_in_dim(sizes, first, self.local)
         start = jnp.sum(jnp.where(jnp.arange(sizes.shape[0]) < first, sizes, 0))
@@ -183,18 +221,14 @@ class _Rows:
         front = jax.lax.dynamic_slice_in_dim(
             jnp.concatenate([lhs, jnp.zeros_like(lhs)]), start, rows
         )
-        params = dict(eqn.params)
-        out = eqn.primitive.bind(front, rhs, local, **params)
-        padded = jnp.concatenate([jnp.zeros_like(out), out])
-        return jax.lax.dynamic_slice_in_dim(padded, rows - start, rows)
+        out = eqn.primitive.bind(front, rhs, local, **eqn.params)
+        return jax.lax.dynamic_slice_in_dim(
+            jnp.concatenate([jnp.zeros_like(out), out]), rows - start, rows
+        )
 
 
 def _attr(key: Any) -> bool:
     return isinstance(key, jax.tree_util.GetAttrKey)
-
-
-def _same(a: Any, b: Any) -> bool:
-    return a is b
 
 
 def _split_tokens(a: Any, outer: int, ep: int) -> Any:
@@ -258,7 +292,7 @@ def _layer_call(
         done = []
         for o, k in zip(outs, kinds, strict=True):
             o = _split_tokens(o, 1, ep)
-            if k == _CLEAN:  # each rank's experts' rows: summed, scattered back
+            if k in (_CLEAN, _PARTIAL):  # each rank's experts' rows: summed, scattered back
                 done.append(jax.lax.psum_scatter(o, EP, scatter_dimension=1, tiled=True))
             elif k == _REP:  # the same on every rank: this rank's tokens
                 done.append(jax.lax.dynamic_slice_in_dim(o, jax.lax.axis_index(EP), 1, axis=1))
