@@ -178,9 +178,11 @@ child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
 if sys.argv[3:] == ["stubborn"]:
     import signal
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+# printed before the pids file that lets the failing rank go on: the launcher stops the
+# other workers as soon as it fails, and a loaded machine may start one late
+print(f"rank {rank} on {os.environ['PADDLE_CURRENT_ENDPOINT']}", flush=True)
 (out / f"{rank}.pids.tmp").write_text(f"{os.getpid()} {child.pid}")
 (out / f"{rank}.pids.tmp").rename(out / f"{rank}.pids")
-print(f"rank {rank} on {os.environ['PADDLE_CURRENT_ENDPOINT']}", flush=True)
 if rank == failing:
     while len(list(out.glob("*.pids"))) < int(os.environ["PADDLE_TRAINERS_NUM"]):
         time.sleep(0.05)

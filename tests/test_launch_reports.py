@@ -25,6 +25,8 @@ print("[Gloo] Rank", rank, "is connected to 1 peer ranks.", flush=True)
 gloo = "[Gloo] Rank {} is connected to 3 peer ranks. Expected number of connected peer ranks is : "
 print(gloo.format(0) + gloo.format(1) + "3", "3", "the program's own line:", "3", sep="\\n")
 (out / f"printed.{rank}").touch()
+(out / f"pid.{rank}.tmp").write_text(str(os.getpid()))
+(out / f"pid.{rank}.tmp").rename(out / f"pid.{rank}")
 if rank == "1":
     # rank 0's lines are out before rank 1 fails: a loaded machine may start rank 0 late,
     # and the launcher stops rank 0 as soon as rank 1 exits
@@ -32,7 +34,17 @@ if rank == "1":
     while not (out / "printed.0").exists() and time.monotonic() < deadline:
         time.sleep(0.01)
     raise RuntimeError("rank 1 ran out of patience")
-while not (out / "log" / "workerlog.1").read_text().count("out of patience"):
+# the watchdog's abort comes after its cause has exited (not only logged its error): a
+# rank 1 slow to exit on a loaded machine would make rank 0's exit 70 the first failure
+while not (out / "pid.1").exists():
+    time.sleep(0.01)
+stat = pathlib.Path(f"/proc/{(out / 'pid.1').read_text()}/stat")
+def running():
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:  # reaped
+        return False
+while running():
     time.sleep(0.01)
 time.sleep(0.3)
 print("jfleet.watchdog: rank 1 is lost (no heartbeat for 30 s); rank 0 stops", flush=True)

@@ -117,6 +117,11 @@ if rank == "0":
 """
 
 
+#: The hang test's deadline: long enough that rank 1, on a loaded machine, has started, printed
+#: and ended by then (it fails when rank 1 is still running, or a rank has not printed).
+HANG_TIMEOUT = 15
+
+
 def alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie awaiting a reaper other than us counts as gone)."""
     try:
@@ -131,7 +136,7 @@ def test_a_hung_process_is_killed_at_the_timeout_with_all_output_and_none_left(p
     pytester.makepyfile(
         f"""
         def test_hangs(emulated_processes):
-            emulated_processes(2, 4, {HANG!r}, timeout=4)
+            emulated_processes(2, 4, {HANG!r}, timeout={HANG_TIMEOUT})
         """
     )
     start = time.monotonic()
@@ -139,7 +144,7 @@ def test_a_hung_process_is_killed_at_the_timeout_with_all_output_and_none_left(p
     result.assert_outcomes(failed=1)
     assert time.monotonic() - start < 60
     out = result.stdout.str()
-    assert "rank(s) [0] still running after the 4 s timeout (all killed)" in out
+    assert f"rank(s) [0] still running after the {HANG_TIMEOUT} s timeout (all killed)" in out
     # Each rank's output shows in the failure and again in the summary where CI is set.
     ranks = set(re.findall(r"rank (\d) of 2 pid (\d+) grandchild (\d+) devices 4", out))
     assert sorted(r[0] for r in ranks) == ["0", "1"]
