@@ -45,11 +45,12 @@ ROUTED = {
     ),
 }
 ROUTED["qwen3_moe_ragged"] = ROUTED["qwen3_moe"]
-#: How each style reaches its experts: every expert on every token (a one-hot combine), or
-#: only the routed rows (ragged_dot, a per-token gather of the experts' weights).
+#: How each style reaches its experts: every expert on every token (a one-hot combine),
+#: ragged_dots over token copies sorted by expert, or a per-token gather of the experts'
+#: weights.
 DISPATCH = {
     "qwen3_moe": ("einsum", 8.0),
-    "qwen3_moe_ragged": ("own", None),
+    "qwen3_moe_ragged": ("ragged", None),
     "gpt_oss": ("own", None),
 }
 
@@ -108,11 +109,11 @@ def test_a_dense_model_has_no_routed_experts():
     assert found.moe is None and found.routed == ()
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe_ragged", "gpt_oss"])
+@pytest.mark.parametrize("name", ["gpt_oss"])
 def test_the_search_keeps_routed_row_dispatch_off_ep_and_says_why(name):
-    """No compile. A traced dispatch of routed rows (ragged_dot, a per-token gather) runs
-    over ep as GSPMD partitions it, not as the cost model prices, so the search offers no
-    ep > 1 layout for it, and the plan says so and how to force it. The same experts with
+    """No compile. A traced dispatch of routed rows by a per-token gather of the experts'
+    weights runs over ep as GSPMD partitions it, not as the cost model prices, so the search
+    offers no ep > 1 layout for it, and the plan says so and how to force it. The same experts with
     their dispatch priced as jfleet's (``routed`` emptied: what a shape-built plan is) are
     searched over ep."""
     model, found = _matched(name)
@@ -152,8 +153,9 @@ def test_forced_dp2_ep4_splits_qwen3_experts_a_quarter_a_device_and_trains_like_
 
 
 def _big_experts(dispatch: str) -> nnx.Module:
-    """Qwen3-MoE with einsum dispatch (every expert on every token, or capacity 1.0) whose
-    experts outweigh its tokens: 8 experts of width 128 against 64 tokens of width 32."""
+    """Qwen3-MoE (every expert on every token, capacity 1.0, or ragged_dots over the sorted
+    token copies) whose experts outweigh its tokens: 8 experts of width 128 against 64
+    tokens of width 32."""
     config = Qwen3MoeConfig(moe_intermediate_size=128, dispatch=dispatch, capacity_factor=1.0)
     return Qwen3MoeForCausalLM(config, rngs=nnx.Rngs(0))
 
@@ -200,6 +202,54 @@ def test_searched_ep_gathers_tokens_never_experts_trains_like_one_device_and_say
     losses = [float(step(model, opt, batch)) for batch in batches]
     want, _ = train_one_device(
         _big_experts(dispatch), optax.adam(1e-3), style.batches(3), style.loss_fn
+    )
+    assert want[-1] < want[0]
+    assert_trees_close(np.asarray(losses), np.asarray(want), devices=8)
+
+
+def test_searched_ep_runs_each_rank_s_ragged_rows_of_the_gathered_tokens_like_one_device():
+    """Experts that outweigh the tokens, applied by ragged_dots over the token copies sorted
+    by expert (tunix's Megablox path): the search picks ep8. Each MoE layer runs in a
+    shard_map: the compiled step all-gathers the tokens over the 8 ep ranks and
+    reduce-scatters the output (forward; the cotangents the reverse: the bytes the cost
+    model predicted), never gathers an expert stack, holds 1/8 of the experts a device and
+    trains like one device; the plan says how, and its JSON keeps it."""
+    style = MOE_STYLES["qwen3_moe"]
+    found = match_patterns(_big_experts("ragged"), style.batches(1)[0], forward=style.forward)
+    assert (found.moe.dispatch, found.moe.rows_per_token) == ("ragged", None)
+    model, opt, loader = to_distributed(
+        _big_experts("ragged"), optax.adam(1e-3), style.batches(3), 8,
+        config=ToDistributedConfig(forward=style.forward),
+    )  # fmt: skip
+    plan = get_plan(model)
+    assert plan.layout.ep == 8, plan.layout.name
+    (why,) = [n for n in plan.notes if n.startswith("ep8 chosen")]
+    assert "tokens gathered over ep8" in why and "slower than the best" in why, why
+    (how,) = [n for n in plan.notes if "ring of experts" in n]
+    assert "restricted to the rows of its 1 expert" in how and "reduce-scattered" in how, how
+    assert (plan.moe_layers, plan.moe_dispatch) == (
+        ("model.layers.0.mlp", "model.layers.1.mlp"), "ragged",
+    )  # fmt: skip
+    again = Plan.from_json(plan.to_json())
+    assert (again.moe_layers, again.moe_dispatch) == (plan.moe_layers, "ragged")
+    mlp = model.model.layers[0].mlp
+    assert type(mlp).__qualname__ == "Qwen3MoeSparseMoeBlock[ep rows]"
+    for kernel in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        assert kernel[...].addressable_shards[0].data.shape[0] == 1  # 1 of 8 experts
+    batches = list(loader)
+    step = make_train_step(style.loss_fn)
+    found = hlo.collectives(step.lower(model, opt, batches[0]).compile().as_text())
+    tokens = 8 * 8 * 32 * 4  # the 8 ep ranks' 8 x 8 tokens of width 32, fp32
+    # 2 MoE layers x (forward input, backward output cotangent) gathered; x (forward
+    # output, backward input cotangent) summed and scattered, all over the 8 ep ranks
+    for kind, field in (("all-gather", "all_gather"), ("reduce-scatter", "reduce_scatter")):
+        ring = [c for c in found if c.kind == kind and c.bytes == tokens and c.group_size == 8]
+        assert len(ring) == 4, [c for c in found if c.kind == kind]
+        assert 4 * tokens == pytest.approx(getattr(plan.chosen.collectives, field), rel=0.15)
+    assert max(c.bytes for c in found if c.kind == "all-gather") <= tokens  # no expert stack
+    losses = [float(step(model, opt, batch)) for batch in batches]
+    want, _ = train_one_device(
+        _big_experts("ragged"), optax.adam(1e-3), style.batches(3), style.loss_fn
     )
     assert want[-1] < want[0]
     assert_trees_close(np.asarray(losses), np.asarray(want), devices=8)

@@ -22,6 +22,7 @@ from jfleet.auto_parallel.apply.blocks import (
     pipeline_blocks,
     wrap_blocks,
 )
+from jfleet.auto_parallel.apply.expert_rows import ring_ragged_experts
 from jfleet.auto_parallel.apply.expert_tokens import gather_expert_tokens
 from jfleet.auto_parallel.apply.scanned_blocks import scan_blocks
 from jfleet.auto_parallel.apply.sequence_dots import pin_sequence_projections
@@ -30,7 +31,34 @@ from jfleet.auto_parallel.match.matched import module_at
 from jfleet.auto_parallel.match.patterns import path_str
 from jfleet.auto_parallel.search.plan import Plan
 from jfleet.mesh.placement import Placement
-from jfleet.mesh.topology import MP, PP, SEP
+from jfleet.mesh.topology import EP, MP, PP, SEP
+
+
+def _over_ep(spec: Any) -> bool:
+    first = spec[0] if len(spec) else None
+    return first == EP or (isinstance(first, tuple) and EP in first)
+
+
+def _expert_stacks(plan: Plan) -> tuple[str, ...]:
+    """The stacked expert parameters of the plan's MoE layers (split over ``ep`` on their
+    first dimension), relative to each layer (alike in every layer)."""
+    found = set()
+    for layer in plan.moe_layers:
+        found.add(
+            tuple(
+                sorted(
+                    p.path[len(layer) + 1 :]
+                    for p in plan.params
+                    if _over_ep(p.spec) and p.path.startswith(layer + ".")
+                )
+            )
+        )
+    if len(found) != 1 or not next(iter(found)):
+        raise ValueError(
+            f"the plan's MoE layers {list(plan.moe_layers)} do not hold the same stacked "
+            f"expert parameters ({sorted(found)}); make the plan again."
+        )
+    return found.pop()
 
 
 def _padded(spec: Any, ndim: int) -> tuple:
@@ -65,9 +93,11 @@ def shape_for_plan(
     """Annotates and restructures ``model`` for ``plan``, placing nothing (it may be traced:
     :func:`~jfleet.mesh.create.create_placed` runs it inside ``jax.jit``).
 
-    The plan's ``moe_layers`` (a traced einsum dispatch over ``ep`` > 1) have their tokens
-    gathered over ``ep`` at their boundary
-    (:func:`~jfleet.auto_parallel.apply.expert_tokens.gather_expert_tokens`).
+    The plan's ``moe_layers`` (a traced dispatch over ``ep`` > 1) have their tokens
+    gathered over ``ep``: at their boundary for an einsum dispatch
+    (:func:`~jfleet.auto_parallel.apply.expert_tokens.gather_expert_tokens`), in a
+    ``shard_map`` for a ``ragged_dot`` one
+    (:func:`~jfleet.auto_parallel.apply.expert_rows.ring_ragged_experts`).
 
     The layouts are the plan's, computed once by the planner: each parameter's
     ``out_sharding`` is its ``spec`` and, with ZeRO, its ``optimizer_sharding`` (the
@@ -94,7 +124,9 @@ def shape_for_plan(
             model, {path: (p.role, p.spec) for path, p in params.items()}, plan.blocks,
             placement.mesh, tuple(a for a in seq_axes if a != MP),
         )  # fmt: skip
-    if plan.moe_layers:  # a traced model's own einsum dispatch over ep
+    if plan.moe_dispatch == "ragged":  # a traced model's own ragged_dot dispatch over ep
+        ring_ragged_experts(model, plan.moe_layers, placement.mesh, _expert_stacks(plan))
+    elif plan.moe_layers:  # a traced model's own einsum dispatch over ep
         gather_expert_tokens(model, plan.moe_layers, placement.mesh)
     selective = plan.layout.selective_recompute
     if plan.blocks and degrees[PP] > 1:

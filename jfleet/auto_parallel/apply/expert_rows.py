@@ -32,7 +32,8 @@ Example:
   >>> from jfleet.testing.nnx_styles import MOE_STYLES
   >>> model = MOE_STYLES["qwen3_moe_ragged"].build(nnx.Rngs(0))
   >>> mesh = jax.make_mesh((2, 4), ("dp", "ep"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  >>> ring_ragged_experts(model, ["model.layers.0.mlp", "model.layers.1.mlp"], mesh)
+  >>> layers = ["model.layers.0.mlp", "model.layers.1.mlp"]
+  >>> ring_ragged_experts(model, layers, mesh, ["gate_proj", "up_proj", "down_proj"])
   >>> type(model.model.layers[0].mlp).__qualname__
   'Qwen3MoeSparseMoeBlock[ep rows]'
 """
@@ -326,20 +327,24 @@ def _ring_class(base: type, mesh: Mesh, stacks: frozenset) -> type:
 
 
 def ring_ragged_experts(
-    model: nnx.Module, layers: Iterable[str], mesh: Mesh, stacks: Iterable[str] = ()
+    model: nnx.Module, layers: Iterable[str], mesh: Mesh, stacks: Iterable[str]
 ) -> None:
     """Runs each MoE layer at ``layers`` (dotted paths) with its ``ragged_dot`` experts
     over ``mesh``'s ``ep`` axis (see the module's docstring), in place. ``stacks``: the
-    layer-relative paths of its stacked expert parameters (default: every parameter whose
-    leading dimension is the largest leading dimension shared by three or more).
+    layer-relative paths of its stacked expert parameters ``[E, ...]`` (placed ``P('ep')``).
 
     Raises:
-      ValueError: the mesh has no ``ep`` axis above 1.
+      ValueError: the mesh has no ``ep`` axis above 1, or no stacks are named. A layer
+        whose computation cannot run so raises a ``ValueError`` naming the equation when it
+        is first called.
     """
     if mesh.shape.get(EP, 1) <= 1:
         raise ValueError(f"ring_ragged_experts needs an ep axis above 1; mesh has {mesh.shape}.")
+    stacks = frozenset(stacks)
+    if not stacks:
+        raise ValueError("ring_ragged_experts needs the layers' stacked expert parameters.")
     for path in layers:
         layer = module_at(model, path)
         base = type(layer)
         if "[ep rows]" not in base.__qualname__:
-            layer.__class__ = _ring_class(base, mesh, frozenset(stacks))
+            layer.__class__ = _ring_class(base, mesh, stacks)

@@ -165,6 +165,16 @@ def _einsum(s: StepShape) -> bool:
     return s.patterns.moe.dispatch == "einsum"
 
 
+def _ring(s: StepShape) -> bool:
+    """A traced model's own dispatch run with each MoE layer's tokens gathered over ``ep``
+    (an einsum or a ``ragged_dot`` dispatch: MaxText's ring of experts)."""
+    return s.patterns.moe.dispatch in ("einsum", "ragged")
+
+
+def _own_ragged(s: StepShape) -> bool:
+    return s.patterns.moe.dispatch == "ragged"
+
+
 def _expert_mp(s: StepShape) -> int:
     """What ``mp`` divides each expert by: a traced einsum dispatch's experts are read as
     projection pairs and split on their hidden dimension like a dense MLP; jfleet's
@@ -183,8 +193,8 @@ def _experts_split_at(patterns: ModelPatterns, mp: int) -> int:
 def _call_tokens(s: StepShape) -> int:
     """Tokens one device's MoE layer routes per call (micro-batch): jfleet's layer splits
     its tokens over every mesh axis (:func:`jfleet.parallel.moe.layer.moe`'s default token
-    axes), ``mp`` included; a traced einsum dispatch keeps the device's tokens."""
-    if _einsum(s):
+    axes), ``mp`` included; a traced dispatch keeps the device's tokens."""
+    if _ring(s):
         return max(s.tokens_mb, 1)
     return max(s.tokens_mb // s.layout.mp, 1)
 
@@ -210,11 +220,17 @@ def moe_rows(s: StepShape) -> float:
     times the routed rows). The ragged path (GPU, TPU) runs ``ragged_dot`` over the routed
     rows only: ``T k`` times the busiest rank's imbalance. A traced einsum dispatch runs
     its traced rows a token times ``T`` (its ``E / ep`` experts on the ``ep`` group's
-    tokens), over ``mp`` where its experts are split there.
+    tokens), over ``mp`` where its experts are split there. A traced ``ragged_dot`` dispatch
+    computes the routed rows of its ``E / ep`` experts among the ``ep`` group's on GPU and
+    TPU, as the ragged path; XLA:CPU computes a ``ragged_dot`` as one product per group
+    over every row (measured: 9.0 x the routed rows' FLOPs at 8 groups), so there each
+    rank's ``E / ep`` groups over the ``ep x T x k`` rows: ``T k E``.
     """
     moe, t = s.patterns.moe, _call_tokens(s)
     if _einsum(s):
         return moe.rows_per_token * t / _expert_mp(s)
+    if _own_ragged(s) and not _ragged(s):
+        return t * moe.top_k * moe.experts
     if _ragged(s):
         return t * moe.top_k * _imbalance(s)
     return moe.experts * expert_capacity(t, moe.top_k, moe.experts, moe.capacity_factor)
@@ -243,9 +259,9 @@ def moe_flops(s: StepShape) -> float:
 
 def _call_flops(s: StepShape) -> float:
     """One MoE layer's forward dot FLOPs per device and call: its experts' and router's (a
-    traced einsum dispatch's router runs on the tokens gathered over ``ep``)."""
+    traced dispatch's router runs on the tokens gathered over ``ep``)."""
     moe, h = s.patterns.moe, s.dims.width
-    routed = _call_tokens(s) * (s.layout.ep if _einsum(s) else 1)
+    routed = _call_tokens(s) * (s.layout.ep if _ring(s) else 1)
     return 2 * moe_rows(s) * moe.one_expert(h) + 2 * routed * h * moe.experts
 
 
@@ -282,11 +298,15 @@ def moe_elems(s: StepShape, *, kept: bool = False) -> float:
     (their MLP's per routed row, the dispatched and combined rows, the router's logits
     and probabilities), averaged over the layers: 0 without experts. ``kept``: what
     selective recompute keeps of them (the dispatched and combined rows and the router's;
-    the experts run again)."""
+    the experts run again). A traced ``ragged_dot`` dispatch over ``ep`` holds every row of
+    the ``ep`` group's token copies (``ep x k`` a token), the other ranks' rows as zeros."""
     moe = s.patterns.moe
     if moe is None:
         return 0.0
-    rows_per_token = moe_rows(s) / max(s.tokens_mb, 1)
+    if _own_ragged(s):
+        rows_per_token = float(moe.top_k * s.layout.ep)
+    else:
+        rows_per_token = moe_rows(s) / max(s.tokens_mb, 1)
     per_row = (0 if kept else _EXPERT_ELEMS[moe.gated] * moe.expert_ffn) + 2 * s.dims.width
     router = 2 * moe.experts / s.layout.mp
     share = moe.layers / (len(s.patterns.blocks) or s.dims.layers or 1)
@@ -419,7 +439,7 @@ def moe_exchange_time(s: StepShape, coll: dict[str, float]) -> float:
     with ``ep = 1``."""
     if s.patterns.moe is None or s.layout.ep <= 1:
         return 0.0
-    if _einsum(s):
+    if _ring(s):
         return ring_exchange_time(s, coll)
     # one layer's all-to-alls of a call, once a mesh and micro-batch size
     key = ("moe_a2a", s.sizes, s.devices_per_node, s.tokens_mb, s.act_bytes)
@@ -442,22 +462,24 @@ def _one_exchange(s: StepShape) -> tuple[int, MoEExchange]:
 
 
 def ring_exchange_time(s: StepShape, coll: dict[str, float]) -> float:
-    """A traced einsum dispatch's token exchange over ``ep`` per device per step: per MoE
-    layer and call, the layer's input all-gathered over the ``ep`` group and its output
-    all-reduced there (``ep x T x D`` elements each), and in the backward pass the
-    output's cotangent all-gathered and the input's all-reduced (again forward where the
-    experts are recomputed); at the bandwidth the ``ep`` group spans. 0 with ``ep = 1``.
+    """A traced dispatch's token exchange over ``ep`` per device per step: per MoE layer
+    and call, the layer's input all-gathered over the ``ep`` group and its output summed
+    there (``ep x T x D`` elements each), and in the backward pass the output's cotangent
+    all-gathered and the input's summed (again forward where the experts are recomputed);
+    at the bandwidth the ``ep`` group spans. 0 with ``ep = 1``.
 
-    On XLA:CPU the output's sum is an all-reduce (measured); a reduce-scatter would move
-    half of it.
+    The sums of an einsum dispatch (sharding constraints, GSPMD's choice) are all-reduces on
+    XLA:CPU (measured); a ``ragged_dot`` dispatch (:mod:`jfleet.auto_parallel.apply.
+    expert_rows`, a ``shard_map``) reduce-scatters them: half the bytes on the wire.
     """
     ep = s.layout.ep
     if ep <= 1:
         return 0.0
     gathered = ep * _call_tokens(s) * s.dims.width * s.act_bytes
-    pairs = 2 + (1 if _rerun(s) else 0)  # (all-gather, all-reduce) pairs a layer and call
+    pairs = 2 + (1 if _rerun(s) else 0)  # (all-gather, sum) pairs a layer and call
     times = moe_stage_layers(s) * s.layout.num_microbatches * s.accumulate * pairs
+    summed = "reduce-scatter" if _own_ragged(s) else "all-reduce"
     coll["all_gather"] += times * gathered
-    coll["all_reduce"] += times * gathered
-    wire = ring_bytes("all-gather", gathered, ep) + ring_bytes("all-reduce", gathered, ep)
+    coll[summed.replace("-", "_")] += times * gathered
+    wire = ring_bytes("all-gather", gathered, ep) + ring_bytes(summed, gathered, ep)
     return times * (2 * s.profile.collective_latency + wire / s.bandwidth(EP))

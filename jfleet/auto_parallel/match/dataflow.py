@@ -102,6 +102,8 @@ class Trace:
         its product (one kernel per expert), and that dimension's size.
       top_k: ``{projection: (k, choices)}``: projections whose output a ``top_k`` read
         most recently (routers: ``k`` of ``choices`` experts).
+      grouped: parameters read only as the groups of a ``jax.lax.ragged_dot`` (stacked
+        expert kernels ``[E, ...]`` applied to rows sorted by expert), whole.
     """
 
     paths: tuple[tuple, ...]
@@ -124,6 +126,7 @@ class Trace:
     fed_by: dict[int, frozenset] = dataclasses.field(default_factory=dict)
     batched: dict[int, int] = dataclasses.field(default_factory=dict)
     top_k: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    grouped: frozenset[int] = frozenset()
 
     def path(self, i: int) -> str:
         """Parameter ``i``'s dotted path."""
@@ -231,4 +234,5 @@ def trace_model(
         fed_by={k: frozenset(v) for k, v in walk.fed_by.items()},
         batched=dict(walk.batched),
         top_k=dict(walk.top_k),
+        grouped=frozenset(walk.grouped - walk.read_otherwise),
     )

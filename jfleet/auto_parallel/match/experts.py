@@ -10,8 +10,9 @@ expert, a gather of each token's experts, ``jax.lax.ragged_dot`` over sorted tok
 router's own bias goes with it. The spec's ``dispatch`` says how the code reaches them:
 each whole stack in products that keep the expert dimension (every expert on every token,
 or the slots of a one-hot capacity dispatch: ``"einsum"``, with the rows a token costs
-from the products' FLOPs over the router's tokens), or the routed rows alone
-(``ragged_dot``, a per-token gather: ``"own"``). Experts kept as a list of separate modules
+from the products' FLOPs over the router's tokens), as the groups of ``ragged_dot`` products
+over token copies sorted by expert (``"ragged"``), or the routed rows otherwise (a
+per-token gather of the experts' weights: ``"own"``). Experts kept as a list of separate modules
 (Mixtral's ``nnx.List``) have no expert dimension to split and are not taken (a note says
 so).
 
@@ -98,9 +99,14 @@ class _Layer:
     dispatch: tuple[str, float | None]
 
 
-def _dispatch(trace: Trace, router: int, kernels: set[int]) -> tuple[str, float | None]:
+def _dispatch(
+    trace: Trace, router: int, kernels: set[int], stacked: frozenset[int]
+) -> tuple[str, float | None]:
     """``("einsum", rows a token)`` when every stacked kernel is read by products that keep
-    its expert dimension (free or batched), else ``("own", None)``."""
+    its expert dimension (free or batched); ``("ragged", None)`` when every stacked
+    parameter is read only as the groups of a ``ragged_dot``; else ``("own", None)``."""
+    if stacked <= trace.grouped:
+        return "ragged", None
     width, experts = trace.shapes[router]
     tokens = sum(d.flops for d in trace.dots if d.param == router) / (2 * width * experts)
     rows = []
@@ -134,7 +140,8 @@ def _layer(trace: Trace, blocks: Blocks, router: int, k: int, experts: int) -> _
             "of separate expert modules has no expert dimension to split over ep); its experts "
             "are priced as dense layers and ep stays 1"
         )
-    return _Layer(block, k, experts, ffn, routers, stacked, _dispatch(trace, router, kernels))
+    dispatch = _dispatch(trace, router, kernels, stacked)
+    return _Layer(block, k, experts, ffn, routers, stacked, dispatch)
 
 
 def find_experts(trace: Trace | None, blocks: Blocks) -> Routed:

@@ -24,7 +24,7 @@ import dataclasses
 __all__ = ["DISPATCHES", "MoESpec"]
 
 #: :attr:`MoESpec.dispatch`'s values.
-DISPATCHES = ("exchange", "einsum", "own")
+DISPATCHES = ("exchange", "einsum", "ragged", "own")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,9 +47,12 @@ class MoESpec:
         or the slots of a one-hot capacity dispatch, GShard's and MaxText's
         ``dense_matmul``), which ``to_distributed`` runs over ``ep`` by gathering each MoE
         layer's tokens over the ``ep`` group (:mod:`jfleet.auto_parallel.apply.expert_tokens`);
-        ``"own"``, a traced model's dispatch of routed rows (``ragged_dot``, a per-token
-        gather of the experts' weights), which GSPMD does not run over ``ep`` as priced:
-        ``ep`` is not searched.
+        ``"ragged"``, a traced model's ``jax.lax.ragged_dot`` over its token copies sorted
+        by expert (tunix's Megablox path, MaxText's ``sparse_matmul``), which
+        ``to_distributed`` runs over ``ep`` with each rank computing its experts' rows of the
+        ``ep`` group's tokens (:mod:`jfleet.auto_parallel.apply.expert_rows`); ``"own"``,
+        any other traced dispatch of routed rows (a per-token gather of the experts'
+        weights), which GSPMD does not run over ``ep`` as priced: ``ep`` is not searched.
       rows_per_token: with ``"einsum"``, the expert rows the traced products compute a token
         (``E`` for every expert on every token, ``E x C / T`` with ``C`` slots an expert);
         None otherwise.

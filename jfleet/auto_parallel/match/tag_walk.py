@@ -212,6 +212,8 @@ class Walk:
         self.batched: dict[int, int] = {}  # projections with a batch dim (experts): its size
         self.fed_by: dict[int, set[int]] = {}  # the projections each projection's input came from
         self.top_k: dict[int, tuple[int, int]] = {}  # projection -> (k, choices) a top_k read
+        self.grouped: set[int] = set()  # parameters a ragged_dot reads as its groups
+        self.read_otherwise: set[int] = set()  # ... and anything else reads too
 
     # ------------------------------------------------------------ helpers
     def _generic(self, args: list[Val], outs: Sequence[Any]) -> list[Val]:
@@ -546,9 +548,21 @@ class Walk:
                 outs = self._eqn(eqn, ins, mult)
             finally:
                 self._in_scope = outer
+            self._note_reads(eqn, ins, outs)
             for var, val in zip(eqn.outvars, outs, strict=False):
                 env[var] = val
         return [read(v) for v in jaxpr.outvars]
+
+    def _note_reads(self, eqn: Any, ins: list[Val], outs: list[Val]) -> None:
+        """Parameters an equation reads (not passes on as a view: a cast, a reshape): as a
+        ``ragged_dot``'s groups (:attr:`grouped`) or otherwise."""
+        if any(getattr(o, "view", None) is not None for o in outs):
+            return
+        for i, val in enumerate(ins):
+            owners = {t.param for t in val.view or () if t is not None}
+            if len(owners) == 1:
+                grouped = eqn.primitive.name == "ragged_dot_general" and i == 1
+                (self.grouped if grouped else self.read_otherwise).add(owners.pop())
 
     def _sub(self, closed: Any, args: list[Val], mult: int) -> list[Val]:
         inner = getattr(closed, "jaxpr", closed)

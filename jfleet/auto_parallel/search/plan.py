@@ -263,8 +263,11 @@ class Plan:
         28x28x1``; :meth:`~jfleet.auto_parallel.match.matched.ModelPatterns.workload`); empty:
         ``batch x seq`` of tokens.
       moe_layers: module paths of a traced model's MoE layers whose tokens are gathered over
-        ``ep`` at their boundary (an einsum dispatch over ``ep`` > 1:
-        :mod:`jfleet.auto_parallel.apply.expert_tokens`); empty otherwise.
+        ``ep`` (its own dispatch over ``ep`` > 1); empty otherwise.
+      moe_dispatch: how ``moe_layers`` run: ``"einsum"``, sharding constraints at their
+        boundary (:mod:`jfleet.auto_parallel.apply.expert_tokens`), or ``"ragged"``, a
+        ``shard_map`` restricting each ``ragged_dot`` to a rank's experts
+        (:mod:`jfleet.auto_parallel.apply.expert_rows`); empty without ``moe_layers``.
 
     Example:
       >>> import optax
@@ -306,6 +309,7 @@ class Plan:
     memory_budget: int
     workload: str = ""
     moe_layers: tuple[str, ...] = ()
+    moe_dispatch: str = ""
 
     # ------------------------------------------------------------ views
     @property
@@ -629,6 +633,7 @@ class Plan:
             }
             | ({"workload": self.workload} if self.workload else {})
             | ({"moe_layers": list(self.moe_layers)} if self.moe_layers else {})
+            | ({"moe_dispatch": self.moe_dispatch} if self.moe_dispatch else {})
         )
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -640,8 +645,15 @@ class Plan:
         """Rebuilds a plan from :meth:`to_dict`'s output.
 
         Raises:
-          ValueError: an unknown format version or a missing field.
+          ValueError: an unknown format version, a missing field or an unknown
+            ``moe_dispatch``.
         """
+        ring = d.get("moe_dispatch", "einsum" if d.get("moe_layers") else "")
+        if ring not in (("einsum", "ragged") if d.get("moe_layers") else ("",)):
+            raise ValueError(
+                f"plan JSON: moe_dispatch={ring!r} with moe_layers={d.get('moe_layers')!r}; "
+                "expected 'einsum' or 'ragged' with MoE layers, nothing without."
+            )
         if d.get("format") != _FORMAT:
             raise ValueError(
                 f"plan format {d.get('format')!r} is not {_FORMAT}; make the plan again with "
@@ -686,6 +698,7 @@ class Plan:
                 memory_budget=d["memory_budget"],
                 workload=d.get("workload", ""),
                 moe_layers=tuple(d.get("moe_layers", ())),
+                moe_dispatch=ring,
             )
         except KeyError as err:
             raise ValueError(f"plan JSON lacks the field {err.args[0]!r}.") from err

@@ -116,7 +116,7 @@ def _ep_text(c: Candidate, device_num: int) -> str:
     """Where a candidate's ``ep`` group runs and what its all-to-alls cost."""
     lay = c.layout
     where = "within a node" if lay.ep * lay.mp <= device_num else "across nodes"
-    if c.collectives.all_to_all == 0:  # a traced einsum dispatch: tokens gathered over ep
+    if c.collectives.all_to_all == 0:  # a traced dispatch: tokens gathered over ep
         return f"tokens gathered over ep{lay.ep} {where} ({_secs(c.time.expert_parallel)})"
     moved = c.collectives.all_to_all * (lay.ep - 1) / lay.ep
     return (
@@ -179,32 +179,42 @@ def _own_dispatch(patterns: ModelPatterns, lay: Any) -> str:
     if not patterns.routed:
         return ""
     moe = patterns.moe
-    if moe.dispatch == "einsum":
+    if moe.dispatch in ("einsum", "ragged"):
         if lay.ep == 1:
             return ""
         local = moe.experts // lay.ep
+        experts = f"{local} expert{'s' if local > 1 else ''}"
+        if moe.dispatch == "ragged":
+            return (
+                f"the model's own dispatch runs ragged_dots over its token copies sorted by "
+                f"expert, so over ep{lay.ep} each MoE layer runs in a shard_map: its tokens "
+                "all-gathered over the ep group, routed by the model's code, each device's "
+                f"ragged_dots restricted to the rows of its {experts}, and the output "
+                "reduce-scattered back (their cotangents the reverse: MaxText's ring of "
+                "experts); the experts never move"
+            )
         return (
             f"the model's own dispatch applies whole expert stacks in einsums, so over "
             f"ep{lay.ep} each MoE layer's tokens are all-gathered over the ep group at its "
             "input and its output all-reduced there (their cotangents the reverse: MaxText's "
-            f"ring of experts); each device runs its {local} expert{'s' if local > 1 else ''} "
+            f"ring of experts); each device runs its {experts} "
             "on the group's tokens and the experts never move"
         )
     if lay.ep == 1:
         return (
-            "ep not searched: the model's own dispatch of routed rows (a ragged_dot or a "
-            "per-token gather of the experts' weights) would run over ep as GSPMD partitions "
+            "ep not searched: the model's own dispatch of routed rows (a per-token gather of "
+            "the experts' weights) would run over ep as GSPMD partitions "
             "it, which gathers expert stacks or all-reduces per-row intermediates over the ep "
             "group (measured), where the "
             "cost model prices jfleet's all-to-alls (jfleet.parallel.moe.moe); "
             "force_mesh={..., 'ep': n} places the experts over ep anyway (it trains like one "
             "device), or route through jfleet's MoELayer, or apply the expert stacks in "
-            "einsums (every expert on every token, or a one-hot capacity dispatch: then ep "
-            "is searched)"
+            "einsums (every expert on every token, or a one-hot capacity dispatch) or "
+            "ragged_dots over token copies sorted by expert: then ep is searched"
         )
     return (
         f"the experts are split over ep{lay.ep} on their leading dimension, and the model's "
-        "own dispatch of routed rows (a ragged_dot or a per-token gather) runs as GSPMD "
+        "own dispatch of routed rows (a per-token gather) runs as GSPMD "
         "partitions it (it may gather expert stacks or all-reduce per-row intermediates "
         "over the ep group), while the cost model prices jfleet's dispatch "
         "(jfleet.parallel.moe.moe: two all-to-alls a MoE layer forward, two backward), so "
@@ -830,13 +840,15 @@ def _build_plan(
         if patterns.input_kind == "tokens"
         else patterns.workload(workload.batch_size, workload.seq_len),
         moe_layers=_gathered_moe_layers(patterns, lay),
+        moe_dispatch=patterns.moe.dispatch if _gathered_moe_layers(patterns, lay) else "",
     )
 
 
 def _gathered_moe_layers(patterns: ModelPatterns, lay: Any) -> tuple[str, ...]:
-    """The traced MoE layers whose tokens the plan gathers over ``ep``: an einsum dispatch
-    over ``ep`` > 1 (a dispatch of routed rows is left to GSPMD: gathering its tokens
-    all-reduces its per-row intermediates, more than it saves; measured)."""
-    if lay.ep == 1 or not patterns.routed or patterns.moe.dispatch != "einsum":
+    """The traced MoE layers whose tokens the plan gathers over ``ep``: an einsum or a
+    ``ragged_dot`` dispatch over ``ep`` > 1 (any other dispatch of routed rows is left to
+    GSPMD: gathering its tokens all-reduces its per-row intermediates, more than it saves;
+    measured)."""
+    if lay.ep == 1 or not patterns.routed or patterns.moe.dispatch not in ("einsum", "ragged"):
         return ()
     return tuple(moe_layer_paths(p.path for p in patterns.routed if p.role == "router"))
