@@ -46,7 +46,7 @@ from flax import nnx
 
 from jfleet.auto_parallel.match.tag_walk import EMPTY, Dot, Edge, Tag, Val, Walk, const_val
 
-__all__ = ["Dot", "Edge", "Tag", "Trace", "TraceError", "trace_model"]
+__all__ = ["Dot", "Edge", "Tag", "Trace", "TraceError", "trace_forward", "trace_model"]
 
 
 class TraceError(ValueError):
@@ -137,33 +137,18 @@ def _key(k: Any) -> Any:
     return getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
 
 
-def trace_model(
+def trace_forward(
     model: nnx.Module, inputs: Any, forward: Callable[[nnx.Module, Any], Any] | None = None
-) -> Trace:
-    """Traces ``model(inputs)`` (or ``forward(model, inputs)``) abstractly and walks it.
-
-    Args:
-      model: an ``nnx.Module``.
-      inputs: what the model is called with: arrays or ``jax.ShapeDtypeStruct`` leaves
-        (numpy arrays are read for their shapes only).
-      forward: ``forward(model, inputs)`` when calling ``model(inputs)`` is not how the
-        model runs (positions, masks, caches, a loss): anything returning arrays.
+) -> tuple[Any, list, Any, list]:
+    """``model(inputs)`` (or ``forward(model, inputs)``) traced abstractly: ``(the closed
+    jaxpr over (parameters, the other state, the inputs' arrays), the parameters' leaves
+    with their paths, the other state, the inputs' arrays as ShapeDtypeStructs)``.
 
     Raises:
-      TraceError: the call fails (the message names the model and suggests ``forward``),
-        or returns no arrays.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from flax import nnx
-      >>> trace = trace_model(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), jnp.ones((2, 4)))
-      >>> trace.input_shapes
-      ((2, 4),)
+      TraceError: as :func:`trace_model`.
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     pleaves, ptree = jax.tree_util.tree_flatten_with_path(params)
-    paths = tuple(tuple(_key(k) for k in path[:-1]) for path, _ in pleaves)
-    shapes = tuple(tuple(int(s) for s in np.shape(v)) for _, v in pleaves)
     pvals = [jax.ShapeDtypeStruct(np.shape(v), v.dtype) for _, v in pleaves]
     ileaves, itree = jax.tree_util.tree_flatten(inputs)
     arrays = [i for i, x in enumerate(ileaves) if hasattr(x, "shape") and hasattr(x, "dtype")]
@@ -197,6 +182,35 @@ def trace_model(
             "ToDistributedConfig(forward=lambda model, batch: ...) calling it as your "
             "training step does."
         ) from err
+    return closed, pleaves, rest, ivals
+
+
+def trace_model(
+    model: nnx.Module, inputs: Any, forward: Callable[[nnx.Module, Any], Any] | None = None
+) -> Trace:
+    """Traces ``model(inputs)`` (or ``forward(model, inputs)``) abstractly and walks it.
+
+    Args:
+      model: an ``nnx.Module``.
+      inputs: what the model is called with: arrays or ``jax.ShapeDtypeStruct`` leaves
+        (numpy arrays are read for their shapes only).
+      forward: ``forward(model, inputs)`` when calling ``model(inputs)`` is not how the
+        model runs (positions, masks, caches, a loss): anything returning arrays.
+
+    Raises:
+      TraceError: the call fails (the message names the model and suggests ``forward``),
+        or returns no arrays.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> trace = trace_model(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), jnp.ones((2, 4)))
+      >>> trace.input_shapes
+      ((2, 4),)
+    """
+    closed, pleaves, rest, ivals = trace_forward(model, inputs, forward)
+    paths = tuple(tuple(_key(k) for k in path[:-1]) for path, _ in pleaves)
+    shapes = tuple(tuple(int(s) for s in np.shape(v)) for _, v in pleaves)
     # the reference models' attention (imported here: loading a saved model needs no models)
     from jfleet.models.attention import PLATFORM_ATTENTION
 

@@ -39,15 +39,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from flax import nnx
 
 from jfleet.auto_parallel.match.dataflow import Trace
 from jfleet.auto_parallel.match.matched import ParamInfo
 from jfleet.auto_parallel.match.module_parts import Blocks
 from jfleet.auto_parallel.match.moe_spec import MoESpec
+from jfleet.auto_parallel.match.ragged_rows import ragged_rows_problem
 from jfleet.auto_parallel.match.tag_walk import Dot
 
-__all__ = ["Routed", "find_experts", "moe_layer_paths", "split_routed"]
+__all__ = ["Routed", "find_experts", "moe_layer_paths", "ragged_rows_checked", "split_routed"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +213,33 @@ def split_routed(
         d for d in dots if d.param not in reads and not (d.param is None and d.last & reads)
     )
     return kept, taken, left
+
+
+def ragged_rows_checked(
+    routed: Routed, trace: Trace, model: nnx.Module, call: Callable[[nnx.Module], Any]
+) -> Routed:
+    """``routed``, its ``"ragged"`` dispatch kept only where every MoE layer can run each
+    ``ep`` rank's rows (:func:`~jfleet.auto_parallel.match.ragged_rows.ragged_rows_problem`,
+    ``call(model)`` tracing the model abstractly); else ``"own"``, with a note saying why."""
+    spec = routed.spec
+    if spec is None or spec.dispatch != "ragged":
+        return routed
+    layers = moe_layer_paths(trace.path(i) for i in routed.routers)
+    first = layers[0] + "."
+    stacks = frozenset(
+        trace.path(i)[len(first) :] for i in routed.experts if trace.path(i).startswith(first)
+    )
+    problem = ragged_rows_problem(model, layers, stacks, call)
+    if problem is None:
+        return routed
+    note = (
+        f"{layers[0]} applies its experts by ragged_dots over token copies sorted by expert, "
+        f"but an ep rank cannot compute its experts' rows alone: {problem}; its dispatch is "
+        "priced as routed rows and ep is not searched"
+    )
+    return dataclasses.replace(
+        routed, spec=dataclasses.replace(spec, dispatch="own"), notes=(*routed.notes, note)
+    )
 
 
 def moe_layer_paths(router_params: Iterable[str]) -> list[str]:

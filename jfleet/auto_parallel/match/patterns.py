@@ -80,8 +80,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jfleet.auto_parallel.match.dataflow import Trace, TraceError, trace_model
-from jfleet.auto_parallel.match.experts import find_experts, split_routed
+from jfleet.auto_parallel.match.dataflow import Trace, TraceError, trace_forward, trace_model
+from jfleet.auto_parallel.match.experts import find_experts, ragged_rows_checked, split_routed
 from jfleet.auto_parallel.match.matched import (
     COLUMN_ROLES,
     ROW_ROLES,
@@ -449,6 +449,11 @@ def match_patterns(
     read, projections, found_roles = _read_trace(trace, parts, blocks)
     tied = find_head(parts, blocks, bool(found_roles.attention or found_roles.mlp))
     routed = find_experts(read, blocks)
+    if routed.spec is not None:
+        called = inputs if inputs is not None else jax.ShapeDtypeStruct(_DEFAULT_TOKENS, jnp.int32)
+        routed = ragged_rows_checked(
+            routed, read, model, lambda m: trace_forward(m, called, forward)
+        )
     infos, replicated = param_infos(parts, blocks, read, projections)
     infos, routed_infos, dots = split_routed(infos, read.dots if read else (), routed, read)
     taken = {p.path for p in routed_infos}

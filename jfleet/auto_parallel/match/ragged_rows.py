@@ -1,0 +1,355 @@
+"""Which rows of a traced ``ragged_dot`` dispatch an ``ep`` rank computes, and whether the
+rows it skips can reach the layer's output.
+
+:mod:`jfleet.auto_parallel.apply.expert_rows` runs a model's own MoE layer (token copies
+sorted by expert, ``jax.lax.ragged_dot`` over the groups) on each ``ep`` rank with the
+``ep`` group's tokens, restricting every ``ragged_dot`` over an expert stack to the rank's
+``E / ep`` experts. :class:`ExpertRows` evaluates the layer's jaxpr so, equation by
+equation, and classifies every value:
+
+* **replicated**: the same on every rank (the gathered tokens, the routing, the router);
+* **stack**: the rank's experts of a stacked expert parameter (a cast of it too);
+* **clean**: sorted rows, the rank's experts' exact, every other row zero (a restricted
+  ``ragged_dot``'s output; a product with it, ``x * 0``);
+* **dirty**: sorted rows, the rank's experts' exact, the others anything finite (row-wise
+  code on clean rows: a restricted ``ragged_dot`` ignores the others);
+* **partial**: the rank's share of a sum over the ``ep`` ranks (linear code on clean rows:
+  unsorting, the router's weights, reshapes, sums); a replicated term added to it (a
+  shared expert's output) is added on rank 0 only.
+
+The layer runs so exactly when each output is partial (reduce-scattered) or replicated
+(the rank's tokens sliced); anything else raises a ``ValueError`` naming the equation.
+:func:`ragged_rows_problem` runs the classification alone on a model's MoE layers, so the
+matcher prices ``ep`` only for layers that can run so.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from jax.extend.core import Literal
+  >>> def layer(x, w, sizes):  # rows through one expert product, then a row-wise tanh
+  ...     return jnp.tanh(jax.lax.ragged_dot(x, w, sizes))
+  >>> jaxpr = jax.make_jaxpr(layer)(jnp.ones((8, 4)), jnp.ones((4, 4, 4)), jnp.ones(4, int))
+  >>> ExpertRows(4, 2).run(jaxpr.jaxpr, [], None, ["replicated", "stack", "replicated"])[1]
+  ['dirty']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.extend import core as jcore
+
+from jfleet.auto_parallel.match.matched import module_at
+from jfleet.mesh.topology import EP
+
+__all__ = ["REPLICATED", "STACK", "SUMMED", "ExpertRows", "LayerParts", "layer_parts"]
+__all__ += ["output_problem", "ragged_rows_problem"]
+
+# What a value is on one rank of the ep group, as the layer is evaluated.
+_REP = "replicated"  # the same on every rank: the gathered tokens, routing, the router
+_STACK = "stack"  # this rank's E / ep experts of a stacked expert parameter
+_CLEAN = "clean"  # sorted rows: this rank's experts' rows exact, every other row zero
+_DIRTY = "dirty"  # sorted rows: this rank's experts' rows exact, the others anything finite
+_PARTIAL = "partial"  # this rank's share: the sum over the ep ranks is the value
+_ONCE = "once"  # a partial value plus a replicated one (a shared expert): rank 0 adds it
+
+#: Element-wise primitives (every operand of the output's shape).
+# fmt: off
+_ELEMENTWISE = frozenset({
+    "abs", "add", "atan2", "cos", "cosh", "div", "erf", "erf_inv", "exp", "exp2", "expm1",
+    "integer_pow", "logistic", "log", "log1p", "max", "min", "mul", "neg", "pow", "rsqrt",
+    "select_n", "sign", "sin", "sinh", "sqrt", "square", "sub", "tan", "tanh", "clamp",
+    "convert_element_type", "copy", "copy_p", "stop_gradient", "reduce_precision",
+})
+# fmt: on
+#: Element-wise and linear: a row that is zero stays zero, a sum over ranks passes through.
+_ZERO_KEEPING = frozenset(["neg", "convert_element_type", "copy", "copy_p", "reduce_precision"])
+#: Linear in their first operand, moving or summing its elements; any other operand is a
+#: position or a size (replicated).
+# fmt: off
+_MOVING = frozenset({
+    "reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "gather", "slice",
+    "dynamic_slice", "reduce_sum", "rev", "cumsum",
+})
+# fmt: on
+#: Calls whose body is evaluated here (a ragged_dot may be inside).
+_CALLS = frozenset(["jit", "pjit", "closed_call", "core_call"])
+#: Calls bound whole (their own derivative rules), classified by their body.
+_CUSTOM = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr"}
+
+
+def _body(params: dict, key: str) -> tuple[Any, list]:
+    sub = params[key]
+    return (sub.jaxpr, list(sub.consts)) if hasattr(sub, "consts") else (sub, [])
+
+
+class ExpertRows:
+    """Evaluates one MoE layer's jaxpr on one ep rank, each ``ragged_dot`` over an expert
+    stack restricted to the rank's experts, and classifies every value (``_REP`` ...
+    ``_PARTIAL``) to check that the rows it skips cannot reach the output."""
+
+    def __init__(self, experts: int, ep: int):
+        self.local = experts // ep
+        self.groups: Any = None  # the group sizes every product shares
+
+    def run(self, jaxpr: Any, consts: list, args: list, kinds: list[str]) -> tuple[list, list]:
+        """``(outputs, their kinds)``; ``args`` None: classify only."""
+        env: dict = {}
+        kind: dict = {}
+        for v, c in zip(jaxpr.constvars, consts, strict=True):
+            env[v], kind[v] = c, _REP
+        for v, a, k in zip(jaxpr.invars, args or [None] * len(kinds), kinds, strict=True):
+            env[v], kind[v] = a, k
+
+        def read(v):
+            return v.val if isinstance(v, jcore.Literal) else env[v]
+
+        def kind_of(v):
+            return _REP if isinstance(v, jcore.Literal) else kind[v]
+
+        for eqn in jaxpr.eqns:
+            values = [read(v) for v in eqn.invars] if args is not None else None
+            outs, k = self.eqn(eqn, values, [kind_of(v) for v in eqn.invars])
+            for i, v in enumerate(eqn.outvars):
+                env[v], kind[v] = (outs[i] if outs is not None else None), k
+        outs = [read(v) for v in jaxpr.outvars] if args is not None else None
+        return outs, [kind_of(v) for v in jaxpr.outvars]
+
+    def eqn(self, eqn: Any, values: list | None, kinds: list[str]) -> tuple[list | None, str]:
+        name = eqn.primitive.name
+        if set(kinds) == {_REP} or not kinds:
+            return self.bind(eqn, values), _REP
+        if name == "ragged_dot_general" and kinds[1] == _STACK:
+            self.check_ragged(eqn, values, kinds)
+            return (None if values is None else [self.ragged(eqn, *values)]), _CLEAN
+        if name in _CALLS:
+            outs, out_kinds = self.run(*_body(eqn.params, "jaxpr"), values, kinds)
+            return outs, self.join(eqn, out_kinds)
+        if name in _CUSTOM:
+            _, out_kinds = self.run(*_body(eqn.params, _CUSTOM[name]), None, kinds)
+            return self.bind(eqn, values), self.join(eqn, out_kinds)
+        kind = self.kind(eqn, name, kinds)
+        if kind == _ONCE:  # partial + replicated: the replicated term counted on one rank
+            if values is not None:
+                first = jax.lax.axis_index(EP) == 0
+                values = [
+                    jnp.where(first, v, jnp.zeros_like(v)) if k == _REP else v
+                    for v, k in zip(values, kinds, strict=True)
+                ]
+            return self.bind(eqn, values), _PARTIAL
+        return self.bind(eqn, values), kind
+
+    @staticmethod
+    def bind(eqn: Any, values: list | None) -> list | None:
+        if values is None:
+            return None
+        outs = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
+        return list(outs) if eqn.primitive.multiple_results else [outs]
+
+    def join(self, eqn: Any, kinds: list[str]) -> str:
+        if len(set(kinds)) > 1:
+            self.refuse(eqn, f"its outputs mix {sorted(set(kinds))} values")
+        return kinds[0] if kinds else _REP
+
+    def kind(self, eqn: Any, name: str, kinds: list[str]) -> str:
+        """The kind of a primitive's outputs (not all operands replicated)."""
+        present = set(kinds)
+        if _STACK in present:
+            if name in _ZERO_KEEPING and len(kinds) == 1:
+                return _STACK  # a cast of the experts (mixed precision)
+            self.refuse(eqn, "it reads an expert stack other than as a ragged_dot's groups")
+        shape = eqn.outvars[0].aval.shape
+        if name in _ELEMENTWISE and all(v.aval.shape == shape for v in eqn.invars[-1:]):
+            return self.elementwise(eqn, name, kinds, present)
+        moved, rest = kinds[0], set(kinds[1:])
+        if name == "dot_general" and sorted(kinds) in ([_CLEAN, _REP], [_PARTIAL, _REP]):
+            return _PARTIAL
+        if name in _MOVING and moved in (_CLEAN, _PARTIAL) and rest <= {_REP}:
+            return _PARTIAL
+        if name == "concatenate" and present <= {_CLEAN, _PARTIAL}:
+            return _PARTIAL
+        self.refuse(eqn, f"it is not linear in the experts' rows it reads ({sorted(present)})")
+        raise AssertionError  # refuse raises
+
+    def elementwise(self, eqn: Any, name: str, kinds: list[str], present: set) -> str:
+        if name == "select_n":  # a replicated choice between values of one kind
+            cases = set(kinds[1:])
+            if kinds[0] == _REP and len(cases) == 1 and cases <= {_CLEAN, _PARTIAL}:
+                return cases.pop()
+        if _PARTIAL in present:  # sums pass through a sum, scaling and a cast only
+            if name in _ZERO_KEEPING or (name in ("add", "sub") and _REP not in present):
+                return _PARTIAL
+            if name in ("add", "sub") and set(kinds) == {_PARTIAL, _REP}:
+                return _ONCE  # the replicated term is added on rank 0 only
+            if name == "mul" and sorted(kinds) == [_PARTIAL, _REP]:
+                return _PARTIAL
+            self.refuse(eqn, "it is not linear in the experts' summed rows")
+        if name == "mul" and _CLEAN in present:
+            return _CLEAN  # a skipped row is zero times something finite
+        if name == "div" and kinds[0] == _CLEAN and kinds[1] == _REP:
+            return _CLEAN
+        if name in _ZERO_KEEPING or (name in ("add", "sub") and present == {_CLEAN}):
+            return present.pop() if len(present) == 1 else _DIRTY
+        return _DIRTY  # row-wise: this rank's rows still exact
+
+    def refuse(self, eqn: Any, why: str) -> None:
+        text = " ".join(str(eqn).split())
+        text = text if len(text) <= 200 else text[:200] + " ..."
+        raise ValueError(f"at `{text}`, {why}")
+
+    def check_ragged(self, eqn: Any, values: list | None, kinds: list[str]) -> None:
+        if kinds[0] == _PARTIAL or kinds[2] != _REP:
+            self.refuse(eqn, "its rows or group sizes were moved after an expert product")
+        if eqn.params["group_offset"] is not None:
+            self.refuse(eqn, "it has a group_offset")
+        dims = eqn.params["ragged_dot_dimension_numbers"]
+        if tuple(dims.lhs_ragged_dimensions) != (0,) or tuple(dims.rhs_group_dimensions) != (0,):
+            self.refuse(eqn, "its rows are not lhs's first dimension, its groups not rhs's")
+        sizes = eqn.invars[2]
+        if self.groups is None:
+            self.groups = sizes
+        elif sizes is not self.groups:
+            self.refuse(eqn, "two products read different group sizes")
+
+    def ragged(self, eqn: Any, lhs: Any, rhs: Any, sizes: Any) -> Any:
+        """The rank's experts' rows moved to the front, multiplied, moved back."""
+        first = jax.lax.axis_index(EP) * self.local
+        local = jax.lax.dynamic_slice_in_dim(sizes, first, self.local)
+        start = jnp.sum(jnp.where(jnp.arange(sizes.shape[0]) < first, sizes, 0))
+        rows = lhs.shape[0]
+        front = jax.lax.dynamic_slice_in_dim(
+            jnp.concatenate([lhs, jnp.zeros_like(lhs)]), start, rows
+        )
+        out = eqn.primitive.bind(front, rhs, local, **eqn.params)
+        return jax.lax.dynamic_slice_in_dim(
+            jnp.concatenate([jnp.zeros_like(out), out]), rows - start, rows
+        )
+
+
+REPLICATED, STACK = _REP, _STACK
+#: The kinds of output summed over the ranks (reduce-scattered).
+SUMMED = frozenset({_CLEAN, _PARTIAL})
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerParts:
+    """One MoE layer's call as a pure function of its state's leaves (for a jaxpr).
+
+    Attributes:
+      values: the layer's state leaves.
+      is_stack: per leaf, whether it is a stacked expert parameter.
+      call: ``call(values, x, args, kwargs)``: the layer's own ``__call__`` (of ``base``).
+    """
+
+    values: list
+    is_stack: list[bool]
+    call: Callable[..., Any]
+
+    @property
+    def experts(self) -> int:
+        return next(v.shape[0] for v, s in zip(self.values, self.is_stack, strict=True) if s)
+
+    def kinds(self, n_inputs: int) -> list[str]:
+        """The kinds of ``(values, x, args, kwargs)``'s leaves: the stacks, then replicated."""
+        return [_STACK if s else _REP for s in self.is_stack] + [_REP] * n_inputs
+
+
+def layer_parts(module: nnx.Module, base: type, stacks: frozenset[str]) -> LayerParts:
+    """:class:`LayerParts` of ``module`` (called as ``base``), ``stacks`` its stacked expert
+    parameters' paths relative to it.
+
+    Raises:
+      ValueError: none of ``stacks`` is a parameter of the layer.
+    """
+    graphdef, state = nnx.split(module)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    names = [
+        ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path if not _attr(k))
+        for path, _ in leaves
+    ]
+    is_stack = [n in stacks for n in names]
+    if not any(is_stack):
+        raise ValueError(
+            f"none of {sorted(stacks)} is a parameter of {base.__name__} (its parameters: {names})."
+        )
+
+    def call(values: list, x: Any, args: tuple, kwargs: dict) -> Any:
+        layer = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, values))
+        return base.__call__(layer, x, *args, **kwargs)
+
+    return LayerParts([leaf for _, leaf in leaves], is_stack, call)
+
+
+def _attr(key: Any) -> bool:
+    return isinstance(key, jax.tree_util.GetAttrKey)
+
+
+def output_problem(kinds: list[str]) -> str | None:
+    """Why a layer whose outputs are of ``kinds`` cannot run over ``ep``, or None."""
+    bad = [k for k in kinds if k not in SUMMED | {_REP}]
+    if bad:
+        return (
+            f"an output has {bad[0]} rows (neither the experts' rows summed nor the same on "
+            "every rank)"
+        )
+    return None
+
+
+def ragged_rows_problem(
+    model: nnx.Module,
+    layers: Sequence[str],
+    stacks: frozenset[str],
+    trace: Callable[[nnx.Module], Any],
+) -> str | None:
+    """Why the MoE layers at ``layers`` cannot run each ``ep`` rank's ragged_dot rows, or
+    None: ``trace(model)`` traces the model abstractly (the layers' classes swapped for the
+    call, restored after) and each layer's computation is classified as it is called.
+
+    Example:
+      >>> from flax import nnx
+      >>> from jfleet.auto_parallel.match.dataflow import trace_forward
+      >>> from jfleet.testing.nnx_styles import MOE_STYLES
+      >>> style = MOE_STYLES["qwen3_moe_ragged"]
+      >>> model = style.build(nnx.Rngs(0))
+      >>> trace = lambda m: trace_forward(m, style.batches(1)[0], style.forward)
+      >>> ragged_rows_problem(model, ["model.layers.0.mlp"], {"gate_proj", "up_proj",
+      ...     "down_proj"}, trace) is None
+      True
+    """
+    found: list[str] = []
+    swapped = []
+
+    def checking(base: type) -> type:
+        def __call__(self, x, *args, **kwargs):  # noqa: N807
+            if not found:
+                parts = layer_parts(self, base, stacks)
+                inputs = (parts.values, x, args, kwargs)
+                n_in = len(jax.tree_util.tree_leaves(inputs)) - len(parts.values)
+                jaxpr = jax.make_jaxpr(parts.call)(*inputs)
+                try:
+                    _, kinds = ExpertRows(parts.experts, 1).run(
+                        jaxpr.jaxpr, list(jaxpr.consts), None, parts.kinds(n_in)
+                    )
+                    problem = output_problem(kinds)
+                except ValueError as err:
+                    problem = str(err)
+                if problem:
+                    found.append(problem)
+            return base.__call__(self, x, *args, **kwargs)
+
+        return type(base.__name__, (base,), {"__call__": __call__})
+
+    try:
+        for path in layers:
+            layer = module_at(model, path)
+            swapped.append((layer, type(layer)))
+            layer.__class__ = checking(type(layer))
+        trace(model)
+    finally:
+        for layer, base in swapped:
+            layer.__class__ = base
+    return found[0] if found else None
