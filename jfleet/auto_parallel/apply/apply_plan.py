@@ -31,17 +31,12 @@ from jfleet.auto_parallel.match.matched import module_at
 from jfleet.auto_parallel.match.patterns import path_str
 from jfleet.auto_parallel.search.plan import Plan
 from jfleet.mesh.placement import Placement
-from jfleet.mesh.topology import EP, MP, PP, SEP
-
-
-def _over_ep(spec: Any) -> bool:
-    first = spec[0] if len(spec) else None
-    return first == EP or (isinstance(first, tuple) and EP in first)
+from jfleet.mesh.topology import MP, PP, SEP
 
 
 def _expert_stacks(plan: Plan) -> tuple[str, ...]:
-    """The stacked expert parameters of the plan's MoE layers (split over ``ep`` on their
-    first dimension), relative to each layer (alike in every layer)."""
+    """The stacked expert parameters of the plan's MoE layers (the routed parameters but the
+    router's), relative to each layer (alike in every layer)."""
     found = set()
     for layer in plan.moe_layers:
         found.add(
@@ -49,7 +44,7 @@ def _expert_stacks(plan: Plan) -> tuple[str, ...]:
                 sorted(
                     p.path[len(layer) + 1 :]
                     for p in plan.params
-                    if _over_ep(p.spec) and p.path.startswith(layer + ".")
+                    if p.role == "expert" and p.path.startswith(layer + ".")
                 )
             )
         )

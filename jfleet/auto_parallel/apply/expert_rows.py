@@ -78,8 +78,10 @@ def _refused(base: type, why: str) -> ValueError:
 def _layer_call(
     self: nnx.Module, base: type, mesh: Mesh, stacks: frozenset, x: Any, *args: Any, **kwargs: Any
 ) -> Any:
-    ep = mesh.shape[EP]
+    ep = mesh.shape.get(EP, 1)
     data = tuple(a for a in DATA_AXES if a in mesh.axis_names)
+    if EP not in data:
+        raise ValueError(f"ring_ragged_experts needs a mesh with an ep axis; got {mesh.shape}.")
     before, after = data[: data.index(EP)], data[data.index(EP) + 1 :]
     outer = math.prod(mesh.shape[a] for a in before)
     ranks = outer * ep * math.prod(mesh.shape[a] for a in after)
@@ -97,6 +99,9 @@ def _layer_call(
     experts = parts.experts
 
     def body(values, x, args, kwargs):
+        if ep == 1:  # each device routes and computes its own tokens
+            outs = jax.tree_util.tree_leaves(parts.call(values, _merge_tokens(x), args, kwargs))
+            return [_split_tokens(o, 1, 1) for o in outs]
         gathered = _merge_tokens(jax.lax.all_gather(x, EP, axis=1, tiled=True))
         whole = [  # the layer as written sees every expert: traced with the whole stacks
             jax.ShapeDtypeStruct((experts, *v.shape[1:]), v.dtype) if s else v
@@ -105,7 +110,7 @@ def _layer_call(
         closed = jax.make_jaxpr(parts.call)(whole, gathered, args, kwargs)
         flat = jax.tree_util.tree_leaves((values, gathered, args, kwargs))
         try:
-            outs, kinds = ExpertRows(experts, ep).run(
+            outs, kinds = ExpertRows(experts, ep, math.prod(gathered.shape[:-1])).run(
                 closed.jaxpr, list(closed.consts), flat, parts.kinds(n_in)
             )
             problem = output_problem(kinds)
@@ -150,13 +155,15 @@ def ring_ragged_experts(
     over ``mesh``'s ``ep`` axis (see the module's docstring), in place. ``stacks``: the
     layer-relative paths of its stacked expert parameters ``[E, ...]`` (placed ``P('ep')``).
 
+    With ``ep = 1`` each device runs the layer on its own tokens (the data axes manual: left
+    to GSPMD, the layer's sort of its token copies would gather the whole batch's onto
+    every device).
+
     Raises:
-      ValueError: the mesh has no ``ep`` axis above 1, or no stacks are named. A layer
+      ValueError: no stacks are named. A layer
         whose computation cannot run so raises a ``ValueError`` naming the equation when it
         is first called.
     """
-    if mesh.shape.get(EP, 1) <= 1:
-        raise ValueError(f"ring_ragged_experts needs an ep axis above 1; mesh has {mesh.shape}.")
     stacks = frozenset(stacks)
     if not stacks:
         raise ValueError("ring_ragged_experts needs the layers' stacked expert parameters.")

@@ -35,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -92,8 +93,9 @@ class ExpertRows:
     stack restricted to the rank's experts, and classifies every value (``_REP`` ...
     ``_PARTIAL``) to check that the rows it skips cannot reach the output."""
 
-    def __init__(self, experts: int, ep: int):
+    def __init__(self, experts: int, ep: int, tokens: int = 0):
         self.local = experts // ep
+        self.tokens = tokens  # the layer's tokens: a running count over as many couples them
         self.groups: Any = None  # the group sizes every product shares
 
     def run(self, jaxpr: Any, consts: list, args: list, kinds: list[str]) -> tuple[list, list]:
@@ -121,6 +123,14 @@ class ExpertRows:
 
     def eqn(self, eqn: Any, values: list | None, kinds: list[str]) -> tuple[list | None, str]:
         name = eqn.primitive.name
+        if name.startswith("cum") and self.tokens:
+            size = eqn.invars[0].aval.shape[eqn.params["axis"]]
+            if size >= self.tokens:
+                self.refuse(
+                    eqn,
+                    f"a running {name} over {size} token rows couples the tokens (a capacity "
+                    "rule): over the ep group's tokens it would not drop the batch's",
+                )
         if set(kinds) == {_REP} or not kinds:
             return self.bind(eqn, values), _REP
         if name == "ragged_dot_general" and kinds[1] == _STACK:
@@ -331,7 +341,8 @@ def ragged_rows_problem(
                 n_in = len(jax.tree_util.tree_leaves(inputs)) - len(parts.values)
                 jaxpr = jax.make_jaxpr(parts.call)(*inputs)
                 try:
-                    _, kinds = ExpertRows(parts.experts, 1).run(
+                    tokens = math.prod(x.shape[:-1])
+                    _, kinds = ExpertRows(parts.experts, 1, tokens).run(
                         jaxpr.jaxpr, list(jaxpr.consts), None, parts.kinds(n_in)
                     )
                     problem = output_problem(kinds)

@@ -179,6 +179,13 @@ def _own_dispatch(patterns: ModelPatterns, lay: Any) -> str:
     if not patterns.routed:
         return ""
     moe = patterns.moe
+    if moe.dispatch == "ragged" and lay.ep == 1 and lay.pp == 1 and lay.sep == 1:
+        return (
+            "the model's own dispatch runs ragged_dots over its token copies sorted by "
+            "expert, so each MoE layer runs in a shard_map over the data axes: each device "
+            "routes and computes its own tokens (left to GSPMD, the sort would gather the "
+            "whole batch's token copies onto every device)"
+        )
     if moe.dispatch in ("einsum", "ragged"):
         if lay.ep == 1:
             return ""
@@ -845,10 +852,17 @@ def _build_plan(
 
 
 def _gathered_moe_layers(patterns: ModelPatterns, lay: Any) -> tuple[str, ...]:
-    """The traced MoE layers whose tokens the plan gathers over ``ep``: an einsum or a
-    ``ragged_dot`` dispatch over ``ep`` > 1 (any other dispatch of routed rows is left to
-    GSPMD: gathering its tokens all-reduces its per-row intermediates, more than it saves;
-    measured)."""
-    if lay.ep == 1 or not patterns.routed or patterns.moe.dispatch not in ("einsum", "ragged"):
+    """The traced MoE layers whose tokens the plan gathers over ``ep``: an einsum dispatch
+    over ``ep`` > 1, a ``ragged_dot`` one at any ``ep`` without pipelines or a sequence
+    split (at ``ep = 1`` each device then routes its own tokens: left to GSPMD, the sort of
+    the token copies gathers the batch's onto every device; measured). Any other dispatch
+    of routed rows is left to GSPMD (gathering its tokens all-reduces its per-row
+    intermediates, more than it saves; measured)."""
+    if not patterns.routed:
+        return ()
+    dispatch = patterns.moe.dispatch
+    ring = dispatch == "einsum" and lay.ep > 1
+    ring |= dispatch == "ragged" and lay.pp == 1 and lay.sep == 1
+    if not ring:
         return ()
     return tuple(moe_layer_paths(p.path for p in patterns.routed if p.role == "router"))
