@@ -17,7 +17,9 @@ of :mod:`jfleet.testing.nnx_styles.moe_styles`, experts of width 128) through
 ``ep`` group (:mod:`jfleet.auto_parallel.apply.expert_tokens`), which the cost model prices
 (:func:`~jfleet.auto_parallel.cost.cost_moe.ring_exchange_time`); the table reads the
 compiled step's all-gathers beside the prediction, checks no expert stack is gathered, and
-shows the layout the search picks.
+shows the layout the search picks. A third does the same for the style's ``ragged_dot``
+dispatch (:mod:`jfleet.auto_parallel.apply.expert_rows`: all-gathers and reduce-scatters
+over ``ep``), with its memory beside the cost model's.
 """
 
 from __future__ import annotations
@@ -109,27 +111,39 @@ def _traced_step(force: dict | None, batch: int, dispatch: str, seq: int = 32) -
     return config, model, get_plan(model), step
 
 
-def ring_row(force: dict | None) -> list[str]:
-    """A traced one-hot dispatch at one forced mesh (None: the search's pick): the compiled
-    step's all-gathers per MoE layer beside the cost model's."""
-    config, model, plan, step = _traced_step(force, 8, "dense", seq=8)
+def ring_row(force: dict | None, dispatch: str = "dense") -> list[str]:
+    """A traced dispatch (one-hot ``dense`` or ``ragged``) at one forced mesh (None: the
+    search's pick): the compiled step's all-gathers per MoE layer beside the cost
+    model's (and, for ``ragged``, its reduce-scatters over ep: their count and bytes)."""
+    config, model, plan, step = _traced_step(force, 8, dispatch, seq=8)
     layers, ep = config.num_hidden_layers, plan.layout.ep
-    gathers = [c for c in hlo.collectives(step.as_text()) if c.kind == "all-gather"]
+    found_all = hlo.collectives(step.as_text())
+    gathers = [c for c in found_all if c.kind == "all-gather"]
     found = [c for c in gathers if c.group_size == ep]  # over the ep group
     others = sum(c.weight * c.bytes for c in gathers if c.group_size != ep) / layers
     measured = sum(c.weight * c.bytes for c in found) / layers
     predicted = plan.chosen.collectives.all_gather / layers
+    scattered = [c for c in found_all if c.kind == "reduce-scatter" and c.group_size == ep]
+    summed = sum(c.weight * c.bytes for c in scattered) / layers
+    summed_predicted = plan.chosen.collectives.reduce_scatter / layers
     mlp = model.model.layers[0].mlp
     stack = 4 * config.num_experts * config.hidden_size * RING_FFN
     whole = any(c.bytes == stack for c in gathers)  # over any group
     local = sum(w[...].addressable_shards[0].data.nbytes for w in (mlp.gate_proj, mlp.up_proj))
-    return [
+    row = [
         plan.layout.name + ("" if force else " (searched)"),
         f"{sum(c.weight for c in found) / layers:g}", f"{int(measured)}", f"{int(predicted)}",
         f"{measured / predicted:.3f}" if predicted else "-", f"{int(others)}",
         "yes" if whole else "no",
         f"{local / (2 * mlp.gate_proj[...].nbytes):.3f}",
     ]  # fmt: skip
+    if dispatch == "ragged":
+        row[5:5] = [
+            f"{sum(c.weight for c in scattered) / layers:g}", f"{int(summed)}",
+            f"{int(summed_predicted)}",
+            f"{summed / summed_predicted:.3f}" if summed_predicted else "-",
+        ]  # fmt: skip
+    return row
 
 
 MEMORY_ROWS = (  # (forced mesh, batch of 32-token sequences, dispatch)
@@ -137,6 +151,10 @@ MEMORY_ROWS = (  # (forced mesh, batch of 32-token sequences, dispatch)
     ({"dp": 2, "ep": 4}, 64, "capacity"), ({"dp": 2, "ep": 4}, 32, "capacity"),
     ({"dp": 4, "ep": 2}, 32, "capacity"), ({"dp": 8}, 32, "capacity"),
     ({"ep": 8}, 32, "dense"), ({"dp": 2, "ep": 4}, 32, "dense"), ({"dp": 8}, 32, "dense"),
+)  # fmt: skip
+RAGGED_MEMORY_ROWS = (  # (forced mesh, batch of 32-token sequences): fitted, then held out
+    ({"dp": 8}, 32), ({"ep": 8}, 32), ({"ep": 8}, 64), ({"dp": 2, "ep": 4}, 32),
+    ({"dp": 2, "ep": 4}, 64), ({"dp": 4, "ep": 2}, 64), ({"dp": 8}, 64),
 )  # fmt: skip
 
 
@@ -161,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [row(*layout, *cap) for layout in LAYOUTS for cap in CAPACITIES]
     ring = [ring_row(force) for force in (*RING_LAYOUTS, None)]
     memory = [memory_row(*r) for r in MEMORY_ROWS]
+    ragged_ring = [ring_row(force, "ragged") for force in (*RING_LAYOUTS, None)]
+    ragged_memory = [memory_row(force, batch, "ragged") for force, batch in RAGGED_MEMORY_ROWS]
     lines = [
         "## MoE token exchange per layout (issue 39)",
         "",
@@ -210,6 +230,33 @@ def main(argv: list[str] | None = None) -> int:
         "| layout | dispatch | tokens | compiled MiB | predicted MiB | ratio |",
         "|---|---|---|---|---|---|",
         *("| " + " | ".join(r) + " |" for r in memory),
+        "",
+        "### A traced ragged_dot dispatch over ep (`ragged_ring`, `ragged_memory`)",
+        "",
+        f'- model: the `qwen3_moe` style with `dispatch="ragged"` (token copies sorted by '
+        f"expert, `jax.lax.ragged_dot` per projection), experts of width {RING_FFN}; "
+        "`to_distributed` with the mesh forced, or searched (last row): each MoE layer runs "
+        "in a shard_map (`jfleet.auto_parallel.apply.expert_rows`), its tokens all-gathered "
+        "over ep and its output reduce-scattered, each rank's ragged_dots restricted to its "
+        "experts' rows",
+        "- per MoE layer (batch 8 x 8): all-gathers and reduce-scatters over the ep group and "
+        "their bytes beside `ring_exchange_time`'s; other all-gather bytes; whether an "
+        "expert stack is gathered; the experts' share per device",
+        "",
+        "| layout | all-gathers over ep | bytes | predicted | ratio | reduce-scatters over ep "
+        "| bytes | predicted | ratio | other all-gather bytes | expert stack gathered | share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *("| " + " | ".join(r) + " |" for r in ragged_ring),
+        "",
+        "- memory (sequences of 32): compiled argument + temp bytes of one device's training "
+        "step beside the cost model's total. `cost_moe.CPU_RAGGED_PRODUCTS` (XLA:CPU computes "
+        "a ragged_dot as one product per group over every row) was read off the dp8 row at "
+        "1024 tokens, then `cost_moe.RING_ROW_BUFFERS` off the ep8 row at 1024 tokens; the "
+        "rest are held out",
+        "",
+        "| layout | dispatch | tokens | compiled MiB | predicted MiB | ratio |",
+        "|---|---|---|---|---|---|",
+        *("| " + " | ".join(r) + " |" for r in ragged_memory),
     ]
     report = "\n".join(lines) + "\n"
     print(report)

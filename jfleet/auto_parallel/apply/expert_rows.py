@@ -17,14 +17,16 @@ cannot be split over ``ep`` by sharding constraints: GSPMD does not partition a
    each rank's tokens. Outputs that do not depend on the experts (the router's logits)
    are the rank's own slice of the gathered tokens.
 
-This is exact when the rows a rank did not compute cannot reach the output. The layer's
-computation is checked while it is traced, equation by equation: between products only
-row-wise (elementwise) code; a non-expert row is zero after each product and a product
-(``x * 0``) keeps it zero; after the last product only linear code (gathers, reshapes,
-sums, products with routing weights). A layer that does anything else raises a
-``ValueError`` naming the equation, and the planner prices no such layer over ``ep``
-(:mod:`jfleet.auto_parallel.match.experts` marks only a dispatch read by ``ragged_dot``
-alone). Values and gradients equal one device's (tested at dp2 x ep4 and ep8).
+This is exact when the rows a rank did not compute cannot reach the output, and the layer
+is token-wise (no running count over the tokens: a capacity rule would drop the ep group's
+tokens, not the batch's). :mod:`jfleet.auto_parallel.match.ragged_rows` evaluates the
+layer's jaxpr equation by equation to check it (row-wise code between the products, linear
+code after the last one; a shared expert's output, the same on every rank, is added on rank
+0 only); the matcher runs that check before it prices ``ep`` for a layer, and a layer that
+fails here raises a ``ValueError`` naming the equation. With ``ep = 1`` each device routes
+and computes its own tokens (left to GSPMD, the layer's sort of its token copies would
+gather the whole batch's onto every device). Values and gradients equal one device's
+(tests/auto_parallel/test_expert_rows.py, test_moe_match.py).
 
 Example:
   >>> import jax

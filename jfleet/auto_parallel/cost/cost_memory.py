@@ -70,9 +70,21 @@ _PER_LAYER_GATHERED = 1
 
 
 def per_layer_elems(s: StepShape) -> float:
-    """Activation elements per token one decoder layer keeps (split by ``mp`` as it splits)."""
+    """Activation elements per token one decoder layer keeps (split by ``mp`` as it splits):
+    its dense part once a model, ``mp`` and sequence, the routed experts' (which also vary
+    with ``ep``, the micro-batch's tokens and the data ranks) once a layout's MoE key."""
     key = ("per_layer_elems", s.layout.mp, s.workload.sequence_parallel, s.workload.seq_len)
-    return cached(s.patterns, key, lambda: _per_layer_elems(s))  # the same for every M, v, ...
+    dense = cached(s.patterns, key, lambda: _per_layer_elems(s))  # the same for every M, v, ...
+    return dense + _moe_elems(s, kept=False)
+
+
+def _moe_elems(s: StepShape, *, kept: bool) -> float:
+    if s.patterns.moe is None:
+        return 0.0
+    lay = s.layout
+    key = ("moe_elems", kept, lay.mp, lay.ep, lay.dp * lay.sharding, s.tokens_mb)
+    key += (s.profile.platform,)
+    return cached(s.patterns, key, lambda: moe_elems(s, kept=kept))
 
 
 def _per_layer_elems(s: StepShape) -> float:
@@ -88,9 +100,7 @@ def _per_layer_elems(s: StepShape) -> float:
         per_layer += (ATTN_Q_ELEMS * d.q_dim + scores) / attn_mp
     if s.patterns.mlp:
         per_layer += MLP_ELEMS[s.patterns.mlp] * d.hidden / mlp_mp
-    if s.patterns.moe is not None:  # the routed experts' rows (cost_moe)
-        per_layer += moe_elems(s)
-    return per_layer
+    return per_layer  # the routed experts' rows are per_layer_elems's (cost_moe)
 
 
 #: Elements per token of the MLP's up projections (gate and up for SwiGLU), x hidden.
@@ -111,9 +121,7 @@ def selective_kept_elems(s: StepShape) -> float:
         kept += (d.q_dim + 2 * d.kv_dim) / attn_mp + d.width
     if s.patterns.mlp:
         kept += _MLP_UP[s.patterns.mlp] * d.hidden / mlp_mp + d.width
-    if s.patterns.moe is not None:  # the routed experts' exchanged rows (cost_moe)
-        kept += moe_elems(s, kept=True)
-    return kept
+    return kept + _moe_elems(s, kept=True)  # the routed experts' exchanged rows (cost_moe)
 
 
 def _layer_acts(s: StepShape, per_layer: float) -> float:

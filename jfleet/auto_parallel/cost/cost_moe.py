@@ -19,7 +19,10 @@ each MoE layer's tokens gathered over the ``ep`` group
 tokens and an all-reduce of the layer's output, and the same two again in the backward pass
 (:func:`ring_exchange_time`). Each device computes its ``E / ep`` experts on ``ep`` times
 its tokens: the traced rows a token (``rows_per_token``) times its own tokens, as at
-``ep = 1``.
+``ep = 1``. A traced ``ragged_dot`` dispatch (``"ragged"``) runs the same ring in a
+``shard_map`` (:mod:`jfleet.auto_parallel.apply.expert_rows`), its output reduce-scattered
+rather than all-reduced, each device computing its experts' rows of the group's token
+copies.
 
 Example:
   >>> moe_exchange_bytes(tokens=64, width=16, k=2, experts=8, capacity_factor=None)
@@ -43,7 +46,9 @@ from jfleet.parallel.moe.layer import choose_path
 from jfleet.parallel.moe.routing import expert_capacity
 
 __all__ = [
+    "CPU_RAGGED_PRODUCTS",
     "LOAD_IMBALANCE",
+    "RING_ROW_BUFFERS",
     "SLOT_OVER_EP",
     "SLOT_TENSORS",
     "MoEExchange",
@@ -277,6 +282,33 @@ SLOT_TENSORS = 3
 SLOT_OVER_EP = 0.75
 
 
+#: ``[M, F]`` buffers (``M`` the ``ep`` group's token copies) a traced ``ragged_dot``
+#: dispatch over ``ep`` > 1 keeps a MoE layer beyond the expert MLP's own: the rows moved
+#: to the front of each restricted product and back
+#: (:mod:`jfleet.auto_parallel.apply.expert_rows`). Read off the ``qwen3_moe`` style's
+#: ragged dispatch at ep8 with 1024 tokens (``benchmarks/moe_exchange.py``,
+#: ``ragged_memory``: 2.1, :data:`CPU_RAGGED_PRODUCTS` read first); the other rows are held
+#: out.
+RING_ROW_BUFFERS = 2
+#: ``[E / ep, M, F]`` products XLA:CPU keeps a MoE layer for a traced ``ragged_dot``
+#: dispatch: it computes a ``ragged_dot`` as one product per group over every row (GPU and
+#: TPU run grouped products over the routed rows: none). Read off the dp8 row at 1024
+#: tokens (3.3).
+CPU_RAGGED_PRODUCTS = 3
+
+
+def _ragged_extra(s: StepShape) -> float:
+    """Elements per row of the ``ep`` group's token copies beyond the expert MLP's that a
+    traced ``ragged_dot`` dispatch keeps: :data:`RING_ROW_BUFFERS` ``[M, F]`` buffers with
+    ``ep`` > 1, and on XLA:CPU :data:`CPU_RAGGED_PRODUCTS` ``[E / ep, M, F]`` products
+    (``E / ep`` elements a row of each)."""
+    moe, ep = s.patterns.moe, s.layout.ep
+    extra = RING_ROW_BUFFERS if ep > 1 else 0
+    if not _ragged(s):
+        extra += CPU_RAGGED_PRODUCTS * moe.experts / ep
+    return extra * moe.expert_ffn
+
+
 def _slot_elems(s: StepShape) -> float:
     """Elements per device token of a traced capacity dispatch's ``[T, E, C]`` one-hot
     tensors (0 for any other dispatch): ``T`` the layer's tokens over every data rank, as
@@ -303,11 +335,12 @@ def moe_elems(s: StepShape, *, kept: bool = False) -> float:
     moe = s.patterns.moe
     if moe is None:
         return 0.0
+    per_row = (0 if kept else _EXPERT_ELEMS[moe.gated] * moe.expert_ffn) + 2 * s.dims.width
     if _own_ragged(s):
         rows_per_token = float(moe.top_k * s.layout.ep)
+        per_row += 0 if kept else _ragged_extra(s)
     else:
         rows_per_token = moe_rows(s) / max(s.tokens_mb, 1)
-    per_row = (0 if kept else _EXPERT_ELEMS[moe.gated] * moe.expert_ffn) + 2 * s.dims.width
     router = 2 * moe.experts / s.layout.mp
     share = moe.layers / (len(s.patterns.blocks) or s.dims.layers or 1)
     slots = 0.0 if kept else _slot_elems(s)
