@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from jfleet.auto_parallel import match_patterns
 from jfleet.auto_parallel.apply.expert_rows import ring_ragged_experts
+from jfleet.auto_parallel.search.planner import plan_for
 from jfleet.testing import hlo
 
 E, D, F, K = 8, 16, 8, 2
@@ -146,6 +147,16 @@ def test_a_block_not_linear_in_its_experts_rows_is_matched_off_ep_and_refused_at
     (note,) = [n for n in found.notes if "an ep rank cannot compute" in n]
     assert "tanh" in note and "not linear" in note and "ep is not searched" in note, note
     assert type(model.layers[0]) is SharedExpertMoeBlock  # the check's classes are undone
+    # the search offers no ep for it and says why; forced, its experts go over ep with the
+    # tokens left to GSPMD (and the cost model prices jfleet's all-to-alls: the note says so)
+    plan = plan_for(model, device_num=8, batch_size=8, seq_len=4, patterns=found)
+    assert {c.layout.ep for c in plan.candidates} == {1}
+    (why,) = [n for n in plan.notes if n.startswith("ep not searched")]
+    assert "force_mesh" in why, why
+    forced = plan_for(
+        model, device_num=8, batch_size=8, seq_len=4, patterns=found, force_mesh={"ep": 8}
+    )
+    assert forced.layout.ep == 8 and forced.moe_layers == ()
     ring_ragged_experts(model, ["layers.0"], _mesh({"dp": 2, "ep": 4}), STACKS)
     with pytest.raises(ValueError, match=r"SharedExpertMoeBlock's ragged_dot dispatch over ep: "
                        r"at `.*tanh.*not linear"):  # fmt: skip

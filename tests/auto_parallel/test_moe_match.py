@@ -4,7 +4,6 @@ keeps them off ``ep`` (their own dispatch is not what the cost model prices) and
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -15,9 +14,8 @@ from flax import nnx
 
 from jfleet import make_train_step
 from jfleet.auto_parallel import ToDistributedConfig, get_plan, match_patterns, to_distributed
-from jfleet.auto_parallel.cost.layout import Workload
+from jfleet.auto_parallel.match.matched import module_at
 from jfleet.auto_parallel.match.moe_spec import MoESpec
-from jfleet.auto_parallel.search.layouts import enumerate_layouts
 from jfleet.auto_parallel.search.plan import Plan
 from jfleet.auto_parallel.search.planner import plan_for
 from jfleet.models.llama import TinyLlama
@@ -25,6 +23,7 @@ from jfleet.testing import assert_trees_close, hlo, train_one_device
 from jfleet.testing.nnx_styles import MOE_STYLES
 from jfleet.testing.nnx_styles.moe_styles import (
     GptOssConfig,
+    GptOssForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
@@ -51,7 +50,7 @@ ROUTED["qwen3_moe_ragged"] = ROUTED["qwen3_moe"]
 DISPATCH = {
     "qwen3_moe": ("einsum", 8.0),
     "qwen3_moe_ragged": ("ragged", None),
-    "gpt_oss": ("own", None),
+    "gpt_oss": ("gather", None),
 }
 
 
@@ -107,29 +106,6 @@ def test_mixtral_s_list_of_expert_modules_is_not_taken_and_the_notes_say_why():
 def test_a_dense_model_has_no_routed_experts():
     found = match_patterns(TinyLlama(vocab=64, width=32, heads=4, kv_heads=2, layers=2))
     assert found.moe is None and found.routed == ()
-
-
-@pytest.mark.parametrize("name", ["gpt_oss"])
-def test_the_search_keeps_routed_row_dispatch_off_ep_and_says_why(name):
-    """No compile. A traced dispatch of routed rows by a per-token gather of the experts'
-    weights runs over ep as GSPMD partitions it, not as the cost model prices, so the search
-    offers no ep > 1 layout for it, and the plan says so and how to force it. The same experts with
-    their dispatch priced as jfleet's (``routed`` emptied: what a shape-built plan is) are
-    searched over ep."""
-    model, found = _matched(name)
-    plan = plan_for(model, device_num=8, batch_size=8, seq_len=8, patterns=found)
-    assert {c.layout.ep for c in plan.candidates} == {1}
-    (note,) = [n for n in plan.notes if n.startswith("ep not searched")]
-    assert "as GSPMD partitions it" in note and "force_mesh" in note
-    # forced, the experts go over ep, and the tokens are left to GSPMD (gathering them
-    # all-reduces the per-row intermediates: more than it saves, measured)
-    forced = plan_for(
-        model, device_num=8, batch_size=8, seq_len=8, patterns=found, force_mesh={"ep": 8}
-    )
-    assert forced.layout.ep == 8 and forced.moe_layers == ()
-    priced = dataclasses.replace(found, routed=())
-    layouts, _ = enumerate_layouts(priced, Workload(batch_size=8, seq_len=8), device_num=8)
-    assert {lay.ep for lay in layouts} > {1}
 
 
 def test_forced_dp2_ep4_splits_qwen3_experts_a_quarter_a_device_and_trains_like_one_device():
@@ -207,18 +183,33 @@ def test_searched_ep_gathers_tokens_never_experts_trains_like_one_device_and_say
     assert_trees_close(np.asarray(losses), np.asarray(want), devices=8)
 
 
-def test_searched_ep_runs_each_rank_s_ragged_rows_of_the_gathered_tokens_like_one_device():
+def _gpt_oss_big() -> nnx.Module:
+    """gpt-oss with experts of width 128 (gate_up 256) against 64 tokens of width 32."""
+    return GptOssForCausalLM(GptOssConfig(intermediate_size=128), rngs=nnx.Rngs(0))
+
+
+#: Per style: (build, its MoE layer's class, a stacked expert kernel under the layer).
+ROWS = {
+    "qwen3_moe_ragged": (lambda: _big_experts("ragged"), "Qwen3MoeSparseMoeBlock", "gate_proj"),
+    "gpt_oss": (_gpt_oss_big, "GptOssMLP", "experts.gate_up_proj"),
+}
+
+
+@pytest.mark.parametrize("name", list(ROWS))
+def test_searched_ep_runs_each_rank_s_rows_of_the_gathered_tokens_like_one_device(name):
     """Experts that outweigh the tokens, applied by ragged_dots over the token copies sorted
-    by expert (tunix's Megablox path): the search picks ep8. Each MoE layer runs in a
+    by expert (tunix's Megablox path) or by products with each token's gathered experts'
+    weights (gpt-oss's reference): the search picks ep8. Each MoE layer runs in a
     shard_map: the compiled step all-gathers the tokens over the 8 ep ranks and
     reduce-scatters the output (forward; the cotangents the reverse: the bytes the cost
     model predicted), never gathers an expert stack, holds 1/8 of the experts a device and
     trains like one device; the plan says how, and its JSON keeps it."""
-    style = MOE_STYLES["qwen3_moe"]
-    found = match_patterns(_big_experts("ragged"), style.batches(1)[0], forward=style.forward)
-    assert (found.moe.dispatch, found.moe.rows_per_token) == ("ragged", None)
+    build, layer_class, kernel = ROWS[name]
+    style = MOE_STYLES[name]
+    found = match_patterns(build(), style.batches(1)[0], forward=style.forward)
+    assert (found.moe.dispatch, found.moe.rows_per_token) == (DISPATCH[name][0], None)
     model, opt, loader = to_distributed(
-        _big_experts("ragged"), optax.adam(1e-3), style.batches(3), 8,
+        build(), optax.adam(1e-3), style.batches(3), 8,
         config=ToDistributedConfig(forward=style.forward),
     )  # fmt: skip
     plan = get_plan(model)
@@ -226,16 +217,17 @@ def test_searched_ep_runs_each_rank_s_ragged_rows_of_the_gathered_tokens_like_on
     (why,) = [n for n in plan.notes if n.startswith("ep8 chosen")]
     assert "tokens gathered over ep8" in why and "slower than the best" in why, why
     (how,) = [n for n in plan.notes if "ring of experts" in n]
-    assert "restricted to the rows of its 1 expert" in how and "reduce-scattered" in how, how
+    assert "restricted to the rows of" in how and "reduce-scattered" in how, how
     assert (plan.moe_layers, plan.moe_dispatch) == (
-        ("model.layers.0.mlp", "model.layers.1.mlp"), "ragged",
+        ("model.layers.0.mlp", "model.layers.1.mlp"), DISPATCH[name][0],
     )  # fmt: skip
     again = Plan.from_json(plan.to_json())
-    assert (again.moe_layers, again.moe_dispatch) == (plan.moe_layers, "ragged")
+    assert (again.moe_layers, again.moe_dispatch) == (plan.moe_layers, plan.moe_dispatch)
     mlp = model.model.layers[0].mlp
-    assert type(mlp).__qualname__ == "Qwen3MoeSparseMoeBlock[ep rows]"
-    for kernel in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-        assert kernel[...].addressable_shards[0].data.shape[0] == 1  # 1 of 8 experts
+    assert type(mlp).__qualname__ == f"{layer_class}[ep rows]"
+    stack = module_at(mlp, kernel.rsplit(".", 1)[0]) if "." in kernel else mlp
+    local = getattr(stack, kernel.rsplit(".", 1)[-1])[...]
+    assert local.addressable_shards[0].data.shape[0] == 1  # 1 of 8 experts
     batches = list(loader)
     step = make_train_step(style.loss_fn)
     found = hlo.collectives(step.lower(model, opt, batches[0]).compile().as_text())
@@ -248,9 +240,7 @@ def test_searched_ep_runs_each_rank_s_ragged_rows_of_the_gathered_tokens_like_on
         assert 4 * tokens == pytest.approx(getattr(plan.chosen.collectives, field), rel=0.15)
     assert max(c.bytes for c in found if c.kind == "all-gather") <= tokens  # no expert stack
     losses = [float(step(model, opt, batch)) for batch in batches]
-    want, _ = train_one_device(
-        _big_experts("ragged"), optax.adam(1e-3), style.batches(3), style.loss_fn
-    )
+    want, _ = train_one_device(build(), optax.adam(1e-3), style.batches(3), style.loss_fn)
     assert want[-1] < want[0]
     assert_trees_close(np.asarray(losses), np.asarray(want), devices=8)
 

@@ -119,7 +119,7 @@ def shape_for_plan(
             model, {path: (p.role, p.spec) for path, p in params.items()}, plan.blocks,
             placement.mesh, tuple(a for a in seq_axes if a != MP),
         )  # fmt: skip
-    if plan.moe_dispatch == "ragged":  # a traced model's own ragged_dot dispatch over ep
+    if plan.moe_dispatch in ("ragged", "gather"):  # a ragged_dot / gather dispatch over ep
         ring_ragged_experts(model, plan.moe_layers, placement.mesh, _expert_stacks(plan))
     elif plan.moe_layers:  # a traced model's own einsum dispatch over ep
         gather_expert_tokens(model, plan.moe_layers, placement.mesh)

@@ -172,12 +172,17 @@ def _einsum(s: StepShape) -> bool:
 
 def _ring(s: StepShape) -> bool:
     """A traced model's own dispatch run with each MoE layer's tokens gathered over ``ep``
-    (an einsum or a ``ragged_dot`` dispatch: MaxText's ring of experts)."""
-    return s.patterns.moe.dispatch in ("einsum", "ragged")
+    (an einsum or a ``ragged_dot`` dispatch, a per-token gather over ``ep`` > 1: MaxText's
+    ring of experts)."""
+    return s.patterns.moe.dispatch in ("einsum", "ragged") or _own_ragged(s)
 
 
 def _own_ragged(s: StepShape) -> bool:
-    return s.patterns.moe.dispatch == "ragged"
+    """A traced dispatch run as ``ragged_dot`` products of each rank's experts' rows: a
+    ``ragged_dot`` one, and a per-token gather over ``ep`` > 1
+    (:mod:`jfleet.auto_parallel.apply.expert_rows`)."""
+    dispatch = s.patterns.moe.dispatch
+    return dispatch == "ragged" or (dispatch == "gather" and s.layout.ep > 1)
 
 
 def _expert_mp(s: StepShape) -> int:

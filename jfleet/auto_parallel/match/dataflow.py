@@ -104,6 +104,8 @@ class Trace:
         most recently (routers: ``k`` of ``choices`` experts).
       grouped: parameters read only as the groups of a ``jax.lax.ragged_dot`` (stacked
         expert kernels ``[E, ...]`` applied to rows sorted by expert), whole.
+      taken: parameters read only by gathers of whole slices along their first dimension
+        (``w[expert_indices]``: each token's experts' weights).
     """
 
     paths: tuple[tuple, ...]
@@ -127,6 +129,7 @@ class Trace:
     batched: dict[int, int] = dataclasses.field(default_factory=dict)
     top_k: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
     grouped: frozenset[int] = frozenset()
+    taken: frozenset[int] = frozenset()
 
     def path(self, i: int) -> str:
         """Parameter ``i``'s dotted path."""
@@ -248,5 +251,6 @@ def trace_model(
         fed_by={k: frozenset(v) for k, v in walk.fed_by.items()},
         batched=dict(walk.batched),
         top_k=dict(walk.top_k),
-        grouped=frozenset(walk.grouped - walk.read_otherwise),
+        grouped=frozenset(walk.grouped - walk.read_otherwise - walk.taken),
+        taken=frozenset(walk.taken - walk.read_otherwise - walk.grouped),
     )

@@ -108,9 +108,13 @@ def _dispatch(
 ) -> tuple[str, float | None]:
     """``("einsum", rows a token)`` when every stacked kernel is read by products that keep
     its expert dimension (free or batched); ``("ragged", None)`` when every stacked
-    parameter is read only as the groups of a ``ragged_dot``; else ``("own", None)``."""
+    parameter is read only as the groups of a ``ragged_dot``; ``("gather", None)`` when
+    only each token's experts' slices are gathered (``w[expert_indices]``); else ``("own",
+    None)``."""
     if stacked <= trace.grouped:
         return "ragged", None
+    if stacked <= trace.taken:
+        return "gather", None
     width, experts = trace.shapes[router]
     tokens = sum(d.flops for d in trace.dots if d.param == router) / (2 * width * experts)
     rows = []
@@ -222,7 +226,7 @@ def ragged_rows_checked(
     ``ep`` rank's rows (:func:`~jfleet.auto_parallel.match.ragged_rows.ragged_rows_problem`,
     ``call(model)`` tracing the model abstractly); else ``"own"``, with a note saying why."""
     spec = routed.spec
-    if spec is None or spec.dispatch != "ragged":
+    if spec is None or spec.dispatch not in ("ragged", "gather"):
         return routed
     layers = moe_layer_paths(trace.path(i) for i in routed.routers)
     first = layers[0] + "."
@@ -232,10 +236,15 @@ def ragged_rows_checked(
     problem = ragged_rows_problem(model, layers, stacks, call)
     if problem is None:
         return routed
+    how = (
+        "ragged_dots over token copies sorted by expert"
+        if spec.dispatch == "ragged"
+        else "products with each token's gathered expert weights"
+    )
     note = (
-        f"{layers[0]} applies its experts by ragged_dots over token copies sorted by expert, "
-        f"but an ep rank cannot compute its experts' rows alone: {problem}; its dispatch is "
-        "priced as routed rows and ep is not searched"
+        f"{layers[0]} applies its experts by {how}, but an ep rank cannot compute its "
+        f"experts' rows alone: {problem}; its dispatch is priced as routed rows and ep is "
+        "not searched"
     )
     return dataclasses.replace(
         routed, spec=dataclasses.replace(spec, dispatch="own"), notes=(*routed.notes, note)

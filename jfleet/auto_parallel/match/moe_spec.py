@@ -24,7 +24,7 @@ import dataclasses
 __all__ = ["DISPATCHES", "MoESpec"]
 
 #: :attr:`MoESpec.dispatch`'s values.
-DISPATCHES = ("exchange", "einsum", "ragged", "own")
+DISPATCHES = ("exchange", "einsum", "ragged", "gather", "own")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,9 +50,12 @@ class MoESpec:
         ``"ragged"``, a traced model's ``jax.lax.ragged_dot`` over its token copies sorted
         by expert (tunix's Megablox path, MaxText's ``sparse_matmul``), which
         ``to_distributed`` runs over ``ep`` with each rank computing its experts' rows of the
-        ``ep`` group's tokens (:mod:`jfleet.auto_parallel.apply.expert_rows`); ``"own"``,
-        any other traced dispatch of routed rows (a per-token gather of the experts'
-        weights), which GSPMD does not run over ``ep`` as priced: ``ep`` is not searched.
+        ``ep`` group's tokens (:mod:`jfleet.auto_parallel.apply.expert_rows`);
+        ``"gather"``, a per-token gather of the experts' weights (``w[expert_indices]``,
+        gpt-oss's reference), which runs as written at ``ep = 1`` and over ``ep`` as the
+        ragged one, its gathers and their products computed as ``ragged_dot`` products over the
+        rank's experts' rows; ``"own"``, any other traced dispatch of routed rows, which
+        GSPMD does not run over ``ep`` as priced: ``ep`` is not searched.
       rows_per_token: with ``"einsum"``, the expert rows the traced products compute a token
         (``E`` for every expert on every token, ``E x C / T`` with ``C`` slots an expert);
         None otherwise.

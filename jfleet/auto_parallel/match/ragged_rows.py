@@ -57,6 +57,7 @@ _CLEAN = "clean"  # sorted rows: this rank's experts' rows exact, every other ro
 _DIRTY = "dirty"  # sorted rows: this rank's experts' rows exact, the others anything finite
 _PARTIAL = "partial"  # this rank's share: the sum over the ep ranks is the value
 _ONCE = "once"  # a partial value plus a replicated one (a shared expert): rank 0 adds it
+_TAKEN = "taken"  # each slot's expert slice of a stack (``w[indices]``), not yet gathered
 
 #: Element-wise primitives (every operand of the output's shape).
 # fmt: off
@@ -88,15 +89,25 @@ def _body(params: dict, key: str) -> tuple[Any, list]:
     return (sub.jaxpr, list(sub.consts)) if hasattr(sub, "consts") else (sub, [])
 
 
+@dataclasses.dataclass(frozen=True)
+class _Taken:
+    """``stack[indices]`` not gathered yet: ``stack`` this rank's experts."""
+
+    eqn: Any
+    stack: Any
+    indices: Any
+
+
 class ExpertRows:
     """Evaluates one MoE layer's jaxpr on one ep rank, each ``ragged_dot`` over an expert
     stack restricted to the rank's experts, and classifies every value (``_REP`` ...
     ``_PARTIAL``) to check that the rows it skips cannot reach the output."""
 
     def __init__(self, experts: int, ep: int, tokens: int = 0):
-        self.local = experts // ep
+        self.experts, self.local = experts, experts // ep
         self.tokens = tokens  # the layer's tokens: a running count over as many couples them
         self.groups: Any = None  # the group sizes every product shares
+        self.slots: tuple[int, ...] | None = None  # the leading dims rows / slots span
 
     def run(self, jaxpr: Any, consts: list, args: list, kinds: list[str]) -> tuple[list, list]:
         """``(outputs, their kinds)``; ``args`` None: classify only."""
@@ -135,7 +146,21 @@ class ExpertRows:
             return self.bind(eqn, values), _REP
         if name == "ragged_dot_general" and kinds[1] == _STACK:
             self.check_ragged(eqn, values, kinds)
+            self.check_slots(eqn, eqn.invars[0].aval.shape[:1])
             return (None if values is None else [self.ragged(eqn, *values)]), _CLEAN
+        if name == "gather" and kinds[0] == _STACK:
+            self.check_taken(eqn, kinds)
+            return (None if values is None else [_Taken(eqn, *values)]), _TAKEN
+        if _TAKEN in kinds:
+            if name == "dot_general" and kinds[1] == _TAKEN and self.taken_dot_ok(eqn, kinds):
+                return (None if values is None else [self.taken_dot(eqn, *values)]), _CLEAN
+            # any other use: this rank's experts' slices gathered, every other slot zero
+            if values is not None:
+                values = [
+                    self.gathered(v) if k == _TAKEN else v
+                    for v, k in zip(values, kinds, strict=True)
+                ]
+            kinds = [_CLEAN if k == _TAKEN else k for k in kinds]
         if name in _CALLS:
             outs, out_kinds = self.run(*_body(eqn.params, "jaxpr"), values, kinds)
             return outs, self.join(eqn, out_kinds)
@@ -173,9 +198,14 @@ class ExpertRows:
                 return _STACK  # a cast of the experts (mixed precision)
             self.refuse(eqn, "it reads an expert stack other than as a ragged_dot's groups")
         shape = eqn.outvars[0].aval.shape
-        if name in _ELEMENTWISE and all(v.aval.shape == shape for v in eqn.invars[-1:]):
+        if name in _ELEMENTWISE and all(
+            v.aval.shape == shape or (k == _REP and not v.aval.shape)  # a scalar beside it
+            for v, k in zip(eqn.invars, kinds, strict=True)
+        ):
             return self.elementwise(eqn, name, kinds, present)
         moved, rest = kinds[0], set(kinds[1:])
+        if name == "slice" and moved in (_CLEAN, _DIRTY) and self.keeps_slots(eqn):
+            return moved  # a slice of each row / slot (gpt-oss's interleaved gate and up)
         if name == "dot_general" and sorted(kinds) in ([_CLEAN, _REP], [_PARTIAL, _REP]):
             return _PARTIAL
         if name in _MOVING and moved in (_CLEAN, _PARTIAL) and rest <= {_REP}:
@@ -226,7 +256,13 @@ class ExpertRows:
             self.refuse(eqn, "two products read different group sizes")
 
     def ragged(self, eqn: Any, lhs: Any, rhs: Any, sizes: Any) -> Any:
-        """The rank's experts' rows moved to the front, multiplied, moved back."""
+        """A ``ragged_dot`` over this rank's experts' rows."""
+        return self.restricted(lhs, rhs, sizes, lambda *a: eqn.primitive.bind(*a, **eqn.params))
+
+    def restricted(self, lhs: Any, rhs: Any, sizes: Any, dot: Callable[..., Any]) -> Any:
+        """The rank's experts' rows of ``lhs`` (sorted by expert, ``sizes`` a group) moved
+        to the front, multiplied by ``dot(rows, rhs, local sizes)``, moved back; every other
+        row zero."""
         first = jax.lax.axis_index(EP) * self.local
         local = jax.lax.dynamic_slice_in_dim(sizes, first, self.local)
         start = jnp.sum(jnp.where(jnp.arange(sizes.shape[0]) < first, sizes, 0))
@@ -234,10 +270,91 @@ class ExpertRows:
         front = jax.lax.dynamic_slice_in_dim(
             jnp.concatenate([lhs, jnp.zeros_like(lhs)]), start, rows
         )
-        out = eqn.primitive.bind(front, rhs, local, **eqn.params)
+        out = dot(front, rhs, local)
         return jax.lax.dynamic_slice_in_dim(
             jnp.concatenate([jnp.zeros_like(out), out]), rows - start, rows
         )
+
+    # ------------------------------------------------ a gather of each slot's experts
+    def check_slots(self, eqn: Any, slots: tuple[int, ...]) -> None:
+        if self.slots is None:
+            self.slots = tuple(slots)
+        elif self.slots != tuple(slots):
+            self.refuse(eqn, f"its rows {slots} are not the other products' {self.slots}")
+
+    def keeps_slots(self, eqn: Any) -> bool:
+        """A slice that leaves every row / slot whole in the leading dimensions."""
+        n, shape = len(self.slots or ()), eqn.invars[0].aval.shape
+        strides = eqn.params["strides"] or (1,) * len(shape)
+        return bool(n) and all(
+            eqn.params["start_indices"][d] == 0
+            and eqn.params["limit_indices"][d] == shape[d]
+            and strides[d] == 1
+            for d in range(n)
+        )
+
+    def check_taken(self, eqn: Any, kinds: list[str]) -> None:
+        dims = eqn.params["dimension_numbers"]
+        shape, out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+        slots = eqn.invars[1].aval.shape[:-1]
+        whole = (
+            tuple(dims.collapsed_slice_dims) == (0,)
+            and tuple(dims.start_index_map) == (0,)
+            and not dims.operand_batching_dims
+            and tuple(eqn.params["slice_sizes"]) == (1, *shape[1:])
+            and tuple(dims.offset_dims) == tuple(range(len(slots), len(out)))
+        )
+        if kinds[1] != _REP or not whole or eqn.invars[1].aval.shape[-1] != 1:
+            self.refuse(eqn, "it gathers an expert stack other than each slot's whole expert")
+        self.check_slots(eqn, slots)
+
+    def taken_dot_ok(self, eqn: Any, kinds: list[str]) -> bool:
+        """A product of each slot's vector (replicated, or one a slot) with its expert's
+        matrix: ``td,tkdf->tkf`` or ``tkf,tkfd->tkd``."""
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        n = len(self.slots)
+        lhs = eqn.invars[0].aval.shape
+        ok = (
+            kinds[0] in (_REP, _CLEAN, _DIRTY)
+            and len(rc) == 1
+            and rc[0] in (n, n + 1)
+            and tuple(rb) == tuple(range(len(rb)))
+            and len(lc) == 1
+            and len(lhs) == len(lb) + 1
+            and eqn.outvars[0].aval.shape[:n] == self.slots
+        )
+        if not ok:
+            self.refuse(eqn, "it multiplies gathered experts other than slot by slot")
+        return True
+
+    def taken_dot(self, eqn: Any, lhs: Any, taken: _Taken) -> Any:
+        """``lhs`` slot by slot times each slot's expert, over this rank's experts: the
+        slots sorted by expert and multiplied by a restricted ``ragged_dot``."""
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        n, slots = len(self.slots), self.slots
+        rows = jnp.transpose(lhs, (*lb, lc[0]))  # the slots it has, then its vector
+        rows = jax.lax.broadcast_in_dim(rows, (*slots, lhs.shape[lc[0]]), (*rb, n))
+        rows = rows.reshape(-1, rows.shape[-1])
+        stack = taken.stack if rc[0] == n else jnp.swapaxes(taken.stack, 1, 2)
+        experts = taken.indices.reshape(-1)
+        order = jnp.argsort(experts)
+        sizes = jnp.bincount(experts, length=self.experts).astype(jnp.int32)
+        kind = eqn.params.get("preferred_element_type")
+
+        def dot(a, b, g):
+            return jax.lax.ragged_dot(a, b, g, preferred_element_type=kind)
+
+        out = self.restricted(rows[order], stack, sizes, dot)[jnp.argsort(order)]
+        return out.reshape(*slots, -1)
+
+    def gathered(self, taken: _Taken) -> Any:
+        """``stack[indices]`` of this rank's experts, every other slot zero."""
+        first = jax.lax.axis_index(EP) * self.local
+        at = taken.indices - first
+        mine = (at >= 0) & (at < self.local)
+        out = self.bind(taken.eqn, [taken.stack, jnp.clip(at, 0, self.local - 1)])[0]
+        mask = mine.reshape(*mine.shape[:-1], *([1] * (out.ndim - mine.ndim + 1)))
+        return jnp.where(mask, out, jnp.zeros_like(out))
 
 
 REPLICATED, STACK = _REP, _STACK

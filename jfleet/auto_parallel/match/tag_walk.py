@@ -186,6 +186,19 @@ def _cut_words(eqn: Any, src: Sequence[int]) -> str:
     return "contiguous slice " + ", ".join(ranges) if ranges else "slice"
 
 
+def takes_first_dim(eqn: Any) -> bool:
+    """A ``gather`` of whole slices along its operand's first dimension (``w[indices]``,
+    ``jnp.take(w, indices, axis=0)``)."""
+    dims = eqn.params["dimension_numbers"]
+    shape = eqn.invars[0].aval.shape
+    return (
+        tuple(dims.collapsed_slice_dims) == (0,)
+        and tuple(dims.start_index_map) == (0,)
+        and not dims.operand_batching_dims
+        and tuple(eqn.params["slice_sizes"]) == (1, *shape[1:])
+    )
+
+
 class Walk:
     """Runs a jaxpr over :class:`Val` values, recording edges, products and roles' evidence.
 
@@ -213,6 +226,7 @@ class Walk:
         self.fed_by: dict[int, set[int]] = {}  # the projections each projection's input came from
         self.top_k: dict[int, tuple[int, int]] = {}  # projection -> (k, choices) a top_k read
         self.grouped: set[int] = set()  # parameters a ragged_dot reads as its groups
+        self.taken: set[int] = set()  # parameters gathered whole along their first dim
         self.read_otherwise: set[int] = set()  # ... and anything else reads too
 
     # ------------------------------------------------------------ helpers
@@ -555,14 +569,18 @@ class Walk:
 
     def _note_reads(self, eqn: Any, ins: list[Val], outs: list[Val]) -> None:
         """Parameters an equation reads (not passes on as a view: a cast, a reshape): as a
-        ``ragged_dot``'s groups (:attr:`grouped`) or otherwise."""
+        ``ragged_dot``'s groups (:attr:`grouped`), gathered whole along their first
+        dimension (:attr:`taken`: ``w[indices]``), or otherwise."""
         if any(getattr(o, "view", None) is not None for o in outs):
             return
         for i, val in enumerate(ins):
             owners = {t.param for t in val.view or () if t is not None}
             if len(owners) == 1:
-                grouped = eqn.primitive.name == "ragged_dot_general" and i == 1
-                (self.grouped if grouped else self.read_otherwise).add(owners.pop())
+                name = eqn.primitive.name
+                grouped = name == "ragged_dot_general" and i == 1
+                taken = name == "gather" and i == 0 and takes_first_dim(eqn)
+                read = self.grouped if grouped else self.taken if taken else self.read_otherwise
+                read.add(owners.pop())
 
     def _sub(self, closed: Any, args: list[Val], mult: int) -> list[Val]:
         inner = getattr(closed, "jaxpr", closed)

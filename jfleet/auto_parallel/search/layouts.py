@@ -437,12 +437,14 @@ def enumerate_layouts(
     layouts: list[Layout] = []
     excluded: list[tuple[str, str]] = []
     # ep is searched for experts whose dispatch the cost model prices: jfleet's (shape-built
-    # plans), a traced einsum or ragged_dot dispatch (run with each layer's tokens gathered
-    # over ep); any other traced dispatch of routed rows (a per-token gather) runs as GSPMD
-    # partitions it, all-reducing its per-row intermediates (issue 39), so ep is only
+    # plans), a traced einsum, ragged_dot or per-token gather dispatch (run with each
+    # layer's tokens gathered over ep); any other traced dispatch of routed rows runs as
+    # GSPMD partitions it, all-reducing its per-row intermediates (issue 39), so ep is only
     # forced there
     moe = patterns.moe
-    searched = moe is not None and (not patterns.routed or moe.dispatch in ("einsum", "ragged"))
+    searched = moe is not None and (
+        not patterns.routed or moe.dispatch in ("einsum", "ragged", "gather")
+    )
     experts = moe.experts if searched else 0
     for sizes in _meshes(device_num * node_num, workload.sequence_parallel, force_mesh, experts):
         deg = dict(zip(AXIS_NAMES, sizes, strict=True))

@@ -265,8 +265,9 @@ class Plan:
       moe_layers: module paths of a traced model's MoE layers whose tokens are gathered over
         ``ep`` (its own dispatch over ``ep`` > 1); empty otherwise.
       moe_dispatch: how ``moe_layers`` run: ``"einsum"``, sharding constraints at their
-        boundary (:mod:`jfleet.auto_parallel.apply.expert_tokens`), or ``"ragged"``, a
-        ``shard_map`` restricting each ``ragged_dot`` to a rank's experts
+        boundary (:mod:`jfleet.auto_parallel.apply.expert_tokens`), or ``"ragged"`` /
+        ``"gather"``, a ``shard_map`` restricting each ``ragged_dot`` (each product with
+        gathered expert weights) to a rank's experts
         (:mod:`jfleet.auto_parallel.apply.expert_rows`); empty without ``moe_layers``.
 
     Example:
@@ -649,10 +650,10 @@ class Plan:
             ``moe_dispatch``.
         """
         ring = d.get("moe_dispatch", "einsum" if d.get("moe_layers") else "")
-        if ring not in (("einsum", "ragged") if d.get("moe_layers") else ("",)):
+        if ring not in (("einsum", "ragged", "gather") if d.get("moe_layers") else ("",)):
             raise ValueError(
                 f"plan JSON: moe_dispatch={ring!r} with moe_layers={d.get('moe_layers')!r}; "
-                "expected 'einsum' or 'ragged' with MoE layers, nothing without."
+                "expected 'einsum', 'ragged' or 'gather' with MoE layers, nothing without."
             )
         if d.get("format") != _FORMAT:
             raise ValueError(

@@ -186,11 +186,21 @@ def _own_dispatch(patterns: ModelPatterns, lay: Any) -> str:
             "routes and computes its own tokens (left to GSPMD, the sort would gather the "
             "whole batch's token copies onto every device)"
         )
-    if moe.dispatch in ("einsum", "ragged"):
+    if moe.dispatch in ("einsum", "ragged", "gather"):
         if lay.ep == 1:
             return ""
         local = moe.experts // lay.ep
         experts = f"{local} expert{'s' if local > 1 else ''}"
+        if moe.dispatch == "gather":
+            return (
+                f"the model's own dispatch gathers each token's experts' weights, so over "
+                f"ep{lay.ep} each MoE layer runs in a shard_map: its tokens all-gathered over "
+                "the ep group, routed by the model's code, each product with gathered "
+                "weights computed as a ragged_dot of the token copies sorted by expert, "
+                f"restricted to the rows of the device's {experts}, and the output "
+                "reduce-scattered back (their cotangents the reverse: MaxText's ring of "
+                "experts); the experts never move"
+            )
         if moe.dispatch == "ragged":
             return (
                 f"the model's own dispatch runs ragged_dots over its token copies sorted by "
@@ -852,8 +862,9 @@ def _build_plan(
 
 
 def _gathered_moe_layers(patterns: ModelPatterns, lay: Any) -> tuple[str, ...]:
-    """The traced MoE layers whose tokens the plan gathers over ``ep``: an einsum dispatch
-    over ``ep`` > 1, a ``ragged_dot`` one at any ``ep`` without pipelines or a sequence
+    """The traced MoE layers whose tokens the plan gathers over ``ep``: an einsum or a
+    per-token gather dispatch over ``ep`` > 1, a ``ragged_dot`` one at any ``ep`` without
+    pipelines or a sequence
     split (at ``ep = 1`` each device then routes its own tokens: left to GSPMD, the sort of
     the token copies gathers the batch's onto every device; measured). Any other dispatch
     of routed rows is left to GSPMD (gathering its tokens all-reduces its per-row
@@ -861,7 +872,7 @@ def _gathered_moe_layers(patterns: ModelPatterns, lay: Any) -> tuple[str, ...]:
     if not patterns.routed:
         return ()
     dispatch = patterns.moe.dispatch
-    ring = dispatch == "einsum" and lay.ep > 1
+    ring = dispatch in ("einsum", "gather") and lay.ep > 1
     ring |= dispatch == "ragged" and lay.pp == 1 and lay.sep == 1
     if not ring:
         return ()
