@@ -161,3 +161,34 @@ def test_a_block_not_linear_in_its_experts_rows_is_matched_off_ep_and_refused_at
     with pytest.raises(ValueError, match=r"SharedExpertMoeBlock's ragged_dot dispatch over ep: "
                        r"at `.*tanh.*not linear"):  # fmt: skip
         jax.eval_shape(model.layers[0], jnp.zeros((8, 4, D)))
+
+
+def test_a_running_count_over_the_tokens_is_refused_and_one_over_the_experts_is_not():
+    """No compile. A capacity rule (each token's position among its expert's, a cumsum over
+    the token copies) would, over ep, drop the ep group's tokens, not the batch's: refused.
+    MaxText's group offsets (a cumsum over the 8 experts' sizes) are not a count over
+    tokens."""
+    from jfleet.auto_parallel.match.ragged_rows import ExpertRows
+
+    def layer(x, w, keep_first):
+        experts = jnp.argmax(x[:, :E], axis=-1)
+        order = jnp.argsort(experts)
+        sizes = jnp.bincount(experts, length=E)
+        offsets = jnp.cumsum(sizes)  # over the experts
+        out = jax.lax.ragged_dot(x[order], w, sizes)[jnp.argsort(order)]
+        if keep_first:  # the first 4 copies an expert: a running count over the tokens
+            position = jnp.cumsum(jax.nn.one_hot(experts, E), axis=0)[jnp.arange(64), experts]
+            out = out * (position <= 4)[:, None]
+        return out + 0 * offsets[0]
+
+    kinds = ["replicated", "stack"]
+    for keep_first in (False, True):
+        jaxpr = jax.make_jaxpr(lambda x, w, k=keep_first: layer(x, w, k))(
+            jnp.ones((64, D)), jnp.ones((E, D, F))
+        )
+        rows = ExpertRows(E, 4, tokens=64)
+        if not keep_first:
+            assert rows.layer(jaxpr.jaxpr, list(jaxpr.consts), None, kinds)[1] == ["partial"]
+            continue
+        with pytest.raises(ValueError, match=r"a running cumsum over 64 token rows couples"):
+            rows.layer(jaxpr.jaxpr, list(jaxpr.consts), None, kinds)

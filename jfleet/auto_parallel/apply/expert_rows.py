@@ -112,7 +112,7 @@ def _layer_call(
         closed = jax.make_jaxpr(parts.call)(whole, gathered, args, kwargs)
         flat = jax.tree_util.tree_leaves((values, gathered, args, kwargs))
         try:
-            outs, kinds = ExpertRows(experts, ep, math.prod(gathered.shape[:-1])).run(
+            outs, kinds = ExpertRows(experts, ep, math.prod(gathered.shape[:-1])).layer(
                 closed.jaxpr, list(closed.consts), flat, parts.kinds(n_in)
             )
             problem = output_problem(kinds)

@@ -84,6 +84,25 @@ _CALLS = frozenset(["jit", "pjit", "closed_call", "core_call"])
 _CUSTOM = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr"}
 
 
+def _broadcasts(small: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """A scalar, or an operand of the output's rank whose other dimensions are 1."""
+    return not small or (
+        len(small) == len(shape) and all(a in (1, b) for a, b in zip(small, shape, strict=True))
+    )
+
+
+def _cumulative(jaxpr: Any) -> Any:
+    """Every running count (``cumsum`` ...) in ``jaxpr`` and the jaxprs inside it."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name.startswith("cum"):
+            yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _cumulative(inner)
+
+
 def _body(params: dict, key: str) -> tuple[Any, list]:
     sub = params[key]
     return (sub.jaxpr, list(sub.consts)) if hasattr(sub, "consts") else (sub, [])
@@ -109,6 +128,11 @@ class ExpertRows:
         self.groups: Any = None  # the group sizes every product shares
         self.slots: tuple[int, ...] | None = None  # the leading dims rows / slots span
 
+    def layer(self, jaxpr: Any, consts: list, args: list | None, kinds: list[str]) -> tuple:
+        """:meth:`run` of a whole MoE layer, after :meth:`check_tokens`."""
+        self.check_tokens(jaxpr)
+        return self.run(jaxpr, consts, args, kinds)
+
     def run(self, jaxpr: Any, consts: list, args: list, kinds: list[str]) -> tuple[list, list]:
         """``(outputs, their kinds)``; ``args`` None: classify only."""
         env: dict = {}
@@ -132,16 +156,21 @@ class ExpertRows:
         outs = [read(v) for v in jaxpr.outvars] if args is not None else None
         return outs, [kind_of(v) for v in jaxpr.outvars]
 
-    def eqn(self, eqn: Any, values: list | None, kinds: list[str]) -> tuple[list | None, str]:
-        name = eqn.primitive.name
-        if name.startswith("cum") and self.tokens:
+    def check_tokens(self, jaxpr: Any) -> None:
+        """Refuses a running count over as many rows as the layer's tokens (a capacity
+        rule couples the tokens: over the ep group's it would not drop the batch's)."""
+        for eqn in _cumulative(jaxpr):
             size = eqn.invars[0].aval.shape[eqn.params["axis"]]
-            if size >= self.tokens:
+            if self.tokens and size >= self.tokens:
                 self.refuse(
                     eqn,
-                    f"a running {name} over {size} token rows couples the tokens (a capacity "
-                    "rule): over the ep group's tokens it would not drop the batch's",
+                    f"a running {eqn.primitive.name} over {size} token rows couples the "
+                    "tokens (a capacity rule): over the ep group's tokens it would not drop "
+                    "the batch's",
                 )
+
+    def eqn(self, eqn: Any, values: list | None, kinds: list[str]) -> tuple[list | None, str]:
+        name = eqn.primitive.name
         if set(kinds) == {_REP} or not kinds:
             return self.bind(eqn, values), _REP
         if name == "ragged_dot_general" and kinds[1] == _STACK:
@@ -199,7 +228,7 @@ class ExpertRows:
             self.refuse(eqn, "it reads an expert stack other than as a ragged_dot's groups")
         shape = eqn.outvars[0].aval.shape
         if name in _ELEMENTWISE and all(
-            v.aval.shape == shape or (k == _REP and not v.aval.shape)  # a scalar beside it
+            v.aval.shape == shape or (k == _REP and _broadcasts(v.aval.shape, shape))
             for v, k in zip(eqn.invars, kinds, strict=True)
         ):
             return self.elementwise(eqn, name, kinds, present)
@@ -459,7 +488,7 @@ def ragged_rows_problem(
                 jaxpr = jax.make_jaxpr(parts.call)(*inputs)
                 try:
                     tokens = math.prod(x.shape[:-1])
-                    _, kinds = ExpertRows(parts.experts, 1, tokens).run(
+                    _, kinds = ExpertRows(parts.experts, 1, tokens).layer(
                         jaxpr.jaxpr, list(jaxpr.consts), None, parts.kinds(n_in)
                     )
                     problem = output_problem(kinds)
