@@ -163,6 +163,22 @@ def test_a_block_not_linear_in_its_experts_rows_is_matched_off_ep_and_refused_at
         jax.eval_shape(model.layers[0], jnp.zeros((8, 4, D)))
 
 
+def test_a_sum_with_rows_no_rank_computed_exactly_is_refused():
+    """No compile. A tanh of a product's rows is exact on this rank's rows only: added to
+    the unsorted output (a sum over ranks), the other rows' values would be summed too."""
+    from jfleet.auto_parallel.match.ragged_rows import ExpertRows
+
+    def layer(x, w):
+        experts = jnp.argmax(x[:, :E], axis=-1)
+        order = jnp.argsort(experts)
+        out = jax.lax.ragged_dot(x[order], w, jnp.bincount(experts, length=E))
+        return out[jnp.argsort(order)] + jnp.tanh(out)
+
+    jaxpr = jax.make_jaxpr(layer)(jnp.ones((64, D)), jnp.ones((E, D, F)))
+    with pytest.raises(ValueError, match=r"add .* not linear in the experts' summed rows"):
+        ExpertRows(E, 4, tokens=64).layer(jaxpr.jaxpr, [], None, ["replicated", "stack"])
+
+
 def test_a_running_count_over_the_tokens_is_refused_and_one_over_the_experts_is_not():
     """No compile. A capacity rule (each token's position among its expert's, a cumsum over
     the token copies) would, over ep, drop the ep group's tokens, not the batch's: refused.

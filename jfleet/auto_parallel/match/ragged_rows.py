@@ -250,7 +250,7 @@ class ExpertRows:
             if kinds[0] == _REP and len(cases) == 1 and cases <= {_CLEAN, _PARTIAL}:
                 return cases.pop()
         if _PARTIAL in present:  # sums pass through a sum, scaling and a cast only
-            if name in _ZERO_KEEPING or (name in ("add", "sub") and _REP not in present):
+            if name in _ZERO_KEEPING or (name in ("add", "sub") and present <= {_PARTIAL, _CLEAN}):
                 return _PARTIAL
             if name in ("add", "sub") and set(kinds) == {_PARTIAL, _REP}:
                 return _ONCE  # the replicated term is added on rank 0 only
@@ -299,6 +299,8 @@ class ExpertRows:
         front = jax.lax.dynamic_slice_in_dim(
             jnp.concatenate([lhs, jnp.zeros_like(lhs)]), start, rows
         )
+        mine = jnp.arange(rows) < jnp.sum(local)  # the other rows may hold anything: zeros
+        front = jnp.where(mine.reshape(-1, *([1] * (front.ndim - 1))), front, 0)
         out = dot(front, rhs, local)
         return jax.lax.dynamic_slice_in_dim(
             jnp.concatenate([jnp.zeros_like(out), out]), rows - start, rows
