@@ -158,7 +158,7 @@ def test_a_block_not_linear_in_its_experts_rows_is_matched_off_ep_and_refused_at
     )
     assert forced.layout.ep == 8 and forced.moe_layers == ()
     ring_ragged_experts(model, ["layers.0"], _mesh({"dp": 2, "ep": 4}), STACKS)
-    with pytest.raises(ValueError, match=r"SharedExpertMoeBlock's ragged_dot dispatch over ep: "
+    with pytest.raises(ValueError, match=r"SharedExpertMoeBlock's expert dispatch over ep: "
                        r"at `.*tanh.*not linear"):  # fmt: skip
         jax.eval_shape(model.layers[0], jnp.zeros((8, 4, D)))
 

@@ -53,7 +53,13 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jfleet.auto_parallel.match.matched import module_at
-from jfleet.auto_parallel.match.ragged_rows import SUMMED, ExpertRows, layer_parts, output_problem
+from jfleet.auto_parallel.match.ragged_rows import (
+    SUMMED,
+    ExpertRows,
+    extra_inputs_problem,
+    layer_parts,
+    output_problem,
+)
 from jfleet.mesh.topology import DATA_AXES, EP
 
 __all__ = ["ring_ragged_experts"]
@@ -71,7 +77,7 @@ def _merge_tokens(a: Any) -> Any:
 
 def _refused(base: type, why: str) -> ValueError:
     return ValueError(
-        f"cannot run {base.__name__}'s ragged_dot dispatch over ep: {why}. Plan with "
+        f"cannot run {base.__name__}'s expert dispatch over ep: {why}. Plan with "
         "ep_degree=1 (to_distributed's search does, for a layer it cannot run so), or route "
         "with jfleet.parallel.moe.MoELayer."
     )
@@ -97,12 +103,21 @@ def _layer_call(
                 f"it takes or returns a {o.shape} value, where its input and every output "
                 f"must be per token (a leading dimension divisible by the {ranks} data ranks)",
             )
+    problem = extra_inputs_problem(args, kwargs)
+    if problem:
+        raise _refused(base, problem)
     n_in = len(jax.tree_util.tree_leaves((x, args, kwargs)))
     experts = parts.experts
 
     def body(values, x, args, kwargs):
         if ep == 1:  # each device routes and computes its own tokens
-            outs = jax.tree_util.tree_leaves(parts.call(values, _merge_tokens(x), args, kwargs))
+            x = _merge_tokens(x)
+            try:  # token-wise: no capacity rule over the tokens
+                closed = jax.make_jaxpr(parts.call)(values, x, args, kwargs)
+                ExpertRows(experts, 1, math.prod(x.shape[:-1])).check_tokens(closed.jaxpr)
+            except ValueError as err:
+                raise _refused(base, str(err)) from None
+            outs = jax.tree_util.tree_leaves(parts.call(values, x, args, kwargs))
             return [_split_tokens(o, 1, 1) for o in outs]
         gathered = _merge_tokens(jax.lax.all_gather(x, EP, axis=1, tiled=True))
         whole = [  # the layer as written sees every expert: traced with the whole stacks

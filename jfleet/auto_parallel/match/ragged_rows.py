@@ -48,7 +48,7 @@ from jfleet.auto_parallel.match.matched import module_at
 from jfleet.mesh.topology import EP
 
 __all__ = ["REPLICATED", "STACK", "SUMMED", "ExpertRows", "LayerParts", "layer_parts"]
-__all__ += ["output_problem", "ragged_rows_problem"]
+__all__ += ["extra_inputs_problem", "output_problem", "ragged_rows_problem"]
 
 # What a value is on one rank of the ep group, as the layer is evaluated.
 _REP = "replicated"  # the same on every rank: the gathered tokens, routing, the router
@@ -446,6 +446,18 @@ def _attr(key: Any) -> bool:
     return isinstance(key, jax.tree_util.GetAttrKey)
 
 
+def extra_inputs_problem(args: tuple, kwargs: dict) -> str | None:
+    """Why a layer called with ``args`` / ``kwargs`` besides its tokens cannot run over
+    ``ep``, or None: arrays there would not be split with the tokens."""
+    arrays = [a for a in jax.tree_util.tree_leaves((args, kwargs)) if hasattr(a, "shape")]
+    if arrays:
+        return (
+            f"it takes {len(arrays)} array argument(s) besides its tokens (shapes "
+            f"{[tuple(a.shape) for a in arrays]}), which would not be split with them"
+        )
+    return None
+
+
 def output_problem(kinds: list[str]) -> str | None:
     """Why a layer whose outputs are of ``kinds`` cannot run over ``ep``, or None."""
     bad = [k for k in kinds if k not in SUMMED | {_REP}]
@@ -483,6 +495,8 @@ def ragged_rows_problem(
 
     def checking(base: type) -> type:
         def __call__(self, x, *args, **kwargs):  # noqa: N807
+            if not found and (problem := extra_inputs_problem(args, kwargs)):
+                found.append(problem)
             if not found:
                 parts = layer_parts(self, base, stacks)
                 inputs = (parts.values, x, args, kwargs)
