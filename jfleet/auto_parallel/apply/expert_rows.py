@@ -1,4 +1,5 @@
-"""A traced ``ragged_dot`` dispatch over ``ep``: each rank runs its own experts' rows.
+"""A traced ``ragged_dot`` (or per-token gather) dispatch over ``ep``: each rank runs its own
+experts' rows.
 
 A model that sorts its token copies by expert and runs ``jax.lax.ragged_dot`` over the
 groups (tunix's Megablox path, MaxText's ``sparse_matmul``, the ``qwen3_moe_ragged`` style)
@@ -12,6 +13,11 @@ cannot be split over ``ep`` by sharding constraints: GSPMD does not partition a
    rank) runs on this rank's experts only: the sorted rows of its groups are moved to the
    front (a dynamic slice by the row count of the experts before them), multiplied by the
    local stack with the local group sizes, and moved back; every other row comes out zero;
+   A per-token gather of the experts' weights (``w[expert_indices]``, gpt-oss's
+   reference) and its products with each token's vector run the same way: the token
+   copies sorted by expert, a restricted ``ragged_dot``, unsorted (the gathered
+   ``[T, k, D, F]`` weights are never built); a gathered bias is the rank's experts'
+   entries, zero elsewhere;
 3. the code between and after the products runs as written; the output, a sum of rows
    that each rank computed for its own experts, is reduce-scattered over ``ep`` back to
    each rank's tokens. Outputs that do not depend on the experts (the router's logits)
