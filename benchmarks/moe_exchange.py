@@ -42,7 +42,12 @@ from jfleet.auto_parallel.cost.cost_moe import moe_exchange, moe_exchange_bytes
 from jfleet.models import TinyMoELM, lm_batches, moe_lm_loss
 from jfleet.testing import hlo, make_strategy
 from jfleet.testing.nnx_styles import MOE_STYLES
-from jfleet.testing.nnx_styles.moe_styles import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from jfleet.testing.nnx_styles.moe_styles import (
+    GptOssConfig,
+    GptOssForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 from jfleet.testing.nnx_styles.registry import token_batches
 
 VOCAB, WIDTH, HIDDEN, EXPERTS, LAYERS, BATCH, SEQ = 64, 32, 64, 8, 2, 16, 32
@@ -94,21 +99,36 @@ def row(name: str, hybrid: dict, split_mp: bool, rule: str, factor: float | None
 
 
 RING_FFN, RING_LAYOUTS = 128, ({"dp": 4, "ep": 2}, {"dp": 2, "ep": 4}, {"ep": 8})
-QWEN3_MOE = MOE_STYLES["qwen3_moe"]
+QWEN3_MOE, GPT_OSS = MOE_STYLES["qwen3_moe"], MOE_STYLES["gpt_oss"]
 
 
 def _traced_step(force: dict | None, batch: int, dispatch: str, seq: int = 32) -> tuple:
-    """The ``qwen3_moe`` style with experts of width :data:`RING_FFN` through
-    ``to_distributed`` (mesh ``force``-d, or searched: None) on ``batch`` sequences of
-    ``seq`` tokens: ``(config, model, plan, compiled training step)``."""
-    config = Qwen3MoeConfig(moe_intermediate_size=RING_FFN, dispatch=dispatch, capacity_factor=1.0)
+    """The ``qwen3_moe`` style (``dispatch`` its own; ``"gather"``: the ``gpt_oss`` style)
+    with experts of width :data:`RING_FFN` through ``to_distributed`` (mesh ``force``-d, or
+    searched: None) on ``batch`` sequences of ``seq`` tokens: ``(config, model, plan,
+    compiled training step)``."""
+    if dispatch == "gather":
+        style, config = GPT_OSS, GptOssConfig(intermediate_size=RING_FFN)
+        model = GptOssForCausalLM(config, rngs=nnx.Rngs(0))
+    else:
+        style = QWEN3_MOE
+        config = Qwen3MoeConfig(
+            moe_intermediate_size=RING_FFN, dispatch=dispatch, capacity_factor=1.0
+        )
+        model = Qwen3MoeForCausalLM(config, rngs=nnx.Rngs(0))
     model, opt, loader = to_distributed(
-        Qwen3MoeForCausalLM(config, rngs=nnx.Rngs(0)), optax.adam(1e-3),
-        token_batches(1, vocab=64, batch=batch, seq=seq), 8,
-        config=ToDistributedConfig(forward=QWEN3_MOE.forward, force_mesh=force),
+        model, optax.adam(1e-3), token_batches(1, vocab=64, batch=batch, seq=seq), 8,
+        config=ToDistributedConfig(forward=style.forward, force_mesh=force),
     )  # fmt: skip
-    step = make_train_step(QWEN3_MOE.loss_fn).lower(model, opt, next(iter(loader))).compile()
+    step = make_train_step(style.loss_fn).lower(model, opt, next(iter(loader))).compile()
     return config, model, get_plan(model), step
+
+
+def _expert_kernels(mlp: nnx.Module) -> tuple:
+    """A MoE layer's stacked expert kernels (Qwen3-MoE's, or gpt-oss's)."""
+    if hasattr(mlp, "experts"):
+        return mlp.experts.gate_up_proj, mlp.experts.down_proj
+    return mlp.gate_proj, mlp.up_proj
 
 
 def ring_row(force: dict | None, dispatch: str = "dense") -> list[str]:
@@ -127,17 +147,18 @@ def ring_row(force: dict | None, dispatch: str = "dense") -> list[str]:
     summed = sum(c.weight * c.bytes for c in scattered) / layers
     summed_predicted = plan.chosen.collectives.reduce_scatter / layers
     mlp = model.model.layers[0].mlp
-    stack = 4 * config.num_experts * config.hidden_size * RING_FFN
-    whole = any(c.bytes == stack for c in gathers)  # over any group
-    local = sum(w[...].addressable_shards[0].data.nbytes for w in (mlp.gate_proj, mlp.up_proj))
+    kernels = _expert_kernels(mlp)
+    whole = any(c.bytes >= min(w[...].nbytes for w in kernels) for c in gathers)  # any group
+    local = sum(w[...].addressable_shards[0].data.nbytes for w in kernels)
+    tags = ([] if force else ["searched"]) + (["gpt-oss gather"] if dispatch == "gather" else [])
     row = [
-        plan.layout.name + ("" if force else " (searched)"),
+        plan.layout.name + (f" ({', '.join(tags)})" if tags else ""),
         f"{sum(c.weight for c in found) / layers:g}", f"{int(measured)}", f"{int(predicted)}",
         f"{measured / predicted:.3f}" if predicted else "-", f"{int(others)}",
         "yes" if whole else "no",
-        f"{local / (2 * mlp.gate_proj[...].nbytes):.3f}",
+        f"{local / sum(w[...].nbytes for w in kernels):.3f}",
     ]  # fmt: skip
-    if dispatch == "ragged":
+    if dispatch in ("ragged", "gather"):
         row[5:5] = [
             f"{sum(c.weight for c in scattered) / layers:g}", f"{int(summed)}",
             f"{int(summed_predicted)}",
@@ -180,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     ring = [ring_row(force) for force in (*RING_LAYOUTS, None)]
     memory = [memory_row(*r) for r in MEMORY_ROWS]
     ragged_ring = [ring_row(force, "ragged") for force in (*RING_LAYOUTS, None)]
+    ragged_ring += [ring_row(force, "gather") for force in (*RING_LAYOUTS, None)]
     ragged_memory = [memory_row(force, batch, "ragged") for force, batch in RAGGED_MEMORY_ROWS]
     lines = [
         "## MoE token exchange per layout (issue 39)",
@@ -234,11 +256,14 @@ def main(argv: list[str] | None = None) -> int:
         "### A traced ragged_dot dispatch over ep (`ragged_ring`, `ragged_memory`)",
         "",
         f'- model: the `qwen3_moe` style with `dispatch="ragged"` (token copies sorted by '
-        f"expert, `jax.lax.ragged_dot` per projection), experts of width {RING_FFN}; "
-        "`to_distributed` with the mesh forced, or searched (last row): each MoE layer runs "
+        f"expert, `jax.lax.ragged_dot` per projection), and the `gpt_oss` style (each "
+        "token's experts' weights gathered, `w[expert_indices]`), experts of width "
+        f"{RING_FFN}; "
+        "`to_distributed` with the mesh forced, or searched (marked): each MoE layer runs "
         "in a shard_map (`jfleet.auto_parallel.apply.expert_rows`), its tokens all-gathered "
         "over ep and its output reduce-scattered, each rank's ragged_dots restricted to its "
-        "experts' rows",
+        "experts' rows (gpt-oss's products with gathered weights run as such ragged_dots of "
+        "the token copies sorted by expert)",
         "- per MoE layer (batch 8 x 8): all-gathers and reduce-scatters over the ep group and "
         "their bytes beside `ring_exchange_time`'s; other all-gather bytes; whether an "
         "expert stack is gathered; the experts' share per device",
