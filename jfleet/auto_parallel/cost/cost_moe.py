@@ -404,7 +404,7 @@ def _expert_memory(s: StepShape, moments: int) -> tuple[int, int, int, int]:
     state_elems = elems / (zero if stage >= 1 else 1)
     half = size < 4
     optimizer = moments * state_elems * (4 if half else size) + (4 * state_elems if half else 0)
-    whole = s.profile.whole_grad_temp or stage < 2
+    whole = s.profile.whole_grad_temp or stage < 2 or _own_ragged(s)  # summed whole
     grads = elems * size / (1 if whole else zero)
     layers = max(moe_stage_layers(s), 1)
     gathered = _gathered_bytes(s) / layers if stage >= 3 else 0
@@ -418,7 +418,10 @@ def expert_reduction_time(s: StepShape, coll: dict[str, float]) -> float:
     all-reduced over the rest, the updated shard all-gathered; at ZeRO-3 each MoE layer's
     experts gathered in the forward and again in the backward pass, one all-gather a
     layer); once a call, as the rest. The routers' (``h x E`` a layer) are left out. 0
-    without experts."""
+    without experts. A traced dispatch keeps each device's tokens whole over ``mp``: no sum
+    over ``mp``; a ``ragged_dot`` / gather one (its ``shard_map``) all-reduces the gradient
+    over the data axes at every ZeRO stage (measured at sharding8, ZeRO-2 and 3: no
+    reduce-scatter), whole on each device."""
     if s.patterns.moe is None:
         return 0.0
     lay, profile = s.layout, s.profile
@@ -434,11 +437,11 @@ def expert_reduction_time(s: StepShape, coll: dict[str, float]) -> float:
     if not lay.zero_stage:
         coll["all_reduce"] += s.accumulate * grads
         return s.accumulate * t
-    coll["reduce_scatter"] += s.accumulate * grads
+    coll["all_reduce" if _own_ragged(s) else "reduce_scatter"] += s.accumulate * grads
     coll["all_gather"] += s.accumulate * grads
     if lay.zero_stage >= 3:  # each MoE layer's experts gathered forward and backward
         coll["all_gather"] += s.accumulate * 2 * gathered
-    if rest > 1:
+    if rest > 1 and not _own_ragged(s):
         coll["all_reduce"] += s.accumulate * grads / shard
     return s.accumulate * t
 
@@ -448,21 +451,28 @@ def _one_call_expert_reduction(s: StepShape) -> tuple[float | None, float, float
     gradient's bytes, one MoE layer's gathered bytes, the ZeRO degree, the ranks beside it)."""
     lay, lat = s.layout, s.profile.collective_latency
     grads = _expert_elems(s)[0] * _itemsize(s) * s.param_wire
-    group = lay.dp * lay.sharding * lay.sep * lay.mp
+    # a traced dispatch keeps each device's tokens whole over mp (it computes its experts,
+    # or their mp split, for all of them): no sum over mp
+    axes = (DP, SHARDING, SEP) if _ring(s) else (DP, SHARDING, SEP, MP)
+    group = lay.dp * lay.sharding * lay.sep * (1 if _ring(s) else lay.mp)
     if group <= 1:
         return None, grads, 0.0, 1, 1
     if not lay.zero_stage:
-        bw = s.bandwidth(DP, SHARDING, SEP, MP)
+        bw = s.bandwidth(*axes)
         return lat + ring_bytes("all-reduce", grads, group) / bw, grads, 0.0, 1, 1
     shard = lay.zero_degree
     zero_bw = s.bandwidth(*((DP, SHARDING, SEP) if lay.zero_spans_data else (SHARDING,)))
-    t = 2 * lat + (ring_bytes("reduce-scatter", grads, shard) * 2) / zero_bw
+    if _own_ragged(s):  # the shard_map sums the gradient over its data axes: an all-reduce
+        t = 2 * lat + ring_bytes("all-reduce", grads, group) / s.bandwidth(*axes)
+        t += ring_bytes("all-gather", grads, shard) / zero_bw
+    else:
+        t = 2 * lat + (ring_bytes("reduce-scatter", grads, shard) * 2) / zero_bw
     gathered = 0.0
     if lay.zero_stage >= 3:
         gathered, layers = _gathered_bytes(s), moe_stage_layers(s)
         t += 2 * (layers * lat + ring_bytes("all-gather", gathered, shard) / zero_bw)
     rest = group // shard
-    if rest > 1:
+    if rest > 1 and not _own_ragged(s):
         rest_axes = (MP,) if lay.zero_spans_data else (DP, SEP, MP)
         t += lat + ring_bytes("all-reduce", grads / shard, rest) / s.bandwidth(*rest_axes)
     return t, grads, gathered, shard, rest
