@@ -136,6 +136,24 @@ def _big_experts(dispatch: str) -> nnx.Module:
     return Qwen3MoeForCausalLM(config, rngs=nnx.Rngs(0))
 
 
+def _searched_ep8(build, style, dispatch: tuple) -> tuple:
+    """``build()`` matched with ``dispatch`` (its kind, rows a token) and through
+    ``to_distributed``'s search: ep8 chosen, the note saying why (the best ep1 slower);
+    ``(model, optimizer, loader, the plan's ring-of-experts note)``."""
+    found = match_patterns(build(), style.batches(1)[0], forward=style.forward)
+    assert (found.moe.dispatch, found.moe.rows_per_token) == dispatch
+    model, opt, loader = to_distributed(
+        build(), optax.adam(1e-3), style.batches(3), 8,
+        config=ToDistributedConfig(forward=style.forward),
+    )  # fmt: skip
+    plan = get_plan(model)
+    assert plan.layout.ep == 8, plan.layout.name
+    (why,) = [n for n in plan.notes if n.startswith("ep8 chosen")]
+    assert "tokens gathered over ep8" in why and "slower than the best" in why, why
+    (how,) = [n for n in plan.notes if "ring of experts" in n]
+    return model, opt, loader, how
+
+
 @pytest.mark.parametrize("dispatch, rows", [("dense", 8.0), ("capacity", 2.0)])
 def test_searched_ep_gathers_tokens_never_experts_trains_like_one_device_and_says_why(
     dispatch, rows
@@ -148,17 +166,10 @@ def test_searched_ep_gathers_tokens_never_experts_trains_like_one_device_and_say
     same tokens dropped: the capacity rule is the code's, over the whole batch), and the
     plan says why."""
     style = MOE_STYLES["qwen3_moe"]
-    found = match_patterns(_big_experts(dispatch), style.batches(1)[0], forward=style.forward)
-    assert (found.moe.dispatch, found.moe.rows_per_token) == ("einsum", rows)
-    model, opt, loader = to_distributed(
-        _big_experts(dispatch), optax.adam(1e-3), style.batches(3), 8,
-        config=ToDistributedConfig(forward=style.forward),
-    )  # fmt: skip
+    model, opt, loader, how = _searched_ep8(
+        functools.partial(_big_experts, dispatch), style, ("einsum", rows)
+    )
     plan = get_plan(model)
-    assert plan.layout.ep == 8, plan.layout.name
-    (why,) = [n for n in plan.notes if n.startswith("ep8 chosen")]
-    assert "tokens gathered over ep8" in why and "slower than the best" in why, why
-    (how,) = [n for n in plan.notes if "ring of experts" in n]
     assert "the experts never move" in how, how
     assert plan.moe_layers == ("model.layers.0.mlp", "model.layers.1.mlp")
     assert Plan.from_json(plan.to_json()).moe_layers == plan.moe_layers
@@ -206,17 +217,8 @@ def test_searched_ep_runs_each_rank_s_rows_of_the_gathered_tokens_like_one_devic
     trains like one device; the plan says how, and its JSON keeps it."""
     build, layer_class, kernel = ROWS[name]
     style = MOE_STYLES[name]
-    found = match_patterns(build(), style.batches(1)[0], forward=style.forward)
-    assert (found.moe.dispatch, found.moe.rows_per_token) == (DISPATCH[name][0], None)
-    model, opt, loader = to_distributed(
-        build(), optax.adam(1e-3), style.batches(3), 8,
-        config=ToDistributedConfig(forward=style.forward),
-    )  # fmt: skip
+    model, opt, loader, how = _searched_ep8(build, style, (DISPATCH[name][0], None))
     plan = get_plan(model)
-    assert plan.layout.ep == 8, plan.layout.name
-    (why,) = [n for n in plan.notes if n.startswith("ep8 chosen")]
-    assert "tokens gathered over ep8" in why and "slower than the best" in why, why
-    (how,) = [n for n in plan.notes if "ring of experts" in n]
     assert "restricted to the rows of" in how and "reduce-scattered" in how, how
     assert (plan.moe_layers, plan.moe_dispatch) == (
         ("model.layers.0.mlp", "model.layers.1.mlp"), DISPATCH[name][0],
