@@ -14,7 +14,6 @@ from flax import nnx
 
 from jfleet import make_train_step
 from jfleet.auto_parallel import ToDistributedConfig, get_plan, match_patterns, to_distributed
-from jfleet.auto_parallel.match.matched import module_at
 from jfleet.auto_parallel.match.moe_spec import MoESpec
 from jfleet.auto_parallel.search.plan import Plan
 from jfleet.auto_parallel.search.planner import plan_for
@@ -24,6 +23,8 @@ from jfleet.testing.nnx_styles import MOE_STYLES
 from jfleet.testing.nnx_styles.moe_styles import (
     GptOssConfig,
     GptOssForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
@@ -44,6 +45,7 @@ ROUTED = {
     ),
 }
 ROUTED["qwen3_moe_ragged"] = ROUTED["qwen3_moe"]
+ROUTED["mixtral"] = ("block_sparse_moe.gate", ())
 #: How each style reaches its experts: every expert on every token (a one-hot combine),
 #: ragged_dots over token copies sorted by expert, or a per-token gather of the experts'
 #: weights.
@@ -51,6 +53,7 @@ DISPATCH = {
     "qwen3_moe": ("einsum", 8.0),
     "qwen3_moe_ragged": ("ragged", None),
     "gpt_oss": ("gather", None),
+    "mixtral": ("list", 8.0),
 }
 
 
@@ -96,11 +99,37 @@ def test_stacked_experts_are_matched_as_the_style_s_config_and_left_out_of_param
     assert total == sum(v.size for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)))
 
 
-def test_mixtral_s_list_of_expert_modules_is_not_taken_and_the_notes_say_why():
+def test_mixtral_s_list_of_expert_modules_is_matched_as_listed_experts():
+    """Mixtral's ``nnx.List`` of 8 ``w1`` / ``w2`` / ``w3`` experts beside its router: a
+    ``"list"`` dispatch, every expert on every token (8 rows a token); each expert's
+    kernels keep their column / row split (the dimension ep splits too)."""
     _, found = _matched("mixtral")
+    assert (found.moe.dispatch, found.moe.rows_per_token) == ("list", 8.0)
+    assert (found.moe.experts, found.moe.top_k, found.moe.expert_ffn) == (8, 2, 16)
+    routed = {p.path: p for p in found.routed}
+    at = "model.layers.0.block_sparse_moe."
+    assert routed[at + "gate.kernel"].role == "router"
+    kernels = {p for p in routed if p.startswith(at + "experts.")}
+    assert len(kernels) == 8 * 3
+    assert {routed[at + f"experts.3.{w}.kernel"].split_dim for w in ("w1", "w3")} == {1}
+    assert routed[at + "experts.3.w2.kernel"].split_dim == 0
+    assert not {p.path for p in found.params} & set(routed)
+
+
+def test_a_list_of_unlike_modules_beside_a_router_is_not_taken_and_the_note_says_why():
+    """Experts of two widths in one list: no listed experts; the note says what was looked
+    for."""
+    model = MOE_STYLES["mixtral"].build(nnx.Rngs(0))  # not _matched's (shared) one
+    for layer in model.model.layers:
+        expert = layer.block_sparse_moe.experts[5]
+        expert.w1 = nnx.Linear(32, 24, use_bias=False, rngs=nnx.Rngs(1))
+        expert.w3 = nnx.Linear(32, 24, use_bias=False, rngs=nnx.Rngs(2))
+        expert.w2 = nnx.Linear(24, 32, use_bias=False, rngs=nnx.Rngs(3))
+    style = MOE_STYLES["mixtral"]
+    found = match_patterns(model, style.batches(1)[0], forward=style.forward)
     assert found.moe is None and found.routed == ()
     (note,) = [n for n in found.notes if "routes to the top 2 of 8 experts" in n]
-    assert "no expert dimension to split over ep" in note and "1 more blocks" in note
+    assert "nor a list of 8 alike expert modules" in note and "1 more blocks" in note
 
 
 def test_a_dense_model_has_no_routed_experts():
@@ -199,48 +228,78 @@ def _gpt_oss_big() -> nnx.Module:
     return GptOssForCausalLM(GptOssConfig(intermediate_size=128), rngs=nnx.Rngs(0))
 
 
-#: Per style: (build, its MoE layer's class, a stacked expert kernel under the layer).
+def _mixtral_big() -> nnx.Module:
+    """Mixtral with experts of width 128 against 64 tokens of width 32."""
+    return MixtralForCausalLM(MixtralConfig(intermediate_size=128), rngs=nnx.Rngs(0))
+
+
+#: Per style: (build, its MoE layer's class, an expert kernel under the layer, the
+#: dimension ep splits in it, what the ring's note says each device computes).
 ROWS = {
-    "qwen3_moe_ragged": (lambda: _big_experts("ragged"), "Qwen3MoeSparseMoeBlock", "gate_proj"),
-    "gpt_oss": (_gpt_oss_big, "GptOssMLP", "experts.gate_up_proj"),
-}
+    "qwen3_moe_ragged": (
+        lambda: _big_experts("ragged"), "Qwen3MoeSparseMoeBlock", "gate_proj", 0,
+        "restricted to the rows of its 1 expert",
+    ),
+    "gpt_oss": (
+        _gpt_oss_big, "GptOssMLP", "experts.gate_up_proj", 0,
+        "restricted to the rows of the device's 1 expert",
+    ),
+    "mixtral": (
+        _mixtral_big, "MixtralSparseMoeBlock", "experts.3.w1.kernel", 1,
+        "1/8 of every expert's hidden dimension",
+    ),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(ROWS))
 def test_searched_ep_runs_each_rank_s_rows_of_the_gathered_tokens_like_one_device(name):
     """Experts that outweigh the tokens, applied by ragged_dots over the token copies sorted
-    by expert (tunix's Megablox path) or by products with each token's gathered experts'
-    weights (gpt-oss's reference): the search picks ep8. Each MoE layer runs in a
-    shard_map: the compiled step all-gathers the tokens over the 8 ep ranks and
-    reduce-scatters the output (forward; the cotangents the reverse: the bytes the cost
-    model predicted), never gathers an expert stack, holds 1/8 of the experts a device and
-    trains like one device; the plan says how, and its JSON keeps it."""
-    build, layer_class, kernel = ROWS[name]
+    by expert (tunix's Megablox path), by products with each token's gathered experts'
+    weights (gpt-oss's reference) or as a list of modules each on every token (Mixtral's):
+    the search picks ep8. Each MoE layer runs in a shard_map: the compiled step all-gathers
+    the tokens over the 8 ep ranks and reduce-scatters the output (forward; the cotangents
+    the reverse: the bytes the cost model predicted), never gathers an expert's weights,
+    holds 1/8 of them a device and trains like one device; the plan says how, and its JSON
+    keeps it."""
+    build, layer_class, kernel, ep_dim, computes = ROWS[name]
     style = MOE_STYLES[name]
-    model, opt, loader, how = _searched_ep8(build, style, (DISPATCH[name][0], None))
+    rows = 8.0 if name == "mixtral" else None
+    model, opt, loader, how = _searched_ep8(build, style, (DISPATCH[name][0], rows))
     plan = get_plan(model)
-    assert "restricted to the rows of" in how and "reduce-scattered" in how, how
-    assert (plan.moe_layers, plan.moe_dispatch) == (
-        ("model.layers.0.mlp", "model.layers.1.mlp"), DISPATCH[name][0],
-    )  # fmt: skip
+    assert computes in how and "reduce-scattered" in how, how
+    layers = tuple(f"model.layers.{i}.{ROUTED[name][0].split('.')[0]}" for i in range(2))
+    assert (plan.moe_layers, plan.moe_dispatch) == (layers, DISPATCH[name][0])
     again = Plan.from_json(plan.to_json())
     assert (again.moe_layers, again.moe_dispatch) == (plan.moe_layers, plan.moe_dispatch)
-    mlp = model.model.layers[0].mlp
-    assert type(mlp).__qualname__ == f"{layer_class}[ep rows]"
-    stack = module_at(mlp, kernel.rsplit(".", 1)[0]) if "." in kernel else mlp
-    local = getattr(stack, kernel.rsplit(".", 1)[-1])[...]
-    assert local.addressable_shards[0].data.shape[0] == 1  # 1 of 8 experts
+    entry = plan.spec(f"{layers[0]}.{kernel}")[ep_dim]  # ep outside mp (of 1) for a list
+    assert entry in ("ep", ("ep", "mp")), entry
+    classes = {type(m).__qualname__ for _, m in nnx.iter_graph(model)}  # scanned or not
+    assert f"{layer_class}[ep rows]" in classes and layer_class not in classes
+    held = next(  # the first block's, or the scanned stack's
+        v[...]
+        for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+        if ".".join(map(str, path)).endswith(f"{layers[0].rsplit('.', 1)[-1]}.{kernel}")
+    )
+    at = held.ndim - len(plan.spec(f"{layers[0]}.{kernel}")) + ep_dim  # behind a scan's axis
+    assert held.addressable_shards[0].data.shape[at] == held.shape[at] // 8
     batches = list(loader)
     step = make_train_step(style.loss_fn)
     found = hlo.collectives(step.lower(model, opt, batches[0]).compile().as_text())
     tokens = 8 * 8 * 32 * 4  # the 8 ep ranks' 8 x 8 tokens of width 32, fp32
     # 2 MoE layers x (forward input, backward output cotangent) gathered; x (forward
-    # output, backward input cotangent) summed and scattered, all over the 8 ep ranks
-    for kind, field in (("all-gather", "all_gather"), ("reduce-scatter", "reduce_scatter")):
+    # output, backward input cotangent) summed and scattered, all over the 8 ep ranks. In
+    # a loop over scanned blocks (weight = trips; Mixtral's), the backward gathers the
+    # input again (a scanned block keeps its products alone)
+    scanned = name == "mixtral"
+    for kind, field, want in (
+        ("all-gather", "all_gather", 6 if scanned else 4),
+        ("reduce-scatter", "reduce_scatter", 4),
+    ):
         ring = [c for c in found if c.kind == kind and c.bytes == tokens and c.group_size == 8]
-        assert len(ring) == 4, [c for c in found if c.kind == kind]
-        assert 4 * tokens == pytest.approx(getattr(plan.chosen.collectives, field), rel=0.15)
-    assert max(c.bytes for c in found if c.kind == "all-gather") <= tokens  # no expert stack
+        assert sum(c.weight for c in ring) == want, [c for c in found if c.kind == kind]
+        predicted = getattr(plan.chosen.collectives, field)
+        assert want * tokens == pytest.approx(predicted, rel=0.15)
+    assert max(c.bytes for c in found if c.kind == "all-gather") <= tokens  # no expert
     losses = [float(step(model, opt, batch)) for batch in batches]
     want, _ = train_one_device(build(), optax.adam(1e-3), style.batches(3), style.loss_fn)
     assert want[-1] < want[0]

@@ -293,16 +293,15 @@ def _planned(name: str, mesh: dict | None):
 @pytest.mark.parametrize("name", list(MOE_STYLES))
 def test_to_distributed_on_8_devices_trains_each_style_like_one_device(name):
     plan, losses = _distributed(name, None)
-    # stacked experts are recognised (test_moe_match) and searched over ep: Qwen3-MoE's
-    # one-hot dispatch loses there at this size (the plan says why; test_moe_match has a
-    # size where it wins), its ragged_dots and gpt-oss's per-token gathers win (each device
-    # computes its experts' rows of the ep group's tokens). Mixtral's list of expert modules
-    # has no expert dim to split
+    # routed experts are recognised (test_moe_match) and searched over ep: Qwen3-MoE's
+    # one-hot dispatch and Mixtral's list of expert modules (every expert on every token)
+    # lose there at this size (the plans say why; test_moe_match has a size where they
+    # win), Qwen3-MoE's ragged_dots and gpt-oss's per-token gathers win (each device
+    # computes its experts' rows of the ep group's tokens)
     assert plan.layout.ep == (8 if name in ("qwen3_moe_ragged", "gpt_oss") else 1), plan.layout
     assert not [n for n in plan.notes if n.startswith("ep not searched")], plan.notes
-    if name != "mixtral":
-        (why,) = [n for n in plan.notes if n.startswith(f"ep{plan.layout.ep} chosen")]
-        assert "tokens gathered over ep" in why and "slower than the best" in why, why
+    (why,) = [n for n in plan.notes if n.startswith(f"ep{plan.layout.ep} chosen")]
+    assert "tokens gathered over ep" in why and "slower than the best" in why, why
     reference = one_device(name)
     assert reference[-1] < reference[0]  # it trains, so equality means something
     assert_trees_close(np.asarray(losses), np.asarray(reference), devices=8)
@@ -315,10 +314,7 @@ WHOLE_OVER_MP = {
     "gpt_oss": "the routed experts are taken (ep splits them) but stay whole over mp: each "
     "token's experts are gathered before the einsum, no pair to split them on the hidden dim",
 }
-REFUSED_AT_MP4 = {  # to_distributed's ValueError today, in short
-    "mixtral": "mp=4 would leave block_sparse_moe.gate.kernel [32x8] whole: 'no column/row pair "
-    "to split it in' (the router is large beside the 32x16 experts)",
-}
+REFUSED_AT_MP4: dict[str, str] = {}  # to_distributed's ValueError today, in short
 
 
 @pytest.mark.parametrize(

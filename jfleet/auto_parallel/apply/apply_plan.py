@@ -31,29 +31,38 @@ from jfleet.auto_parallel.match.matched import module_at
 from jfleet.auto_parallel.match.patterns import path_str
 from jfleet.auto_parallel.search.plan import Plan
 from jfleet.mesh.placement import Placement
-from jfleet.mesh.topology import MP, PP, SEP
+from jfleet.mesh.topology import EP, MP, PP, SEP
 
 
-def _expert_stacks(plan: Plan) -> tuple[str, ...]:
-    """The stacked expert parameters of the plan's MoE layers (the routed parameters but the
-    router's), relative to each layer (alike in every layer)."""
+def _expert_stacks(plan: Plan) -> dict[str, int]:
+    """The expert parameters of the plan's MoE layers and the dimension ``ep`` splits
+    (a stack's first, a listed expert's hidden one), relative to each layer (alike in
+    every layer)."""
     found = set()
     for layer in plan.moe_layers:
         found.add(
             tuple(
                 sorted(
-                    p.path[len(layer) + 1 :]
+                    (p.path[len(layer) + 1 :], _ep_dim(p.spec))
                     for p in plan.params
-                    if p.role == "expert" and p.path.startswith(layer + ".")
+                    if p.path.startswith(layer + ".")
+                    and (p.role == "expert" or _ep_dim(p.spec) is not None)
                 )
             )
         )
     if len(found) != 1 or not next(iter(found)):
         raise ValueError(
-            f"the plan's MoE layers {list(plan.moe_layers)} do not hold the same stacked "
-            f"expert parameters ({sorted(found)}); make the plan again."
+            f"the plan's MoE layers {list(plan.moe_layers)} do not hold the same expert "
+            f"parameters ({sorted(found)}); make the plan again."
         )
-    return found.pop()
+    return {path: dim or 0 for path, dim in found.pop()}
+
+
+def _ep_dim(spec: Any) -> int | None:
+    for d, entry in enumerate(spec):
+        if entry == EP or (isinstance(entry, tuple) and EP in entry):
+            return d
+    return None
 
 
 def _padded(spec: Any, ndim: int) -> tuple:
@@ -119,8 +128,10 @@ def shape_for_plan(
             model, {path: (p.role, p.spec) for path, p in params.items()}, plan.blocks,
             placement.mesh, tuple(a for a in seq_axes if a != MP),
         )  # fmt: skip
-    if plan.moe_dispatch in ("ragged", "gather"):  # a ragged_dot / gather dispatch over ep
-        ring_ragged_experts(model, plan.moe_layers, placement.mesh, _expert_stacks(plan))
+    if plan.moe_dispatch in ("ragged", "gather", "list"):  # run in a shard_map over ep
+        stacks = _expert_stacks(plan)
+        listed = plan.moe_dispatch == "list"
+        ring_ragged_experts(model, plan.moe_layers, placement.mesh, stacks, listed)
     elif plan.moe_layers:  # a traced model's own einsum dispatch over ep
         gather_expert_tokens(model, plan.moe_layers, placement.mesh)
     selective = plan.layout.selective_recompute

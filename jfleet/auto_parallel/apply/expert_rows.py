@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax
@@ -81,6 +81,14 @@ def _merge_tokens(a: Any) -> Any:
     return a.reshape(-1, *a.shape[3:])
 
 
+def _times(shape: tuple[int, ...], dim: int, n: int) -> tuple[int, ...]:
+    return tuple(s * n if d == dim else s for d, s in enumerate(shape))
+
+
+def _spec(ndim: int, ep_dim: int | None) -> P:
+    return P() if ep_dim is None else P(*(EP if d == ep_dim else None for d in range(ndim)))
+
+
 def _refused(base: type, why: str) -> ValueError:
     return ValueError(
         f"cannot run {base.__name__}'s expert dispatch over ep: {why}. Plan with "
@@ -90,7 +98,14 @@ def _refused(base: type, why: str) -> ValueError:
 
 
 def _layer_call(
-    self: nnx.Module, base: type, mesh: Mesh, stacks: frozenset, x: Any, *args: Any, **kwargs: Any
+    self: nnx.Module,
+    base: type,
+    mesh: Mesh,
+    stacks: tuple,
+    listed: bool,
+    x: Any,
+    *args: Any,
+    **kwargs: Any,
 ) -> Any:
     ep = mesh.shape.get(EP, 1)
     data = tuple(a for a in DATA_AXES if a in mesh.axis_names)
@@ -99,7 +114,7 @@ def _layer_call(
     before, after = data[: data.index(EP)], data[data.index(EP) + 1 :]
     outer = math.prod(mesh.shape[a] for a in before)
     ranks = outer * ep * math.prod(mesh.shape[a] for a in after)
-    parts = layer_parts(self, base, stacks)
+    parts = layer_parts(self, base, dict(stacks), listed)
     out_shape = jax.eval_shape(parts.call, parts.values, x, args, kwargs)
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
     for o in [x, *out_leaves]:
@@ -126,9 +141,9 @@ def _layer_call(
             outs = jax.tree_util.tree_leaves(parts.call(values, x, args, kwargs))
             return [_split_tokens(o, 1, 1) for o in outs]
         gathered = _merge_tokens(jax.lax.all_gather(x, EP, axis=1, tiled=True))
-        whole = [  # the layer as written sees every expert: traced with the whole stacks
-            jax.ShapeDtypeStruct((experts, *v.shape[1:]), v.dtype) if s else v
-            for v, s in zip(values, parts.is_stack, strict=True)
+        whole = [  # the layer as written sees every expert: traced with them whole
+            v if d is None else jax.ShapeDtypeStruct(_times(v.shape, d, ep), v.dtype)
+            for v, d in zip(values, parts.ep_dims, strict=True)
         ]
         closed = jax.make_jaxpr(parts.call)(whole, gathered, args, kwargs)
         flat = jax.tree_util.tree_leaves((values, gathered, args, kwargs))
@@ -151,10 +166,11 @@ def _layer_call(
         return done
 
     split = P(before or None, EP, after or None)
+    held = [_spec(v.ndim, d) for v, d in zip(parts.values, parts.ep_dims, strict=True)]
     outs = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=([P(EP) if s else P() for s in parts.is_stack], split, P(), P()),
+        in_specs=(held, split, P(), P()),
         out_specs=[split] * len(out_leaves),
         axis_names=frozenset(data),
         check_vma=False,
@@ -163,20 +179,27 @@ def _layer_call(
 
 
 @functools.cache
-def _ring_class(base: type, mesh: Mesh, stacks: frozenset) -> type:
+def _ring_class(base: type, mesh: Mesh, stacks: tuple, listed: bool) -> type:
     def __call__(self, x, *args, **kwargs):  # noqa: N807
-        return _layer_call(self, base, mesh, stacks, x, *args, **kwargs)
+        return _layer_call(self, base, mesh, stacks, listed, x, *args, **kwargs)
 
     name = f"{base.__name__}[ep rows]"
     return type(base.__name__, (base,), {"__call__": __call__, "__qualname__": name})
 
 
 def ring_ragged_experts(
-    model: nnx.Module, layers: Iterable[str], mesh: Mesh, stacks: Iterable[str]
+    model: nnx.Module,
+    layers: Iterable[str],
+    mesh: Mesh,
+    stacks: Mapping[str, int] | Iterable[str],
+    listed: bool = False,
 ) -> None:
     """Runs each MoE layer at ``layers`` (dotted paths) with its ``ragged_dot`` experts
     over ``mesh``'s ``ep`` axis (see the module's docstring), in place. ``stacks``: the
-    layer-relative paths of its stacked expert parameters ``[E, ...]`` (placed ``P('ep')``).
+    layer-relative paths of its expert parameters and the dimension ``ep`` splits in each
+    (a name alone: a stack ``[E, ...]`` placed ``P('ep')``). ``listed``: the layer holds a
+    list of expert modules, each kernel split on its hidden dimension (a ``[D, F]`` one:
+    1, an ``[F, D]`` one: 0), run as Megatron's column and row split over ``ep``.
 
     With ``ep = 1`` each device runs the layer on its own tokens (the data axes manual: left
     to GSPMD, the layer's sort of its token copies would gather the whole batch's onto
@@ -187,11 +210,13 @@ def ring_ragged_experts(
         whose computation cannot run so raises a ``ValueError`` naming the equation when it
         is first called.
     """
-    stacks = frozenset(stacks)
+    stacks = tuple(
+        sorted(stacks.items() if isinstance(stacks, Mapping) else {n: 0 for n in stacks}.items())
+    )
     if not stacks:
         raise ValueError("ring_ragged_experts needs the layers' stacked expert parameters.")
     for path in layers:
         layer = module_at(model, path)
         base = type(layer)
         if "[ep rows]" not in base.__qualname__:
-            layer.__class__ = _ring_class(base, mesh, stacks)
+            layer.__class__ = _ring_class(base, mesh, stacks, listed)

@@ -166,15 +166,23 @@ def _stage_experts_of(s: StepShape) -> tuple[float, float, float]:
 
 
 def _einsum(s: StepShape) -> bool:
-    """A traced model's own einsum dispatch (whole expert stacks in its products)."""
-    return s.patterns.moe.dispatch == "einsum"
+    """A traced model's own dispatch applying whole experts in its products: an einsum one
+    (whole expert stacks), or a list of expert modules (each on every token)."""
+    return s.patterns.moe.dispatch in ("einsum", "list")
+
+
+def _shard_mapped(s: StepShape) -> bool:
+    """A traced dispatch run in :mod:`jfleet.auto_parallel.apply.expert_rows`'s
+    ``shard_map``: its output reduce-scattered over ``ep``, its experts' gradients
+    all-reduced over the data axes."""
+    return _own_ragged(s) or (s.patterns.moe.dispatch == "list" and s.layout.ep > 1)
 
 
 def _ring(s: StepShape) -> bool:
     """A traced model's own dispatch run with each MoE layer's tokens gathered over ``ep``
     (an einsum or a ``ragged_dot`` dispatch, a per-token gather over ``ep`` > 1: MaxText's
     ring of experts)."""
-    return s.patterns.moe.dispatch in ("einsum", "ragged") or _own_ragged(s)
+    return s.patterns.moe.dispatch in ("einsum", "list", "ragged") or _own_ragged(s)
 
 
 def _own_ragged(s: StepShape) -> bool:
@@ -404,7 +412,7 @@ def _expert_memory(s: StepShape, moments: int) -> tuple[int, int, int, int]:
     state_elems = elems / (zero if stage >= 1 else 1)
     half = size < 4
     optimizer = moments * state_elems * (4 if half else size) + (4 * state_elems if half else 0)
-    whole = s.profile.whole_grad_temp or stage < 2 or _own_ragged(s)  # summed whole
+    whole = s.profile.whole_grad_temp or stage < 2 or _shard_mapped(s)  # summed whole
     grads = elems * size / (1 if whole else zero)
     layers = max(moe_stage_layers(s), 1)
     gathered = _gathered_bytes(s) / layers if stage >= 3 else 0
@@ -437,11 +445,11 @@ def expert_reduction_time(s: StepShape, coll: dict[str, float]) -> float:
     if not lay.zero_stage:
         coll["all_reduce"] += s.accumulate * grads
         return s.accumulate * t
-    coll["all_reduce" if _own_ragged(s) else "reduce_scatter"] += s.accumulate * grads
+    coll["all_reduce" if _shard_mapped(s) else "reduce_scatter"] += s.accumulate * grads
     coll["all_gather"] += s.accumulate * grads
     if lay.zero_stage >= 3:  # each MoE layer's experts gathered forward and backward
         coll["all_gather"] += s.accumulate * 2 * gathered
-    if rest > 1 and not _own_ragged(s):
+    if rest > 1 and not _shard_mapped(s):
         coll["all_reduce"] += s.accumulate * grads / shard
     return s.accumulate * t
 
@@ -462,7 +470,7 @@ def _one_call_expert_reduction(s: StepShape) -> tuple[float | None, float, float
         return lat + ring_bytes("all-reduce", grads, group) / bw, grads, 0.0, 1, 1
     shard = lay.zero_degree
     zero_bw = s.bandwidth(*((DP, SHARDING, SEP) if lay.zero_spans_data else (SHARDING,)))
-    if _own_ragged(s):  # the shard_map sums the gradient over its data axes: an all-reduce
+    if _shard_mapped(s):  # the shard_map sums the gradient over its data axes: an all-reduce
         t = 2 * lat + ring_bytes("all-reduce", grads, group) / s.bandwidth(*axes)
         t += ring_bytes("all-gather", grads, shard) / zero_bw
     else:
@@ -472,7 +480,7 @@ def _one_call_expert_reduction(s: StepShape) -> tuple[float | None, float, float
         gathered, layers = _gathered_bytes(s), moe_stage_layers(s)
         t += 2 * (layers * lat + ring_bytes("all-gather", gathered, shard) / zero_bw)
     rest = group // shard
-    if rest > 1 and not _own_ragged(s):
+    if rest > 1 and not _shard_mapped(s):
         rest_axes = (MP,) if lay.zero_spans_data else (DP, SEP, MP)
         t += lat + ring_bytes("all-reduce", grads / shard, rest) / s.bandwidth(*rest_axes)
     return t, grads, gathered, shard, rest
@@ -524,10 +532,14 @@ def ring_exchange_time(s: StepShape, coll: dict[str, float]) -> float:
     if ep <= 1:
         return 0.0
     gathered = ep * _call_tokens(s) * s.dims.width * s.act_bytes
-    pairs = 2 + (1 if _rerun(s) else 0)  # (all-gather, sum) pairs a layer and call
-    times = moe_stage_layers(s) * s.layout.num_microbatches * s.accumulate * pairs
-    summed = "reduce-scatter" if _own_ragged(s) else "all-reduce"
-    coll["all_gather"] += times * gathered
-    coll[summed.replace("-", "_")] += times * gathered
-    wire = ring_bytes("all-gather", gathered, ep) + ring_bytes(summed, gathered, ep)
-    return times * (2 * s.profile.collective_latency + wire / s.bandwidth(EP))
+    calls = moe_stage_layers(s) * s.layout.num_microbatches * s.accumulate
+    sums = 2 + (1 if _rerun(s) else 0)  # a layer and call: forward, backward, recompute
+    # a scanned block keeps its products alone (jax.checkpoint, dots_saveable): the
+    # backward pass gathers the tokens again (measured: 3 all-gathers a layer, 2 sums)
+    gathers = sums + (1 if s.scanned and not _rerun(s) else 0)
+    summed = "reduce-scatter" if _shard_mapped(s) else "all-reduce"
+    coll["all_gather"] += calls * gathers * gathered
+    coll[summed.replace("-", "_")] += calls * sums * gathered
+    bw, lat = s.bandwidth(EP), s.profile.collective_latency
+    gather = lat + ring_bytes("all-gather", gathered, ep) / bw
+    return calls * (gathers * gather + sums * (lat + ring_bytes(summed, gathered, ep) / bw))

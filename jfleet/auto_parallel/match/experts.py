@@ -127,6 +127,38 @@ def _dispatch(
     return "einsum", max(rows)
 
 
+def _listed(
+    trace: Trace, router: int, owner: tuple, beside: list[int], experts: int
+) -> tuple[tuple[int, int], frozenset[int], tuple[str, float]] | None:
+    """``((F, matrices), the experts' kernels, ("list", rows a token))`` of a list of
+    ``experts`` alike expert modules beside the router (Mixtral's ``nnx.List`` of
+    ``w1`` / ``w2`` / ``w3``): each ``E``-th of the parameters under one attribute, the same
+    bias-free ``[D, F]`` / ``[F, D]`` kernels, all read by products; else None."""
+    width = trace.shapes[router][0]
+    by_attr: dict = {}
+    for i in beside:
+        rest = trace.paths[i][len(owner) :]
+        if len(rest) >= 3 and isinstance(rest[1], int):
+            by_attr.setdefault(rest[0], {}).setdefault(rest[1], {})[rest[2:]] = i
+    for members in by_attr.values():
+        if sorted(members) != list(range(experts)):
+            continue
+        names = {tuple(sorted(m)) for m in members.values()}
+        shapes = {tuple(trace.shapes[m[n]] for n in sorted(m)) for m in members.values()}
+        if len(names) != 1 or len(shapes) != 1:
+            continue
+        (one,) = shapes
+        ffn = _ffn([(1, *s) for s in one], width) if all(len(s) == 2 for s in one) else None
+        kernels = frozenset(i for m in members.values() for i in m.values())
+        flops = sum(d.flops for d in trace.dots if d.param in kernels)
+        tokens = sum(d.flops for d in trace.dots if d.param == router) / (2 * width * experts)
+        if ffn is None or not flops or not tokens:
+            continue
+        rows = flops / (2 * sum(math.prod(s) for s in one) * tokens)  # expert rows a token
+        return ffn, kernels, ("list", rows)
+    return None
+
+
 def _layer(trace: Trace, blocks: Blocks, router: int, k: int, experts: int) -> _Layer | str | None:
     """One MoE layer around ``router`` (None: not a router in a block; a str: why no spec)."""
     path, shape = trace.paths[router], trace.shapes[router]
@@ -142,11 +174,14 @@ def _layer(trace: Trace, blocks: Blocks, router: int, k: int, experts: int) -> _
     stacked = frozenset(kernels | biases)  # [E, a, b] kernels and their [E, b] biases
     ffn = _ffn([trace.shapes[i] for i in kernels], shape[0])
     if ffn is None:
+        listed = _listed(trace, router, owner, beside, experts)
+        if listed is not None:
+            return _Layer(block, k, experts, listed[0], routers, listed[1], listed[2])
         return (
             f"{'.'.join(map(str, module))} routes to the top {k} of {experts} experts, but no "
-            f"stacked [{experts}, ...] expert kernels of width {shape[0]} lie beside it (a list "
-            "of separate expert modules has no expert dimension to split over ep); its experts "
-            "are priced as dense layers and ep stays 1"
+            f"stacked [{experts}, ...] expert kernels of width {shape[0]} lie beside it, nor "
+            f"a list of {experts} alike expert modules of bias-free [{shape[0]}, F] / "
+            f"[F, {shape[0]}] kernels; its experts are priced as dense layers and ep stays 1"
         )
     dispatch = _dispatch(trace, router, kernels, stacked)
     return _Layer(block, k, experts, ffn, routers, stacked, dispatch)
@@ -226,21 +261,24 @@ def ragged_rows_checked(
     ``ep`` rank's rows (:func:`~jfleet.auto_parallel.match.ragged_rows.ragged_rows_problem`,
     ``call(model)`` tracing the model abstractly); else ``"own"``, with a note saying why."""
     spec = routed.spec
-    if spec is None or spec.dispatch not in ("ragged", "gather"):
+    if spec is None or spec.dispatch not in ("ragged", "gather", "list"):
         return routed
     layers = moe_layer_paths(trace.path(i) for i in routed.routers)
     first = layers[0] + "."
-    stacks = frozenset(
-        trace.path(i)[len(first) :] for i in routed.experts if trace.path(i).startswith(first)
-    )
-    problem = ragged_rows_problem(model, layers, stacks, call)
+    width = next(trace.shapes[i][0] for i in routed.routers if len(trace.shapes[i]) == 2)
+    stacks = {  # a listed expert's [D, F] kernel splits its columns over ep, [F, D] its rows
+        trace.path(i)[len(first) :]: int(spec.dispatch == "list" and trace.shapes[i][0] == width)
+        for i in routed.experts
+        if trace.path(i).startswith(first)
+    }
+    problem = ragged_rows_problem(model, layers, stacks, call, spec.dispatch == "list")
     if problem is None:
         return routed
-    how = (
-        "ragged_dots over token copies sorted by expert"
-        if spec.dispatch == "ragged"
-        else "products with each token's gathered expert weights"
-    )
+    how = {
+        "ragged": "ragged_dots over token copies sorted by expert",
+        "gather": "products with each token's gathered expert weights",
+        "list": "a list of expert modules",
+    }[spec.dispatch]
     note = (
         f"{layers[0]} applies its experts by {how}, but an ep rank cannot compute its "
         f"experts' rows alone: {problem}; its dispatch is priced as routed rows and ep is "

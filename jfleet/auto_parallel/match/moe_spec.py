@@ -24,7 +24,7 @@ import dataclasses
 __all__ = ["DISPATCHES", "MoESpec"]
 
 #: :attr:`MoESpec.dispatch`'s values.
-DISPATCHES = ("exchange", "einsum", "ragged", "gather", "own")
+DISPATCHES = ("exchange", "einsum", "list", "ragged", "gather", "own")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,6 +47,10 @@ class MoESpec:
         or the slots of a one-hot capacity dispatch, GShard's and MaxText's
         ``dense_matmul``), which ``to_distributed`` runs over ``ep`` by gathering each MoE
         layer's tokens over the ``ep`` group (:mod:`jfleet.auto_parallel.apply.expert_tokens`);
+        ``"list"``, a list of expert modules each applied to every token and masked
+        (Mixtral's reference), which ``to_distributed`` runs over ``ep`` with each expert's
+        hidden dimension split over ``ep`` in the ring of experts (``rows_per_token`` as
+        ``"einsum"``'s);
         ``"ragged"``, a traced model's ``jax.lax.ragged_dot`` over its token copies sorted
         by expert (tunix's Megablox path, MaxText's ``sparse_matmul``), which
         ``to_distributed`` runs over ``ep`` with each rank computing its experts' rows of the
@@ -56,9 +60,9 @@ class MoESpec:
         ragged one, its gathers and their products computed as ``ragged_dot`` products over the
         rank's experts' rows; ``"own"``, any other traced dispatch of routed rows, which
         GSPMD does not run over ``ep`` as priced: ``ep`` is not searched.
-      rows_per_token: with ``"einsum"``, the expert rows the traced products compute a token
-        (``E`` for every expert on every token, ``E x C / T`` with ``C`` slots an expert);
-        None otherwise.
+      rows_per_token: with ``"einsum"`` or ``"list"``, the expert rows the traced products
+        compute a token (``E`` for every expert on every token, ``E x C / T`` with ``C``
+        slots an expert); None otherwise.
     """
 
     experts: int

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -58,6 +58,9 @@ _DIRTY = "dirty"  # sorted rows: this rank's experts' rows exact, the others any
 _PARTIAL = "partial"  # this rank's share: the sum over the ep ranks is the value
 _ONCE = "once"  # a partial value plus a replicated one (a shared expert): rank 0 adds it
 _TAKEN = "taken"  # each slot's expert slice of a stack (``w[indices]``), not yet gathered
+_IN = "in"  # a listed expert's [D, F] kernel: this rank's columns
+_OUT = "out"  # a listed expert's [F, D] kernel: this rank's rows
+_COLS = "columns"  # a listed expert's hidden activations: this rank's columns, exact
 
 #: Element-wise primitives (every operand of the output's shape).
 # fmt: off
@@ -200,9 +203,10 @@ class ExpertRows:
         if kind == _ONCE:  # partial + replicated: the replicated term counted on one rank
             if values is not None:
                 first = jax.lax.axis_index(EP) == 0
+                chosen = name == "select_n"  # its predicate stays
                 values = [
-                    jnp.where(first, v, jnp.zeros_like(v)) if k == _REP else v
-                    for v, k in zip(values, kinds, strict=True)
+                    jnp.where(first, v, jnp.zeros_like(v)) if k == _REP and (i or not chosen) else v
+                    for i, (v, k) in enumerate(zip(values, kinds, strict=True))
                 ]
             return self.bind(eqn, values), _PARTIAL
         return self.bind(eqn, values), kind
@@ -222,9 +226,12 @@ class ExpertRows:
     def kind(self, eqn: Any, name: str, kinds: list[str]) -> str:
         """The kind of a primitive's outputs (not all operands replicated)."""
         present = set(kinds)
+        held = present & {_STACK, _IN, _OUT}
+        if held and name in _ZERO_KEEPING and len(kinds) == 1:
+            return kinds[0]  # a cast of the experts (mixed precision)
+        if held - {_STACK} or _COLS in present:
+            return self.listed(eqn, name, kinds)
         if _STACK in present:
-            if name in _ZERO_KEEPING and len(kinds) == 1:
-                return _STACK  # a cast of the experts (mixed precision)
             self.refuse(eqn, "it reads an expert stack other than as a ragged_dot's groups")
         shape = eqn.outvars[0].aval.shape
         if name in _ELEMENTWISE and all(
@@ -244,11 +251,36 @@ class ExpertRows:
         self.refuse(eqn, f"it is not linear in the experts' rows it reads ({sorted(present)})")
         raise AssertionError  # refuse raises
 
+    def listed(self, eqn: Any, name: str, kinds: list[str]) -> str:
+        """A listed expert's products and the row-wise code between them: ``x @ w_in``
+        gives this rank's columns of the hidden activations, ``h @ w_out`` its share of
+        the output (Megatron's column and row split, over ``ep``)."""
+        if name == "dot_general":
+            (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+            lhs_last = len(eqn.invars[0].aval.shape) - 1
+            plain = not lb and not rb and tuple(rc) == (0,) and tuple(lc) == (lhs_last,)
+            if plain and tuple(kinds) == (_REP, _IN):
+                return _COLS
+            if plain and tuple(kinds) == (_COLS, _OUT):
+                return _PARTIAL
+        shape = eqn.outvars[0].aval.shape
+        rowwise = name in _ELEMENTWISE and all(
+            (k == _COLS and v.aval.shape == shape)
+            or (k == _REP and _broadcasts(v.aval.shape, shape) and v.aval.shape[-1:] in ((), (1,)))
+            for v, k in zip(eqn.invars, kinds, strict=True)
+        )
+        if rowwise:
+            return _COLS
+        self.refuse(eqn, "it reads a listed expert's weights other than in its own products")
+        raise AssertionError  # refuse raises
+
     def elementwise(self, eqn: Any, name: str, kinds: list[str], present: set) -> str:
         if name == "select_n":  # a replicated choice between values of one kind
             cases = set(kinds[1:])
             if kinds[0] == _REP and len(cases) == 1 and cases <= {_CLEAN, _PARTIAL}:
                 return cases.pop()
+            if kinds[0] == _REP and cases == {_PARTIAL, _REP}:
+                return _ONCE  # where(p, partial, r): r taken on rank 0 only
         if _PARTIAL in present:  # sums pass through a sum, scaling and a cast only
             if name in _ZERO_KEEPING or (name in ("add", "sub") and present <= {_PARTIAL, _CLEAN}):
                 return _PARTIAL
@@ -399,26 +431,53 @@ class LayerParts:
 
     Attributes:
       values: the layer's state leaves.
-      is_stack: per leaf, whether it is a stacked expert parameter.
+      ep_dims: per leaf, the dimension ``ep`` splits of an expert parameter (a stack's
+        first, a listed expert's hidden one), or None.
       call: ``call(values, x, args, kwargs)``: the layer's own ``__call__`` (of ``base``).
+      listed: a list of expert modules (each kernel split on its hidden dimension), not
+        stacks ``[E, ...]``.
     """
 
     values: list
-    is_stack: list[bool]
+    ep_dims: list[int | None]
     call: Callable[..., Any]
+    listed: bool = False
+
+    @property
+    def is_stack(self) -> list[bool]:
+        return [d is not None for d in self.ep_dims]
 
     @property
     def experts(self) -> int:
-        return next(v.shape[0] for v, s in zip(self.values, self.is_stack, strict=True) if s)
+        """``E`` of the stacked experts (0 for a list of expert modules)."""
+        stacked = [
+            v.shape[0] for v, k in zip(self.values, self._kinds(), strict=True) if k == _STACK
+        ]
+        return stacked[0] if stacked else 0
+
+    def _kinds(self) -> list[str]:
+        return [_param_kind(d, self.listed) for d in self.ep_dims]
 
     def kinds(self, n_inputs: int) -> list[str]:
-        """The kinds of ``(values, x, args, kwargs)``'s leaves: the stacks, then replicated."""
-        return [_STACK if s else _REP for s in self.is_stack] + [_REP] * n_inputs
+        """The kinds of ``(values, x, args, kwargs)``'s leaves: the experts', then replicated."""
+        return self._kinds() + [_REP] * n_inputs
 
 
-def layer_parts(module: nnx.Module, base: type, stacks: frozenset[str]) -> LayerParts:
-    """:class:`LayerParts` of ``module`` (called as ``base``), ``stacks`` its stacked expert
-    parameters' paths relative to it.
+def _param_kind(ep_dim: int | None, listed: bool) -> str:
+    """A stack ``[E, ...]``, a listed expert's ``[D, F]`` kernel (its columns over ``ep``)
+    or ``[F, D]`` one (its rows), or replicated."""
+    if ep_dim is None:
+        return _REP
+    if listed:
+        return _IN if ep_dim == 1 else _OUT
+    return _STACK
+
+
+def layer_parts(
+    module: nnx.Module, base: type, stacks: Mapping[str, int], listed: bool = False
+) -> LayerParts:
+    """:class:`LayerParts` of ``module`` (called as ``base``), ``stacks`` its expert
+    parameters' paths relative to it and the dimension ``ep`` splits in each.
 
     Raises:
       ValueError: none of ``stacks`` is a parameter of the layer.
@@ -429,8 +488,8 @@ def layer_parts(module: nnx.Module, base: type, stacks: frozenset[str]) -> Layer
         ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path if not _attr(k))
         for path, _ in leaves
     ]
-    is_stack = [n in stacks for n in names]
-    if not any(is_stack):
+    ep_dims = [stacks.get(n) for n in names]
+    if all(d is None for d in ep_dims):
         raise ValueError(
             f"none of {sorted(stacks)} is a parameter of {base.__name__} (its parameters: {names})."
         )
@@ -439,7 +498,7 @@ def layer_parts(module: nnx.Module, base: type, stacks: frozenset[str]) -> Layer
         layer = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, values))
         return base.__call__(layer, x, *args, **kwargs)
 
-    return LayerParts([leaf for _, leaf in leaves], is_stack, call)
+    return LayerParts([leaf for _, leaf in leaves], ep_dims, call, listed)
 
 
 def _attr(key: Any) -> bool:
@@ -472,8 +531,9 @@ def output_problem(kinds: list[str]) -> str | None:
 def ragged_rows_problem(
     model: nnx.Module,
     layers: Sequence[str],
-    stacks: frozenset[str],
+    stacks: Mapping[str, int],
     trace: Callable[[nnx.Module], Any],
+    listed: bool = False,
 ) -> str | None:
     """Why the MoE layers at ``layers`` cannot run each ``ep`` rank's ragged_dot rows, or
     None: ``trace(model)`` traces the model abstractly (the layers' classes swapped for the
@@ -486,8 +546,8 @@ def ragged_rows_problem(
       >>> style = MOE_STYLES["qwen3_moe_ragged"]
       >>> model = style.build(nnx.Rngs(0))
       >>> trace = lambda m: trace_forward(m, style.batches(1)[0], style.forward)
-      >>> ragged_rows_problem(model, ["model.layers.0.mlp"], {"gate_proj", "up_proj",
-      ...     "down_proj"}, trace) is None
+      >>> ragged_rows_problem(model, ["model.layers.0.mlp"], {"gate_proj": 0, "up_proj": 0,
+      ...     "down_proj": 0}, trace) is None
       True
     """
     found: list[str] = []
@@ -498,7 +558,7 @@ def ragged_rows_problem(
             if not found and (problem := extra_inputs_problem(args, kwargs)):
                 found.append(problem)
             if not found:
-                parts = layer_parts(self, base, stacks)
+                parts = layer_parts(self, base, stacks, listed)
                 inputs = (parts.values, x, args, kwargs)
                 n_in = len(jax.tree_util.tree_leaves(inputs)) - len(parts.values)
                 jaxpr = jax.make_jaxpr(parts.call)(*inputs)

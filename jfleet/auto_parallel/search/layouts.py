@@ -443,7 +443,7 @@ def enumerate_layouts(
     # forced there
     moe = patterns.moe
     searched = moe is not None and (
-        not patterns.routed or moe.dispatch in ("einsum", "ragged", "gather")
+        not patterns.routed or moe.dispatch in ("einsum", "list", "ragged", "gather")
     )
     experts = moe.experts if searched else 0
     for sizes in _meshes(device_num * node_num, workload.sequence_parallel, force_mesh, experts):

@@ -650,10 +650,10 @@ class Plan:
             ``moe_dispatch``.
         """
         ring = d.get("moe_dispatch", "einsum" if d.get("moe_layers") else "")
-        if ring not in (("einsum", "ragged", "gather") if d.get("moe_layers") else ("",)):
+        if ring not in (("einsum", "list", "ragged", "gather") if d.get("moe_layers") else ("",)):
             raise ValueError(
                 f"plan JSON: moe_dispatch={ring!r} with moe_layers={d.get('moe_layers')!r}; "
-                "expected 'einsum', 'ragged' or 'gather' with MoE layers, nothing without."
+                "expected 'einsum', 'list', 'ragged' or 'gather' with MoE layers, nothing without."
             )
         if d.get("format") != _FORMAT:
             raise ValueError(

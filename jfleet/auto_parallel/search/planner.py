@@ -142,8 +142,13 @@ def expert_choice(ranked: list[Candidate], patterns: ModelPatterns, device_num: 
         else ""
     )
     if ep > 1:
+        what = (
+            f"1/{ep} of the hidden dimension of each of the {moe.experts} experts"
+            if moe.dispatch == "list"
+            else f"{moe.experts // ep} of the {moe.experts} experts"
+        )
         held = (
-            f"ep{ep} chosen: each device holds {moe.experts // ep} of the {moe.experts} experts "
+            f"ep{ep} chosen: each device holds {what} "
             f"of each MoE layer (1/{ep} of their {count} parameters"
             + (f"; {split}" if split else "")
             + "); "
@@ -186,11 +191,21 @@ def _own_dispatch(patterns: ModelPatterns, lay: Any) -> str:
             "routes and computes its own tokens (left to GSPMD, the sort would gather the "
             "whole batch's token copies onto every device)"
         )
-    if moe.dispatch in ("einsum", "ragged", "gather"):
+    if moe.dispatch in ("einsum", "ragged", "gather", "list"):
         if lay.ep == 1:
             return ""
         local = moe.experts // lay.ep
         experts = f"{local} expert{'s' if local > 1 else ''}"
+        if moe.dispatch == "list":
+            return (
+                f"the model's own dispatch applies each of its listed expert modules to "
+                f"every token, so over ep{lay.ep} each MoE layer runs in a shard_map: its "
+                "tokens all-gathered over the ep group, routed by the model's code, each "
+                f"device computing 1/{lay.ep} of every expert's hidden dimension (its "
+                "columns of the up projections, its rows of the down one: Megatron's split, "
+                "over ep) and the output reduce-scattered back (their cotangents the "
+                "reverse: MaxText's ring of experts); the experts never move"
+            )
         if moe.dispatch == "gather":
             return (
                 f"the model's own dispatch gathers each token's experts' weights, so over "
@@ -798,8 +813,8 @@ def _build_plan(
     routed = {p.path for p in patterns.routed}
     for p in (*patterns.params, *patterns.routed):
         spec = p.spec_for(lay.mp)
-        if p.path in routed and p.role != "router" and lay.ep > 1:  # an expert: E over ep
-            spec = P(EP, *(tuple(spec) + (None,) * len(p.shape))[1 : len(p.shape)])
+        if p.path in routed and p.role != "router" and lay.ep > 1:
+            spec = _over_ep(spec, p, patterns.moe.dispatch)
         reason = why.get(p.path, "")
         if lay.mp > 1 and p.split_dim is not None and spec == P():
             reason = f"mp={lay.mp} does not divide its {p.units} {_UNIT_WORDS.get(p.role, 'units')}"
@@ -861,6 +876,22 @@ def _build_plan(
     )
 
 
+def _over_ep(spec: P, p: Any, dispatch: str) -> P:
+    """An expert parameter's spec with ``ep``: a stack's expert dimension (its first), or a
+    listed expert's hidden dimension (its split dimension, ``ep`` outside ``mp`` there)."""
+    entries = list((tuple(spec) + (None,) * len(p.shape))[: len(p.shape)])
+    if dispatch != "list":
+        entries[0] = EP
+    else:
+        there = entries[p.split_dim]
+        entries[p.split_dim] = EP if there is None else (EP, *_axes(there))
+    return P(*entries)
+
+
+def _axes(entry: Any) -> tuple:
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
 def _gathered_moe_layers(patterns: ModelPatterns, lay: Any) -> tuple[str, ...]:
     """The traced MoE layers whose tokens the plan gathers over ``ep``: an einsum or a
     per-token gather dispatch over ``ep`` > 1, a ``ragged_dot`` one at any ``ep`` without
@@ -872,7 +903,7 @@ def _gathered_moe_layers(patterns: ModelPatterns, lay: Any) -> tuple[str, ...]:
     if not patterns.routed:
         return ()
     dispatch = patterns.moe.dispatch
-    ring = dispatch in ("einsum", "gather") and lay.ep > 1
+    ring = dispatch in ("einsum", "gather", "list") and lay.ep > 1
     ring |= dispatch == "ragged" and lay.pp == 1 and lay.sep == 1
     if not ring:
         return ()
