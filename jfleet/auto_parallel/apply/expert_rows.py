@@ -17,7 +17,9 @@ cannot be split over ``ep`` by sharding constraints: GSPMD does not partition a
    reference) and its products with each token's vector run the same way: the token
    copies sorted by expert, a restricted ``ragged_dot``, unsorted (the gathered
    ``[T, k, D, F]`` weights are never built); a gathered bias is the rank's experts'
-   entries, zero elsewhere;
+   entries, zero elsewhere. A list of expert modules (Mixtral's) has each expert's hidden
+   dimension split over ``ep`` instead: ``x @ w_in`` gives the rank's columns, ``h @
+   w_out`` its share of the output (Megatron's column and row split, over ``ep``);
 3. the code between and after the products runs as written; the output, a sum of rows
    that each rank computed for its own experts, is reduce-scattered over ``ep`` back to
    each rank's tokens. Outputs that do not depend on the experts (the router's logits)

@@ -10,11 +10,12 @@ expert, a gather of each token's experts, ``jax.lax.ragged_dot`` over sorted tok
 router's own bias goes with it. The spec's ``dispatch`` says how the code reaches them:
 each whole stack in products that keep the expert dimension (every expert on every token,
 or the slots of a one-hot capacity dispatch: ``"einsum"``, with the rows a token costs
-from the products' FLOPs over the router's tokens), as the groups of ``ragged_dot`` products
-over token copies sorted by expert (``"ragged"``), or the routed rows otherwise (a
-per-token gather of the experts' weights: ``"own"``). Experts kept as a list of separate modules
-(Mixtral's ``nnx.List``) have no expert dimension to split and are not taken (a note says
-so).
+from the products' FLOPs over the router's tokens), as the groups of ``ragged_dot``
+products over token copies sorted by expert (``"ragged"``), by a per-token gather of the
+experts' weights (``"gather"``), or otherwise (``"own"``). Experts kept as a list of alike
+modules beside the router (Mixtral's ``nnx.List``) are taken as ``"list"``: their kernels
+(each expert's hidden dimension the one ``ep`` splits), the rows a token from the products'
+FLOPs.
 
 :func:`find_experts` returns the :class:`~jfleet.auto_parallel.match.moe_spec.MoESpec`
 and the routed parameters' paths; :func:`split_routed` takes them and the products that
