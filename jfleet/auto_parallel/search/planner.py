@@ -234,19 +234,21 @@ def _own_dispatch(patterns: ModelPatterns, lay: Any) -> str:
         )
     if lay.ep == 1:
         return (
-            "ep not searched: the model's own dispatch of routed rows (a per-token gather of "
-            "the experts' weights) would run over ep as GSPMD partitions "
+            "ep not searched: the model's own dispatch of routed rows (none that each device "
+            "can run its experts' share of: see the matcher's note) would run over ep as "
+            "GSPMD partitions "
             "it, which gathers expert stacks or all-reduces per-row intermediates over the ep "
             "group (measured), where the "
             "cost model prices jfleet's all-to-alls (jfleet.parallel.moe.moe); "
             "force_mesh={..., 'ep': n} places the experts over ep anyway (it trains like one "
             "device), or route through jfleet's MoELayer, or apply the expert stacks in "
-            "einsums (every expert on every token, or a one-hot capacity dispatch) or "
-            "ragged_dots over token copies sorted by expert: then ep is searched"
+            "einsums (every expert on every token, or a one-hot capacity dispatch), "
+            "ragged_dots over token copies sorted by expert, per-token gathers of their "
+            "weights or a list of expert modules: then ep is searched"
         )
     return (
         f"the experts are split over ep{lay.ep} on their leading dimension, and the model's "
-        "own dispatch of routed rows (a per-token gather) runs as GSPMD "
+        "own dispatch of routed rows runs as GSPMD "
         "partitions it (it may gather expert stacks or all-reduce per-row intermediates "
         "over the ep group), while the cost model prices jfleet's dispatch "
         "(jfleet.parallel.moe.moe: two all-to-alls a MoE layer forward, two backward), so "
@@ -814,7 +816,7 @@ def _build_plan(
     for p in (*patterns.params, *patterns.routed):
         spec = p.spec_for(lay.mp)
         if p.path in routed and p.role != "router" and lay.ep > 1:
-            spec = _over_ep(spec, p, patterns.moe.dispatch)
+            spec = _over_ep(spec, p, patterns.moe.dispatch, patterns.dims.width)
         reason = why.get(p.path, "")
         if lay.mp > 1 and p.split_dim is not None and spec == P():
             reason = f"mp={lay.mp} does not divide its {p.units} {_UNIT_WORDS.get(p.role, 'units')}"
@@ -876,15 +878,17 @@ def _build_plan(
     )
 
 
-def _over_ep(spec: P, p: Any, dispatch: str) -> P:
+def _over_ep(spec: P, p: Any, dispatch: str, width: int) -> P:
     """An expert parameter's spec with ``ep``: a stack's expert dimension (its first), or a
-    listed expert's hidden dimension (its split dimension, ``ep`` outside ``mp`` there)."""
+    listed expert's hidden dimension (its mp split dimension, or the side of a ``[D, F]`` /
+    ``[F, D]`` kernel that is not the width; ``ep`` outside ``mp`` there)."""
     entries = list((tuple(spec) + (None,) * len(p.shape))[: len(p.shape)])
     if dispatch != "list":
         entries[0] = EP
-    else:
-        there = entries[p.split_dim]
-        entries[p.split_dim] = EP if there is None else (EP, *_axes(there))
+        return P(*entries)
+    dim = p.split_dim if p.split_dim is not None else int(p.shape[0] == width)
+    there = entries[dim]
+    entries[dim] = EP if there is None else (EP, *_axes(there))
     return P(*entries)
 
 
