@@ -17,6 +17,12 @@ equation, and classifies every value:
   unsorting, the router's weights, reshapes, sums); a replicated term added to it (a
   shared expert's output) is added on rank 0 only.
 
+A per-token gather of a stack (``w[expert_indices]``, gpt-oss's) is held back (**taken**)
+until its product with each token's vector, which runs as a restricted ``ragged_dot`` of
+the token copies sorted by expert (clean); a listed expert's kernels (Mixtral's ``nnx.List``)
+are split on their hidden dimension (**in**: ``[D, F]`` columns, **out**: ``[F, D]`` rows),
+``x @ w_in`` giving the rank's **columns** and ``h @ w_out`` a partial sum.
+
 The layer runs so exactly when each output is partial (reduce-scattered) or replicated
 (the rank's tokens sliced); anything else raises a ``ValueError`` naming the equation.
 :func:`ragged_rows_problem` runs the classification alone on a model's MoE layers, so the
@@ -24,7 +30,6 @@ matcher prices ``ep`` only for layers that can run so.
 
 Example:
   >>> import jax, jax.numpy as jnp
-  >>> from jax.extend.core import Literal
   >>> def layer(x, w, sizes):  # rows through one expert product, then a row-wise tanh
   ...     return jnp.tanh(jax.lax.ragged_dot(x, w, sizes))
   >>> jaxpr = jax.make_jaxpr(layer)(jnp.ones((8, 4)), jnp.ones((4, 4, 4)), jnp.ones(4, int))
