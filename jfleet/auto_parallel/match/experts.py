@@ -104,6 +104,12 @@ class _Layer:
     dispatch: tuple[str, float | None]
 
 
+def _router_tokens(trace: Trace, router: int) -> float:
+    """The tokens a router's products read (its FLOPs over ``2 x D x E``)."""
+    width, experts = trace.shapes[router]
+    return sum(d.flops for d in trace.dots if d.param == router) / (2 * width * experts)
+
+
 def _dispatch(
     trace: Trace, router: int, kernels: set[int], stacked: frozenset[int]
 ) -> tuple[str, float | None]:
@@ -116,8 +122,8 @@ def _dispatch(
         return "ragged", None
     if stacked <= trace.taken:
         return "gather", None
-    width, experts = trace.shapes[router]
-    tokens = sum(d.flops for d in trace.dots if d.param == router) / (2 * width * experts)
+    experts = trace.shapes[router][1]
+    tokens = _router_tokens(trace, router)
     rows = []
     for i in kernels:
         keeps = 0 in trace.free.get(i, ()) or trace.batched.get(i) == experts
@@ -152,7 +158,7 @@ def _listed(
         ffn = _ffn([(1, *s) for s in one], width) if all(len(s) == 2 for s in one) else None
         kernels = frozenset(i for m in members.values() for i in m.values())
         flops = sum(d.flops for d in trace.dots if d.param in kernels)
-        tokens = sum(d.flops for d in trace.dots if d.param == router) / (2 * width * experts)
+        tokens = _router_tokens(trace, router)
         if ffn is None or not flops or not tokens:
             continue
         rows = flops / (2 * sum(math.prod(s) for s in one) * tokens)  # expert rows a token

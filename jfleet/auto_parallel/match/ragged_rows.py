@@ -50,9 +50,10 @@ from flax import nnx
 from jax.extend import core as jcore
 
 from jfleet.auto_parallel.match.matched import module_at
+from jfleet.auto_parallel.match.tag_walk import takes_first_dim
 from jfleet.mesh.topology import EP
 
-__all__ = ["REPLICATED", "STACK", "SUMMED", "ExpertRows", "LayerParts", "layer_parts"]
+__all__ = ["SUMMED", "ExpertRows", "LayerParts", "layer_parts"]
 __all__ += ["extra_inputs_problem", "output_problem", "ragged_rows_problem"]
 
 # What a value is on one rank of the ep group, as the layer is evaluated.
@@ -182,7 +183,7 @@ class ExpertRows:
         if set(kinds) == {_REP} or not kinds:
             return self.bind(eqn, values), _REP
         if name == "ragged_dot_general" and kinds[1] == _STACK:
-            self.check_ragged(eqn, values, kinds)
+            self.check_ragged(eqn, kinds)
             self.check_slots(eqn, eqn.invars[0].aval.shape[:1])
             return (None if values is None else [self.ragged(eqn, *values)]), _CLEAN
         if name == "gather" and kinds[0] == _STACK:
@@ -307,7 +308,7 @@ class ExpertRows:
         text = text if len(text) <= 200 else text[:200] + " ..."
         raise ValueError(f"at `{text}`, {why}")
 
-    def check_ragged(self, eqn: Any, values: list | None, kinds: list[str]) -> None:
+    def check_ragged(self, eqn: Any, kinds: list[str]) -> None:
         if kinds[0] == _PARTIAL or kinds[2] != _REP:
             self.refuse(eqn, "its rows or group sizes were moved after an expert product")
         if eqn.params["group_offset"] is not None:
@@ -362,16 +363,9 @@ class ExpertRows:
         )
 
     def check_taken(self, eqn: Any, kinds: list[str]) -> None:
-        dims = eqn.params["dimension_numbers"]
-        shape, out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
-        slots = eqn.invars[1].aval.shape[:-1]
-        whole = (
-            tuple(dims.collapsed_slice_dims) == (0,)
-            and tuple(dims.start_index_map) == (0,)
-            and not dims.operand_batching_dims
-            and tuple(eqn.params["slice_sizes"]) == (1, *shape[1:])
-            and tuple(dims.offset_dims) == tuple(range(len(slots), len(out)))
-        )
+        out, slots = eqn.outvars[0].aval.shape, eqn.invars[1].aval.shape[:-1]
+        offsets = eqn.params["dimension_numbers"].offset_dims
+        whole = takes_first_dim(eqn) and tuple(offsets) == tuple(range(len(slots), len(out)))
         if kinds[1] != _REP or not whole or eqn.invars[1].aval.shape[-1] != 1:
             self.refuse(eqn, "it gathers an expert stack other than each slot's whole expert")
         self.check_slots(eqn, slots)
@@ -425,7 +419,6 @@ class ExpertRows:
         return jnp.where(mask, out, jnp.zeros_like(out))
 
 
-REPLICATED, STACK = _REP, _STACK
 #: The kinds of output summed over the ranks (reduce-scattered).
 SUMMED = frozenset({_CLEAN, _PARTIAL})
 
@@ -447,10 +440,6 @@ class LayerParts:
     ep_dims: list[int | None]
     call: Callable[..., Any]
     listed: bool = False
-
-    @property
-    def is_stack(self) -> list[bool]:
-        return [d is not None for d in self.ep_dims]
 
     @property
     def experts(self) -> int:

@@ -810,6 +810,7 @@ def _build_plan(
     abstract = AbstractMesh(tuple(lay.degrees.values()), AXIS_NAMES)
     zero = Placement(mesh=abstract, zero_stage=lay.zero_stage, zero_axis=lay.zero_axes)
     stages, stage_of = _stages(patterns, lay)
+    moe_layers = _gathered_moe_layers(patterns, lay)
     params = []
     why = dict(patterns.replicated_in_blocks)
     routed = {p.path for p in patterns.routed}
@@ -873,8 +874,8 @@ def _build_plan(
         workload=""
         if patterns.input_kind == "tokens"
         else patterns.workload(workload.batch_size, workload.seq_len),
-        moe_layers=_gathered_moe_layers(patterns, lay),
-        moe_dispatch=patterns.moe.dispatch if _gathered_moe_layers(patterns, lay) else "",
+        moe_layers=moe_layers,
+        moe_dispatch=patterns.moe.dispatch if moe_layers else "",
     )
 
 
